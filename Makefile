@@ -1,0 +1,33 @@
+# Two commands do all setup on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The tested CPU build of torch; pyproject.toml declares only the range torch>=2.4.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test lint types unit bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/evendp train
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+types: $(VENV)/.installed
+	$(VENV)/bin/mypy
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test: lint types unit
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,17 @@
+"""The exceptions evendp raises, in one place so callers can catch them by type."""
+
+from __future__ import annotations
+
+__all__ = ["EvendpError", "PlanError"]
+
+
+class EvendpError(ValueError):
+    """Bad input to evendp: the message names the value, what was expected and the fix.
+
+    It subclasses :class:`ValueError` so code that already catches ``ValueError``
+    around configuration keeps working.
+    """
+
+
+class PlanError(EvendpError):
+    """The memory planner could not produce a plan (a batch that fits nowhere, a failing factory)."""

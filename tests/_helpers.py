@@ -1,0 +1,19 @@
+"""Small helpers shared by test modules (import as ``from tests._helpers import ...``)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (never a fixed 29500)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,0 +1,37 @@
+"""Shared fixtures: every test leaves process groups and device environment as it found them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# Variables evendp or torchrun may set; restored after every test.
+_ENV_KEYS = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "EVENDP_BATCH_SIZES",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_process_state() -> Iterator[None]:
+    """Destroy any process group a test made and restore the device environment variables."""
+    saved = {key: os.environ.get(key) for key in _ENV_KEYS}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
