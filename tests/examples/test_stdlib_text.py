@@ -1,0 +1,61 @@
+"""The built-in stdlib corpus: deterministic, fast, and windows that line up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from evendp._errors import EvendpError
+from evendp.examples.stdlib_text import CharVocab, CharWindows, load_corpus, stdlib_dataset
+
+
+def test_corpus_is_deterministic_capped_and_fast() -> None:
+    start = time.perf_counter()
+    text = load_corpus(max_chars=1_000_000)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0
+    assert len(text) == 1_000_000
+    assert text == load_corpus(max_chars=1_000_000)
+    assert "def " in text and "import " in text
+
+
+def test_corpus_from_a_folder_in_sorted_order(tmp_path: Path) -> None:
+    (tmp_path / "b.py").write_text("B\tb\n")
+    (tmp_path / "a.py").write_text("A é\n")
+    assert load_corpus(100, stdlib_dir=tmp_path) == "A \nB    b\n"
+
+
+def test_empty_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(EvendpError, match=r"no \.py files"):
+        load_corpus(100, stdlib_dir=tmp_path)
+
+
+def test_vocab_round_trip_and_unknown_characters() -> None:
+    vocab = CharVocab()
+    text = load_corpus(50_000)
+    ids = vocab.encode(text)
+    assert ids.dtype == torch.long and int(ids.max()) < vocab.size
+    assert vocab.decode(ids) == text
+    with pytest.raises(EvendpError, match="not in the vocabulary"):
+        vocab.encode("π")
+
+
+def test_windows_shift_by_one_and_batch_matches_getitem() -> None:
+    train, val, _vocab = stdlib_dataset(block_size=8, max_chars=10_000)
+    assert len(train) == len(train.data) - 8
+    x, y = train[5]
+    assert torch.equal(x[1:], y[:-1])
+    xb, yb = train.batch([5, 0])
+    assert torch.equal(xb[0], x) and torch.equal(yb[0], y)
+    assert xb.shape == (2, 8)
+    assert len(val) > 0
+
+
+def test_bad_sizes_are_clear_errors() -> None:
+    with pytest.raises(EvendpError, match="block_size"):
+        CharWindows(torch.arange(5), block_size=5)
+    with pytest.raises(EvendpError, match="max_chars"):
+        load_corpus(0)
