@@ -14,4 +14,4 @@ class EvendpError(ValueError):
 
 
 class PlanError(EvendpError):
-    """The memory planner could not produce a plan (a batch that fits nowhere, a failing factory)."""
+    """The planner could not produce a plan (a batch that fits nowhere, a failing factory)."""

@@ -1,0 +1,128 @@
+"""Differentiable module replicas and running them side by side, one thread per device.
+
+Works the same for real CUDA devices and for *virtual* devices (the same device listed more
+than once, e.g. ``["cpu", "cpu", "cpu"]``): a parameter copy is ``param.to(device)``, which is
+differentiable and, on the same device, is the parameter itself, so every replica's gradient
+flows back into the one original parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["parallel_apply", "replicate"]
+
+
+def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) -> list[nn.Module]:
+    """Shallow replicas of ``module`` on ``devices`` whose parameters are differentiable copies.
+
+    Buffers are copied, never shared, so BatchNorm statistics updated inside a replica do not
+    race with the original (as in ``nn.DataParallel``, only the original's updates persist).
+
+    >>> net = nn.Linear(2, 1)
+    >>> [r] = replicate(net, [torch.device("cpu")], detach=False)
+    >>> r.weight is net.weight
+    True
+    """
+    originals = list(module.modules())
+    position = {id(m): i for i, m in enumerate(originals)}
+    replicas = []
+    for device in devices:
+        copies = [m._replicate_for_data_parallel() for m in originals]
+        for original, copy in zip(originals, copies, strict=True):
+            for name, child in original._modules.items():
+                copy._modules[name] = None if child is None else copies[position[id(child)]]
+            for name, param in original._parameters.items():
+                value = None if param is None else _param_copy(param, device, detach)
+                # Replica parameters are not leaves: they live as plain attributes.
+                setattr(copy, name, value)
+            for name, buf in original._buffers.items():
+                copy._buffers[name] = None if buf is None else _buffer_copy(buf, device)
+        replicas.append(copies[0])
+    return replicas
+
+
+def _param_copy(param: torch.Tensor, device: torch.device, detach: bool) -> torch.Tensor:
+    copy = param.detach() if detach else param
+    return copy.to(device, non_blocking=True)
+
+
+def _buffer_copy(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return buf.clone() if buf.device == device else buf.to(device, non_blocking=True)
+
+
+def parallel_apply(
+    modules: Sequence[nn.Module],
+    shards: Sequence[tuple[Sequence[Any], dict[str, Any]]],
+    devices: Sequence[torch.device],
+) -> list[Any]:
+    """Call ``modules[i](*args_i, **kwargs_i)`` on ``devices[i]``, in threads when more than one.
+
+    Grad mode and autocast state are thread-local in PyTorch, so each thread re-enters the
+    caller's. An exception from a replica is re-raised unchanged (a ``torch.OutOfMemoryError``
+    stays one) with a note naming the device.
+
+    >>> out = parallel_apply([nn.Identity()] * 2, [((torch.ones(1),), {})] * 2, ["cpu"] * 2)
+    >>> [o.item() for o in out]
+    [1.0, 1.0]
+    """
+    devices = [torch.device(d) for d in devices]
+    state = _ThreadState(devices)
+    if len(modules) == 1:
+        args, kwargs = shards[0]
+        return [modules[0](*args, **kwargs)]
+
+    results: list[Any] = [None] * len(modules)
+    errors: list[BaseException | None] = [None] * len(modules)
+
+    def work(i: int) -> None:
+        try:
+            with state.enter(i):
+                args, kwargs = shards[i]
+                results[i] = modules[i](*args, **kwargs)
+        except BaseException as exc:  # re-raised in the caller's thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(modules))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, error in enumerate(errors):
+        if error is not None:
+            error.add_note(f"evendp: raised by the replica on {devices[i]} (replica {i})")
+            raise error
+    return results
+
+
+class _ThreadState:
+    """The caller's thread-local torch state, to re-enter inside each worker thread."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = {
+            kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in {d.type for d in devices}
+        }
+        # CUDA work in a thread must go to the stream the caller was using on that device.
+        self.streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
+
+    @contextlib.contextmanager
+    def enter(self, i: int) -> Iterator[None]:
+        device = self.devices[i]
+        enabled, dtype = self.autocast[device.type]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            stack.enter_context(torch.autocast(device.type, dtype=dtype, enabled=enabled))
+            stream = self.streams[i]
+            if stream is not None:  # GPU only
+                stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(torch.cuda.stream(stream))
+            yield

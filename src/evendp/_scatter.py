@@ -1,0 +1,160 @@
+"""Splitting nested inputs by per-device sizes along ``dim``, and gathering outputs back.
+
+A *batch tensor* is any tensor with more than ``dim`` dimensions; all of them must agree on
+their size along ``dim``. Everything else (0-dim tensors, numbers, strings, ``None``) is
+passed whole to every device. Containers are rebuilt with their own type: tuples, lists,
+dicts, namedtuples and dataclasses.
+
+Every move is a differentiable ``narrow`` + ``to``, so gradients flow back to the original
+tensors whatever the devices are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._errors import EvendpError
+
+__all__ = ["batch_size", "gather_outputs", "map_tensors", "scatter"]
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Rebuild ``obj`` with ``fn`` applied to every tensor inside it (containers keep their type).
+
+    >>> map_tensors({"x": torch.ones(2), "k": 3}, lambda t: t * 2)
+    {'x': tensor([2., 2.]), 'k': 3}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(obj, **{n: map_tensors(getattr(obj, n), fn) for n in fields})
+    return obj
+
+
+def _is_batch_tensor(t: torch.Tensor, dim: int) -> bool:
+    return t.dim() > dim
+
+
+def batch_size(obj: Any, dim: int = 0) -> int | None:
+    """The common size along ``dim`` of every batch tensor in ``obj`` (None when there is none).
+
+    >>> batch_size(((torch.zeros(5, 2),), {"mask": torch.ones(5)}))
+    5
+    """
+    found: list[tuple[int, tuple[int, ...]]] = []
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        if _is_batch_tensor(t, dim):
+            found.append((t.shape[dim], tuple(t.shape)))
+        return t
+
+    map_tensors(obj, record)
+    if not found:
+        return None
+    first_size, first_shape = found[0]
+    for size, shape in found[1:]:
+        if size != first_size:
+            raise EvendpError(
+                f"batch tensors disagree along dim={dim}: one has shape {list(first_shape)} "
+                f"(size {first_size}), another {list(shape)} (size {size}); every tensor "
+                f"with a batch dimension must have the same size along dim={dim} — pass "
+                "per-sample tensors only, or wrap shared tensors as non-batch values "
+                "(e.g. a 0-dim tensor or a plain Python object)"
+            )
+    return first_size
+
+
+def scatter(
+    obj: Any, sizes: Sequence[int], devices: Sequence[torch.device], dim: int = 0
+) -> list[Any]:
+    """One copy of ``obj`` per device, batch tensors cut into consecutive chunks of ``sizes``.
+
+    >>> parts = scatter(torch.arange(5), [3, 2], [torch.device("cpu")] * 2)
+    >>> [p.tolist() for p in parts]
+    [[0, 1, 2], [3, 4]]
+    """
+    shards = []
+    start = 0
+    for size, device in zip(sizes, devices, strict=True):
+        shards.append(map_tensors(obj, _chunk_mover(start, size, device, dim)))
+        start += size
+    return shards
+
+
+def _chunk_mover(
+    start: int, size: int, device: torch.device, dim: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if _is_batch_tensor(t, dim):
+            t = t.narrow(dim, start, size)
+        return t.to(device, non_blocking=True)
+
+    return move
+
+
+def gather_outputs(
+    outputs: Sequence[Any], sizes: Sequence[int], device: torch.device, dim: int = 0
+) -> Any:
+    """Combine per-device outputs on ``device``.
+
+    Tensors with dimensions are concatenated along ``dim``. A floating 0-dim tensor (a loss
+    computed per device as a mean) becomes the sample-weighted mean ``sum_i n_i/N * out_i``,
+    which equals the mean over the whole batch; an integer 0-dim tensor (a count) is summed.
+    Other values are returned once when every device agrees, else as a list.
+
+    >>> gather_outputs([torch.tensor(0.25), torch.tensor(0.8)], [2, 1], torch.device("cpu"))
+    tensor(0.4333)
+    """
+    if len(outputs) == 1 and sizes[0] > 0:
+        # One device did the whole batch: its output is already the answer.
+        return map_tensors(outputs[0], lambda t: t.to(device))
+    return _gather(list(outputs), list(sizes), device, dim)
+
+
+def _gather(outputs: list[Any], sizes: list[int], device: torch.device, dim: int) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return _gather_tensors(outputs, sizes, device, dim)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*_gather_each(outputs, sizes, device, dim))
+    if isinstance(first, (list, tuple)):
+        return type(first)(_gather_each(outputs, sizes, device, dim))
+    if isinstance(first, dict):
+        return type(first)((k, _gather([o[k] for o in outputs], sizes, device, dim)) for k in first)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        names = [f.name for f in dataclasses.fields(first) if f.init]
+        values = {n: _gather([getattr(o, n) for o in outputs], sizes, device, dim) for n in names}
+        return dataclasses.replace(first, **values)
+    if all(o == first for o in outputs[1:]):
+        return first
+    return outputs
+
+
+def _gather_each(outputs: list[Any], sizes: list[int], device: torch.device, dim: int) -> list[Any]:
+    return [_gather(list(items), sizes, device, dim) for items in zip(*outputs, strict=True)]
+
+
+def _gather_tensors(
+    tensors: list[torch.Tensor], sizes: list[int], device: torch.device, dim: int
+) -> torch.Tensor:
+    if tensors[0].dim() > 0:
+        return torch.cat([t.to(device) for t in tensors], dim=dim)
+    if not tensors[0].is_floating_point():
+        return torch.stack([t.to(device) for t in tensors]).sum()
+    # Per-device means -> the mean over all samples: weight n_i / N, never 1 / k.
+    total = sum(sizes)
+    combined = tensors[0].to(device) * (sizes[0] / total)
+    for t, n in zip(tensors[1:], sizes[1:], strict=True):
+        combined = combined + t.to(device) * (n / total)
+    return combined
