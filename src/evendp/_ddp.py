@@ -1,0 +1,506 @@
+"""Multi-process data parallelism with a different batch size on every rank, exact gradients.
+
+Two pieces, used together under ``torchrun`` with DDP or FSDP2:
+
+* :class:`UnevenBatchSampler` gives rank ``r`` batches of ``batch_sizes[r]`` indices. All ranks
+  walk ONE global permutation (seeded by ``seed + epoch``, identical everywhere) with one global
+  cursor: a step consumes ``B = sum(batch_sizes)`` indices and rank ``r`` takes the slice at
+  offset ``sum(batch_sizes[:r])``. So every rank yields the same number of steps and every index
+  appears exactly once per epoch. The final, partial step of ``R < B`` indices is split in
+  proportion with :func:`evendp._split.split_sizes`.
+* :func:`ddp_loss` scales a rank's summed loss so that DDP's (or FSDP2's) gradient averaging,
+  which divides by the number of ranks, yields the gradient of the global mean over samples.
+
+Why the scale: DDP computes ``(1/W) * sum_r grad(L_r)``. With ``L_r = S_r * W / N`` (``S_r`` the
+rank's summed loss, ``N`` the global count) that is ``sum_r grad(S_r) / N``, the gradient of
+the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean instead gives
+``(1/W) * sum_r grad(S_r) / n_r``, which over-weights the samples of small ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from ._errors import EvendpError
+from ._split import split_sizes
+
+__all__ = [
+    "ENV_BATCH_SIZES",
+    "EmptySafeCollate",
+    "UnevenBatchSampler",
+    "batch_sizes_from_env",
+    "ddp_loss",
+    "global_count",
+    "global_mean",
+    "parse_batch_sizes",
+]
+
+# Set by `evendp launch` (one int per rank, comma separated) and read by batch_sizes_from_env.
+ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation at the boundary
+
+
+def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) -> list[int]:
+    """Return ``batch_sizes`` as a list of ints, or raise naming the bad value and the fix."""
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
+        raise EvendpError(
+            f"batch_sizes must be a sequence of non-negative ints (one per rank), got "
+            f"{batch_sizes!r}; pass e.g. [3, 5], or parse_batch_sizes('3,5')"
+        )
+    sizes = list(batch_sizes)
+    if not sizes:
+        raise EvendpError("batch_sizes is empty; pass one non-negative int per rank, e.g. [3, 5]")
+    for i, b in enumerate(sizes):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise EvendpError(
+                f"batch size {b!r} for rank {i} in {sizes!r} is not a non-negative int; "
+                "use 0 for a rank that should get no samples"
+            )
+    if sum(sizes) == 0:
+        raise EvendpError(
+            f"all batch sizes are zero ({sizes!r}); at least one rank needs a positive batch size"
+        )
+    if world_size is not None and len(sizes) != world_size:
+        raise EvendpError(
+            f"got {len(sizes)} batch sizes {sizes!r} for world_size={world_size}; "
+            f"pass exactly one batch size per rank ({world_size} numbers)"
+        )
+    return sizes
+
+
+def _validate_length(data: object) -> int:
+    """The number of samples in ``data`` (a dataset with ``len()`` or an int)."""
+    if isinstance(data, bool):
+        raise EvendpError(f"data must be a dataset with len() or an int length, got {data!r}")
+    if isinstance(data, int):
+        length = data
+    else:
+        try:
+            length = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            raise EvendpError(
+                f"data must be a dataset with len() (a map-style dataset) or an int length, "
+                f"got {type(data).__name__}; iterable datasets have no length to split"
+            ) from None
+    if length < 0:
+        raise EvendpError(f"data length must be >= 0, got {length}")
+    return length
+
+
+def _validate_rank(rank: int, world_size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise EvendpError(
+            f"rank {rank!r} is out of range for world_size={world_size}; "
+            f"expected an int in [0, {world_size - 1}]"
+        )
+
+
+def _validate_coverage(length: int, sizes: list[int], drop_last: bool) -> None:
+    """Refuse data that cannot give every rank a sample, or a drop_last epoch with no step."""
+    if length < len(sizes):
+        raise EvendpError(
+            f"the data has {length} samples, fewer than the {len(sizes)} ranks; some ranks "
+            "would never see a sample. Use more data or fewer ranks"
+        )
+    if drop_last and length < sum(sizes):
+        raise EvendpError(
+            f"drop_last=True with {length} samples and a global batch of {sum(sizes)} "
+            f"(batch_sizes={sizes!r}) leaves no step at all; use drop_last=False or smaller "
+            "batch sizes"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch sizes from the command line or the environment
+
+
+def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
+    """Parse ``"3,5,0"`` into ``[3, 5, 0]``, checked like the sampler checks its sizes.
+
+    >>> parse_batch_sizes("3, 5,0")
+    [3, 5, 0]
+    >>> parse_batch_sizes("3,x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp._errors.EvendpError: batch sizes '3,x': 'x' is not an int; expected ...
+    """
+    if not isinstance(text, str):
+        raise EvendpError(f"batch sizes must be a string like '3,5', got {text!r}")
+    parts = [p.strip() for p in text.split(",")]
+    sizes: list[int] = []
+    for part in parts:
+        try:
+            sizes.append(int(part))
+        except ValueError:
+            raise EvendpError(
+                f"batch sizes {text!r}: {part!r} is not an int; expected comma-separated "
+                "non-negative ints, one per rank, e.g. '3,5'"
+            ) from None
+    return _validate_batch_sizes(sizes, world_size)
+
+
+def batch_sizes_from_env(
+    world_size: int | None = None,
+    *,
+    var: str = ENV_BATCH_SIZES,
+    default: Sequence[int] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[int]:
+    """Per-rank batch sizes from ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``).
+
+    The length is checked against ``world_size`` when given, else against the ``WORLD_SIZE``
+    variable ``torchrun`` sets, when present. ``default`` is returned (validated) when the
+    variable is absent; without a default a missing variable is an error.
+
+    >>> batch_sizes_from_env(environ={"EVENDP_BATCH_SIZES": "3,5"})
+    [3, 5]
+    >>> batch_sizes_from_env(2, default=[4, 4], environ={})
+    [4, 4]
+    """
+    env = os.environ if environ is None else environ
+    if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
+        world_size = int(env["WORLD_SIZE"])
+    text = env.get(var)
+    if text is None or not text.strip():
+        if default is not None:
+            return _validate_batch_sizes(default, world_size)
+        raise EvendpError(
+            f"environment variable {var} is not set; `evendp launch` sets it, or set it "
+            f"yourself to one batch size per rank (e.g. {var}=3,5), or pass the sizes directly"
+        )
+    try:
+        return parse_batch_sizes(text, world_size)
+    except EvendpError as err:
+        raise EvendpError(f"{var}={text!r} is invalid: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler
+
+
+def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int | None]:
+    """Fill ``rank``/``world_size`` from the process group, but only where they are ``None``."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if world_size is None and initialized:
+        world_size = dist.get_world_size()
+    if rank is None:
+        if not initialized:
+            raise EvendpError(
+                "rank=None but no torch.distributed process group is initialized; "
+                "call dist.init_process_group(...) first or pass rank= explicitly"
+            )
+        rank = dist.get_rank()
+    return rank, world_size
+
+
+def _steps(remaining: int, global_batch: int, drop_last: bool) -> int:
+    """Steps needed for ``remaining`` indices at ``global_batch`` per step."""
+    if remaining <= 0:
+        return 0
+    return remaining // global_batch if drop_last else math.ceil(remaining / global_batch)
+
+
+class UnevenBatchSampler:
+    """Batch sampler for DDP/FSDP2 where rank ``r`` takes ``batch_sizes[r]`` samples per step.
+
+    Every rank yields the same number of batches (``ceil(len / sum(batch_sizes))``, or the
+    floor with ``drop_last=True``), so no rank waits forever in an all-reduce; over all ranks
+    every index appears exactly once per epoch (``drop_last=False``). The last step's
+    ``R < sum(batch_sizes)`` indices are split in proportion to ``batch_sizes``, so a rank may
+    get an empty batch there (and always does when its size is 0). Use it as
+    ``DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))`` and
+    scale the loss with :func:`ddp_loss`. ``rank``/``world_size`` come from the process group
+    only when ``None``; ``world_size`` defaults to ``len(batch_sizes)`` without one.
+
+    >>> UnevenBatchSampler(10, [1, 3], rank=0, shuffle=False)
+    UnevenBatchSampler(10, batch_sizes=[1, 3], rank=0)
+    >>> list(UnevenBatchSampler(10, [1, 3], rank=0, shuffle=False))
+    [[0], [4], [8]]
+    >>> list(UnevenBatchSampler(10, [1, 3], rank=1, shuffle=False))
+    [[1, 2, 3], [5, 6, 7], [9]]
+    """
+
+    def __init__(
+        self,
+        data: object,
+        batch_sizes: Sequence[int],
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        rank, world_size = _default_rank_and_world(rank, world_size)
+        sizes = _validate_batch_sizes(batch_sizes, world_size)
+        _validate_rank(rank, len(sizes))
+        self.num_samples = _validate_length(data)
+        _validate_coverage(self.num_samples, sizes, drop_last)
+        self.rank = rank
+        self.world_size = len(sizes)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self._set_sizes(sizes)
+        # Progress of the running iteration, so len() stays right after set_batch_sizes.
+        self._cursor = 0
+        self._steps_done = 0
+
+    def _set_sizes(self, sizes: list[int]) -> None:
+        self._sizes = sizes
+        self._global = sum(sizes)
+        self._offset = sum(sizes[: self.rank])
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The per-rank batch sizes in force for the next step (a copy)."""
+        return list(self._sizes)
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's batch size for full steps."""
+        return self._sizes[self.rank]
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per full step over all ranks, ``sum(batch_sizes)``."""
+        return self._global
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch``: call it with the same value on every rank before iterating."""
+        self.epoch = int(epoch)
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """New per-rank sizes from the next step this sampler yields on; coverage stays exact.
+
+        Call it on every rank at the same step with the same sizes (a speed balancer does).
+        With ``DataLoader(num_workers>0)`` the loader samples ``num_workers * prefetch_factor``
+        batches ahead, so the change reaches the training loop that many steps later; it is
+        the same step on every rank as long as all ranks use the same loader settings.
+
+        >>> s = UnevenBatchSampler(10, [2, 2], rank=0, shuffle=False)
+        >>> it = iter(s)
+        >>> next(it)
+        [0, 1]
+        >>> s.set_batch_sizes([1, 5])
+        >>> list(it), len(s)
+        ([[4]], 2)
+        """
+        sizes = _validate_batch_sizes(batch_sizes, self.world_size)
+        self._set_sizes(sizes)
+
+    def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        # One generator seeded identically on every rank: the same permutation everywhere.
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        perm: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
+        return perm
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self._permutation()
+        n = self.num_samples
+        self._cursor = 0
+        self._steps_done = 0
+        # Sizes are re-read every step so set_batch_sizes takes effect at the next yield.
+        while True:
+            remaining = n - self._cursor
+            if remaining <= 0 or (self.drop_last and remaining < self._global):
+                break
+            start = self._cursor + self._offset
+            if remaining >= self._global:
+                size, step_total = self._sizes[self.rank], self._global
+            else:
+                last = split_sizes(remaining, self._sizes)  # the partial last step, in proportion
+                size, step_total = last[self.rank], remaining
+                start = self._cursor + sum(last[: self.rank])
+            batch = perm[start : start + size]
+            self._cursor += step_total
+            self._steps_done += 1
+            yield batch
+        self._cursor = 0
+        self._steps_done = 0
+
+    def __len__(self) -> int:
+        # Steps already yielded in a running epoch plus the rest at the sizes in force now.
+        remaining = self.num_samples - self._cursor
+        return self._steps_done + _steps(remaining, self._global, self.drop_last)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.num_samples}, batch_sizes={self._sizes}, "
+            f"rank={self.rank})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Collating an empty batch
+
+
+def _empty_like_batch(batch: Any) -> Any:
+    """A collated one-sample batch with its batch dimension cut to zero."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _empty_like_batch(v) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        # A list of leaves (strings, objects) is itself the batch; otherwise it holds fields.
+        if all(not isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in batch):
+            return type(batch)()
+        fields = [_empty_like_batch(v) for v in batch]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*fields)
+        return type(batch)(fields)
+    return batch
+
+
+class EmptySafeCollate:
+    """Wrap a collate function so an empty index list gives zero-length tensors, not an error.
+
+    ``torch.utils.data.default_collate([])`` raises ``IndexError``. A rank whose batch size is 0
+    (or that gets nothing in the epoch's short last step) must still run forward and backward
+    so DDP's all-reduce matches, so it needs a real, empty batch: this collates the sample
+    ``dataset[0]`` once and cuts every tensor to length 0 along dim 0, keeping dtype and the
+    trailing shape. Non-empty batches go to ``collate_fn`` unchanged. Picklable, so it works
+    with ``num_workers > 0``.
+
+    >>> data = [(torch.ones(3), 1), (torch.zeros(3), 0)]
+    >>> x, y = EmptySafeCollate(data)([])
+    >>> x.shape, y.shape, y.dtype
+    (torch.Size([0, 3]), torch.Size([0]), torch.int64)
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None):
+        self.dataset = dataset
+        self.collate_fn: Callable[[list[Any]], Any] = (
+            default_collate if collate_fn is None else collate_fn
+        )
+        self._empty: Any = None
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        if self._empty is None:
+            self._empty = _empty_like_batch(self.collate_fn([self.dataset[0]]))
+        return self._empty
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def _count_tensor(count: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """``count`` as a fresh tensor (never the caller's: all-reduce works in place)."""
+    if isinstance(count, torch.Tensor):
+        t = count.detach().to(device=device)
+        dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
+        return t.to(dtype=dtype, copy=True)
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise EvendpError(f"count must be an int, float or tensor, got {count!r}")
+    if count < 0:
+        raise EvendpError(f"count must be >= 0 (samples or tokens), got {count!r}")
+    dtype = torch.int64 if isinstance(count, int) else torch.float64
+    return torch.tensor(count, dtype=dtype, device=device)
+
+
+def global_count(
+    local_count: torch.Tensor | float,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The sum of ``local_count`` over all ranks (one all-reduce; no process group: itself).
+
+    For gradient accumulation: count the samples (or tokens) of ALL of a step's micro-batches,
+    call this once, and pass the result as ``global_count`` to every micro-step's
+    :func:`ddp_loss`. ``device`` defaults to CUDA's current device when the backend is NCCL.
+
+    >>> global_count(7)
+    tensor(7)
+    """
+    if device is None:
+        on_nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
+    total = _count_tensor(local_count, torch.device(device))
+    if _world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def ddp_loss(
+    local_sum: torch.Tensor,
+    local_count: torch.Tensor | float,
+    global_count: torch.Tensor | float | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The loss to ``backward()`` so DDP's/FSDP2's averaged gradient is the global-mean gradient.
+
+    ``local_sum`` is this rank's loss summed over its samples (e.g. ``cross_entropy(...,
+    reduction="sum")``), ``local_count`` how many samples (or non-ignored tokens) it summed.
+    Returns ``local_sum * world_size / global_count``, where ``global_count`` is the sum of
+    ``local_count`` over ranks, all-reduced here when not given. A rank with no samples still
+    runs forward on its empty batch, so its ``local_sum`` is a zero connected to every
+    parameter and DDP sees a gradient for each. A ``global_count`` of 0 (no samples anywhere)
+    gives a zero loss. It assumes the default averaging over ``world_size`` ranks of ``group``.
+
+    >>> out = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    >>> ddp_loss(out.sum(), 3)  # one process: the plain mean
+    tensor(2., grad_fn=<DivBackward0>)
+    >>> ddp_loss(out.sum(), 3, global_count=6)  # 3 of 6 samples, world_size 1 here
+    tensor(1., grad_fn=<DivBackward0>)
+    """
+    if not isinstance(local_sum, torch.Tensor):
+        raise EvendpError(
+            f"local_sum must be a tensor (the summed loss of this rank), got {local_sum!r}"
+        )
+    if global_count is None:
+        total = _count_tensor(local_count, local_sum.device)
+        if _world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    else:
+        total = _count_tensor(global_count, local_sum.device)
+    # Zero samples everywhere means local_sum is 0 too: divide by 1 instead of 0, no host sync.
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    return local_sum * _world_size(group) / total
+
+
+def global_mean(
+    local_sum: torch.Tensor,
+    local_count: torch.Tensor | float,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The true mean loss over all ranks' samples, detached, for logging (one all-reduce).
+
+    Sums ``local_sum`` and ``local_count`` over ranks and divides; every rank gets the same
+    value. NaN when no rank had a sample.
+
+    >>> global_mean(torch.tensor(6.0), 4)
+    tensor(1.5000)
+    """
+    pair = torch.stack(
+        [
+            local_sum.detach().to(torch.float64).reshape(()),
+            _count_tensor(local_count, local_sum.device).to(torch.float64).reshape(()),
+        ]
+    )  # (2,): sum, count
+    if _world_size(group) > 1:
+        dist.all_reduce(pair, group=group)
+    return (pair[0] / pair[1]).to(local_sum.dtype)
