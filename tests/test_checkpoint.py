@@ -1,0 +1,147 @@
+"""Checkpoints: round trip, atomic replace keeping the previous one, strict and harmless loads."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from evendp._checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    previous_path,
+    save_checkpoint,
+)
+from evendp._errors import EvendpError
+
+
+def _setup(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    return model, opt, sched
+
+
+def test_round_trip_restores_everything(tmp_path: Path) -> None:
+    model, opt, sched = _setup(0)
+    path = tmp_path / "ckpt.pt"
+    torch.manual_seed(123)
+    random.seed(7)
+    save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=5, extra={"epoch": 2})
+    expected_torch = torch.rand(3)
+    expected_py = random.random()
+
+    other, other_opt, other_sched = _setup(1)
+    info = load_checkpoint(path, model=other, optimizer=other_opt, scheduler=other_sched)
+    assert info == {"step": 5, "extra": {"epoch": 2}}
+    for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert other_opt.state_dict()["state"][0]["exp_avg"].equal(
+        opt.state_dict()["state"][0]["exp_avg"]
+    )
+    assert other_sched.state_dict() == sched.state_dict()
+    assert torch.equal(torch.rand(3), expected_torch)  # RNG streams continue where they were
+    assert random.random() == expected_py
+
+
+def test_second_save_keeps_the_previous_good_checkpoint(tmp_path: Path) -> None:
+    model, opt, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt, step=1)
+    save_checkpoint(path, model=model, optimizer=opt, step=2)
+    assert load_checkpoint(path, model=model)["step"] == 2
+    assert load_checkpoint(previous_path(path), model=model)["step"] == 1
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    path.unlink()  # as if a crash came between the two renames
+    assert latest_checkpoint(path) == previous_path(path)
+
+
+def test_corrupt_file_is_a_clear_error_and_nothing_is_touched(tmp_path: Path) -> None:
+    model, opt, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt, step=1)
+    save_checkpoint(path, model=model, optimizer=opt, step=2)
+    good_prev = previous_path(path).read_bytes()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated, as by an interrupted copy
+    corrupt = path.read_bytes()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with pytest.raises(EvendpError) as info:
+        load_checkpoint(path, model=model, optimizer=opt)
+    message = str(info.value)
+    assert str(path) in message and "unreadable" in message and "ckpt.prev.pt" in message
+    assert path.read_bytes() == corrupt
+    assert previous_path(path).read_bytes() == good_prev
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert load_checkpoint(previous_path(path), model=model)["step"] == 1
+
+
+def test_garbage_and_foreign_files(tmp_path: Path) -> None:
+    model, _, _ = _setup()
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(EvendpError, match="unreadable"):
+        load_checkpoint(junk, model=model)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(1)}, foreign)
+    with pytest.raises(EvendpError, match="not an evendp checkpoint"):
+        load_checkpoint(foreign, model=model)
+    with pytest.raises(EvendpError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt", model=model)
+
+
+def test_mismatched_model_names_keys_and_shapes_and_changes_nothing(tmp_path: Path) -> None:
+    model, _, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model)
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    before = [p.clone() for p in wider.parameters()]
+    with pytest.raises(EvendpError, match=r"shape mismatches.*0\.weight") as info:
+        load_checkpoint(path, model=wider)
+    assert str(path) in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.parameters(), strict=True))
+    with pytest.raises(EvendpError, match="missing keys"):
+        load_checkpoint(
+            path,
+            model=torch.nn.Sequential(torch.nn.Linear(4, 8))
+            .append(torch.nn.ReLU())
+            .append(torch.nn.Linear(8, 2))
+            .append(torch.nn.Linear(2, 2)),
+        )
+
+
+def test_optimizer_mismatch_is_caught_before_loading(tmp_path: Path) -> None:
+    model, opt, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt)
+    split = torch.optim.SGD([{"params": [model[0].weight]}, {"params": [model[0].bias]}], lr=0.1)
+    with pytest.raises(EvendpError, match="parameter groups"):
+        load_checkpoint(path, model=model, optimizer=split)
+    save_checkpoint(tmp_path / "model_only.pt", model=model)
+    with pytest.raises(EvendpError, match="no optimizer state"):
+        load_checkpoint(tmp_path / "model_only.pt", model=model, optimizer=opt)
+
+
+def test_failed_write_leaves_existing_files_and_no_temp(tmp_path: Path) -> None:
+    model, _, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, step=1)
+    good = path.read_bytes()
+
+    class Unpicklable:
+        def __reduce__(self) -> tuple[object, ...]:
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        save_checkpoint(path, model=model, step=2, extra={"bad": Unpicklable()})
+    assert path.read_bytes() == good
+    assert not previous_path(path).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
