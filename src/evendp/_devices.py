@@ -1,0 +1,318 @@
+"""GPU discovery through NVML and device selection through ``CUDA_VISIBLE_DEVICES``.
+
+NVML (the library behind ``nvidia-smi``) answers "which GPUs, how much free memory, who uses
+them" without creating a CUDA context, so none of this touches CUDA: it is safe to call before
+``torch.cuda`` starts, which is exactly when ``CUDA_VISIBLE_DEVICES`` must be set.
+
+Every NVML call goes through the module returned by :func:`_load_nvml` and is made inside
+:func:`list_devices`; tests substitute a stub object with the same functions there, since
+NVML cannot run on a machine with no NVIDIA driver.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import EvendpError
+
+__all__ = [
+    "DeviceInfo",
+    "GpuProcess",
+    "NvmlUnavailableError",
+    "choose_devices",
+    "list_devices",
+    "parse_bytes",
+    "select_devices",
+]
+
+
+class NvmlUnavailableError(RuntimeError):
+    """NVML could not start: no NVIDIA driver, or the driver is not loaded.
+
+    Not a bad-input error (so not an :class:`EvendpError`): the machine simply has no GPUs
+    evendp can see. Callers that can run on CPU catch it and carry on.
+    """
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process holding memory on a GPU (``used_memory`` is ``None`` where NVML hides it)."""
+
+    pid: int
+    used_memory: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One physical GPU as NVML reports it; ``index`` is the NVML (PCI bus) order.
+
+    >>> d = DeviceInfo(0, "00000000:17:00.0", "NVIDIA A100", total_memory=80 << 30,
+    ...                free_memory=60 << 30, utilization=35)
+    >>> d.used_memory == 20 << 30
+    True
+    """
+
+    index: int
+    pci_bus_id: str
+    name: str
+    total_memory: int
+    free_memory: int
+    utilization: int | None = None
+    processes: tuple[GpuProcess, ...] = field(default_factory=tuple)
+
+    @property
+    def used_memory(self) -> int:
+        """Bytes in use (by anyone) on this device."""
+        return self.total_memory - self.free_memory
+
+
+def _load_nvml() -> Any:
+    """The NVML binding; the single place tests replace with a stub module."""
+    import pynvml
+
+    return pynvml
+
+
+def _text(value: str | bytes) -> str:
+    # Older nvidia-ml-py returns bytes for names and bus ids, newer returns str.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def list_devices(nvml: Any = None) -> list[DeviceInfo]:
+    """Every GPU NVML sees, in NVML (PCI bus) order; creates no CUDA context.
+
+    ``nvml`` defaults to the ``pynvml`` module; pass an object with the same functions to
+    substitute it. Raises :class:`NvmlUnavailableError` when there is no NVIDIA driver.
+
+    >>> try:
+    ...     devices = list_devices()
+    ... except NvmlUnavailableError:
+    ...     devices = []
+    >>> isinstance(devices, list)
+    True
+    """
+    nvml = _load_nvml() if nvml is None else nvml
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        raise NvmlUnavailableError(f"NVML could not start ({exc}); no NVIDIA driver?") from exc
+    try:
+        devices = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                utilization: int | None = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except nvml.NVMLError:
+                utilization = None  # not supported on some boards and in MIG mode
+            try:
+                running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except nvml.NVMLError:
+                running = []  # containers often may not list other processes
+            processes = tuple(
+                GpuProcess(int(p.pid), getattr(p, "usedGpuMemory", None)) for p in running
+            )
+            devices.append(
+                DeviceInfo(
+                    index=index,
+                    pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId),
+                    name=_text(nvml.nvmlDeviceGetName(handle)),
+                    total_memory=int(memory.total),
+                    free_memory=int(memory.free),
+                    utilization=utilization,
+                    processes=processes,
+                )
+            )
+        return devices
+    finally:
+        nvml.nvmlShutdown()
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from a number or a string with a unit (``"8GiB"``, ``"500 MB"``, ``"1.5g"``).
+
+    >>> parse_bytes("8GiB") == 8 << 30
+    True
+    >>> parse_bytes("1.5 GB")
+    1500000000
+    >>> parse_bytes(4096)
+    4096
+    """
+    if isinstance(value, bool):
+        raise EvendpError(f"memory size must be a number of bytes or e.g. '8GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise EvendpError(
+                f"cannot read memory size {value!r}; write bytes or a number with a unit, "
+                "e.g. '8GiB', '500MB', '1.5GB'"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number < 0:
+        raise EvendpError(f"memory size must be non-negative, got {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def _validate_selection(
+    devices: Sequence[DeviceInfo],
+    count: int | None,
+    ids: Sequence[int] | None,
+) -> None:
+    """Raise :class:`EvendpError` naming a bad ``count`` or ``ids`` and the fix."""
+    if count is not None and ids is not None:
+        raise EvendpError(
+            f"pass either count ({count!r}) or ids ({list(ids)!r}), not both; "
+            "ids already fixes how many devices are used"
+        )
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise EvendpError(f"count must be a positive int, got {count!r}")
+    if ids is not None:
+        ids = list(ids)
+        if not ids:
+            raise EvendpError("ids is empty; pass physical GPU ids such as [2, 3], or use count")
+        known = {d.index for d in devices}
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i not in known:
+                raise EvendpError(
+                    f"GPU id {i!r} is not a physical device; this machine has ids "
+                    f"{sorted(known)} (see `evendp devices`)"
+                )
+        if len(set(ids)) != len(ids):
+            raise EvendpError(f"ids {ids!r} repeat a GPU; list each physical id once")
+
+
+def choose_devices(
+    devices: Sequence[DeviceInfo],
+    count: int | None = None,
+    ids: Sequence[int] | None = None,
+    min_free: int | float | str | None = None,
+) -> list[DeviceInfo]:
+    """Pick devices: the given physical ``ids`` in that order, else the freest first.
+
+    Pure: reads ``devices`` (from :func:`list_devices`) and touches no environment.
+    ``min_free`` (bytes or e.g. ``"8GiB"``) drops devices with less free memory.
+
+    >>> gpus = [DeviceInfo(0, "0:1", "A", 16 << 30, 2 << 30),
+    ...         DeviceInfo(1, "0:2", "A", 16 << 30, 15 << 30),
+    ...         DeviceInfo(2, "0:3", "A", 16 << 30, 9 << 30)]
+    >>> [d.index for d in choose_devices(gpus, count=2)]
+    [1, 2]
+    >>> [d.index for d in choose_devices(gpus, ids=[2, 0])]
+    [2, 0]
+    >>> [d.index for d in choose_devices(gpus, min_free="8GiB")]
+    [1, 2]
+    """
+    _validate_selection(devices, count, ids)
+    floor = 0 if min_free is None else parse_bytes(min_free)
+    if ids is not None:
+        by_index = {d.index: d for d in devices}
+        chosen = [by_index[i] for i in ids]
+        short = [d for d in chosen if d.free_memory < floor]
+        if short:
+            raise EvendpError(
+                f"GPU {short[0].index} has {short[0].free_memory / 2**30:.1f} GiB free, under "
+                f"min_free={min_free!r}; pick other ids or lower min_free"
+            )
+        return chosen
+    # Freest first, ties to the lower id: the freest card becomes logical device 0, which
+    # is the one that also holds gathered outputs and the loss in single-process runs.
+    ranked = sorted(
+        (d for d in devices if d.free_memory >= floor), key=lambda d: (-d.free_memory, d.index)
+    )
+    wanted = len(ranked) if count is None else count
+    if len(ranked) < wanted or not ranked:
+        have = ", ".join(f"{d.index}: {d.free_memory / 2**30:.1f} GiB" for d in devices) or "none"
+        raise EvendpError(
+            f"asked for {wanted if count is not None else 'at least 1'} GPU(s) with at least "
+            f"{floor / 2**30:.1f} GiB free, found {len(ranked)} (free memory by id: {have}); "
+            "lower count or min_free, or free memory on the busy devices"
+        )
+    return ranked[:wanted]
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_initialized())
+
+
+def select_devices(
+    count: int | None = None,
+    ids: Sequence[int] | None = None,
+    min_free: int | float | str | None = None,
+    *,
+    nvml: Any = None,
+) -> dict[int, int]:
+    """Make the chosen GPUs the only visible ones; returns ``{physical id: logical id}``.
+
+    Chooses the freest ``count`` GPUs (all, when ``None``) with at least ``min_free`` free, or
+    exactly the physical ``ids`` in the given order, then sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    (so CUDA numbers GPUs like ``nvidia-smi`` does) and ``CUDA_VISIBLE_DEVICES``. After the
+    call, physical GPU ``p`` is ``cuda:{mapping[p]}``: use the logical ids in
+    ``device_ids``. Must run before CUDA starts; raises :class:`EvendpError` otherwise.
+    Overwrites any ``CUDA_VISIBLE_DEVICES`` already set.
+
+    With no NVIDIA driver, ``ids`` are taken as given (nothing to check them against) and
+    ``count``/``min_free`` raise :class:`EvendpError`.
+
+    >>> import os
+    >>> old = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    >>> import torch
+    >>> if not torch.cuda.is_initialized():
+    ...     try:
+    ...         mapping = select_devices(ids=[0])
+    ...     except EvendpError:  # a driver is present but GPU 0 does not exist
+    ...         mapping = {0: 0}
+    ...     print(mapping)
+    ... else:
+    ...     print({0: 0})
+    {0: 0}
+    >>> for k, v in old.items():
+    ...     _ = os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    """
+    if _cuda_initialized():
+        raise EvendpError(
+            "CUDA is already initialized in this process, so CUDA_VISIBLE_DEVICES can no "
+            "longer change which GPUs it sees; call evendp.select_devices(...) at the very top "
+            "of the script, before any torch.cuda call or .cuda()/.to('cuda'), or set it in "
+            "the shell: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=2,3 python train.py"
+        )
+    try:
+        devices = list_devices(nvml)
+    except NvmlUnavailableError as exc:
+        if ids is None or count is not None or min_free is not None:
+            raise EvendpError(
+                f"cannot choose GPUs by count or free memory: {exc}; pass ids=[...] explicitly, "
+                "or run on CPU"
+            ) from exc
+        physical = list(ids)
+        _validate_selection([DeviceInfo(i, "", "", 0, 0) for i in physical], None, physical)
+    else:
+        physical = [d.index for d in choose_devices(devices, count, ids, min_free)]
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(p) for p in physical)
+    return {p: logical for logical, p in enumerate(physical)}

@@ -1,0 +1,93 @@
+"""``evendp devices``: the GPUs NVML sees, their free memory, load and processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from .._devices import DeviceInfo, NvmlUnavailableError, list_devices
+
+__all__ = ["add_parser", "render_table", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``evendp devices``."""
+    parser = subparsers.add_parser(
+        "devices",
+        help="list GPUs with free memory, utilization and processes (NVML, no CUDA init)",
+        description=(
+            "List the GPUs NVML sees in PCI bus order (the order CUDA uses after "
+            "evendp.select_devices or CUDA_DEVICE_ORDER=PCI_BUS_ID). Creates no CUDA context."
+        ),
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def render_table(devices: list[DeviceInfo]) -> Table:
+    """A rich table with one row per device."""
+    table = Table(title="GPUs (NVML, PCI bus order)")
+    for name, justify in [
+        ("id", "right"),
+        ("PCI bus", "left"),
+        ("name", "left"),
+        ("total GiB", "right"),
+        ("free GiB", "right"),
+        ("used %", "right"),
+        ("util %", "right"),
+        ("processes (pid: GiB)", "left"),
+    ]:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for d in devices:
+        procs = ", ".join(
+            f"{p.pid}" + ("" if p.used_memory is None else f": {_gib(p.used_memory)}")
+            for p in d.processes
+        )
+        table.add_row(
+            str(d.index),
+            d.pci_bus_id,
+            d.name,
+            _gib(d.total_memory),
+            _gib(d.free_memory),
+            f"{100 * d.used_memory / d.total_memory:.0f}" if d.total_memory else "-",
+            "-" if d.utilization is None else str(d.utilization),
+            procs or "-",
+        )
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the devices; with no NVIDIA driver say so and succeed (CPU runs still work)."""
+    console = Console(soft_wrap=True)
+    try:
+        devices = list_devices()
+    except NvmlUnavailableError as exc:
+        if args.json:
+            print(json.dumps({"driver": False, "devices": [], "reason": str(exc)}))
+        else:
+            console.print(
+                f"No NVIDIA driver found: {exc}\n"
+                "evendp still runs on CPU (device_ids=['cpu', 'cpu'], or gloo with evendp launch)."
+            )
+        return 0
+    if args.json:
+        print(json.dumps({"driver": True, "devices": [asdict(d) for d in devices]}, indent=2))
+        return 0
+    if not devices:
+        console.print("The NVIDIA driver is loaded but reports no GPUs.")
+        return 0
+    console.print(render_table(devices))
+    total_free = sum(d.free_memory for d in devices)
+    console.print(
+        f"{len(devices)} GPU(s), {_gib(total_free)} GiB free in all. Pick some with "
+        "evendp.select_devices(count=..., ids=[...]) before CUDA starts."
+    )
+    return 0
