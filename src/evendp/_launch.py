@@ -1,0 +1,267 @@
+"""``evendp launch``: choose devices and per-rank batch sizes, then hand off to torchrun.
+
+The launcher decides three things and passes them to every rank through the environment:
+which GPUs (``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), and how many samples each rank
+takes per step (``EVENDP_BATCH_SIZES``, one int per global rank, read by
+``UnevenBatchSampler``). Everything else is ``torch.distributed.run`` (torchrun) itself,
+started as ``python -m torch.distributed.run`` so its own options behave exactly as documented.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._ddp import ENV_BATCH_SIZES, parse_batch_sizes
+from ._devices import NvmlUnavailableError, choose_devices, list_devices
+from ._errors import EvendpError
+from ._split import split_sizes
+
+__all__ = ["LaunchPlan", "launch", "plan_launch", "torchrun_command"]
+
+# torchrun options passed through unchanged (multi-node and rendezvous).
+PASSTHROUGH_OPTIONS: tuple[str, ...] = (
+    "nnodes",
+    "node_rank",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "master_addr",
+    "master_port",
+    "max_restarts",
+)
+
+# torchrun's default port; never used for local runs so two jobs cannot collide on it.
+_TORCHRUN_DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch will do: ranks on this node, batch sizes for all ranks, GPUs, env."""
+
+    nproc_per_node: int
+    batch_sizes: list[int] | None
+    physical_devices: list[int] | None  # None: CPU processes (gloo)
+    env: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for the log."""
+        where = (
+            "CPU (gloo)"
+            if self.physical_devices is None
+            else "GPUs " + ",".join(map(str, self.physical_devices)) + " (physical ids)"
+        )
+        sizes = "script default" if self.batch_sizes is None else str(self.batch_sizes)
+        return (
+            f"evendp launch: {self.nproc_per_node} rank(s) per node on {where}; "
+            f"batch sizes {sizes}{' — ' + self.reason if self.reason else ''}"
+        )
+
+
+def _fixed_nnodes(nnodes: str | int | None) -> int | None:
+    """The node count when fixed, ``None`` for an elastic range such as ``"1:4"``."""
+    if nnodes is None:
+        return 1
+    text = str(nnodes)
+    if ":" in text:
+        low, high = text.split(":", 1)
+        return int(low) if low == high else None
+    try:
+        value = int(text)
+    except ValueError:
+        raise EvendpError(f"--nnodes {nnodes!r} is not an int or MIN:MAX range") from None
+    if value < 1:
+        raise EvendpError(f"--nnodes must be >= 1, got {nnodes!r}")
+    return value
+
+
+def _validate_nproc(nproc: int | str | None) -> int | None:
+    """``None`` for ``auto``; else a positive int."""
+    if nproc is None or nproc == "auto":
+        return None
+    try:
+        value = int(nproc)
+    except (TypeError, ValueError):
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}") from None
+    if value < 1:
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}")
+    return value
+
+
+def plan_launch(
+    nproc: int | str | None = "auto",
+    batch: int | None = None,
+    batch_sizes: str | Sequence[int] | None = None,
+    devices: Sequence[int] | None = None,
+    min_free: int | str | None = None,
+    nnodes: str | int | None = None,
+    nvml: Any = None,
+) -> LaunchPlan:
+    """Decide ranks, devices and per-rank batch sizes for this node (no process started).
+
+    With GPUs (NVML): the given physical ``devices``, else the freest ``nproc`` (all when
+    ``auto``); ``batch`` is split in proportion to each chosen GPU's free memory. With no
+    NVIDIA driver: CPU ranks (``auto`` = the CPU count, as torchrun does) and ``batch`` split
+    evenly. Explicit ``batch_sizes`` win and fix the rank count. With several nodes the sizes
+    cover every global rank (node-major) and must be given, or ``batch`` is split evenly,
+    because one node cannot see the others' memory.
+
+    >>> p = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
+    >>> p.nproc_per_node, p.batch_sizes, p.env["EVENDP_BATCH_SIZES"]
+    (2, [3, 5], '3,5')
+    >>> plan_launch(nproc=3, batch=10, nvml=False).batch_sizes
+    [4, 3, 3]
+    """
+    count = _validate_nproc(nproc)
+    nodes = _fixed_nnodes(nnodes)
+    if batch is not None and batch_sizes is not None:
+        raise EvendpError(
+            f"pass --batch ({batch}) or --batch-sizes ({batch_sizes}), not both; --batch is "
+            "split for you, --batch-sizes fixes every rank's share"
+        )
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise EvendpError(f"--batch must be a positive int, got {batch!r}")
+    sizes = None
+    if batch_sizes is not None:
+        text = batch_sizes if isinstance(batch_sizes, str) else ",".join(map(str, batch_sizes))
+        sizes = parse_batch_sizes(text)
+    if nodes is None and (sizes is not None or batch is not None):
+        raise EvendpError(
+            f"--nnodes {nnodes} is an elastic range, so the number of ranks (and the batch size "
+            "of each) is not known before the run; use a fixed --nnodes N"
+        )
+    nodes = 1 if nodes is None else nodes
+    if sizes is not None:
+        if len(sizes) % nodes:
+            raise EvendpError(
+                f"--batch-sizes has {len(sizes)} entries for {nodes} nodes; give one size per "
+                f"global rank (nodes x nproc, node-major), the same list on every node"
+            )
+        per_node = len(sizes) // nodes
+        if count is not None and count != per_node:
+            raise EvendpError(
+                f"--nproc {count} but --batch-sizes {sizes} has {per_node} per node; drop "
+                "--nproc or give one size per rank"
+            )
+        count = per_node
+
+    # Which GPUs; nvml=False means "do not ask NVML" (CPU planning, tests, doctests).
+    try:
+        gpus = [] if nvml is False else list_devices(nvml)
+    except NvmlUnavailableError:
+        gpus = []
+    env: dict[str, str] = {}
+    physical: list[int] | None = None
+    reason = ""
+    if gpus:
+        chosen = choose_devices(
+            gpus, count=None if devices else count, ids=devices, min_free=min_free
+        )
+        if count is not None and len(chosen) != count:
+            raise EvendpError(
+                f"--devices {list(devices or [])} names {len(chosen)} GPUs but {count} ranks "
+                "per node were asked for; give one device per rank"
+            )
+        physical = [d.index for d in chosen]
+        count = len(chosen)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
+        if batch is not None and sizes is None:
+            if nodes == 1:
+                sizes = split_sizes(batch, [d.free_memory for d in chosen])
+                reason = "split by free memory"
+            else:
+                sizes = split_sizes(batch, [1] * (count * nodes))
+                reason = "split evenly: other nodes' memory is not visible from here"
+    else:
+        if devices:
+            raise EvendpError(
+                f"--devices {list(devices)} asks for GPUs but no NVIDIA driver was found; "
+                "drop --devices to run CPU processes with gloo"
+            )
+        if count is None:
+            count = os.cpu_count() or 1
+        if batch is not None and sizes is None:
+            sizes = split_sizes(batch, [1] * (count * nodes))
+            reason = "split evenly across CPU ranks"
+    if sizes is not None:
+        env[ENV_BATCH_SIZES] = ",".join(map(str, sizes))
+    return LaunchPlan(count, sizes, physical, env, reason)
+
+
+def _free_port() -> int:
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port != _TORCHRUN_DEFAULT_PORT:
+            return port
+
+
+def torchrun_command(
+    plan: LaunchPlan,
+    script: str,
+    script_args: Sequence[str] = (),
+    passthrough: Mapping[str, str | int | None] | None = None,
+) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for ``plan``.
+
+    Multi-node options in ``passthrough`` (keys from :data:`PASSTHROUGH_OPTIONS`) go through
+    unchanged. A single-node run with no address given gets ``127.0.0.1`` and a free port
+    (never torchrun's default 29500, which two jobs on one box would fight over).
+
+    >>> plan = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
+    >>> cmd = torchrun_command(plan, "train.py", ["--lr", "0.1"], {"master_port": 1234})
+    >>> cmd[1:5]
+    ['-m', 'torch.distributed.run', '--nproc-per-node', '2']
+    >>> cmd[5:]
+    ['--master-addr', '127.0.0.1', '--master-port', '1234', 'train.py', '--lr', '0.1']
+    """
+    given = {k: v for k, v in (passthrough or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(PASSTHROUGH_OPTIONS))
+    if unknown:
+        raise EvendpError(
+            f"unknown torchrun option(s) {unknown}; evendp launch passes through "
+            f"{list(PASSTHROUGH_OPTIONS)}"
+        )
+    single_node = _fixed_nnodes(given.get("nnodes")) == 1
+    if single_node and "rdzv_endpoint" not in given:
+        given.setdefault("master_addr", "127.0.0.1")
+        given.setdefault("master_port", _free_port())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(plan.nproc_per_node),
+    ]
+    for key in PASSTHROUGH_OPTIONS:
+        if key in given:
+            cmd += ["--" + key.replace("_", "-"), str(given[key])]
+    return [*cmd, script, *script_args]
+
+
+def launch(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    plan: LaunchPlan,
+    passthrough: Mapping[str, str | int | None] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``script`` under torchrun as ``plan`` says; returns torchrun's exit code.
+
+    The plan's variables are added to ``env`` (default: this process's environment), so the
+    launcher itself never changes its own environment or starts CUDA.
+    """
+    child_env = dict(os.environ if env is None else env)
+    child_env.update(plan.env)
+    cmd = torchrun_command(plan, script, script_args, passthrough)
+    return subprocess.run(cmd, env=child_env, check=False).returncode

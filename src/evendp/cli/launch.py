@@ -1,0 +1,72 @@
+"""``evendp launch``: pick devices and per-rank batch sizes, then run the script with torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .._errors import EvendpError
+from .._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
+
+__all__ = ["add_parser", "run"]
+
+
+def _device_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--devices {text!r}: write physical GPU ids separated by commas, e.g. 2,3"
+        ) from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``evendp launch``."""
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
+        description=(
+            "Choose GPUs (freest first, or --devices), compute each rank's batch size "
+            "(--batch-sizes, or --batch split by free memory; evenly on CPU), export them as "
+            "EVENDP_BATCH_SIZES and run SCRIPT with python -m torch.distributed.run. "
+            "With no NVIDIA driver the ranks are CPU processes (use gloo)."
+        ),
+    )
+    parser.add_argument("--nproc", default="auto", help="ranks per node: an int or 'auto'")
+    parser.add_argument("--batch", type=int, help="global batch, split across ranks for you")
+    parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
+    parser.add_argument("--devices", type=_device_list, help="physical GPU ids, e.g. 2,3")
+    parser.add_argument("--min-free", help="skip GPUs with less free memory, e.g. 8GiB")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the plan and command, start nothing"
+    )
+    group = parser.add_argument_group("torchrun options passed through unchanged")
+    for key in PASSTHROUGH_OPTIONS:
+        group.add_argument("--" + key.replace("_", "-"), dest=key, default=None)
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print the plan, and run torchrun (exit code 2 for bad input)."""
+    passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
+    try:
+        plan = plan_launch(
+            nproc=args.nproc,
+            batch=args.batch,
+            batch_sizes=args.batch_sizes,
+            devices=args.devices,
+            min_free=args.min_free,
+            nnodes=args.nnodes,
+        )
+        print(plan.describe(), file=sys.stderr, flush=True)
+        if args.dry_run:
+            for key, value in plan.env.items():
+                print(f"{key}={value}")
+            print(" ".join(torchrun_command(plan, args.script, args.script_args, passthrough)))
+            return 0
+        return launch(args.script, args.script_args, plan=plan, passthrough=passthrough)
+    except EvendpError as exc:
+        print(f"evendp launch: error: {exc}", file=sys.stderr)
+        return 2
