@@ -462,9 +462,9 @@ def ddp_loss(
 
     >>> out = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     >>> ddp_loss(out.sum(), 3)  # one process: the plain mean
-    tensor(2., grad_fn=<DivBackward0>)
+    tensor(2., grad_fn=<MulBackward0>)
     >>> ddp_loss(out.sum(), 3, global_count=6)  # 3 of 6 samples, world_size 1 here
-    tensor(1., grad_fn=<DivBackward0>)
+    tensor(1., grad_fn=<MulBackward0>)
     """
     if not isinstance(local_sum, torch.Tensor):
         raise EvendpError(
@@ -477,8 +477,11 @@ def ddp_loss(
     else:
         total = _count_tensor(global_count, local_sum.device)
     # Zero samples everywhere means local_sum is 0 too: divide by 1 instead of 0, no host sync.
-    total = torch.where(total > 0, total, torch.ones_like(total))
-    return local_sum * _world_size(group) / total
+    total = torch.where(total > 0, total, torch.ones_like(total)).to(torch.float64)
+    # The scale in float64 then the loss's dtype (at least fp32, so a bf16 sum keeps precision);
+    # a float64 count must not promote an fp32 loss to fp64.
+    scale = (_world_size(group) / total).to(torch.promote_types(local_sum.dtype, torch.float32))
+    return local_sum * scale
 
 
 def global_mean(
