@@ -1,0 +1,52 @@
+"""The public surface: a curated __all__, docstrings, private modules, no import side effects."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import evendp
+
+EXPECTED_ALL = {
+    "BalancedDataParallel",
+    "EvendpError",
+    "ParallelCriterion",
+    "PlanError",
+    "Scattered",
+    "gather",
+    "split_sizes",
+}
+
+
+def test_all_is_the_curated_list() -> None:
+    assert set(evendp.__all__) == EXPECTED_ALL
+    assert len(evendp.__all__) == len(set(evendp.__all__))
+
+
+def test_every_public_name_exists_and_is_documented() -> None:
+    for name in evendp.__all__:
+        obj = getattr(evendp, name)
+        assert obj.__doc__ and obj.__doc__.strip(), name
+
+
+def test_implementation_modules_are_private() -> None:
+    public = {m.name for m in pkgutil.iter_modules(evendp.__path__) if not m.name.startswith("_")}
+    # Only the command line and the built-in examples are public packages.
+    assert public <= {"cli", "examples"}
+
+
+def test_py_typed_ships() -> None:
+    from importlib.resources import files
+
+    assert files("evendp").joinpath("py.typed").is_file()
+
+
+def test_import_has_no_side_effects() -> None:
+    code = (
+        "import os, sys; before = dict(os.environ); import evendp, torch; "
+        "assert dict(os.environ) == before, 'environment changed'; "
+        "assert not torch.cuda.is_initialized(), 'CUDA initialized'; "
+        "assert 'torch.distributed.run' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
