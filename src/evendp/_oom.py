@@ -1,0 +1,208 @@
+"""Surviving ``torch.OutOfMemoryError`` without changing the math: exact micro-batch re-splits.
+
+A step's share of ``n`` samples runs as micro-batches ``[start, stop)``; each micro-batch's
+mean loss is weighted by ``(stop - start) * weight`` (``weight`` = 1 / global count, times the
+world size under DDP's averaging) before ``backward``, so the accumulated gradient is the
+gradient of the global mean however the share is cut. When a micro-batch runs out of memory,
+the step's gradients are dropped (an OOM inside ``backward`` may already have added part of a
+micro-batch to some ``.grad``), the failed graph is freed, the CUDA cache emptied, and the
+whole share runs again with micro-batches half as large. The working size is remembered for
+later steps. Only when a single-sample micro-batch still does not fit is the step skipped,
+counted in :attr:`OomResplit.skipped`.
+
+Under DDP every rank runs its share locally (no collective inside forward or backward, see
+:func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag so that every
+rank agrees on "step" or "skip": an OOM on one rank can never leave another blocked in a
+collective.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ._errors import EvendpError
+
+__all__ = ["OomResplit", "all_reduce_gradients"]
+
+
+def _default_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _validate_micro(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EvendpError(f"{name} must be a positive int or None, got {value!r}; e.g. 8")
+    return value
+
+
+class OomResplit:
+    """Run a share of samples as micro-batches, re-splitting them smaller on out-of-memory.
+
+    Args:
+        micro_batch_size: the largest micro-batch to try first (``None``: the whole share).
+        min_micro_batch_size: below this the step is skipped instead of re-split.
+        group: the process group whose ranks must agree on skipping (``None``: the default
+            group when one is initialized and has more than one rank, else no agreement).
+
+    >>> torch.manual_seed(0) and None
+    >>> net = torch.nn.Linear(3, 1)
+    >>> x, y = torch.randn(8, 3), torch.randn(8, 1)
+    >>> def chunk_loss(start, stop):  # the mean loss of samples [start, stop)
+    ...     if stop - start > 3:  # pretend more than 3 samples do not fit
+    ...         raise torch.OutOfMemoryError("injected")
+    ...     return torch.nn.functional.mse_loss(net(x[start:stop]), y[start:stop])
+    >>> guard = OomResplit()
+    >>> loss = guard.run(8, chunk_loss, weight=1 / 8, zero_grad=net.zero_grad)
+    >>> guard.micro_batch_size, guard.resplits, guard.skipped
+    (2, 2, 0)
+    >>> exact = torch.nn.functional.mse_loss(net(x), y)
+    >>> torch.allclose(loss, exact.detach())
+    True
+    """
+
+    def __init__(
+        self,
+        micro_batch_size: int | None = None,
+        min_micro_batch_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.micro_batch_size = _validate_micro("micro_batch_size", micro_batch_size)
+        self.min_micro_batch_size = _validate_micro("min_micro_batch_size", min_micro_batch_size)
+        self.group = group
+        #: How many times a share was re-run with smaller micro-batches.
+        self.resplits = 0
+        #: How many steps were skipped because even the smallest micro-batch did not fit.
+        self.skipped = 0
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def run(
+        self,
+        n: int,
+        chunk_loss: Callable[[int, int], torch.Tensor],
+        *,
+        weight: float,
+        zero_grad: Callable[[], None],
+        backward: Callable[[torch.Tensor], None] = _default_backward,
+        micro_batch_size: int | None = None,
+    ) -> torch.Tensor | None:
+        """Forward and backward ``n`` samples; return their detached weighted loss, or None.
+
+        ``chunk_loss(start, stop)`` computes the mean loss of samples ``[start, stop)`` of
+        this share. ``backward`` (default ``loss.backward()``; pass e.g.
+        ``lambda l: scaler.scale(l).backward()``) is called on ``loss * (stop-start) *
+        weight``. Gradients must be zero or ``None`` on entry: the guard owns the whole step
+        so it can drop them on an OOM. ``micro_batch_size`` caps this call's micro-batches
+        (gradient accumulation). Returns ``None`` when the step was skipped (every rank then
+        returns ``None`` and gradients are zeroed).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise EvendpError(f"n must be a non-negative int (samples in this share), got {n!r}")
+        cap = _validate_micro("micro_batch_size", micro_batch_size)
+        size = min(x for x in (n, self.micro_batch_size, cap) if x is not None) if n else 0
+        total: torch.Tensor | None = None
+        while True:
+            oom = False
+            try:
+                total = self._run_chunks(n, max(size, 1), chunk_loss, weight, backward)
+            except torch.OutOfMemoryError:
+                oom = True  # handled below, outside the except block, so the frames are freed
+            if not oom:
+                break
+            total = None
+            zero_grad()
+            _free_memory()
+            if size <= (self.min_micro_batch_size or 1):
+                break
+            size = max(math.ceil(size / 2), self.min_micro_batch_size or 1)
+            self.micro_batch_size = size
+            self.resplits += 1
+        failed = total is None
+        if self._distributed():
+            flag = torch.tensor([1.0 if failed else 0.0], device=_flag_device(self.group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            failed = bool(flag.item())
+        if failed:
+            zero_grad()
+            self.skipped += 1
+            return None
+        return total
+
+    @staticmethod
+    def _run_chunks(
+        n: int,
+        size: int,
+        chunk_loss: Callable[[int, int], torch.Tensor],
+        weight: float,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        total = torch.zeros(())
+        for start in range(0, n, size):
+            stop = min(start + size, n)
+            loss = chunk_loss(start, stop)  # () mean over the micro-batch
+            scaled = loss * ((stop - start) * weight)
+            backward(scaled)
+            total = total + scaled.detach().float().cpu()
+        return total
+
+
+def _free_memory() -> None:
+    # The failed graph is only garbage once the exception and its frames are gone; collect
+    # cycles, then hand cached blocks back so the smaller micro-batches can use them.
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL only moves CUDA tensors; gloo only CPU ones.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_gradients(
+    parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None
+) -> None:
+    """Average ``.grad`` over ranks (sum / world size, as DDP does), in one flat all-reduce.
+
+    Used after :meth:`OomResplit.run` agreed to step: every rank calls it exactly once per
+    step, whatever its micro-batching, so the collectives stay in lockstep. A parameter
+    without a gradient (a rank with an empty share) contributes zeros. Without a process
+    group (or with one rank) it does nothing.
+
+    >>> p = torch.nn.Parameter(torch.ones(2))
+    >>> p.grad = torch.full((2,), 3.0)
+    >>> all_reduce_gradients([p])  # one process: unchanged
+    >>> p.grad
+    tensor([3., 3.])
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault((p.dtype, p.device), []).append(p)
+    for same in by_dtype.values():
+        grads = [p.grad for p in same if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,262 @@
+"""OOM re-split: injected out-of-memory errors never change the step's gradient.
+
+The DDP checks run in one pair of gloo processes, started once for the module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from evendp._dp import BalancedDataParallel
+from evendp._errors import EvendpError
+from evendp._oom import OomResplit, all_reduce_gradients
+from tests._helpers import free_port
+
+N = 12
+
+
+class _OomInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory for batches above ``limit``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, limit: int) -> torch.Tensor:
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if grad.shape[0] > ctx.limit:
+            raise torch.OutOfMemoryError("injected OOM in backward")
+        return grad, None
+
+
+class OomNet(nn.Module):
+    """A small MLP that raises torch.OutOfMemoryError when its batch is larger than a limit."""
+
+    def __init__(self, forward_limit: int = 10**9, backward_limit: int = 10**9) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 16)
+        self.fc2 = nn.Linear(16, 3)
+        self.forward_limit = forward_limit
+        self.backward_limit = backward_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.forward_limit:
+            raise torch.OutOfMemoryError("injected OOM in forward")
+        h = torch.tanh(self.fc1(x))
+        # fc2's weight gradient is accumulated before this backward raises: the guard must
+        # drop that partial gradient.
+        h = _OomInBackward.apply(h, self.backward_limit)
+        return self.fc2(h)
+
+
+def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    limits = model.forward_limit, model.backward_limit
+    model.forward_limit = model.backward_limit = 10**9
+    nn.functional.cross_entropy(model(x), y).backward()
+    model.forward_limit, model.backward_limit = limits
+    ref = _grads(model).clone()
+    model.zero_grad()
+    return ref
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize(("fwd", "bwd"), [(5, 10**9), (10**9, 4), (3, 2)])
+def test_injected_oom_keeps_the_exact_gradient(fwd: int, bwd: int) -> None:
+    torch.manual_seed(0)
+    model = OomNet(forward_limit=fwd, backward_limit=bwd)
+    x, y = _data()
+    ref = _reference(model, x, y)
+    guard = OomResplit()
+    loss = guard.run(
+        N,
+        lambda a, b: nn.functional.cross_entropy(model(x[a:b]), y[a:b]),
+        weight=1 / N,
+        zero_grad=model.zero_grad,
+    )
+    assert loss is not None and guard.resplits > 0 and guard.skipped == 0
+    assert guard.micro_batch_size is not None
+    assert guard.micro_batch_size <= min(fwd, bwd)
+    assert _rel(_grads(model), ref) <= 1e-5
+    model.forward_limit = 10**9
+    assert torch.allclose(loss, nn.functional.cross_entropy(model(x), y).detach(), rtol=1e-5)
+
+
+def test_working_size_is_remembered() -> None:
+    model = OomNet(forward_limit=4)
+    x, y = _data()
+    guard = OomResplit()
+    for _ in range(2):
+        guard.run(
+            N,
+            lambda a, b: nn.functional.cross_entropy(model(x[a:b]), y[a:b]),
+            weight=1 / N,
+            zero_grad=model.zero_grad,
+        )
+        model.zero_grad()
+    assert guard.micro_batch_size == 3 and guard.resplits == 2  # 12 -> 6 -> 3, then kept
+
+
+def test_oom_inside_balanced_data_parallel_share() -> None:
+    torch.manual_seed(0)
+    # Only device 0's share (weight 2 of 4) goes above 4 samples: its thread raises.
+    inner = OomNet(forward_limit=4)
+    model = BalancedDataParallel(inner, ["cpu", "cpu", "cpu"], chunk_sizes=[2, 1, 1])
+    x, y = _data()
+    ref = _reference(inner, x, y)
+    guard = OomResplit()
+    loss = guard.run(
+        N,
+        lambda a, b: nn.functional.cross_entropy(model(x[a:b]), y[a:b]),
+        weight=1 / N,
+        zero_grad=model.zero_grad,
+    )
+    assert loss is not None and guard.resplits == 1 and guard.micro_batch_size == 6
+    assert _rel(_grads(inner), ref) <= 1e-5
+
+
+def test_skip_is_the_last_resort_and_counted() -> None:
+    model = OomNet(forward_limit=0)
+    x, y = _data()
+    guard = OomResplit(micro_batch_size=4)
+    loss = guard.run(
+        N,
+        lambda a, b: nn.functional.cross_entropy(model(x[a:b]), y[a:b]),
+        weight=1 / N,
+        zero_grad=model.zero_grad,
+    )
+    assert loss is None and guard.skipped == 1
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_gradient_accumulation_cap_and_bad_input() -> None:
+    model = OomNet()
+    x, y = _data()
+    ref = _reference(model, x, y)
+    sizes: list[int] = []
+
+    def chunk(a: int, b: int) -> torch.Tensor:
+        sizes.append(b - a)
+        return nn.functional.cross_entropy(model(x[a:b]), y[a:b])
+
+    OomResplit().run(N, chunk, weight=1 / N, zero_grad=model.zero_grad, micro_batch_size=5)
+    assert sizes == [5, 5, 2]
+    assert _rel(_grads(model), ref) <= 1e-5
+    with pytest.raises(EvendpError, match="micro_batch_size"):
+        OomResplit(micro_batch_size=0)
+    with pytest.raises(EvendpError, match="non-negative"):
+        OomResplit().run(-1, chunk, weight=1.0, zero_grad=model.zero_grad)
+
+
+# --- DDP on gloo: 2 processes, spawned once for the module ---------------------------------
+
+SIZES = [7, 5]  # uneven shares of N = 12
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results: dict[str, Any] = {}
+    x, y = _data()
+    start = sum(SIZES[:rank])
+    xs, ys = x[start : start + SIZES[rank]], y[start : start + SIZES[rank]]
+    world = dist.get_world_size()
+
+    def run(model: nn.Module, guard: OomResplit) -> torch.Tensor | None:
+        model.zero_grad()
+        loss = guard.run(
+            len(xs),
+            lambda a, b: nn.functional.cross_entropy(model(xs[a:b]), ys[a:b]),
+            weight=world / N,
+            zero_grad=model.zero_grad,
+        )
+        all_reduce_gradients(model.parameters())
+        return loss
+
+    # 1) OOM on rank 0 only (forward above 2 samples): exact gradient on both ranks.
+    torch.manual_seed(0)
+    model = OomNet(forward_limit=2 if rank == 0 else 10**9)
+    guard = OomResplit()
+    loss = run(model, guard)
+    results["oom_one_rank"] = (_grads(model).clone(), guard.resplits, loss is None)
+    # 2) OOM in backward on rank 1 only.
+    model.forward_limit, model.backward_limit = 10**9, (1 if rank == 1 else 10**9)
+    guard = OomResplit()
+    run(model, guard)
+    results["oom_backward"] = (_grads(model).clone(), guard.resplits, False)
+    # 3) Rank 1 cannot fit even one sample: both ranks skip, neither hangs.
+    model.backward_limit = 10**9
+    model.forward_limit = 0 if rank == 1 else 10**9
+    guard = OomResplit()
+    loss = guard.run(
+        len(xs),
+        lambda a, b: nn.functional.cross_entropy(model(xs[a:b]), ys[a:b]),
+        weight=world / N,
+        zero_grad=model.zero_grad,
+    )
+    results["skip"] = (loss is None, guard.skipped)
+    # Both ranks still talk afterwards: one more collective completes.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    results["after"] = float(t.item())
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("oom_ddp")
+    ctx = mp.start_processes(
+        _worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=False
+    )
+    for _ in range(120):  # a hang would fail the test instead of blocking the suite
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("DDP OOM workers did not finish within 120 s (a rank hung)")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["oom_one_rank", "oom_backward"])
+def test_ddp_oom_on_one_rank_gives_the_exact_gradient(
+    ddp_results: list[dict[str, Any]], case: str
+) -> None:
+    torch.manual_seed(0)
+    model = OomNet()
+    x, y = _data()
+    ref = _reference(model, x, y)
+    (g0, resplits0, skipped0), (g1, resplits1, skipped1) = (r[case] for r in ddp_results)
+    assert not skipped0 and not skipped1
+    assert (resplits0 > 0) != (resplits1 > 0)  # exactly one rank re-split
+    assert _rel(g0, ref) <= 1e-5 and _rel(g1, ref) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_agree_to_skip_and_do_not_hang(ddp_results: list[dict[str, Any]]) -> None:
+    assert [r["skip"] for r in ddp_results] == [(True, 1), (True, 1)]
+    assert [r["after"] for r in ddp_results] == [2.0, 2.0]
