@@ -14,8 +14,9 @@ the whole batch, however uneven the split.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -115,7 +116,9 @@ class BalancedDataParallel(nn.Module):
         self.gather = gather
         #: The per-device sample counts of the last forward (zeros for idle devices).
         self.last_sizes: list[int] = []
-        _validate_placement(module, self.device_ids[0], check_all=True)
+        _validate_placement(module.parameters(), module.buffers(), home=self.device_ids[0])
+        # Checked every step (cheap): module.to() keeps Parameter objects, moving their data.
+        self._sentinel = next(module.parameters(), None)
         # Both state_dict forms load: with and without the "module." prefix.
         self.register_load_state_dict_pre_hook(_add_module_prefix)
 
@@ -127,14 +130,18 @@ class BalancedDataParallel(nn.Module):
     @chunk_sizes.setter
     def chunk_sizes(self, value: Sequence[float] | None) -> None:
         self._weights = _validate_chunk_sizes(value, len(self.device_ids))
+        self._split_cache: dict[int, list[int]] = {}
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
-        weights = self._weights or [1.0] * len(self.device_ids)
-        return split_sizes(total, weights)
+        if total not in self._split_cache:
+            weights = self._weights or [1.0] * len(self.device_ids)
+            self._split_cache[total] = split_sizes(total, weights)
+        return list(self._split_cache[total])
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        _validate_placement(self.module, self.device_ids[0], check_all=False)
+        if self._sentinel is not None:
+            _validate_placement([self._sentinel], home=self.device_ids[0])
         total = batch_size((inputs, kwargs), self.dim)
         if total is None:
             raise EvendpError(
@@ -301,9 +308,8 @@ def _validate_chunk_sizes(value: Sequence[float] | None, num_devices: int) -> li
     return _validate_weights(value, expected_len=num_devices)
 
 
-def _validate_placement(module: nn.Module, home: torch.device, check_all: bool) -> None:
-    tensors = [*module.parameters(), *module.buffers()] if check_all else _first_param(module)
-    for tensor in tensors:
+def _validate_placement(*groups: Iterable[torch.Tensor], home: torch.device) -> None:
+    for tensor in itertools.chain(*groups):
         if not _same_device(tensor.device, home):
             raise EvendpError(
                 f"the module's tensors must sit on device_ids[0]={home}, but one is on "
@@ -312,12 +318,6 @@ def _validate_placement(module: nn.Module, home: torch.device, check_all: bool) 
                 "(with CUDA_VISIBLE_DEVICES=2,3 physical GPU 2 is cuda:0); "
                 "evendp.select_devices sets it for you before CUDA starts"
             )
-
-
-def _first_param(module: nn.Module) -> list[torch.Tensor]:
-    # The per-step check looks at one parameter only: cheap, and catches a moved module.
-    first = next(module.parameters(), None)
-    return [] if first is None else [first]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

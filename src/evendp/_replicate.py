@@ -30,6 +30,8 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
     >>> r.weight is net.weight
     True
     """
+    if not devices:
+        return []
     originals = list(module.modules())
     position = {id(m): i for i, m in enumerate(originals)}
     replicas = []

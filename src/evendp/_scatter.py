@@ -96,7 +96,8 @@ def _chunk_mover(
     start: int, size: int, device: torch.device, dim: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def move(t: torch.Tensor) -> torch.Tensor:
-        if _is_batch_tensor(t, dim):
+        # A share that is the whole batch needs no narrow (and no NarrowBackward node).
+        if _is_batch_tensor(t, dim) and size != t.shape[dim]:
             t = t.narrow(dim, start, size)
         return t.to(device, non_blocking=True)
 
