@@ -117,8 +117,9 @@ class BalancedDataParallel(nn.Module):
         #: The per-device sample counts of the last forward (zeros for idle devices).
         self.last_sizes: list[int] = []
         _validate_placement(module.parameters(), module.buffers(), home=self.device_ids[0])
-        # Checked every step (cheap): module.to() keeps Parameter objects, moving their data.
-        self._sentinel = next(module.parameters(), None)
+        # One parameter, looked up afresh every step, stands for the module's placement:
+        # cheaper than walking all of them, and it sees a moved or replaced parameter.
+        self._sentinel = _first_parameter_slot(module)
         # Both state_dict forms load: with and without the "module." prefix.
         self.register_load_state_dict_pre_hook(_add_module_prefix)
 
@@ -141,7 +142,8 @@ class BalancedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._sentinel is not None:
-            _validate_placement([self._sentinel], home=self.device_ids[0])
+            owner, name = self._sentinel
+            _validate_placement([owner._parameters[name]], home=self.device_ids[0])
         total = batch_size((inputs, kwargs), self.dim)
         if total is None:
             raise EvendpError(
@@ -308,9 +310,9 @@ def _validate_chunk_sizes(value: Sequence[float] | None, num_devices: int) -> li
     return _validate_weights(value, expected_len=num_devices)
 
 
-def _validate_placement(*groups: Iterable[torch.Tensor], home: torch.device) -> None:
+def _validate_placement(*groups: Iterable[torch.Tensor | None], home: torch.device) -> None:
     for tensor in itertools.chain(*groups):
-        if not _same_device(tensor.device, home):
+        if tensor is not None and not _same_device(tensor.device, home):
             raise EvendpError(
                 f"the module's tensors must sit on device_ids[0]={home}, but one is on "
                 f"{tensor.device}; call module.to({str(home)!r}) before wrapping it, or put "
@@ -318,6 +320,14 @@ def _validate_placement(*groups: Iterable[torch.Tensor], home: torch.device) -> 
                 "(with CUDA_VISIBLE_DEVICES=2,3 physical GPU 2 is cuda:0); "
                 "evendp.select_devices sets it for you before CUDA starts"
             )
+
+
+def _first_parameter_slot(module: nn.Module) -> tuple[nn.Module, str] | None:
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                return owner, name
+    return None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
