@@ -1,0 +1,274 @@
+"""Speed balance: move samples from slow ranks to fast ones at step boundaries.
+
+Memory decides how much each rank *can* hold; speed decides how much it *should* hold. In DDP
+every step waits for the slowest rank, so step time is ``max_i n_i * t_i`` with ``t_i`` the
+seconds per sample on rank ``i``. :func:`balance_sizes` picks integer ``n_i`` (summing to the
+global batch, each within its memory cap) that minimize that maximum. :class:`SpeedBalancer`
+measures ``t_i`` during training, shares it with one small ``all_gather`` and applies new
+sizes through ``UnevenBatchSampler.set_batch_sizes`` on every rank at the same step. The global
+batch never changes and ``ddp_loss`` weights each rank by its sample count, so the gradient
+stays the exact full-batch gradient whatever the split.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ._errors import EvendpError
+
+__all__ = ["SpeedBalancer", "balance_sizes"]
+
+
+def _validate_balance_inputs(
+    total: int, seconds_per_sample: Sequence[float], caps: Sequence[int] | None, min_size: int
+) -> tuple[list[float], list[int]]:
+    """Check the inputs of :func:`balance_sizes`; return times and caps as lists."""
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise EvendpError(f"total must be a positive int (the global batch), got {total!r}")
+    times = [float(t) for t in seconds_per_sample]
+    if not times:
+        raise EvendpError("seconds_per_sample is empty; pass one time per rank")
+    for i, t in enumerate(times):
+        if not math.isfinite(t) or t <= 0:
+            raise EvendpError(
+                f"seconds_per_sample[{i}] = {seconds_per_sample[i]!r} is not a positive finite "
+                "number; measure at least one sample on every rank"
+            )
+    limits = [total] * len(times) if caps is None else [int(c) for c in caps]
+    if len(limits) != len(times):
+        raise EvendpError(
+            f"got {len(limits)} caps for {len(times)} ranks; pass one max batch per rank"
+        )
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise EvendpError(f"min_size must be a non-negative int, got {min_size!r}")
+    for i, c in enumerate(limits):
+        if c < min_size:
+            raise EvendpError(
+                f"cap {c} for rank {i} is below min_size={min_size}; raise the cap or lower "
+                "min_size"
+            )
+    if sum(limits) < total:
+        raise EvendpError(
+            f"caps {limits} hold {sum(limits)} samples in all, fewer than the global batch "
+            f"{total}; lower the batch or raise the caps"
+        )
+    if min_size * len(times) > total:
+        raise EvendpError(
+            f"min_size={min_size} on {len(times)} ranks needs {min_size * len(times)} samples, "
+            f"more than the global batch {total}; lower min_size"
+        )
+    return times, limits
+
+
+def balance_sizes(
+    total: int,
+    seconds_per_sample: Sequence[float],
+    caps: Sequence[int] | None = None,
+    min_size: int = 0,
+) -> list[int]:
+    """Integer batch sizes that minimize ``max_i n_i * t_i`` with ``sum n_i == total``.
+
+    Each rank gets between ``min_size`` and ``caps[i]`` samples (its memory limit; no limit
+    when ``caps`` is ``None``). Water-filling gives the continuous optimum, its floor is
+    topped up one sample at a time to the rank that would finish soonest, which is optimal
+    for identical samples on ranks of different speed. Ties go to the lower rank.
+
+    >>> balance_sizes(30, [1.0, 2.0])      # rank 1 is half as fast
+    [20, 10]
+    >>> balance_sizes(30, [1.0, 2.0], caps=[16, 32])  # rank 0 cannot hold 20
+    [16, 14]
+    >>> balance_sizes(8, [1.0, 1.0, 1.0])
+    [3, 3, 2]
+    """
+    times, limits = _validate_balance_inputs(total, seconds_per_sample, caps, min_size)
+
+    def filled(level: float) -> float:
+        return sum(min(c, max(min_size, level / t)) for t, c in zip(times, limits, strict=True))
+
+    # Bisect the common finish time at which the clamped continuous sizes hold `total`.
+    low, high = 0.0, max(c * t for t, c in zip(times, limits, strict=True)) + max(times)
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if filled(mid) < total else (low, mid)
+    sizes = [min(c, max(min_size, math.floor(low / t))) for t, c in zip(times, limits, strict=True)]
+    # Top up greedily: the next sample goes where it finishes first.
+    heap = [
+        ((n + 1) * t, i)
+        for i, (n, t, c) in enumerate(zip(sizes, times, limits, strict=True))
+        if n < c
+    ]
+    heapq.heapify(heap)
+    for _ in range(total - sum(sizes)):
+        _, i = heapq.heappop(heap)
+        sizes[i] += 1
+        if sizes[i] < limits[i]:
+            heapq.heappush(heap, ((sizes[i] + 1) * times[i], i))
+    return sizes
+
+
+class _Sampler(Protocol):
+    """What the balancer needs from a sampler (``UnevenBatchSampler`` has it)."""
+
+    @property
+    def batch_sizes(self) -> list[int]: ...
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None: ...
+
+
+def _validate_knobs(warmup: int, every: int, smoothing: float, tolerance: float) -> None:
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise EvendpError(f"warmup must be an int >= 1 (steps measured first), got {warmup!r}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise EvendpError(f"every must be an int >= 1 (steps between exchanges), got {every!r}")
+    if not 0 < smoothing <= 1:
+        raise EvendpError(
+            f"smoothing must be in (0, 1] (weight of the newest timing), got {smoothing!r}"
+        )
+    if not 0 <= tolerance < 1:
+        raise EvendpError(
+            f"tolerance must be in [0, 1) (the least predicted gain worth a change), "
+            f"got {tolerance!r}"
+        )
+
+
+class SpeedBalancer:
+    """Re-split each step's global batch by measured speed, within memory caps.
+
+    Wrap the part of each step that does not wait on other ranks (the forward and the local
+    loss; not ``backward()`` under DDP, whose gradient all-reduce waits for the slowest rank)
+    in ``with balancer.measure(n):`` where ``n`` is this rank's sample count, and call
+    ``balancer.step()`` once per step on every rank. Every ``every`` steps the ranks exchange
+    their timings (one ``all_gather`` of two numbers), smooth them (exponential moving
+    average, ``smoothing`` = weight of the newest), and from step ``warmup`` on, apply
+    :func:`balance_sizes` when it predicts a step at least ``tolerance`` faster than the
+    current split. Every rank computes the same sizes from the same gathered numbers, so all
+    call ``set_batch_sizes`` with the same list at the same step. The first step's timing is
+    dropped (it pays one-off allocation and warm-up costs).
+
+    ``caps``: the most samples each rank's memory holds (``None``: no limit; from
+    ``evendp.plan`` or measured). ``min_size`` keeps every rank busy enough to be measured.
+
+    >>> from evendp._ddp import UnevenBatchSampler
+    >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
+    >>> balancer = SpeedBalancer(sampler, warmup=2)
+    >>> balancer.set_timings_for_test([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
+    >>> [balancer.step() for _ in range(3)]  # step 1 dropped, 2 re-splits, 3 keeps it
+    [False, True, False]
+    >>> sampler.batch_sizes
+    [6, 2]
+    """
+
+    def __init__(
+        self,
+        sampler: _Sampler,
+        caps: Sequence[int] | None = None,
+        *,
+        warmup: int = 3,
+        every: int = 1,
+        smoothing: float = 0.5,
+        tolerance: float = 0.05,
+        min_size: int = 1,
+        group: Any = None,
+    ) -> None:
+        _validate_knobs(warmup, every, smoothing, tolerance)
+        self.sampler = sampler
+        sizes = list(sampler.batch_sizes)
+        self.total = sum(sizes)
+        self.world_size = len(sizes)
+        # Validate caps and min_size against the global batch once, up front.
+        _validate_balance_inputs(self.total, [1.0] * self.world_size, caps, min_size)
+        self.caps = None if caps is None else [int(c) for c in caps]
+        self.warmup, self.every = warmup, every
+        self.smoothing, self.tolerance, self.min_size = smoothing, tolerance, min_size
+        self.group = group
+        self.seconds_per_sample: list[float | None] = [None] * self.world_size
+        self.steps = 0
+        self.history: list[tuple[int, list[int]]] = [(0, sizes)]
+        self._seconds = 0.0
+        self._samples = 0
+        self._fake: list[list[float]] | None = None
+
+    @contextmanager
+    def measure(self, samples: int) -> Iterator[None]:
+        """Time the block as this rank's compute for ``samples`` samples of this step."""
+        # CUDA runs asynchronously: without a sync the timer would see only the launches.
+        sync = torch.cuda.synchronize if torch.cuda.is_initialized() else None
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync is not None:
+                sync()
+            self.record(time.perf_counter() - start, samples)
+
+    def record(self, seconds: float, samples: int) -> None:
+        """Add ``seconds`` of compute for ``samples`` samples to this step (manual timing)."""
+        self._seconds += float(seconds)
+        self._samples += int(samples)
+
+    def set_timings_for_test(self, per_rank: list[list[float]]) -> None:
+        """Use fixed ``[seconds, samples]`` per rank instead of a real exchange (doctests)."""
+        self._fake = per_rank
+
+    def _exchange(self) -> list[tuple[float, float]]:
+        """Every rank's ``(seconds, samples)`` since the last exchange."""
+        if self._fake is not None:
+            return [(float(s), float(n)) for s, n in self._fake]
+        local = torch.tensor([self._seconds, float(self._samples)], dtype=torch.float64)
+        if not (dist.is_available() and dist.is_initialized()):
+            return [(self._seconds, float(self._samples))]
+        if dist.get_backend(self.group) == "nccl":
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
+        return [(float(p[0]), float(p[1])) for p in parts]
+
+    def step(self) -> bool:
+        """Close this step's measurement; maybe re-split. Returns True when sizes changed."""
+        self.steps += 1
+        if self.steps % self.every:
+            return False
+        timings = self._exchange()
+        self._seconds, self._samples = 0.0, 0
+        if len(timings) != self.world_size:
+            raise EvendpError(
+                f"the process group has {len(timings)} ranks but the sampler has "
+                f"{self.world_size} batch sizes; build the sampler with one size per rank"
+            )
+        if self.steps == 1:
+            return False  # one-off costs (allocations, first kernels) would mislead
+        for i, (seconds, samples) in enumerate(timings):
+            if samples > 0 and seconds > 0:
+                rate = seconds / samples
+                old = self.seconds_per_sample[i]
+                self.seconds_per_sample[i] = (
+                    rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+                )
+        return self._rebalance()
+
+    def _rebalance(self) -> bool:
+        known = self.seconds_per_sample
+        if self.steps < self.warmup or any(t is None for t in known):
+            return False
+        times = [float(t) for t in known if t is not None]
+        current = list(self.sampler.batch_sizes)
+        proposed = balance_sizes(self.total, times, self.caps, self.min_size)
+        now = max(n * t for n, t in zip(current, times, strict=True))
+        then = max(n * t for n, t in zip(proposed, times, strict=True))
+        # Hysteresis: a change must promise a real gain, so timing noise cannot make the
+        # split flip back and forth.
+        if proposed == current or then > now * (1 - self.tolerance):
+            return False
+        self.sampler.set_batch_sizes(proposed)
+        self.history.append((self.steps, proposed))
+        return True
