@@ -1,0 +1,92 @@
+"""Scattering nested inputs by sizes and gathering outputs back."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evendp import EvendpError
+from evendp._scatter import batch_size, gather_outputs, map_tensors, scatter
+
+CPU = torch.device("cpu")
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    x: torch.Tensor
+    weight: float = 1.0
+    cache: list[int] = field(default_factory=list, init=False)
+
+
+def test_containers_keep_their_types() -> None:
+    obj = (
+        [torch.zeros(4)],
+        OrderedDict(a=torch.zeros(4, 2)),
+        Pair(torch.zeros(4), "p"),
+        Sample(torch.zeros(4)),
+    )
+    rebuilt = map_tensors(obj, lambda t: t + 1)
+    assert isinstance(rebuilt[0], list)
+    assert isinstance(rebuilt[1], OrderedDict)
+    assert isinstance(rebuilt[2], Pair) and rebuilt[2].label == "p"
+    assert isinstance(rebuilt[3], Sample) and rebuilt[3].weight == 1.0
+    assert float(rebuilt[3].x.sum()) == 4.0
+
+
+@given(sizes=st.lists(st.integers(0, 5), min_size=1, max_size=5))
+def test_scatter_then_gather_is_the_identity(sizes: list[int]) -> None:
+    total = sum(sizes)
+    x = torch.arange(total * 2, dtype=torch.float32).reshape(total, 2)
+    parts = scatter({"x": x, "k": 7}, sizes, [CPU] * len(sizes))
+    assert [p["x"].shape[0] for p in parts] == sizes
+    assert all(p["k"] == 7 for p in parts)
+    active = [i for i, n in enumerate(sizes) if n > 0] or [0]
+    outs = [parts[i]["x"] for i in active]
+    joined = gather_outputs(outs, [sizes[i] for i in active], CPU)
+    torch.testing.assert_close(joined, x)
+
+
+def test_scatter_along_dim_one_and_non_batch_tensors_go_whole() -> None:
+    seq = torch.arange(12).reshape(2, 6)  # (T=2, B=6), batch on dim 1
+    scale = torch.tensor(3.0)  # 0-dim: not a batch tensor
+    parts = scatter((seq, scale), [4, 2], [CPU, CPU], dim=1)
+    assert parts[0][0].shape == (2, 4) and parts[1][0].shape == (2, 2)
+    assert parts[1][1] is scale
+
+
+def test_batch_size_names_the_disagreeing_shapes() -> None:
+    assert batch_size(("no tensors", 3)) is None
+    with pytest.raises(EvendpError, match=r"\[3, 2\].*\[4\]"):
+        batch_size((torch.zeros(3, 2), torch.zeros(4)))
+
+
+def test_gather_weights_float_scalars_and_sums_counts() -> None:
+    means = [torch.tensor(0.25), torch.tensor(0.8)]  # means of [0.3, 0.2] and [0.8]
+    assert gather_outputs(means, [2, 1], CPU).item() == pytest.approx(0.4333333)
+    counts = [torch.tensor(2), torch.tensor(5)]
+    assert gather_outputs(counts, [2, 1], CPU).item() == 7
+
+
+def test_gather_of_plain_values_keeps_agreement_or_lists_them() -> None:
+    assert gather_outputs(["a", "a"], [1, 1], CPU) == "a"
+    assert gather_outputs(["a", "b"], [1, 1], CPU) == ["a", "b"]
+    assert gather_outputs([None, None], [1, 1], CPU) is None
+
+
+def test_gradients_flow_back_through_scatter_and_gather() -> None:
+    x = torch.randn(5, 3, requires_grad=True)
+    parts = scatter(x, [2, 3], [CPU, CPU])
+    gather_outputs([p * 2 for p in parts], [2, 3], CPU).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.full((5, 3), 2.0))
