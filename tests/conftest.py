@@ -6,9 +6,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, settings
-import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, settings
 
 # Shared 2-core machines make wall-clock deadlines flaky; correctness is what is tested.
 settings.register_profile(
