@@ -1,0 +1,112 @@
+"""``evendp launch``: argument handling, and the end-to-end CPU run of examples/ddp_uneven.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import evendp._devices as devices_mod
+from evendp._ddp import UnevenBatchSampler
+from evendp.cli import main
+from tests.test_devices import FakeNvml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ddp_uneven.py"
+
+
+@pytest.fixture(autouse=True)
+def no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices_mod, "_load_nvml", lambda: FakeNvml(None))
+
+
+def test_dry_run_prints_env_and_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["launch", "--batch-sizes", "3,5", "--dry-run", "train.py", "--lr", "0.1"])
+    assert code == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == "EVENDP_BATCH_SIZES=3,5"
+    assert "-m torch.distributed.run --nproc-per-node 2" in lines[1]
+    assert lines[1].endswith("train.py --lr 0.1")  # script options are the script's
+    assert "2 rank(s) per node on CPU (gloo); batch sizes [3, 5]" in captured.err
+
+
+def test_dry_run_passes_multi_node_options(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["launch", "--nproc", "2", "--batch", "8", "--nnodes", "2", "--node-rank", "1"]
+    argv += ["--master-addr", "10.0.0.1", "--master-port", "29400", "--dry-run", "t.py"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "EVENDP_BATCH_SIZES=2,2,2,2" in out
+    assert "--nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29400 t.py" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "8", "--batch-sizes", "3,5"], "not both"),
+        (["--nproc", "x"], "positive int or 'auto'"),
+        (["--batch-sizes", "3,-1"], "-1"),
+        (["--devices", "0,1"], "no NVIDIA driver"),
+    ],
+)
+def test_bad_input_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["launch", *argv, "--dry-run", "t.py"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ddp_uneven_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _single_process_losses(samples: int, epochs: int, sizes: list[int]) -> list[float]:
+    """The example's training on one process: each step on the union of the ranks' batches."""
+    data = _load_example().make_data(samples, 0)
+    samplers = [UnevenBatchSampler(data, sizes, rank=r, seed=0) for r in range(len(sizes))]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for epoch in range(epochs):
+        for s in samplers:
+            s.set_epoch(epoch)
+        for batches in zip(*samplers, strict=True):
+            idx = [i for b in batches for i in b]
+            x, y = data.tensors[0][idx], data.tensors[1][idx]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_launch_ddp_uneven_reports_exact_global_losses() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "EVENDP_BATCH_SIZES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "3,5"]
+    cmd += [str(EXAMPLE), "--samples", "60", "--epochs", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0/2: batch size 3 of 8 [3, 5]" in proc.stdout
+    assert "rank 1/2: batch size 5 of 8 [3, 5]" in proc.stdout
+    got = [float(v) for v in re.findall(r"global loss ([0-9.]+)", proc.stdout)]
+    want = _single_process_losses(60, 2, [3, 5])
+    assert len(got) == len(want) == 16  # ceil(60 / 8) steps per epoch
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= 1e-5 * max(1.0, abs(w))  # printed with 6 decimals
