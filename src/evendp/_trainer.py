@@ -1,0 +1,495 @@
+"""The training loop that composes evendp: one readable loop in the style of nanoGPT.
+
+Each optimizer step takes one global batch (``batch_size`` samples). In one process the model
+runs under :class:`BalancedDataParallel`, which splits every (micro-)batch across the devices
+by their weights and returns the exact sample-weighted mean loss. Under ``torchrun`` each rank
+runs its own share (``batch_sizes[rank]``, from :class:`UnevenBatchSampler`) and the gradient
+is averaged over ranks with every micro-batch weighted by its samples over the global count.
+
+Gradient accumulation and the OOM re-split are the same mechanism: the step runs as
+micro-batches through :class:`OomResplit`, which halves them whenever one runs out of memory.
+The gradient is that of the global batch's mean loss however the batch is cut.
+
+Under DDP with ``oom_resplit=True`` (the default) every rank accumulates its gradients locally
+and they are averaged in one all-reduce after all ranks agreed to step: an OOM in the middle of
+one rank's backward would otherwise leave the others blocked inside DDP's bucket all-reduces.
+The price is no overlap of communication with backward; ``oom_resplit=False`` gives plain DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ._ddp import UnevenBatchSampler
+from ._dp import BalancedDataParallel
+from ._errors import EvendpError
+from ._oom import OomResplit, all_reduce_gradients
+from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
+
+__all__ = ["TrainConfig", "Trainer"]
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+_AMP = ("none", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of a :class:`Trainer` run.
+
+    ``batch_size`` is the global batch per optimizer step (in one process; under ``torchrun``
+    the per-rank sizes come from ``batch_sizes``). ``accum`` splits each step into that many
+    micro-batches (gradient accumulation); the gradient is unchanged.
+
+    >>> TrainConfig(steps=10, amp="bf16").amp
+    'bf16'
+    """
+
+    steps: int = 100
+    batch_size: int = 32
+    batch_sizes: list[int] | None = None  # per rank, under torchrun; None: even split
+    accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    activation_checkpointing: bool = False
+    oom_resplit: bool = True
+    out_dir: str | Path | None = None
+    checkpoint_every: int = 0  # 0: only at the end and on Ctrl-C
+    resume: bool = False
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EvendpError(f"{name} must be a positive int, got {value!r}")
+        if self.amp not in _AMP:
+            raise EvendpError(f"amp must be one of {_AMP}, got {self.amp!r}; e.g. amp='bf16'")
+        if self.checkpoint_every < 0:
+            raise EvendpError(
+                f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}"
+            )
+        if (self.resume or self.checkpoint_every) and self.out_dir is None:
+            raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
+
+
+def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``model(x, y)`` when it returns a scalar loss, or the loss of ``(logits, loss)``."""
+    x, y = batch
+    out = model(x, y)
+    return out[1] if isinstance(out, tuple) else out
+
+
+class _LossModule(nn.Module):
+    """Runs ``loss_fn(model, batch)`` inside ``forward`` so each replica returns only its loss.
+
+    BalancedDataParallel then combines the scalars exactly, and no logits are gathered.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+def _keep_batchnorm_fp32(model: nn.Module) -> None:
+    # Autocast never casts parameters, so BatchNorm weights and running statistics stay fp32;
+    # feeding it fp32 inputs keeps its arithmetic (and the running stats' updates) in fp32 too.
+    def to_fp32(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.register_forward_pre_hook(to_fp32)
+
+
+def _apply_activation_checkpointing(model: nn.Module) -> None:
+    # Recompute each repeated block (the children of a ModuleList, e.g. transformer layers)
+    # in backward instead of keeping its activations. The wrapper keeps state_dict keys.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    blocks = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    if not blocks:
+        raise EvendpError(
+            "activation_checkpointing found no nn.ModuleList of blocks in the model; "
+            "hold the repeated layers in an nn.ModuleList or turn the option off"
+        )
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in blocks)
+
+
+def _collate(data: Dataset[Any], indices: list[int]) -> Batch:
+    batch = getattr(data, "batch", None)
+    if callable(batch):
+        return batch(indices)
+    return default_collate([data[i] for i in indices])
+
+
+def _slice(batch: Batch, start: int, stop: int) -> Batch:
+    if torch.is_tensor(batch):
+        return batch[start:stop]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice(b, start, stop) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _slice(v, start, stop) for k, v in batch.items()}
+    return batch
+
+
+def _batch_len(batch: Batch) -> int:
+    if torch.is_tensor(batch):
+        return int(batch.shape[0])
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    raise EvendpError(f"cannot find the batch dimension of {type(batch).__name__}; use tensors")
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
+class Trainer:
+    """Train ``model`` on ``data`` with balanced DP (one process) or uneven DDP (torchrun).
+
+    Args:
+        model: on ``devices[0]`` (one process) or on this rank's device (DDP).
+        data: a map-style dataset; a ``batch(indices)`` method is used when present.
+        config: a :class:`TrainConfig`.
+        devices: one process: the device list for BalancedDataParallel (repeats are virtual
+            devices). DDP: ignored (the model's device is used).
+        weights: per-device weights for the split (``None``: even).
+        loss_fn: ``loss_fn(model, batch) -> mean loss``; default :func:`default_loss`.
+        optimizer, scheduler: default AdamW(lr, weight_decay) and none.
+
+    >>> from evendp.examples.stdlib_text import CharWindows
+    >>> torch.manual_seed(0) and None
+    >>> data = CharWindows(torch.randint(0, 5, (200,)), block_size=4)
+    >>> class Bigram(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb = nn.Embedding(5, 5)
+    ...     def forward(self, x, y):
+    ...         return nn.functional.cross_entropy(self.emb(x).view(-1, 5), y.view(-1))
+    >>> cfg = TrainConfig(steps=5, batch_size=12, lr=0.1, progress=False)
+    >>> report = Trainer(Bigram(), data, cfg, devices=["cpu", "cpu"], weights=[2, 1]).fit()
+    >>> report.steps, [d.samples_per_step for d in report.devices]
+    (5, [8.0, 4.0])
+    >>> report.final_loss < report.first_loss
+    True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Dataset[Any],
+        config: TrainConfig,
+        *,
+        devices: list[str | int | torch.device] | None = None,
+        weights: list[float] | None = None,
+        loss_fn: LossFn = default_loss,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.data = data
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = next(model.parameters()).device
+        if config.amp != "none":
+            _keep_batchnorm_fp32(model)
+        if config.activation_checkpointing:
+            _apply_activation_checkpointing(model)
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.scheduler = scheduler
+        # fp16 needs loss scaling so small gradients do not flush to zero; bf16 does not.
+        self.scaler = torch.amp.GradScaler(self.device.type) if config.amp == "fp16" else None
+        loss_module = _LossModule(model, loss_fn)
+        if self.distributed:
+            sizes = config.batch_sizes or _even(config.batch_size, self.world)
+            self.sampler = UnevenBatchSampler(
+                data, sizes, rank=self.rank, world_size=self.world, seed=config.seed
+            )
+            self.wrapped: nn.Module = loss_module
+            if not config.oom_resplit:
+                self.wrapped = nn.parallel.DistributedDataParallel(
+                    loss_module, broadcast_buffers=False
+                )
+            else:
+                for t in model.state_dict().values():  # start from rank 0's weights, as DDP does
+                    dist.broadcast(t, src=0)
+            self.device_names = [f"rank{r}" for r in range(self.world)]
+        else:
+            self.sampler = UnevenBatchSampler(
+                data, [config.batch_size], rank=0, world_size=1, seed=config.seed
+            )
+            self.wrapped = BalancedDataParallel(loss_module, devices, chunk_sizes=weights)
+            self.dp_devices: list[torch.device] = list(self.wrapped.device_ids)
+            self.device_names = [
+                f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp_devices)
+            ]
+        self.guard = OomResplit(group=None)
+        self.samples = [0] * len(self.device_names)
+        self.losses: list[float] = []
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """``out_dir/ckpt.pt`` (``None`` without an output directory)."""
+        out = self.config.out_dir
+        return None if out is None else Path(out) / "ckpt.pt"
+
+    def save(self) -> Path | None:
+        """Write a checkpoint now (rank 0 only); returns its path."""
+        path = self.checkpoint_path
+        if path is None or self.rank != 0:
+            return None
+        return save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            scheduler=self.scheduler,
+            step=self.step,
+            extra={
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "losses": self.losses,
+                "samples": self.samples,
+                "micro_batch_size": self.guard.micro_batch_size,
+                "resplits": self.guard.resplits,
+                "skipped": self.guard.skipped,
+            },
+        )
+
+    def _resume(self) -> None:
+        path = None if self.checkpoint_path is None else latest_checkpoint(self.checkpoint_path)
+        if path is None:
+            return  # nothing to resume from: a fresh start, as on the first run
+        info = load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            scheduler=self.scheduler,
+        )
+        extra = info["extra"]
+        self.step = info["step"]
+        self.epoch = int(extra.get("epoch", 0))
+        self.batch_in_epoch = int(extra.get("batch_in_epoch", 0))
+        self.losses = [float(v) for v in extra.get("losses", [])]
+        saved = [int(v) for v in extra.get("samples", [])]
+        if len(saved) == len(self.samples):
+            self.samples = saved
+        self.guard.micro_batch_size = extra.get("micro_batch_size")
+        self.guard.resplits = int(extra.get("resplits", 0))
+        self.guard.skipped = int(extra.get("skipped", 0))
+
+    # -- data --------------------------------------------------------------------------------
+
+    def _batches(self) -> Iterator[Batch]:
+        # Resumes mid-epoch: the sampler is deterministic in (seed, epoch), so skipping the
+        # batches already seen puts the run exactly where it stopped.
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            for i, indices in enumerate(self.sampler):
+                if i < self.batch_in_epoch:
+                    continue
+                self.batch_in_epoch = i + 1
+                yield _to(_collate(self.data, list(indices)), self.device)
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.amp == "none":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _train_step(self, batch: Batch) -> float | None:
+        n = _batch_len(batch)
+        if self.distributed:
+            count = torch.tensor([float(n)], device=_comm_device(self.device))
+            dist.all_reduce(count)  # the last batch of an epoch shrinks: count it
+            global_count = float(count.item())
+        else:
+            global_count = float(n)
+        micro = math.ceil(n / self.config.accum) if n else None
+
+        def chunk_loss(start: int, stop: int) -> torch.Tensor:
+            part = _slice(batch, start, stop)
+            # Plain DDP (no OOM re-split): all-reduce only on the last micro-batch's backward.
+            last = stop == n
+            sync = (
+                self.wrapped.no_sync()
+                if isinstance(self.wrapped, nn.parallel.DistributedDataParallel) and not last
+                else contextlib.nullcontext()
+            )
+            with sync, self._autocast():
+                loss = (
+                    self.wrapped(*part) if isinstance(part, (tuple, list)) else self.wrapped(part)
+                )
+            if start == 0:
+                attempt.clear()  # an OOM restarts the step from sample 0: count the last try
+            if isinstance(self.wrapped, BalancedDataParallel):
+                attempt.append(list(self.wrapped.last_sizes))
+            else:
+                attempt.append([stop - start if r == self.rank else 0 for r in range(self.world)])
+            return loss.float()
+
+        def backward(loss: torch.Tensor) -> None:
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+        self.optimizer.zero_grad(set_to_none=True)
+        attempt: list[list[int]] = []  # per micro-batch, the samples each device ran
+        total = self.guard.run(
+            n,
+            chunk_loss,
+            weight=self.world / global_count,
+            zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+            backward=backward,
+            micro_batch_size=micro,
+        )
+        if total is None:
+            return None
+        for sizes in attempt:
+            self.samples = [a + b for a, b in zip(self.samples, sizes, strict=True)]
+        if self.distributed and self.config.oom_resplit:
+            all_reduce_gradients(self.model.parameters())
+        if self.distributed:
+            reduced = total.to(_comm_device(self.device))
+            dist.all_reduce(reduced)
+            total = reduced.cpu()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
+        if self.config.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return float(total) / self.world
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _memory_text(self) -> str:
+        if self.device.type != "cuda":
+            return "-"
+        devices = [self.device] if self.distributed else self.dp_devices
+        seen = dict.fromkeys(d for d in devices if d.type == "cuda")
+        return " ".join(format_bytes(torch.cuda.max_memory_allocated(d)) for d in seen)
+
+    def fit(self) -> TrainReport:
+        """Run until ``config.steps`` optimizer steps are done; return the report.
+
+        Ctrl-C saves a checkpoint (when ``out_dir`` is set) and returns the report so far
+        with ``interrupted=True``.
+        """
+        cfg = self.config
+        torch.manual_seed(cfg.seed + self.rank)
+        if cfg.resume:
+            self._resume()
+        start_step = self.step
+        self.model.train()
+        interrupted = False
+        started = time.perf_counter()
+        batches = self._batches()
+        show = cfg.progress and self.rank == 0
+        try:
+            with TrainProgress(cfg.steps, enabled=show, start=self.step) as bar:
+                while self.step < cfg.steps:
+                    batch = next(batches)
+                    loss = self._train_step(batch)
+                    self.step += 1
+                    if loss is not None:
+                        self.losses.append(loss)
+                    bar.update(self.step, loss, _batch_len(batch) * self.world, self._memory_text())
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save()
+        except KeyboardInterrupt:
+            interrupted = True
+        elapsed = time.perf_counter() - started
+        self.save()
+        return self._report(self.step - start_step, elapsed, interrupted)
+
+    def _report(self, steps_run: int, elapsed: float, interrupted: bool) -> TrainReport:
+        samples = list(self.samples)
+        if self.distributed:
+            t = torch.tensor(samples, dtype=torch.float64, device=_comm_device(self.device))
+            dist.all_reduce(t)  # each rank counted only its own share
+            samples = [int(v) for v in t.tolist()]
+        done = max(self.step, 1)
+        stats = []
+        for i, name in enumerate(self.device_names):
+            peak = None
+            if self.device.type == "cuda" and not self.distributed:
+                dev = self.dp_devices[i]
+                peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+            elif self.device.type == "cuda" and i == self.rank:
+                peak = int(torch.cuda.max_memory_allocated(self.device))
+            stats.append(DeviceStat(name, samples[i] / done, peak))
+        per_step = sum(s.samples_per_step for s in stats)
+        return TrainReport(
+            devices=stats,
+            losses=list(self.losses),
+            steps=self.step,
+            global_batch=round(per_step),
+            samples_per_s=per_step * steps_run / max(elapsed, 1e-9),
+            elapsed_s=elapsed,
+            resplits=self.guard.resplits,
+            skipped_steps=self.guard.skipped,
+            micro_batch_size=self.guard.micro_batch_size,
+            interrupted=interrupted,
+            mode="ddp" if self.distributed else "dp",
+            amp=self.config.amp,
+        )
+
+
+def _even(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    # NCCL moves CUDA tensors, gloo CPU ones.
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")

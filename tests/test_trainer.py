@@ -1,0 +1,275 @@
+"""The Trainer: exact steps under uneven splits, accumulation and OOM; resume; AMP; Ctrl-C.
+
+The DDP checks run in one pair of gloo processes, started once for the module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from evendp._errors import EvendpError
+from evendp._trainer import TrainConfig, Trainer
+from evendp.examples.gpt import GPT, GPTConfig
+from evendp.examples.stdlib_text import CharWindows
+from tests._helpers import free_port, requires_cuda
+
+V = 7  # vocabulary of the toy data
+
+
+class TinyLM(nn.Module):
+    """Embedding + MLP next-token model; raises OOM for batches above ``limit``."""
+
+    def __init__(self, limit: int = 10**9, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+        self.fc = nn.Linear(16, V)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("injected")
+        h = self.emb(x)  # (B, T, 16)
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        logits = self.fc(torch.tanh(h))  # (B, T, V)
+        return nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+
+
+def _data(n: int = 400, block: int = 6) -> CharWindows:
+    g = torch.Generator().manual_seed(1)
+    return CharWindows(torch.randint(0, V, (n,), generator=g), block_size=block)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _reference_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model(x, y).backward()
+    opt.step()
+
+
+def test_one_step_equals_the_full_batch_step_with_zeros_accum_and_oom() -> None:
+    data = _data()
+    torch.manual_seed(0)
+    ours = TinyLM(limit=3)  # device 0's share of 8 (weight 2 of 3) does not fit: re-split
+    ref = TinyLM()
+    ref.load_state_dict(ours.state_dict())
+    cfg = TrainConfig(steps=1, batch_size=12, accum=1, grad_clip=None, progress=False)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    trainer = Trainer(ours, data, cfg, devices=["cpu"] * 3, weights=[2, 1, 0], optimizer=opt)
+    indices = next(iter(trainer.sampler))
+    report = trainer.fit()
+    assert report.resplits >= 1 and report.skipped_steps == 0
+    assert [d.samples_per_step for d in report.devices] == [8, 4, 0]
+    x, y = data.batch(indices)
+    _reference_step(ref, x, y, lr=0.5)
+    assert _rel(_flat(ours), _flat(ref)) <= 1e-5
+
+
+def test_accumulation_gives_the_same_step() -> None:
+    data = _data()
+    results = []
+    for accum in (1, 4):
+        torch.manual_seed(0)
+        model = TinyLM()
+        cfg = TrainConfig(steps=3, batch_size=10, accum=accum, grad_clip=0.5, progress=False)
+        Trainer(model, data, cfg, devices=["cpu", "cpu"], weights=[3, 1]).fit()
+        results.append(_flat(model))
+    assert _rel(results[1], results[0]) <= 1e-5
+
+
+def _run(tmp: Path | None, steps: int, resume: bool = False, every: int = 0) -> list[float]:
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    cfg = TrainConfig(
+        steps=steps,
+        batch_size=16,
+        out_dir=tmp,
+        resume=resume,
+        checkpoint_every=every,
+        progress=False,
+    )
+    trainer = Trainer(
+        model,
+        _data(n=200),
+        cfg,
+        devices=["cpu", "cpu"],
+        weights=[1, 1],
+        optimizer=opt,
+        scheduler=sched,
+    )
+    return trainer.fit().losses
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
+    straight = _run(None, 20)
+    first = _run(tmp_path, 10, every=4)
+    assert (tmp_path / "ckpt.pt").exists() and (tmp_path / "ckpt.prev.pt").exists()
+    resumed = _run(tmp_path, 20, resume=True)
+    assert len(first) == 10 and len(resumed) == 20  # epochs cross over (200 windows / 16)
+    assert resumed[:10] == first
+    for a, b in zip(resumed, straight, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_ctrl_c_saves_and_returns(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return model(*batch)
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=10, batch_size=8, out_dir=tmp_path, progress=False)
+    report = Trainer(TinyLM(), _data(), cfg, devices=["cpu"], loss_fn=loss_fn).fit()
+    assert report.interrupted and report.steps == 3
+    from evendp._checkpoint import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "ckpt.pt", model=TinyLM())["step"] == 3
+
+
+def test_bf16_autocast_on_cpu_trains_and_keeps_batchnorm_fp32() -> None:
+    torch.manual_seed(0)
+    model = TinyLM(batchnorm=True)
+    cfg = TrainConfig(steps=25, batch_size=16, amp="bf16", lr=3e-2, progress=False)
+    report = Trainer(model, _data(), cfg, devices=["cpu", "cpu"], weights=[2, 1]).fit()
+    assert all(torch.isfinite(torch.tensor(report.losses)))
+    assert report.final_loss is not None and report.first_loss is not None
+    assert report.final_loss < report.first_loss
+    assert isinstance(model.norm, nn.BatchNorm1d)
+    assert model.norm.running_mean.dtype == torch.float32
+    assert model.norm.weight.dtype == torch.float32
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_fp16_with_grad_scaler_on_cuda() -> None:
+    torch.manual_seed(0)
+    model = TinyLM(batchnorm=True).cuda()
+    cfg = TrainConfig(steps=20, batch_size=16, amp="fp16", lr=3e-2, progress=False)
+    trainer = Trainer(model, _data(), cfg, devices=["cuda:0", "cuda:0"], weights=[2, 1])
+    report = trainer.fit()
+    assert trainer.scaler is not None and trainer.scaler.get_scale() > 0
+    assert report.final_loss is not None and report.first_loss is not None
+    assert report.final_loss < report.first_loss
+    assert report.devices[0].peak_bytes is not None
+
+
+def test_activation_checkpointing_keeps_the_gradient_and_keys() -> None:
+    cfg_gpt = GPTConfig(vocab_size=V, block_size=6, n_layer=2, n_head=2, n_embd=16)
+    data = _data()
+    params = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg_gpt)
+        keys = list(model.state_dict())
+        cfg = TrainConfig(steps=2, batch_size=8, activation_checkpointing=ckpt, progress=False)
+        Trainer(model, data, cfg, devices=["cpu", "cpu"]).fit()
+        assert list(model.state_dict()) == keys
+        params.append(_flat(model))
+    assert _rel(params[1], params[0]) <= 1e-5
+    with pytest.raises(EvendpError, match="ModuleList"):
+        Trainer(TinyLM(), data, TrainConfig(activation_checkpointing=True), devices=["cpu"])
+
+
+def test_config_validation() -> None:
+    with pytest.raises(EvendpError, match="amp"):
+        TrainConfig(amp="fp8")  # type: ignore[arg-type]
+    with pytest.raises(EvendpError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(EvendpError, match="out_dir"):
+        TrainConfig(resume=True)
+
+
+# --- uneven DDP on gloo: 2 processes, spawned once for the module ----------------------------
+
+SIZES = [5, 3]
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results: dict[str, Any] = {}
+    data = _data()
+    for oom_resplit in (True, False):
+        torch.manual_seed(0)
+        # Rank 0 cannot run more than 2 samples at once (OOM-safe mode only: plain DDP
+        # would hang on an OOM in one rank's backward, which is why the safe mode exists).
+        model = TinyLM(limit=2 if rank == 0 and oom_resplit else 10**9)
+        initial = _flat(model).clone()
+        cfg = TrainConfig(
+            steps=1, batch_sizes=SIZES, oom_resplit=oom_resplit, grad_clip=None, progress=False
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        trainer = Trainer(model, data, cfg, optimizer=opt)
+        trainer.sampler.set_epoch(0)
+        mine = next(iter(trainer.sampler))
+        both: list[Any] = [None, None]
+        dist.all_gather_object(both, mine)
+        report = trainer.fit()
+        results[str(oom_resplit)] = {
+            "initial": initial,
+            "after": _flat(model).clone(),
+            "indices": both,
+            "resplits": report.resplits,
+            "samples": [d.samples_per_step for d in report.devices],
+            "loss": report.losses[0],
+        }
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("trainer_ddp")
+    ctx = mp.start_processes(
+        _ddp_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=False
+    )
+    for _ in range(150):
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("DDP trainer workers did not finish within 150 s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("oom_resplit", ["True", "False"])
+def test_uneven_ddp_step_equals_the_full_batch_step(
+    ddp_results: list[dict[str, Any]], oom_resplit: str
+) -> None:
+    r0, r1 = (r[oom_resplit] for r in ddp_results)
+    assert r0["samples"] == r1["samples"] == [5, 3]
+    indices = r0["indices"][0] + r0["indices"][1]
+    torch.manual_seed(0)
+    ref = TinyLM()
+    assert torch.equal(_flat(ref), r0["initial"])
+    x, y = _data().batch(indices)
+    with torch.no_grad():
+        expected_loss = float(ref(x, y))
+    _reference_step(ref, x, y, lr=0.5)
+    assert _rel(r0["after"], _flat(ref)) <= 1e-5 and _rel(r1["after"], _flat(ref)) <= 1e-5
+    assert abs(r0["loss"] - expected_loss) <= 1e-5 * expected_loss
+    if oom_resplit == "True":
+        assert r0["resplits"] > 0 and r1["resplits"] == 0
