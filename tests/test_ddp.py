@@ -344,3 +344,38 @@ def test_ddp_loss_keeps_the_loss_dtype() -> None:
     assert ddp_loss(x32.sum(), torch.tensor(3.0, dtype=torch.float64)).dtype == torch.float32
     x16 = torch.randn(3, dtype=torch.bfloat16, requires_grad=True)
     assert ddp_loss(x16.sum(), 3).dtype == torch.float32  # a bf16 sum is scaled in fp32
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samples_in_step_matches_the_step_even_when_the_loader_samples_ahead(workers: int) -> None:
+    data = TensorDataset(torch.arange(50))
+    sizes, per_rank_lens, totals = [4, 0, 3], [], []
+    for r in range(3):
+        sampler = UnevenBatchSampler(data, sizes, rank=r, seed=1)
+        loader = DataLoader(
+            data, batch_sampler=sampler, collate_fn=EmptySafeCollate(data), num_workers=workers
+        )
+        lens, mine = [], []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            sampler.set_batch_sizes(sizes)
+            for step, (x,) in enumerate(loader):
+                if step == 1:
+                    sampler.set_batch_sizes([1, 6, 2])  # reaches the loop later with workers
+                lens.append(len(x))
+                mine.append(sampler.samples_in_step(step))
+        per_rank_lens.append(lens)
+        totals.append(mine)
+    assert totals[0] == totals[1] == totals[2]
+    assert totals[0] == [sum(step) for step in zip(*per_rank_lens, strict=True)]
+    assert sum(totals[0]) == 100  # two epochs, each sample once per epoch
+
+
+def test_samples_in_step_rejects_steps_not_sampled() -> None:
+    s = UnevenBatchSampler(10, [1, 3], rank=0)
+    with pytest.raises(EvendpError, match="step 0 has not been sampled yet"):
+        s.samples_in_step(0)
+    list(s)
+    assert s.samples_in_step(2) == 2  # still readable after the epoch's iterator is done
+    with pytest.raises(EvendpError, match="step must be an int >= 0"):
+        s.samples_in_step(-1)

@@ -210,7 +210,9 @@ def _check_training(kind: str) -> dict[str, Any]:
         batch_shapes.append(tuple(xb.shape))
         opt.zero_grad(set_to_none=True)
         local_sum = F.cross_entropy(model(xb), yb, reduction="sum")
-        ddp_loss(local_sum, len(yb)).backward()
+        # DDP all-reduces the count; FSDP2 takes it from the sampler (no communication).
+        total = None if kind == "ddp" else sampler.samples_in_step(step)
+        ddp_loss(local_sum, len(yb), total).backward()
         opt.step()
         losses.append(float(global_mean(local_sum, len(yb))))
         everything = [i for part in _gather(sampled[step]) for i in part]

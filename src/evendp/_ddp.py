@@ -255,6 +255,9 @@ class UnevenBatchSampler:
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0
+        # Samples over all ranks in each step yielded this epoch (kept after the epoch ends:
+        # a DataLoader samples ahead of the training loop that asks).
+        self._step_totals: list[int] = []
 
     def _set_sizes(self, sizes: list[int]) -> None:
         self._sizes = sizes
@@ -299,6 +302,29 @@ class UnevenBatchSampler:
         sizes = _validate_batch_sizes(batch_sizes, self.world_size)
         self._set_sizes(sizes)
 
+    def samples_in_step(self, step: int) -> int:
+        """Samples over all ranks in step ``step`` (0-based) of the epoch being iterated.
+
+        The ``global_count`` for :func:`ddp_loss` when the loss is a per-sample sum, with no
+        communication (every rank knows every rank's size): ``ddp_loss(s, len(y),
+        sampler.samples_in_step(step))`` saves the count all-reduce. It is exact for the short
+        last step and after :meth:`set_batch_sizes`. Counts of something else (non-ignored
+        tokens) still need ``ddp_loss``'s all-reduce.
+
+        >>> s = UnevenBatchSampler(10, [1, 3], rank=0)
+        >>> [s.samples_in_step(step) for step, _ in enumerate(s)]
+        [4, 4, 2]
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise EvendpError(f"step must be an int >= 0, got {step!r}")
+        if step >= len(self._step_totals):
+            raise EvendpError(
+                f"step {step} has not been sampled yet this epoch (steps 0 to "
+                f"{len(self._step_totals) - 1} have); count steps from 0 in each epoch, "
+                "e.g. `for step, batch in enumerate(loader)`"
+            )
+        return self._step_totals[step]
+
     def _permutation(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_samples))
@@ -313,6 +339,7 @@ class UnevenBatchSampler:
         n = self.num_samples
         self._cursor = 0
         self._steps_done = 0
+        self._step_totals = []
         # Sizes are re-read every step so set_batch_sizes takes effect at the next yield.
         while True:
             remaining = n - self._cursor
@@ -328,6 +355,7 @@ class UnevenBatchSampler:
             batch = perm[start : start + size]
             self._cursor += step_total
             self._steps_done += 1
+            self._step_totals.append(step_total)
             yield batch
         self._cursor = 0
         self._steps_done = 0
