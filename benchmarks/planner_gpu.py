@@ -1,0 +1,168 @@
+"""Planner accuracy: predicted memory against measured, per model.
+
+CPU part (always): activation bytes per sample and the forward+backward peak predicted on
+fake tensors, against ``MemTracker`` on real tensors. GPU part (when CUDA is present): plan
+one device at a fixed batch, run real training steps at that batch, and compare the predicted
+allocator peak (the plan's peak minus its CUDA context allowance) with
+``torch.cuda.max_memory_reserved``. Target: within 5%, never more than 2% under.
+
+    python benchmarks/planner_gpu.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from evendp._plan import plan, profile_step
+from evendp.examples.gpt import GPT, GPTConfig
+from evendp.examples.lm_head import LMHead, lm_loss
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _gpt_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 96, (n, 64)), torch.randint(0, 96, (n, 64))
+
+
+# name: (factory, batch(n), criterion, GPU batch)
+MODELS = {
+    "mlp": (
+        lambda: nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 10)),
+        lambda n: (torch.randn(n, 512), torch.randint(0, 10, (n,))),
+        nn.functional.cross_entropy,
+        4096,
+    ),
+    "conv": (
+        ConvNet,
+        lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
+        nn.functional.cross_entropy,
+        512,
+    ),
+    "gpt": (lambda: GPT(GPTConfig()), _gpt_batch, None, 256),
+    "lm-head": (
+        lambda: LMHead(40_000, 250),
+        lambda n: (torch.randint(0, 40_000, (n, 250)),) * 2,
+        lm_loss,
+        8,
+    ),
+}
+
+
+def _step(model: nn.Module, batch: object, criterion: object, opt: torch.optim.Optimizer) -> None:
+    if criterion is None:
+        out = model(*batch)  # type: ignore[misc]
+        loss = out[1]
+    else:
+        x, y = batch  # type: ignore[misc]
+        out = model(x)
+        loss = criterion(out, y)  # type: ignore[operator]
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _real_cpu(name: str, sizes: tuple[int, int]) -> tuple[float, list[int]]:
+    make, batch, criterion, _ = MODELS[name]
+    held, peaks = [], []
+    for n in sizes:
+        model = make()
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            b = batch(n)
+            inputs = b if criterion is None else b[0]
+            out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            snap = tracker.get_tracker_snapshot()
+            total = sum(v["Total"] for v in snap.values())
+            par = sum(
+                v.get(k, 0)
+                for v in snap.values()
+                for k in v
+                if getattr(k, "name", "") in ("PARAM", "BUFFER")
+            )
+            held.append(total - par)
+            loss = out[1] if criterion is None else criterion(out, b[1])
+            loss.backward()
+            peaks.append(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    return (held[1] - held[0]) / (sizes[1] - sizes[0]), peaks
+
+
+def cpu_table() -> None:
+    sizes = (8, 16)
+    print(f"CPU: fake-tensor prediction vs MemTracker on real tensors (batch sizes {sizes})")
+    print(
+        f"{'model':8} {'act B/sample pred':>18} {'real':>12} {'ratio':>7} "
+        f"{'peak@16 pred':>13} {'real':>12} {'ratio':>7}"
+    )
+    for name, (make, batch, criterion, _) in MODELS.items():
+        if name == "lm-head":
+            continue  # 40k x 250 logits are too big for a quick real CPU run
+        prof = profile_step(make, batch, sizes, criterion=criterion, optimizer=None)
+        pred = (prof["forward_bytes"][1] - prof["forward_bytes"][0]) / (sizes[1] - sizes[0])
+        real, peaks = _real_cpu(name, sizes)
+        pp = prof["peak_bytes"][1]
+        print(
+            f"{name:8} {pred:18.0f} {real:12.0f} {pred / real:7.3f} "
+            f"{pp:13.0f} {peaks[1]:12.0f} {pp / peaks[1]:7.3f}"
+        )
+
+
+def gpu_table() -> None:
+    if not torch.cuda.is_available():
+        print("GPU: skipped (no CUDA device)")
+        return
+    # --- GPU-only part below. ---
+    context = 512 << 20
+    print("GPU: predicted allocator peak vs torch.cuda.max_memory_reserved (one device)")
+    print(f"{'model':8} {'batch':>6} {'predicted GiB':>14} {'reserved GiB':>13} {'ratio':>7}")
+    for name, (make, batch, criterion, n) in MODELS.items():
+        free, _ = torch.cuda.mem_get_info()
+        p = plan(
+            make,
+            batch,
+            [free],
+            mode="ddp",
+            criterion=criterion,
+            batch_size=n,
+            cuda_context=context,
+            safety_margin=0.0,
+        )
+        predicted = p.devices[0].peak - context
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = make().cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(3):
+            b = tuple(t.cuda() for t in batch(n))
+            _step(model, b, criterion, opt)
+        torch.cuda.synchronize()
+        reserved = torch.cuda.max_memory_reserved()
+        print(
+            f"{name:8} {n:6d} {predicted / 2**30:14.3f} {reserved / 2**30:13.3f} "
+            f"{predicted / reserved:7.3f}"
+        )
+        del model, opt, b
+
+
+if __name__ == "__main__":
+    cpu_table()
+    gpu_table()
