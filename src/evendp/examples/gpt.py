@@ -71,7 +71,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         # Explicit attention (not the fused kernel) so the math, and its memory, is plain.
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
+        att = att.masked_fill(~mask[:, :, :T, :T], float("-inf"))
         att = self.attn_dropout(F.softmax(att, dim=-1))
         y = att @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
