@@ -414,3 +414,25 @@ def test_cuda_virtual_devices_match_one_device() -> None:
     for p, q in zip(net.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert _relative_error(p.grad, q.grad) <= 1e-5
+
+
+def test_auto_chunk_sizes_plan_on_the_first_batch_and_stay_exact() -> None:
+    torch.manual_seed(5)
+    net = MLP()
+    reference = copy.deepcopy(net)
+    x, y = torch.randn(7, 5), torch.randn(7, 3)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes="auto")
+    assert wrapped.chunk_sizes is None  # planned lazily, from the first real batch
+    nn.functional.mse_loss(wrapped(x), y).backward()
+    nn.functional.mse_loss(reference(x), y).backward()
+    # Virtual CPU devices have no memory to read: the planner gives equal weights.
+    assert wrapped.chunk_sizes == [1.0, 1.0, 1.0]
+    assert wrapped.last_sizes == [3, 2, 2]
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert _relative_error(p.grad, q.grad) <= 1e-5
+
+
+def test_unknown_chunk_sizes_string_is_refused() -> None:
+    with pytest.raises(EvendpError, match=r"'even' is not understood.*'auto'"):
+        BalancedDataParallel(nn.Linear(1, 1), ["cpu"], chunk_sizes="even")  # type: ignore[arg-type]

@@ -77,9 +77,11 @@ class BalancedDataParallel(nn.Module):
             with no GPU. Default: every visible CUDA device, else ``["cpu"]``.
         output_device: where outputs are gathered (default ``device_ids[0]``).
         dim: the batch dimension of inputs and outputs.
-        chunk_sizes: ``None`` for an even split, or one non-negative weight per device,
-            normalized for every batch by largest remainder. A zero-weight device gets no
-            replica and no memory.
+        chunk_sizes: ``None`` for an even split; one non-negative weight per device,
+            normalized for every batch by largest remainder (a zero-weight device gets no
+            replica and no memory); or ``"auto"``: on the first batch, plan the split that
+            fits each CUDA device's live free memory (:func:`evendp.plan`; equal weights on
+            virtual CPU devices, which have no memory to read).
         gather: ``False`` returns a :class:`Scattered` instead of gathered outputs.
 
     A replica that returns a floating scalar (a mean loss computed inside ``forward``) is
@@ -102,7 +104,7 @@ class BalancedDataParallel(nn.Module):
         device_ids: Sequence[DeviceLike] | None = None,
         output_device: DeviceLike | None = None,
         dim: int = 0,
-        chunk_sizes: Sequence[float] | None = None,
+        chunk_sizes: Sequence[float] | Literal["auto"] | None = None,
         gather: bool = True,
     ) -> None:
         super().__init__()
@@ -125,12 +127,17 @@ class BalancedDataParallel(nn.Module):
 
     @property
     def chunk_sizes(self) -> list[float] | None:
-        """Per-device weights (``None``: even). Assigning validates them."""
+        """Per-device weights (``None``: even; after ``"auto"``, what the planner chose on the
+        first batch). Assigning validates them; assigning ``"auto"`` plans again."""
         return self._weights
 
     @chunk_sizes.setter
-    def chunk_sizes(self, value: Sequence[float] | None) -> None:
-        self._weights = _validate_chunk_sizes(value, len(self.device_ids))
+    def chunk_sizes(self, value: Sequence[float] | Literal["auto"] | None) -> None:
+        if isinstance(value, str):
+            _validate_auto(value)
+            self._auto, self._weights = True, None
+        else:
+            self._auto, self._weights = False, _validate_chunk_sizes(value, len(self.device_ids))
         self._split_cache: dict[int, list[int]] = {}
 
     def split(self, total: int) -> list[int]:
@@ -151,6 +158,8 @@ class BalancedDataParallel(nn.Module):
                 f"(dim={self.dim}) among its inputs; pass the batch as a tensor, or call "
                 "the module directly when there is nothing to split"
             )
+        if self._auto and self._weights is None:
+            self._weights = self._plan_weights(inputs, kwargs)
         self.last_sizes = self.split(total)
         active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
         devices = [self.device_ids[i] for i in active]
@@ -161,6 +170,22 @@ class BalancedDataParallel(nn.Module):
         if not self.gather:
             return Scattered(outputs, sizes, devices, self.dim, self.output_device)
         return gather_outputs(outputs, sizes, self.output_device, self.dim)
+
+    def _plan_weights(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
+        """``chunk_sizes="auto"``: plan DP on live free memory, the first batch as the example."""
+        from ._plan import auto_weights  # the planner is heavy; only "auto" needs it
+
+        if inputs and kwargs:
+            raise EvendpError(
+                "chunk_sizes='auto' plans from the first batch, which must be passed all "
+                f"positionally or all as keywords; got {len(inputs)} positional and "
+                f"keywords {sorted(kwargs)}. Plan explicitly with evendp.plan(...) and pass "
+                "chunk_sizes=plan.split instead"
+            )
+        home = self.output_device
+        output_index = next((i for i, d in enumerate(self.device_ids) if d == home), 0)
+        example = kwargs if kwargs else inputs
+        return auto_weights(self.module, self.device_ids, example, output_device=output_index)
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
         # The home device runs the module itself: no copies, and buffer updates persist.
@@ -302,6 +327,14 @@ def _validate_dim(dim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
         raise EvendpError(f"dim must be a non-negative int (the batch dimension), got {dim!r}")
     return dim
+
+
+def _validate_auto(value: str) -> None:
+    if value != "auto":
+        raise EvendpError(
+            f"chunk_sizes={value!r} is not understood; pass None (even split), 'auto' "
+            "(planned from free memory), or one non-negative weight per device"
+        )
 
 
 def _validate_chunk_sizes(value: Sequence[float] | None, num_devices: int) -> list[float] | None:
