@@ -1,0 +1,204 @@
+"""Steps/s of evendp's uneven DDP path against plain DDP with equal batches, in one gloo run.
+
+Plain PyTorch: ``DistributedSampler`` + ``DataLoader(batch_size=G/W)`` + mean loss + DDP.
+evendp: ``UnevenBatchSampler`` + ``EmptySafeCollate`` + ``ddp_loss`` (+ its count all-reduce)
++ DDP, once with the same equal sizes (pure wrapper overhead) and once with uneven sizes of
+the same global batch. All variants live in the same process group and are timed in
+alternating rounds so load from other processes hits them alike; the median round counts.
+
+    .venv/bin/python benchmarks/ddp_overhead.py            # about a minute on 2 CPU cores
+    .venv/bin/python benchmarks/ddp_overhead.py --quick    # a smoke run
+
+On identical CPUs an uneven split makes the larger rank do more work per step, so the
+uneven row also measures that imbalance (on real mixed hardware the sizes come from the
+devices' speed, and that imbalance is the point); the equal-sizes row is the overhead figure.
+Rows marked ``+AR`` let ``ddp_loss`` all-reduce the count (needed when the count is not the
+number of samples, e.g. non-ignored tokens); the others take it from
+``sampler.samples_in_step(step)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from evendp._ddp import EmptySafeCollate, UnevenBatchSampler, ddp_loss
+
+FEATURES, CLASSES = 64, 10
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES)
+    )
+
+
+def _forever(loader: DataLoader[Any], set_epoch: Callable[[int], None]) -> Iterator[Any]:
+    epoch = 0
+    while True:
+        set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _make_step(
+    data: TensorDataset, world: int, rank: int, sizes: list[int], kind: str
+) -> Callable[[], None]:
+    """One training step with its own model, optimizer and data stream.
+
+    ``kind``: "plain" (DistributedSampler, equal batches, mean loss: PyTorch as usual),
+    "mean" (UnevenBatchSampler with mean loss per rank: the same work as evendp at these sizes
+    but the inexact gradient), "evendp" (ddp_loss with the count from the sampler) or
+    "evendp+AR" (ddp_loss all-reduces the count).
+    """
+    loader: DataLoader[Any]
+    if kind == "plain":
+        plain_sampler: DistributedSampler[Any] = DistributedSampler(
+            data, num_replicas=world, rank=rank, seed=0
+        )
+        loader = DataLoader(data, batch_size=sizes[rank], sampler=plain_sampler)
+        set_epoch, steps_per_epoch = plain_sampler.set_epoch, len(loader)
+    else:
+        sampler = UnevenBatchSampler(data, sizes, rank=rank, world_size=world, seed=0)
+        loader = DataLoader(data, batch_sampler=sampler, collate_fn=EmptySafeCollate(data))
+        set_epoch, steps_per_epoch = sampler.set_epoch, len(sampler)
+    batches = _forever(loader, set_epoch)
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counter = [0]
+
+    def step() -> None:
+        x, y = next(batches)
+        index = counter[0] % steps_per_epoch  # the step within the epoch
+        counter[0] += 1
+        opt.zero_grad(set_to_none=True)
+        if kind in ("plain", "mean"):
+            F.cross_entropy(model(x), y).backward()
+        else:
+            local_sum = F.cross_entropy(model(x), y, reduction="sum")
+            # The global count from the sampler (no communication), or all-reduced.
+            total = None if kind == "evendp+AR" else sampler.samples_in_step(index)
+            ddp_loss(local_sum, len(y), total).backward()
+        opt.step()
+
+    return step
+
+
+def _variants(uneven: list[int]) -> list[tuple[str, str, list[int], str]]:
+    """(name, kind, sizes, the name of the same-work baseline) for every timed variant."""
+    world = len(uneven)
+    equal = [sum(uneven) // world] * world
+    plain, same_work = f"plain DDP {equal}", f"DDP {uneven} mean (inexact)"
+    return [
+        (plain, "plain", equal, plain),
+        (f"{plain} again", "plain", equal, plain),  # A/A control: shows the timing noise
+        (f"evendp {equal}", "evendp", equal, plain),
+        (same_work, "mean", uneven, same_work),
+        (f"evendp {uneven}", "evendp", uneven, same_work),
+        (f"evendp {uneven} +AR", "evendp+AR", uneven, same_work),
+    ]
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, FEATURES, generator=g), torch.randint(0, 10, (4096,)))
+    variants = {
+        name: _make_step(data, world, rank, sizes, kind)
+        for name, kind, sizes, _ in _variants(args.sizes)
+    }
+    for step in variants.values():  # warm-up: allocator, DDP buckets, autograd graph caches
+        for _ in range(args.warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(args.rounds):
+        # Rotate the order each round so no variant always runs first after the barrier.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step = variants[name]
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.steps):
+                step()
+            cpu = torch.tensor(time.process_time() - c0, dtype=torch.float64)
+            dist.barrier()  # a step is done when the slowest rank is done
+            times[name].append(time.perf_counter() - t0)
+            dist.all_reduce(cpu)  # CPU seconds of all ranks: barely moved by other load
+            cpu_times[name].append(float(cpu))
+    if rank == 0:
+        torch.save({"wall": times, "cpu": cpu_times}, Path(out))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description="evendp uneven DDP vs plain DDP, steps/s on gloo")
+    p.add_argument("--sizes", default="3,13", help="uneven per-rank batch sizes (default 3,13)")
+    p.add_argument("--steps", type=int, default=40, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=25, help="alternating rounds per variant")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="tiny settings, for a smoke test")
+    args = p.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 5, 2, 2
+    world = len(args.sizes)
+    if sum(args.sizes) % world:
+        p.error(f"the global batch {sum(args.sizes)} must divide by {world} for the equal rows")
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp_overhead_{os.getpid()}.pt"
+    mp.spawn(_worker, args=(world, _free_port(), args, str(out)), nprocs=world, join=True)
+    measured: dict[str, dict[str, list[float]]] = torch.load(out)
+    out.unlink()
+    # Medians over rounds. Wall time is what training sees but moves with other load on the
+    # machine; CPU time (all ranks, per step) is the work itself and is what overhead means.
+    steps_s = {n: args.steps / statistics.median(t) for n, t in measured["wall"].items()}
+    cpu_ms = {n: 1e3 * statistics.median(t) / args.steps for n, t in measured["cpu"].items()}
+    variants = _variants(args.sizes)
+    plain = variants[0][0]
+    print(f"gloo, {world} processes x 1 thread, {args.rounds} rounds x {args.steps} steps, medians")
+    print(
+        f"{'variant':<30} {'steps/s':>8} {'vs plain':>9} {'vs same work':>13}"
+        f" {'CPU ms/step':>12} {'CPU ratio':>10}"
+    )
+    ratios: dict[str, float] = {}
+    for name, _, _, base in variants:
+        ratios[name] = steps_s[name] / steps_s[base]
+        print(
+            f"{name:<30} {steps_s[name]:8.1f} {steps_s[name] / steps_s[plain]:9.3f} "
+            f"{ratios[name]:13.3f} {cpu_ms[name]:12.3f} {cpu_ms[base] / cpu_ms[name]:10.3f}"
+        )
+    print(
+        "ratios: higher is better; target >= 0.98 against the same work. The A/A row ('again')\n"
+        "shows the timing noise. On identical CPUs an uneven split also makes the bigger rank\n"
+        "slower ('vs plain'): that is the split, not evendp; on mixed devices it is the point."
+    )
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
