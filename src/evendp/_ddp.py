@@ -498,18 +498,25 @@ def ddp_loss(
         raise EvendpError(
             f"local_sum must be a tensor (the summed loss of this rank), got {local_sum!r}"
         )
+    world = _world_size(group)
+    # At least fp32, so a bf16 sum is scaled without bf16 round-off.
+    loss = local_sum if local_sum.dtype in (torch.float32, torch.float64) else local_sum.float()
+    if isinstance(global_count, (int, float)) and not isinstance(global_count, bool):
+        # A plain number: one multiply, no tensors to build (this runs every step).
+        if global_count < 0:
+            raise EvendpError(f"global_count must be >= 0, got {global_count!r}")
+        return loss * (world / global_count if global_count > 0 else 0.0)
     if global_count is None:
         total = _count_tensor(local_count, local_sum.device)
-        if _world_size(group) > 1:
+        if world > 1:
             dist.all_reduce(total, group=group)
     else:
         total = _count_tensor(global_count, local_sum.device)
+    total = total.to(torch.float64)
     # Zero samples everywhere means local_sum is 0 too: divide by 1 instead of 0, no host sync.
-    total = torch.where(total > 0, total, torch.ones_like(total)).to(torch.float64)
-    # The scale in float64 then the loss's dtype (at least fp32, so a bf16 sum keeps precision);
-    # a float64 count must not promote an fp32 loss to fp64.
-    scale = (_world_size(group) / total).to(torch.promote_types(local_sum.dtype, torch.float32))
-    return local_sum * scale
+    total = total + (total == 0)
+    # The scale in float64, then the loss's dtype: a float64 count must not promote fp32 to fp64.
+    return loss * (world / total).to(loss.dtype)
 
 
 def global_mean(
