@@ -9,9 +9,13 @@ alternating rounds so load from other processes hits them alike; the median roun
     .venv/bin/python benchmarks/ddp_overhead.py            # about a minute on 2 CPU cores
     .venv/bin/python benchmarks/ddp_overhead.py --quick    # a smoke run
 
-On identical CPUs an uneven split makes the larger rank do more work per step, so the
-uneven row also measures that imbalance (on real mixed hardware the sizes come from the
-devices' speed, and that imbalance is the point); the equal-sizes row is the overhead figure.
+On identical CPUs an uneven split makes the larger rank do more work per step, so the uneven
+rows are also compared with the same work done the inexact way ("DDP [3, 13] mean": the same
+sampler, a mean loss per rank); that "vs same work" ratio and the equal-sizes row are the
+overhead figures (on real mixed hardware the sizes come from the devices' speed, and the
+imbalance on identical CPUs is the point). An A/A row (plain DDP twice) shows the noise;
+CPU time per step (all ranks) is reported beside wall time because it barely moves with
+other load on the machine.
 Rows marked ``+AR`` let ``ddp_loss`` all-reduce the count (needed when the count is not the
 number of samples, e.g. non-ignored tokens); the others take it from
 ``sampler.samples_in_step(step)``.
