@@ -14,7 +14,7 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "main"]
 
 # Subcommands in the order `evendp --help` lists them.
-_SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch")
+_SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,276 @@
+"""``evendp train``: train the built-in char-level GPT on the Python standard library's source.
+
+With no arguments it uses every GPU (split by the planner or by free memory), or, with none,
+three CPU virtual devices with an uneven split (weights 2,1,1), and writes a report (table,
+JSON, PNG) and checkpoints to ``runs/demo``. ``--mode ddp`` starts one process per device
+under torchrun (through ``evendp launch``'s planning). Exit code 2 on bad input, 130 after
+Ctrl-C (a checkpoint is saved first; ``--resume`` continues).
+"""
+
+from __future__ import annotations
+
+# Absolute imports: under --mode ddp this file is also torchrun's script.
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from evendp._errors import EvendpError
+
+_DEFAULT_OUT = "runs/demo"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``evendp train``."""
+    p = subparsers.add_parser(
+        "train",
+        help="train the built-in char GPT on the stdlib source, using every device fully",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
+    p.add_argument("--batch", type=int, default=32, help="global batch per step (default 32)")
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="comma-separated devices, repeats are virtual devices, e.g. 'cpu,cpu,cpu' or "
+        "'0,1' (default: all GPUs, else cpu,cpu,cpu)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="per-device split weights, e.g. '2,1,1' (default: 2,1,1 on CPU, free memory on GPUs)",
+    )
+    p.add_argument("--mode", choices=("dp", "ddp"), default="dp")
+    p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step (default 1)")
+    p.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default {_DEFAULT_OUT})")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints (0: end only)"
+    )
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--n-layer", type=int, default=3)
+    p.add_argument("--n-embd", type=int, default=96)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-chars", type=int, default=1_000_000, help="corpus size in characters")
+    p.add_argument("--no-plan", action="store_true", help="skip the planned-memory figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _validate_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch", "accum", "n_layer", "n_embd", "block_size", "max_chars"):
+        value = getattr(args, name)
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise EvendpError(f"{flag} must be a positive int, got {value}; e.g. {flag} 2")
+    if args.checkpoint_every < 0:
+        raise EvendpError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+
+
+def _parse_devices(text: str | None) -> list[str | int]:
+    if text is None:
+        if torch.cuda.is_available():
+            return list(range(torch.cuda.device_count()))
+        return ["cpu", "cpu", "cpu"]
+    out: list[str | int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise EvendpError(f"--devices {text!r} has an empty entry; e.g. --devices cpu,cpu")
+        out.append(int(part) if part.isdigit() else part)
+    return out
+
+
+def _parse_weights(text: str | None, devices: list[str | int]) -> list[float] | None:
+    if text is None:
+        if all(str(d).startswith("cpu") for d in devices) and len(devices) == 3:
+            return [2.0, 1.0, 1.0]  # virtual devices: show an uneven split
+        if devices and all(isinstance(d, int) for d in devices):
+            return _free_memory_weights([int(d) for d in devices])
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise EvendpError(f"--weights {text!r} is not a list of numbers; e.g. 2,1,1") from None
+    if len(weights) != len(devices):
+        raise EvendpError(
+            f"--weights has {len(weights)} numbers for {len(devices)} devices; give one each"
+        )
+    return weights
+
+
+def _free_memory_weights(ids: list[int]) -> list[float] | None:
+    # Each GPU's share follows its free memory (another job on a card shrinks its share).
+    free = []
+    for i in ids:
+        f, _ = torch.cuda.mem_get_info(i)
+        free.append(float(f))
+    return free if len(set(ids)) == len(ids) else None
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from evendp.examples.gpt import GPT, GPTConfig
+    from evendp.examples.stdlib_text import stdlib_dataset
+
+    train, _val, vocab = stdlib_dataset(block_size=args.block_size, max_chars=args.max_chars)
+    n_head = 4 if args.n_embd % 4 == 0 else 1
+    config = GPTConfig(
+        vocab_size=vocab.size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=n_head,
+        n_embd=args.n_embd,
+    )
+    torch.manual_seed(args.seed)
+    return GPT(config), train, config
+
+
+def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
+    """Planned forward+backward peak per device, for our shares and for an even split."""
+    from evendp._plan import profile_step
+    from evendp._split import split_sizes
+    from evendp.examples.gpt import GPT
+
+    even = split_sizes(args.batch, [1] * len(ours))
+    sizes = sorted({n for n in [*ours, *even] if n > 0})
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (n, config.block_size)
+        return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
+
+    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    prof = profile_step(
+        lambda: GPT(config), batch, sizes, amp=amp, checkpointing=args.checkpointing
+    )
+    peak = dict(zip(prof["sizes"], prof["peak_bytes"], strict=True))
+    # Device 0 also holds the optimizer state (DP keeps one optimizer, on the home device).
+    extra = [int(prof["optimizer"]) if i == 0 else 0 for i in range(len(ours))]
+    mine = [int(peak.get(n, 0)) + extra[i] for i, n in enumerate(ours)]
+    theirs = [int(peak.get(n, 0)) + extra[i] for i, n in enumerate(even)]
+    return mine, theirs
+
+
+def _ddp_launch(args: argparse.Namespace) -> int:
+    from evendp._launch import launch, plan_launch
+
+    devices = args.devices
+    nproc: int | str = (
+        len(devices.split(",")) if devices else ("auto" if torch.cuda.is_available() else 2)
+    )
+    plan = plan_launch(nproc=nproc, batch=args.batch)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    argv = [
+        "--mode", "ddp", "--steps", str(args.steps), "--batch", str(args.batch),
+        "--amp", args.amp, "--accum", str(args.accum), "--out", args.out,
+        "--checkpoint-every", str(args.checkpoint_every), "--lr", str(args.lr),
+        "--seed", str(args.seed), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+        "--block-size", str(args.block_size), "--max-chars", str(args.max_chars),
+    ]  # fmt: skip
+    argv += [flag for flag, on in (("--resume", args.resume), ("--checkpointing",
+             args.checkpointing), ("--no-progress", args.no_progress)) if on]  # fmt: skip
+    return launch(str(Path(__file__).resolve()), argv, plan=plan)
+
+
+def _run_ddp_rank(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from evendp._ddp import batch_sizes_from_env
+    from evendp._report import write_report
+    from evendp._trainer import TrainConfig, Trainer
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        world = dist.get_world_size()
+        even = [args.batch // world + (1 if r < args.batch % world else 0) for r in range(world)]
+        sizes = batch_sizes_from_env(world, default=even)
+        model, data, _config = _build(args)
+        model = model.to(torch.device("cuda", local) if cuda else torch.device("cpu"))
+        cfg = TrainConfig(
+            steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
+            lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
+            out_dir=args.out, checkpoint_every=args.checkpoint_every, resume=args.resume,
+            seed=args.seed, progress=not args.no_progress,
+        )  # fmt: skip
+        report = Trainer(model, data, cfg).fit()
+        if dist.get_rank() == 0:
+            _print_report(report, write_report(report, args.out))
+        return 130 if report.interrupted else 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _print_report(report: Any, paths: dict[str, Path]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.table())
+    console.print(report.summary())
+    console.print(f"report: {paths['txt']}, {paths['png']}, {paths['json']}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train and write the report; exit code 0, 2 for bad input, 130 after Ctrl-C."""
+    try:
+        _validate_args(args)
+        if args.mode == "ddp":
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                return _run_ddp_rank(args)
+            return _ddp_launch(args)
+        return _run_dp(args)
+    except EvendpError as exc:
+        print(f"evendp train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_dp(args: argparse.Namespace) -> int:
+    from evendp._report import write_report
+    from evendp._trainer import TrainConfig, Trainer
+
+    devices = _parse_devices(args.devices)
+    weights = _parse_weights(args.weights, devices)
+    if all(str(d).startswith("cpu") for d in devices) and len(devices) > 1:
+        # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+    model, data, config = _build(args)
+    home = devices[0]
+    model = model.to(torch.device("cuda", home) if isinstance(home, int) else torch.device(home))
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
+        activation_checkpointing=args.checkpointing, out_dir=args.out,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    trainer = Trainer(model, data, cfg, devices=list(devices), weights=weights)
+    print(
+        f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
+        f"{args.batch}, samples per device per step {trainer.wrapped.split(args.batch)}",  # type: ignore[operator]
+        flush=True,
+    )
+    report = trainer.fit()
+    if not args.no_plan:
+        try:
+            ours = [round(d.samples_per_step) for d in report.devices]
+            mine, even = _planned_peaks(config, args, ours)
+            for d, a, b in zip(report.devices, mine, even, strict=True):
+                d.planned_bytes, d.even_planned_bytes = a, b
+        except EvendpError as exc:  # the report is still useful without planned figures
+            print(f"evendp train: planned memory unavailable: {exc}", file=sys.stderr)
+    _print_report(report, write_report(report, args.out))
+    return 130 if report.interrupted else 0
+
+
+if __name__ == "__main__":  # torchrun runs this file as the script of each rank
+    from evendp.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

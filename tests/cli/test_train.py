@@ -1,0 +1,102 @@
+"""`evendp train`: the demo trains, the loss falls, the report is written, resume continues."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from evendp.cli import main
+
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "200000"]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One 60-step CPU run of the default virtual devices, shared by the checks below."""
+    out = tmp_path_factory.mktemp("demo")
+    capture = out / "stdout.txt"
+    import contextlib
+
+    with capture.open("w") as f, contextlib.redirect_stdout(f):
+        code = main(["train", "--steps", "60", "--out", str(out), "--no-progress", *SMALL])
+    assert code == 0
+    return out, capture.read_text()
+
+
+def test_loss_falls_clearly(demo: tuple[Path, str]) -> None:
+    out, _ = demo
+    report = json.loads((out / "report.json").read_text())
+    losses = report["losses"]
+    assert len(losses) == 60 and report["steps"] == 60
+    assert sum(losses[-10:]) / 10 < losses[0] - 1.0  # ~4.5 (uniform over 96) -> below 3.5
+
+
+def test_report_files_and_per_device_counts(demo: tuple[Path, str]) -> None:
+    out, stdout = demo
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "ckpt.pt").exists()
+    assert "samples per device per step [16, 8, 8]" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert [d["samples_per_step"] for d in report["devices"]] == [16, 8, 8]
+    assert all(d["even_planned_bytes"] and d["planned_bytes"] for d in report["devices"])
+    assert "cpu:2" in (out / "report.txt").read_text()
+
+
+def test_resume_continues_the_run(demo: tuple[Path, str]) -> None:
+    out, _ = demo
+    before = json.loads((out / "report.json").read_text())["losses"]
+    code = main(
+        ["train", "--steps", "65", "--resume", "--out", str(out), "--no-progress", "--no-plan",
+         *SMALL]
+    )  # fmt: skip
+    assert code == 0
+    after = json.loads((out / "report.json").read_text())
+    assert after["steps"] == 65 and after["losses"][:60] == before
+
+
+def test_bf16_and_accumulation_run(tmp_path: Path) -> None:
+    code = main(
+        ["train", "--steps", "4", "--amp", "bf16", "--accum", "2", "--devices", "cpu,cpu",
+         "--weights", "3,1", "--out", str(tmp_path), "--no-progress", "--no-plan", *SMALL]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["amp"] == "bf16" and [d["samples_per_step"] for d in report["devices"]] == [
+        24,
+        8,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be a positive int"),
+        (["--devices", "cpu,cpu", "--weights", "1,2,3"], "3 numbers for 2 devices"),
+        (["--weights", "a,b,c"], "not a list of numbers"),
+        (["--resume", "--out", "{tmp}/nothing.pt/x"], None),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(
+    argv: list[str], message: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if message is None:  # a corrupt checkpoint to resume from
+        bad = tmp_path / "run"
+        bad.mkdir()
+        (bad / "ckpt.pt").write_bytes(b"garbage")
+        argv = ["--resume", "--out", str(bad)]
+        message = "unreadable"
+    common = ["--steps", "2", "--out", str(tmp_path / "out"), "--no-progress", "--no-plan"]
+    code = main(["train", *common, *SMALL, *argv])  # argv last: its values win
+    assert code == 2
+    assert message in capsys.readouterr().err
