@@ -379,3 +379,12 @@ def test_samples_in_step_rejects_steps_not_sampled() -> None:
     assert s.samples_in_step(2) == 2  # still readable after the epoch's iterator is done
     with pytest.raises(EvendpError, match="step must be an int >= 0"):
         s.samples_in_step(-1)
+
+
+def test_ddp_loss_accepts_numpy_counts_and_rejects_negative_global() -> None:
+    np = pytest.importorskip("numpy")
+    x = torch.randn(4, requires_grad=True)
+    torch.testing.assert_close(ddp_loss(x.sum(), np.int64(4), np.int64(8)), x.sum() / 8)
+    torch.testing.assert_close(ddp_loss(x.sum(), np.int64(4)), x.sum() / 4)
+    with pytest.raises(EvendpError, match="global_count must be >= 0"):
+        ddp_loss(x.sum(), 4, -1)

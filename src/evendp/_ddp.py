@@ -20,6 +20,7 @@ the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean i
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -440,11 +441,11 @@ def _count_tensor(count: torch.Tensor | float, device: torch.device) -> torch.Te
         t = count.detach().to(device=device)
         dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
         return t.to(dtype=dtype, copy=True)
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
         raise EvendpError(f"count must be an int, float or tensor, got {count!r}")
     if count < 0:
         raise EvendpError(f"count must be >= 0 (samples or tokens), got {count!r}")
-    dtype = torch.int64 if isinstance(count, int) else torch.float64
+    dtype = torch.int64 if isinstance(count, numbers.Integral) else torch.float64
     return torch.tensor(count, dtype=dtype, device=device)
 
 
@@ -501,11 +502,12 @@ def ddp_loss(
     world = _world_size(group)
     # At least fp32, so a bf16 sum is scaled without bf16 round-off.
     loss = local_sum if local_sum.dtype in (torch.float32, torch.float64) else local_sum.float()
-    if isinstance(global_count, (int, float)) and not isinstance(global_count, bool):
+    if isinstance(global_count, numbers.Real) and not isinstance(global_count, bool):
         # A plain number: one multiply, no tensors to build (this runs every step).
-        if global_count < 0:
+        total_n = float(global_count)
+        if not total_n >= 0:  # also catches NaN
             raise EvendpError(f"global_count must be >= 0, got {global_count!r}")
-        return loss * (world / global_count if global_count > 0 else 0.0)
+        return loss * (world / total_n if total_n > 0 else 0.0)
     if global_count is None:
         total = _count_tensor(local_count, local_sum.device)
         if world > 1:
