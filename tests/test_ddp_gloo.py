@@ -193,20 +193,22 @@ def _check_naive() -> dict[str, float]:
     return out
 
 
-def _check_training(kind: str) -> dict[str, Any]:
-    """5 optimizer steps through DataLoader + UnevenBatchSampler vs single-process training."""
+def _check_training(kind: str, switch: list[int] | None = None) -> dict[str, Any]:
+    """Optimizer steps through DataLoader + UnevenBatchSampler vs single-process training.
+
+    ``switch``: new sizes set after the second step (as a speed balancer would, on all ranks).
+    """
     sizes, n, seed = [2, 0, 5], 30, 11  # 5 steps; the last one has 2 samples
     x, y = _data(n, seed)
-    data = TensorDataset(x, y)
+    data = TensorDataset(x, y, torch.arange(n))  # the index rides along to rebuild the step
     sampler = UnevenBatchSampler(data, sizes, seed=seed)
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=EmptySafeCollate(data))
     model = _wrap(kind, _model(seed))
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     ref_model = _model(seed)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.2, momentum=0.9)
-    losses, ref_losses, batch_shapes = [], [], []
-    sampled = list(sampler)  # the same index lists the loader uses (deterministic)
-    for step, (xb, yb) in enumerate(loader):
+    losses, ref_losses, batch_shapes, seen = [], [], [], []
+    for step, (xb, yb, ib) in enumerate(loader):
         batch_shapes.append(tuple(xb.shape))
         opt.zero_grad(set_to_none=True)
         local_sum = F.cross_entropy(model(xb), yb, reduction="sum")
@@ -215,12 +217,15 @@ def _check_training(kind: str) -> dict[str, Any]:
         ddp_loss(local_sum, len(yb), total).backward()
         opt.step()
         losses.append(float(global_mean(local_sum, len(yb))))
-        everything = [i for part in _gather(sampled[step]) for i in part]
+        everything = [i for part in _gather(ib.tolist()) for i in part]
+        seen += everything
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = F.cross_entropy(ref_model(x[everything]), y[everything])
         ref_loss.backward()
         ref_opt.step()
         ref_losses.append(float(ref_loss))
+        if switch is not None and step == 1:
+            sampler.set_batch_sizes(switch)
     params = _flat_params(model)
     return {
         "losses": losses,
@@ -228,6 +233,7 @@ def _check_training(kind: str) -> dict[str, Any]:
         "param_rel": _rel(params, _flat_params(ref_model)),
         "params_all_ranks": _gather(params),
         "batch_shapes": batch_shapes,
+        "seen": sorted(seen),
     }
 
 
@@ -269,6 +275,7 @@ def _worker(rank: int, port: int, cases: dict[str, Any], out_dir: str) -> None:
             res["accumulation"][kind] = [
                 (c, _check_accumulation(kind, c, seed)) for seed, c in enumerate(cases["micro"])
             ]
+        res["training"]["ddp-switch"] = _check_training("ddp", switch=[1, 4, 3])
         res["naive"] = _check_naive()
         sampler = UnevenBatchSampler(40, [3, 0, 5], seed=4)
         res["sampler"] = {"rank": sampler.rank, "batches": list(sampler)}
@@ -313,9 +320,21 @@ def test_five_step_training_matches_single_process(
         torch.testing.assert_close(t["losses"], t["ref_losses"], rtol=TOL, atol=0)
         assert t["param_rel"] <= TOL
         assert t["ref_losses"][-1] < t["ref_losses"][0]  # it trained
+        assert t["seen"] == list(range(30))
     # Rank 1 has batch size 0: DataLoader gave it empty (0, 5) batches every step.
     assert results[1]["training"][kind]["batch_shapes"] == [(0, 5)] * 5
     assert [s[0] for s in results[0]["training"][kind]["batch_shapes"]] == [2, 2, 2, 2, 1]
+
+
+def test_changing_sizes_mid_epoch_stays_exact(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        t = res["training"]["ddp-switch"]
+        torch.testing.assert_close(t["losses"], t["ref_losses"], rtol=TOL, atol=0)
+        assert t["param_rel"] <= TOL
+        assert t["seen"] == list(range(30))  # every sample once despite the change
+    # 2 steps of [2, 0, 5] (14 samples), then 16 samples at [1, 4, 3]: 2 more steps.
+    shapes = [[s[0] for s in res["training"]["ddp-switch"]["batch_shapes"]] for res in results]
+    assert shapes == [[2, 2, 1, 1], [0, 0, 4, 4], [5, 5, 3, 3]]
 
 
 def test_parameters_identical_across_ranks_after_training(results: list[dict[str, Any]]) -> None:
