@@ -100,3 +100,15 @@ def test_bad_input_exits_2_with_a_clear_message(
     code = main(["train", *common, *SMALL, *argv])  # argv last: its values win
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_ddp_mode_launches_uneven_cpu_ranks(tmp_path: Path) -> None:
+    code = main(
+        ["train", "--mode", "ddp", "--devices", "cpu,cpu", "--weights", "3,1", "--batch", "16",
+         "--steps", "3", "--out", str(tmp_path), "--no-progress", *SMALL]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["mode"] == "ddp" and report["steps"] == 3
+    assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]

@@ -95,13 +95,17 @@ def _parse_weights(text: str | None, devices: list[str | int]) -> list[float] | 
         if devices and all(isinstance(d, int) for d in devices):
             return _free_memory_weights([int(d) for d in devices])
         return None
+    return _weights_list(text, len(devices))
+
+
+def _weights_list(text: str, count: int) -> list[float]:
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
         raise EvendpError(f"--weights {text!r} is not a list of numbers; e.g. 2,1,1") from None
-    if len(weights) != len(devices):
+    if len(weights) != count:
         raise EvendpError(
-            f"--weights has {len(weights)} numbers for {len(devices)} devices; give one each"
+            f"--weights has {len(weights)} numbers for {count} devices; give one each"
         )
     return weights
 
@@ -164,7 +168,15 @@ def _ddp_launch(args: argparse.Namespace) -> int:
     nproc: int | str = (
         len(devices.split(",")) if devices else ("auto" if torch.cuda.is_available() else 2)
     )
-    plan = plan_launch(nproc=nproc, batch=args.batch)
+    if args.weights is not None:  # uneven ranks: the weights fix every rank's batch size
+        from evendp._split import split_sizes
+
+        if nproc == "auto":
+            raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
+        weights = _weights_list(args.weights, int(nproc))
+        plan = plan_launch(nproc=nproc, batch_sizes=split_sizes(args.batch, weights))
+    else:
+        plan = plan_launch(nproc=nproc, batch=args.batch)
     print(plan.describe(), file=sys.stderr, flush=True)
     argv = [
         "--mode", "ddp", "--steps", str(args.steps), "--batch", str(args.batch),
