@@ -94,11 +94,14 @@ def main() -> None:
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for i, (x, y) in enumerate(loader):
             x, y = x.to(device), y.to(device)
             local_sum = F.cross_entropy(model(x), y, reduction="sum")  # sum, not mean
             opt.zero_grad(set_to_none=True)
-            ddp_loss(local_sum, len(y)).backward()  # gradient of the global-batch mean
+            # The step's sample count over all ranks, known without communication; for counts
+            # only this rank knows (non-padding tokens) leave it out and ddp_loss all-reduces.
+            total = sampler.samples_in_step(i)
+            ddp_loss(local_sum, len(y), total).backward()  # gradient of the global-batch mean
             opt.step()
             loss = global_mean(local_sum, len(y)).item()  # the same on every rank
             if rank == 0:
