@@ -104,7 +104,7 @@ class TrainReport:
         """Two lines: loss first -> final, throughput, and what OOM handling did."""
         first, final = self.first_loss, self.final_loss
         loss = f"loss {first:.4f} -> {final:.4f}" if first is not None and final is not None else ""
-        state = "interrupted, checkpoint saved" if self.interrupted else "finished"
+        state = "interrupted" if self.interrupted else "finished"
         return (
             f"{state}: {self.steps} steps in {self.elapsed_s:.1f} s, {loss}, "
             f"{self.samples_per_s:.1f} samples/s\n"
