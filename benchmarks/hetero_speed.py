@@ -1,0 +1,314 @@
+"""eta_speed on mixed-speed ranks: plain DDP with an even split against evendp's speed balance.
+
+Two gloo ranks, each pinned with ``taskset`` to its own core; a busy process shares the second
+core, so rank 1 runs at about half speed. We measure:
+
+1. standalone samples/s of one process on each core (core 1 with and without the busy process);
+2. plain PyTorch DDP, equal batches (the even split is capped by the slow rank);
+3. evendp: UnevenBatchSampler + SpeedBalancer + ddp_loss, same global batch;
+4. evendp with the slowdown starting mid-run (busy process started at a step), steps to recover.
+
+``--slow busy`` (default) is that setup. The scheduler makes it noisy: a rank that waits in an
+all-reduce gets scheduler credit against the busy loop, so in DDP the slow rank runs faster
+than its standalone figure. ``--slow twice`` instead makes rank 1 compute every sample twice
+(forward and backward of a shadow copy: a device at half speed, repeatable), and
+``--slow both`` runs both setups.
+Standalone rates are measured with both pinned processes running at once, so load from other
+programs on the machine hits them as it hits the DDP run.
+
+eta_speed = global samples/s / (sum of the two standalone samples/s). Target: >= 0.90 with
+speed balance and recovery within 20 steps. Run: ``python benchmarks/hetero_speed.py``
+(about a minute); ``--steps 12 --batch 8`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from evendp._ddp import UnevenBatchSampler, ddp_loss
+from evendp._speed import SpeedBalancer
+
+SEQ, WIDTH, POOL = 32, 128, 256
+
+
+def make_model() -> nn.Module:
+    # A per-token MLP then mean-pool: compute grows with samples x tokens while the gradient
+    # all-reduce stays small, like real models where compute dominates communication.
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.GELU()
+    )
+
+
+def forward_sum(
+    model: nn.Module, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    h = model(x).mean(dim=1)  # (n, SEQ, WIDTH) -> (n, WIDTH)
+    return F.cross_entropy(h @ head, y, reduction="sum")
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(POOL, SEQ, WIDTH, generator=g), torch.randint(0, 10, (POOL,), generator=g)
+
+
+def start_busy(core: int | None) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-c", "while True: pass"]
+    if core is not None:
+        cmd = ["taskset", "-c", str(core), *cmd]
+    return subprocess.Popen(cmd)
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None:
+        proc.kill()  # only the busy loop this script started
+        proc.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (run in their own pinned processes)
+
+
+def standalone(args: argparse.Namespace) -> dict[str, float]:
+    torch.set_num_threads(1)
+    model, shadow, (x, y) = make_model(), make_model(), make_data()
+    head = torch.randn(WIDTH, 10, requires_grad=True)
+    opt = torch.optim.SGD([*model.parameters(), head], lr=1e-3)
+    n, times = args.batch // 2, []
+    for step in range(args.steps):
+        idx = [(step * n + i) % POOL for i in range(n)]
+        opt.zero_grad()
+        loss = forward_sum(model, head, x[idx], y[idx]) / n
+        for _ in range(args.extra):  # an emulated slower device (0 unless --slow twice)
+            loss = loss + 0 * forward_sum(shadow, head, x[idx], y[idx])
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter())
+    warm = min(3, args.steps // 3)
+    return {"samples_per_s": n * (args.steps - 1 - warm) / (times[-1] - times[warm])}
+
+
+def ddp_run(args: argparse.Namespace) -> dict[str, object]:
+    torch.set_num_threads(1)
+    rank = args.rank
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=2
+    )
+    model, shadow, (x, y) = make_model(), make_model(), make_data()
+    head = torch.randn(WIDTH, 10, generator=torch.Generator().manual_seed(2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    half = args.batch // 2
+    sampler = UnevenBatchSampler(args.steps * args.batch, [half, half], rank=rank, shuffle=False)
+    balancer = None if args.worker == "even" else SpeedBalancer(sampler, warmup=3)
+    busy, times, sizes = None, [], []
+    for step, idx in enumerate(sampler):
+        slowed = args.worker != "midrun" or step >= args.slow_at
+        if (
+            args.worker == "midrun"
+            and rank == 0
+            and step == args.slow_at
+            and args.busy_core is not None
+        ):
+            busy = start_busy(args.busy_core)
+        extra = args.extra if rank == 1 and slowed else 0
+        rows = [i % POOL for i in idx]
+        if balancer is None:
+            # Plain PyTorch: equal batches, the ordinary mean loss.
+            loss = forward_sum(ddp, head, x[rows], y[rows]) / len(rows)
+            for _ in range(extra):  # the shadow's backward runs in loss.backward()
+                loss = loss + 0 * forward_sum(shadow, head, x[rows], y[rows])
+        else:
+            # Time only the local forward; backward waits in DDP's all-reduce.
+            with balancer.measure(len(rows)):
+                local_sum = forward_sum(ddp, head, x[rows], y[rows])
+                for _ in range(extra):
+                    local_sum = local_sum + 0 * forward_sum(shadow, head, x[rows], y[rows])
+            loss = ddp_loss(local_sum, len(rows), global_count=sampler.global_batch_size)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if balancer is not None:
+            balancer.step()
+        times.append(time.perf_counter())
+        sizes.append(len(rows))
+    stop(busy)
+    out: list[list[int]] = [[], []]
+    dist.all_gather_object(out, sizes)
+    result = {"times": times, "sizes": [list(p) for p in zip(*out, strict=True)]}
+    if rank == 0:  # written before teardown, which gloo has been seen to abort in here
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+
+
+def pinned(core: int | None) -> list[str]:
+    return [] if core is None else ["taskset", "-c", str(core)]
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port != 29500:
+            return port
+
+
+def worker_cmd(args: argparse.Namespace, mode: str, out: Path, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, __file__, "--worker", mode, "--out", str(out),
+        "--steps", str(args.steps), "--batch", str(args.batch), *extra,
+    ]  # fmt: skip
+
+
+def run_standalone(
+    args: argparse.Namespace, cores: list[int | None], extras: list[int], tmp: Path, tag: str
+) -> list[float]:
+    """Both cores' standalone samples/s, measured at the same time."""
+    outs = [tmp / f"standalone-{tag}-{i}.json" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [*pinned(core), *worker_cmd(args, "standalone", out, ["--extra", str(extra)])]
+        )
+        for core, out, extra in zip(cores, outs, extras, strict=True)
+    ]
+    if any(p.wait() for p in procs):
+        raise SystemExit("a standalone worker failed")
+    return [float(json.loads(o.read_text())["samples_per_s"]) for o in outs]
+
+
+def run_ddp(
+    args: argparse.Namespace, mode: str, cores: list[int | None], tmp: Path, slow_extra: int
+) -> dict:  # type: ignore[type-arg]
+    port, outs, procs = free_port(), [], []
+    for rank in range(2):
+        out = tmp / f"{mode}-{rank}.json"
+        extra = ["--rank", str(rank), "--port", str(port), "--slow-at", str(args.slow_at)]
+        extra += ["--extra", str(slow_extra)]
+        if slow_extra == 0 and cores[1] is not None:
+            extra += ["--busy-core", str(cores[1])]
+        procs.append(subprocess.Popen([*pinned(cores[rank]), *worker_cmd(args, mode, out, extra)]))
+        outs.append(out)
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        if not outs[0].exists():
+            raise SystemExit(f"{mode} workers failed with exit codes {codes}")
+        print(f"warning: {mode} workers exited with {codes} after finishing all steps")
+    result: dict = json.loads(outs[0].read_text())  # type: ignore[type-arg]
+    return result
+
+
+def throughput(times: list[float], batch: int, first: int, last: int) -> float:
+    return batch * (last - first) / (times[last] - times[first])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=40, help="steps per DDP run")
+    p.add_argument("--batch", type=int, default=32, help="global batch (even split: half each)")
+    p.add_argument(
+        "--slow-at", type=int, default=-1, help="mid-run slowdown step (default steps/3)"
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--slow", choices=["busy", "twice", "both"], default="both")
+    p.add_argument("--busy-core", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--extra", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.slow_at < 0:
+        args.slow_at = args.steps // 3
+    if args.worker:
+        result = standalone(args) if args.worker == "standalone" else ddp_run(args)
+        if args.worker == "standalone":
+            Path(args.out).write_text(json.dumps(result))
+        return
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if shutil.which("taskset") and len(allowed) >= 2:
+        cores: list[int | None] = allowed[:2]
+        note = f"ranks pinned to cores {cores[0]} and {cores[1]}; busy process on core {cores[1]}"
+    else:
+        cores = [None, None]
+        note = "no taskset or < 2 cores: processes NOT pinned, figures are rough"
+    print(f"hetero_speed: {note}; global batch {args.batch}, {args.steps} steps", flush=True)
+    for setup in ["busy", "twice"] if args.slow == "both" else [args.slow]:
+        run_setup(args, setup, cores)
+
+
+def run_setup(args: argparse.Namespace, setup: str, cores: list[int | None]) -> None:
+    """Standalone, even, balanced and mid-run figures for one way of slowing rank 1."""
+    warm = max(3, args.steps // 4)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        s0_free, s1_free = run_standalone(args, cores, [0, 0], tmp, "free")
+        # twice: rank 1 computes every sample twice (a device at half speed).
+        slow_extra = 1 if setup == "twice" else 0
+        busy = start_busy(cores[1]) if setup == "busy" else None
+        try:
+            s0, s1 = run_standalone(args, cores, [0, slow_extra], tmp, "slow")
+            even = run_ddp(args, "even", cores, tmp, slow_extra)
+            balanced = run_ddp(args, "balanced", cores, tmp, slow_extra)
+        finally:
+            stop(busy)
+        midrun = run_ddp(args, "midrun", cores, tmp, slow_extra)
+
+    last = args.steps - 1
+    ideal = s0 + s1
+    rows = []
+    for name, res in [("plain DDP, even split", even), ("evendp speed balance", balanced)]:
+        rate = throughput(res["times"], args.batch, warm, last)
+        rows.append((name, rate, rate / ideal, res["sizes"][-1]))
+    # Mid-run: eta against the slowed standalone sum; recovered when a 5-step window >= 0.90.
+    t, k = midrun["times"], args.slow_at
+    before = throughput(t, args.batch, warm, max(warm + 1, k - 1)) / (s0_free + s1_free)
+    window = 5
+    recovered = next(
+        (
+            j - k
+            for j in range(k, last - window + 1)
+            if throughput(t, args.batch, j, j + window) / ideal >= 0.90
+        ),
+        None,
+    )
+    after = throughput(t, args.batch, min(k + 20, last - 1), last) / ideal
+
+    print(f"\n== slow rank 1 by: {setup} ==")
+    print(
+        f"standalone samples/s: free {s0_free:.0f} + {s1_free:.0f}; "
+        f"slowed {s0:.0f} + {s1:.0f} = {ideal:.0f}"
+    )
+    print(f"{'run':28s} {'samples/s':>10s} {'eta_speed':>10s}  final sizes")
+    for name, rate, eta, sizes in rows:
+        print(f"{name:28s} {rate:10.1f} {eta:10.3f}  {sizes}")
+    print(f"speed balance / even split: {rows[1][1] / rows[0][1]:.2f}x")
+    print(
+        f"mid-run slowdown at step {k}: eta before {before:.3f}, recovered to >= 0.90 after "
+        f"{'never' if recovered is None else recovered} step(s), eta from step {k + 20}: "
+        f"{after:.3f}, sizes {midrun['sizes'][k - 1]} -> {midrun['sizes'][-1]}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
