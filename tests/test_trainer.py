@@ -234,6 +234,25 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
             "samples": [d.samples_per_step for d in report.devices],
             "loss": report.losses[0],
         }
+    # FSDP2: sharded parameters, two micro-batches (gradient sync only on the last), clipping
+    # by the global norm of the sharded gradients.
+    torch.manual_seed(0)
+    model = TinyLM()
+    cfg = TrainConfig(steps=1, batch_sizes=SIZES, accum=2, grad_clip=0.05, strategy="fsdp2",
+                      progress=False)  # fmt: skip
+    trainer = Trainer(model, data, cfg)
+    trainer.sampler.set_epoch(0)
+    mine = next(iter(trainer.sampler))
+    both = [None, None]
+    dist.all_gather_object(both, mine)
+    report = trainer.fit()
+    grads = [p.grad.full_tensor().reshape(-1) for p in model.parameters()]  # type: ignore[union-attr]
+    results["fsdp2"] = {
+        "grads": torch.cat(grads),
+        "indices": both,
+        "mode": report.mode,
+        "loss": report.losses[0],
+    }
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -273,3 +292,32 @@ def test_uneven_ddp_step_equals_the_full_batch_step(
     assert abs(r0["loss"] - expected_loss) <= 1e-5 * expected_loss
     if oom_resplit == "True":
         assert r0["resplits"] > 0 and r1["resplits"] == 0
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_step_has_the_full_batch_gradient_clipped_globally(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["fsdp2"] for r in ddp_results)
+    assert r0["mode"] == "fsdp2"
+    indices = r0["indices"][0] + r0["indices"][1]
+    torch.manual_seed(0)
+    ref = TinyLM()
+    x, y = _data().batch(indices)
+    loss = ref(x, y)
+    loss.backward()
+    nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # type: ignore[union-attr]
+    assert _rel(r0["grads"], expected) <= 1e-5 and _rel(r1["grads"], expected) <= 1e-5
+    value = float(loss.detach())
+    assert abs(r0["loss"] - value) <= 1e-5 * value
+
+
+def test_fsdp2_refuses_a_prebuilt_optimizer_and_checkpoints() -> None:
+    from evendp._trainer import _validate_fsdp2
+
+    model = TinyLM()
+    with pytest.raises(EvendpError, match="optimizer=None"):
+        _validate_fsdp2(TrainConfig(strategy="fsdp2"), torch.optim.SGD(model.parameters(), 0.1))
+    with pytest.raises(EvendpError, match="out_dir=None"):
+        _validate_fsdp2(TrainConfig(strategy="fsdp2", out_dir="x"), None)

@@ -50,6 +50,9 @@ class OomResplit:
         min_micro_batch_size: below this the step is skipped instead of re-split.
         group: the process group whose ranks must agree on skipping (``None``: the default
             group when one is initialized and has more than one rank, else no agreement).
+        catch: ``False`` lets ``torch.OutOfMemoryError`` propagate (micro-batching only):
+            for strategies with collectives inside forward and backward (FSDP2), where a
+            retry on one rank would pair its collectives with the wrong ones on the others.
 
     >>> torch.manual_seed(0) and None
     >>> net = torch.nn.Linear(3, 1)
@@ -72,7 +75,9 @@ class OomResplit:
         micro_batch_size: int | None = None,
         min_micro_batch_size: int = 1,
         group: dist.ProcessGroup | None = None,
+        catch: bool = True,
     ) -> None:
+        self.catch = catch
         self.micro_batch_size = _validate_micro("micro_batch_size", micro_batch_size)
         self.min_micro_batch_size = _validate_micro("min_micro_batch_size", min_micro_batch_size)
         self.group = group
@@ -114,6 +119,8 @@ class OomResplit:
             try:
                 total = self._run_chunks(n, max(size, 1), chunk_loss, weight, backward)
             except torch.OutOfMemoryError:
+                if not self.catch:
+                    raise
                 oom = True  # handled below, outside the except block, so the frames are freed
             if not oom:
                 break

@@ -67,6 +67,7 @@ class TrainConfig:
     amp: Literal["none", "bf16", "fp16"] = "none"
     activation_checkpointing: bool = False
     oom_resplit: bool = True
+    strategy: Literal["ddp", "fsdp2"] = "ddp"  # under torchrun
     out_dir: str | Path | None = None
     checkpoint_every: int = 0  # 0: only at the end and on Ctrl-C
     resume: bool = False
@@ -86,6 +87,8 @@ class TrainConfig:
             )
         if (self.resume or self.checkpoint_every) and self.out_dir is None:
             raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
+        if self.strategy not in ("ddp", "fsdp2"):
+            raise EvendpError(f"strategy must be 'ddp' or 'fsdp2', got {self.strategy!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -229,10 +232,6 @@ class Trainer:
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
             _apply_activation_checkpointing(model)
-        self.optimizer = optimizer or torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-        )
-        self.scheduler = scheduler
         # fp16 needs loss scaling so small gradients do not flush to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(self.device.type) if config.amp == "fp16" else None
         loss_module = _LossModule(model, loss_fn)
@@ -242,15 +241,21 @@ class Trainer:
                 data, sizes, rank=self.rank, world_size=self.world, seed=config.seed
             )
             self.wrapped: nn.Module = loss_module
-            if not config.oom_resplit:
+            self.fsdp = config.strategy == "fsdp2"
+            if self.fsdp:
+                _validate_fsdp2(config, optimizer)
+            if not config.oom_resplit and not self.fsdp:
                 self.wrapped = nn.parallel.DistributedDataParallel(
                     loss_module, broadcast_buffers=False
                 )
             else:
                 for t in model.state_dict().values():  # start from rank 0's weights, as DDP does
                     dist.broadcast(t, src=0)
+            if self.fsdp:
+                _shard(model)
             self.device_names = [f"rank{r}" for r in range(self.world)]
         else:
+            self.fsdp = False
             self.sampler = UnevenBatchSampler(
                 data, [config.batch_size], rank=0, world_size=1, seed=config.seed
             )
@@ -259,7 +264,14 @@ class Trainer:
             self.device_names = [
                 f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp_devices)
             ]
-        self.guard = OomResplit(group=None)
+        # FSDP2 all-gathers parameters inside forward and backward: a retry on one rank would
+        # mismatch the collectives, so there OOM is fatal (micro-batching still works).
+        self.guard = OomResplit(catch=not (self.distributed and self.fsdp))
+        # Built after sharding: FSDP2 replaces the parameters with sharded ones.
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.scheduler = scheduler
         self.samples = [0] * len(self.device_names)
         self.losses: list[float] = []
         self.step = 0
@@ -362,6 +374,8 @@ class Trainer:
                 if isinstance(self.wrapped, nn.parallel.DistributedDataParallel) and not last
                 else contextlib.nullcontext()
             )
+            if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
+                self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
             with sync, self._autocast():
                 loss = (
                     self.wrapped(*part) if isinstance(part, (tuple, list)) else self.wrapped(part)
@@ -391,7 +405,7 @@ class Trainer:
             return None
         for sizes in attempt:
             self.samples = [a + b for a, b in zip(self.samples, sizes, strict=True)]
-        if self.distributed and self.config.oom_resplit:
+        if self.distributed and self.config.oom_resplit and not self.fsdp:
             all_reduce_gradients(self.model.parameters())
         if self.distributed:
             reduced = total.to(_comm_device(self.device))
@@ -480,9 +494,32 @@ class Trainer:
             skipped_steps=self.guard.skipped,
             micro_batch_size=self.guard.micro_batch_size,
             interrupted=interrupted,
-            mode="ddp" if self.distributed else "dp",
+            mode=("fsdp2" if self.fsdp else "ddp") if self.distributed else "dp",
             amp=self.config.amp,
         )
+
+
+def _validate_fsdp2(config: TrainConfig, optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is not None:
+        raise EvendpError(
+            "strategy='fsdp2' shards the parameters, so an optimizer built before would update "
+            "stale tensors; pass optimizer=None (AdamW with config.lr is built after sharding)"
+        )
+    if config.out_dir is not None:
+        raise EvendpError(
+            "the Trainer does not checkpoint FSDP2 models yet; pass out_dir=None, or use "
+            "strategy='ddp', or save with torch.distributed.checkpoint yourself"
+        )
+
+
+def _shard(model: nn.Module) -> None:
+    # One FSDP2 unit per repeated block (their all-gathers overlap compute), then the root.
+    from torch.distributed.fsdp import fully_shard
+
+    for lst in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for block in lst:
+            fully_shard(block)
+    fully_shard(model)
 
 
 def _even(total: int, parts: int) -> list[int]:
