@@ -103,12 +103,13 @@ def test_bad_input_exits_2_with_a_clear_message(
 
 
 @pytest.mark.multiprocess
-def test_ddp_mode_launches_uneven_cpu_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ddp_modes_launch_uneven_cpu_ranks(tmp_path: Path, mode: str) -> None:
     code = main(
-        ["train", "--mode", "ddp", "--devices", "cpu,cpu", "--weights", "3,1", "--batch", "16",
+        ["train", "--mode", mode, "--devices", "cpu,cpu", "--weights", "3,1", "--batch", "16",
          "--steps", "3", "--out", str(tmp_path), "--no-progress", *SMALL]
     )  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["mode"] == "ddp" and report["steps"] == 3
+    assert report["mode"] == mode and report["steps"] == 3
     assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]

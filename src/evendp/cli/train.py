@@ -44,7 +44,13 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="per-device split weights, e.g. '2,1,1' (default: 2,1,1 on CPU, free memory on GPUs)",
     )
-    p.add_argument("--mode", choices=("dp", "ddp"), default="dp")
+    p.add_argument(
+        "--mode",
+        choices=("dp", "ddp", "fsdp2"),
+        default="dp",
+        help="dp: one process, BalancedDataParallel; ddp / fsdp2: one process per device under "
+        "torchrun (fsdp2 writes no checkpoints)",
+    )
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (default 1)")
     p.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default {_DEFAULT_OUT})")
@@ -179,7 +185,7 @@ def _ddp_launch(args: argparse.Namespace) -> int:
         plan = plan_launch(nproc=nproc, batch=args.batch)
     print(plan.describe(), file=sys.stderr, flush=True)
     argv = [
-        "--mode", "ddp", "--steps", str(args.steps), "--batch", str(args.batch),
+        "--mode", args.mode, "--steps", str(args.steps), "--batch", str(args.batch),
         "--amp", args.amp, "--accum", str(args.accum), "--out", args.out,
         "--checkpoint-every", str(args.checkpoint_every), "--lr", str(args.lr),
         "--seed", str(args.seed), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
@@ -211,8 +217,10 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
         cfg = TrainConfig(
             steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
             lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
-            out_dir=args.out, checkpoint_every=args.checkpoint_every, resume=args.resume,
-            seed=args.seed, progress=not args.no_progress,
+            strategy="fsdp2" if args.mode == "fsdp2" else "ddp",
+            out_dir=None if args.mode == "fsdp2" else args.out,
+            checkpoint_every=0 if args.mode == "fsdp2" else args.checkpoint_every,
+            resume=args.resume, seed=args.seed, progress=not args.no_progress,
         )  # fmt: skip
         report = Trainer(model, data, cfg).fit()
         if dist.get_rank() == 0:
@@ -235,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130 after Ctrl-C."""
     try:
         _validate_args(args)
-        if args.mode == "ddp":
+        if args.mode == "fsdp2" and args.resume:
+            raise EvendpError("--resume needs checkpoints, which --mode fsdp2 does not write")
+        if args.mode in ("ddp", "fsdp2"):
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 return _run_ddp_rank(args)
             return _ddp_launch(args)
