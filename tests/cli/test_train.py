@@ -113,3 +113,15 @@ def test_ddp_modes_launch_uneven_cpu_ranks(tmp_path: Path, mode: str) -> None:
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["mode"] == mode and report["steps"] == 3
     assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]
+
+
+def test_planner_split_favours_the_device_with_more_memory() -> None:
+    import argparse
+
+    from evendp.cli.train import _planner_weights
+    from evendp.examples.gpt import GPTConfig
+
+    config = GPTConfig(vocab_size=96, block_size=32, n_layer=1, n_head=4, n_embd=32)
+    args = argparse.Namespace(batch=64, amp="none", checkpointing=False)
+    weights = _planner_weights(config, args, "560MiB,545MiB")  # 512 MiB CUDA context each
+    assert sum(weights) == 64 and weights[0] > weights[1] > 0

@@ -167,6 +167,23 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     return mine, theirs
 
 
+def _planner_weights(config: Any, args: argparse.Namespace, spec: str | None = None) -> Any:
+    """The planner's per-device split of ``args.batch`` (``spec=None``: the live GPUs)."""
+    from evendp._plan import plan
+    from evendp.examples.gpt import GPT
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (n, config.block_size)
+        return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
+
+    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    p = plan(
+        lambda: GPT(config), batch, spec, mode="dp", batch_size=args.batch, amp=amp,
+        checkpointing=args.checkpointing,
+    )  # fmt: skip
+    return [float(n) for n in p.split]
+
+
 def _ddp_launch(args: argparse.Namespace) -> int:
     from evendp._launch import launch, plan_launch
 
@@ -265,6 +282,13 @@ def _run_dp(args: argparse.Namespace) -> int:
         # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
     model, data, config = _build(args)
+    if args.devices is None and args.weights is None and len(devices) > 1:
+        # All GPUs, no weights given: the planner's split (device 0 also holds the optimizer
+        # and the gathered outputs), else free memory when the planner cannot place the batch.
+        try:
+            weights = _planner_weights(config, args)
+        except EvendpError as exc:
+            print(f"evendp train: planner split unavailable ({exc}); using free memory")
     home = devices[0]
     model = model.to(torch.device("cuda", home) if isinstance(home, int) else torch.device(home))
     cfg = TrainConfig(
