@@ -213,6 +213,8 @@ def test_set_batch_sizes_validates() -> None:
         s.set_batch_sizes([1, 2, 3])
     with pytest.raises(EvendpError, match="all batch sizes are zero"):
         s.set_batch_sizes([0, 0])
+    with pytest.raises(EvendpError, match="drop_last=True with 10 samples"):
+        UnevenBatchSampler(10, [1, 2], rank=0, drop_last=True).set_batch_sizes([6, 6])
     assert s.batch_sizes == [1, 2]  # a rejected change leaves the sizes alone
 
 

@@ -301,6 +301,7 @@ class UnevenBatchSampler:
         ([[4]], 2)
         """
         sizes = _validate_batch_sizes(batch_sizes, self.world_size)
+        _validate_coverage(self.num_samples, sizes, self.drop_last)
         self._set_sizes(sizes)
 
     def samples_in_step(self, step: int) -> int:
