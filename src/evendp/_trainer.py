@@ -38,7 +38,7 @@ from ._errors import EvendpError
 from ._oom import OomResplit, all_reduce_gradients
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
 
-__all__ = ["TrainConfig", "Trainer"]
+__all__ = ["TrainConfig", "Trainer", "default_loss"]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -94,7 +94,14 @@ class TrainConfig:
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """``model(x, y)`` when it returns a scalar loss, or the loss of ``(logits, loss)``."""
+    """``model(x, y)`` when it returns a scalar loss, or the loss of ``(logits, loss)``.
+
+    >>> class NanoStyle(nn.Module):
+    ...     def forward(self, x, y):
+    ...         return x * 2, (x - y).abs().mean()
+    >>> default_loss(NanoStyle(), (torch.ones(2), torch.zeros(2)))
+    tensor(1.)
+    """
     x, y = batch
     out = model(x, y)
     return out[1] if isinstance(out, tuple) else out

@@ -20,6 +20,8 @@ import torch
 
 from evendp._errors import EvendpError
 
+__all__ = ["add_parser", "run"]
+
 _DEFAULT_OUT = "runs/demo"
 
 
