@@ -4,18 +4,66 @@ with the gradient a single huge device would compute on the whole batch.
 The public API is what ``__all__`` lists; everything else lives in private modules.
 """
 
+from ._checkpoint import load_checkpoint, save_checkpoint
+from ._ddp import (
+    EmptySafeCollate,
+    UnevenBatchSampler,
+    batch_sizes_from_env,
+    ddp_loss,
+    global_count,
+    global_mean,
+    parse_batch_sizes,
+)
+from ._devices import DeviceInfo, list_devices, select_devices
 from ._dp import BalancedDataParallel, ParallelCriterion, Scattered, gather
-from ._errors import EvendpError, PlanError
+from ._errors import EvendpError, NvmlUnavailableError, PlanError
+from ._memory import DeviceMemory, live_memory, parse_memory
+from ._oom import OomResplit
+from ._plan import DevicePlan, Plan, plan
+from ._report import TrainReport
+from ._speed import SpeedBalancer, balance_sizes
 from ._split import split_sizes
+from ._trainer import TrainConfig, Trainer
 
 __all__ = [
+    # single process
     "BalancedDataParallel",
-    "EvendpError",
     "ParallelCriterion",
-    "PlanError",
     "Scattered",
     "gather",
     "split_sizes",
+    # many processes
+    "EmptySafeCollate",
+    "UnevenBatchSampler",
+    "batch_sizes_from_env",
+    "ddp_loss",
+    "global_count",
+    "global_mean",
+    "parse_batch_sizes",
+    # planning
+    "DeviceMemory",
+    "DevicePlan",
+    "Plan",
+    "live_memory",
+    "parse_memory",
+    "plan",
+    # devices and speed
+    "DeviceInfo",
+    "SpeedBalancer",
+    "balance_sizes",
+    "list_devices",
+    "select_devices",
+    # training
+    "OomResplit",
+    "TrainConfig",
+    "TrainReport",
+    "Trainer",
+    "load_checkpoint",
+    "save_checkpoint",
+    # errors
+    "EvendpError",
+    "NvmlUnavailableError",
+    "PlanError",
 ]
 
 __version__ = "0.1.0"

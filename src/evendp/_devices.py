@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import EvendpError
+from ._errors import EvendpError, NvmlUnavailableError
 
 __all__ = [
     "DeviceInfo",
@@ -28,14 +28,6 @@ __all__ = [
     "parse_bytes",
     "select_devices",
 ]
-
-
-class NvmlUnavailableError(RuntimeError):
-    """NVML could not start: no NVIDIA driver, or the driver is not loaded.
-
-    Not a bad-input error (so not an :class:`EvendpError`): the machine simply has no GPUs
-    evendp can see. Callers that can run on CPU catch it and carry on.
-    """
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EvendpError", "PlanError"]
+__all__ = ["EvendpError", "NvmlUnavailableError", "PlanError"]
 
 
 class EvendpError(ValueError):
@@ -15,3 +15,11 @@ class EvendpError(ValueError):
 
 class PlanError(EvendpError):
     """The planner could not produce a plan (a batch that fits nowhere, a failing factory)."""
+
+
+class NvmlUnavailableError(RuntimeError):
+    """NVML could not start: no NVIDIA driver, or the driver is not loaded.
+
+    Not a bad-input error (so not an :class:`EvendpError`): the machine simply has no GPUs
+    evendp can see. Callers that can run on CPU catch it and carry on.
+    """
