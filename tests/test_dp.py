@@ -379,6 +379,15 @@ def test_out_of_memory_in_a_replica_thread_keeps_its_type() -> None:
     with pytest.raises(torch.OutOfMemoryError) as info:
         wrapped(torch.randn(8))
     assert any("replica 1" in note for note in info.value.__notes__)
+    assert info.value.evendp_device_index == 1  # type: ignore[attr-defined]
+
+
+def test_out_of_memory_names_the_device_index_not_the_replica_index() -> None:
+    # Device 0 has weight 0, so the failing replica 1 runs on device_ids[2].
+    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu"] * 3, chunk_sizes=[0, 1, 3])
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        wrapped(torch.randn(8))
+    assert info.value.evendp_device_index == 2  # type: ignore[attr-defined]
 
 
 def test_no_grad_forward_works_and_builds_no_graph() -> None:

@@ -84,6 +84,9 @@ class BalancedDataParallel(nn.Module):
             virtual CPU devices, which have no memory to read).
         gather: ``False`` returns a :class:`Scattered` instead of gathered outputs.
 
+    A ``torch.OutOfMemoryError`` raised in a replica's forward propagates unchanged, with the
+    attribute ``evendp_device_index`` naming the entry of ``device_ids`` that ran out.
+
     A replica that returns a floating scalar (a mean loss computed inside ``forward``) is
     combined as the sample-weighted mean ``sum_i n_i/N * loss_i``: the same value, and so the
     same gradient, as one device on the whole batch.
@@ -166,7 +169,12 @@ class BalancedDataParallel(nn.Module):
         sizes = [self.last_sizes[i] for i in active]
         shards = scatter((inputs, kwargs), sizes, devices, self.dim)
         replicas = self._replicas(devices, include_home=active[0] == 0)
-        outputs = parallel_apply(replicas, shards, devices)
+        try:
+            outputs = parallel_apply(replicas, shards, devices)
+        except torch.OutOfMemoryError as error:
+            # Say which entry of device_ids ran out, so a caller can shrink that share only.
+            error.evendp_device_index = active[getattr(error, "evendp_replica", 0)]  # type: ignore[attr-defined]
+            raise
         if not self.gather:
             return Scattered(outputs, sizes, devices, self.dim, self.output_device)
         return gather_outputs(outputs, sizes, self.output_device, self.dim)

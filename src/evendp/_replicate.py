@@ -99,6 +99,7 @@ def parallel_apply(
     for i, error in enumerate(errors):
         if error is not None:
             error.add_note(f"evendp: raised by the replica on {devices[i]} (replica {i})")
+            error.evendp_replica = i  # type: ignore[attr-defined]  # read by BalancedDataParallel
             raise error
     return results
 
