@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from evendp._ddp import EmptySafeCollate, UnevenBatchSampler, ddp_loss
+from evendp import EmptySafeCollate, UnevenBatchSampler, ddp_loss
 
 FEATURES, CLASSES = 64, 10
 

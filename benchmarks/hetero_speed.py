@@ -39,8 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from evendp._ddp import UnevenBatchSampler, ddp_loss
-from evendp._speed import SpeedBalancer
+from evendp import SpeedBalancer, UnevenBatchSampler, ddp_loss
 
 SEQ, WIDTH, POOL = 32, 128, 256
 

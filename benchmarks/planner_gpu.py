@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from evendp._plan import plan, profile_step
+from evendp import plan
+from evendp._plan import profile_step
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.lm_head import LMHead, lm_loss
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from evendp._ddp import (
+from evendp import (
     EmptySafeCollate,
     UnevenBatchSampler,
     batch_sizes_from_env,
