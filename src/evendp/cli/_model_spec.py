@@ -1,0 +1,162 @@
+"""Model specs on the command line, shared by ``evendp plan`` and ``evendp launch``.
+
+``--model gpt`` (the demo char GPT), ``--model lm-head`` (a language-model head with
+``--vocab``/``--seq-len``) or ``--model package.module:factory``, plus the planner's options
+(optimizer, AMP, checkpointing, bucket view, margin, CUDA context), turned into what
+:func:`evendp.plan` takes. Not a subcommand: ``cli/__init__.py`` lists those by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._errors import EvendpError
+
+__all__ = ["BUILTIN_MODELS", "ModelSpec", "add_model_arguments", "plan_options", "resolve_model"]
+
+BUILTIN_MODELS: tuple[str, ...] = ("gpt", "lm-head")
+
+_AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer] | None] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "none": None,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What :func:`evendp.plan` needs about a model: a factory, ``batch(n)`` and a criterion.
+
+    >>> spec = resolve_model("lm-head", vocab=50, seq_len=8)
+    >>> x, y = spec.batch(3)
+    >>> tuple(x.shape), spec.criterion is not None
+    ((3, 8), True)
+    """
+
+    make: Callable[[], nn.Module]
+    batch: Callable[[int], Any]
+    criterion: Callable[..., torch.Tensor] | None = None
+
+
+def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | None) -> None:
+    """Add ``--model``, ``--vocab``, ``--seq-len`` and the planner's options to ``parser``.
+
+    ``parser`` may be an argument group. ``default=None`` makes ``--model`` optional.
+
+    >>> p = argparse.ArgumentParser()
+    >>> add_model_arguments(p, default="gpt")
+    >>> a = p.parse_args(["--model", "lm-head", "--vocab", "100", "--amp", "bf16"])
+    >>> a.model, a.vocab, plan_options(a)["amp"]
+    ('lm-head', 100, torch.bfloat16)
+    """
+    parser.add_argument(
+        "--model",
+        default=default,
+        help="'gpt' (the demo char GPT), 'lm-head', or 'package.module:factory' where "
+        "factory() returns (model, batch_fn) or (model, batch_fn, criterion), or a model "
+        f"with an example_batch(n) method (default: {default or 'none'})",
+    )
+    parser.add_argument("--vocab", type=int, default=40_000, help="lm-head vocabulary size")
+    parser.add_argument("--seq-len", type=int, default=None, help="lm-head / gpt sequence length")
+    parser.add_argument("--optimizer", choices=sorted(_OPTIMIZERS), default="adamw")
+    parser.add_argument("--amp", choices=sorted(_AMP), default="none")
+    parser.add_argument("--checkpointing", action="store_true", help="checkpoint each block")
+    parser.add_argument("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view")
+    parser.add_argument("--margin", type=float, default=0.05, help="safety margin (default 0.05)")
+    parser.add_argument("--context", default="512MiB", help="CUDA context allowance per device")
+
+
+def plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`evendp.plan` that the options added above set."""
+    return {
+        "optimizer": _OPTIMIZERS[args.optimizer],
+        "amp": _AMP[args.amp],
+        "checkpointing": args.checkpointing,
+        "gradient_as_bucket_view": args.bucket_view,
+        "safety_margin": args.margin,
+        "cuda_context": args.context,
+    }
+
+
+def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None) -> ModelSpec:
+    """A built-in model by name (``gpt``, ``lm-head``) or a user's ``package.module:factory``.
+
+    Raises :class:`EvendpError` (exit code 2 on the command line) when the spec is malformed,
+    the module or factory cannot be loaded, the factory fails, or it returns something else.
+
+    >>> resolve_model("nonsense")
+    Traceback (most recent call last):
+    ...
+    evendp._errors.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head' or ...
+    """
+    if spec in BUILTIN_MODELS:
+        return _builtin(spec, vocab, seq_len)
+    return _user(spec)
+
+
+def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
+    if name == "gpt":
+        from ..examples.gpt import GPT, GPTConfig
+
+        config = GPTConfig() if seq_len is None else GPTConfig(block_size=seq_len)
+
+        def gpt_batch(n: int) -> Any:
+            shape = (n, config.block_size)
+            return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
+
+        return ModelSpec(lambda: GPT(config), gpt_batch)
+    from ..examples.lm_head import LMHead, lm_loss
+
+    seq = 250 if seq_len is None else seq_len
+    if vocab <= 0 or seq <= 0:
+        raise EvendpError(f"--vocab and --seq-len must be positive, got {vocab}, {seq}")
+
+    def lm_batch(n: int) -> Any:
+        return torch.randint(0, vocab, (n, seq)), torch.randint(0, vocab, (n, seq))
+
+    return ModelSpec(lambda: LMHead(vocab, seq), lm_batch, lm_loss)
+
+
+def _user(spec: str) -> ModelSpec:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise EvendpError(
+            f"--model {spec!r} is not 'gpt', 'lm-head' or 'package.module:factory'; "
+            "e.g. --model mypkg.models:make_model"
+        )
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EvendpError(f"cannot load --model {spec!r}: {exc}") from exc
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode():  # a probe: find out what the factory returns, on fake memory
+            made = factory()
+    except Exception as exc:  # the user's factory can raise anything
+        raise EvendpError(
+            f"the model factory {spec!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if isinstance(made, nn.Module):
+        if not hasattr(made, "example_batch"):
+            raise EvendpError(
+                f"{spec!r} returned a model without example_batch(n); return "
+                "(model, batch_fn) or (model, batch_fn, criterion) instead"
+            )
+        return ModelSpec(factory, lambda n: factory().example_batch(n))
+    if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
+        criterion = made[2] if len(made) == 3 else None
+        return ModelSpec(lambda: factory()[0], made[1], criterion)
+    raise EvendpError(
+        f"{spec!r} returned {type(made).__name__}; expected an nn.Module with example_batch(n), "
+        "(model, batch_fn) or (model, batch_fn, criterion)"
+    )
