@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -24,7 +25,51 @@ import torch.distributed as dist
 
 from ._errors import EvendpError
 
-__all__ = ["SpeedBalancer", "balance_sizes"]
+__all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
+
+# Set by `evendp launch --model`: the largest batch each rank's memory holds, one per rank.
+ENV_BATCH_CAPS = "EVENDP_BATCH_CAPS"
+
+
+def batch_caps_from_env(
+    world_size: int | None = None,
+    *,
+    var: str = ENV_BATCH_CAPS,
+    environ: Mapping[str, str] | None = None,
+) -> list[int] | None:
+    """Per-rank memory caps from ``EVENDP_BATCH_CAPS`` (set by ``evendp launch --model``).
+
+    Each entry is the most samples that rank's memory holds (the planner's
+    ``DevicePlan.max_batch_alone``). Returns ``None`` when the variable is absent or empty.
+    The length is checked against ``world_size`` when given.
+
+    >>> batch_caps_from_env(2, environ={"EVENDP_BATCH_CAPS": "48,24"})
+    [48, 24]
+    >>> batch_caps_from_env(environ={}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(var, "")
+    if not text.strip():
+        return None
+    caps: list[int] = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise EvendpError(
+                f"{var}={text!r}: {part.strip()!r} is not a non-negative int; expected one "
+                "memory cap (max samples) per rank, comma-separated, e.g. '48,48,24'"
+            ) from None
+        caps.append(value)
+    if world_size is not None and len(caps) != world_size:
+        raise EvendpError(
+            f"{var}={text!r} has {len(caps)} caps for {world_size} ranks; give one per rank "
+            f"or unset {var}"
+        )
+    return caps
 
 
 def _validate_balance_inputs(
@@ -153,8 +198,10 @@ class SpeedBalancer:
     call ``set_batch_sizes`` with the same list at the same step. The first step's timing is
     dropped (it pays one-off allocation and warm-up costs).
 
-    ``caps``: the most samples each rank's memory holds (``None``: no limit; from
-    ``evendp.plan`` or measured). ``min_size`` keeps every rank busy enough to be measured.
+    ``caps``: the most samples each rank's memory holds (from ``evendp.plan`` or measured).
+    ``None`` reads them from ``EVENDP_BATCH_CAPS``, which ``evendp launch --model`` sets, so
+    speed never moves a rank past its memory; with that variable unset there is no limit.
+    ``min_size`` keeps every rank busy enough to be measured.
 
     >>> from evendp._ddp import UnevenBatchSampler
     >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
@@ -183,8 +230,15 @@ class SpeedBalancer:
         sizes = list(sampler.batch_sizes)
         self.total = sum(sizes)
         self.world_size = len(sizes)
+        source = ""
+        if caps is None:
+            caps = batch_caps_from_env(self.world_size)
+            source = f" (from {ENV_BATCH_CAPS}, set by evendp launch)" if caps else ""
         # Validate caps and min_size against the global batch once, up front.
-        _validate_balance_inputs(self.total, [1.0] * self.world_size, caps, min_size)
+        try:
+            _validate_balance_inputs(self.total, [1.0] * self.world_size, caps, min_size)
+        except EvendpError as exc:
+            raise EvendpError(f"{exc}{source}") from None
         self.caps = None if caps is None else [int(c) for c in caps]
         self.warmup, self.every = warmup, every
         self.smoothing, self.tolerance, self.min_size = smoothing, tolerance, min_size
