@@ -7,12 +7,17 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import evendp._launch as launch_mod
-from evendp._errors import EvendpError
+from evendp._ddp import UnevenBatchSampler, batch_sizes_from_env
+from evendp._errors import EvendpError, PlanError
 from evendp._launch import launch, plan_launch, torchrun_command
+from evendp._speed import SpeedBalancer
 from tests.test_devices import FakeGpu, FakeNvml, GiB
 
 
@@ -107,6 +112,160 @@ def test_gpu_plan_errors() -> None:
         plan_launch(nproc=3, devices=[0, 1], nvml=gpus())
     with pytest.raises(EvendpError, match="asked for 4 GPU"):
         plan_launch(nproc=4, nvml=gpus())
+
+
+# --------------------------------------------------------------------------------------------
+# Planned sizes (a model given): the planner's DDP split, and each rank's memory cap
+
+
+def small_net() -> nn.Module:
+    # ~4.4 KB of activations per sample: 64 MiB holds a few thousand samples.
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+MODEL: dict[str, Any] = {
+    "model": small_net,
+    "example_batch": torch.randn(1, 256),
+    "plan_options": {"cuda_context": 0, "optimizer": None},
+}
+
+
+def plan_declared(batch: int | None = None) -> launch_mod.LaunchPlan:
+    """The planned launch of ``small_net`` on declared 64, 64 and 32 MiB CPU ranks."""
+    return plan_launch(batch=batch, nvml=False, memory="64MiB,64MiB,32MiB", **MODEL)
+
+
+@pytest.fixture(scope="module")
+def planned() -> launch_mod.LaunchPlan:
+    """The largest batch (planned once per module)."""
+    return plan_declared()
+
+
+def test_model_largest_batch_on_declared_memory(planned: launch_mod.LaunchPlan) -> None:
+    sizes, caps = planned.batch_sizes, planned.batch_caps
+    assert planned.nproc_per_node == 3 and planned.physical_devices is None
+    assert sizes is not None and caps is not None and len(sizes) == len(caps) == 3
+    assert sizes[0] == sizes[1] > sizes[2] > 0  # the half-size rank gets fewer samples
+    assert all(n <= c for n, c in zip(sizes, caps, strict=True))
+    # Half the memory, less the same fixed cost (parameters, gradients, buckets): under half.
+    assert 2.0 < caps[0] / caps[2] < 2.3
+    p = planned.memory_plan
+    assert p is not None and p.mode == "ddp" and p.split == sizes
+    assert caps == [d.max_batch_alone for d in p.devices]
+    assert planned.env == {
+        "EVENDP_BATCH_SIZES": ",".join(map(str, sizes)),
+        "EVENDP_BATCH_CAPS": ",".join(map(str, caps)),
+    }
+    assert f"memory caps {caps}" in planned.describe() and "planned (ddp)" in planned.describe()
+
+
+def test_model_given_batch_is_split_by_the_planner(planned: launch_mod.LaunchPlan) -> None:
+    assert planned.batch_caps is not None
+    caps = planned.batch_caps
+    batch = sum(caps) * 9 // 10
+    got = plan_declared(batch)
+    assert got.batch_sizes is not None and sum(got.batch_sizes) == batch
+    assert got.batch_sizes[2] < got.batch_sizes[0]
+    assert got.batch_caps == caps  # a rank's cap does not depend on the global batch
+    with pytest.raises(PlanError, match="does not fit"):
+        plan_declared(sum(caps) + 1)
+
+
+def test_model_on_live_gpu_memory_freest_first() -> None:
+    # NVML (faked) says GPUs 0, 1, 2 have 4, 12 and 8 GiB free; a wide layer makes the
+    # activations, not the parameters, decide how much each holds.
+    def wide() -> nn.Module:
+        return nn.Sequential(nn.Linear(4096, 16384), nn.ReLU(), nn.Linear(16384, 10))
+
+    plan = plan_launch(
+        nvml=gpus(),
+        model=wide,
+        example_batch=torch.randn(1, 4096),
+        plan_options={"optimizer": None},
+    )
+    assert plan.physical_devices == [1, 2, 0]
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "1,2,0"
+    assert plan.batch_sizes is not None and plan.batch_caps is not None
+    assert plan.batch_sizes[0] > plan.batch_sizes[1] > plan.batch_sizes[2] > 0
+    assert plan.memory_plan is not None
+    assert [d.name for d in plan.memory_plan.devices] == ["gpu1", "gpu2", "gpu0"]
+    assert [d.free for d in plan.memory_plan.devices] == [12 * GiB, 8 * GiB, 4 * GiB]
+
+
+def test_declared_memory_without_model_splits_by_it() -> None:
+    plan = plan_launch(batch=30, memory="2GiB,1GiB", nvml=False)
+    assert plan.nproc_per_node == 2 and plan.batch_sizes == [20, 10]
+    assert plan.batch_caps is None and "EVENDP_BATCH_CAPS" not in plan.env
+    assert "declared memory" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": small_net}, "needs example_batch"),
+        ({"model": small_net, "example_batch": torch.randn(1, 256)}, "--memory"),
+        ({**MODEL, "memory": "1GiB", "batch_sizes": "3"}, "nothing to plan"),
+        ({**MODEL, "memory": "2x1GiB", "nnodes": 2}, "this node's devices only"),
+        ({**MODEL, "memory": "2x1GiB", "nproc": 3}, "--memory declares 2 devices"),
+        ({"example_batch": torch.randn(1, 256)}, "only apply when planning a model"),
+        ({**MODEL, "memory": "1GiB", "plan_options": {"mode": "dp"}}, "may not set"),
+        ({**MODEL, "memory": "24 furlongs"}, "cannot read device entry"),
+    ],
+)
+def test_model_plan_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(EvendpError, match=message):
+        plan_launch(nvml=FakeNvml(None), **kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# The caps reach SpeedBalancer through the environment
+
+
+def test_speed_balancer_reads_caps_from_launch_env(
+    planned: launch_mod.LaunchPlan, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caps = planned.batch_caps
+    assert caps is not None
+    batch = sum(caps) * 7 // 10  # room to move, but not enough for the fast rank's wish
+    plan = plan_declared(batch)
+    for key, value in plan.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+
+    def balancer() -> SpeedBalancer:
+        sizes = batch_sizes_from_env()
+        sampler = UnevenBatchSampler(range(4 * batch), sizes, rank=0, world_size=3)
+        b = SpeedBalancer(sampler, warmup=2)
+        # Rank 2 (the small-memory one) is ten times faster than the others.
+        b.set_timings_for_test([[1.0, sizes[0]], [1.0, sizes[1]], [0.1, sizes[2]]])
+        return b
+
+    capped = balancer()
+    assert capped.caps == caps
+    assert [capped.step() for _ in range(2)] == [False, True]
+    got = capped.sampler.batch_sizes
+    assert sum(got) == batch and got[2] == caps[2]  # speed wants more; memory says no
+    assert all(n <= c for n, c in zip(got, caps, strict=True))
+
+    monkeypatch.delenv("EVENDP_BATCH_CAPS")
+    free = balancer()  # without the caps the same timings would overfill rank 2
+    assert free.caps is None
+    free.step(), free.step()
+    assert free.sampler.batch_sizes[2] > caps[2]
+
+
+def test_speed_balancer_env_caps_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
+    monkeypatch.setenv("EVENDP_BATCH_CAPS", "6")
+    with pytest.raises(EvendpError, match="1 caps for 2 ranks"):
+        SpeedBalancer(sampler)
+    monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,3")
+    with pytest.raises(EvendpError, match=r"fewer than the global batch 8.*from EVENDP_BATCH_CAPS"):
+        SpeedBalancer(sampler)
+    monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,x")
+    with pytest.raises(EvendpError, match="'x' is not a non-negative int"):
+        SpeedBalancer(sampler)
+    assert SpeedBalancer(sampler, caps=[8, 8]).caps == [8, 8]  # explicit caps win
 
 
 def test_command_single_node_gets_free_port_never_29500(monkeypatch: pytest.MonkeyPatch) -> None:

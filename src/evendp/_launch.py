@@ -1,10 +1,11 @@
 """``evendp launch``: choose devices and per-rank batch sizes, then hand off to torchrun.
 
-The launcher decides three things and passes them to every rank through the environment:
-which GPUs (``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), and how many samples each rank
-takes per step (``EVENDP_BATCH_SIZES``, one int per global rank, read by
-``UnevenBatchSampler``). Everything else is ``torch.distributed.run`` (torchrun) itself,
-started as ``python -m torch.distributed.run`` so its own options behave exactly as documented.
+The launcher decides what every rank gets and passes it through the environment: which GPUs
+(``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), how many samples each rank takes per step
+(``EVENDP_BATCH_SIZES``, one int per global rank, read by ``UnevenBatchSampler``) and, when a
+model is planned, the most samples each rank's memory holds (``EVENDP_BATCH_CAPS``, read by
+``SpeedBalancer``). Everything else is ``torch.distributed.run`` (torchrun) itself, started as
+``python -m torch.distributed.run`` so its own options behave exactly as documented.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._ddp import ENV_BATCH_SIZES, parse_batch_sizes
-from ._devices import NvmlUnavailableError, choose_devices, list_devices
+from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._errors import EvendpError
+from ._memory import DeviceMemory, parse_memory
+from ._speed import ENV_BATCH_CAPS
 from ._split import split_sizes
+
+if TYPE_CHECKING:
+    from ._plan import Plan
 
 __all__ = ["LaunchPlan", "launch", "plan_launch", "torchrun_command"]
 
@@ -50,6 +56,8 @@ class LaunchPlan:
     physical_devices: list[int] | None  # None: CPU processes (gloo)
     env: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    batch_caps: list[int] | None = None  # most samples each rank's memory holds (planned)
+    memory_plan: Plan | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
         """One line for the log."""
@@ -59,9 +67,10 @@ class LaunchPlan:
             else "GPUs " + ",".join(map(str, self.physical_devices)) + " (physical ids)"
         )
         sizes = "script default" if self.batch_sizes is None else str(self.batch_sizes)
+        caps = "" if self.batch_caps is None else f", memory caps {self.batch_caps}"
         return (
             f"evendp launch: {self.nproc_per_node} rank(s) per node on {where}; "
-            f"batch sizes {sizes}{' — ' + self.reason if self.reason else ''}"
+            f"batch sizes {sizes}{caps}{' — ' + self.reason if self.reason else ''}"
         )
 
 
@@ -95,6 +104,63 @@ def _validate_nproc(nproc: int | str | None) -> int | None:
     return value
 
 
+def _validate_model_inputs(
+    model: Any,
+    example_batch: Any,
+    memory: Any,
+    plan_options: Mapping[str, Any] | None,
+    batch_sizes: Any,
+    nodes: int,
+) -> None:
+    """Planning options must come together, on one node, and without fixed sizes."""
+    if model is None:
+        if example_batch is not None or plan_options:
+            raise EvendpError(
+                "example_batch and plan_options only apply when planning a model; pass "
+                "model= (--model on the command line) or drop them"
+            )
+    elif example_batch is None:
+        raise EvendpError(
+            "model= needs example_batch= (a batch, or a function of the batch size) so the "
+            "planner can run it; on the command line --model supplies both"
+        )
+    if batch_sizes is not None and (model is not None or memory is not None):
+        raise EvendpError(
+            f"--batch-sizes {batch_sizes} fixes every rank's share, so there is nothing to plan; "
+            "drop --batch-sizes, or drop --model/--memory"
+        )
+    if nodes != 1 and (model is not None or memory is not None):
+        raise EvendpError(
+            f"--model/--memory plan this node's devices only, but --nnodes is {nodes}; on "
+            "several nodes run `evendp plan` for the whole job and pass one --batch-sizes "
+            "list (node-major) on every node"
+        )
+    bad = sorted({"mode", "batch_size", "devices"} & set(plan_options or {}))
+    if bad:
+        raise EvendpError(
+            f"plan_options may not set {bad}: the launcher plans mode='ddp' on the ranks' "
+            "devices with --batch as the global batch"
+        )
+
+
+def _live_memory(chosen: Sequence[DeviceInfo]) -> list[DeviceMemory]:
+    """The chosen GPUs' free memory as NVML read it, named by physical id."""
+    return [DeviceMemory(f"gpu{d.index}", d.free_memory, d.total_memory) for d in chosen]
+
+
+def _plan_ranks(
+    model: Any,
+    example_batch: Any,
+    mems: list[DeviceMemory],
+    batch: int | None,
+    plan_options: Mapping[str, Any] | None,
+) -> Plan:
+    """The planner's DDP split of ``batch`` (``None``: the largest) over the ranks' memory."""
+    from ._plan import plan  # the planner pulls in fake tensors; only load it when asked
+
+    return plan(model, example_batch, mems, mode="ddp", batch_size=batch, **(plan_options or {}))
+
+
 def plan_launch(
     nproc: int | str | None = "auto",
     batch: int | None = None,
@@ -103,21 +169,48 @@ def plan_launch(
     min_free: int | str | None = None,
     nnodes: str | int | None = None,
     nvml: Any = None,
+    *,
+    model: Any = None,
+    example_batch: Any = None,
+    memory: str | Sequence[int | str] | None = None,
+    plan_options: Mapping[str, Any] | None = None,
 ) -> LaunchPlan:
     """Decide ranks, devices and per-rank batch sizes for this node (no process started).
 
     With GPUs (NVML): the given physical ``devices``, else the freest ``nproc`` (all when
-    ``auto``); ``batch`` is split in proportion to each chosen GPU's free memory. With no
-    NVIDIA driver: CPU ranks (``auto`` = the CPU count, as torchrun does) and ``batch`` split
-    evenly. Explicit ``batch_sizes`` win and fix the rank count. With several nodes the sizes
-    cover every global rank (node-major) and must be given, or ``batch`` is split evenly,
-    because one node cannot see the others' memory.
+    ``auto``, or as many as ``memory`` declares). With no NVIDIA driver: CPU ranks (``auto`` =
+    the CPU count, as torchrun does, or one per ``memory`` entry).
+
+    Per-rank batch sizes, first that applies:
+
+    - ``batch_sizes``: given; they fix the rank count.
+    - ``model`` (and ``example_batch``, as :func:`evendp.plan` takes them): the planner's DDP
+      split of ``batch`` (``None``: the largest batch that fits) over each rank's memory:
+      ``memory`` when declared (``"24GiB,24GiB,12GiB"``, one entry per rank; needed on CPU),
+      else the chosen GPUs' free memory read now through NVML. ``plan_options`` go to
+      :func:`evendp.plan` (``optimizer``, ``amp``, ``safety_margin``...). The most samples each
+      rank's memory holds alone are exported too, as ``EVENDP_BATCH_CAPS``, for
+      ``SpeedBalancer``. :class:`evendp.PlanError` when the batch fits nowhere.
+    - ``batch`` alone: split in proportion to ``memory`` when declared, else to each chosen
+      GPU's free memory, else evenly (CPU).
+
+    With several nodes the sizes cover every global rank (node-major) and must be given, or
+    ``batch`` is split evenly, because one node cannot see the others' memory.
 
     >>> p = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
     >>> p.nproc_per_node, p.batch_sizes, p.env["EVENDP_BATCH_SIZES"]
     (2, [3, 5], '3,5')
     >>> plan_launch(nproc=3, batch=10, nvml=False).batch_sizes
     [4, 3, 3]
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+    ...                           torch.nn.Linear(1024, 10))
+    >>> p = plan_launch(batch=9000, nvml=False, model=net, example_batch=torch.randn(1, 256),
+    ...                 memory="64MiB,64MiB,32MiB", plan_options={"cuda_context": 0})
+    >>> sum(p.batch_sizes), p.batch_sizes[2] < p.batch_sizes[0] <= p.batch_caps[0]
+    (9000, True)
+    >>> sorted(p.env)
+    ['EVENDP_BATCH_CAPS', 'EVENDP_BATCH_SIZES']
     """
     count = _validate_nproc(nproc)
     nodes = _fixed_nnodes(nnodes)
@@ -132,12 +225,21 @@ def plan_launch(
     if batch_sizes is not None:
         text = batch_sizes if isinstance(batch_sizes, str) else ",".join(map(str, batch_sizes))
         sizes = parse_batch_sizes(text)
-    if nodes is None and (sizes is not None or batch is not None):
+    if nodes is None and (sizes is not None or batch is not None or model is not None):
         raise EvendpError(
             f"--nnodes {nnodes} is an elastic range, so the number of ranks (and the batch size "
             "of each) is not known before the run; use a fixed --nnodes N"
         )
     nodes = 1 if nodes is None else nodes
+    _validate_model_inputs(model, example_batch, memory, plan_options, batch_sizes, nodes)
+    declared = None if memory is None else parse_memory(memory)
+    if declared is not None:
+        if count is not None and count != len(declared):
+            raise EvendpError(
+                f"--nproc {count} but --memory declares {len(declared)} devices; give one "
+                "memory entry per rank, or drop --nproc"
+            )
+        count = len(declared)
     if sizes is not None:
         if len(sizes) % nodes:
             raise EvendpError(
@@ -160,6 +262,7 @@ def plan_launch(
     env: dict[str, str] = {}
     physical: list[int] | None = None
     reason = ""
+    mems = declared
     if gpus:
         chosen = choose_devices(
             gpus, count=None if devices else count, ids=devices, min_free=min_free
@@ -173,10 +276,12 @@ def plan_launch(
         count = len(chosen)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
-        if batch is not None and sizes is None:
+        if mems is None:
+            mems = _live_memory(chosen)
+        if batch is not None and sizes is None and model is None:
             if nodes == 1:
-                sizes = split_sizes(batch, [d.free_memory for d in chosen])
-                reason = "split by free memory"
+                sizes = split_sizes(batch, [m.free for m in mems])
+                reason = "split by " + ("declared" if declared else "free") + " memory"
             else:
                 sizes = split_sizes(batch, [1] * (count * nodes))
                 reason = "split evenly: other nodes' memory is not visible from here"
@@ -188,12 +293,33 @@ def plan_launch(
             )
         if count is None:
             count = os.cpu_count() or 1
-        if batch is not None and sizes is None:
-            sizes = split_sizes(batch, [1] * (count * nodes))
-            reason = "split evenly across CPU ranks"
+        if batch is not None and sizes is None and model is None:
+            if mems is not None:
+                sizes = split_sizes(batch, [m.free for m in mems])
+                reason = "split by declared memory"
+            else:
+                sizes = split_sizes(batch, [1] * (count * nodes))
+                reason = "split evenly across CPU ranks"
+    caps = None
+    memory_plan = None
+    if model is not None:
+        if mems is None:  # no GPU was found to read, and none declared
+            raise EvendpError(
+                "--model needs each rank's memory, and no NVIDIA driver was found to read it; "
+                "declare it with --memory, e.g. --memory 24GiB,24GiB,12GiB (one entry per rank)"
+            )
+        memory_plan = _plan_ranks(model, example_batch, mems, batch, plan_options)
+        sizes = list(memory_plan.split)
+        caps = [d.max_batch_alone for d in memory_plan.devices]
+        env[ENV_BATCH_CAPS] = ",".join(map(str, caps))
+        reason = (
+            f"planned (ddp) on {'declared' if declared else 'free'} memory: global batch "
+            f"{memory_plan.global_batch}, eta_mem {memory_plan.eta_mem:.2f} "
+            f"(even split {memory_plan.even_eta_mem:.2f})"
+        )
     if sizes is not None:
         env[ENV_BATCH_SIZES] = ",".join(map(str, sizes))
-    return LaunchPlan(count, sizes, physical, env, reason)
+    return LaunchPlan(count, sizes, physical, env, reason, caps, memory_plan)
 
 
 def _free_port() -> int:

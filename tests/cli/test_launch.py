@@ -65,6 +65,66 @@ def test_bad_input_exits_2(
     assert message in capsys.readouterr().err
 
 
+LM = ["--model", "lm-head", "--vocab", "1000", "--seq-len", "32"]
+
+
+def _env_lists(out: str) -> dict[str, list[int]]:
+    found = dict(re.findall(r"^(EVENDP_\w+)=([\d,]+)$", out, flags=re.M))
+    return {key: [int(v) for v in value.split(",")] for key, value in found.items()}
+
+
+def test_dry_run_planned_sizes_and_caps(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["launch", *LM, "--memory", "24GiB,24GiB,12GiB", "--dry-run", "train.py"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    got = _env_lists(captured.out)
+    sizes, caps = got["EVENDP_BATCH_SIZES"], got["EVENDP_BATCH_CAPS"]
+    assert len(sizes) == len(caps) == 3
+    assert sizes[0] == sizes[1] > sizes[2] > 0  # the 12 GiB rank gets fewer samples
+    assert sizes == caps  # no --batch: the largest batch, every rank full
+    assert "--nproc-per-node 3" in captured.out
+    assert "planned (ddp) on declared memory" in captured.err
+    assert "predicted peak" in captured.err  # the planner's table, for the person launching
+
+    # A global batch under the largest: the planner's split of it, the caps unchanged.
+    batch = sum(caps) * 3 // 4
+    argv = ["launch", *LM, "--memory", "24GiB,24GiB,12GiB", "--batch", str(batch)]
+    assert main([*argv, "--dry-run", "train.py"]) == 0
+    again = _env_lists(capsys.readouterr().out)
+    assert sum(again["EVENDP_BATCH_SIZES"]) == batch
+    assert again["EVENDP_BATCH_SIZES"][2] < again["EVENDP_BATCH_SIZES"][0]
+    assert again["EVENDP_BATCH_CAPS"] == caps
+
+    # One more than fits: a clear error, exit 2.
+    argv = ["launch", *LM, "--memory", "24GiB,24GiB,12GiB", "--batch", str(sum(caps) + 1)]
+    assert main([*argv, "--dry-run", "train.py"]) == 2
+    assert f"the largest that fits is {sum(caps)}" in capsys.readouterr().err
+
+
+def bad_factory() -> object:
+    raise RuntimeError("broken on purpose")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "nonsense", "--memory", "8GiB"], "package.module:factory"),
+        (["--model", "tests.cli.test_launch:bad_factory", "--memory", "8GiB"], "broken on purpose"),
+        (["--model", "no_such_pkg.mod:f", "--memory", "8GiB"], "cannot load"),
+        ([*LM], "declare it with --memory"),
+        ([*LM, "--memory", "8GiB", "--batch-sizes", "3"], "nothing to plan"),
+        ([*LM, "--memory", "2x8GiB", "--nproc", "3"], "--memory declares 2 devices"),
+        (["--model", "lm-head", "--memory", "1GiB"], "not even one sample"),
+        ([*LM, "--memory", "24 furlongs"], "cannot read device entry"),
+    ],
+)
+def test_bad_model_input_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["launch", *argv, "--dry-run", "t.py"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def _load_example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("ddp_uneven_example", EXAMPLE)
     assert spec is not None and spec.loader is not None

@@ -7,6 +7,7 @@ import sys
 
 from .._errors import EvendpError
 from .._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
+from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
 
@@ -27,9 +28,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
         description=(
             "Choose GPUs (freest first, or --devices), compute each rank's batch size "
-            "(--batch-sizes, or --batch split by free memory; evenly on CPU), export them as "
-            "EVENDP_BATCH_SIZES and run SCRIPT with python -m torch.distributed.run. "
-            "With no NVIDIA driver the ranks are CPU processes (use gloo)."
+            "(--batch-sizes; or with --model, the memory planner's DDP split of --batch, or "
+            "of the largest batch that fits; or --batch split by free memory, evenly on CPU), "
+            "export them as EVENDP_BATCH_SIZES (and, when planned, each rank's memory cap as "
+            "EVENDP_BATCH_CAPS) and run SCRIPT with python -m torch.distributed.run. "
+            "With no NVIDIA driver the ranks are CPU processes (use gloo); --memory declares "
+            "each rank's memory there."
         ),
     )
     parser.add_argument("--nproc", default="auto", help="ranks per node: an int or 'auto'")
@@ -37,6 +41,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
     parser.add_argument("--devices", type=_device_list, help="physical GPU ids, e.g. 2,3")
     parser.add_argument("--min-free", help="skip GPUs with less free memory, e.g. 8GiB")
+    parser.add_argument(
+        "--memory",
+        help="each rank's memory instead of the GPUs' live free memory, e.g. "
+        "'24GiB,24GiB-10GiB,12GiB' (one entry per rank; needed for --model on CPU)",
+    )
+    planning = parser.add_argument_group(
+        "memory planner (with --model: per-rank sizes and caps from evendp plan --mode ddp)"
+    )
+    add_model_arguments(planning, default=None)
     parser.add_argument(
         "--dry-run", action="store_true", help="print the plan and command, start nothing"
     )
@@ -52,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     """Plan, print the plan, and run torchrun (exit code 2 for bad input)."""
     passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
     try:
+        model = example = options = None
+        if args.model is not None:
+            spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
+            model, example = spec.make, spec.batch
+            options = {**plan_options(args), "criterion": spec.criterion}
         plan = plan_launch(
             nproc=args.nproc,
             batch=args.batch,
@@ -59,8 +77,16 @@ def run(args: argparse.Namespace) -> int:
             devices=args.devices,
             min_free=args.min_free,
             nnodes=args.nnodes,
+            model=model,
+            example_batch=example,
+            memory=args.memory,
+            plan_options=options,
         )
         print(plan.describe(), file=sys.stderr, flush=True)
+        if plan.memory_plan is not None:  # what each rank will hold, for the person launching
+            from rich.console import Console
+
+            Console(stderr=True).print(plan.memory_plan.table())
         if args.dry_run:
             for key, value in plan.env.items():
                 print(f"{key}={value}")
