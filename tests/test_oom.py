@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -167,6 +167,101 @@ def test_gradient_accumulation_cap_and_bad_input() -> None:
         OomResplit(micro_batch_size=0)
     with pytest.raises(EvendpError, match="non-negative"):
         OomResplit().run(-1, chunk, weight=1.0, zero_grad=model.zero_grad)
+
+
+# --- one guard, several devices: each share has its own cap -------------------------------
+
+SHARES = [3, 6, 3]  # of N = 12: only device 1's share is above a limit of 4 or 5
+
+
+def _dp_run(
+    model: BalancedDataParallel, guard: OomResplit, x: torch.Tensor, y: torch.Tensor
+) -> list[list[int]]:
+    """One step the way the Trainer runs it; returns the sizes of each micro-step that ran."""
+    offsets = [sum(SHARES[:i]) for i in range(len(SHARES))]
+    seen: list[list[int]] = []
+
+    def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
+        if all(a == 0 for a, _ in spans):
+            seen.clear()  # a restart after an OOM: keep the attempt that completed
+        rows = torch.cat(
+            [torch.arange(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
+        )
+        model.chunk_sizes = [b - a for a, b in spans]
+        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
+        seen.append(list(model.last_sizes))
+        return loss
+
+    guard.run_shares(SHARES, chunk_loss, weight=1 / N, zero_grad=model.zero_grad)
+    return seen
+
+
+def test_forward_oom_on_one_device_shrinks_only_its_share() -> None:
+    torch.manual_seed(0)
+    inner = OomNet(forward_limit=4)
+    model = BalancedDataParallel(inner, ["cpu", "cpu", "cpu"])
+    x, y = _data()
+    ref = _reference(inner, x, y)
+    guard = OomResplit(devices=3)
+    seen = _dp_run(model, guard, x, y)
+    # Device 1 (not the first, not the home device) ran out: only its cap is halved, and the
+    # healthy devices ran their whole shares in the first micro-step.
+    assert guard.micro_batch_sizes == [None, 3, None] and guard.resplits == 1
+    assert seen == [[3, 3, 3], [0, 3, 0]]
+    assert _rel(_grads(inner), ref) <= 1e-5
+    model.zero_grad()
+    assert _dp_run(model, guard, x, y) == seen and guard.resplits == 1  # the cap is reused
+    assert _rel(_grads(inner), ref) <= 1e-5
+
+
+def test_backward_oom_names_no_device_and_shrinks_every_share() -> None:
+    torch.manual_seed(0)
+    inner = OomNet(backward_limit=5)
+    model = BalancedDataParallel(inner, ["cpu", "cpu", "cpu"])
+    x, y = _data()
+    ref = _reference(inner, x, y)
+    guard = OomResplit(devices=3)
+    assert _dp_run(model, guard, x, y) == [[2, 3, 2], [1, 3, 1]]
+    assert guard.micro_batch_sizes == [2, 3, 2] and guard.resplits == 1
+    assert _rel(_grads(inner), ref) <= 1e-5
+
+
+def _oom_on(device: int) -> NoReturn:
+    error = torch.OutOfMemoryError("injected")
+    error.evendp_device_index = device  # type: ignore[attr-defined]
+    raise error
+
+
+def test_per_device_skip_accumulation_cap_and_bad_input() -> None:
+    # The failing device is already at one sample: skip at once, even though device 0 could
+    # still shrink (shrinking it would not help the device that ran out).
+    guard = OomResplit(devices=2)
+    loss = guard.run_shares([4, 1], lambda spans: _oom_on(1), weight=0.2, zero_grad=lambda: None)
+    assert loss is None and guard.skipped == 1 and guard.resplits == 0
+    assert guard.micro_batch_sizes == [None, None]
+    # An index that names no device of this guard (or no attribute) shrinks every share.
+    calls: list[list[tuple[int, int]]] = []
+
+    def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
+        calls.append(spans)
+        if len(calls) == 1:
+            _oom_on(7)
+        return torch.ones((), requires_grad=True)
+
+    guard = OomResplit(devices=2)
+    loss = guard.run_shares(
+        [4, 2], chunk_loss, weight=1 / 6, zero_grad=lambda: None, micro_batch_sizes=[3, None]
+    )
+    assert loss is not None and torch.allclose(loss, torch.ones(()))
+    # accumulation capped device 0 at 3; the OOM halved both: 3 -> 2, 2 -> 1
+    assert guard.micro_batch_sizes == [2, 1]
+    assert calls[1:] == [[(0, 2), (0, 1)], [(2, 4), (1, 2)]]
+    with pytest.raises(EvendpError, match="3 shares"):
+        guard.run_shares([1, 1, 1], chunk_loss, weight=1.0, zero_grad=lambda: None)
+    with pytest.raises(EvendpError, match="run_shares"):
+        guard.run(2, lambda a, b: torch.ones(()), weight=1.0, zero_grad=lambda: None)
+    with pytest.raises(EvendpError, match="devices"):
+        OomResplit(devices=0)
 
 
 # --- DDP on gloo: 2 processes, spawned once for the module ---------------------------------

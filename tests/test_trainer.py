@@ -5,6 +5,7 @@ The DDP checks run in one pair of gloo processes, started once for the module.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -24,20 +25,39 @@ from tests._helpers import free_port, requires_cuda
 V = 7  # vocabulary of the toy data
 
 
-class TinyLM(nn.Module):
-    """Embedding + MLP next-token model; raises OOM for batches above ``limit``."""
+class _OomInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory for batches above ``limit``."""
 
-    def __init__(self, limit: int = 10**9, batchnorm: bool = False) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, limit: int) -> torch.Tensor:
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if grad.shape[0] > ctx.limit:
+            raise torch.OutOfMemoryError("injected OOM in backward")
+        return grad, None
+
+
+class TinyLM(nn.Module):
+    """Embedding + MLP next-token model; raises OOM for batches above ``limit`` (forward) or
+    ``backward_limit`` (backward, after fc's gradient was already accumulated)."""
+
+    def __init__(
+        self, limit: int = 10**9, batchnorm: bool = False, backward_limit: int = 10**9
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(V, 16)
         self.norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
         self.fc = nn.Linear(16, V)
         self.limit = limit
+        self.backward_limit = backward_limit
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.limit:
             raise torch.OutOfMemoryError("injected")
-        h = self.emb(x)  # (B, T, 16)
+        h = _OomInBackward.apply(self.emb(x), self.backward_limit)  # (B, T, 16)
         h = self.norm(h.transpose(1, 2)).transpose(1, 2)
         logits = self.fc(torch.tanh(h))  # (B, T, V)
         return nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
@@ -78,6 +98,62 @@ def test_one_step_equals_the_full_batch_step_with_zeros_accum_and_oom() -> None:
     x, y = data.batch(indices)
     _reference_step(ref, x, y, lr=0.5)
     assert _rel(_flat(ours), _flat(ref)) <= 1e-5
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize(
+    ("limits", "accum", "caps", "micro_steps"),
+    [
+        # Only device 1's share (6) is above 4: only its cap shrinks; devices 0 and 2 still
+        # run their whole shares in the first micro-step.
+        ({"limit": 4}, 1, [None, 3, None], [[3, 3, 3], [0, 3, 0]]),
+        # Accumulation caps every share at ceil(share / 2) = [2, 3, 2]; device 1 fits 2.
+        ({"limit": 2}, 2, [None, 2, None], [[2, 2, 2], [1, 2, 1], [0, 2, 0]]),
+        # An OOM in backward names no device: every share is halved.
+        ({"backward_limit": 5}, 1, [2, 3, 2], [[2, 3, 2], [1, 3, 1]]),
+    ],
+)
+def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
+    tmp_path: Path,
+    limits: dict[str, int],
+    accum: int,
+    caps: list[int | None],
+    micro_steps: list[list[int]],
+) -> None:
+    data = _data()
+    torch.manual_seed(0)
+    ours = TinyLM(**limits)
+    ref = TinyLM()
+    ref.load_state_dict(ours.state_dict())
+    cfg = TrainConfig(
+        steps=2, batch_size=12, accum=accum, grad_clip=None, progress=False, out_dir=tmp_path
+    )
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    trainer = Trainer(ours, data, cfg, devices=["cpu"] * 3, weights=[1, 2, 1], optimizer=opt)
+    batches = [data.batch(list(i)) for i in itertools.islice(trainer.sampler, 2)]
+    report = trainer.fit()
+    # One OOM in all: the second step reused the remembered caps.
+    assert report.resplits == 1 and report.skipped_steps == 0
+    assert trainer.guard.micro_batch_sizes == caps
+    assert trainer.micro_steps == micro_steps  # the second step's micro-steps
+    assert [d.samples_per_step for d in report.devices] == [3, 6, 3]
+    assert trainer.wrapped.chunk_sizes == [1, 2, 1]  # the user's weights, back after the step
+    # The reference: SGD on the full batches; compare the second step's gradient and weights.
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        ref(x, y).backward()
+        ref_opt.step()
+    assert _rel(_grads(ours), _grads(ref)) <= 1e-5
+    assert _rel(_flat(ours), _flat(ref)) <= 1e-5
+    # The caps travel in the checkpoint.
+    cfg.resume = True
+    resumed = Trainer(TinyLM(), data, cfg, devices=["cpu"] * 3, weights=[1, 2, 1])
+    resumed.fit()
+    assert resumed.guard.micro_batch_sizes == caps
 
 
 def test_accumulation_gives_the_same_step() -> None:

@@ -10,6 +10,11 @@ whole share runs again with micro-batches half as large. The working size is rem
 later steps. Only when a single-sample micro-batch still does not fit is the step skipped,
 counted in :attr:`OomResplit.skipped`.
 
+With several devices in one process (:meth:`OomResplit.run_shares`) each device keeps its own
+cap: micro-step k runs the k-th piece of every device's own share together, so an OOM that
+names its device (``evendp_device_index``, set by ``BalancedDataParallel``) halves that
+device's pieces only, and the healthy devices keep running their whole shares at once.
+
 Under DDP every rank runs its share locally (no collective inside forward or backward, see
 :func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag so that every
 rank agrees on "step" or "skip": an OOM on one rank can never leave another blocked in a
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +48,7 @@ def _validate_micro(name: str, value: int | None) -> int | None:
 
 
 class OomResplit:
-    """Run a share of samples as micro-batches, re-splitting them smaller on out-of-memory.
+    """Run shares of samples as micro-batches, re-splitting them smaller on out-of-memory.
 
     Args:
         micro_batch_size: the largest micro-batch to try first (``None``: the whole share).
@@ -53,6 +58,8 @@ class OomResplit:
         catch: ``False`` lets ``torch.OutOfMemoryError`` propagate (micro-batching only):
             for strategies with collectives inside forward and backward (FSDP2), where a
             retry on one rank would pair its collectives with the wrong ones on the others.
+        devices: how many devices share each step (:meth:`run_shares`); each keeps its own
+            micro-batch cap in :attr:`micro_batch_sizes`. :meth:`run` is the one-device case.
 
     >>> torch.manual_seed(0) and None
     >>> net = torch.nn.Linear(3, 1)
@@ -76,15 +83,33 @@ class OomResplit:
         min_micro_batch_size: int = 1,
         group: dist.ProcessGroup | None = None,
         catch: bool = True,
+        *,
+        devices: int = 1,
     ) -> None:
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise EvendpError(f"devices must be a positive int, got {devices!r}; e.g. 3")
         self.catch = catch
-        self.micro_batch_size = _validate_micro("micro_batch_size", micro_batch_size)
+        #: Per device, the micro-batch that fits (``None``: its whole share); kept across steps.
+        self.micro_batch_sizes = [_validate_micro("micro_batch_size", micro_batch_size)] * devices
         self.min_micro_batch_size = _validate_micro("min_micro_batch_size", min_micro_batch_size)
         self.group = group
-        #: How many times a share was re-run with smaller micro-batches.
+        #: How many times a step was re-run with smaller micro-batches.
         self.resplits = 0
         #: How many steps were skipped because even the smallest micro-batch did not fit.
         self.skipped = 0
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The smallest per-device cap (``None``: every device runs its whole share).
+
+        Assigning sets every device's cap."""
+        caps = [m for m in self.micro_batch_sizes if m is not None]
+        return min(caps) if caps else None
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int | None) -> None:
+        value = _validate_micro("micro_batch_size", value)
+        self.micro_batch_sizes = [value] * len(self.micro_batch_sizes)
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -109,28 +134,92 @@ class OomResplit:
         (gradient accumulation). Returns ``None`` when the step was skipped (every rank then
         returns ``None`` and gradients are zeroed).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise EvendpError(f"n must be a non-negative int (samples in this share), got {n!r}")
-        cap = _validate_micro("micro_batch_size", micro_batch_size)
-        size = min(x for x in (n, self.micro_batch_size, cap) if x is not None) if n else 0
+        if len(self.micro_batch_sizes) != 1:
+            raise EvendpError(
+                f"run() cuts one share, but this guard has devices={len(self.micro_batch_sizes)}"
+                "; call run_shares() with one share per device"
+            )
+        return self.run_shares(
+            [n],
+            lambda spans: chunk_loss(*spans[0]),
+            weight=weight,
+            zero_grad=zero_grad,
+            backward=backward,
+            micro_batch_sizes=[micro_batch_size],
+        )
+
+    def run_shares(
+        self,
+        shares: Sequence[int],
+        chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
+        *,
+        weight: float,
+        zero_grad: Callable[[], None],
+        backward: Callable[[torch.Tensor], None] = _default_backward,
+        micro_batch_sizes: Sequence[int | None] | None = None,
+    ) -> torch.Tensor | None:
+        """Like :meth:`run`, with one share per device, each cut by its own cap.
+
+        Micro-step k gives device i the span ``[start_i, stop_i)`` of *its own* share: the
+        k-th piece of at most ``micro_batch_sizes[i]`` samples, empty once the share is done.
+        ``chunk_loss(spans)`` returns the mean loss over all the spans' samples, and is
+        weighted by their count times ``weight``. An OOM carrying ``evendp_device_index``
+        (set by :class:`~evendp.BalancedDataParallel` for a replica's forward) halves that
+        device's cap only; any other OOM (e.g. in backward) halves every device's.
+
+        >>> guard = OomResplit(devices=2)
+        >>> seen = []
+        >>> def chunk_loss(spans):
+        ...     if spans[0][1] - spans[0][0] > 2:  # device 0 fits 2 samples
+        ...         error = torch.OutOfMemoryError("injected")
+        ...         error.evendp_device_index = 0
+        ...         raise error
+        ...     seen.append(spans)
+        ...     return torch.ones((), requires_grad=True)
+        >>> guard.run_shares([5, 3], chunk_loss, weight=1 / 8, zero_grad=lambda: None)
+        tensor(1.)
+        >>> guard.micro_batch_sizes, seen
+        ([2, None], [[(0, 2), (0, 3)], [(2, 4), (3, 3)], [(4, 5), (3, 3)]])
+        """
+        if len(shares) != len(self.micro_batch_sizes):
+            raise EvendpError(
+                f"got {len(shares)} shares for a guard of {len(self.micro_batch_sizes)} devices;"
+                " pass one share per device (zeros allowed)"
+            )
+        for n in shares:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise EvendpError(
+                    f"n must be a non-negative int (samples in this share), got {n!r}"
+                )
+        caps = list(micro_batch_sizes or [None] * len(shares))
+        for cap in caps:
+            _validate_micro("micro_batch_size", cap)
+        sizes = [
+            min(x for x in (n, mine, cap) if x is not None)
+            for n, mine, cap in zip(shares, self.micro_batch_sizes, caps, strict=True)
+        ]
+        floor = self.min_micro_batch_size or 1
         total: torch.Tensor | None = None
         while True:
-            oom = False
+            device: int | None = None
             try:
-                total = self._run_chunks(n, max(size, 1), chunk_loss, weight, backward)
-            except torch.OutOfMemoryError:
+                total = self._run_micro_steps(shares, sizes, chunk_loss, weight, backward)
+                break
+            except torch.OutOfMemoryError as error:
                 if not self.catch:
                     raise
-                oom = True  # handled below, outside the except block, so the frames are freed
-            if not oom:
-                break
+                device = getattr(error, "evendp_device_index", None)
+            # Handled here, outside the except block, so the failed graph's frames are freed.
             total = None
             zero_grad()
             _free_memory()
-            if size <= (self.min_micro_batch_size or 1):
+            active = [i for i, n in enumerate(shares) if n]
+            targets = [device] if device in active else active
+            shrink = [i for i in targets if sizes[i] > floor]
+            if not shrink:
                 break
-            size = max(math.ceil(size / 2), self.min_micro_batch_size or 1)
-            self.micro_batch_size = size
+            for i in shrink:
+                sizes[i] = self.micro_batch_sizes[i] = max(math.ceil(sizes[i] / 2), floor)
             self.resplits += 1
         failed = total is None
         if self._distributed():
@@ -144,18 +233,23 @@ class OomResplit:
         return total
 
     @staticmethod
-    def _run_chunks(
-        n: int,
-        size: int,
-        chunk_loss: Callable[[int, int], torch.Tensor],
+    def _run_micro_steps(
+        shares: Sequence[int],
+        sizes: list[int],
+        chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
         weight: float,
         backward: Callable[[torch.Tensor], None],
     ) -> torch.Tensor:
         total = torch.zeros(())
-        for start in range(0, n, size):
-            stop = min(start + size, n)
-            loss = chunk_loss(start, stop)  # () mean over the micro-batch
-            scaled = loss * ((stop - start) * weight)
+        steps = max(
+            (math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0
+        )
+        for k in range(steps):
+            spans = [
+                (min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)
+            ]
+            loss = chunk_loss(spans)  # () mean over the micro-step's samples
+            scaled = loss * (sum(b - a for a, b in spans) * weight)
             backward(scaled)
             total = total + scaled.detach().float().cpu()
         return total

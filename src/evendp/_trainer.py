@@ -8,7 +8,9 @@ is averaged over ranks with every micro-batch weighted by its samples over the g
 
 Gradient accumulation and the OOM re-split are the same mechanism: the step runs as
 micro-batches through :class:`OomResplit`, which halves them whenever one runs out of memory.
-The gradient is that of the global batch's mean loss however the batch is cut.
+The gradient is that of the global batch's mean loss however the batch is cut. In one process
+each device's share is cut by its own cap: an OOM in one replica's forward halves that
+device's micro-batches only, and the healthy devices keep running their shares in one go.
 
 Under DDP with ``oom_resplit=True`` (the default) every rank accumulates its gradients locally
 and they are averaged in one all-reduce after all ranks agreed to step: an OOM in the middle of
@@ -19,6 +21,7 @@ The price is no overlap of communication with backward; ``oom_resplit=False`` gi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -156,14 +159,29 @@ def _collate(data: Dataset[Any], indices: list[int]) -> Batch:
     return default_collate([data[i] for i in indices])
 
 
-def _slice(batch: Batch, start: int, stop: int) -> Batch:
+def _map(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """``fn`` applied to every tensor of a (nested tuple, list or dict) batch."""
     if torch.is_tensor(batch):
-        return batch[start:stop]
+        return fn(batch)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(b, start, stop) for b in batch)
+        return type(batch)(_map(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: _slice(v, start, stop) for k, v in batch.items()}
+        return {k: _map(v, fn) for k, v in batch.items()}
     return batch
+
+
+def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
+    """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
+
+    >>> _rows(torch.arange(6), [(0, 2), (3, 5)]), _rows(torch.arange(6), [(0, 2), (2, 4)])
+    (tensor([0, 1, 3, 4]), tensor([0, 1, 2, 3]))
+    """
+    ranges = [(a, b) for a, b in ranges if b > a]
+    if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
+        start, stop = ranges[0][0], ranges[-1][1]
+        return _map(batch, lambda t: t[start:stop])
+    index = torch.cat([torch.arange(a, b) for a, b in ranges])  # (samples,)
+    return _map(batch, lambda t: t[index.to(t.device)])
 
 
 def _batch_len(batch: Batch) -> int:
@@ -174,16 +192,6 @@ def _batch_len(batch: Batch) -> int:
     if isinstance(batch, dict) and batch:
         return _batch_len(next(iter(batch.values())))
     raise EvendpError(f"cannot find the batch dimension of {type(batch).__name__}; use tensors")
-
-
-def _to(batch: Batch, device: torch.device) -> Batch:
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
 
 
 class Trainer:
@@ -267,19 +275,27 @@ class Trainer:
                 data, [config.batch_size], rank=0, world_size=1, seed=config.seed
             )
             self.wrapped = BalancedDataParallel(loss_module, devices, chunk_sizes=weights)
+            self.weights = self.wrapped.chunk_sizes  # validated; micro-steps reassign them
             self.dp_devices: list[torch.device] = list(self.wrapped.device_ids)
             self.device_names = [
                 f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp_devices)
             ]
         # FSDP2 all-gathers parameters inside forward and backward: a retry on one rank would
         # mismatch the collectives, so there OOM is fatal (micro-batching still works).
-        self.guard = OomResplit(catch=not (self.distributed and self.fsdp))
+        # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
+        # Under torchrun each rank is one device of its own guard.
+        self.guard = OomResplit(
+            catch=not (self.distributed and self.fsdp),
+            devices=1 if self.distributed else len(self.device_names),
+        )
         # Built after sharding: FSDP2 replaces the parameters with sharded ones.
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.scheduler = scheduler
         self.samples = [0] * len(self.device_names)
+        #: The last step's micro-steps: per micro-step, the samples each device ran.
+        self.micro_steps: list[list[int]] = []
         self.losses: list[float] = []
         self.step = 0
         self.epoch = 0
@@ -310,7 +326,7 @@ class Trainer:
                 "batch_in_epoch": self.batch_in_epoch,
                 "losses": self.losses,
                 "samples": self.samples,
-                "micro_batch_size": self.guard.micro_batch_size,
+                "micro_batch_sizes": self.guard.micro_batch_sizes,
                 "resplits": self.guard.resplits,
                 "skipped": self.guard.skipped,
             },
@@ -335,7 +351,9 @@ class Trainer:
         saved = [int(v) for v in extra.get("samples", [])]
         if len(saved) == len(self.samples):
             self.samples = saved
-        self.guard.micro_batch_size = extra.get("micro_batch_size")
+        caps = extra.get("micro_batch_sizes")
+        if isinstance(caps, list) and len(caps) == len(self.guard.micro_batch_sizes):
+            self.guard.micro_batch_sizes = [None if c is None else int(c) for c in caps]
         self.guard.resplits = int(extra.get("resplits", 0))
         self.guard.skipped = int(extra.get("skipped", 0))
 
@@ -350,7 +368,8 @@ class Trainer:
                 if i < self.batch_in_epoch:
                     continue
                 self.batch_in_epoch = i + 1
-                yield _to(_collate(self.data, list(indices)), self.device)
+                batch = _collate(self.data, list(indices))
+                yield _map(batch, lambda t: t.to(self.device, non_blocking=True))
             self.epoch += 1
             self.batch_in_epoch = 0
 
@@ -370,12 +389,16 @@ class Trainer:
             global_count = float(count.item())
         else:
             global_count = float(n)
-        micro = math.ceil(n / self.config.accum) if n else None
+        # Each device's share of this batch: consecutive samples starting at offsets[i].
+        shares = self.wrapped.split(n) if isinstance(self.wrapped, BalancedDataParallel) else [n]
+        offsets = [sum(shares[:i]) for i in range(len(shares))]
+        accum = [math.ceil(s / self.config.accum) if s else None for s in shares]
 
-        def chunk_loss(start: int, stop: int) -> torch.Tensor:
-            part = _slice(batch, start, stop)
+        def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
+            # spans[i]: this micro-step's samples of device i's own share.
+            part = _rows(batch, [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)])
             # Plain DDP (no OOM re-split): all-reduce only on the last micro-batch's backward.
-            last = stop == n
+            last = spans[0][1] == n
             sync = (
                 self.wrapped.no_sync()
                 if isinstance(self.wrapped, nn.parallel.DistributedDataParallel) and not last
@@ -383,31 +406,40 @@ class Trainer:
             )
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            if isinstance(self.wrapped, BalancedDataParallel):
+                self.wrapped.chunk_sizes = [b - a for a, b in spans]  # exact integer sizes
             with sync, self._autocast():
                 loss = (
                     self.wrapped(*part) if isinstance(part, (tuple, list)) else self.wrapped(part)
                 )
-            if start == 0:
+            if all(a == 0 for a, _ in spans):
                 attempt.clear()  # an OOM restarts the step from sample 0: count the last try
             if isinstance(self.wrapped, BalancedDataParallel):
                 attempt.append(list(self.wrapped.last_sizes))
             else:
-                attempt.append([stop - start if r == self.rank else 0 for r in range(self.world)])
+                attempt.append(
+                    [_batch_len(part) if r == self.rank else 0 for r in range(self.world)]
+                )
             return loss.float()
 
         def backward(loss: torch.Tensor) -> None:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
         self.optimizer.zero_grad(set_to_none=True)
-        attempt: list[list[int]] = []  # per micro-batch, the samples each device ran
-        total = self.guard.run(
-            n,
-            chunk_loss,
-            weight=self.world / global_count,
-            zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
-            backward=backward,
-            micro_batch_size=micro,
-        )
+        attempt: list[list[int]] = []  # per micro-step, the samples each device ran
+        try:
+            total = self.guard.run_shares(
+                shares,
+                chunk_loss,
+                weight=self.world / global_count,
+                zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+                backward=backward,
+                micro_batch_sizes=accum,
+            )
+        finally:
+            if isinstance(self.wrapped, BalancedDataParallel):
+                self.wrapped.chunk_sizes = self.weights  # the user's weights, outside a step
+        self.micro_steps = attempt
         if total is None:
             return None
         for sizes in attempt:
@@ -440,6 +472,13 @@ class Trainer:
         seen = dict.fromkeys(d for d in devices if d.type == "cuda")
         return " ".join(format_bytes(torch.cuda.max_memory_allocated(d)) for d in seen)
 
+    def _micro_text(self) -> str:
+        # Shown only once an OOM (or a resumed run) capped some device's micro-batches.
+        caps = self.guard.micro_batch_sizes
+        if all(c is None for c in caps):
+            return ""
+        return " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
+
     def fit(self) -> TrainReport:
         """Run until ``config.steps`` optimizer steps are done; return the report.
 
@@ -464,7 +503,8 @@ class Trainer:
                     self.step += 1
                     if loss is not None:
                         self.losses.append(loss)
-                    bar.update(self.step, loss, _batch_len(batch) * self.world, self._memory_text())
+                    text = self._memory_text() + self._micro_text()
+                    bar.update(self.step, loss, _batch_len(batch) * self.world, text)
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save()
         except KeyboardInterrupt:
