@@ -284,7 +284,8 @@ def _run_dp(args: argparse.Namespace) -> int:
         # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
     model, data, config = _build(args)
-    if args.devices is None and args.weights is None and len(devices) > 1:
+    on_gpus = all(isinstance(d, int) for d in devices)
+    if args.devices is None and args.weights is None and len(devices) > 1 and on_gpus:
         # All GPUs, no weights given: the planner's split (device 0 also holds the optimizer
         # and the gathered outputs), else free memory when the planner cannot place the batch.
         try:
