@@ -64,6 +64,26 @@ def test_lm_head_logits_on_output_device() -> None:
     assert q.devices[0].peak < p.devices[0].peak
 
 
+def test_a_fixed_batch_levels_headroom_instead_of_splitting_evenly() -> None:
+    # 32 sequences fit anywhere; the split should still keep the 12 GiB card no fuller,
+    # relative to its budget, than the 24 GiB ones (an even split would not), and DP's
+    # output device, already holding the gathered logits, should take the fewest samples.
+    p = plan(
+        lambda: LMHead(40_000, 250),
+        _lm_batch,
+        "24GiB,24GiB,12GiB",
+        mode="dp",
+        criterion=lm_loss,
+        batch_size=32,
+    )
+    ratios = [d.peak / d.budget for d in p.devices]
+    even_ratios = [d.even_peak / d.budget for d in p.devices]
+    assert sum(p.split) == 32
+    assert p.split[0] == min(p.split) and p.split[1] > p.split[2]
+    assert max(ratios[1:]) < max(even_ratios[1:])
+    assert max(ratios) <= max(even_ratios)
+
+
 class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
