@@ -25,7 +25,7 @@ from torch import nn
 
 from ._errors import EvendpError
 from ._replicate import parallel_apply, replicate
-from ._scatter import batch_size, gather_outputs, scatter
+from ._scatter import batch_size, batch_size_and_devices, gather_outputs, scatter
 from ._split import _validate_weights, split_sizes
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
@@ -154,7 +154,7 @@ class BalancedDataParallel(nn.Module):
         if self._sentinel is not None:
             owner, name = self._sentinel
             _validate_placement([owner._parameters[name]], home=self.device_ids[0])
-        total = batch_size((inputs, kwargs), self.dim)
+        total, where = batch_size_and_devices((inputs, kwargs), self.dim)
         if total is None:
             raise EvendpError(
                 "BalancedDataParallel got no tensor with a batch dimension "
@@ -167,7 +167,11 @@ class BalancedDataParallel(nn.Module):
         active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
         devices = [self.device_ids[i] for i in active]
         sizes = [self.last_sizes[i] for i in active]
-        shards = scatter((inputs, kwargs), sizes, devices, self.dim)
+        if len(devices) == 1 and where <= {devices[0]}:
+            # The whole batch already sits on the one device that runs it: nothing to move.
+            shards = [(inputs, kwargs)]
+        else:
+            shards = scatter((inputs, kwargs), sizes, devices, self.dim)
         replicas = self._replicas(devices, include_home=active[0] == 0)
         try:
             outputs = parallel_apply(replicas, shards, devices)
@@ -177,6 +181,8 @@ class BalancedDataParallel(nn.Module):
             raise
         if not self.gather:
             return Scattered(outputs, sizes, devices, self.dim, self.output_device)
+        if len(devices) == 1 and devices[0] == self.output_device:
+            return outputs[0]  # as nn.DataParallel on one device: the module's own output
         return gather_outputs(outputs, sizes, self.output_device, self.dim)
 
     def _plan_weights(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
@@ -197,6 +203,8 @@ class BalancedDataParallel(nn.Module):
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
         # The home device runs the module itself: no copies, and buffer updates persist.
+        if include_home and len(devices) == 1:
+            return [self.module]
         detach = not torch.is_grad_enabled()
         if include_home:
             return [self.module, *replicate(self.module, devices[1:], detach)]

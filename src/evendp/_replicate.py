@@ -74,11 +74,11 @@ def parallel_apply(
     >>> [o.item() for o in out]
     [1.0, 1.0]
     """
-    devices = [torch.device(d) for d in devices]
-    state = _ThreadState(devices)
-    if len(modules) == 1:
+    if len(modules) == 1:  # the caller's own thread: its state is already in force
         args, kwargs = shards[0]
         return [modules[0](*args, **kwargs)]
+    devices = [torch.device(d) for d in devices]
+    state = _ThreadState(devices)
 
     results: list[Any] = [None] * len(modules)
     errors: list[BaseException | None] = [None] * len(modules)

@@ -19,7 +19,7 @@ import torch
 
 from ._errors import EvendpError
 
-__all__ = ["batch_size", "gather_outputs", "map_tensors", "scatter"]
+__all__ = ["batch_size", "batch_size_and_devices", "gather_outputs", "map_tensors", "scatter"]
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -52,16 +52,27 @@ def batch_size(obj: Any, dim: int = 0) -> int | None:
     >>> batch_size(((torch.zeros(5, 2),), {"mask": torch.ones(5)}))
     5
     """
+    return batch_size_and_devices(obj, dim)[0]
+
+
+def batch_size_and_devices(obj: Any, dim: int = 0) -> tuple[int | None, set[torch.device]]:
+    """:func:`batch_size`, and the devices of every tensor in ``obj``, in one walk.
+
+    >>> batch_size_and_devices([torch.zeros(3), torch.tensor(1.0)])
+    (3, {device(type='cpu')})
+    """
     found: list[tuple[int, tuple[int, ...]]] = []
+    devices: set[torch.device] = set()
 
     def record(t: torch.Tensor) -> torch.Tensor:
+        devices.add(t.device)
         if _is_batch_tensor(t, dim):
             found.append((t.shape[dim], tuple(t.shape)))
         return t
 
     map_tensors(obj, record)
     if not found:
-        return None
+        return None, devices
     first_size, first_shape = found[0]
     for size, shape in found[1:]:
         if size != first_size:
@@ -72,7 +83,7 @@ def batch_size(obj: Any, dim: int = 0) -> int | None:
                 "per-sample tensors only, or wrap shared tensors as non-batch values "
                 "(e.g. a 0-dim tensor or a plain Python object)"
             )
-    return first_size
+    return first_size, devices
 
 
 def scatter(
