@@ -190,8 +190,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f" {'CPU ms/step':>12} {'CPU ratio':>10}"
     )
     ratios: dict[str, float] = {}
+    wall = measured["wall"]
     for name, _, _, base in variants:
-        ratios[name] = steps_s[name] / steps_s[base]
+        # Median over rounds of the ratio within each round: slow drift of the machine's
+        # speed between rounds cancels out of the comparison.
+        pairs = zip(wall[base], wall[name], strict=True)
+        ratios[name] = statistics.median(b / a for b, a in pairs)
         print(
             f"{name:<30} {steps_s[name]:8.1f} {steps_s[name] / steps_s[plain]:9.3f} "
             f"{ratios[name]:13.3f} {cpu_ms[name]:12.3f} {cpu_ms[base] / cpu_ms[name]:10.3f}"
