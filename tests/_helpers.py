@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 import torch
@@ -17,3 +18,18 @@ def free_port() -> int:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class OomInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory for batches above ``limit``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, limit: int) -> torch.Tensor:
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if grad.shape[0] > ctx.limit:
+            raise torch.OutOfMemoryError("injected OOM in backward")
+        return grad, None

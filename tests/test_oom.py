@@ -18,24 +18,9 @@ from torch import nn
 from evendp._dp import BalancedDataParallel
 from evendp._errors import EvendpError
 from evendp._oom import OomResplit, all_reduce_gradients
-from tests._helpers import free_port
+from tests._helpers import OomInBackward, free_port
 
 N = 12
-
-
-class _OomInBackward(torch.autograd.Function):
-    """Identity whose backward runs out of memory for batches above ``limit``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, limit: int) -> torch.Tensor:
-        ctx.limit = limit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if grad.shape[0] > ctx.limit:
-            raise torch.OutOfMemoryError("injected OOM in backward")
-        return grad, None
 
 
 class OomNet(nn.Module):
@@ -54,7 +39,7 @@ class OomNet(nn.Module):
         h = torch.tanh(self.fc1(x))
         # fc2's weight gradient is accumulated before this backward raises: the guard must
         # drop that partial gradient.
-        h = _OomInBackward.apply(h, self.backward_limit)
+        h = OomInBackward.apply(h, self.backward_limit)
         return self.fc2(h)
 
 

@@ -20,24 +20,9 @@ from evendp._errors import EvendpError
 from evendp._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
-from tests._helpers import free_port, requires_cuda
+from tests._helpers import OomInBackward, free_port, requires_cuda
 
 V = 7  # vocabulary of the toy data
-
-
-class _OomInBackward(torch.autograd.Function):
-    """Identity whose backward runs out of memory for batches above ``limit``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, limit: int) -> torch.Tensor:
-        ctx.limit = limit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if grad.shape[0] > ctx.limit:
-            raise torch.OutOfMemoryError("injected OOM in backward")
-        return grad, None
 
 
 class TinyLM(nn.Module):
@@ -57,7 +42,7 @@ class TinyLM(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.limit:
             raise torch.OutOfMemoryError("injected")
-        h = _OomInBackward.apply(self.emb(x), self.backward_limit)  # (B, T, 16)
+        h = OomInBackward.apply(self.emb(x), self.backward_limit)  # (B, T, 16)
         h = self.norm(h.transpose(1, 2)).transpose(1, 2)
         logits = self.fc(torch.tanh(h))  # (B, T, V)
         return nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
