@@ -64,24 +64,20 @@ def test_lm_head_logits_on_output_device() -> None:
     assert q.devices[0].peak < p.devices[0].peak
 
 
-def test_a_fixed_batch_levels_headroom_instead_of_splitting_evenly() -> None:
-    # 32 sequences fit anywhere; the split should still keep the 12 GiB card no fuller,
-    # relative to its budget, than the 24 GiB ones (an even split would not), and DP's
-    # output device, already holding the gathered logits, should take the fewest samples.
+def test_a_fixed_batch_is_even_where_it_fits_and_capped_where_it_does_not() -> None:
+    # 15,000 samples on 24, 24, 12 GiB: an even 5,000 overflows the 12 GiB card, so it gets
+    # the most it holds and the other two share the rest evenly (the fastest split that fits).
     p = plan(
-        lambda: LMHead(40_000, 250),
-        _lm_batch,
-        "24GiB,24GiB,12GiB",
-        mode="dp",
-        criterion=lm_loss,
-        batch_size=32,
-    )
-    ratios = [d.peak / d.budget for d in p.devices]
-    even_ratios = [d.even_peak / d.budget for d in p.devices]
-    assert sum(p.split) == 32
-    assert p.split[0] == min(p.split) and p.split[1] > p.split[2]
-    assert max(ratios[1:]) < max(even_ratios[1:])
-    assert max(ratios) <= max(even_ratios)
+        lambda: GPT(GPTConfig()), _gpt_batch, "24GiB,24GiB,12GiB", mode="ddp", batch_size=15_000
+    )  # type: ignore[arg-type]
+    small = p.devices[2]
+    assert sum(p.split) == 15_000
+    assert p.split[2] == small.max_batch_alone < 5_000
+    assert abs(p.split[0] - p.split[1]) <= 1
+    assert all(d.peak <= d.budget for d in p.devices)
+    assert small.even_peak > small.budget  # the even split would not fit
+    q = plan(lambda: GPT(GPTConfig()), _gpt_batch, "24GiB,24GiB,12GiB", mode="ddp", batch_size=300)  # type: ignore[arg-type]
+    assert q.split == [100, 100, 100]  # fits everywhere: even, so no device is the bottleneck
 
 
 class ConvNet(nn.Module):

@@ -19,8 +19,6 @@ library workspaces, which a fake run cannot see.
 from __future__ import annotations
 
 import copy
-import heapq
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -415,37 +413,24 @@ def _largest(fits: Callable[[int], bool], hi_hint: int = 1) -> int:
     return lo
 
 
-def _levelled_split(model: _Model, budgets: list[int], total: int) -> list[int]:
-    """Split ``total`` so that the fullest device, relative to its budget, is as empty as can be.
+def _capped_even_split(caps: list[int], total: int) -> list[int]:
+    """Split ``total`` as evenly as the caps allow: ``min(cap_i, level)`` for the lowest level.
 
-    Below the largest batch that fits, an even split (or one proportional to capacity) can put
-    one device near its limit while others idle. Levelling every device's predicted
-    ``peak / budget`` leaves each the same relative headroom: bisect on that ratio, then hand
-    the last few samples one at a time to the device whose ratio stays lowest.
+    For equally fast devices the step takes as long as the largest share, so the best split
+    that fits is the even one, with a device that cannot hold its even share kept at its cap
+    and the rest spread evenly over the others (speed differences are the speed balancer's
+    job, at run time). The caller guarantees ``sum(caps) >= total``.
+
+    >>> _capped_even_split([100, 5, 100], 30)
+    [13, 5, 12]
     """
-    k = len(budgets)
-
-    def share(i: int, ratio: float) -> int:
-        def fits(n: int) -> bool:
-            return n <= total and model.peak(i, n, total) <= ratio * budgets[i]
-
-        return max(0, _largest(fits))
-
-    lo, hi = 0.0, 1.0  # the whole budget fits `total` (the caller checked), nothing fits 0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if sum(share(i, mid) for i in range(k)) >= total else (mid, hi)
-    sizes = [share(i, lo) for i in range(k)]
-
-    def next_ratio(i: int) -> float:
-        return model.peak(i, sizes[i] + 1, total) / budgets[i] if budgets[i] > 0 else math.inf
-
-    heap = [(next_ratio(i), i) for i in range(k)]
-    heapq.heapify(heap)
-    for _ in range(total - sum(sizes)):
-        _, i = heapq.heappop(heap)
-        sizes[i] += 1
-        heapq.heappush(heap, (next_ratio(i), i))
+    level = _largest(lambda lv: sum(min(c, lv) for c in caps) < total, 1) + 1
+    sizes = [min(c, level) for c in caps]
+    excess = sum(sizes) - total
+    for i in reversed(range(len(sizes))):  # take the excess back from the uncapped, last first
+        if excess and sizes[i] == level:
+            sizes[i] -= 1
+            excess -= 1
     return sizes
 
 
@@ -490,7 +475,7 @@ def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
             f"a global batch of {batch} does not fit these devices; the largest that fits is "
             f"{best}; lower --batch, add devices or free memory"
         )
-    split = _levelled_split(model, budgets, total)
+    split = _capped_even_split([max(c, 0) for c in caps(total)], total)
 
     def even_fits(t: int) -> bool:
         sizes = split_sizes(t, [1] * k)

@@ -123,5 +123,8 @@ def test_planner_split_favours_the_device_with_more_memory() -> None:
 
     config = GPTConfig(vocab_size=96, block_size=32, n_layer=1, n_head=4, n_embd=32)
     args = argparse.Namespace(batch=64, amp="none", checkpointing=False)
-    weights = _planner_weights(config, args, "560MiB,545MiB")  # 512 MiB CUDA context each
+    # 512 MiB CUDA context each: the second device cannot hold an even 32, so it gets what it
+    # holds and the first the rest; with room for 32 on both the split is even (fastest).
+    weights = _planner_weights(config, args, "560MiB,542MiB")
     assert sum(weights) == 64 and weights[0] > weights[1] > 0
+    assert _planner_weights(config, args, "560MiB,545MiB") == [32.0, 32.0]
