@@ -100,8 +100,8 @@ def main() -> None:
             f"{name:>24}{plain * 1e3:>15.3f}{ours * 1e3:>16.3f}"
             f"{paired(rounds, 'evendp'):>8.3f}{paired(rounds, 'plain again'):>14.3f}"
         )
-    print("ratio: evendp / plain, the median of per-round ratios; noise floor: a second bare")
-    print("copy / plain. Target: ratio <= 1.02 (the fixed cost is per step: tiny steps show it)")
+    print("ratio: evendp / plain, the median of per-round ratios; noise floor: the same plain")
+    print("call timed again. Target <= 1.02 (the fixed cost is per step: tiny steps show it)")
 
 
 if __name__ == "__main__":
