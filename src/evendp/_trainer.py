@@ -40,6 +40,7 @@ from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._oom import OomResplit, all_reduce_gradients
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
+from ._scatter import map_tensors
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -159,17 +160,6 @@ def _collate(data: Dataset[Any], indices: list[int]) -> Batch:
     return default_collate([data[i] for i in indices])
 
 
-def _map(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-    """``fn`` applied to every tensor of a (nested tuple, list or dict) batch."""
-    if torch.is_tensor(batch):
-        return fn(batch)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map(b, fn) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _map(v, fn) for k, v in batch.items()}
-    return batch
-
-
 def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
 
@@ -179,9 +169,9 @@ def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     ranges = [(a, b) for a, b in ranges if b > a]
     if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
         start, stop = ranges[0][0], ranges[-1][1]
-        return _map(batch, lambda t: t[start:stop])
+        return map_tensors(batch, lambda t: t[start:stop])
     index = torch.cat([torch.arange(a, b) for a, b in ranges])  # (samples,)
-    return _map(batch, lambda t: t[index.to(t.device)])
+    return map_tensors(batch, lambda t: t[index.to(t.device)])
 
 
 def _batch_len(batch: Batch) -> int:
@@ -369,7 +359,7 @@ class Trainer:
                     continue
                 self.batch_in_epoch = i + 1
                 batch = _collate(self.data, list(indices))
-                yield _map(batch, lambda t: t.to(self.device, non_blocking=True))
+                yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
             self.epoch += 1
             self.batch_in_epoch = 0
 

@@ -47,6 +47,10 @@ def test_report_files_and_per_device_counts(demo: tuple[Path, str]) -> None:
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "ckpt.pt").exists()
     assert "samples per device per step [16, 8, 8]" in stdout
+    # The demo proves its own claim: the uneven split gives one device's gradient.
+    check = next(line for line in stdout.splitlines() if "exactness check" in line)
+    assert "[16, 8, 8]" in check
+    assert float(check.rsplit(" ", 1)[1]) <= 1e-5
     report = json.loads((out / "report.json").read_text())
     assert [d["samples_per_step"] for d in report["devices"]] == [16, 8, 8]
     assert all(d["even_planned_bytes"] and d["planned_bytes"] for d in report["devices"])

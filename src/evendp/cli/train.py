@@ -186,6 +186,49 @@ def _planner_weights(config: Any, args: argparse.Namespace, spec: str | None = N
     return [float(n) for n in p.split]
 
 
+def _print_exactness_check(trainer: Any, data: Any, batch_size: int) -> None:
+    try:
+        diff = _gradient_difference(trainer, data, batch_size)
+    except torch.OutOfMemoryError:
+        # On real GPUs the whole batch may not fit one device: that is why it is split.
+        trainer.optimizer.zero_grad(set_to_none=True)
+        print("evendp train: exactness check skipped: the whole batch does not fit one device")
+        return
+    print(
+        f"evendp train: exactness check on the first batch: gradient over "
+        f"{trainer.wrapped.last_sizes} vs one device on all {batch_size} samples: "
+        f"relative difference {diff:.1e}",
+        flush=True,
+    )
+
+
+def _gradient_difference(trainer: Any, data: Any, batch_size: int) -> float:
+    """``||g_balanced - g_one|| / ||g_one||`` on the first batch: the split must not matter.
+
+    ``g_balanced`` comes through BalancedDataParallel over every device with the uneven split;
+    ``g_one`` from the same loss module on the whole batch on the home device. The gradients
+    are cleared again afterwards, so training starts exactly as it would without the check.
+    """
+    from evendp._scatter import map_tensors
+    from evendp._trainer import _collate
+
+    home = trainer.wrapped.device_ids[0]
+    batch = map_tensors(_collate(data, list(range(batch_size))), lambda t: t.to(home))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def gradient(loss_module: Any) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        loss_module(*batch).backward()
+        return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+    balanced = gradient(trainer.wrapped)
+    one_device = gradient(trainer.wrapped.module)
+    for p in params:
+        p.grad = None
+    return float((balanced - one_device).norm() / one_device.norm())
+
+
 def _ddp_launch(args: argparse.Namespace) -> int:
     from evendp._launch import launch, plan_launch
 
@@ -306,6 +349,8 @@ def _run_dp(args: argparse.Namespace) -> int:
         f"{args.batch}, samples per device per step {trainer.wrapped.split(args.batch)}",  # type: ignore[operator]
         flush=True,
     )
+    if args.amp == "none" and not args.resume:
+        _print_exactness_check(trainer, data, args.batch)
     report = trainer.fit()
     if not args.no_plan:
         try:
