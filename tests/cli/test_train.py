@@ -119,6 +119,20 @@ def test_ddp_modes_launch_uneven_cpu_ranks(tmp_path: Path, mode: str) -> None:
     assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]
 
 
+@pytest.mark.multiprocess
+def test_ddp_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
+    # Uneven ranks (3:1) under torchrun: 6 steps straight, and 3 steps then a resume to 6.
+    ddp = ["--mode", "ddp", "--devices", "cpu,cpu", "--weights", "3,1", "--batch", "16",
+           "--no-progress", "--no-plan", *SMALL]  # fmt: skip
+    assert main(["train", *ddp, "--steps", "6", "--out", str(tmp_path / "straight")]) == 0
+    assert main(["train", *ddp, "--steps", "3", "--out", str(tmp_path / "cut")]) == 0
+    assert main(["train", *ddp, "--steps", "6", "--resume", "--out", str(tmp_path / "cut")]) == 0
+    straight = json.loads((tmp_path / "straight" / "report.json").read_text())["losses"]
+    resumed = json.loads((tmp_path / "cut" / "report.json").read_text())["losses"]
+    assert len(straight) == len(resumed) == 6
+    assert resumed == pytest.approx(straight, rel=1e-6, abs=0)
+
+
 def test_planner_split_favours_the_device_with_more_memory() -> None:
     import argparse
 
