@@ -145,3 +145,20 @@ def test_failed_write_leaves_existing_files_and_no_temp(tmp_path: Path) -> None:
     assert path.read_bytes() == good
     assert not previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+def test_each_rank_restores_its_own_rng_only_for_the_same_step(tmp_path: Path) -> None:
+    from evendp._checkpoint import load_rank_rng, rank_rng_path, save_rank_rng
+
+    ckpt = tmp_path / "ckpt.pt"
+    torch.manual_seed(11)
+    save_rank_rng(ckpt, rank=1, step=4)
+    expected = torch.rand(3)  # what rank 1 draws next after step 4
+    torch.manual_seed(99)  # resume starts from the writer's (another) state
+    assert not load_rank_rng(ckpt, rank=1, step=5)  # another step's state is not applied
+    assert not load_rank_rng(ckpt, rank=2, step=4)  # no file for rank 2
+    assert load_rank_rng(ckpt, rank=1, step=4)
+    torch.testing.assert_close(torch.rand(3), expected)
+    rank_rng_path(ckpt, 1).write_bytes(b"garbage")
+    with pytest.raises(EvendpError, match=r"ckpt.rng1.pt.*delete it"):
+        load_rank_rng(ckpt, rank=1, step=4)

@@ -22,7 +22,15 @@ import torch
 
 from ._errors import EvendpError
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "previous_path", "save_checkpoint"]
+__all__ = [
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_rank_rng",
+    "previous_path",
+    "rank_rng_path",
+    "save_checkpoint",
+    "save_rank_rng",
+]
 
 _FORMAT = "evendp-checkpoint"
 _VERSION = 1
@@ -112,14 +120,19 @@ def save_checkpoint(
         "rng": _rng_state(),
         "extra": dict(extra or {}),
     }
+    return _atomic_save(payload, target, keep_previous=True)
+
+
+def _atomic_save(payload: Mapping[str, Any], target: Path, keep_previous: bool) -> Path:
+    """Write ``payload`` to ``target`` through a temporary file and a rename."""
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            torch.save(dict(payload), f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-        if target.exists():
+        if keep_previous and target.exists():
             os.replace(target, previous_path(target))
         os.replace(tmp, target)
     except BaseException:
@@ -128,6 +141,50 @@ def save_checkpoint(
         raise
     _fsync_dir(target.parent)
     return target
+
+
+def rank_rng_path(path: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its own RNG state beside checkpoint ``path``.
+
+    >>> rank_rng_path("runs/demo/ckpt.pt", 2).name
+    'ckpt.rng2.pt'
+    """
+    p = Path(path)
+    return p.with_name(f"{p.stem}.rng{rank}{p.suffix}")
+
+
+def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
+    """Save this process's RNG states for ``step`` (ranks other than the checkpoint writer).
+
+    Under DDP only rank 0 writes the checkpoint, but every rank draws its own dropout masks:
+    each keeps its generators in a small file of its own, tagged with the step, written with
+    no collective so that a Ctrl-C on one rank cannot hang the others.
+    """
+    target = rank_rng_path(path, rank)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+    return _atomic_save(payload, target, keep_previous=False)
+
+
+def load_rank_rng(path: str | Path, rank: int, step: int) -> bool:
+    """Restore this rank's RNG states saved at ``step``; False when absent or from another step.
+
+    >>> import tempfile
+    >>> ckpt = f"{tempfile.mkdtemp()}/ckpt.pt"
+    >>> _ = save_rank_rng(ckpt, rank=1, step=5)
+    >>> a = torch.rand(1); _ = load_rank_rng(ckpt, rank=1, step=5); torch.equal(a, torch.rand(1))
+    True
+    >>> load_rank_rng(ckpt, rank=1, step=6)  # a different step: not this checkpoint's state
+    False
+    """
+    source = rank_rng_path(path, rank)
+    if not source.exists():
+        return False
+    payload = _read_rng(source)
+    if int(payload["step"]) != int(step):
+        return False
+    _set_rng_state(payload["rng"])
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -169,6 +226,19 @@ def _read(path: Path) -> dict[str, Any]:
         raise EvendpError(
             f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
             f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
+        )
+    return payload
+
+
+def _read_rng(path: Path) -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for a truncated or foreign file
+        payload = exc
+    if not isinstance(payload, dict) or payload.get("format") != f"{_FORMAT}-rng":
+        raise EvendpError(
+            f"{str(path)!r} is not a readable evendp rank RNG file; delete it to resume with "
+            "the checkpoint writer's generator states on this rank"
         )
     return payload
 

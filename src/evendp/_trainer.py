@@ -34,7 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ._checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_rank_rng,
+    save_checkpoint,
+    save_rank_rng,
+)
 from ._ddp import UnevenBatchSampler
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
@@ -300,9 +306,12 @@ class Trainer:
         return None if out is None else Path(out) / "ckpt.pt"
 
     def save(self) -> Path | None:
-        """Write a checkpoint now (rank 0 only); returns its path."""
+        """Write a checkpoint now (rank 0; other ranks save their RNG); returns its path."""
         path = self.checkpoint_path
-        if path is None or self.rank != 0:
+        if path is None:
+            return None
+        if self.rank != 0:  # the checkpoint is rank 0's; each other rank keeps its own RNG
+            save_rank_rng(path, self.rank, self.step)
             return None
         return save_checkpoint(
             path,
@@ -335,6 +344,8 @@ class Trainer:
         )
         extra = info["extra"]
         self.step = info["step"]
+        if self.rank != 0:  # rank 0's generators were just restored; this rank's own, if saved
+            load_rank_rng(path, self.rank, self.step)
         self.epoch = int(extra.get("epoch", 0))
         self.batch_in_epoch = int(extra.get("batch_in_epoch", 0))
         self.losses = [float(v) for v in extra.get("losses", [])]
