@@ -56,3 +56,16 @@ def test_the_first_failing_replica_is_reported_with_its_device() -> None:
     with pytest.raises(KeyError) as info:
         parallel_apply([nn.Identity(), Boom()], [((torch.ones(1),), {})] * 2, [CPU, CPU])
     assert "replica 1" in info.value.__notes__[0]
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2 style models
+
+
+def test_a_tied_parameter_is_copied_once_per_replica() -> None:
+    [replica] = replicate(Tied(), [CPU], detach=True)  # detach makes a new tensor per copy
+    assert replica.head.weight is replica.embed.weight

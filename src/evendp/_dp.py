@@ -89,7 +89,9 @@ class BalancedDataParallel(nn.Module):
 
     A replica that returns a floating scalar (a mean loss computed inside ``forward``) is
     combined as the sample-weighted mean ``sum_i n_i/N * loss_i``: the same value, and so the
-    same gradient, as one device on the whole batch.
+    same gradient, as one device on the whole batch. (A per-device *sum* would be averaged
+    the same way: return a mean, or use ``gather=False`` with ``ParallelCriterion(...,
+    reduction="sum")``.)
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Linear(4, 1)

@@ -37,11 +37,17 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
     replicas = []
     for device in devices:
         copies = [m._replicate_for_data_parallel() for m in originals]
+        # A parameter shared by two modules (tied embeddings) is copied once per device.
+        param_copies: dict[int, torch.Tensor] = {}
         for original, copy in zip(originals, copies, strict=True):
             for name, child in original._modules.items():
                 copy._modules[name] = None if child is None else copies[position[id(child)]]
             for name, param in original._parameters.items():
-                value = None if param is None else _param_copy(param, device, detach)
+                value = None
+                if param is not None:
+                    if id(param) not in param_copies:
+                        param_copies[id(param)] = _param_copy(param, device, detach)
+                    value = param_copies[id(param)]
                 # Replica parameters are not leaves: they live as plain attributes.
                 setattr(copy, name, value)
             for name, buf in original._buffers.items():
@@ -52,11 +58,15 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
 
 def _param_copy(param: torch.Tensor, device: torch.device, detach: bool) -> torch.Tensor:
     copy = param.detach() if detach else param
-    return copy.to(device, non_blocking=True)
+    return copy.to(device, non_blocking=device.type == "cuda")
 
 
 def _buffer_copy(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return buf.clone() if buf.device == device else buf.to(device, non_blocking=True)
+    # non_blocking only towards a GPU: a host that reads a tensor copied from a GPU
+    # asynchronously could see it before the copy lands.
+    if buf.device == device:
+        return buf.clone()
+    return buf.to(device, non_blocking=device.type == "cuda")
 
 
 def parallel_apply(
@@ -98,7 +108,8 @@ def parallel_apply(
         thread.join()
     for i, error in enumerate(errors):
         if error is not None:
-            error.add_note(f"evendp: raised by the replica on {devices[i]} (replica {i})")
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(f"evendp: raised by the replica on {devices[i]} (replica {i})")
             error.evendp_replica = i  # type: ignore[attr-defined]  # read by BalancedDataParallel
             raise error
     return results

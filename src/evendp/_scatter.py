@@ -110,7 +110,7 @@ def _chunk_mover(
         # A share that is the whole batch needs no narrow (and no NarrowBackward node).
         if _is_batch_tensor(t, dim) and size != t.shape[dim]:
             t = t.narrow(dim, start, size)
-        return t.to(device, non_blocking=True)
+        return t.to(device, non_blocking=device.type == "cuda")  # never GPU -> host async
 
     return move
 
@@ -128,8 +128,8 @@ def gather_outputs(
     >>> gather_outputs([torch.tensor(0.25), torch.tensor(0.8)], [2, 1], torch.device("cpu"))
     tensor(0.4333)
     """
-    if len(outputs) == 1 and sizes[0] > 0:
-        # One device did the whole batch: its output is already the answer.
+    if len(outputs) == 1:
+        # One device did the whole batch (or the batch was empty): its output is the answer.
         return map_tensors(outputs[0], lambda t: t.to(device))
     return _gather(list(outputs), list(sizes), device, dim)
 
