@@ -104,12 +104,24 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
     return devices
 
 
-def _visible_physical_ids() -> list[int] | None:
-    """Physical (NVML) ids of the CUDA devices this process sees, or None if unknowable."""
+class _AllGpus:
+    """Sentinel: every GPU NVML lists is visible, in NVML (PCI bus) order."""
+
+
+_ALL = _AllGpus()
+
+
+def _visible_physical_ids() -> list[int] | _AllGpus | None:
+    """Physical (NVML) ids of the CUDA devices this process sees.
+
+    ``_ALL`` when every GPU is visible in NVML order, a list (``[]`` for
+    ``CUDA_VISIBLE_DEVICES=""``: none visible) when the mapping is known, ``None`` when it is
+    unknowable.
+    """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     pci_order = os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
     if visible is None:
-        return None if not pci_order else []  # [] means "all, in NVML order"
+        return _ALL if pci_order else None
     ids = [v.strip() for v in visible.split(",") if v.strip()]
     if not pci_order or not all(v.isdigit() for v in ids):
         return None  # UUIDs, or CUDA's fastest-first order: NVML cannot map them
@@ -144,8 +156,14 @@ def live_memory(device_ids: Sequence[int] | None = None, *, nvml: Any = None) ->
         except (NvmlUnavailableError, ImportError):
             gpus = []
         mapping = _visible_physical_ids()
+        if mapping == []:
+            raise EvendpError(
+                "CUDA_VISIBLE_DEVICES is empty, so this process sees no GPU; unset it or list "
+                "the GPUs to use (e.g. CUDA_VISIBLE_DEVICES=0,1), or declare the devices, e.g. "
+                "devices='24GiB,24GiB,12GiB'"
+            )
         if gpus and (mapping is not None or len(gpus) == 1):
-            physical = mapping or [g.index for g in gpus]
+            physical = mapping if isinstance(mapping, list) else [g.index for g in gpus]
             by_index = {g.index: g for g in gpus}
             wanted = range(len(physical)) if device_ids is None else device_ids
             out = []
