@@ -95,9 +95,7 @@ def balancer_with(sizes: list[int], **kwargs: Any) -> tuple[UnevenBatchSampler, 
 
 def feed(b: SpeedBalancer, sampler: UnevenBatchSampler, per_sample: list[float]) -> bool:
     """One step in which rank i takes per_sample[i] seconds per sample."""
-    b.set_timings_for_test(
-        [[t * n, n] for t, n in zip(per_sample, sampler.batch_sizes, strict=True)]
-    )
+    b._set_timings([[t * n, n] for t, n in zip(per_sample, sampler.batch_sizes, strict=True)])
     return b.step()
 
 
@@ -111,7 +109,7 @@ def test_waits_for_warmup_then_moves_to_fast_rank() -> None:
 
 def test_first_step_is_ignored() -> None:
     sampler, b = balancer_with([8, 8], warmup=2)
-    b.set_timings_for_test([[100.0, 8], [0.1, 8]])  # a huge one-off cost on rank 0
+    b._set_timings([[100.0, 8], [0.1, 8]])  # a huge one-off cost on rank 0
     b.step()
     assert b.seconds_per_sample == [None, None]
     feed(b, sampler, [0.01, 0.01])
@@ -166,6 +164,16 @@ def test_every_k_steps_exchanges_less_often() -> None:
         feed(b, sampler, [0.01, 0.03])
     assert calls == 3
     assert sampler.batch_sizes == [12, 4]
+
+
+def test_first_step_is_dropped_when_exchanging_every_k_steps() -> None:
+    # With every=2 the first exchange is at step 2; step 1's one-off cost must not be in it.
+    _, b = balancer_with([8], warmup=2, every=2)
+    b.record(100.0, 8)
+    assert b.step() is False
+    b.record(0.08, 8)
+    b.step()
+    assert b.seconds_per_sample == [pytest.approx(0.01)]
 
 
 def test_balancer_argument_errors() -> None:

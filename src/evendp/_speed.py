@@ -206,7 +206,7 @@ class SpeedBalancer:
     >>> from evendp._ddp import UnevenBatchSampler
     >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
     >>> balancer = SpeedBalancer(sampler, warmup=2)
-    >>> balancer.set_timings_for_test([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
+    >>> balancer._set_timings([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
     >>> [balancer.step() for _ in range(3)]  # step 1 dropped, 2 re-splits, 3 keeps it
     [False, True, False]
     >>> sampler.batch_sizes
@@ -248,31 +248,47 @@ class SpeedBalancer:
         self.history: list[tuple[int, list[int]]] = [(0, sizes)]
         self._seconds = 0.0
         self._samples = 0
+        self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events, GPU only
         self._fake: list[list[float]] | None = None
 
     @contextmanager
     def measure(self, samples: int) -> Iterator[None]:
         """Time the block as this rank's compute for ``samples`` samples of this step."""
-        # CUDA runs asynchronously: without a sync the timer would see only the launches.
-        sync = torch.cuda.synchronize if torch.cuda.is_initialized() else None
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
+        if not torch.cuda.is_initialized():
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.record(time.perf_counter() - start, samples)
+            return
+        # --- GPU-only path. CUDA runs asynchronously, so a host timer would see only the
+        # launches; events time the device work without stalling the host every step, and
+        # are read (one wait) when the timings are exchanged.
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record()
         try:
             yield
         finally:
-            if sync is not None:
-                sync()
-            self.record(time.perf_counter() - start, samples)
+            end.record()
+            self._events.append((begin, end))
+            self._samples += int(samples)
 
     def record(self, seconds: float, samples: int) -> None:
         """Add ``seconds`` of compute for ``samples`` samples to this step (manual timing)."""
         self._seconds += float(seconds)
         self._samples += int(samples)
 
-    def set_timings_for_test(self, per_rank: list[list[float]]) -> None:
-        """Use fixed ``[seconds, samples]`` per rank instead of a real exchange (doctests)."""
+    def _set_timings(self, per_rank: list[list[float]]) -> None:
+        """Use fixed ``[seconds, samples]`` per rank instead of a real exchange (tests)."""
         self._fake = per_rank
+
+    def _read_events(self) -> None:
+        """Add the GPU time of the blocks timed since the last exchange (GPU only)."""
+        for begin, end in self._events:
+            end.synchronize()
+            self._seconds += begin.elapsed_time(end) / 1000  # milliseconds -> seconds
+        self._events.clear()
 
     def _exchange(self) -> list[tuple[float, float]]:
         """Every rank's ``(seconds, samples)`` since the last exchange."""
@@ -290,8 +306,15 @@ class SpeedBalancer:
     def step(self) -> bool:
         """Close this step's measurement; maybe re-split. Returns True when sizes changed."""
         self.steps += 1
+        if self.steps == 1:
+            # Drop the first step whatever `every` is: one-off costs (allocations, first
+            # kernels) would mislead. Local only, so every rank still exchanges at the same steps.
+            self._events.clear()
+            self._seconds, self._samples = 0.0, 0
+            return False
         if self.steps % self.every:
             return False
+        self._read_events()
         timings = self._exchange()
         self._seconds, self._samples = 0.0, 0
         if len(timings) != self.world_size:
@@ -299,8 +322,6 @@ class SpeedBalancer:
                 f"the process group has {len(timings)} ranks but the sampler has "
                 f"{self.world_size} batch sizes; build the sampler with one size per rank"
             )
-        if self.steps == 1:
-            return False  # one-off costs (allocations, first kernels) would mislead
         for i, (seconds, samples) in enumerate(timings):
             if samples > 0 and seconds > 0:
                 rate = seconds / samples
