@@ -4,6 +4,8 @@ eta_mem on heterogeneous devices, and bad input."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +188,21 @@ def test_eta_mem_on_heterogeneous_devices(mode: str, devices: str) -> None:
     assert p.split == [d.samples for d in p.devices] and sum(p.split) == p.global_batch
     data = json.loads(json.dumps(p.to_dict()))
     assert data["split"] == p.split and len(data["devices"]) == len(p.devices)
+
+
+def test_plot_leaves_the_global_matplotlib_state_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib
+
+    def no_backend_switch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Plan.plot must not switch the user's matplotlib backend")
+
+    monkeypatch.setattr(matplotlib, "use", no_backend_switch)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # importing pyplot now fails
+    p = plan(nn.Linear(16, 4), torch.randn(1, 16), "2x64MiB", batch_size=8, cuda_context=0)
+    p.plot(str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_failing_factory_is_a_plan_error() -> None:

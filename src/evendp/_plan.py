@@ -335,7 +335,6 @@ class _Model:
     """Per-device memory as a function of its own samples ``n`` and the global batch ``N``."""
 
     mode: Mode
-    k: int
     output_device: int
     static: dict[str, float]
     replica: _Curve
@@ -606,14 +605,16 @@ class Plan:
 
     def plot(self, path: str) -> None:
         """Write a stacked bar chart (PNG): each device's memory by kind, ours beside even."""
-        import matplotlib
+        # The object API with an Agg canvas: no pyplot, no global backend switch, no display.
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(2 + 1.6 * len(self.devices), 4.5))
+        fig = Figure(figsize=(2 + 1.6 * len(self.devices), 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
         width = 0.38
-        colors = [plt.get_cmap("tab10")(c) for c in range(10)]
+        colors = [colormaps["tab10"](c) for c in range(10)]
         for j, d in enumerate(self.devices):
             for offset, parts, label in (
                 (-width / 2, d.breakdown, f"{d.samples}"),
@@ -645,7 +646,6 @@ class Plan:
         ax.legend(fontsize=7, loc="upper right")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
 
 
 # --------------------------------------------------------------------------- validation
@@ -894,7 +894,7 @@ def plan(
     mdl: _Model | None = None
     for _ in range(_MAX_ROUNDS):
         mdl = _build_model(
-            mode, k, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
+            mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
         )
         sol = _solve(mdl, budgets, batch_size)
         want_rep = {n for n in [*sol.split, *sol.alone, *sol.even] if n > max(replica)}
@@ -951,7 +951,6 @@ def _sample_output(setup: _Setup, n: int) -> Any:
 
 def _build_model(
     mode: Mode,
-    k: int,
     output_device: int,
     replica: dict[int, _Point],
     crit: dict[int, _Point],
@@ -963,7 +962,6 @@ def _build_model(
     static = {key: float(v) for key, v in first.static.items()}
     return _Model(
         mode=mode,
-        k=k,
         output_device=output_device,
         static=static,
         replica=_Curve({n: p.fwbw for n, p in replica.items()}),
