@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from evendp.cli import main
+from evendp.cli._model_spec import resolve_model
 
 
 def test_json_lm_head(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,6 +42,31 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "predicted peak" in out and "dev1" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+BUILDS = [0]
+
+
+class _WithExample(nn.Linear):
+    def example_batch(self, n: int) -> torch.Tensor:
+        return torch.randn(n, 8)
+
+
+def counted_model() -> nn.Module:
+    BUILDS[0] += 1
+    return _WithExample(8, 2)
+
+
+def test_model_with_example_batch_is_not_rebuilt_per_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    BUILDS[0] = 0
+    spec = resolve_model("tests.cli.test_plan:counted_model")
+    assert [tuple(spec.batch(n).shape) for n in (1, 2, 3)] == [(1, 8), (2, 8), (3, 8)]
+    assert BUILDS[0] == 1  # the probe only
+    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--devices", "1GiB"]
+    assert main([*argv, "--batch", "16", "--json"]) == 0
+    assert sum(json.loads(capsys.readouterr().out)["split"]) == 16
 
 
 def bad_factory() -> object:

@@ -152,7 +152,7 @@ def _user(spec: str) -> ModelSpec:
                 f"{spec!r} returned a model without example_batch(n); return "
                 "(model, batch_fn) or (model, batch_fn, criterion) instead"
             )
-        return ModelSpec(factory, lambda n: factory().example_batch(n))
+        return ModelSpec(factory, made.example_batch)  # the probe's: no model per batch
     if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
         criterion = made[2] if len(made) == 3 else None
         return ModelSpec(lambda: factory()[0], made[1], criterion)
