@@ -136,7 +136,10 @@ def gpu_table() -> None:
     print("GPU: predicted allocator peak vs torch.cuda.max_memory_reserved (one device)")
     print(f"{'model':8} {'batch':>6} {'predicted GiB':>14} {'reserved GiB':>13} {'ratio':>7}")
     for name, (make, batch, criterion, n) in MODELS.items():
+        torch.cuda.empty_cache()  # return the last model's cached blocks before reading free
         free, _ = torch.cuda.mem_get_info()
+        # The real run below is one plain process (no DDP wrapper, so no gradient buckets):
+        # plan DDP's per-rank layout with bucket views on, which plans zero bucket bytes.
         p = plan(
             make,
             batch,
@@ -146,9 +149,9 @@ def gpu_table() -> None:
             batch_size=n,
             cuda_context=context,
             safety_margin=0.0,
+            gradient_as_bucket_view=True,
         )
         predicted = p.devices[0].peak - context
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         model = make().cuda()
         opt = torch.optim.AdamW(model.parameters())
