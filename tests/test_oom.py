@@ -340,3 +340,27 @@ def test_ddp_oom_on_one_rank_gives_the_exact_gradient(
 def test_ddp_ranks_agree_to_skip_and_do_not_hang(ddp_results: list[dict[str, Any]]) -> None:
     assert [r["skip"] for r in ddp_results] == [(True, 1), (True, 1)]
     assert [r["after"] for r in ddp_results] == [2.0, 2.0]
+
+
+def test_min_micro_steps_runs_empty_micro_steps_with_zero_not_nan_gradients() -> None:
+    # A DDP rank with no samples must still run forward and backward; the mean loss of an
+    # empty batch is NaN, and the padded step must leave zero (not NaN, not None) gradients.
+    net = nn.Linear(5, 3)
+    x, y = torch.randn(0, 5), torch.zeros(0, dtype=torch.long)
+    guard = OomResplit()
+    seen = []
+
+    def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
+        seen.append((guard.micro_step, guard.micro_step_count, spans))
+        a, b = spans[0]
+        return nn.functional.cross_entropy(net(x[a:b]), y[a:b])
+
+    total = guard.run_shares(
+        [0], chunk_loss, weight=1.0, zero_grad=net.zero_grad, min_micro_steps=2
+    )
+    assert seen == [(0, 2, [(0, 0)]), (1, 2, [(0, 0)])]
+    assert total is not None and float(total) == 0.0
+    for p in net.parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))
+    with pytest.raises(EvendpError, match="min_micro_steps"):
+        guard.run_shares([1], chunk_loss, weight=1.0, zero_grad=net.zero_grad, min_micro_steps=-1)

@@ -251,6 +251,16 @@ def test_activation_checkpointing_keeps_the_gradient_and_keys() -> None:
         Trainer(TinyLM(), data, TrainConfig(activation_checkpointing=True), devices=["cpu"])
 
 
+def test_oom_resplit_false_lets_an_oom_propagate() -> None:
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=1, batch_size=8, oom_resplit=False, progress=False)
+    trainer = Trainer(TinyLM(limit=3), _data(), cfg, devices=["cpu"])
+    assert not trainer.guard.catch
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit()
+    assert trainer.guard.resplits == 0
+
+
 def test_config_validation() -> None:
     with pytest.raises(EvendpError, match="amp"):
         TrainConfig(amp="fp8")  # type: ignore[arg-type]
@@ -314,8 +324,58 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         "mode": report.mode,
         "loss": report.losses[0],
     }
+    # Empty shares: a rank of size 0, and the short last step of an epoch ([5, 3] over 9
+    # samples: the second step is [1, 0]), on a dataset without batch() (collated per sample).
+    # lr=0 keeps the weights, so every step's gradient is checked at the initial weights.
+    nine = _NoBatch(_data(n=9 + 6))
+    for name, sizes, steps in EMPTY_CASES:
+        for mode in EMPTY_MODES:
+            torch.manual_seed(0)
+            model = TinyLM()
+            cfg = TrainConfig(
+                steps=steps,
+                batch_sizes=sizes,
+                accum=2,
+                lr=0.0,
+                grad_clip=None,
+                oom_resplit=mode != "plain",
+                strategy="fsdp2" if mode == "fsdp2" else "ddp",
+                progress=False,
+            )
+            trainer = Trainer(model, nine, cfg)
+            trainer.sampler.set_epoch(0)
+            every: list[Any] = [None, None]
+            dist.all_gather_object(every, list(trainer.sampler))
+            report = trainer.fit()
+            grads = [
+                (p.grad.full_tensor() if mode == "fsdp2" else p.grad).reshape(-1)  # type: ignore[union-attr]
+                for p in model.parameters()
+            ]
+            results[f"{name}-{mode}"] = {
+                "grads": torch.cat(grads),
+                "indices": every,
+                "losses": report.losses,
+                "samples": [d.samples_per_step for d in report.devices],
+            }
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+class _NoBatch(torch.utils.data.Dataset[Any]):
+    """A dataset without ``batch(indices)``: the Trainer collates it sample by sample."""
+
+    def __init__(self, data: CharWindows) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data[i]
+
+
+EMPTY_CASES = [("zero", [0, 4], 1), ("ragged", [5, 3], 2)]
+EMPTY_MODES = ["safe", "plain", "fsdp2"]
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +432,36 @@ def test_fsdp2_step_has_the_full_batch_gradient_clipped_globally(
     assert _rel(r0["grads"], expected) <= 1e-5 and _rel(r1["grads"], expected) <= 1e-5
     value = float(loss.detach())
     assert abs(r0["loss"] - value) <= 1e-5 * value
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", EMPTY_MODES)
+@pytest.mark.parametrize(("name", "sizes", "steps"), EMPTY_CASES)
+def test_a_rank_with_no_samples_neither_hangs_nor_changes_the_gradient(
+    ddp_results: list[dict[str, Any]], name: str, sizes: list[int], steps: int, mode: str
+) -> None:
+    r0, r1 = (r[f"{name}-{mode}"] for r in ddp_results)
+    data = _NoBatch(_data(n=9 + 6))
+    per_step = [a + b for a, b in zip(r0["indices"][0], r0["indices"][1], strict=True)]
+    assert len(per_step) >= steps
+    # Some step has an empty share: the case under test really happens.
+    assert any(not part for rank in r0["indices"] for part in rank[:steps])
+    torch.manual_seed(0)
+    ref = TinyLM()
+    losses = []
+    for indices in per_step[:steps]:
+        ref.zero_grad()
+        x, y = torch.utils.data.default_collate([data[i] for i in indices])
+        loss = ref(x, y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    expected = _grads(ref)  # the last step's gradient at the initial weights (lr=0)
+    assert _rel(r0["grads"], expected) <= 1e-5 and _rel(r1["grads"], expected) <= 1e-5
+    assert len(r0["losses"]) == steps
+    for got, want in zip(r0["losses"], losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    total = sum(len(i) for i in per_step[:steps])
+    assert sum(r0["samples"]) * steps == pytest.approx(total)
 
 
 def test_fsdp2_refuses_a_prebuilt_optimizer_and_checkpoints() -> None:

@@ -97,6 +97,10 @@ class OomResplit:
         self.resplits = 0
         #: How many steps were skipped because even the smallest micro-batch did not fit.
         self.skipped = 0
+        #: While ``chunk_loss`` runs: the index of this micro-step and how many the attempt
+        #: runs, so a caller can sync gradients on the last one only.
+        self.micro_step = 0
+        self.micro_step_count = 0
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -157,6 +161,7 @@ class OomResplit:
         zero_grad: Callable[[], None],
         backward: Callable[[torch.Tensor], None] = _default_backward,
         micro_batch_sizes: Sequence[int | None] | None = None,
+        min_micro_steps: int = 0,
     ) -> torch.Tensor | None:
         """Like :meth:`run`, with one share per device, each cut by its own cap.
 
@@ -166,6 +171,12 @@ class OomResplit:
         weighted by their count times ``weight``. An OOM carrying ``evendp_device_index``
         (set by :class:`~evendp.BalancedDataParallel` for a replica's forward) halves that
         device's cap only; any other OOM (e.g. in backward) halves every device's.
+
+        ``min_micro_steps`` pads the step with empty micro-steps (every span empty) up to that
+        many: under DDP or FSDP2 every rank must run forward and backward as often as the
+        others, even with no samples. An empty micro-step backpropagates
+        ``loss.nan_to_num(0.0) * 0`` (the mean over no samples is NaN): zero gradients that
+        still reach every parameter, so DDP's and FSDP2's collectives pair up.
 
         >>> guard = OomResplit(devices=2)
         >>> seen = []
@@ -191,6 +202,12 @@ class OomResplit:
                 raise EvendpError(
                     f"n must be a non-negative int (samples in this share), got {n!r}"
                 )
+        if (
+            isinstance(min_micro_steps, bool)
+            or not isinstance(min_micro_steps, int)
+            or min_micro_steps < 0
+        ):
+            raise EvendpError(f"min_micro_steps must be an int >= 0, got {min_micro_steps!r}")
         caps = list(micro_batch_sizes or [None] * len(shares))
         for cap in caps:
             _validate_micro("micro_batch_size", cap)
@@ -203,7 +220,9 @@ class OomResplit:
         while True:
             device: int | None = None
             try:
-                total = self._run_micro_steps(shares, sizes, chunk_loss, weight, backward)
+                total = self._run_micro_steps(
+                    shares, sizes, chunk_loss, weight, backward, min_micro_steps
+                )
                 break
             except torch.OutOfMemoryError as error:
                 if not self.catch:
@@ -222,7 +241,8 @@ class OomResplit:
                 sizes[i] = self.micro_batch_sizes[i] = max(math.ceil(sizes[i] / 2), floor)
             self.resplits += 1
         failed = total is None
-        if self._distributed():
+        # Without catching, an OOM has already propagated: the flag could only be 0.
+        if self.catch and self._distributed():
             flag = torch.tensor([1.0 if failed else 0.0], device=_flag_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             failed = bool(flag.item())
@@ -232,27 +252,33 @@ class OomResplit:
             return None
         return total
 
-    @staticmethod
     def _run_micro_steps(
+        self,
         shares: Sequence[int],
         sizes: list[int],
         chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
         weight: float,
         backward: Callable[[torch.Tensor], None],
+        min_micro_steps: int,
     ) -> torch.Tensor:
-        total = torch.zeros(())
         steps = max(
             (math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0
         )
+        self.micro_step_count = steps = max(steps, min_micro_steps)
+        total: torch.Tensor | None = None  # summed on the loss's device: one copy at the end
         for k in range(steps):
+            self.micro_step = k
             spans = [
                 (min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)
             ]
             loss = chunk_loss(spans)  # () mean over the micro-step's samples
-            scaled = loss * (sum(b - a for a, b in spans) * weight)
+            count = sum(b - a for a, b in spans)
+            # No samples: the mean is NaN, and NaN * 0 is NaN; zero it so the gradient is 0.
+            scaled = loss * (count * weight) if count else loss.nan_to_num(0.0) * 0.0
             backward(scaled)
-            total = total + scaled.detach().float().cpu()
-        return total
+            part = scaled.detach().float()
+            total = part if total is None else total + part
+        return torch.zeros(()) if total is None else total.cpu()
 
 
 def _free_memory() -> None:

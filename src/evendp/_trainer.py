@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from ._checkpoint import (
     latest_checkpoint,
@@ -41,12 +41,13 @@ from ._checkpoint import (
     save_checkpoint,
     save_rank_rng,
 )
-from ._ddp import UnevenBatchSampler
+from ._ddp import EmptySafeCollate, UnevenBatchSampler
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._oom import OomResplit, all_reduce_gradients
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
-from ._scatter import map_tensors
+from ._scatter import batch_size, map_tensors
+from ._split import split_sizes
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -159,13 +160,6 @@ def _apply_activation_checkpointing(model: nn.Module) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: id(m) in blocks)
 
 
-def _collate(data: Dataset[Any], indices: list[int]) -> Batch:
-    batch = getattr(data, "batch", None)
-    if callable(batch):
-        return batch(indices)
-    return default_collate([data[i] for i in indices])
-
-
 def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
 
@@ -173,6 +167,8 @@ def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     (tensor([0, 1, 3, 4]), tensor([0, 1, 2, 3]))
     """
     ranges = [(a, b) for a, b in ranges if b > a]
+    if not ranges:  # an empty micro-step (a rank with no samples): zero rows, same layout
+        return map_tensors(batch, lambda t: t[:0] if t.dim() else t)
     if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
         start, stop = ranges[0][0], ranges[-1][1]
         return map_tensors(batch, lambda t: t[start:stop])
@@ -181,13 +177,13 @@ def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
 
 
 def _batch_len(batch: Batch) -> int:
-    if torch.is_tensor(batch):
-        return int(batch.shape[0])
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_len(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_len(next(iter(batch.values())))
-    raise EvendpError(f"cannot find the batch dimension of {type(batch).__name__}; use tensors")
+    n = batch_size(batch)
+    if n is None:
+        raise EvendpError(
+            f"cannot find the batch dimension of {type(batch).__name__}; return tensors with "
+            "the samples along dim 0 from the dataset (or its batch(indices) method)"
+        )
+    return n
 
 
 class Trainer:
@@ -247,7 +243,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if config.amp == "fp16" else None
         loss_module = _LossModule(model, loss_fn)
         if self.distributed:
-            sizes = config.batch_sizes or _even(config.batch_size, self.world)
+            sizes = config.batch_sizes or split_sizes(config.batch_size, [1] * self.world)
             self.sampler = UnevenBatchSampler(
                 data, sizes, rank=self.rank, world_size=self.world, seed=config.seed
             )
@@ -280,8 +276,9 @@ class Trainer:
         # mismatch the collectives, so there OOM is fatal (micro-batching still works).
         # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
         # Under torchrun each rank is one device of its own guard.
+        # oom_resplit=False: an OOM propagates, as in plain PyTorch.
         self.guard = OomResplit(
-            catch=not (self.distributed and self.fsdp),
+            catch=config.oom_resplit and not (self.distributed and self.fsdp),
             devices=1 if self.distributed else len(self.device_names),
         )
         # Built after sharding: FSDP2 replaces the parameters with sharded ones.
@@ -289,6 +286,13 @@ class Trainer:
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.scheduler = scheduler
+        # A dataset without batch(indices) is collated per sample; an empty share (a rank of
+        # size 0, or the short last step) gives zero-length tensors rather than an IndexError.
+        batch_fn = getattr(data, "batch", None)
+        self._batch_fn: Callable[[list[int]], Batch] | None = (
+            batch_fn if callable(batch_fn) else None
+        )
+        self._collate = EmptySafeCollate(data)
         self.samples = [0] * len(self.device_names)
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
@@ -360,7 +364,13 @@ class Trainer:
 
     # -- data --------------------------------------------------------------------------------
 
-    def _batches(self) -> Iterator[Batch]:
+    def _collate_indices(self, indices: list[int]) -> Batch:
+        if self._batch_fn is not None:
+            return self._batch_fn(indices)
+        return self._collate([self.data[i] for i in indices])
+
+    def _batches(self) -> Iterator[tuple[Batch, int]]:
+        """Each step's batch on this rank's device, with the step's sample count over ranks."""
         # Resumes mid-epoch: the sampler is deterministic in (seed, epoch), so skipping the
         # batches already seen puts the run exactly where it stopped.
         while True:
@@ -369,8 +379,10 @@ class Trainer:
                 if i < self.batch_in_epoch:
                     continue
                 self.batch_in_epoch = i + 1
-                batch = _collate(self.data, list(indices))
-                yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+                batch = self._collate_indices(list(indices))
+                # Every rank knows every rank's share: the global count needs no all-reduce.
+                count = self.sampler.samples_in_step(i)
+                yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True)), count
             self.epoch += 1
             self.batch_in_epoch = 0
 
@@ -382,14 +394,12 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _train_step(self, batch: Batch) -> float | None:
+    def _train_step(self, batch: Batch, global_count: int) -> float | None:
+        """One optimizer step on this rank's ``batch``; ``global_count`` samples over ranks.
+
+        Returns the global batch's mean loss, or ``None`` when the step was skipped (OOM).
+        """
         n = _batch_len(batch)
-        if self.distributed:
-            count = torch.tensor([float(n)], device=_comm_device(self.device))
-            dist.all_reduce(count)  # the last batch of an epoch shrinks: count it
-            global_count = float(count.item())
-        else:
-            global_count = float(n)
         # Each device's share of this batch: consecutive samples starting at offsets[i].
         shares = self.wrapped.split(n) if isinstance(self.wrapped, BalancedDataParallel) else [n]
         offsets = [sum(shares[:i]) for i in range(len(shares))]
@@ -399,7 +409,7 @@ class Trainer:
             # spans[i]: this micro-step's samples of device i's own share.
             part = _rows(batch, [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)])
             # Plain DDP (no OOM re-split): all-reduce only on the last micro-batch's backward.
-            last = spans[0][1] == n
+            last = self.guard.micro_step == self.guard.micro_step_count - 1
             sync = (
                 self.wrapped.no_sync()
                 if isinstance(self.wrapped, nn.parallel.DistributedDataParallel) and not last
@@ -413,14 +423,13 @@ class Trainer:
                 loss = (
                     self.wrapped(*part) if isinstance(part, (tuple, list)) else self.wrapped(part)
                 )
-            if all(a == 0 for a, _ in spans):
+            if self.guard.micro_step == 0:
                 attempt.clear()  # an OOM restarts the step from sample 0: count the last try
             if isinstance(self.wrapped, BalancedDataParallel):
                 attempt.append(list(self.wrapped.last_sizes))
             else:
-                attempt.append(
-                    [_batch_len(part) if r == self.rank else 0 for r in range(self.world)]
-                )
+                ran = spans[0][1] - spans[0][0]
+                attempt.append([ran if r == self.rank else 0 for r in range(self.world)])
             return loss.float()
 
         def backward(loss: torch.Tensor) -> None:
@@ -428,6 +437,15 @@ class Trainer:
 
         self.optimizer.zero_grad(set_to_none=True)
         attempt: list[list[int]] = []  # per micro-step, the samples each device ran
+        # DDP and FSDP2 run collectives inside forward/backward: every rank must run as many
+        # micro-steps as the others, even with no samples (FSDP2: always `accum`, the most any
+        # share is cut into; plain DDP: one synced backward). The OOM-safe DDP path has none.
+        if self.fsdp:
+            min_micro_steps = self.config.accum
+        elif isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
+            min_micro_steps = 1
+        else:
+            min_micro_steps = 0
         try:
             total = self.guard.run_shares(
                 shares,
@@ -436,6 +454,7 @@ class Trainer:
                 zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
                 backward=backward,
                 micro_batch_sizes=accum,
+                min_micro_steps=min_micro_steps,
             )
         finally:
             if isinstance(self.wrapped, BalancedDataParallel):
@@ -499,13 +518,13 @@ class Trainer:
         try:
             with TrainProgress(cfg.steps, enabled=show, start=self.step) as bar:
                 while self.step < cfg.steps:
-                    batch = next(batches)
-                    loss = self._train_step(batch)
+                    batch, count = next(batches)
+                    loss = self._train_step(batch, count)
                     self.step += 1
                     if loss is not None:
                         self.losses.append(loss)
                     text = self._memory_text() + self._micro_text()
-                    bar.update(self.step, loss, _batch_len(batch) * self.world, text)
+                    bar.update(self.step, loss, count, text)
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save()
         except KeyboardInterrupt:
@@ -520,7 +539,7 @@ class Trainer:
             t = torch.tensor(samples, dtype=torch.float64, device=_comm_device(self.device))
             dist.all_reduce(t)  # each rank counted only its own share
             samples = [int(v) for v in t.tolist()]
-        done = max(self.step, 1)
+        done = max(self.step - self.guard.skipped, 1)  # skipped steps trained no samples
         stats = []
         for i, name in enumerate(self.device_names):
             peak = None
@@ -568,11 +587,6 @@ def _shard(model: nn.Module) -> None:
         for block in lst:
             fully_shard(block)
     fully_shard(model)
-
-
-def _even(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (1 if r < extra else 0) for r in range(parts)]
 
 
 def _comm_device(device: torch.device) -> torch.device:

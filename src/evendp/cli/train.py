@@ -210,10 +210,9 @@ def _gradient_difference(trainer: Any, data: Any, batch_size: int) -> float:
     are cleared again afterwards, so training starts exactly as it would without the check.
     """
     from evendp._scatter import map_tensors
-    from evendp._trainer import _collate
 
     home = trainer.wrapped.device_ids[0]
-    batch = map_tensors(_collate(data, list(range(batch_size))), lambda t: t.to(home))
+    batch = map_tensors(trainer._collate_indices(list(range(batch_size))), lambda t: t.to(home))
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
     def gradient(loss_module: Any) -> torch.Tensor:
