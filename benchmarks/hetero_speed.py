@@ -138,7 +138,8 @@ def ddp_run(args: argparse.Namespace) -> dict[str, object]:
                 local_sum = forward_sum(ddp, head, x[rows], y[rows])
                 for _ in range(extra):
                     local_sum = local_sum + 0 * forward_sum(shadow, head, x[rows], y[rows])
-            loss = ddp_loss(local_sum, len(rows), global_count=sampler.global_batch_size)
+            # The step's own global count: right on a short last step and after a re-split.
+            loss = ddp_loss(local_sum, len(rows), sampler.samples_in_step(step))
         opt.zero_grad()
         loss.backward()
         opt.step()
