@@ -146,3 +146,45 @@ def test_planner_split_favours_the_device_with_more_memory() -> None:
     weights = _planner_weights(config, args, "560MiB,542MiB")
     assert sum(weights) == 64 and weights[0] > weights[1] > 0
     assert _planner_weights(config, args, "560MiB,545MiB") == [32.0, 32.0]
+
+
+@pytest.mark.parametrize(
+    ("devices", "expected"),
+    [
+        # GPU indices reach the launch planner (not only their count).
+        ("2,3", {"nproc": 2, "devices": [2, 3]}),
+        ("cuda:1", {"nproc": 1, "devices": [1]}),
+        # cpu entries force CPU ranks: NVML is not asked, so no GPU rank starts.
+        ("cpu,cpu", {"nproc": 2, "devices": None, "nvml": False}),
+    ],
+)
+def test_ddp_devices_reach_the_launch_plan(
+    monkeypatch: pytest.MonkeyPatch, devices: str, expected: dict[str, object]
+) -> None:
+    import evendp._launch
+
+    seen: dict[str, object] = {}
+    real = evendp._launch.plan_launch
+
+    def fake_plan_launch(**kwargs: object) -> object:
+        seen.update(kwargs)
+        return real(nproc=kwargs["nproc"], batch=8, nvml=False)
+
+    def fake_launch(script: str, argv: list[str], plan: object) -> int:
+        seen["argv"] = argv
+        return 0
+
+    monkeypatch.setattr(evendp._launch, "plan_launch", fake_plan_launch)
+    monkeypatch.setattr(evendp._launch, "launch", fake_launch)
+    assert main(["train", "--mode", "ddp", "--devices", devices, "--batch", "8"]) == 0
+    for key, value in expected.items():
+        assert seen[key] == value
+    # CPU ranks are told so: they must not take the GPUs they can see.
+    argv = seen["argv"]
+    assert isinstance(argv, list)
+    assert ("--devices" in argv) == ("nvml" in expected)
+
+
+def test_ddp_rejects_mixed_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--mode", "ddp", "--devices", "cpu,1"]) == 2
+    assert "cpu,cpu for CPU ranks" in capsys.readouterr().err

@@ -144,22 +144,35 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return GPT(config), train, config
 
 
-def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
-    """Planned forward+backward peak per device, for our shares and for an even split."""
-    from evendp._plan import profile_step
-    from evendp._split import split_sizes
-    from evendp.examples.gpt import GPT
-
-    even = split_sizes(args.batch, [1] * len(ours))
-    sizes = sorted({n for n in [*ours, *even] if n > 0})
+def _gpt_batch(config: Any) -> Any:
+    """``batch(n)`` for the planner: ``n`` random token windows of this GPT's shape."""
 
     def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (n, config.block_size)
         return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
 
-    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    return batch
+
+
+def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
+    """Planned forward+backward peak per device, for our shares and for an even split.
+
+    Not ``evendp.plan``: its ``DevicePlan.peak`` is for the planner's own split, and the
+    shares here may come from ``--weights``; ``profile_step`` prices any share.
+    """
+    from evendp._plan import profile_step
+    from evendp._split import split_sizes
+    from evendp.cli._model_spec import _AMP
+    from evendp.examples.gpt import GPT
+
+    even = split_sizes(args.batch, [1] * len(ours))
+    sizes = sorted({n for n in [*ours, *even] if n > 0})
     prof = profile_step(
-        lambda: GPT(config), batch, sizes, amp=amp, checkpointing=args.checkpointing
+        lambda: GPT(config),
+        _gpt_batch(config),
+        sizes,
+        amp=_AMP[args.amp],
+        checkpointing=args.checkpointing,
     )
     peak = dict(zip(prof["sizes"], prof["peak_bytes"], strict=True))
     # Device 0 also holds the optimizer state (DP keeps one optimizer, on the home device).
@@ -172,16 +185,12 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
 def _planner_weights(config: Any, args: argparse.Namespace, spec: str | None = None) -> Any:
     """The planner's per-device split of ``args.batch`` (``spec=None``: the live GPUs)."""
     from evendp._plan import plan
+    from evendp.cli._model_spec import _AMP
     from evendp.examples.gpt import GPT
 
-    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (n, config.block_size)
-        return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
-
-    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     p = plan(
-        lambda: GPT(config), batch, spec, mode="dp", batch_size=args.batch, amp=amp,
-        checkpointing=args.checkpointing,
+        lambda: GPT(config), _gpt_batch(config), spec, mode="dp", batch_size=args.batch,
+        amp=_AMP[args.amp], checkpointing=args.checkpointing,
     )  # fmt: skip
     return [float(n) for n in p.split]
 
@@ -231,19 +240,23 @@ def _gradient_difference(trainer: Any, data: Any, batch_size: int) -> float:
 def _ddp_launch(args: argparse.Namespace) -> int:
     from evendp._launch import launch, plan_launch
 
-    devices = args.devices
-    nproc: int | str = (
-        len(devices.split(",")) if devices else ("auto" if torch.cuda.is_available() else 2)
-    )
+    gpus, cpu = _ddp_devices(args.devices)
+    nproc: int | str
+    if args.devices is not None:
+        nproc = len(gpus) if gpus else len(args.devices.split(","))
+    else:
+        nproc = "auto" if torch.cuda.is_available() else 2
+    # cpu entries: CPU ranks (gloo) even on a GPU machine; NVML is not asked at all.
+    where: dict[str, Any] = {"devices": gpus, "nvml": False} if cpu else {"devices": gpus}
     if args.weights is not None:  # uneven ranks: the weights fix every rank's batch size
         from evendp._split import split_sizes
 
         if nproc == "auto":
             raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
         weights = _weights_list(args.weights, int(nproc))
-        plan = plan_launch(nproc=nproc, batch_sizes=split_sizes(args.batch, weights))
+        plan = plan_launch(nproc=nproc, batch_sizes=split_sizes(args.batch, weights), **where)
     else:
-        plan = plan_launch(nproc=nproc, batch=args.batch)
+        plan = plan_launch(nproc=nproc, batch=args.batch, **where)
     print(plan.describe(), file=sys.stderr, flush=True)
     argv = [
         "--mode", args.mode, "--steps", str(args.steps), "--batch", str(args.batch),
@@ -254,7 +267,32 @@ def _ddp_launch(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     argv += [flag for flag, on in (("--resume", args.resume), ("--checkpointing",
              args.checkpointing), ("--no-progress", args.no_progress)) if on]  # fmt: skip
+    if cpu:  # the ranks must not pick up the GPUs they can see
+        argv += ["--devices", args.devices]
     return launch(str(Path(__file__).resolve()), argv, plan=plan)
+
+
+def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
+    """``--devices`` under ``--mode ddp``: (physical GPU indices or None, CPU ranks?).
+
+    >>> _ddp_devices("2,3"), _ddp_devices("cuda:1"), _ddp_devices("cpu,cpu"), _ddp_devices(None)
+    (([2, 3], False), ([1], False), (None, True), (None, False))
+    """
+    if text is None:
+        return None, False
+    entries = _parse_devices(text)
+    if all(str(d).startswith("cpu") for d in entries):
+        return None, True
+    gpus = []
+    for d in entries:
+        index = d if isinstance(d, int) else str(d).removeprefix("cuda:")
+        if isinstance(index, str) and not index.isdigit():
+            raise EvendpError(
+                f"--devices {text!r} mixes or misnames devices for --mode ddp; give GPU "
+                "indices (e.g. 0,1 or cuda:0,cuda:1), one per rank, or cpu,cpu for CPU ranks"
+            )
+        gpus.append(int(index))
+    return gpus, False
 
 
 def _run_ddp_rank(args: argparse.Namespace) -> int:
@@ -262,17 +300,17 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
 
     from evendp._ddp import batch_sizes_from_env
     from evendp._report import write_report
+    from evendp._split import split_sizes
     from evendp._trainer import TrainConfig, Trainer
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not _ddp_devices(args.devices)[1]
     if cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         world = dist.get_world_size()
-        even = [args.batch // world + (1 if r < args.batch % world else 0) for r in range(world)]
-        sizes = batch_sizes_from_env(world, default=even)
+        sizes = batch_sizes_from_env(world, default=split_sizes(args.batch, [1] * world))
         model, data, _config = _build(args)
         model = model.to(torch.device("cuda", local) if cuda else torch.device("cpu"))
         cfg = TrainConfig(
