@@ -70,11 +70,18 @@ def test_report_without_memory_figures(tmp_path: Path) -> None:
     assert report.summary().startswith("finished: 0 steps")
 
 
-def test_progress_bar_runs_enabled_and_disabled() -> None:
-    for enabled in (True, False):
-        with TrainProgress(total=2, enabled=enabled) as bar:
-            bar.update(1, loss=2.0, samples=8, memory="cpu:0 -")
-            bar.update(2, loss=None, samples=8, memory="-")
+def test_progress_bar_shows_step_loss_speed_and_memory() -> None:
+    out = io.StringIO()
+    with TrainProgress(total=2, console=Console(file=out, width=160)) as bar:
+        bar.update(1, loss=2.0, samples=8, memory="cpu:0 -")
+        bar.update(2, loss=1.25, samples=8, memory="12.0 MiB")
+    text = out.getvalue()
+    assert "2/2" in text and "loss 1.2500" in text and "mem 12.0 MiB" in text
+    assert " samples/s" in text
+    quiet = io.StringIO()
+    with TrainProgress(total=2, enabled=False, console=Console(file=quiet)) as bar:
+        bar.update(1, loss=None, samples=8, memory="-")
+    assert quiet.getvalue() == ""
 
 
 def test_format_bytes() -> None:

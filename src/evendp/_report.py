@@ -183,14 +183,18 @@ class TrainProgress:
     """A rich progress bar showing step, loss, samples/s and per-device memory.
 
     Use as a context manager; ``update(step, loss, samples, memory)`` after every step.
-    With ``enabled=False`` it does nothing (tests, non-zero ranks).
+    With ``enabled=False`` it does nothing (tests, non-zero ranks). ``console``: a
+    ``rich.console.Console`` to draw on (default: the terminal).
 
     >>> with TrainProgress(total=3, enabled=False) as bar:
     ...     bar.update(1, loss=2.5, samples=32, memory="-")
     """
 
-    def __init__(self, total: int, enabled: bool = True, start: int = 0) -> None:
+    def __init__(
+        self, total: int, enabled: bool = True, start: int = 0, console: Any = None
+    ) -> None:
         self.total = total
+        self.console = console
         self.enabled = enabled
         self.start = start
         self._progress: Any = None
@@ -208,6 +212,7 @@ class TrainProgress:
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[speed]} samples/s"),
                 TextColumn("mem {task.fields[memory]}"),
+                console=self.console,
             )
             self._progress.__enter__()
             self._task = self._progress.add_task(
