@@ -12,7 +12,7 @@ import argparse
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -152,7 +152,8 @@ def _user(spec: str) -> ModelSpec:
                 f"{spec!r} returned a model without example_batch(n); return "
                 "(model, batch_fn) or (model, batch_fn, criterion) instead"
             )
-        return ModelSpec(factory, made.example_batch)  # the probe's: no model per batch
+        # The probe's method: one model, not one built per batch request.
+        return ModelSpec(factory, cast("Callable[[int], Any]", made.example_batch))
     if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
         criterion = made[2] if len(made) == 3 else None
         return ModelSpec(lambda: factory()[0], made[1], criterion)
