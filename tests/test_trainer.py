@@ -328,6 +328,16 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     # samples: the second step is [1, 0]), on a dataset without batch() (collated per sample).
     # lr=0 keeps the weights, so every step's gradient is checked at the initial weights.
     nine = _NoBatch(_data(n=9 + 6))
+    from evendp._report import TrainProgress
+
+    shown: list[int] = []  # the samples the progress bar is given, per step
+    real_update = TrainProgress.update
+
+    def update(bar: TrainProgress, step: int, loss: Any, samples: int, memory: str) -> None:
+        shown.append(samples)
+        real_update(bar, step, loss, samples, memory)
+
+    TrainProgress.update = update  # type: ignore[method-assign]
     for name, sizes, steps in EMPTY_CASES:
         for mode in EMPTY_MODES:
             torch.manual_seed(0)
@@ -343,6 +353,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
                 progress=False,
             )
             trainer = Trainer(model, nine, cfg)
+            shown.clear()
             trainer.sampler.set_epoch(0)
             every: list[Any] = [None, None]
             dist.all_gather_object(every, list(trainer.sampler))
@@ -356,6 +367,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
                 "indices": every,
                 "losses": report.losses,
                 "samples": [d.samples_per_step for d in report.devices],
+                "shown": list(shown),
             }
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -460,6 +472,8 @@ def test_a_rank_with_no_samples_neither_hangs_nor_changes_the_gradient(
     assert len(r0["losses"]) == steps
     for got, want in zip(r0["losses"], losses, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
+    # The progress bar counts every rank's samples (the short last step included).
+    assert r0["shown"] == r1["shown"] == [len(i) for i in per_step[:steps]]
     total = sum(len(i) for i in per_step[:steps])
     assert sum(r0["samples"]) * steps == pytest.approx(total)
 
