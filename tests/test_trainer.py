@@ -261,6 +261,23 @@ def test_oom_resplit_false_lets_an_oom_propagate() -> None:
     assert trainer.guard.resplits == 0
 
 
+def test_skipped_steps_do_not_dilute_the_samples_per_step() -> None:
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=3, batch_size=8, progress=False)
+    trainer: Trainer
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        if trainer.step == 1:  # the second step never fits, not even one sample
+            raise torch.OutOfMemoryError("injected")
+        return model(*batch)
+
+    trainer = Trainer(TinyLM(), _data(), cfg, devices=["cpu", "cpu"], loss_fn=loss_fn)
+    report = trainer.fit()
+    assert report.steps == 3 and report.skipped_steps == 1 and len(report.losses) == 2
+    assert [d.samples_per_step for d in report.devices] == [4, 4]
+    assert report.global_batch == 8
+
+
 def test_config_validation() -> None:
     with pytest.raises(EvendpError, match="amp"):
         TrainConfig(amp="fp8")  # type: ignore[arg-type]
