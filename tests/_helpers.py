@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -33,3 +36,23 @@ class OomInBackward(torch.autograd.Function):
         if grad.shape[0] > ctx.limit:
             raise torch.OutOfMemoryError("injected OOM in backward")
         return grad, None
+
+
+def run_ranks(
+    worker: Callable[..., None], nprocs: int, out: Path, timeout_s: int, what: str
+) -> list[Any]:
+    """Spawn ``worker(rank, port, out)`` on ``nprocs`` processes and load each ``rankR.pt``.
+
+    A rank that hangs fails the test after ``timeout_s`` instead of blocking the suite.
+    """
+    ctx = mp.start_processes(
+        worker, args=(free_port(), str(out)), nprocs=nprocs, start_method="spawn", join=False
+    )
+    for _ in range(timeout_s):
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail(f"{what} did not finish within {timeout_s} s (a rank hung)")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]

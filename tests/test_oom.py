@@ -12,13 +12,12 @@ from typing import Any, NoReturn
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from evendp._dp import BalancedDataParallel
 from evendp._errors import EvendpError
 from evendp._oom import OomResplit, all_reduce_gradients
-from tests._helpers import OomInBackward, free_port
+from tests._helpers import OomInBackward, run_ranks
 
 N = 12
 
@@ -308,17 +307,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("oom_ddp")
-    ctx = mp.start_processes(
-        _worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=False
-    )
-    for _ in range(120):  # a hang would fail the test instead of blocking the suite
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("DDP OOM workers did not finish within 120 s (a rank hung)")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_ranks(_worker, 2, out, 120, "DDP OOM workers")
 
 
 @pytest.mark.multiprocess

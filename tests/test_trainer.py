@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from evendp._errors import EvendpError
 from evendp._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
-from tests._helpers import OomInBackward, free_port, requires_cuda
+from tests._helpers import OomInBackward, requires_cuda, run_ranks
 
 V = 7  # vocabulary of the toy data
 
@@ -410,17 +409,7 @@ EMPTY_MODES = ["safe", "plain", "fsdp2"]
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("trainer_ddp")
-    ctx = mp.start_processes(
-        _ddp_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=False
-    )
-    for _ in range(150):
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("DDP trainer workers did not finish within 150 s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_ranks(_ddp_worker, 2, out, 150, "DDP trainer workers")
 
 
 @pytest.mark.multiprocess
