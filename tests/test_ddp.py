@@ -140,10 +140,13 @@ def test_set_batch_sizes_mid_epoch_keeps_coverage(
     first: list[int], data: st.DataObject, switch_at: int, extra: int, drop_last: bool
 ) -> None:
     k = len(first)
-    second = data.draw(
-        st.lists(st.integers(0, 9), min_size=k, max_size=k).filter(lambda s: sum(s) > 0)
-    )
     n = max(k, sum(first)) + extra
+    # With drop_last, sizes whose global batch exceeds the data are refused (tested apart).
+    second = data.draw(
+        st.lists(st.integers(0, 9), min_size=k, max_size=k).filter(
+            lambda s: sum(s) > 0 and not (drop_last and sum(s) > n)
+        )
+    )
     per_rank: list[list[list[int]]] = []
     lengths = []
     for r in range(k):
@@ -390,3 +393,10 @@ def test_ddp_loss_accepts_numpy_counts_and_rejects_negative_global() -> None:
     torch.testing.assert_close(ddp_loss(x.sum(), np.int64(4)), x.sum() / 4)
     with pytest.raises(EvendpError, match="global_count must be >= 0"):
         ddp_loss(x.sum(), 4, -1)
+
+
+def test_set_batch_sizes_refuses_a_drop_last_epoch_with_no_step() -> None:
+    sampler = UnevenBatchSampler(3, [1], rank=0, drop_last=True)
+    with pytest.raises(EvendpError, match="leaves no step"):
+        sampler.set_batch_sizes([4])
+    assert sampler.batch_sizes == [1]  # refused sizes change nothing
