@@ -56,3 +56,8 @@ def test_bad_weights_name_the_value(weights: list[float], fragment: str) -> None
 def test_negative_total_is_refused() -> None:
     with pytest.raises(EvendpError, match="-3"):
         split_sizes(-3, [1])
+
+
+def test_extreme_weights_do_not_overflow() -> None:
+    assert split_sizes(3, [5e-324, 0, 5e-324]) == [2, 0, 1]
+    assert split_sizes(4, [1e308, 1e308]) == [2, 2]

@@ -58,6 +58,10 @@ def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:
         raise EvendpError(f"total must be a non-negative int, got {total!r}")
     values = _validate_weights(weights)
+    # Relative to the largest weight first: tiny (subnormal) or huge weights would make
+    # total / sum overflow to infinity.
+    largest = max(values)
+    values = [w / largest for w in values]
     scale = total / sum(values)
     exact = [w * scale for w in values]
     sizes = [math.floor(x) for x in exact]
