@@ -148,6 +148,8 @@ class BalancedDataParallel(nn.Module):
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
         if total not in self._split_cache:
+            if len(self._split_cache) >= 64:  # many batch sizes (e.g. varying lengths)
+                self._split_cache.clear()
             weights = self._weights or [1.0] * len(self.device_ids)
             self._split_cache[total] = split_sizes(total, weights)
         return list(self._split_cache[total])
