@@ -119,6 +119,7 @@ class BalancedDataParallel(nn.Module):
             self.device_ids[0] if output_device is None else _to_device(output_device)
         )
         self.dim = _validate_dim(dim)
+        self._split_cache: dict[tuple[tuple[float, ...], int], list[int]] = {}
         self.chunk_sizes = chunk_sizes
         self.gather = gather
         #: The per-device sample counts of the last forward (zeros for idle devices).
@@ -143,16 +144,18 @@ class BalancedDataParallel(nn.Module):
             self._auto, self._weights = True, None
         else:
             self._auto, self._weights = False, _validate_chunk_sizes(value, len(self.device_ids))
-        self._split_cache: dict[int, list[int]] = {}
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
-        if total not in self._split_cache:
+        weights = self._weights or [1.0] * len(self.device_ids)
+        # Keyed by the weights too: a caller that switches between weight lists every step
+        # (the trainer's per-micro-step sizes) keeps its splits cached.
+        key = (tuple(weights), total)
+        if key not in self._split_cache:
             if len(self._split_cache) >= 64:  # many batch sizes (e.g. varying lengths)
                 self._split_cache.clear()
-            weights = self._weights or [1.0] * len(self.device_ids)
-            self._split_cache[total] = split_sizes(total, weights)
-        return list(self._split_cache[total])
+            self._split_cache[key] = split_sizes(total, weights)
+        return list(self._split_cache[key])
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._sentinel is not None:
