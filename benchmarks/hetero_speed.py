@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from evendp import SpeedBalancer, UnevenBatchSampler, ddp_loss
+from evendp import SpeedBalancer, UnevenBatchSampler, ddp_loss, init_distributed
 
 SEQ, WIDTH, POOL = 32, 128, 256
 
@@ -105,9 +105,7 @@ def standalone(args: argparse.Namespace) -> dict[str, float]:
 def ddp_run(args: argparse.Namespace) -> dict[str, object]:
     torch.set_num_threads(1)
     rank = args.rank
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=2
-    )
+    init_distributed("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=2)
     model, shadow, (x, y) = make_model(), make_model(), make_data()
     head = torch.randn(WIDTH, 10, generator=torch.Generator().manual_seed(2))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -151,7 +149,7 @@ def ddp_run(args: argparse.Namespace) -> dict[str, object]:
     out: list[list[int]] = [[], []]
     dist.all_gather_object(out, sizes)
     result = {"times": times, "sizes": [list(p) for p in zip(*out, strict=True)]}
-    if rank == 0:  # written before teardown, which gloo has been seen to abort in here
+    if rank == 0:
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
     return result

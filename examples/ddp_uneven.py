@@ -28,6 +28,7 @@ from evendp import (
     batch_sizes_from_env,
     ddp_loss,
     global_mean,
+    init_distributed,
     parse_batch_sizes,
 )
 
@@ -58,16 +59,11 @@ def main() -> None:
     args = parse_args()
     if "RANK" not in os.environ:  # started with plain `python`: a one-process group
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
-        os.environ.get("LOCAL_WORLD_SIZE", "1")
-    )
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    # NCCL on cuda:LOCAL_RANK when every local rank has a GPU, else gloo on the CPU; unlike a
+    # bare dist.init_process_group, the group can be freed at the end (see its docstring).
+    device = init_distributed()
+    if device.type == "cpu":
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     if args.batch_sizes:
@@ -88,7 +84,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)).to(device)
-    model = DDP(model, device_ids=[device.index] if use_cuda else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     step = 0

@@ -32,6 +32,7 @@ EXPECTED_ALL = {
     "gather",
     "global_count",
     "global_mean",
+    "init_distributed",
     "list_devices",
     "live_memory",
     "load_checkpoint",

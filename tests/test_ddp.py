@@ -21,6 +21,7 @@ from evendp._ddp import (
     ddp_loss,
     global_count,
     global_mean,
+    init_distributed,
     parse_batch_sizes,
 )
 from evendp._errors import EvendpError
@@ -400,3 +401,45 @@ def test_set_batch_sizes_refuses_a_drop_last_epoch_with_no_step() -> None:
     with pytest.raises(EvendpError, match="leaves no step"):
         sampler.set_batch_sizes([4])
     assert sampler.batch_sizes == [1]  # refused sizes change nothing
+
+
+# -- starting a rank ---------------------------------------------------------------------------
+
+_GROUP_LIFETIME = """
+import gc, sys, weakref
+import torch, torch.distributed as dist
+from evendp import init_distributed
+store = dist.HashStore()
+if sys.argv[1] == "evendp":
+    init_distributed("gloo", store=store, rank=0, world_size=1)
+else:
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+group = weakref.ref(dist.distributed_c10d._get_default_group())
+torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # imports torch.distributed.fsdp
+import torch.distributed.fsdp
+dist.destroy_process_group()
+gc.collect()
+print("freed" if group() is None else "pinned")
+"""
+
+
+def _group_after_destroy(start: str) -> str:
+    # A fresh interpreter: in this one torch.distributed.fsdp is imported already.
+    import subprocess
+    import sys
+
+    code = [sys.executable, "-c", _GROUP_LIFETIME, start]
+    proc = subprocess.run(code, capture_output=True, text=True, timeout=120, check=True)
+    return proc.stdout.strip()
+
+
+def test_init_distributed_leaves_the_group_free_to_destroy() -> None:
+    # A group still alive after destroy_process_group is torn down at interpreter exit, where
+    # gloo's threads can abort a run that succeeded. The plain call shows what it prevents
+    # (torch 2.13: "pinned"); evendp's start must always give "freed".
+    assert _group_after_destroy("evendp") == "freed"
+
+
+def test_init_distributed_rejects_an_unknown_backend() -> None:
+    with pytest.raises(EvendpError, match=r"'mpi' is not supported.*'nccl'.*'gloo'"):
+        init_distributed("mpi")

@@ -12,6 +12,7 @@ from ._ddp import (
     ddp_loss,
     global_count,
     global_mean,
+    init_distributed,
     parse_batch_sizes,
 )
 from ._devices import DeviceInfo, list_devices, select_devices
@@ -39,6 +40,7 @@ __all__ = [
     "ddp_loss",
     "global_count",
     "global_mean",
+    "init_distributed",
     "parse_batch_sizes",
     # planning
     "DeviceMemory",

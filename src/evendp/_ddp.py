@@ -40,6 +40,7 @@ __all__ = [
     "ddp_loss",
     "global_count",
     "global_mean",
+    "init_distributed",
     "parse_batch_sizes",
 ]
 
@@ -430,6 +431,13 @@ class EmptySafeCollate:
 # The loss
 
 
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must sit to be communicated: NCCL moves CUDA tensors, gloo CPU ones."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _world_size(group: dist.ProcessGroup | None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
@@ -464,10 +472,7 @@ def global_count(
     >>> global_count(7)
     tensor(7)
     """
-    if device is None:
-        on_nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
-    total = _count_tensor(local_count, torch.device(device))
+    total = _count_tensor(local_count, torch.device(device or comm_device(group)))
     if _world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total
@@ -545,3 +550,52 @@ def global_mean(
     if _world_size(group) > 1:
         dist.all_reduce(pair, group=group)
     return (pair[0] / pair[1]).to(local_sum.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting a rank
+
+
+def _validate_backend(backend: str | None) -> None:
+    if backend not in (None, "gloo", "nccl"):
+        raise EvendpError(
+            f"backend={backend!r} is not supported; expected 'nccl' (GPU ranks), 'gloo' (CPU "
+            "ranks) or None to choose by whether CUDA has a device for every local rank"
+        )
+
+
+def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
+    """Start the default process group of a ``torchrun`` rank; return the rank's device.
+
+    ``backend=None`` picks NCCL and ``cuda:LOCAL_RANK`` (made the current device) when CUDA
+    has a device for every local rank, else gloo and the CPU; ``"gloo"`` keeps CPU ranks on
+    a GPU machine. Other keyword arguments go to ``torch.distributed.init_process_group``.
+
+    Why not call ``init_process_group`` directly: importing ``torch.distributed.fsdp`` while a
+    group exists (``torch.optim`` and ``torch.compile`` import it on first use) binds that
+    group into default arguments for good, so ``destroy_process_group`` cannot free it; gloo's
+    threads are then torn down during interpreter exit, which aborts the process ("terminate
+    called without an active exception", exit -6) after a run that succeeded, about once in
+    thirty runs here (torch 2.13). Importing it first, before the group exists, avoids that.
+
+    >>> import torch.distributed as dist
+    >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    device(type='cpu')
+    >>> dist.get_backend()
+    'gloo'
+    >>> dist.destroy_process_group()
+    """
+    _validate_backend(backend)
+    import torch.distributed.fsdp  # before the group exists: see above
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":  # --- GPU-only: one device per local rank
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, **kwargs)
+    return device

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._ddp import comm_device
 from ._errors import EvendpError
 
 __all__ = ["OomResplit", "all_reduce_gradients"]
@@ -243,7 +244,7 @@ class OomResplit:
         failed = total is None
         # Without catching, an OOM has already propagated: the flag could only be 0.
         if self.catch and self._distributed():
-            flag = torch.tensor([1.0 if failed else 0.0], device=_flag_device(self.group))
+            flag = torch.tensor([1.0 if failed else 0.0], device=comm_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             failed = bool(flag.item())
         if failed:
@@ -287,13 +288,6 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL only moves CUDA tensors; gloo only CPU ones.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def all_reduce_gradients(

@@ -41,7 +41,7 @@ from ._checkpoint import (
     save_checkpoint,
     save_rank_rng,
 )
-from ._ddp import EmptySafeCollate, UnevenBatchSampler
+from ._ddp import EmptySafeCollate, UnevenBatchSampler, comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._oom import OomResplit, all_reduce_gradients
@@ -467,7 +467,7 @@ class Trainer:
         if self.distributed and self.config.oom_resplit and not self.fsdp:
             all_reduce_gradients(self.model.parameters())
         if self.distributed:
-            reduced = total.to(_comm_device(self.device))
+            reduced = total.to(comm_device())
             dist.all_reduce(reduced)
             total = reduced.cpu()
         if self.scaler is not None:
@@ -536,7 +536,7 @@ class Trainer:
     def _report(self, steps_run: int, elapsed: float, interrupted: bool) -> TrainReport:
         samples = list(self.samples)
         if self.distributed:
-            t = torch.tensor(samples, dtype=torch.float64, device=_comm_device(self.device))
+            t = torch.tensor(samples, dtype=torch.float64, device=comm_device())
             dist.all_reduce(t)  # each rank counted only its own share
             samples = [int(v) for v in t.tolist()]
         done = max(self.step - self.guard.skipped, 1)  # skipped steps trained no samples
@@ -587,8 +587,3 @@ def _shard(model: nn.Module) -> None:
         for block in lst:
             fully_shard(block)
     fully_shard(model)
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    # NCCL moves CUDA tensors, gloo CPU ones.
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -298,21 +298,18 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
 def _run_ddp_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from evendp._ddp import batch_sizes_from_env
+    from evendp._ddp import batch_sizes_from_env, init_distributed
     from evendp._report import write_report
     from evendp._split import split_sizes
     from evendp._trainer import TrainConfig, Trainer
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available() and not _ddp_devices(args.devices)[1]
-    if cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
+    device = init_distributed("gloo" if cpu_ranks else "nccl")
     try:
         world = dist.get_world_size()
         sizes = batch_sizes_from_env(world, default=split_sizes(args.batch, [1] * world))
         model, data, _config = _build(args)
-        model = model.to(torch.device("cuda", local) if cuda else torch.device("cpu"))
+        model = model.to(device)
         cfg = TrainConfig(
             steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
             lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
