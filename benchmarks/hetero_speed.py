@@ -40,7 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from evendp import SpeedBalancer, UnevenBatchSampler, ddp_loss, init_distributed
+from evendp import (
+    SpeedBalancer,
+    UnevenBatchSampler,
+    ddp_loss,
+    finish_distributed,
+    init_distributed,
+)
 
 SEQ, WIDTH, POOL = 32, 128, 256
 
@@ -151,7 +157,7 @@ def ddp_run(args: argparse.Namespace) -> dict[str, object]:
     result = {"times": times, "sizes": [list(p) for p in zip(*out, strict=True)]}
     if rank == 0:
         Path(args.out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_distributed()
     return result
 
 

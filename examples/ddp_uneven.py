@@ -27,6 +27,7 @@ from evendp import (
     UnevenBatchSampler,
     batch_sizes_from_env,
     ddp_loss,
+    finish_distributed,
     global_mean,
     init_distributed,
     parse_batch_sizes,
@@ -103,7 +104,7 @@ def main() -> None:
             if rank == 0:
                 print(f"epoch {epoch} step {step:3d}  global loss {loss:.6f}", flush=True)
             step += 1
-    dist.destroy_process_group()
+    finish_distributed()  # barrier, then destroy_process_group (see its docstring)
 
 
 if __name__ == "__main__":

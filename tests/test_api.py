@@ -29,6 +29,7 @@ EXPECTED_ALL = {
     "balance_sizes",
     "batch_sizes_from_env",
     "ddp_loss",
+    "finish_distributed",
     "gather",
     "global_count",
     "global_mean",

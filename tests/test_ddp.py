@@ -19,6 +19,7 @@ from evendp._ddp import (
     UnevenBatchSampler,
     batch_sizes_from_env,
     ddp_loss,
+    finish_distributed,
     global_count,
     global_mean,
     init_distributed,
@@ -408,7 +409,7 @@ def test_set_batch_sizes_refuses_a_drop_last_epoch_with_no_step() -> None:
 _GROUP_LIFETIME = """
 import gc, sys, weakref
 import torch, torch.distributed as dist
-from evendp import init_distributed
+from evendp import finish_distributed, init_distributed
 store = dist.HashStore()
 if sys.argv[1] == "evendp":
     init_distributed("gloo", store=store, rank=0, world_size=1)
@@ -417,7 +418,7 @@ else:
 group = weakref.ref(dist.distributed_c10d._get_default_group())
 torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # imports torch.distributed.fsdp
 import torch.distributed.fsdp
-dist.destroy_process_group()
+finish_distributed() if sys.argv[1] == "evendp" else dist.destroy_process_group()
 gc.collect()
 print("freed" if group() is None else "pinned")
 """
@@ -443,3 +444,8 @@ def test_init_distributed_leaves_the_group_free_to_destroy() -> None:
 def test_init_distributed_rejects_an_unknown_backend() -> None:
     with pytest.raises(EvendpError, match=r"'mpi' is not supported.*'nccl'.*'gloo'"):
         init_distributed("mpi")
+
+
+def test_finish_distributed_without_a_group_says_how_to_start_one() -> None:
+    with pytest.raises(EvendpError, match=r"no process group; start one with init_distributed"):
+        finish_distributed()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "batch_sizes_from_env",
     "ddp_loss",
     "global_count",
+    "finish_distributed",
     "global_mean",
     "init_distributed",
     "parse_batch_sizes",
@@ -571,7 +573,8 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     has a device for every local rank, else gloo and the CPU; ``"gloo"`` keeps CPU ranks on
     a GPU machine. Other keyword arguments go to ``torch.distributed.init_process_group``.
 
-    Why not call ``init_process_group`` directly: importing ``torch.distributed.fsdp`` while a
+    End the run with :func:`finish_distributed`. Why not call ``init_process_group``
+    directly: importing ``torch.distributed.fsdp`` while a
     group exists (``torch.optim`` and ``torch.compile`` import it on first use) binds that
     group into default arguments for good, so ``destroy_process_group`` cannot free it; gloo's
     threads are then torn down during interpreter exit, which aborts the process ("terminate
@@ -599,3 +602,35 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, **kwargs)
     return device
+
+
+# Time given to gloo's worker threads to drop finished collectives before the group goes.
+_WORKER_GRACE_S = 0.05
+
+
+def finish_distributed() -> None:
+    """End a successful run: wait for every rank, then destroy the default process group.
+
+    Call it on every rank once training is done (not on an error path: a rank that failed
+    never reaches the barrier). Why not ``destroy_process_group()`` alone: gloo drops each
+    finished collective on one of its worker threads, and when the collective's tensors came
+    from Python that needs the GIL. The group's destructor joins those threads while holding
+    the GIL, so a worker still dropping the last collective deadlocks the exit (seen with
+    ranks pinned to one core each, where the worker gets no time before the join). So: a
+    barrier (every rank is done), a short sleep with the GIL released (the workers finish
+    dropping what they hold, the barrier included), then the destroy.
+
+    >>> import torch.distributed as dist
+    >>> _ = init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> finish_distributed()
+    >>> dist.is_initialized()
+    False
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise EvendpError(
+            "finish_distributed() found no process group; start one with init_distributed() "
+            "(or dist.init_process_group) first, or drop the call"
+        )
+    dist.barrier()
+    time.sleep(_WORKER_GRACE_S)
+    dist.destroy_process_group()

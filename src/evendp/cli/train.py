@@ -298,32 +298,33 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
 def _run_ddp_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from evendp._ddp import batch_sizes_from_env, init_distributed
+    from evendp._ddp import batch_sizes_from_env, finish_distributed, init_distributed
     from evendp._report import write_report
     from evendp._split import split_sizes
     from evendp._trainer import TrainConfig, Trainer
 
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
     device = init_distributed("gloo" if cpu_ranks else "nccl")
-    try:
-        world = dist.get_world_size()
-        sizes = batch_sizes_from_env(world, default=split_sizes(args.batch, [1] * world))
-        model, data, _config = _build(args)
-        model = model.to(device)
-        cfg = TrainConfig(
-            steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
-            lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
-            strategy="fsdp2" if args.mode == "fsdp2" else "ddp",
-            out_dir=None if args.mode == "fsdp2" else args.out,
-            checkpoint_every=0 if args.mode == "fsdp2" else args.checkpoint_every,
-            resume=args.resume, seed=args.seed, progress=not args.no_progress,
-        )  # fmt: skip
-        report = Trainer(model, data, cfg).fit()
-        if dist.get_rank() == 0:
-            _print_report(report, write_report(report, args.out))
-        return 130 if report.interrupted else 0
-    finally:
-        dist.destroy_process_group()
+    # No teardown on an error: the failed rank would wait forever in finish_distributed's
+    # barrier, and torchrun stops every rank once one fails.
+    world = dist.get_world_size()
+    sizes = batch_sizes_from_env(world, default=split_sizes(args.batch, [1] * world))
+    model, data, _config = _build(args)
+    model = model.to(device)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
+        lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
+        strategy="fsdp2" if args.mode == "fsdp2" else "ddp",
+        out_dir=None if args.mode == "fsdp2" else args.out,
+        checkpoint_every=0 if args.mode == "fsdp2" else args.checkpoint_every,
+        resume=args.resume, seed=args.seed, progress=not args.no_progress,
+    )  # fmt: skip
+    report = Trainer(model, data, cfg).fit()
+    rank = dist.get_rank()
+    finish_distributed()
+    if rank == 0:
+        _print_report(report, write_report(report, args.out))
+    return 130 if report.interrupted else 0
 
 
 def _print_report(report: Any, paths: dict[str, Path]) -> None:
