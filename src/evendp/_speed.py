@@ -15,7 +15,9 @@ from __future__ import annotations
 import heapq
 import math
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -169,14 +171,14 @@ class _Sampler(Protocol):
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None: ...
 
 
-def _validate_knobs(warmup: int, every: int, smoothing: float, tolerance: float) -> None:
+def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> None:
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise EvendpError(f"warmup must be an int >= 1 (steps measured first), got {warmup!r}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise EvendpError(f"every must be an int >= 1 (steps between exchanges), got {every!r}")
-    if not 0 < smoothing <= 1:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise EvendpError(
-            f"smoothing must be in (0, 1] (weight of the newest timing), got {smoothing!r}"
+            f"window must be an int >= 1 (exchanges the median is taken over), got {window!r}"
         )
     if not 0 <= tolerance < 1:
         raise EvendpError(
@@ -192,8 +194,10 @@ class SpeedBalancer:
     loss; not ``backward()`` under DDP, whose gradient all-reduce waits for the slowest rank)
     in ``with balancer.measure(n):`` where ``n`` is this rank's sample count, and call
     ``balancer.step()`` once per step on every rank. Every ``every`` steps the ranks exchange
-    their timings (one ``all_gather`` of two numbers), smooth them (exponential moving
-    average, ``smoothing`` = weight of the newest), and from step ``warmup`` on, apply
+    their timings (one ``all_gather`` of two numbers), take each rank's median seconds per
+    sample over the last ``window`` exchanges (one step slowed by the OS or a page fault is
+    ignored; a lasting change wins after ``window // 2 + 1`` exchanges), and from step
+    ``warmup`` on, apply
     :func:`balance_sizes` when it predicts a step at least ``tolerance`` faster than the
     current split. Every rank computes the same sizes from the same gathered numbers, so all
     call ``set_batch_sizes`` with the same list at the same step. The first step's timing is
@@ -221,12 +225,12 @@ class SpeedBalancer:
         *,
         warmup: int = 3,
         every: int = 1,
-        smoothing: float = 0.5,
+        window: int = 5,
         tolerance: float = 0.05,
         min_size: int = 1,
         group: Any = None,
     ) -> None:
-        _validate_knobs(warmup, every, smoothing, tolerance)
+        _validate_knobs(warmup, every, window, tolerance)
         self.sampler = sampler
         sizes = list(sampler.batch_sizes)
         self.total = sum(sizes)
@@ -242,9 +246,10 @@ class SpeedBalancer:
             raise EvendpError(f"{exc}{source}") from None
         self.caps = None if caps is None else [int(c) for c in caps]
         self.warmup, self.every = warmup, every
-        self.smoothing, self.tolerance, self.min_size = smoothing, tolerance, min_size
+        self.window, self.tolerance, self.min_size = window, tolerance, min_size
         self.group = group
         self.seconds_per_sample: list[float | None] = [None] * self.world_size
+        self._recent: list[deque[float]] = [deque(maxlen=window) for _ in range(self.world_size)]
         self.steps = 0
         self.history: list[tuple[int, list[int]]] = [(0, sizes)]
         self._seconds = 0.0
@@ -327,11 +332,8 @@ class SpeedBalancer:
             )
         for i, (seconds, samples) in enumerate(timings):
             if samples > 0 and seconds > 0:
-                rate = seconds / samples
-                old = self.seconds_per_sample[i]
-                self.seconds_per_sample[i] = (
-                    rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
-                )
+                self._recent[i].append(seconds / samples)
+                self.seconds_per_sample[i] = statistics.median(self._recent[i])
         return self._rebalance()
 
     def _rebalance(self) -> bool:
