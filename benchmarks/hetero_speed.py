@@ -13,13 +13,18 @@ all-reduce gets scheduler credit against the busy loop, so in DDP the slow rank 
 than its standalone figure. ``--slow twice`` instead makes rank 1 compute every sample twice
 (forward and backward of a shadow copy: a device at half speed, repeatable), and
 ``--slow both`` runs both setups.
-Standalone rates are measured with both pinned processes running at once, so load from other
-programs on the machine hits them as it hits the DDP run.
+Standalone rates are measured with both pinned processes running at once, right before and
+right after each DDP run (their mean is that run's reference), so load from other programs on
+the machine hits both sides of the ratio alike; ``--rounds`` (3) repeats the whole measurement
+and the table gives the median and every round.
 
 eta_speed = global samples/s / (sum of the two standalone samples/s). Target: >= 0.90 with
 speed balance and recovery within 20 steps. Run: ``python benchmarks/hetero_speed.py``
-(about two minutes); ``--steps 12 --batch 8`` for a smoke run. The first row, plain DDP with
-no rank slowed, is the ceiling this machine allows: communication and process overhead.
+(about three minutes); ``--steps 12 --batch 8`` for a smoke run. The first row, plain DDP with
+no rank slowed, is the ceiling this machine allows: communication, synchronization (a step
+waits for the slower rank's jitter) and process overhead, which no split can recover; the
+"of ceiling" column divides by it. The default batch (128 samples a rank) keeps compute well
+above the all-reduce, as in real training.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,9 +185,11 @@ def free_port() -> int:
 
 
 def worker_cmd(args: argparse.Namespace, mode: str, out: Path, extra: list[str]) -> list[str]:
+    # A standalone rate settles in fewer steps than a DDP run with a re-split in it.
+    steps = max(8, args.steps // 2) if mode == "standalone" else args.steps
     return [
         sys.executable, __file__, "--worker", mode, "--out", str(out),
-        "--steps", str(args.steps), "--batch", str(args.batch), *extra,
+        "--steps", str(steps), "--batch", str(args.batch), *extra,
     ]  # fmt: skip
 
 
@@ -235,8 +243,8 @@ def throughput(times: list[float], batch: int, first: int, last: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=160, help="steps per DDP run")
-    p.add_argument("--batch", type=int, default=64, help="global batch (even split: half each)")
+    p.add_argument("--steps", type=int, default=80, help="steps per DDP run")
+    p.add_argument("--batch", type=int, default=256, help="global batch (even split: half each)")
     p.add_argument(
         "--slow-at", type=int, default=-1, help="mid-run slowdown step (default steps/3)"
     )
@@ -245,6 +253,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--slow", choices=["busy", "twice", "both"], default="both")
+    p.add_argument("--rounds", type=int, default=3, help="measurement rounds (median)")
     p.add_argument("--busy-core", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--extra", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -268,44 +277,75 @@ def main() -> None:
         run_setup(args, setup, cores)
 
 
+def measure_round(
+    args: argparse.Namespace, setup: str, cores: list[int | None], tmp: Path
+) -> dict[str, float]:
+    """One round: eta of the ceiling, the even split and speed balance, each against
+    standalone rates measured right before and right after it (their mean), so that load
+    drifting on the machine between phases hits both sides of each ratio alike."""
+    warm, last = max(3, args.steps // 4), args.steps - 1
+    slow_extra = 1 if setup == "twice" else 0  # twice: rank 1 computes every sample twice
+
+    def eta(run: dict, rates_before: list[float], rates_after: list[float]) -> float:  # type: ignore[type-arg]
+        ideal = (sum(rates_before) + sum(rates_after)) / 2
+        return throughput(run["times"], args.batch, warm, last) / ideal
+
+    free = run_standalone(args, cores, [0, 0], tmp, "free")
+    ceiling = run_ddp(args, "even", cores, tmp, 0, busy_core=None)
+    free_after = run_standalone(args, cores, [0, 0], tmp, "free")
+    busy = start_busy(cores[1]) if setup == "busy" else None
+    try:
+        slow = run_standalone(args, cores, [0, slow_extra], tmp, "slow")
+        even = run_ddp(args, "even", cores, tmp, slow_extra)
+        mid = run_standalone(args, cores, [0, slow_extra], tmp, "slow")
+        balanced = run_ddp(args, "balanced", cores, tmp, slow_extra)
+        slow_after = run_standalone(args, cores, [0, slow_extra], tmp, "slow")
+    finally:
+        stop(busy)
+    return {
+        "ceiling": eta(ceiling, free, free_after),
+        "even": eta(even, slow, mid),
+        "balanced": eta(balanced, mid, slow_after),
+        "rank0": (slow[0] + slow_after[0]) / 2,
+        "rank1": (slow[1] + slow_after[1]) / 2,
+        "sizes": balanced["sizes"][-1],  # type: ignore[dict-item]
+    }
+
+
 def run_setup(args: argparse.Namespace, setup: str, cores: list[int | None]) -> None:
-    """Standalone, even, balanced and mid-run figures for one way of slowing rank 1."""
-    warm = max(3, args.steps // 4)
+    """Rounds of ceiling / even / balanced figures, then the mid-run slowdown, for one setup."""
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
-        s0_free, s1_free = run_standalone(args, cores, [0, 0], tmp, "free")
-        # The ceiling on this machine: plain DDP with neither rank slowed. What it misses of
-        # eta_speed = 1 is communication and process overhead, which no split can recover.
-        ceiling = run_ddp(args, "even", cores, tmp, 0, busy_core=None)
-        # twice: rank 1 computes every sample twice (a device at half speed).
-        slow_extra = 1 if setup == "twice" else 0
+        rounds = [measure_round(args, setup, cores, tmp) for _ in range(args.rounds)]
+        free = run_standalone(args, cores, [0, 0], tmp, "free")
+        midrun = run_ddp(args, "midrun", cores, tmp, 1 if setup == "twice" else 0)
         busy = start_busy(cores[1]) if setup == "busy" else None
         try:
-            s0, s1 = run_standalone(args, cores, [0, slow_extra], tmp, "slow")
-            even = run_ddp(args, "even", cores, tmp, slow_extra)
-            balanced = run_ddp(args, "balanced", cores, tmp, slow_extra)
+            slow = run_standalone(args, cores, [0, 1 if setup == "twice" else 0], tmp, "slow")
         finally:
             stop(busy)
-        midrun = run_ddp(args, "midrun", cores, tmp, slow_extra)
 
-    last = args.steps - 1
-    ideal = s0 + s1
-    free_rate = throughput(ceiling["times"], args.batch, warm, last)
-    rows = [
-        (
-            "plain DDP, no rank slowed",
-            free_rate,
-            free_rate / (s0_free + s1_free),
-            ceiling["sizes"][-1],
-        )
-    ]
-    for name, res in [("plain DDP, even split", even), ("evendp speed balance", balanced)]:
-        rate = throughput(res["times"], args.batch, warm, last)
-        rows.append((name, rate, rate / ideal, res["sizes"][-1]))
-    # Mid-run: eta against the slowed standalone sum; recovered when a 5-step window >= 0.90.
-    t, k = midrun["times"], args.slow_at
-    before = throughput(t, args.batch, warm, max(warm + 1, k - 1)) / (s0_free + s1_free)
-    window = 5
+    def median(key: str) -> float:
+        return statistics.median(float(r[key]) for r in rounds)  # type: ignore[arg-type]
+
+    print(f"\n== slow rank 1 by: {setup} ({args.rounds} rounds; median, then each round) ==")
+    print(f"standalone samples/s while slowed: rank 0 {median('rank0'):.0f}, rank 1 "
+          f"{median('rank1'):.0f}")  # fmt: skip
+    print(f"{'run':28s} {'eta_speed':>10s} {'of ceiling':>10s}  per round")
+    names = [("ceiling", "plain DDP, no rank slowed"), ("even", "plain DDP, even split"),
+             ("balanced", "evendp speed balance")]  # fmt: skip
+    for key, name in names:
+        each = " ".join(f"{float(r[key]):.3f}" for r in rounds)  # type: ignore[arg-type]
+        print(f"{name:28s} {median(key):10.3f} {median(key) / median('ceiling'):10.3f}  {each}")
+    print(f"speed balance / even split: {median('balanced') / median('even'):.2f}x; "
+          f"final sizes {[r['sizes'] for r in rounds]}")  # fmt: skip
+
+    # Mid-run: the slowdown starts at step k; recovered when a 5-step window is back to 0.90
+    # of the slowed standalone sum.
+    t, k, last, window = midrun["times"], args.slow_at, args.steps - 1, 5
+    warm = max(3, args.steps // 4)
+    ideal = sum(slow)
+    before = throughput(t, args.batch, warm, max(warm + 1, k - 1)) / sum(free)
     recovered = next(
         (
             j - k
@@ -315,16 +355,6 @@ def run_setup(args: argparse.Namespace, setup: str, cores: list[int | None]) -> 
         None,
     )
     after = throughput(t, args.batch, min(k + 20, last - 1), last) / ideal
-
-    print(f"\n== slow rank 1 by: {setup} ==")
-    print(
-        f"standalone samples/s: free {s0_free:.0f} + {s1_free:.0f}; "
-        f"slowed {s0:.0f} + {s1:.0f} = {ideal:.0f}"
-    )
-    print(f"{'run':28s} {'samples/s':>10s} {'eta_speed':>10s}  final sizes")
-    for name, rate, eta, sizes in rows:
-        print(f"{name:28s} {rate:10.1f} {eta:10.3f}  {sizes}")
-    print(f"speed balance / even split: {rows[2][1] / rows[1][1]:.2f}x")
     print(
         f"mid-run slowdown at step {k}: eta before {before:.3f}, recovered to >= 0.90 after "
         f"{'never' if recovered is None else recovered} step(s), eta from step {k + 20}: "
