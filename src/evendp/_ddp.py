@@ -39,8 +39,8 @@ __all__ = [
     "UnevenBatchSampler",
     "batch_sizes_from_env",
     "ddp_loss",
-    "global_count",
     "finish_distributed",
+    "global_count",
     "global_mean",
     "init_distributed",
     "parse_batch_sizes",
@@ -574,12 +574,12 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     a GPU machine. Other keyword arguments go to ``torch.distributed.init_process_group``.
 
     End the run with :func:`finish_distributed`. Why not call ``init_process_group``
-    directly: importing ``torch.distributed.fsdp`` while a
-    group exists (``torch.optim`` and ``torch.compile`` import it on first use) binds that
-    group into default arguments for good, so ``destroy_process_group`` cannot free it; gloo's
-    threads are then torn down during interpreter exit, which aborts the process ("terminate
-    called without an active exception", exit -6) after a run that succeeded, about once in
-    thirty runs here (torch 2.13). Importing it first, before the group exists, avoids that.
+    directly: importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
+    ``torch.compile`` import it on first use) binds that group into default arguments for
+    good, so ``destroy_process_group`` cannot free it; gloo's threads are then torn down
+    during interpreter exit, which aborts the process ("terminate called without an active
+    exception", exit -6) after a run that succeeded, about once in thirty runs here (torch
+    2.13). Importing it first, before the group exists, avoids that.
 
     >>> import torch.distributed as dist
     >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
