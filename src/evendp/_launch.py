@@ -56,8 +56,14 @@ class LaunchPlan:
     physical_devices: list[int] | None  # None: CPU processes (gloo)
     env: dict[str, str] = field(default_factory=dict)
     reason: str = ""
-    batch_caps: list[int] | None = None  # most samples each rank's memory holds (planned)
     memory_plan: Plan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def batch_caps(self) -> list[int] | None:
+        """Most samples each rank's memory holds (from the plan; ``None`` without one)."""
+        if self.memory_plan is None:
+            return None
+        return [d.max_batch_alone for d in self.memory_plan.devices]
 
     def describe(self) -> str:
         """One line for the log."""
@@ -278,13 +284,6 @@ def plan_launch(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
         if mems is None:
             mems = _live_memory(chosen)
-        if batch is not None and sizes is None and model is None:
-            if nodes == 1:
-                sizes = split_sizes(batch, [m.free for m in mems])
-                reason = "split by " + ("declared" if declared else "free") + " memory"
-            else:
-                sizes = split_sizes(batch, [1] * (count * nodes))
-                reason = "split evenly: other nodes' memory is not visible from here"
     else:
         if devices:
             raise EvendpError(
@@ -293,14 +292,18 @@ def plan_launch(
             )
         if count is None:
             count = os.cpu_count() or 1
-        if batch is not None and sizes is None and model is None:
-            if mems is not None:
-                sizes = split_sizes(batch, [m.free for m in mems])
-                reason = "split by declared memory"
-            else:
-                sizes = split_sizes(batch, [1] * (count * nodes))
-                reason = "split evenly across CPU ranks"
-    caps = None
+    if batch is not None and sizes is None and model is None:
+        # Declared memory with several nodes was refused above; free memory is read per node.
+        if nodes == 1 and mems is not None:
+            sizes = split_sizes(batch, [m.free for m in mems])
+            reason = "split by " + ("declared" if declared else "free") + " memory"
+        else:
+            sizes = split_sizes(batch, [1] * (count * nodes))
+            reason = (
+                "split evenly: other nodes' memory is not visible from here"
+                if gpus
+                else "split evenly across CPU ranks"
+            )
     memory_plan = None
     if model is not None:
         if mems is None:  # no GPU was found to read, and none declared
@@ -310,8 +313,7 @@ def plan_launch(
             )
         memory_plan = _plan_ranks(model, example_batch, mems, batch, plan_options)
         sizes = list(memory_plan.split)
-        caps = [d.max_batch_alone for d in memory_plan.devices]
-        env[ENV_BATCH_CAPS] = ",".join(map(str, caps))
+        env[ENV_BATCH_CAPS] = ",".join(str(d.max_batch_alone) for d in memory_plan.devices)
         reason = (
             f"planned (ddp) on {'declared' if declared else 'free'} memory: global batch "
             f"{memory_plan.global_batch}, eta_mem {memory_plan.eta_mem:.2f} "
@@ -319,7 +321,7 @@ def plan_launch(
         )
     if sizes is not None:
         env[ENV_BATCH_SIZES] = ",".join(map(str, sizes))
-    return LaunchPlan(count, sizes, physical, env, reason, caps, memory_plan)
+    return LaunchPlan(count, sizes, physical, env, reason, memory_plan)
 
 
 def _free_port() -> int:

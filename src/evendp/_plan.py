@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._devices import parse_bytes
 from ._errors import EvendpError, PlanError
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._split import split_sizes
@@ -869,7 +870,7 @@ def plan(
     mems = _validate_devices(devices)
     k = len(mems)
     _validate_options(mode, safety_margin, output_device, k, batch_size)
-    context = int(_memory_bytes(cuda_context))
+    context = parse_bytes(cuda_context)
     setup = _make_setup(model, batch, criterion, optimizer, amp, checkpointing)
     if mode == "ddp" or not gather:
         variant = "keep"
@@ -931,12 +932,6 @@ def plan(
             "cuda_context": context,
         },
     )
-
-
-def _memory_bytes(value: int | str) -> int:
-    from ._devices import parse_bytes
-
-    return parse_bytes(value)
 
 
 def _sample_output(setup: _Setup, n: int) -> Any:

@@ -19,7 +19,14 @@ import torch.nn as nn
 
 from .._errors import EvendpError
 
-__all__ = ["BUILTIN_MODELS", "ModelSpec", "add_model_arguments", "plan_options", "resolve_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelSpec",
+    "add_model_arguments",
+    "gpt_batch",
+    "plan_options",
+    "resolve_model",
+]
 
 BUILTIN_MODELS: tuple[str, ...] = ("gpt", "lm-head")
 
@@ -103,17 +110,22 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
     return _user(spec)
 
 
+def gpt_batch(config: Any) -> Any:
+    """``batch(n)`` for the planner: ``n`` random token windows of this GPT's shape."""
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (n, config.block_size)
+        return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
+
+    return batch
+
+
 def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
     if name == "gpt":
         from ..examples.gpt import GPT, GPTConfig
 
         config = GPTConfig() if seq_len is None else GPTConfig(block_size=seq_len)
-
-        def gpt_batch(n: int) -> Any:
-            shape = (n, config.block_size)
-            return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
-
-        return ModelSpec(lambda: GPT(config), gpt_batch)
+        return ModelSpec(lambda: GPT(config), gpt_batch(config))
     from ..examples.lm_head import LMHead, lm_loss
 
     seq = 250 if seq_len is None else seq_len

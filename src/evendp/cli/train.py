@@ -144,16 +144,6 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return GPT(config), train, config
 
 
-def _gpt_batch(config: Any) -> Any:
-    """``batch(n)`` for the planner: ``n`` random token windows of this GPT's shape."""
-
-    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (n, config.block_size)
-        return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
-
-    return batch
-
-
 def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
     """Planned forward+backward peak per device, for our shares and for an even split.
 
@@ -162,14 +152,14 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     """
     from evendp._plan import profile_step
     from evendp._split import split_sizes
-    from evendp.cli._model_spec import _AMP
+    from evendp.cli._model_spec import _AMP, gpt_batch
     from evendp.examples.gpt import GPT
 
     even = split_sizes(args.batch, [1] * len(ours))
     sizes = sorted({n for n in [*ours, *even] if n > 0})
     prof = profile_step(
         lambda: GPT(config),
-        _gpt_batch(config),
+        gpt_batch(config),
         sizes,
         amp=_AMP[args.amp],
         checkpointing=args.checkpointing,
@@ -185,11 +175,11 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
 def _planner_weights(config: Any, args: argparse.Namespace, spec: str | None = None) -> Any:
     """The planner's per-device split of ``args.batch`` (``spec=None``: the live GPUs)."""
     from evendp._plan import plan
-    from evendp.cli._model_spec import _AMP
+    from evendp.cli._model_spec import _AMP, gpt_batch
     from evendp.examples.gpt import GPT
 
     p = plan(
-        lambda: GPT(config), _gpt_batch(config), spec, mode="dp", batch_size=args.batch,
+        lambda: GPT(config), gpt_batch(config), spec, mode="dp", batch_size=args.batch,
         amp=_AMP[args.amp], checkpointing=args.checkpointing,
     )  # fmt: skip
     return [float(n) for n in p.split]
