@@ -119,8 +119,10 @@ class BalancedDataParallel(nn.Module):
             self.device_ids[0] if output_device is None else _to_device(output_device)
         )
         self.dim = _validate_dim(dim)
-        self._split_cache: dict[tuple[tuple[float, ...], int], list[int]] = {}
         self.chunk_sizes = chunk_sizes
+        # Exact per-device counts for the next forwards, in place of the weights' split: the
+        # Trainer cuts each micro-step's rows itself and sets them (None: split by weights).
+        self._sizes: list[int] | None = None
         self.gather = gather
         #: The per-device sample counts of the last forward (zeros for idle devices).
         self.last_sizes: list[int] = []
@@ -147,15 +149,7 @@ class BalancedDataParallel(nn.Module):
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
-        weights = self._weights or [1.0] * len(self.device_ids)
-        # Keyed by the weights too: a caller that switches between weight lists every step
-        # (the trainer's per-micro-step sizes) keeps its splits cached.
-        key = (tuple(weights), total)
-        if key not in self._split_cache:
-            if len(self._split_cache) >= 64:  # many batch sizes (e.g. varying lengths)
-                self._split_cache.clear()
-            self._split_cache[key] = split_sizes(total, weights)
-        return list(self._split_cache[key])
+        return split_sizes(total, self._weights or [1.0] * len(self.device_ids))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._sentinel is not None:
@@ -168,9 +162,12 @@ class BalancedDataParallel(nn.Module):
                 f"(dim={self.dim}) among its inputs; pass the batch as a tensor, or call "
                 "the module directly when there is nothing to split"
             )
-        if self._auto and self._weights is None:
-            self._weights = self._plan_weights(inputs, kwargs)
-        self.last_sizes = self.split(total)
+        if self._sizes is not None:
+            self.last_sizes = list(self._sizes)
+        else:
+            if self._auto and self._weights is None:
+                self._weights = self._plan_weights(inputs, kwargs)
+            self.last_sizes = self.split(total)
         active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
         devices = [self.device_ids[i] for i in active]
         sizes = [self.last_sizes[i] for i in active]
@@ -210,8 +207,6 @@ class BalancedDataParallel(nn.Module):
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
         # The home device runs the module itself: no copies, and buffer updates persist.
-        if include_home and len(devices) == 1:
-            return [self.module]
         detach = not torch.is_grad_enabled()
         if include_home:
             return [self.module, *replicate(self.module, devices[1:], detach)]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._ddp import comm_device
+from ._ddp import _world_size, comm_device
 from ._errors import EvendpError
 
 __all__ = ["OomResplit", "all_reduce_gradients"]
@@ -117,7 +117,7 @@ class OomResplit:
         self.micro_batch_sizes = [value] * len(self.micro_batch_sizes)
 
     def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+        return _world_size(self.group) > 1
 
     def run(
         self,
@@ -306,9 +306,7 @@ def all_reduce_gradients(
     >>> p.grad
     tensor([3., 3.])
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size(group)
+    world = _world_size(group)
     if world == 1:
         return
     params = [p for p in parameters if p.requires_grad]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._scatter import to_device
+
 __all__ = ["parallel_apply", "replicate"]
 
 
@@ -57,16 +59,11 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
 
 
 def _param_copy(param: torch.Tensor, device: torch.device, detach: bool) -> torch.Tensor:
-    copy = param.detach() if detach else param
-    return copy.to(device, non_blocking=device.type == "cuda")
+    return to_device(param.detach() if detach else param, device)
 
 
 def _buffer_copy(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # non_blocking only towards a GPU: a host that reads a tensor copied from a GPU
-    # asynchronously could see it before the copy lands.
-    if buf.device == device:
-        return buf.clone()
-    return buf.to(device, non_blocking=device.type == "cuda")
+    return buf.clone() if buf.device == device else to_device(buf, device)
 
 
 def parallel_apply(

@@ -19,7 +19,23 @@ import torch
 
 from ._errors import EvendpError
 
-__all__ = ["batch_size", "batch_size_and_devices", "gather_outputs", "map_tensors", "scatter"]
+__all__ = [
+    "batch_size",
+    "batch_size_and_devices",
+    "gather_outputs",
+    "map_tensors",
+    "scatter",
+    "to_device",
+]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; asynchronous only towards a GPU.
+
+    A host that read a tensor copied from a GPU asynchronously could see it before the copy
+    lands, so copies to the CPU stay synchronous.
+    """
+    return t.to(device, non_blocking=device.type == "cuda")
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -110,7 +126,7 @@ def _chunk_mover(
         # A share that is the whole batch needs no narrow (and no NarrowBackward node).
         if _is_batch_tensor(t, dim) and size != t.shape[dim]:
             t = t.narrow(dim, start, size)
-        return t.to(device, non_blocking=device.type == "cuda")  # never GPU -> host async
+        return to_device(t, device)
 
     return move
 

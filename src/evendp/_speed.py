@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ._ddp import comm_device
+from ._ddp import _world_size, comm_device
 from ._errors import EvendpError
 
 __all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
@@ -300,14 +300,15 @@ class SpeedBalancer:
         """Every rank's ``(seconds, samples)`` since the last exchange."""
         if self._fake is not None:
             return [(float(s), float(n)) for s, n in self._fake]
-        if not (dist.is_available() and dist.is_initialized()):
+        world = _world_size(self.group)
+        if world == 1:
             return [(self._seconds, float(self._samples))]
         local = torch.tensor(
             [self._seconds, float(self._samples)],
             dtype=torch.float64,
             device=comm_device(self.group),
         )
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=self.group)
         return [(float(p[0]), float(p[1])) for p in parts]
 

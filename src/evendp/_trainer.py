@@ -46,7 +46,7 @@ from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._oom import OomResplit, all_reduce_gradients
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
-from ._scatter import batch_size, map_tensors
+from ._scatter import batch_size, map_tensors, to_device
 from ._split import split_sizes
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
@@ -144,6 +144,11 @@ def _keep_batchnorm_fp32(model: nn.Module) -> None:
             m.register_forward_pre_hook(to_fp32)
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the children of every nn.ModuleList (e.g. transformer layers)."""
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
 def _apply_activation_checkpointing(model: nn.Module) -> None:
     # Recompute each repeated block (the children of a ModuleList, e.g. transformer layers)
     # in backward instead of keeping its activations. The wrapper keeps state_dict keys.
@@ -151,7 +156,7 @@ def _apply_activation_checkpointing(model: nn.Module) -> None:
         apply_activation_checkpointing,
     )
 
-    blocks = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    blocks = {id(m) for m in _blocks(model)}
     if not blocks:
         raise EvendpError(
             "activation_checkpointing found no nn.ModuleList of blocks in the model; "
@@ -267,7 +272,6 @@ class Trainer:
                 data, [config.batch_size], rank=0, world_size=1, seed=config.seed
             )
             self.wrapped = BalancedDataParallel(loss_module, devices, chunk_sizes=weights)
-            self.weights = self.wrapped.chunk_sizes  # validated; micro-steps reassign them
             self.dp_devices: list[torch.device] = list(self.wrapped.device_ids)
             self.device_names = [
                 f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp_devices)
@@ -382,7 +386,7 @@ class Trainer:
                 batch = self._collate_indices(list(indices))
                 # Every rank knows every rank's share: the global count needs no all-reduce.
                 count = self.sampler.samples_in_step(i)
-                yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True)), count
+                yield map_tensors(batch, lambda t: to_device(t, self.device)), count
             self.epoch += 1
             self.batch_in_epoch = 0
 
@@ -418,7 +422,7 @@ class Trainer:
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
             if isinstance(self.wrapped, BalancedDataParallel):
-                self.wrapped.chunk_sizes = [b - a for a, b in spans]  # exact integer sizes
+                self.wrapped._sizes = [b - a for a, b in spans]  # this micro-step's exact rows
             with sync, self._autocast():
                 loss = (
                     self.wrapped(*part) if isinstance(part, (tuple, list)) else self.wrapped(part)
@@ -458,7 +462,7 @@ class Trainer:
             )
         finally:
             if isinstance(self.wrapped, BalancedDataParallel):
-                self.wrapped.chunk_sizes = self.weights  # the user's weights, outside a step
+                self.wrapped._sizes = None  # the user's weights again, outside a step
         self.micro_steps = attempt
         if total is None:
             return None
@@ -523,7 +527,7 @@ class Trainer:
                     self.step += 1
                     if loss is not None:
                         self.losses.append(loss)
-                    text = self._memory_text() + self._micro_text()
+                    text = self._memory_text() + self._micro_text() if show else ""
                     bar.update(self.step, loss, count, text)
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save()
@@ -583,7 +587,6 @@ def _shard(model: nn.Module) -> None:
     # One FSDP2 unit per repeated block (their all-gathers overlap compute), then the root.
     from torch.distributed.fsdp import fully_shard
 
-    for lst in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for block in lst:
-            fully_shard(block)
+    for block in _blocks(model):
+        fully_shard(block)
     fully_shard(model)
