@@ -136,7 +136,11 @@ def test_no_driver_raises_unavailable() -> None:
         list_devices(FakeNvml(None))
 
 
-def test_list_devices_does_not_initialize_cuda(fake: FakeNvml) -> None:
+def test_list_devices_does_not_initialize_cuda(
+    fake: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a CPU build CUDA can never initialize; failing any attempt makes the check real.
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: pytest.fail("CUDA initialized"))
     list_devices()
     assert not torch.cuda.is_initialized()
 

@@ -392,9 +392,14 @@ def test_out_of_memory_names_the_device_index_not_the_replica_index() -> None:
 
 def test_no_grad_forward_works_and_builds_no_graph() -> None:
     wrapped = BalancedDataParallel(nn.Linear(3, 1), ["cpu", "cpu", "cpu"])
+    x = torch.randn(5, 3)
     with torch.no_grad():
-        out = wrapped(torch.randn(5, 3))
+        out = wrapped(x)
+        # The final concatenation runs under no_grad anyway: look at the replicas' outputs.
+        parts = BalancedDataParallel(wrapped.module, ["cpu", "cpu", "cpu"], gather=False)(x)
     assert not out.requires_grad
+    assert all(o.grad_fn is None for o in parts.outputs)
+    torch.testing.assert_close(out, wrapped.module(x).detach())
 
 
 def test_batchnorm_running_stats_are_updated_once_by_the_home_replica() -> None:

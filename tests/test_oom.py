@@ -283,8 +283,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     # 2) OOM in backward on rank 1 only.
     model.forward_limit, model.backward_limit = 10**9, (1 if rank == 1 else 10**9)
     guard = OomResplit()
-    run(model, guard)
-    results["oom_backward"] = (_grads(model).clone(), guard.resplits, False)
+    loss = run(model, guard)
+    results["oom_backward"] = (_grads(model).clone(), guard.resplits, loss is None)
     # 3) Rank 1 cannot fit even one sample: both ranks skip, neither hangs.
     model.backward_limit = 10**9
     model.forward_limit = 0 if rank == 1 else 10**9
