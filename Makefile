@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The tested CPU build of torch; pyproject.toml declares only the range torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint types unit bench clean
+.PHONY: demo test lint types unit clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

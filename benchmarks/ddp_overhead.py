@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +40,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from evendp import EmptySafeCollate, UnevenBatchSampler, ddp_loss
+from evendp import (
+    EmptySafeCollate,
+    UnevenBatchSampler,
+    ddp_loss,
+    finish_distributed,
+    init_distributed,
+)
+from evendp._launch import _free_port  # a free port, never torchrun's 29500
 
 FEATURES, CLASSES = 64, 10
 
@@ -122,7 +128,7 @@ def _variants(uneven: list[int]) -> list[tuple[str, str, list[int], str]]:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    init_distributed("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, FEATURES, generator=g), torch.randint(0, 10, (4096,)))
     variants = {
@@ -150,14 +156,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             cpu_times[name].append(float(cpu))
     if rank == 0:
         torch.save({"wall": times, "cpu": cpu_times}, Path(out))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    finish_distributed()
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -8,11 +8,11 @@ core, so rank 1 runs at about half speed. We measure:
 3. evendp: UnevenBatchSampler + SpeedBalancer + ddp_loss, same global batch;
 4. evendp with the slowdown starting mid-run (busy process started at a step), steps to recover.
 
-``--slow busy`` (default) is that setup. The scheduler makes it noisy: a rank that waits in an
+``--slow busy`` is that setup. The scheduler makes it noisy: a rank that waits in an
 all-reduce gets scheduler credit against the busy loop, so in DDP the slow rank runs faster
 than its standalone figure. ``--slow twice`` instead makes rank 1 compute every sample twice
 (forward and backward of a shadow copy: a device at half speed, repeatable), and
-``--slow both`` runs both setups.
+``--slow both`` (the default) runs both setups.
 Standalone rates are measured with both pinned processes running at once, right before and
 right after each DDP run (their mean is that run's reference), so load from other programs on
 the machine hits both sides of the ratio alike; ``--rounds`` (3) repeats the whole measurement
@@ -20,7 +20,7 @@ and the table gives the median and every round.
 
 eta_speed = global samples/s / (sum of the two standalone samples/s). Target: >= 0.90 with
 speed balance and recovery within 20 steps. Run: ``python benchmarks/hetero_speed.py``
-(about three minutes); ``--steps 12 --batch 8`` for a smoke run. The first row, plain DDP with
+(about 13 minutes: 4.5 for ``--slow twice``, 9 for ``--slow busy``); ``--steps 12 --batch 8`` for a smoke run. The first row, plain DDP with
 no rank slowed, is the ceiling this machine allows: communication, synchronization (a step
 waits for the slower rank's jitter) and process overhead, which no split can recover; the
 "of ceiling" column divides by it. The default batch (128 samples a rank) keeps compute well
@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from evendp import (
     finish_distributed,
     init_distributed,
 )
+from evendp._launch import _free_port  # a free port, never torchrun's 29500
 
 SEQ, WIDTH, POOL = 32, 128, 256
 
@@ -175,15 +175,6 @@ def pinned(core: int | None) -> list[str]:
     return [] if core is None else ["taskset", "-c", str(core)]
 
 
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port != 29500:
-            return port
-
-
 def worker_cmd(args: argparse.Namespace, mode: str, out: Path, extra: list[str]) -> list[str]:
     # A standalone rate settles in fewer steps than a DDP run with a re-split in it.
     steps = max(8, args.steps // 2) if mode == "standalone" else args.steps
@@ -218,7 +209,7 @@ def run_ddp(
     busy_core: int | None = -1,
 ) -> dict:  # type: ignore[type-arg]
     """One 2-rank run; ``busy_core=-1``: the mid-run busy process goes on ``cores[1]``."""
-    port, outs, procs = free_port(), [], []
+    port, outs, procs = _free_port(), [], []
     busy_core = cores[1] if busy_core == -1 else busy_core
     for rank in range(2):
         out = tmp / f"{mode}-{rank}.json"
@@ -268,7 +259,7 @@ def main() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     if shutil.which("taskset") and len(allowed) >= 2:
         cores: list[int | None] = allowed[:2]
-        note = f"ranks pinned to cores {cores[0]} and {cores[1]}; busy process on core {cores[1]}"
+        note = f"ranks pinned to cores {cores[0]} and {cores[1]}"
     else:
         cores = [None, None]
         note = "no taskset or < 2 cores: processes NOT pinned, figures are rough"

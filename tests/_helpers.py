@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from evendp._launch import _free_port
+
 
 def free_port() -> int:
     """A TCP port nobody listens on right now (never a fixed 29500)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return _free_port()
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
