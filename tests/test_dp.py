@@ -316,6 +316,7 @@ def test_state_dict_has_the_module_keys_and_loads_both_forms() -> None:
     # A plain module takes the wrapper's state dict unchanged.
     plain = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
     plain.load_state_dict(wrapped.state_dict())
+    torch.testing.assert_close(plain[0].weight, net[0].weight)
 
 
 def test_a_bad_state_dict_still_fails_loudly() -> None:

@@ -350,11 +350,13 @@ _PROBE = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-def test_launch_runs_torchrun_with_env(tmp_path: Path) -> None:
+def test_launch_runs_torchrun_with_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
     plan = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    unset = ("CUDA_VISIBLE_DEVICES", "EVENDP_BATCH_SIZES")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     code = launch(str(script), [str(tmp_path), "--flag"], plan=plan, env=env)
     assert code == 0
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -366,4 +368,5 @@ def test_launch_runs_torchrun_with_env(tmp_path: Path) -> None:
         assert res["sum"] == 3.0
         assert res["argv"] == [str(tmp_path), "--flag"]
         assert res["CUDA_VISIBLE_DEVICES"] is None  # CPU plan leaves devices alone
-    assert "EVENDP_BATCH_SIZES" not in env  # the launcher's own env is untouched
+    assert "EVENDP_BATCH_SIZES" not in env  # the env handed in is not modified
+    assert "EVENDP_BATCH_SIZES" not in os.environ  # nor the launcher's own

@@ -217,6 +217,10 @@ def test_bf16_autocast_on_cpu_trains_and_keeps_batchnorm_fp32() -> None:
     assert isinstance(model.norm, nn.BatchNorm1d)
     assert model.norm.running_mean.dtype == torch.float32
     assert model.norm.weight.dtype == torch.float32
+    # The model feeds BatchNorm fp32 anyway (an embedding); a bf16 input shows the hook works.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.norm(torch.randn(4, model.norm.num_features).bfloat16())
+    assert out.dtype == torch.float32
 
 
 @requires_cuda
@@ -244,6 +248,8 @@ def test_activation_checkpointing_keeps_the_gradient_and_keys() -> None:
         cfg = TrainConfig(steps=2, batch_size=8, activation_checkpointing=ckpt, progress=False)
         Trainer(model, data, cfg, devices=["cpu", "cpu"]).fit()
         assert list(model.state_dict()) == keys
+        wrapped = any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+        assert wrapped == ckpt  # the option really wraps the blocks
         params.append(_flat(model))
     assert _rel(params[1], params[0]) <= 1e-5
     with pytest.raises(EvendpError, match="ModuleList"):
