@@ -20,10 +20,11 @@ and the table gives the median and every round.
 
 eta_speed = global samples/s / (sum of the two standalone samples/s). Target: >= 0.90 with
 speed balance and recovery within 20 steps. Run: ``python benchmarks/hetero_speed.py``
-(about 13 minutes: 4.5 for ``--slow twice``, 9 for ``--slow busy``); ``--steps 12 --batch 8`` for a smoke run. The first row, plain DDP with
-no rank slowed, is the ceiling this machine allows: communication, synchronization (a step
-waits for the slower rank's jitter) and process overhead, which no split can recover; the
-"of ceiling" column divides by it. The default batch (128 samples a rank) keeps compute well
+(about 13 minutes: 4.5 for ``--slow twice``, 9 for ``--slow busy``); ``--steps 12 --batch 8
+--rounds 1`` for a smoke run. The first row, plain DDP with no rank slowed, is the ceiling
+this machine allows: communication, synchronization (a step waits for the slower rank's
+jitter) and process overhead, which no split can recover; the "of ceiling" column divides
+by it. The default batch (128 samples a rank) keeps compute well
 above the all-reduce, as in real training.
 """
 
