@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evendp._ddp import UnevenBatchSampler, ddp_loss
+from evendp._distributed import ddp_loss
 from evendp._errors import EvendpError
+from evendp._sampler import UnevenBatchSampler
 from evendp._speed import SpeedBalancer, balance_sizes
 from tests._helpers import free_port
 

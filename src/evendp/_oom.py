@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._ddp import _world_size, comm_device
+from ._distributed import comm_device, world_size
 from ._errors import EvendpError
 
 __all__ = ["OomResplit", "all_reduce_gradients"]
@@ -117,7 +117,7 @@ class OomResplit:
         self.micro_batch_sizes = [value] * len(self.micro_batch_sizes)
 
     def _distributed(self) -> bool:
-        return _world_size(self.group) > 1
+        return world_size(self.group) > 1
 
     def run(
         self,
@@ -306,7 +306,7 @@ def all_reduce_gradients(
     >>> p.grad
     tensor([3., 3.])
     """
-    world = _world_size(group)
+    world = world_size(group)
     if world == 1:
         return
     params = [p for p in parameters if p.requires_grad]

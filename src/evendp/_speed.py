@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ._ddp import _world_size, comm_device
+from ._distributed import comm_device, world_size
 from ._errors import EvendpError
 
 __all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
@@ -208,7 +208,7 @@ class SpeedBalancer:
     speed never moves a rank past its memory; with that variable unset there is no limit.
     ``min_size`` keeps every rank busy enough to be measured.
 
-    >>> from evendp._ddp import UnevenBatchSampler
+    >>> from evendp._sampler import UnevenBatchSampler
     >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
     >>> balancer = SpeedBalancer(sampler, warmup=2)
     >>> balancer._set_timings([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
@@ -300,7 +300,7 @@ class SpeedBalancer:
         """Every rank's ``(seconds, samples)`` since the last exchange."""
         if self._fake is not None:
             return [(float(s), float(n)) for s, n in self._fake]
-        world = _world_size(self.group)
+        world = world_size(self.group)
         if world == 1:
             return [(self._seconds, float(self._samples))]
         local = torch.tensor(
