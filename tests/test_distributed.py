@@ -131,3 +131,130 @@ def test_finish_distributed_without_a_group_returns_quietly() -> None:
     assert not dist.is_initialized()
     finish_distributed()
     finish_distributed()
+
+
+# -- NCCL without a GPU: a backend reported as "nccl", collectives that record devices --------
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """A real one-rank gloo group that reports "nccl" and two ranks; all_reduce records where
+    its tensor lives and doubles it in place (what two equal ranks would give)."""
+    init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    import evendp._distributed as mod
+
+    seen: list[torch.device] = []
+
+    def all_reduce(t: torch.Tensor, *args: object, **kwargs: object) -> None:
+        seen.append(t.device)
+        if t.device.type != "meta":
+            t.mul_(2)
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(mod, "world_size", lambda group=None: 2)
+    return seen
+
+
+def test_comm_device_under_nccl_is_the_ranks_own_gpu_not_the_current_one(
+    fake_nccl: list[torch.device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evendp._distributed import comm_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # set_device never called
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert comm_device() == torch.device("cuda", 2)
+    # A group bound to a device (init_process_group(device_id=...)) decides.
+    group = dist.distributed_c10d._get_default_group()
+    group.bound_device_id = torch.device("cuda", 3)
+    try:
+        assert comm_device() == torch.device("cuda", 3)
+    finally:
+        group.bound_device_id = None
+
+
+@pytest.mark.parametrize(("local", "count", "expected"), [("3", 1, 0), ("1", 2, 1), ("0", 1, 0)])
+def test_rank_cuda_device_with_one_visible_gpu_per_rank(
+    monkeypatch: pytest.MonkeyPatch, local: str, count: int, expected: int
+) -> None:
+    from evendp._distributed import rank_cuda_device
+
+    monkeypatch.setenv("LOCAL_RANK", local)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert rank_cuda_device() == torch.device("cuda", expected)
+
+
+def test_rank_cuda_device_refuses_two_ranks_on_one_of_several_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from evendp._distributed import rank_cuda_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(EvendpError, match=r"LOCAL_RANK=3 but this process sees 2 GPU"):
+        rank_cuda_device()
+
+
+@pytest.mark.parametrize(
+    ("local", "local_world", "count", "device"),
+    [
+        ("1", "2", 2, 1),  # one node, a GPU per rank: cuda:LOCAL_RANK
+        ("1", "2", 1, 0),  # SLURM --gpus-per-task: each rank sees only its own GPU as cuda:0
+    ],
+)
+def test_init_distributed_picks_nccl_and_binds_the_ranks_device(
+    monkeypatch: pytest.MonkeyPatch, local: str, local_world: str, count: int, device: int
+) -> None:
+    calls: list[tuple[str, dict[str, object]]] = []
+    current: list[torch.device] = []
+    monkeypatch.setenv("LOCAL_RANK", local)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: calls.append((b, kw)))
+    got = init_distributed()
+    assert got == torch.device("cuda", device)
+    assert current == [got]
+    assert calls == [("nccl", {"device_id": got})]
+
+
+def test_init_distributed_keeps_gloo_when_ranks_would_share_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: calls.append(b))
+    assert init_distributed() == torch.device("cpu")
+    assert calls == ["gloo"]
+
+
+def test_loss_helpers_reduce_on_the_ranks_gpu_and_return_on_the_callers_device(
+    fake_nccl: list[torch.device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fake tensors can sit on "cuda:1" without a GPU; the reduction must happen there (NCCL
+    # takes only the rank's GPU tensors) and the results come back to the caller's CPU.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with FakeTensorMode():
+        local = torch.ones(3, requires_grad=True).sum()  # on the CPU
+        results = [ddp_loss(local, 3), global_mean(local, 3), global_count(3, device="cpu")]
+    assert [r.device for r in results] == [torch.device("cpu")] * 3
+    assert fake_nccl == [torch.device("cuda", 1)] * 3
+
+
+def test_loss_helpers_give_the_reduced_values(
+    fake_nccl: list[torch.device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same fake reduction (two equal ranks) on CPU tensors, backend reported as gloo.
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    x = torch.arange(3.0)
+    torch.testing.assert_close(ddp_loss(x.sum(), 3), x.mean())  # 2 ranks, 6 samples
+    torch.testing.assert_close(global_mean(x.sum(), 3), x.mean())
+    assert global_count(3).item() == 6
+    assert fake_nccl == [torch.device("cpu")] * 3
