@@ -197,17 +197,26 @@ def test_rank_cuda_device_refuses_two_ranks_on_one_of_several_gpus(
 
 
 @pytest.mark.parametrize(
-    ("local", "local_world", "count", "device"),
+    ("local", "local_world", "count", "visible", "device"),
     [
-        ("1", "2", 2, 1),  # one node, a GPU per rank: cuda:LOCAL_RANK
-        ("1", "2", 1, 0),  # SLURM --gpus-per-task: each rank sees only its own GPU as cuda:0
+        ("1", "2", 2, None, 1),  # one node, a GPU per rank: cuda:LOCAL_RANK
+        ("1", "2", 1, "3", 0),  # SLURM --gpus-per-task: each rank sees only its own GPU
     ],
 )
 def test_init_distributed_picks_nccl_and_binds_the_ranks_device(
-    monkeypatch: pytest.MonkeyPatch, local: str, local_world: str, count: int, device: int
+    monkeypatch: pytest.MonkeyPatch,
+    local: str,
+    local_world: str,
+    count: int,
+    visible: str | None,
+    device: int,
 ) -> None:
     calls: list[tuple[str, dict[str, object]]] = []
     current: list[torch.device] = []
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("LOCAL_RANK", local)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -220,13 +229,15 @@ def test_init_distributed_picks_nccl_and_binds_the_ranks_device(
     assert calls == [("nccl", {"device_id": got})]
 
 
+@pytest.mark.parametrize("count", [1, 2])  # 1: a one-GPU machine, no scheduler binding
 def test_init_distributed_keeps_gloo_when_ranks_would_share_a_gpu(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, count: int
 ) -> None:
     calls: list[str] = []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: calls.append(b))
     assert init_distributed() == torch.device("cpu")
     assert calls == ["gloo"]

@@ -238,12 +238,13 @@ def _validate_backend(backend: str | None) -> None:
 def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     """Start the default process group of a ``torchrun`` rank; return the rank's device.
 
-    ``backend=None`` picks NCCL when CUDA has a device for every local rank, or when each
-    rank sees exactly one GPU (a scheduler that gives every rank its own: that GPU is
-    ``cuda:0``); else gloo and the CPU. ``"gloo"`` keeps CPU ranks on a GPU machine. Under
-    NCCL the rank's GPU (``cuda:LOCAL_RANK``, or ``cuda:0`` when it sees one) becomes the
-    current device and is passed as ``device_id``, which binds the group to it. Other keyword
-    arguments go to ``torch.distributed.init_process_group``.
+    ``backend=None`` picks NCCL when CUDA has a device for every local rank, or when a
+    scheduler gave each rank its own GPU (one GPU visible through a one-entry
+    ``CUDA_VISIBLE_DEVICES``: that GPU is ``cuda:0``); else gloo and the CPU. ``"gloo"``
+    keeps CPU ranks on a GPU machine. Under NCCL the rank's GPU (``cuda:LOCAL_RANK``, or
+    ``cuda:0`` when it sees one) becomes the current device and is passed as ``device_id``,
+    which binds the group to it. Other keyword arguments go to
+    ``torch.distributed.init_process_group``.
 
     End the run with :func:`finish_distributed`. Why not call ``init_process_group``
     directly: importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
@@ -280,13 +281,18 @@ def _cuda_for_every_local_rank() -> bool:
     """Whether each local rank has a GPU of its own: one per local rank, or each rank sees one.
 
     The second case is a scheduler that hides the other ranks' GPUs (SLURM
-    ``--gpus-per-task``, Kubernetes); two ranks sharing one visible GPU need ``"gloo"``.
+    ``--gpus-per-task``): one GPU visible, named by a ``CUDA_VISIBLE_DEVICES`` of one entry.
+    One GPU with the variable unset is a one-GPU machine, where ranks would share the GPU
+    (NCCL refuses that): gloo, as for any other shortfall.
     """
     if not torch.cuda.is_available():
         return False
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     count = torch.cuda.device_count()
-    return count >= local_world or count == 1
+    if count >= local_world:
+        return True
+    visible = [e for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    return count == 1 and len(visible) == 1
 
 
 # Time given to gloo's worker threads to drop finished collectives before the group goes.
