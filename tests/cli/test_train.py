@@ -192,3 +192,17 @@ def test_ddp_devices_reach_the_launch_plan(
 def test_ddp_rejects_mixed_devices(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--mode", "ddp", "--devices", "cpu,1"]) == 2
     assert "cpu,cpu for CPU ranks" in capsys.readouterr().err
+
+
+def test_cpu_devices_keep_the_demo_on_the_cpu_on_a_gpu_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A GPU host as the CLI sees it (the default --devices would be every GPU): with
+    # --devices cpu,cpu,cpu, as the fixtures above pass, nothing touches CUDA, which on this
+    # CPU build would raise "Torch not compiled with CUDA enabled".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    argv = ["train", "--steps", "1", "--out", str(tmp_path), "--no-progress", "--no-plan"]
+    assert main([*argv, *CPU3, *SMALL]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [d["name"] for d in report["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]
