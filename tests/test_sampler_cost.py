@@ -200,3 +200,41 @@ def test_gradient_of_each_step_equals_one_device(
             assert ref is not None
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
         assert samplers[0].samples_in_step(step) == len(everything)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=sizes_strategy,
+    extra=st.integers(0, 60),
+    group_steps=st.integers(1, 5),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_group_steps_keeps_coverage_and_step_counts(
+    sizes: list[int], extra: int, group_steps: int, shuffle: bool, data: st.DataObject
+) -> None:
+    n = len(sizes) + extra
+    costs = data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    kw = {"costs": costs, "group_steps": group_steps, "shuffle": shuffle}
+    per_rank = epoch(n, sizes, **kw)
+    assert [len(b) for b in per_rank] == [math.ceil(n / sum(sizes))] * len(sizes)
+    assert sorted(i for batches in per_rank for b in batches for i in b) == list(range(n))
+
+
+def test_group_steps_cuts_padding() -> None:
+    costs = [1 + (37 * i) % 200 for i in range(480)]
+    sizes = [16, 8, 8]
+
+    def padding(group_steps: int) -> float:
+        per_rank = epoch(480, sizes, costs=costs, group_steps=group_steps, seed=2)
+        padded = sum(padded_cost([costs[i] for i in b]) for bs in per_rank for b in bs)
+        return padded / sum(costs)
+
+    assert padding(8) < 1.1 < padding(1)
+
+
+def test_group_steps_needs_costs_and_a_positive_int() -> None:
+    with pytest.raises(EvendpError, match="group_steps=4 groups samples by cost"):
+        UnevenBatchSampler(10, [1, 1], rank=0, group_steps=4)
+    with pytest.raises(EvendpError, match="group_steps must be an int >= 1"):
+        UnevenBatchSampler(10, [1, 1], rank=0, costs=[1] * 10, group_steps=0)

@@ -120,6 +120,20 @@ def _sample_costs(data: object, length: int, costs: object) -> list[float] | Non
     return checked
 
 
+def _validate_group_steps(group_steps: object, costs: list[float] | None) -> int:
+    if isinstance(group_steps, bool) or not isinstance(group_steps, int) or group_steps < 1:
+        raise EvendpError(
+            f"group_steps must be an int >= 1 (steps whose samples are sorted by cost "
+            f"together), got {group_steps!r}; use 1 to keep each step's samples as drawn"
+        )
+    if group_steps > 1 and costs is None:
+        raise EvendpError(
+            f"group_steps={group_steps} groups samples by cost, but no costs were given; "
+            "pass costs= (e.g. each sample's length) or leave group_steps=1"
+        )
+    return group_steps
+
+
 def _validate_rank(rank: int, world_size: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise EvendpError(
@@ -244,7 +258,11 @@ class UnevenBatchSampler:
     ranks so each rank's padded cost (``len * max`` cost, or the sum with ``padded=False``)
     follows ``batch_sizes``, similar lengths together; a rank's batch may then hold more or
     fewer than ``batch_sizes[r]`` samples (:meth:`sizes_in_step` says how many). Every rank
-    computes the same plan with no communication. The last step's
+    computes the same plan with no communication. ``group_steps=k > 1`` also sorts each
+    window of ``k`` steps' samples by cost and cuts it into steps (in shuffled order), so a
+    step holds similar lengths and pads little; each index still appears once per epoch, but
+    which samples share a step changes (as transformers' ``group_by_length`` does). The last
+    step's
     ``R < sum(batch_sizes)`` indices are split in proportion to ``batch_sizes``, so a rank may
     get an empty batch there (and always does when its size is 0). Use it as
     ``DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))`` and
@@ -275,6 +293,7 @@ class UnevenBatchSampler:
         *,
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         padded: bool = True,
+        group_steps: int = 1,
     ) -> None:
         rank, world_size = _default_rank_and_world(rank, world_size)
         sizes = _validate_batch_sizes(batch_sizes, world_size)
@@ -284,6 +303,7 @@ class UnevenBatchSampler:
         # Computed once, identically on every rank (the data and the function are the same).
         self.costs = _sample_costs(data, self.num_samples, costs)
         self.padded = bool(padded)
+        self.group_steps = _validate_group_steps(group_steps, self.costs)
         self.rank = rank
         self.world_size = len(sizes)
         self.shuffle = bool(shuffle)
@@ -377,13 +397,35 @@ class UnevenBatchSampler:
         return list(self._step_sizes[step])
 
     def _permutation(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
         # One generator seeded identically on every rank: the same permutation everywhere.
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        perm: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
+        if not self.shuffle:
+            perm = list(range(self.num_samples))
+        else:
+            perm = torch.randperm(self.num_samples, generator=generator).tolist()
+        if self.group_steps > 1:
+            perm = self._grouped(perm, generator)
         return perm
+
+    def _grouped(self, perm: list[int], generator: torch.Generator) -> list[int]:
+        """Sort each window of ``group_steps`` steps by cost, cut it into steps, shuffle them.
+
+        Steps of similar lengths pad little (as ``group_by_length`` in transformers); the
+        full steps of a window are shuffled so lengths do not grow along the epoch, and the
+        epoch's short last step stays last. Still a permutation: each index once per epoch.
+        """
+        costs, step, window = self.costs, self._global, self._global * self.group_steps
+        assert costs is not None  # _validate_group_steps: grouping needs costs
+        out: list[int] = []
+        for start in range(0, len(perm), window):
+            ranked = sorted(perm[start : start + window], key=lambda i: (costs[i], i))
+            steps = [ranked[k : k + step] for k in range(0, len(ranked), step)]
+            full = [s for s in steps if len(s) == step]
+            order = torch.randperm(len(full), generator=generator).tolist()
+            out += [i for k in order for i in full[k]]
+            out += [i for s in steps if len(s) < step for i in s]
+        return out
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = self._permutation()
