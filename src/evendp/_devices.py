@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._deprecation import UNSET, renamed_argument
 from ._errors import EvendpError, NvmlUnavailableError
 
 __all__ = [
@@ -254,21 +255,22 @@ def _cuda_initialized() -> bool:
 
 def select_devices(
     count: int | None = None,
-    ids: Sequence[int] | None = None,
+    gpu_ids: Sequence[int] | None = None,
     min_free: int | float | str | None = None,
     *,
     nvml: Any = None,
+    ids: Any = UNSET,
 ) -> dict[int, int]:
     """Make the chosen GPUs the only visible ones; returns ``{physical id: logical id}``.
 
     Chooses the freest ``count`` GPUs (all, when ``None``) with at least ``min_free`` free, or
-    exactly the physical ``ids`` in the given order, then sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    exactly the physical ``gpu_ids`` in the given order, then sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
     (so CUDA numbers GPUs like ``nvidia-smi`` does) and ``CUDA_VISIBLE_DEVICES``. After the
     call, physical GPU ``p`` is ``cuda:{mapping[p]}``: use the logical ids in
     ``device_ids``. Must run before CUDA starts; raises :class:`EvendpError` otherwise.
     Overwrites any ``CUDA_VISIBLE_DEVICES`` already set.
 
-    With no NVIDIA driver, ``ids`` are taken as given (nothing to check them against) and
+    With no NVIDIA driver, ``gpu_ids`` are taken as given (nothing to check them against) and
     ``count``/``min_free`` raise :class:`EvendpError`.
 
     >>> import os
@@ -276,7 +278,7 @@ def select_devices(
     >>> import torch
     >>> if not torch.cuda.is_initialized():
     ...     try:
-    ...         mapping = select_devices(ids=[0])
+    ...         mapping = select_devices(gpu_ids=[0])
     ...     except EvendpError:  # a driver is present but GPU 0 does not exist
     ...         mapping = {0: 0}
     ...     print(mapping)
@@ -286,6 +288,7 @@ def select_devices(
     >>> for k, v in old.items():
     ...     _ = os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     """
+    ids = renamed_argument("select_devices", "ids", "gpu_ids", ids, gpu_ids)  # old name: 0.3.0
     if _cuda_initialized():
         raise EvendpError(
             "CUDA is already initialized in this process, so CUDA_VISIBLE_DEVICES can no "

@@ -203,7 +203,10 @@ class BalancedDataParallel(nn.Module):
         home = self.output_device
         output_index = next((i for i, d in enumerate(self.device_ids) if d == home), 0)
         example = kwargs if kwargs else inputs
-        return auto_weights(self.module, self.device_ids, example, output_device=output_index)
+        return auto_weights(
+            self.module, self.device_ids, example, output_device=output_index,
+            gather_output=self.gather,
+        )  # fmt: skip
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
         # The home device runs the module itself: no copies, and buffer updates persist.

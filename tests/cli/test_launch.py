@@ -55,7 +55,7 @@ def test_dry_run_passes_multi_node_options(capsys: pytest.CaptureFixture[str]) -
         (["--batch", "8", "--batch-sizes", "3,5"], "not both"),
         (["--nproc", "x"], "positive int or 'auto'"),
         (["--batch-sizes", "3,-1"], "-1"),
-        (["--devices", "0,1"], "no NVIDIA driver"),
+        (["--gpus", "0,1"], "no NVIDIA driver"),
     ],
 )
 def test_bad_input_exits_2(

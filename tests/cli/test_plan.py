@@ -14,7 +14,7 @@ from evendp.cli._model_spec import resolve_model
 
 
 def test_json_lm_head(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--model", "lm-head", "--devices", "3x80GiB", "--batch", "32", "--json"])
+    code = main(["plan", "--model", "lm-head", "--memory", "3x80GiB", "--batch", "32", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert sum(data["split"]) == 32
@@ -31,7 +31,7 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         "1000",
         "--seq-len",
         "32",
-        "--devices",
+        "--memory",
         "2GiB,1GiB",
         "--mode",
         "ddp",
@@ -64,7 +64,7 @@ def test_model_with_example_batch_is_not_rebuilt_per_batch(
     spec = resolve_model("tests.cli.test_plan:counted_model")
     assert [tuple(spec.batch(n).shape) for n in (1, 2, 3)] == [(1, 8), (2, 8), (3, 8)]
     assert BUILDS[0] == 1  # the probe only
-    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--devices", "1GiB"]
+    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--memory", "1GiB"]
     assert main([*argv, "--batch", "16", "--json"]) == 0
     assert sum(json.loads(capsys.readouterr().out)["split"]) == 16
 
@@ -76,11 +76,11 @@ def bad_factory() -> object:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--devices", "24 furlongs"], "cannot read device entry"),
-        (["--model", "lm-head", "--devices", "1GiB"], "not even one sample"),
-        (["--model", "tests.cli.test_plan:bad_factory", "--devices", "8GiB"], "broken on purpose"),
-        (["--model", "no_such_pkg.mod:f", "--devices", "8GiB"], "cannot load"),
-        (["--model", "nonsense", "--devices", "8GiB"], "package.module:factory"),
+        (["--memory", "24 furlongs"], "cannot read device entry"),
+        (["--model", "lm-head", "--memory", "1GiB"], "not even one sample"),
+        (["--model", "tests.cli.test_plan:bad_factory", "--memory", "8GiB"], "broken on purpose"),
+        (["--model", "no_such_pkg.mod:f", "--memory", "8GiB"], "cannot load"),
+        (["--model", "nonsense", "--memory", "8GiB"], "package.module:factory"),
     ],
 )
 def test_bad_input_exits_2(

@@ -18,12 +18,14 @@ import torch
 import torch.nn as nn
 
 from .._errors import EvendpError
+from .._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
 
 __all__ = [
     "BUILTIN_MODELS",
     "ModelSpec",
     "add_model_arguments",
     "gpt_batch",
+    "memory_specs",
     "plan_options",
     "resolve_model",
 ]
@@ -94,6 +96,24 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def memory_specs(text: str | None) -> list[DeviceMemory]:
+    """``--memory TEXT`` as the planner's devices; without it, the live GPUs' free memory.
+
+    Errors name the flag, not the Python argument, so the fix can be typed as shown.
+
+    >>> [d.free >> 30 for d in memory_specs("24GiB,2x12GiB")]
+    [24, 12, 12]
+    """
+    if text is not None:
+        return parse_memory(text)
+    try:
+        return live_memory()
+    except LiveMemoryError as exc:
+        raise EvendpError(
+            f"{exc.reason}; declare each device's memory instead, e.g. --memory 24GiB,24GiB,12GiB"
+        ) from None
+
+
 def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None) -> ModelSpec:
     """A built-in model by name (``gpt``, ``lm-head``) or a user's ``package.module:factory``.
 
@@ -103,7 +123,7 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
     >>> resolve_model("nonsense")
     Traceback (most recent call last):
     ...
-    evendp._errors.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head' or ...
+    evendp.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head' or ...
     """
     if spec in BUILTIN_MODELS:
         return _builtin(spec, vocab, seq_len)
