@@ -89,3 +89,29 @@ def test_bad_input_exits_2(
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err
+
+
+def test_old_devices_flag_is_hidden_but_still_accepted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--memory" in help_text and "--devices" not in help_text
+    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--batch", "16", "--json"]
+    assert main([*argv, "--devices", "1GiB"]) == 0
+    captured = capsys.readouterr()
+    assert "--devices is deprecated" in captured.err and "write --memory 1GiB" in captured.err
+    assert sum(json.loads(captured.out)["split"]) == 16
+    assert main([*argv, "--devices", "1GiB", "--memory", "1GiB"]) == 2
+
+
+def test_missing_memory_on_a_cpu_machine_names_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # skip NVML: no GPU here
+    assert main(["plan", "--model", "tests.cli.test_plan:counted_model"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--memory 24GiB,24GiB,12GiB" in err
+    assert "memory='" not in err
