@@ -112,9 +112,11 @@ def test_renamed_arguments_still_work_with_a_warning(monkeypatch: object) -> Non
     assert old.split == new.split
     with pytest.raises(evendp.EvendpError, match="pass only memory="):
         evendp.plan(net, torch.randn(1, 4), "1GiB", devices="1GiB")
-    with pytest.deprecated_call(match=r"plan_launch\(devices=...\).*gpu_ids"):
-        with pytest.raises(evendp.EvendpError, match="--gpus \\[0\\] asks for GPUs"):
-            plan_launch(devices=[0], nvml=False)
+    with (
+        pytest.deprecated_call(match=r"plan_launch\(devices=...\).*gpu_ids"),
+        pytest.raises(evendp.EvendpError, match="--gpus \\[0\\] asks for GPUs"),
+    ):
+        plan_launch(devices=[0], nvml=False)
 
 
 def test_select_devices_old_ids_keyword_warns() -> None:

@@ -1,4 +1,4 @@
-"""The planner end to end on fake tensors: extrapolation is flagged, auto weights plan the gather."""
+"""The planner end to end on fake tensors: extrapolation flagged, auto weights plan the gather."""
 
 from __future__ import annotations
 

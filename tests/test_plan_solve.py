@@ -19,7 +19,9 @@ def _model(
     gathered_per_sample: float | None = None,
 ) -> _Model:
     """Peak(n) = fixed + per_sample * n + convex * n^2, measured at n = 1, 2, 4, 8."""
-    acts = {n: {"params": fixed, "activations": per_sample * n + convex * n * n} for n in (1, 2, 4, 8)}
+    acts = {
+        n: {"params": fixed, "activations": per_sample * n + convex * n * n} for n in (1, 2, 4, 8)
+    }
     static = {"params": fixed, "grads": 0.0, "optimizer": 0.0, "optimizer_extra": 0.0}
     gathered = held = None
     if gathered_per_sample is not None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._ddp import ENV_BATCH_SIZES, parse_batch_sizes
-from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._deprecation import UNSET, renamed_argument
+from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._errors import EvendpError
 from ._memory import DeviceMemory, parse_memory
 from ._speed import ENV_BATCH_CAPS
@@ -186,9 +186,9 @@ def plan_launch(
 ) -> LaunchPlan:
     """Decide ranks, devices and per-rank batch sizes for this node (no process started).
 
-    With GPUs (NVML): the given physical ``gpu_ids`` (NVML / ``nvidia-smi`` order), else the freest ``nproc`` (all when
-    ``auto``, or as many as ``memory`` declares). With no NVIDIA driver: CPU ranks (``auto`` =
-    the CPU count, as torchrun does, or one per ``memory`` entry).
+    With GPUs (NVML): the given physical ``gpu_ids`` (NVML / ``nvidia-smi`` order), else the
+    freest ``nproc`` (all when ``auto``, or as many as ``memory`` declares). With no NVIDIA
+    driver: CPU ranks (``auto`` = the CPU count, as torchrun does, or one per ``memory`` entry).
 
     Per-rank batch sizes, first that applies:
 

@@ -25,7 +25,7 @@ def _gpu_list(text: str) -> list[int]:
 def _gpu_ids(args: argparse.Namespace) -> list[int] | None:
     """``--gpus``, or the deprecated ``--devices`` with a warning on stderr."""
     if args.old_devices is None:
-        return args.gpus  # type: ignore[no-any-return]
+        return args.gpus
     if args.gpus is not None:
         raise EvendpError("--devices is the old name of --gpus; pass only --gpus")
     ids = ",".join(map(str, args.old_devices))
@@ -34,7 +34,7 @@ def _gpu_ids(args: argparse.Namespace) -> list[int] | None:
         f"write --gpus {ids}",
         file=sys.stderr,
     )
-    return args.old_devices  # type: ignore[no-any-return]
+    return args.old_devices
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

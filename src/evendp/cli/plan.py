@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
-from .._errors import EvendpError
 from .._deprecation import REMOVAL
+from .._errors import EvendpError
 from .._plan import plan
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
 def _memory_argument(args: argparse.Namespace) -> str | None:
     """``--memory``, or the deprecated ``--devices`` with a warning on stderr."""
     if args.old_devices is None:
-        return args.memory  # type: ignore[no-any-return]
+        return args.memory
     if args.memory is not None:
         raise EvendpError(
             f"--devices is the old name of --memory; pass only --memory {args.memory}"
@@ -54,7 +54,7 @@ def _memory_argument(args: argparse.Namespace) -> str | None:
         f"write --memory {args.old_devices}",
         file=sys.stderr,
     )
-    return args.old_devices  # type: ignore[no-any-return]
+    return args.old_devices
 
 
 def run(args: argparse.Namespace) -> int:
