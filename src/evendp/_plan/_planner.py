@@ -178,7 +178,7 @@ def plan(
                 crit[n] = measure_gathered(setup, sample, 2, n)
         mdl, sol = solve()  # the answer always rests on the last measurement
     extrapolated = any(beyond_measured(sol))
-    return _result(
+    return _to_plan(
         mdl,
         mems,
         budgets,
@@ -226,7 +226,7 @@ def _build_model(
     )
 
 
-def _result(
+def _to_plan(
     mdl: _Model,
     mems: list[DeviceMemory],
     budgets: list[int],
