@@ -231,7 +231,8 @@ def plan_launch(
             f"pass --batch ({batch}) or --batch-sizes ({batch_sizes}), not both; --batch is "
             "split for you, --batch-sizes fixes every rank's share"
         )
-    validate_int("--batch", batch, minimum=1, allow_none=True, example="--batch 64")
+    if batch is not None:
+        validate_int("--batch", batch, minimum=1, example="--batch 64")
     sizes = None
     if batch_sizes is not None:
         text = batch_sizes if isinstance(batch_sizes, str) else ",".join(map(str, batch_sizes))

@@ -115,3 +115,21 @@ def test_missing_memory_on_a_cpu_machine_names_the_flag(
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "--memory 24GiB,24GiB,12GiB" in err
     assert "memory='" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--batch", "0"], "--batch must be a positive int, got 0; e.g. --batch 64"),
+        (["--margin", "1.5"], "--margin must be in [0, 1), got 1.5; e.g. --margin 0.05"),
+        (["--context", "lots"], "--context 'lots' is not a size; e.g. --context 512MiB"),
+    ],
+)
+def test_bad_options_are_named_by_their_flags(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = ["--model", "tests.cli.test_plan:counted_model", "--memory", "1GiB"]
+    assert main(["plan", *model, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "batch_size" not in err and "safety_margin" not in err and "cuda_context" not in err

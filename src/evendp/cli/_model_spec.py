@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
+from .._devices import parse_bytes
 from .._errors import EvendpError
 from .._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
 
@@ -85,7 +86,19 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
 
 
 def plan_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`evendp.plan` that the options added above set."""
+    """The keyword arguments of :func:`evendp.plan` that the options added above set.
+
+    Checked here so a bad value is named by its flag (``--margin``), not by the Python
+    argument it becomes (``safety_margin``).
+    """
+    if not 0.0 <= args.margin < 1.0:
+        raise EvendpError(f"--margin must be in [0, 1), got {args.margin!r}; e.g. --margin 0.05")
+    try:
+        parse_bytes(args.context)
+    except EvendpError:
+        raise EvendpError(
+            f"--context {args.context!r} is not a size; e.g. --context 512MiB"
+        ) from None
     return {
         "optimizer": _OPTIMIZERS[args.optimizer],
         "amp": _AMP[args.amp],

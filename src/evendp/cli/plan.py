@@ -14,6 +14,7 @@ from typing import Any
 from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._plan import plan
+from .._validate import validate_int
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print; 2 on bad input."""
     try:
         memory = _memory_argument(args)
+        if args.batch is not None:  # None: the largest batch that fits
+            validate_int("--batch", args.batch, minimum=1, example="--batch 64")
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
         result = plan(
             spec.make,
