@@ -88,7 +88,7 @@ def _balanced(
         return wrapped(x, y)
     if name == "mlp":
         return nn.functional.mse_loss(wrapped(x), y)
-    wrapped.gather = False
+    wrapped.gather_output = False
     return ParallelCriterion(nn.CrossEntropyLoss())(wrapped(x), y)
 
 
@@ -124,7 +124,7 @@ def test_loss_and_gradient_equal_one_device_on_the_full_batch(
     model, (x, y) = CASES[name](batch)
     reference = copy.deepcopy(model)
 
-    wrapped = BalancedDataParallel(model, ["cpu"] * len(weights), chunk_sizes=weights)
+    wrapped = BalancedDataParallel(model, ["cpu"] * len(weights), weights=weights)
     loss = _balanced(wrapped, name, x, y)
     loss.backward()
     ref_loss = _reference(reference, name, x, y)
@@ -149,7 +149,7 @@ class PerSampleMean(nn.Module):
 
 def test_losses_split_two_to_one_combine_to_the_true_mean_not_the_mean_of_means() -> None:
     losses = torch.tensor([0.3, 0.2, 0.8])
-    wrapped = BalancedDataParallel(PerSampleMean(), ["cpu", "cpu"], chunk_sizes=[2, 1])
+    wrapped = BalancedDataParallel(PerSampleMean(), ["cpu", "cpu"], weights=[2, 1])
     combined = wrapped(losses)
     assert wrapped.last_sizes == [2, 1]
     # The per-device means are 0.25 and 0.8: their plain mean would be 0.525.
@@ -161,7 +161,7 @@ def test_scalar_output_is_the_same_on_one_device_and_many_without_gather_warning
     one = BalancedDataParallel(PerSampleMean(), ["cpu"])(losses)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        many = BalancedDataParallel(PerSampleMean(), ["cpu"] * 4, chunk_sizes=[3, 0, 1, 2])(losses)
+        many = BalancedDataParallel(PerSampleMean(), ["cpu"] * 4, weights=[3, 0, 1, 2])(losses)
     assert one.dim() == many.dim() == 0
     assert many.item() == pytest.approx(one.item(), rel=1e-6)
 
@@ -180,7 +180,7 @@ class ThreadRecorder(nn.Module):
 
 def test_virtual_devices_run_replicas_in_threads_and_zero_weight_devices_get_none() -> None:
     recorder = ThreadRecorder()
-    wrapped = BalancedDataParallel(recorder, ["cpu"] * 4, chunk_sizes=[1, 0, 1, 1])
+    wrapped = BalancedDataParallel(recorder, ["cpu"] * 4, weights=[1, 0, 1, 1])
     wrapped(torch.randn(6, 2))
     # Replicas share the `threads` set (shallow copies): one entry per active device.
     assert len(recorder.threads) == 3
@@ -197,7 +197,7 @@ def test_batch_smaller_than_the_device_count_uses_fewer_devices() -> None:
 
 
 def test_weights_are_renormalized_for_every_batch() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(1, 1), ["cpu"] * 3, chunk_sizes=[2, 1, 1])
+    wrapped = BalancedDataParallel(nn.Linear(1, 1), ["cpu"] * 3, weights=[2, 1, 1])
     wrapped(torch.randn(8, 1))
     assert wrapped.last_sizes == [4, 2, 2]
     wrapped(torch.randn(5, 1))
@@ -236,7 +236,7 @@ def test_structured_inputs_kwargs_and_outputs_round_trip() -> None:
     tensors = [torch.randn(7, 3) for _ in range(3)]
     args = (Pair(tensors[0], tensors[1]), {"x": tensors[2]}, Batch(torch.randn(7, 3), 2.0))
     expected = model(*args, tag="t", bias=0.5)
-    wrapped = BalancedDataParallel(model, ["cpu"] * 3, chunk_sizes=[1, 2, 3])
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, weights=[1, 2, 3])
     out, extra = wrapped(*args, tag="t", bias=0.5)
     torch.testing.assert_close(out, expected[0])
     assert extra["tag"] == "t"
@@ -262,7 +262,7 @@ def test_inputs_without_a_batch_tensor_are_refused() -> None:
 
 def test_gather_false_returns_scattered_and_gather_concatenates() -> None:
     net = nn.Linear(3, 2)
-    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes=[0, 2, 1], gather=False)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights=[0, 2, 1], gather_output=False)
     x = torch.randn(6, 3)
     parts = wrapped(x)
     assert isinstance(parts, Scattered)
@@ -276,7 +276,7 @@ def test_parallel_criterion_sum_with_ignore_index_matches_the_true_mean() -> Non
     net = nn.Linear(4, 5)
     x = torch.randn(9, 4)
     y = torch.tensor([0, -100, 2, 3, -100, -100, 1, 4, 2])
-    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes=[3, 1, 2], gather=False)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights=[3, 1, 2], gather_output=False)
     summed = ParallelCriterion(nn.CrossEntropyLoss(reduction="sum"), reduction="sum")
     loss = summed(wrapped(x), y) / (y != -100).sum()
     expected = nn.functional.cross_entropy(net(x), y, ignore_index=-100)
@@ -284,7 +284,7 @@ def test_parallel_criterion_sum_with_ignore_index_matches_the_true_mean() -> Non
 
 
 def test_parallel_criterion_errors() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(2, 2), ["cpu", "cpu"], gather=False)
+    wrapped = BalancedDataParallel(nn.Linear(2, 2), ["cpu", "cpu"], gather_output=False)
     parts = wrapped(torch.randn(4, 2))
     with pytest.raises(EvendpError, match=r"targets have 3 samples.*outputs have 4"):
         ParallelCriterion(nn.MSELoss())(parts, torch.randn(3, 2))
@@ -331,10 +331,10 @@ def test_a_bad_state_dict_still_fails_loudly() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"chunk_sizes": [1, 1]}, "2 weights .* for 3 devices"),
-        ({"chunk_sizes": [1, 1, 1, 1]}, "4 weights .* for 3 devices"),
-        ({"chunk_sizes": [1, -2, 1]}, "-2 at position 1"),
-        ({"chunk_sizes": [0, 0, 0]}, "all weights are zero"),
+        ({"weights": [1, 1]}, "2 weights .* for 3 devices"),
+        ({"weights": [1, 1, 1, 1]}, "4 weights .* for 3 devices"),
+        ({"weights": [1, -2, 1]}, "-2 at position 1"),
+        ({"weights": [0, 0, 0]}, "all weights are zero"),
         ({"dim": -1}, "dim must be a non-negative int"),
     ],
 )
@@ -376,7 +376,7 @@ class FailsAboveTwo(nn.Module):
 
 
 def test_out_of_memory_in_a_replica_thread_keeps_its_type() -> None:
-    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu", "cpu"], chunk_sizes=[1, 3])
+    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu", "cpu"], weights=[1, 3])
     with pytest.raises(torch.OutOfMemoryError) as info:
         wrapped(torch.randn(8))
     assert any("replica 1" in note for note in info.value.__notes__)
@@ -385,7 +385,7 @@ def test_out_of_memory_in_a_replica_thread_keeps_its_type() -> None:
 
 def test_out_of_memory_names_the_device_index_not_the_replica_index() -> None:
     # Device 0 has weight 0, so the failing replica 1 runs on device_ids[2].
-    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu"] * 3, chunk_sizes=[0, 1, 3])
+    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu"] * 3, weights=[0, 1, 3])
     with pytest.raises(torch.OutOfMemoryError) as info:
         wrapped(torch.randn(8))
     assert info.value.evendp_device_index == 2  # type: ignore[attr-defined]
@@ -397,7 +397,7 @@ def test_no_grad_forward_works_and_builds_no_graph() -> None:
     with torch.no_grad():
         out = wrapped(x)
         # The final concatenation runs under no_grad anyway: look at the replicas' outputs.
-        parts = BalancedDataParallel(wrapped.module, ["cpu", "cpu", "cpu"], gather=False)(x)
+        parts = BalancedDataParallel(wrapped.module, ["cpu", "cpu", "cpu"], gather_output=False)(x)
     assert not out.requires_grad
     assert all(o.grad_fn is None for o in parts.outputs)
     torch.testing.assert_close(out, wrapped.module(x).detach())
@@ -423,7 +423,7 @@ def test_cuda_virtual_devices_match_one_device() -> None:
     net = MLP().cuda()
     reference = copy.deepcopy(net)
     x, y = torch.randn(9, 5, device="cuda"), torch.randn(9, 3, device="cuda")
-    wrapped = BalancedDataParallel(net, ["cuda:0", "cuda:0"], chunk_sizes=[2, 1])
+    wrapped = BalancedDataParallel(net, ["cuda:0", "cuda:0"], weights=[2, 1])
     nn.functional.mse_loss(wrapped(x), y).backward()
     nn.functional.mse_loss(reference(x), y).backward()
     for p, q in zip(net.parameters(), reference.parameters(), strict=True):
@@ -431,30 +431,30 @@ def test_cuda_virtual_devices_match_one_device() -> None:
         assert _relative_error(p.grad, q.grad) <= 1e-5
 
 
-def test_auto_chunk_sizes_plan_on_the_first_batch_and_stay_exact() -> None:
+def test_auto_weights_plan_on_the_first_batch_and_stay_exact() -> None:
     torch.manual_seed(5)
     net = MLP()
     reference = copy.deepcopy(net)
     x, y = torch.randn(7, 5), torch.randn(7, 3)
-    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes="auto")
-    assert wrapped.chunk_sizes is None  # planned lazily, from the first real batch
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights="auto")
+    assert wrapped.weights is None  # planned lazily, from the first real batch
     nn.functional.mse_loss(wrapped(x), y).backward()
     nn.functional.mse_loss(reference(x), y).backward()
     # Virtual CPU devices have no memory to read: the planner gives equal weights.
-    assert wrapped.chunk_sizes == [1.0, 1.0, 1.0]
+    assert wrapped.weights == [1.0, 1.0, 1.0]
     assert wrapped.last_sizes == [3, 2, 2]
     for p, q in zip(net.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert _relative_error(p.grad, q.grad) <= 1e-5
 
 
-def test_unknown_chunk_sizes_string_is_refused() -> None:
+def test_unknown_weights_string_is_refused() -> None:
     with pytest.raises(EvendpError, match=r"'even' is not understood.*'auto'"):
-        BalancedDataParallel(nn.Linear(1, 1), ["cpu"], chunk_sizes="even")  # type: ignore[arg-type]
+        BalancedDataParallel(nn.Linear(1, 1), ["cpu"], weights="even")  # type: ignore[arg-type]
 
 
 def test_an_empty_batch_gives_the_module_output_and_a_zero_summed_loss() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(3, 2), ["cpu"] * 3, gather=False)
+    wrapped = BalancedDataParallel(nn.Linear(3, 2), ["cpu"] * 3, gather_output=False)
     parts = wrapped(torch.randn(0, 3))
     assert parts.sizes == [0]
     loss = ParallelCriterion(nn.MSELoss(reduction="sum"), "sum")(parts, torch.randn(0, 2))
