@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from torch import nn
 
 from evendp import BalancedDataParallel, EvendpError, ParallelCriterion, Scattered, gather
 from tests._helpers import requires_cuda
+
+CPU = torch.device("cpu")
 
 # ---------------------------------------------------------------- models for the property tests
 
@@ -460,3 +463,299 @@ def test_an_empty_batch_gives_the_module_output_and_a_zero_summed_loss() -> None
     loss = ParallelCriterion(nn.MSELoss(reduction="sum"), "sum")(parts, torch.randn(0, 2))
     assert loss.item() == 0.0
     assert gather(parts).shape == (0, 2)
+
+
+# ---------------------------------------------------------------- renamed arguments
+
+
+def test_old_keyword_spellings_still_work_with_a_deprecation_warning() -> None:
+    with pytest.deprecated_call(match="'chunk_sizes' is renamed 'weights'"):
+        wrapped = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, chunk_sizes=[3, 1])
+    with pytest.deprecated_call(match="'gather' is renamed 'gather_output'"):
+        scattered = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, gather=False)
+    assert wrapped.weights == [3.0, 1.0]
+    assert scattered.gather_output is False
+    assert isinstance(scattered(torch.randn(4, 2)), Scattered)
+    wrapped(torch.randn(8, 2))
+    assert wrapped.last_sizes == [6, 2]
+
+
+def test_old_attribute_spellings_read_and_write_the_new_ones() -> None:
+    wrapped = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, weights=[1, 1])
+    with pytest.deprecated_call(match="'chunk_sizes'"):
+        assert wrapped.chunk_sizes == [1.0, 1.0]
+    with pytest.deprecated_call(match="'chunk_sizes'"):
+        wrapped.chunk_sizes = [1, 3]
+    assert wrapped.weights == [1.0, 3.0]
+    with pytest.deprecated_call(match="'gather'"):
+        assert wrapped.gather is True
+    with pytest.deprecated_call(match="'gather'"):
+        wrapped.gather = False
+    assert wrapped.gather_output is False
+
+
+def test_old_and_new_spelling_together_are_refused() -> None:
+    with pytest.raises(EvendpError, match="pass weights= only"):
+        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], weights=[1], chunk_sizes=[1])
+    with pytest.raises(EvendpError, match="pass gather_output= only"):
+        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], gather_output=False, gather=False)
+
+
+def test_the_old_positional_signature_gets_the_new_call_in_its_error() -> None:
+    with pytest.raises(EvendpError, match=r"BalancedDataParallel\(model, device_ids, weights=\["):
+        BalancedDataParallel(4, nn.Linear(2, 1), dim=0)  # type: ignore[arg-type]
+    with pytest.raises(EvendpError, match=r"first argument must be the nn\.Module"):
+        BalancedDataParallel("model")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- fixed_sizes
+
+
+def test_fixed_sizes_run_exactly_those_shares_and_restore_the_weights() -> None:
+    torch.manual_seed(6)
+    net = nn.Linear(3, 1)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights=[1, 1, 1])
+    x = torch.randn(6, 3)
+    with wrapped.fixed_sizes([0, 5, 1]):
+        out = wrapped(x)
+        assert wrapped.last_sizes == [0, 5, 1]
+        with wrapped.fixed_sizes([6, 0, 0]):
+            wrapped(x)
+            assert wrapped.last_sizes == [6, 0, 0]
+        wrapped(x)
+        assert wrapped.last_sizes == [0, 5, 1]  # the outer sizes again
+    torch.testing.assert_close(out, net(x))
+    wrapped(x)
+    assert wrapped.last_sizes == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fragment"),
+    [
+        ([2, 2], r"fixed_sizes\(\[2, 2\]\) has 2 sizes for 3 devices"),
+        ([3, -1, 2], "size -1 at position 1 is not a non-negative int"),
+        ([3, 1.5, 2], "size 1.5 at position 1"),
+        ("3,1,2", "one non-negative int per device"),
+    ],
+)
+def test_fixed_sizes_refuse_bad_sizes_on_entry(sizes: object, fragment: str) -> None:
+    wrapped = BalancedDataParallel(nn.Linear(3, 1), ["cpu"] * 3)
+    with pytest.raises(EvendpError, match=fragment), wrapped.fixed_sizes(sizes):  # type: ignore[arg-type]
+        pass
+
+
+def test_fixed_sizes_that_do_not_add_up_to_the_batch_name_both() -> None:
+    wrapped = BalancedDataParallel(nn.Linear(3, 1), ["cpu"] * 3)
+    with (
+        wrapped.fixed_sizes([2, 2, 1]),
+        pytest.raises(
+            EvendpError, match=r"fixed_sizes\(\[2, 2, 1\]\) add up to 5, but the batch has 6"
+        ),
+    ):
+        wrapped(torch.randn(6, 3))
+    assert wrapped._sizes is None  # left even after the failed call
+
+
+# ---------------------------------------------------------------- count_fn
+
+
+class MaskedTokenLoss(nn.Module):
+    """A token model whose forward returns the mean cross-entropy over unmasked tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.head = nn.Linear(6, 7)
+
+    def forward(self, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(idx)))  # (B, T, 7)
+        per_token = nn.functional.cross_entropy(logits.transpose(1, 2), idx, reduction="none")
+        return (per_token * mask).sum() / mask.sum()
+
+
+def _token_count(idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return mask.sum()
+
+
+def test_count_fn_makes_a_masked_mean_exact_and_an_all_masked_share_harmless() -> None:
+    torch.manual_seed(7)
+    model = MaskedTokenLoss()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 7, (5, 4))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, count_fn=_token_count)
+    with wrapped.fixed_sizes([2, 1, 2]):  # the last share has no unmasked token
+        loss = wrapped(idx, mask.float())
+    loss.backward()
+    ref_loss = reference(idx, mask.float())
+    ref_loss.backward()
+    assert _relative_error(loss.detach(), ref_loss.detach()) <= 1e-5
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.isfinite(p.grad).all()
+        assert _relative_error(p.grad, q.grad) <= 1e-5
+
+
+def test_without_count_fn_the_same_masked_loss_is_biased() -> None:
+    torch.manual_seed(7)
+    model = MaskedTokenLoss()
+    idx = torch.randint(0, 7, (4, 4))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
+    wrapped = BalancedDataParallel(model, ["cpu"] * 2, weights=[3, 1])
+    assert abs(wrapped(idx, mask).item() - model(idx, mask).item()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("returned", "fragment"),
+    [
+        (-1, "returned -1 for the share of 2 sample"),
+        (float("nan"), "returned nan"),
+        ("3", "returned '3'"),
+        (True, "returned True"),
+        (torch.ones(2), r"returned 'a tensor of shape \[2\]'"),
+    ],
+)
+def test_a_bad_count_names_the_device_and_the_share(returned: object, fragment: str) -> None:
+    wrapped = BalancedDataParallel(
+        nn.Linear(2, 1), ["cpu"] * 2, weights=[1, 1], count_fn=lambda x: returned
+    )
+    with pytest.raises(EvendpError, match=fragment) as info:
+        wrapped(torch.randn(4, 2))
+    assert "device_ids[0]=cpu" in str(info.value)
+
+
+def test_count_fn_must_be_callable() -> None:
+    with pytest.raises(EvendpError, match="count_fn must be callable"):
+        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], count_fn=3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- ParallelCriterion callables
+
+
+def _lm_scattered(
+    weights: list[float], seed: int = 8
+) -> tuple[nn.Module, Scattered, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    head = nn.Linear(4, 5)
+    hidden = torch.randn(6, 3, 4)  # (N, L, hidden) -> logits (N, L, V=5)
+    labels = torch.randint(0, 5, (6, 3))
+    labels[1:3] = -100  # rows 1 and 2 are all padding
+    labels[4, 1:] = -100
+    wrapped = BalancedDataParallel(
+        head, ["cpu"] * len(weights), weights=weights, gather_output=False
+    )
+    return head, wrapped(hidden), hidden, labels
+
+
+def _flat_ce(logits: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "criterion",
+    [
+        _flat_ce,
+        lambda logits, labels: _flat_ce(logits, labels),
+        functools.partial(_flat_ce, ignore_index=-100),
+    ],
+    ids=["function", "lambda", "partial"],
+)
+def test_any_callable_criterion_with_count_fn_is_exact_on_lm_logits(
+    criterion: Callable[..., torch.Tensor],
+) -> None:
+    head, parts, hidden, labels = _lm_scattered([1, 2, 1])
+    loss = ParallelCriterion(criterion, count_fn=lambda out, y: (y != -100).sum())(parts, labels)
+    expected = _flat_ce(head(hidden), labels)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    grad = head.weight.grad
+    head.zero_grad()
+    expected.backward()
+    assert grad is not None and head.weight.grad is not None
+    assert _relative_error(grad, head.weight.grad) <= 1e-5
+
+
+class FlatCE(nn.Module):
+    """A stateless criterion module: no parameters, no buffers."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _flat_ce(logits, labels)
+
+
+def test_modules_are_replicated_only_when_they_hold_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import evendp._dp as dp
+
+    _, parts, _, labels = _lm_scattered([1, 1])
+    copied: list[nn.Module] = []
+    real = dp.replicate
+
+    def spy(module: nn.Module, *args: object) -> list[nn.Module]:
+        copied.append(module)
+        return real(module, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dp, "replicate", spy)
+    ParallelCriterion(FlatCE())(parts, labels)
+    weighted = nn.CrossEntropyLoss(weight=torch.rand(5) + 0.5)
+    ParallelCriterion(lambda out, y: weighted(out.flatten(0, 1), y.flatten()))(parts, labels)
+    assert copied == []  # a stateless module and a lambda are called as they are
+    flat = Scattered([o.flatten(0, 1) for o in parts.outputs], [9, 9], parts.devices, 0, CPU)
+    ParallelCriterion(weighted)(flat, labels.flatten())
+    assert copied == [weighted]  # a module with a buffer gets a copy per device
+
+
+@pytest.mark.parametrize(
+    "criterion",
+    [
+        nn.CrossEntropyLoss(),
+        nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([0.5, 1, 2, 1, 3])),
+        nn.CrossEntropyLoss(label_smoothing=0.1, weight=torch.tensor([0.5, 1, 2, 1, 3])),
+    ],
+    ids=["ignore_index", "weight", "label_smoothing"],
+)
+def test_built_in_class_losses_count_their_own_denominator(criterion: nn.Module) -> None:
+    torch.manual_seed(9)
+    net = nn.Linear(4, 5)
+    x = torch.randn(9, 4)
+    y = torch.tensor([0, -100, 2, 3, -100, -100, 1, 4, 2])
+    parts = BalancedDataParallel(net, ["cpu"] * 3, weights=[3, 1, 2], gather_output=False)(x)
+    torch.testing.assert_close(ParallelCriterion(criterion)(parts, y), criterion(net(x), y))
+
+
+def test_count_fn_with_a_summing_reduction_is_refused() -> None:
+    with pytest.raises(EvendpError, match="reduction='sum' adds per-device sums"):
+        ParallelCriterion(_flat_ce, reduction="sum", count_fn=lambda out, y: 1)
+    with pytest.raises(EvendpError, match="criterion must be callable"):
+        ParallelCriterion("cross_entropy")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- BatchNorm
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def test_batchnorm_in_training_with_an_uneven_split_warns_once_with_the_fix() -> None:
+    with pytest.warns(
+        UserWarning, match=r"BatchNorm layer '1'.*GroupNorm or LayerNorm.*SyncBatchNorm"
+    ):
+        BalancedDataParallel(_bn_net(), ["cpu"] * 3, weights=[2, 1, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BalancedDataParallel(_bn_net(), ["cpu"] * 3)  # even: as nn.DataParallel
+        BalancedDataParallel(_bn_net(), ["cpu"] * 3, weights=[1, 0, 1])  # even over the active
+        BalancedDataParallel(_bn_net().eval(), ["cpu"] * 3, weights=[2, 1, 1])
+        BalancedDataParallel(_bn_net(), ["cpu"], weights=[1])
+        BalancedDataParallel(MLP(), ["cpu"] * 3, weights=[2, 1, 1])
+
+
+def test_a_one_sample_share_that_batchnorm_rejects_names_the_device_and_share() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        wrapped = BalancedDataParallel(_bn_net(), ["cpu"] * 3, weights=[4, 4, 1])
+    with pytest.raises(EvendpError, match=r"device_ids\[2\]=cpu got a share of 1 sample"):
+        wrapped(torch.randn(9, 3))
+    with pytest.raises(ValueError, match="Expected more than 1 value"):
+        BalancedDataParallel(_bn_net(), ["cpu"])(torch.randn(1, 3))  # torch's own: no split
