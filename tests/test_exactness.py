@@ -222,3 +222,28 @@ def test_the_seed_example_gives_0_4333_not_the_mean_of_means_0_525() -> None:
         PerSampleMean(), ["cpu", "cpu"], weights=[2, 1], count_fn=lambda t: t.numel()
     )
     assert counted(losses).item() == pytest.approx(0.4333333, abs=1e-6)
+
+
+# ---------------------------------------------------------------- a per-pixel loss
+
+
+def test_a_per_pixel_segmentation_loss_with_ignored_pixels_is_exact() -> None:
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Tanh(), nn.Conv2d(6, 4, 1))
+    reference = copy.deepcopy(net)
+    images = torch.randn(5, 3, 6, 6)
+    targets = torch.randint(0, 4, (5, 6, 6))
+    targets[1] = 255  # an image with no labelled pixel (its share: only it)
+    targets[3, :4] = 255  # partly labelled
+    criterion = nn.CrossEntropyLoss(ignore_index=255)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, gather_output=False)
+    with wrapped.fixed_sizes([1, 1, 3]):
+        parts = wrapped(images)
+    loss = ParallelCriterion(criterion)(parts, targets)  # counts labelled pixels itself
+    loss.backward()
+    ref_loss = criterion(reference(images), targets)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert relative_error(p.grad, q.grad) <= 1e-5

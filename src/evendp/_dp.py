@@ -734,7 +734,7 @@ def _warn_if_batchnorm_split_unevenly(module: nn.Module, weights: Any, devices: 
         f"weights={weights!r} split each batch unevenly: every device normalizes its share "
         "with that share's own statistics, so the loss and gradient are not those of one "
         "device on the whole batch. For exactness use GroupNorm or LayerNorm, or put the "
-        "BatchNorm layers in eval() mode; under DDP, "
+        "BatchNorm layers in eval() mode; under DDP on GPUs, "
         "nn.SyncBatchNorm.convert_sync_batchnorm(model) normalizes over all ranks",
         UserWarning,
         stacklevel=3,
