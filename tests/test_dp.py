@@ -759,3 +759,16 @@ def test_a_one_sample_share_that_batchnorm_rejects_names_the_device_and_share() 
         wrapped(torch.randn(9, 3))
     with pytest.raises(ValueError, match="Expected more than 1 value"):
         BalancedDataParallel(_bn_net(), ["cpu"])(torch.randn(1, 3))  # torch's own: no split
+
+
+def test_scattered_keeps_the_counts_and_gather_combines_by_them() -> None:
+    torch.manual_seed(10)
+    model = MaskedTokenLoss()
+    idx = torch.randint(0, 7, (4, 3))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0], [0, 0, 0]]).float()
+    wrapped = BalancedDataParallel(
+        model, ["cpu"] * 2, weights=[1, 1], gather_output=False, count_fn=_token_count
+    )
+    parts = wrapped(idx, mask)
+    assert parts.counts == [6.0, 1.0]
+    torch.testing.assert_close(gather(parts), model(idx, mask))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from evendp import BalancedDataParallel
+from tests._helpers import requires_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,4 +125,18 @@ def test_gpt2_num_items_in_batch_summed_per_device_equals_one_device(
     loss.backward()
     reference, ref_loss = one_device(gpt2, batch)
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpt2_on_cuda_virtual_devices_with_the_hf_count_fn(gpt2: torch.nn.Module) -> None:
+    model = copy.deepcopy(gpt2).cuda()
+    batch = {k: v.cuda() for k, v in padded_batch(LENGTHS).items()}
+    wrapped = BalancedDataParallel(model, ["cuda:0"] * 3, count_fn=hf_count)
+    with wrapped.fixed_sizes([4, 2, 2]):
+        out = wrapped(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2.cuda(), batch)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
     assert gradient_error(model, reference) <= 1e-5
