@@ -25,17 +25,9 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from ._epoch import EpochRelay
+
 __all__ = ["uneven_dataloader"]
-
-
-class _EpochRelay:
-    """What Accelerate finds as ``batch_sampler.sampler``: forwards ``set_epoch`` to its owner."""
-
-    def __init__(self, owner: _InterleavedBatchSampler) -> None:
-        self._owner = owner
-
-    def set_epoch(self, epoch: int) -> None:
-        self._owner.set_epoch(epoch)
 
 
 class _InterleavedBatchSampler:
@@ -57,7 +49,7 @@ class _InterleavedBatchSampler:
             for r in range(len(batch_sizes))
         ]
         self.drop_last = drop_last
-        self.sampler = _EpochRelay(self)
+        self.sampler = EpochRelay(self)  # where DataLoaderShard.set_epoch looks
 
     def set_epoch(self, epoch: int) -> None:
         for sampler in self.ranks:
