@@ -117,7 +117,7 @@ def uneven_dataloader(
     sampler = _InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last)
     loader = DataLoader(
         dataset,
-        batch_sampler=sampler,  # type: ignore[arg-type]  # a batch sampler without a base class
+        batch_sampler=sampler,
         collate_fn=evendp.EmptySafeCollate(dataset, collate_fn),
         **loader_kwargs,
     )

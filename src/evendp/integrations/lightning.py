@@ -83,7 +83,7 @@ def uneven_dataloader(
     return DataLoader(
         dataset,
         # Lightning calls set_epoch on batch_sampler.sampler only: the relay carries it.
-        batch_sampler=RelayedBatchSampler(sampler),  # type: ignore[arg-type]
+        batch_sampler=RelayedBatchSampler(sampler),
         collate_fn=evendp.EmptySafeCollate(dataset, collate_fn),
         **loader_kwargs,
     )
