@@ -33,7 +33,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     cli = parser.parse_args()
 
-    accelerator = Accelerator()  # gradient_accumulation_steps stays 1: see the loop
+    # cpu=True without GPUs: Accelerate then forms a gloo group of the launched CPU ranks.
+    # gradient_accumulation_steps stays 1: the loop below accumulates exactly.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     world = accelerator.num_processes
     sizes = (
         evendp.parse_batch_sizes(cli.batch_sizes, world)

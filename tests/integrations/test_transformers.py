@@ -94,25 +94,25 @@ def _model(task: str) -> torch.nn.Module:
 
 
 def _args(out: str, batch: int, accum: int, **extra: Any) -> Any:
-    return transformers.TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accum,
-        max_steps=STEPS,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=0,
-        **extra,
-    )
+    options: dict[str, Any] = {
+        "output_dir": out,
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": accum,
+        "max_steps": STEPS,
+        "learning_rate": 0.5,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "weight_decay": 0.0,
+        "max_grad_norm": 0.0,
+        "train_sampling_strategy": "sequential",
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "seed": 0,
+    }
+    return transformers.TrainingArguments(**{**options, **extra})
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -215,3 +215,39 @@ def test_reported_total_batch_and_throughput_are_true(ranks: list[dict[str, Any]
         assert metrics["total_batch"] == sum(SIZES) * ACCUM
         samples = metrics["samples_per_second"] * metrics["runtime"]
         assert samples == pytest.approx(SAMPLES, rel=0.05)  # rounded metrics
+
+
+def _trainer(tmp_path: Path, **options: Any) -> Any:
+    from evendp.integrations.transformers import UnevenTrainer
+
+    args = _args(str(tmp_path), batch=2, accum=1, **options.pop("args", {}))
+    return UnevenTrainer(_model("lm"), args, train_dataset=_Data("lm"), **options)
+
+
+def test_batch_sizes_default_to_the_launcher_then_to_per_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _trainer(tmp_path).batch_sizes == [2]  # per_device_train_batch_size, one process
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "5")
+    trainer = _trainer(tmp_path)
+    assert trainer.batch_sizes == [5]
+    assert trainer.get_total_train_batch_size(trainer.args) == 5
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"args": {"auto_find_batch_size": True}}, "auto_find_batch_size=True is not supported"),
+        ({"args": {"average_tokens_across_devices": False}}, "average_tokens_across_devices"),
+        ({"args": {"train_sampling_strategy": "group_by_length"}}, "'random' and 'sequential'"),
+        ({"batch_sizes": [1, 3]}, r"2 batch sizes \[1, 3\] for world_size=1"),
+        ({"batch_sizes": [0]}, "all batch sizes are zero"),
+    ],
+)
+def test_refuses_what_it_cannot_keep_exact(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    import evendp
+
+    with pytest.raises(evendp.EvendpError, match=message):
+        _trainer(tmp_path, **options)
