@@ -111,8 +111,15 @@ def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
 
 
 def _batch_sum(loss: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """A per-batch mean times its count; an empty batch's NaN mean becomes a connected zero."""
-    if isinstance(count, int) and count == 0:
+    """A per-batch mean times its count; an empty batch's NaN mean becomes a connected zero.
+
+    >>> empty = torch.zeros(0, requires_grad=True)
+    >>> _batch_sum(empty.mean(), 0), _batch_sum(torch.tensor(2.0), torch.tensor(3))
+    (tensor(0., grad_fn=<MulBackward0>), tensor(6.))
+    """
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, loss * count, torch.zeros_like(loss))
+    if count == 0:
         return torch.nan_to_num(loss) * 0.0
     return loss * count
 
