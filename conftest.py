@@ -1,3 +1,41 @@
-"""Repository-level pytest configuration: files that must not be imported for doctests."""
+"""Repository-level pytest configuration: files that must not be imported for doctests, and
+doctests of public objects collected where they are defined."""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+from typing import Any
 
 collect_ignore = ["src/evendp/__main__.py"]
+
+
+def _defining_module(obj: Any) -> str | None:
+    """The module that defines a public evendp object (which reports ``__module__ ==
+    "evendp"``): its functions' globals say where it was written. ``None`` for others."""
+    if getattr(obj, "__module__", None) != "evendp":
+        return None
+    if inspect.isfunction(obj):
+        return obj.__globals__.get("__name__")  # type: ignore[no-any-return]
+    if inspect.isclass(obj):
+        for member in vars(obj).values():
+            if inspect.isfunction(member):
+                return member.__globals__.get("__name__")  # type: ignore[no-any-return]
+    return None
+
+
+_from_module = doctest.DocTestFinder._from_module  # type: ignore[attr-defined]
+
+
+def _from_defining_module(self: Any, module: Any, obj: Any) -> bool:
+    # evendp/__init__.py sets __module__ = "evendp" on every public object, so tracebacks
+    # show evendp.EvendpError. Doctest would then collect a class's docstring under
+    # evendp/__init__.py (with the wrong globals) and its methods nowhere; keep collecting
+    # each object in the module that defines it, as before the rename.
+    home = _defining_module(obj)
+    if home is not None:
+        return module is not None and module.__name__ == home
+    return bool(_from_module(self, module, obj))
+
+
+doctest.DocTestFinder._from_module = _from_defining_module  # type: ignore[attr-defined]

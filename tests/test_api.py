@@ -63,8 +63,8 @@ def test_every_public_name_exists_and_is_documented() -> None:
 
 def test_implementation_modules_are_private() -> None:
     public = {m.name for m in pkgutil.iter_modules(evendp.__path__) if not m.name.startswith("_")}
-    # Only the command line and the built-in examples are public packages.
-    assert public <= {"cli", "examples"}
+    # Only the command line, the built-in examples and the integrations are public packages.
+    assert public <= {"cli", "examples", "integrations"}
 
 
 def test_py_typed_ships() -> None:
@@ -81,3 +81,62 @@ def test_import_has_no_side_effects() -> None:
         "assert 'torch.distributed.run' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_objects_report_the_package_as_their_module() -> None:
+    for name in evendp.__all__:
+        obj = getattr(evendp, name)
+        if isinstance(obj, type) or callable(obj):
+            assert obj.__module__ == "evendp", name
+
+
+def test_errors_show_their_public_name() -> None:
+    import traceback
+
+    try:
+        evendp.parse_memory("24 furlongs")
+    except evendp.EvendpError as exc:
+        shown = "".join(traceback.format_exception_only(type(exc), exc))
+    assert shown.startswith("evendp.EvendpError: cannot read device entry")
+    assert repr(evendp.PlanError) == "<class 'evendp.PlanError'>"
+
+
+def test_renamed_arguments_still_work_with_a_warning(monkeypatch: object) -> None:
+    import pytest
+    import torch
+
+    from evendp._launch import plan_launch
+
+    net = torch.nn.Linear(4, 2)
+    with pytest.deprecated_call(match=r"plan\(devices=...\).*0\.3\.0.*plan\(memory=...\)"):
+        old = evendp.plan(net, torch.randn(1, 4), devices="1GiB", mode="ddp", cuda_context=0)
+    new = evendp.plan(net, torch.randn(1, 4), memory="1GiB", mode="ddp", cuda_context=0)
+    assert old.split == new.split
+    with pytest.raises(evendp.EvendpError, match="pass only memory="):
+        evendp.plan(net, torch.randn(1, 4), "1GiB", devices="1GiB")
+    with (
+        pytest.deprecated_call(match=r"plan_launch\(devices=...\).*gpu_ids"),
+        pytest.raises(evendp.EvendpError, match="--gpus \\[0\\] asks for GPUs"),
+    ):
+        plan_launch(devices=[0], nvml=False)
+
+
+def test_select_devices_old_ids_keyword_warns() -> None:
+    import os
+
+    import pytest
+    import torch
+
+    if torch.cuda.is_initialized():
+        pytest.skip("select_devices refuses once CUDA runs")
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    from tests.test_devices import FakeGpu, FakeNvml, GiB
+
+    nvml = FakeNvml([FakeGpu("A", 16 * GiB, 1 * GiB), FakeGpu("B", 16 * GiB, 2 * GiB)])
+    try:
+        with pytest.deprecated_call(match=r"select_devices\(ids=...\).*gpu_ids"):
+            assert evendp.select_devices(ids=[1], nvml=nvml) == {1: 0}
+        assert evendp.select_devices(gpu_ids=[1], nvml=nvml) == {1: 0}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -205,7 +205,7 @@ def test_select_devices_sets_environment_and_mapping(fake: FakeNvml) -> None:
 
 def test_select_devices_the_device_ids_trap(fake: FakeNvml) -> None:
     # Physical GPUs 2 and 3 become cuda:0 and cuda:1; device_ids=[2, 3] would be wrong.
-    assert select_devices(ids=[2, 3]) == {2: 0, 3: 1}
+    assert select_devices(gpu_ids=[2, 3]) == {2: 0, 3: 1}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{fake_uuid('C')},{fake_uuid('D')}"
 
 
@@ -223,13 +223,13 @@ def test_select_devices_refuses_after_cuda_init(
 def test_real_cuda_check_is_used_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(EvendpError, match="already initialized"):
-        select_devices(ids=[0])
+        select_devices(gpu_ids=[0])
 
 
 def test_select_devices_without_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices_mod, "_load_nvml", lambda: FakeNvml(None))
     monkeypatch.setattr(devices_mod, "_cuda_initialized", lambda: False)
-    assert select_devices(ids=[1, 0]) == {1: 0, 0: 1}
+    assert select_devices(gpu_ids=[1, 0]) == {1: 0, 0: 1}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,0"
     with pytest.raises(EvendpError, match="cannot choose GPUs by count"):
         select_devices(count=1)
@@ -274,7 +274,7 @@ def test_select_devices_refuses_when_cuda_already_fixed_its_gpus(
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     os.environ["CUDA_DEVICE_ORDER"] = "FASTEST_FIRST"
     with pytest.raises(EvendpError, match=r"CUDA sees 4 GPU\(s\), not 2.*restored"):
-        select_devices(ids=[2, 3])
+        select_devices(gpu_ids=[2, 3])
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
 
@@ -283,7 +283,7 @@ def test_select_devices_passes_when_cuda_sees_the_chosen_gpus(
     fake: FakeNvml, cuda_sees: list[int]
 ) -> None:
     cuda_sees[0] = 2
-    assert select_devices(ids=[2, 3]) == {2: 0, 3: 1}
+    assert select_devices(gpu_ids=[2, 3]) == {2: 0, 3: 1}
 
 
 @pytest.mark.parametrize(

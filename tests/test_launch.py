@@ -71,7 +71,7 @@ def test_gpu_nproc_takes_freest() -> None:
 
 
 def test_gpu_given_devices_and_sizes() -> None:
-    plan = plan_launch(devices=[0, 2], batch_sizes=[3, 5], nvml=gpus())
+    plan = plan_launch(gpu_ids=[0, 2], batch_sizes=[3, 5], nvml=gpus())
     assert plan.physical_devices == [0, 2]
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,2"
     assert plan.env["EVENDP_BATCH_SIZES"] == "3,5"
@@ -97,7 +97,7 @@ def test_multi_node_sizes_cover_all_ranks() -> None:
         ({"batch_sizes": "0,0"}, "all batch sizes are zero"),
         ({"batch_sizes": "1,2,3", "nnodes": 2}, "3 entries for 2 nodes"),
         ({"batch": 8, "nnodes": "1:4"}, "elastic range"),
-        ({"devices": [0, 1]}, "no NVIDIA driver"),
+        ({"gpu_ids": [0, 1]}, "no NVIDIA driver"),
     ],
 )
 def test_plan_errors(kwargs: dict[str, object], message: str) -> None:
@@ -107,9 +107,9 @@ def test_plan_errors(kwargs: dict[str, object], message: str) -> None:
 
 def test_gpu_plan_errors() -> None:
     with pytest.raises(EvendpError, match="GPU id 5 is not a physical device"):
-        plan_launch(devices=[5], nvml=gpus())
+        plan_launch(gpu_ids=[5], nvml=gpus())
     with pytest.raises(EvendpError, match="names 2 GPUs but 3 ranks"):
-        plan_launch(nproc=3, devices=[0, 1], nvml=gpus())
+        plan_launch(nproc=3, gpu_ids=[0, 1], nvml=gpus())
     with pytest.raises(EvendpError, match="asked for 4 GPU"):
         plan_launch(nproc=4, nvml=gpus())
 

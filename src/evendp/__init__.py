@@ -72,3 +72,15 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def _claim_public_names() -> None:
+    """Report every public object as ``evendp.X``: tracebacks, reprs and doctests show the
+    name users import (``evendp.EvendpError``), not the private module that defines it."""
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) or callable(obj):
+            obj.__module__ = __name__
+
+
+_claim_public_names()

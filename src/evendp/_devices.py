@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._deprecation import UNSET, renamed_argument
 from ._errors import EvendpError, NvmlUnavailableError
 
 __all__ = [
@@ -190,15 +191,17 @@ def _validate_selection(
     """Raise :class:`EvendpError` naming a bad ``count`` or ``ids`` and the fix."""
     if count is not None and ids is not None:
         raise EvendpError(
-            f"pass either count ({count!r}) or ids ({list(ids)!r}), not both; "
-            "ids already fixes how many devices are used"
+            f"pass either count ({count!r}) or gpu_ids ({list(ids)!r}), not both; "
+            "gpu_ids already fixes how many devices are used"
         )
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise EvendpError(f"count must be a positive int, got {count!r}")
     if ids is not None:
         ids = list(ids)
         if not ids:
-            raise EvendpError("ids is empty; pass physical GPU ids such as [2, 3], or use count")
+            raise EvendpError(
+                "gpu_ids is empty; pass physical GPU ids such as [2, 3], or use count"
+            )
         known = {d.index for d in devices}
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or i not in known:
@@ -207,7 +210,7 @@ def _validate_selection(
                     f"{sorted(known)} (see `evendp devices`)"
                 )
         if len(set(ids)) != len(ids):
-            raise EvendpError(f"ids {ids!r} repeat a GPU; list each physical id once")
+            raise EvendpError(f"gpu_ids {ids!r} repeat a GPU; list each physical id once")
 
 
 def choose_devices(
@@ -320,15 +323,16 @@ def _restore(saved: dict[str, str | None]) -> None:
 
 def select_devices(
     count: int | None = None,
-    ids: Sequence[int] | None = None,
+    gpu_ids: Sequence[int] | None = None,
     min_free: int | float | str | None = None,
     *,
     nvml: Any = None,
+    ids: Any = UNSET,
 ) -> dict[int, int]:
     """Make the chosen GPUs the only visible ones; returns ``{physical id: logical id}``.
 
     Chooses the freest ``count`` GPUs (all, when ``None``) with at least ``min_free`` free, or
-    exactly the physical ``ids`` in the given order, then sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    exactly the physical ``gpu_ids`` in the given order, then sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
     (so CUDA numbers GPUs like ``nvidia-smi`` does) and ``CUDA_VISIBLE_DEVICES``. After the
     call, physical GPU ``p`` is ``cuda:{mapping[p]}``: use the logical ids in
     ``device_ids``. GPUs are named by UUID in ``CUDA_VISIBLE_DEVICES`` where NVML gives one
@@ -338,7 +342,7 @@ def select_devices(
     :class:`EvendpError`. A ``CUDA_VISIBLE_DEVICES`` set before the call (by a scheduler) is
     kept as the limit: the choice is made among the GPUs it lists.
 
-    With no NVIDIA driver, ``ids`` are taken as given (nothing to check them against) and
+    With no NVIDIA driver, ``gpu_ids`` are taken as given (nothing to check them against) and
     ``count``/``min_free`` raise :class:`EvendpError`.
 
     >>> import os
@@ -346,7 +350,7 @@ def select_devices(
     >>> import torch
     >>> if not torch.cuda.is_initialized():
     ...     try:
-    ...         mapping = select_devices(ids=[0])
+    ...         mapping = select_devices(gpu_ids=[0])
     ...     except EvendpError:  # a driver is present but GPU 0 does not exist
     ...         mapping = {0: 0}
     ...     print(mapping)
@@ -356,6 +360,7 @@ def select_devices(
     >>> for k, v in old.items():
     ...     _ = os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     """
+    ids = renamed_argument("select_devices", "ids", "gpu_ids", ids, gpu_ids)  # old name: 0.3.0
     if _cuda_initialized():
         raise EvendpError(
             "CUDA is already initialized in this process, so CUDA_VISIBLE_DEVICES can no "

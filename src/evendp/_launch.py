@@ -18,12 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._deprecation import UNSET, renamed_argument
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._errors import EvendpError
 from ._memory import DeviceMemory, parse_memory
 from ._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from ._speed import ENV_BATCH_CAPS
 from ._split import split_sizes
+from ._validate import validate_int
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -141,7 +143,7 @@ def _validate_model_inputs(
             "several nodes run `evendp plan` for the whole job and pass one --batch-sizes "
             "list (node-major) on every node"
         )
-    bad = sorted({"mode", "batch_size", "devices"} & set(plan_options or {}))
+    bad = sorted({"mode", "batch_size", "devices", "memory"} & set(plan_options or {}))
     if bad:
         raise EvendpError(
             f"plan_options may not set {bad}: the launcher plans mode='ddp' on the ranks' "
@@ -171,7 +173,7 @@ def plan_launch(
     nproc: int | str | None = "auto",
     batch: int | None = None,
     batch_sizes: str | Sequence[int] | None = None,
-    devices: Sequence[int] | None = None,
+    gpu_ids: Sequence[int] | None = None,
     min_free: int | str | None = None,
     nnodes: str | int | None = None,
     nvml: Any = None,
@@ -180,12 +182,13 @@ def plan_launch(
     example_batch: Any = None,
     memory: str | Sequence[int | str] | None = None,
     plan_options: Mapping[str, Any] | None = None,
+    devices: Any = UNSET,
 ) -> LaunchPlan:
     """Decide ranks, devices and per-rank batch sizes for this node (no process started).
 
-    With GPUs (NVML): the given physical ``devices``, else the freest ``nproc`` (all when
-    ``auto``, or as many as ``memory`` declares). With no NVIDIA driver: CPU ranks (``auto`` =
-    the CPU count, as torchrun does, or one per ``memory`` entry).
+    With GPUs (NVML): the given physical ``gpu_ids`` (NVML / ``nvidia-smi`` order), else the
+    freest ``nproc`` (all when ``auto``, or as many as ``memory`` declares). With no NVIDIA
+    driver: CPU ranks (``auto`` = the CPU count, as torchrun does, or one per ``memory`` entry).
 
     Per-rank batch sizes, first that applies:
 
@@ -203,6 +206,8 @@ def plan_launch(
     With several nodes the sizes cover every global rank (node-major) and must be given, or
     ``batch`` is split evenly, because one node cannot see the others' memory.
 
+    ``devices=`` is the old name of ``gpu_ids`` (deprecated; goes in 0.3.0).
+
     >>> p = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
     >>> p.nproc_per_node, p.batch_sizes, p.env["EVENDP_BATCH_SIZES"]
     (2, [3, 5], '3,5')
@@ -218,6 +223,7 @@ def plan_launch(
     >>> sorted(p.env)
     ['EVENDP_BATCH_CAPS', 'EVENDP_BATCH_SIZES']
     """
+    gpu_ids = renamed_argument("plan_launch", "devices", "gpu_ids", devices, gpu_ids)
     count = _validate_nproc(nproc)
     nodes = _fixed_nnodes(nnodes)
     if batch is not None and batch_sizes is not None:
@@ -225,8 +231,8 @@ def plan_launch(
             f"pass --batch ({batch}) or --batch-sizes ({batch_sizes}), not both; --batch is "
             "split for you, --batch-sizes fixes every rank's share"
         )
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise EvendpError(f"--batch must be a positive int, got {batch!r}")
+    if batch is not None:
+        validate_int("--batch", batch, minimum=1, example="--batch 64")
     sizes = None
     if batch_sizes is not None:
         text = batch_sizes if isinstance(batch_sizes, str) else ",".join(map(str, batch_sizes))
@@ -271,11 +277,11 @@ def plan_launch(
     mems = declared
     if gpus:
         chosen = choose_devices(
-            gpus, count=None if devices else count, ids=devices, min_free=min_free
+            gpus, count=None if gpu_ids else count, ids=gpu_ids, min_free=min_free
         )
         if count is not None and len(chosen) != count:
             raise EvendpError(
-                f"--devices {list(devices or [])} names {len(chosen)} GPUs but {count} ranks "
+                f"--gpus {list(gpu_ids or [])} names {len(chosen)} GPUs but {count} ranks "
                 "per node were asked for; give one device per rank"
             )
         physical = [d.index for d in chosen]
@@ -285,10 +291,10 @@ def plan_launch(
         if mems is None:
             mems = _live_memory(chosen)
     else:
-        if devices:
+        if gpu_ids:
             raise EvendpError(
-                f"--devices {list(devices)} asks for GPUs but no NVIDIA driver was found; "
-                "drop --devices to run CPU processes with gloo"
+                f"--gpus {list(gpu_ids)} asks for GPUs but no NVIDIA driver was found; "
+                "drop --gpus to run CPU processes with gloo"
             )
         if count is None:
             count = os.cpu_count() or 1

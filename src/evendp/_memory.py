@@ -17,13 +17,24 @@ from typing import Any
 from ._devices import NvmlUnavailableError, list_devices, parse_bytes
 from ._errors import EvendpError
 
-__all__ = ["DeviceMemory", "live_memory", "parse_memory"]
+__all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "parse_memory"]
 
 _SPEC_HELP = (
     "write one entry per device, separated by commas: a size ('24GiB', '12GB', bytes), "
     "optionally minus what another job already uses ('24GiB-10GiB'), optionally repeated "
     "('2x24GiB'); e.g. '24GiB,24GiB-10GiB,12GiB'"
 )
+
+
+class LiveMemoryError(EvendpError):
+    """No live GPU memory to read. ``reason`` says why; the message adds the fix in Python
+    spelling, and the command line replaces it with its own flag (``--memory``)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"{reason}; declare each device's memory instead, e.g. memory='24GiB,24GiB,12GiB'"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
     >>> parse_memory("24 furlongs")
     Traceback (most recent call last):
     ...
-    evendp._errors.EvendpError: cannot read device entry '24 furlongs' in '24 furlongs'; ...
+    evendp.EvendpError: cannot read device entry '24 furlongs' in '24 furlongs'; ...
     """
     if isinstance(spec, str):
         entries: list[str] = [e for e in spec.split(",")]
@@ -93,7 +104,7 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
         entries = [str(e) for e in spec]
         text = repr(list(spec))
     else:
-        raise EvendpError(f"devices must be a string like '24GiB,12GiB' or a list, got {spec!r}")
+        raise EvendpError(f"memory must be a string like '24GiB,12GiB' or a list, got {spec!r}")
     if not entries or any(not e.strip() for e in entries):
         raise EvendpError(f"device spec {text!r} has an empty entry; {_SPEC_HELP}")
     devices: list[DeviceMemory] = []
@@ -157,10 +168,9 @@ def live_memory(device_ids: Sequence[int] | None = None, *, nvml: Any = None) ->
             gpus = []
         mapping = _visible_physical_ids()
         if mapping == []:
-            raise EvendpError(
+            raise LiveMemoryError(
                 "CUDA_VISIBLE_DEVICES is empty, so this process sees no GPU; unset it or list "
-                "the GPUs to use (e.g. CUDA_VISIBLE_DEVICES=0,1), or declare the devices, e.g. "
-                "devices='24GiB,24GiB,12GiB'"
+                "the GPUs to use (e.g. CUDA_VISIBLE_DEVICES=0,1)"
             )
         if gpus and (mapping is not None or len(gpus) == 1):
             physical = mapping if isinstance(mapping, list) else [g.index for g in gpus]
@@ -177,10 +187,7 @@ def live_memory(device_ids: Sequence[int] | None = None, *, nvml: Any = None) ->
                 out.append(DeviceMemory(f"cuda:{i}", g.free_memory, g.total_memory))
             return out
     if not torch.cuda.is_available():
-        raise EvendpError(
-            "no CUDA device to read free memory from; declare the devices instead, "
-            "e.g. devices='24GiB,24GiB,12GiB'"
-        )
+        raise LiveMemoryError("no CUDA device to read free memory from")
     count = torch.cuda.device_count()
     wanted = range(count) if device_ids is None else device_ids
     out = []

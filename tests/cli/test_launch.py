@@ -55,7 +55,7 @@ def test_dry_run_passes_multi_node_options(capsys: pytest.CaptureFixture[str]) -
         (["--batch", "8", "--batch-sizes", "3,5"], "not both"),
         (["--nproc", "x"], "positive int or 'auto'"),
         (["--batch-sizes", "3,-1"], "-1"),
-        (["--devices", "0,1"], "no NVIDIA driver"),
+        (["--gpus", "0,1"], "no NVIDIA driver"),
     ],
 )
 def test_bad_input_exits_2(
@@ -170,3 +170,16 @@ def test_launch_ddp_uneven_reports_exact_global_losses() -> None:
     assert len(got) == len(want) == 16  # ceil(60 / 8) steps per epoch
     for g, w in zip(got, want, strict=True):
         assert abs(g - w) <= 1e-5 * max(1.0, abs(w))  # printed with 6 decimals
+
+
+def test_old_devices_flag_is_hidden_but_still_accepted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--gpus" in help_text and "--devices" not in help_text
+    assert main(["launch", "--devices", "0,1", "--dry-run", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices is deprecated" in err and "write --gpus 0,1" in err
+    assert "--gpus [0, 1] asks for GPUs but no NVIDIA driver" in err

@@ -14,7 +14,7 @@ from evendp.cli._model_spec import resolve_model
 
 
 def test_json_lm_head(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--model", "lm-head", "--devices", "3x80GiB", "--batch", "32", "--json"])
+    code = main(["plan", "--model", "lm-head", "--memory", "3x80GiB", "--batch", "32", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert sum(data["split"]) == 32
@@ -31,7 +31,7 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         "1000",
         "--seq-len",
         "32",
-        "--devices",
+        "--memory",
         "2GiB,1GiB",
         "--mode",
         "ddp",
@@ -64,7 +64,7 @@ def test_model_with_example_batch_is_not_rebuilt_per_batch(
     spec = resolve_model("tests.cli.test_plan:counted_model")
     assert [tuple(spec.batch(n).shape) for n in (1, 2, 3)] == [(1, 8), (2, 8), (3, 8)]
     assert BUILDS[0] == 1  # the probe only
-    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--devices", "1GiB"]
+    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--memory", "1GiB"]
     assert main([*argv, "--batch", "16", "--json"]) == 0
     assert sum(json.loads(capsys.readouterr().out)["split"]) == 16
 
@@ -76,11 +76,11 @@ def bad_factory() -> object:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--devices", "24 furlongs"], "cannot read device entry"),
-        (["--model", "lm-head", "--devices", "1GiB"], "not even one sample"),
-        (["--model", "tests.cli.test_plan:bad_factory", "--devices", "8GiB"], "broken on purpose"),
-        (["--model", "no_such_pkg.mod:f", "--devices", "8GiB"], "cannot load"),
-        (["--model", "nonsense", "--devices", "8GiB"], "package.module:factory"),
+        (["--memory", "24 furlongs"], "cannot read device entry"),
+        (["--model", "lm-head", "--memory", "1GiB"], "not even one sample"),
+        (["--model", "tests.cli.test_plan:bad_factory", "--memory", "8GiB"], "broken on purpose"),
+        (["--model", "no_such_pkg.mod:f", "--memory", "8GiB"], "cannot load"),
+        (["--model", "nonsense", "--memory", "8GiB"], "package.module:factory"),
     ],
 )
 def test_bad_input_exits_2(
@@ -89,3 +89,47 @@ def test_bad_input_exits_2(
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err
+
+
+def test_old_devices_flag_is_hidden_but_still_accepted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--memory" in help_text and "--devices" not in help_text
+    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--batch", "16", "--json"]
+    assert main([*argv, "--devices", "1GiB"]) == 0
+    captured = capsys.readouterr()
+    assert "--devices is deprecated" in captured.err and "write --memory 1GiB" in captured.err
+    assert sum(json.loads(captured.out)["split"]) == 16
+    assert main([*argv, "--devices", "1GiB", "--memory", "1GiB"]) == 2
+
+
+def test_missing_memory_on_a_cpu_machine_names_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # skip NVML: no GPU here
+    assert main(["plan", "--model", "tests.cli.test_plan:counted_model"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--memory 24GiB,24GiB,12GiB" in err
+    assert "memory='" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--batch", "0"], "--batch must be a positive int, got 0; e.g. --batch 64"),
+        (["--margin", "1.5"], "--margin must be in [0, 1), got 1.5; e.g. --margin 0.05"),
+        (["--context", "lots"], "--context 'lots' is not a size; e.g. --context 512MiB"),
+    ],
+)
+def test_bad_options_are_named_by_their_flags(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = ["--model", "tests.cli.test_plan:counted_model", "--memory", "1GiB"]
+    assert main(["plan", *model, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "batch_size" not in err and "safety_margin" not in err and "cuda_context" not in err

@@ -156,10 +156,10 @@ def test_planner_split_favours_the_device_with_more_memory() -> None:
     ("devices", "expected"),
     [
         # GPU indices reach the launch planner (not only their count).
-        ("2,3", {"nproc": 2, "devices": [2, 3]}),
-        ("cuda:1", {"nproc": 1, "devices": [1]}),
+        ("2,3", {"nproc": 2, "gpu_ids": [2, 3]}),
+        ("cuda:1", {"nproc": 1, "gpu_ids": [1]}),
         # cpu entries force CPU ranks: NVML is not asked, so no GPU rank starts.
-        ("cpu,cpu", {"nproc": 2, "devices": None, "nvml": False}),
+        ("cpu,cpu", {"nproc": 2, "gpu_ids": None, "nvml": False}),
     ],
 )
 def test_ddp_devices_reach_the_launch_plan(

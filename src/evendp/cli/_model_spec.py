@@ -17,13 +17,16 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
+from .._devices import parse_bytes
 from .._errors import EvendpError
+from .._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
 
 __all__ = [
     "BUILTIN_MODELS",
     "ModelSpec",
     "add_model_arguments",
     "gpt_batch",
+    "memory_specs",
     "plan_options",
     "resolve_model",
 ]
@@ -83,7 +86,19 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
 
 
 def plan_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`evendp.plan` that the options added above set."""
+    """The keyword arguments of :func:`evendp.plan` that the options added above set.
+
+    Checked here so a bad value is named by its flag (``--margin``), not by the Python
+    argument it becomes (``safety_margin``).
+    """
+    if not 0.0 <= args.margin < 1.0:
+        raise EvendpError(f"--margin must be in [0, 1), got {args.margin!r}; e.g. --margin 0.05")
+    try:
+        parse_bytes(args.context)
+    except EvendpError:
+        raise EvendpError(
+            f"--context {args.context!r} is not a size; e.g. --context 512MiB"
+        ) from None
     return {
         "optimizer": _OPTIMIZERS[args.optimizer],
         "amp": _AMP[args.amp],
@@ -92,6 +107,24 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "safety_margin": args.margin,
         "cuda_context": args.context,
     }
+
+
+def memory_specs(text: str | None) -> list[DeviceMemory]:
+    """``--memory TEXT`` as the planner's devices; without it, the live GPUs' free memory.
+
+    Errors name the flag, not the Python argument, so the fix can be typed as shown.
+
+    >>> [d.free >> 30 for d in memory_specs("24GiB,2x12GiB")]
+    [24, 12, 12]
+    """
+    if text is not None:
+        return parse_memory(text)
+    try:
+        return live_memory()
+    except LiveMemoryError as exc:
+        raise EvendpError(
+            f"{exc.reason}; declare each device's memory instead, e.g. --memory 24GiB,24GiB,12GiB"
+        ) from None
 
 
 def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None) -> ModelSpec:
@@ -103,7 +136,7 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
     >>> resolve_model("nonsense")
     Traceback (most recent call last):
     ...
-    evendp._errors.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head' or ...
+    evendp.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head' or ...
     """
     if spec in BUILTIN_MODELS:
         return _builtin(spec, vocab, seq_len)

@@ -88,6 +88,6 @@ def run(args: argparse.Namespace) -> int:
     total_free = sum(d.free_memory for d in devices)
     console.print(
         f"{len(devices)} GPU(s), {_gib(total_free)} GiB free in all. Pick some with "
-        "evendp.select_devices(count=..., ids=[...]) before CUDA starts."
+        "evendp.select_devices(count=..., gpu_ids=[...]) before CUDA starts."
     )
     return 0

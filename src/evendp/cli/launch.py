@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
 from ._model_spec import add_model_arguments, plan_options, resolve_model
@@ -12,13 +13,28 @@ from ._model_spec import add_model_arguments, plan_options, resolve_model
 __all__ = ["add_parser", "run"]
 
 
-def _device_list(text: str) -> list[int]:
+def _gpu_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--devices {text!r}: write physical GPU ids separated by commas, e.g. 2,3"
+            f"--gpus {text!r}: write physical GPU ids separated by commas, e.g. 2,3"
         ) from None
+
+
+def _gpu_ids(args: argparse.Namespace) -> list[int] | None:
+    """``--gpus``, or the deprecated ``--devices`` with a warning on stderr."""
+    if args.old_devices is None:
+        return args.gpus
+    if args.gpus is not None:
+        raise EvendpError("--devices is the old name of --gpus; pass only --gpus")
+    ids = ",".join(map(str, args.old_devices))
+    print(
+        f"evendp launch: warning: --devices is deprecated and goes in evendp {REMOVAL}; "
+        f"write --gpus {ids}",
+        file=sys.stderr,
+    )
+    return args.old_devices
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "launch",
         help="run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
         description=(
-            "Choose GPUs (freest first, or --devices), compute each rank's batch size "
+            "Choose GPUs (freest first, or --gpus), compute each rank's batch size "
             "(--batch-sizes; or with --model, the memory planner's DDP split of --batch, or "
             "of the largest batch that fits; or --batch split by free memory, evenly on CPU), "
             "export them as EVENDP_BATCH_SIZES (and, when planned, each rank's memory cap as "
@@ -39,7 +55,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nproc", default="auto", help="ranks per node: an int or 'auto'")
     parser.add_argument("--batch", type=int, help="global batch, split across ranks for you")
     parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
-    parser.add_argument("--devices", type=_device_list, help="physical GPU ids, e.g. 2,3")
+    parser.add_argument(
+        "--gpus", type=_gpu_list, help="physical GPU ids (nvidia-smi order), e.g. 2,3"
+    )
+    # The old spelling: accepted (with a warning) until 0.3.0, no longer advertised.
+    parser.add_argument(
+        "--devices", dest="old_devices", type=_gpu_list, default=None, help=argparse.SUPPRESS
+    )
     parser.add_argument("--min-free", help="skip GPUs with less free memory, e.g. 8GiB")
     parser.add_argument(
         "--memory",
@@ -65,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, print the plan, and run torchrun (exit code 2 for bad input)."""
     passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
     try:
+        gpu_ids = _gpu_ids(args)
         model = example = options = None
         if args.model is not None:
             spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
@@ -74,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             nproc=args.nproc,
             batch=args.batch,
             batch_sizes=args.batch_sizes,
-            devices=args.devices,
+            gpu_ids=gpu_ids,
             min_free=args.min_free,
             nnodes=args.nnodes,
             model=model,

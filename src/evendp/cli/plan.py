@@ -11,9 +11,11 @@ import json
 import sys
 from typing import Any
 
+from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._plan import plan
-from ._model_spec import add_model_arguments, plan_options, resolve_model
+from .._validate import validate_int
+from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,11 +28,13 @@ def add_parser(subparsers: Any) -> None:
     )
     add_model_arguments(p, default="gpt")
     p.add_argument(
-        "--devices",
+        "--memory",
         default=None,
         help="free memory per device, e.g. '24GiB,24GiB-10GiB,2x12GiB' (TOTAL-USED means "
         "another job holds USED); default: the live GPUs",
     )
+    # The old spelling: accepted (with a warning) until 0.3.0, no longer advertised.
+    p.add_argument("--devices", dest="old_devices", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("dp", "ddp"), default="dp")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: largest)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -38,14 +42,33 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _memory_argument(args: argparse.Namespace) -> str | None:
+    """``--memory``, or the deprecated ``--devices`` with a warning on stderr."""
+    if args.old_devices is None:
+        return args.memory
+    if args.memory is not None:
+        raise EvendpError(
+            f"--devices is the old name of --memory; pass only --memory {args.memory}"
+        )
+    print(
+        f"evendp plan: warning: --devices is deprecated and goes in evendp {REMOVAL}; "
+        f"write --memory {args.old_devices}",
+        file=sys.stderr,
+    )
+    return args.old_devices
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print; 2 on bad input."""
     try:
+        memory = _memory_argument(args)
+        if args.batch is not None:  # None: the largest batch that fits
+            validate_int("--batch", args.batch, minimum=1, example="--batch 64")
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
         result = plan(
             spec.make,
             spec.batch,
-            args.devices,
+            memory_specs(memory),
             mode=args.mode,
             criterion=spec.criterion,
             batch_size=args.batch,

@@ -237,7 +237,7 @@ def _ddp_launch(args: argparse.Namespace) -> int:
     else:
         nproc = "auto" if torch.cuda.is_available() else 2
     # cpu entries: CPU ranks (gloo) even on a GPU machine; NVML is not asked at all.
-    where: dict[str, Any] = {"devices": gpus, "nvml": False} if cpu else {"devices": gpus}
+    where: dict[str, Any] = {"gpu_ids": gpus, "nvml": False} if cpu else {"gpu_ids": gpus}
     if args.weights is not None:  # uneven ranks: the weights fix every rank's batch size
         from evendp._split import split_sizes
 

@@ -1,0 +1,364 @@
+"""The planner's entry points: measure a few sizes, solve, measure where the answer landed,
+solve again, and report the result as a :class:`Plan`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._deprecation import UNSET, renamed_argument
+from .._devices import parse_bytes
+from .._errors import EvendpError
+from .._memory import DeviceMemory, live_memory, parse_memory
+from .._validate import validate_int
+from ._measure import (
+    ModelLike,
+    OptimizerFactory,
+    Point,
+    make_setup,
+    measure_gathered,
+    measure_replica,
+    planning_errors,
+    sample_output,
+    tensors,
+)
+from ._result import DevicePlan, Plan
+from ._solve import Mode, _Curve, _Model, _Solution, _solve
+
+__all__ = ["auto_weights", "plan"]
+
+_DEFAULT_CONTEXT = 512 << 20  # CUDA context + cuBLAS/cuDNN workspaces, typical on recent GPUs
+_MAX_ROUNDS = 4
+
+
+def _validate_options(
+    mode: str, safety_margin: float, output_device: int, k: int, batch_size: int | None
+) -> None:
+    if mode not in ("dp", "ddp"):
+        raise EvendpError(f"mode must be 'dp' or 'ddp', got {mode!r}")
+    if not 0.0 <= safety_margin < 1.0:
+        raise EvendpError(f"safety_margin must be in [0, 1), got {safety_margin!r}; e.g. 0.05")
+    if not 0 <= output_device < k:
+        raise EvendpError(
+            f"output_device {output_device!r} is not one of the {k} devices 0..{k - 1}"
+        )
+    validate_int("batch_size", batch_size, minimum=1, allow_none=True, example="batch_size=64")
+
+
+def _validate_memory_specs(memory: Any) -> list[DeviceMemory]:
+    """``plan(memory=...)``: a spec string, sizes, ``DeviceMemory`` or ``None`` (live GPUs)."""
+    if memory is None:
+        return live_memory()
+    if isinstance(memory, str):
+        return parse_memory(memory)
+    if isinstance(memory, Sequence) and memory and all(isinstance(d, DeviceMemory) for d in memory):
+        return list(memory)
+    if isinstance(memory, Sequence) and memory:
+        return parse_memory(list(memory))
+    raise EvendpError(
+        f"memory must be a spec like '24GiB,24GiB,12GiB', a list of sizes or DeviceMemory, "
+        f"or None for the live GPUs; got {memory!r}"
+    )
+
+
+def plan(
+    model: ModelLike,
+    batch: Any,
+    memory: str | Sequence[Any] | None = None,
+    *,
+    mode: Mode = "dp",
+    criterion: Callable[..., torch.Tensor] | None = None,
+    optimizer: OptimizerFactory | None = torch.optim.AdamW,
+    batch_size: int | None = None,
+    amp: torch.dtype | None = None,
+    checkpointing: bool | Callable[[nn.Module], bool] = False,
+    gradient_as_bucket_view: bool = False,
+    gather: bool = True,
+    output_device: int = 0,
+    safety_margin: float = 0.05,
+    cuda_context: int | str = _DEFAULT_CONTEXT,
+    devices: Any = UNSET,
+) -> Plan:
+    """Predict every device's memory for a training step and choose the per-device split.
+
+    Args:
+        model: an ``nn.Module`` (copied onto fake tensors) or a function returning one
+            (called under ``FakeTensorMode``: build on CPU, it allocates nothing).
+        batch: an example batch (tensors with the batch in dim 0; its size does not matter)
+            or a function ``batch(n)``. Without ``criterion`` it is the model's input (a
+            tensor, a tuple of positional arguments, or a dict of keyword arguments) and the
+            loss is the model's first scalar output; with ``criterion`` it is
+            ``(inputs, targets)`` and the loss is ``criterion(model(inputs), targets)``.
+        memory: each device's memory: ``"24GiB,24GiB-10GiB,12GiB"`` (see
+            :func:`evendp.parse_memory`), a list of sizes or ``DeviceMemory``, or ``None`` to
+            read the live GPUs' free memory.
+        mode: ``"dp"`` (one process; device 0 holds the optimizer, and the gathered outputs
+            and loss on ``output_device``) or ``"ddp"`` (one process per device).
+        optimizer: a factory ``optimizer(params)``; ``None`` for no optimizer state.
+        batch_size: plan this global batch; ``None`` for the largest that fits.
+        amp: ``torch.bfloat16`` or ``torch.float16`` to plan under autocast.
+        checkpointing: ``True`` to checkpoint every block of every ``nn.ModuleList``, or a
+            predicate choosing the modules to checkpoint.
+        gradient_as_bucket_view: DDP's option; without it buckets cost one more gradient.
+        gather: DP only; ``False`` when the loss is computed per device
+            (``ParallelCriterion``), so no outputs are gathered.
+        safety_margin: each device may use ``free * (1 - safety_margin)``.
+        cuda_context: bytes per device for the CUDA context and library workspaces.
+        devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
+
+    The planner measures a few batch sizes and then the sizes it is about to recommend, and
+    solves again on every new measurement. When a recommended size still lies beyond the
+    largest measured one (the rounds ran out), ``Plan.extrapolated`` is ``True``: beyond the
+    measured range the prediction is a lower bound for a convex peak, so check that plan.
+
+    Raises :class:`PlanError` when the model fails on fake tensors or no batch fits.
+
+    >>> net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    >>> p = plan(net, torch.randn(1, 256), "1GiB,1GiB,512MiB", mode="ddp",
+    ...          cuda_context=0)
+    >>> p.split == [d.samples for d in p.devices] and p.eta_mem >= 0.95
+    True
+    """
+    start = time.perf_counter()
+    memory = renamed_argument("plan", "devices", "memory", devices, memory)
+    mems = _validate_memory_specs(memory)
+    k = len(mems)
+    _validate_options(mode, safety_margin, output_device, k, batch_size)
+    context = parse_bytes(cuda_context)
+    setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing)
+    if mode == "ddp" or not gather:
+        variant = "keep"
+    else:
+        variant = "handoff" if criterion is not None else "drop"
+    budgets = [int(m.free * (1.0 - safety_margin)) for m in mems]
+
+    replica: dict[int, Point] = {}
+    crit: dict[int, Point] = {}
+    with planning_errors("running the model on fake tensors"):
+        for n in (2, 4):
+            replica[n] = measure_replica(setup, n, variant)
+    sample = None
+    needs_crit = mode == "dp" and gather and criterion is not None
+    if needs_crit:
+        with planning_errors("computing the criterion on fake gathered outputs"):
+            sample = sample_output(setup, 2)
+            for n in (2, 4):
+                crit[n] = measure_gathered(setup, sample, 2, n)
+
+    def solve() -> tuple[_Model, _Solution]:
+        mdl = _build_model(
+            mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
+        )
+        return mdl, _solve(mdl, budgets, batch_size)
+
+    def beyond_measured(sol: _Solution) -> tuple[set[int], set[int]]:
+        """Recommended sizes past the largest measured one: replica sizes, global batches."""
+        want_rep = {n for n in [*sol.split, *sol.alone, *sol.even] if n > max(replica)}
+        want_crit: set[int] = set()
+        if needs_crit:
+            totals = [sum(sol.split), sum(sol.even), sol.alone[output_device]]
+            want_crit = {t for t in totals if t > max(crit)}
+        return want_rep, want_crit
+
+    mdl, sol = solve()
+    for _ in range(_MAX_ROUNDS):
+        want_rep, want_crit = beyond_measured(sol)
+        if not want_rep and not want_crit:
+            break
+        with planning_errors("running the model on fake tensors"):
+            # The largest only: every chord below it interpolates, an upper bound there.
+            for n in sorted(want_rep)[-1:]:
+                replica[n] = measure_replica(setup, n, variant)
+            for n in sorted(want_crit)[-1:]:
+                assert sample is not None  # needs_crit measured it above
+                crit[n] = measure_gathered(setup, sample, 2, n)
+        mdl, sol = solve()  # the answer always rests on the last measurement
+    extrapolated = any(beyond_measured(sol))
+    return _to_plan(
+        mdl,
+        mems,
+        budgets,
+        sol,
+        replica,
+        mode,
+        safety_margin,
+        start,
+        extrapolated,
+        {
+            "criterion": criterion is not None,
+            "optimizer": getattr(optimizer, "__name__", repr(optimizer)),
+            "amp": None if amp is None else str(amp).removeprefix("torch."),
+            "checkpointing": bool(checkpointing),
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "gather": gather,
+            "output_device": output_device,
+            "cuda_context": context,
+        },
+    )
+
+
+def _build_model(
+    mode: Mode,
+    output_device: int,
+    replica: dict[int, Point],
+    crit: dict[int, Point],
+    bucket_view: bool,
+    context: int,
+    needs_crit: bool,
+) -> _Model:
+    first = replica[min(replica)]
+    static = {key: float(v) for key, v in first.static.items()}
+    return _Model(
+        mode=mode,
+        output_device=output_device,
+        static=static,
+        replica=_Curve({n: p.fwbw for n, p in replica.items()}),
+        forward_end=_Curve({n: p.forward_end for n, p in replica.items()}),
+        outputs=_Curve({n: {"bytes": float(p.output_bytes)} for n, p in replica.items()}),
+        gathered=_Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
+        gathered_held=_Curve({n: p.forward_end for n, p in crit.items()}) if needs_crit else None,
+        buckets=0 if (mode == "dp" or bucket_view) else int(static["grads"]),
+        context=context,
+    )
+
+
+def _to_plan(
+    mdl: _Model,
+    mems: list[DeviceMemory],
+    budgets: list[int],
+    sol: _Solution,
+    replica: dict[int, Point],
+    mode: Mode,
+    margin: float,
+    start: float,
+    extrapolated: bool,
+    options: dict[str, Any],
+) -> Plan:
+    total, even_total = sum(sol.split), sum(sol.even)
+    devices = []
+    for i, m in enumerate(mems):
+        ours = {k: round(v) for k, v in mdl.breakdown(i, sol.split[i], total).items() if v}
+        even = {k: round(v) for k, v in mdl.breakdown(i, sol.even[i], even_total).items() if v}
+        devices.append(
+            DevicePlan(
+                name=m.name,
+                free=m.free,
+                budget=budgets[i],
+                samples=sol.split[i],
+                breakdown=ours,
+                peak=sum(ours.values()),
+                max_batch_alone=sol.alone[i],
+                even_samples=sol.even[i],
+                even_breakdown=even,
+                even_peak=sum(even.values()),
+            )
+        )
+    reach = max(1, sum(sol.alone))
+    sizes = sorted(replica)
+    fe = _Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
+    out = _Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
+    return Plan(
+        mode=mode,
+        devices=tuple(devices),
+        split=list(sol.split),
+        global_batch=total,
+        eta_mem=total / reach,
+        even_split=list(sol.even),
+        even_global_batch=even_total,
+        even_eta_mem=even_total / reach if all(d.even_fits for d in devices) else 0.0,
+        activation_bytes_per_sample=fe.slope(),
+        output_bytes_per_sample=out.slope(),
+        measured_sizes=sizes,
+        safety_margin=margin,
+        seconds=time.perf_counter() - start,
+        extrapolated=extrapolated,
+        options=options,
+    )
+
+
+def _gathered_loss(output: Any, targets: Any) -> torch.Tensor:
+    """Stand-in for the loss a caller computes on ``BalancedDataParallel``'s gathered output.
+
+    A loss the model computed in ``forward`` arrives gathered as one entry per device (a
+    tensor of at most one dimension): the caller backpropagates that, and the other outputs
+    get no gradient. Otherwise the outputs (logits) themselves are the loss's input, and
+    each receives a full-size gradient, as any criterion on them would produce.
+    """
+    floats = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
+    losses = [t for t in floats if t.dim() <= 1]
+    used = losses or floats
+    return sum((t.float().mean() for t in used), torch.zeros(()))
+
+
+def auto_weights(
+    module: nn.Module,
+    device_ids: Sequence[torch.device | int | str],
+    example_inputs: Any,
+    *,
+    output_device: int = 0,
+    optimizer: OptimizerFactory | None = torch.optim.AdamW,
+    safety_margin: float = 0.1,
+    gather_output: bool = True,
+    criterion: Callable[..., torch.Tensor] | None = None,
+) -> list[float]:
+    """Per-device weights for ``BalancedDataParallel(weights="auto")``, from live memory.
+
+    Plans DP on the devices' free memory right now (NVML, or ``torch.cuda.mem_get_info``),
+    counting the module's parameters already resident there as available to it, and returns
+    the largest split that fits as weights. On non-CUDA (virtual CPU) devices there is no
+    memory to read: every device gets weight 1.0.
+
+    It plans the program that will run: with ``gather_output=True`` the outputs gathered on
+    ``output_device`` and the gradient that flows back into them are counted there (through
+    ``criterion(outputs, None)`` when given, else a stand-in that backpropagates the model's
+    own loss if it returns one, or every floating output); with ``gather_output=False`` each
+    device keeps its outputs (``ParallelCriterion``).
+
+    >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
+    [1.0, 1.0, 1.0]
+    """
+    devices = [
+        torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids
+    ]
+    if not devices:
+        raise EvendpError("device_ids is empty; pass the devices BalancedDataParallel uses")
+    if any(d.type != "cuda" for d in devices):
+        return [1.0] * len(devices)
+    # --- GPU-only path below (tests reach it with a fake live_memory). ---
+    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in devices]
+    live = {m.name: m for m in live_memory(sorted(set(indices)))}
+    resident: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type == "cuda":
+            resident[t.device.index] = (
+                resident.get(t.device.index, 0) + t.numel() * t.element_size()
+            )
+    mems = []
+    for i in indices:
+        repeats = indices.count(i)  # virtual devices share one GPU's memory
+        free = live[f"cuda:{i}"].free + resident.get(i, 0)
+        mems.append(DeviceMemory(f"cuda:{i}", free // repeats))
+    if gather_output:
+        # The planner's criterion form: batch = (inputs, targets); the caller's targets are
+        # not known here, and the gathered outputs and their gradient dominate anyway.
+        batch: Any = (example_inputs, None)
+        loss = criterion if criterion is not None else _gathered_loss
+    else:
+        batch, loss = example_inputs, None
+    result = plan(
+        module,
+        batch,
+        mems,
+        mode="dp",
+        criterion=loss,
+        optimizer=optimizer,
+        gather=gather_output,
+        output_device=output_device,
+        safety_margin=safety_margin,
+        cuda_context=0,
+    )
+    return [float(n) for n in result.split]

@@ -1,0 +1,196 @@
+"""The planner's answer: :class:`Plan` and :class:`DevicePlan`, as a table, JSON or a chart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._solve import Mode
+
+__all__ = ["KINDS", "DevicePlan", "Plan"]
+
+#: Row order of every breakdown (table, JSON, plot).
+KINDS: tuple[str, ...] = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "outputs",
+    "gathered_outputs",
+    "gathered_grad",
+    "loss",
+    "buckets",
+    "cuda_context",
+)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device in a :class:`Plan`: its memory, share and predicted peak, by kind."""
+
+    name: str
+    free: int
+    budget: int
+    samples: int
+    breakdown: dict[str, int]
+    peak: int
+    max_batch_alone: int
+    even_samples: int
+    even_breakdown: dict[str, int]
+    even_peak: int
+
+    @property
+    def fits(self) -> bool:
+        """Whether the chosen share's predicted peak is within the budget."""
+        return self.peak <= self.budget
+
+    @property
+    def even_fits(self) -> bool:
+        """Whether the even split's predicted peak is within the budget."""
+        return self.even_peak <= self.budget
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-device memory for one training step and the split that maximizes the global batch.
+
+    ``split`` is the per-device sample counts: pass it as
+    ``BalancedDataParallel(weights=plan.split)`` or
+    ``UnevenBatchSampler(batch_sizes=plan.split)``.
+
+    ``extrapolated`` is ``True`` when a recommended size lies beyond the largest measured
+    batch size (``measured_sizes``): there the prediction is a lower bound, not a guarantee.
+    """
+
+    mode: Mode
+    devices: tuple[DevicePlan, ...]
+    split: list[int]
+    global_batch: int
+    eta_mem: float
+    even_split: list[int]
+    even_global_batch: int
+    even_eta_mem: float
+    activation_bytes_per_sample: float
+    output_bytes_per_sample: float
+    measured_sizes: list[int]
+    safety_margin: float
+    seconds: float
+    options: dict[str, Any] = field(default_factory=dict)
+    extrapolated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (bytes as ints)."""
+        return {
+            "mode": self.mode,
+            "split": list(self.split),
+            "global_batch": self.global_batch,
+            "eta_mem": self.eta_mem,
+            "even_split": list(self.even_split),
+            "even_global_batch": self.even_global_batch,
+            "even_eta_mem": self.even_eta_mem,
+            "activation_bytes_per_sample": self.activation_bytes_per_sample,
+            "output_bytes_per_sample": self.output_bytes_per_sample,
+            "measured_sizes": list(self.measured_sizes),
+            "safety_margin": self.safety_margin,
+            "seconds": self.seconds,
+            "extrapolated": self.extrapolated,
+            "options": dict(self.options),
+            "devices": [
+                {
+                    "name": d.name,
+                    "free": d.free,
+                    "budget": d.budget,
+                    "samples": d.samples,
+                    "peak": d.peak,
+                    "fits": d.fits,
+                    "max_batch_alone": d.max_batch_alone,
+                    "breakdown": dict(d.breakdown),
+                    "even_samples": d.even_samples,
+                    "even_peak": d.even_peak,
+                    "even_fits": d.even_fits,
+                    "even_breakdown": dict(d.even_breakdown),
+                }
+                for d in self.devices
+            ],
+        }
+
+    def table(self) -> Any:
+        """A ``rich.table.Table``: one column per device, one row per kind of memory (GiB)."""
+        from rich.table import Table
+
+        def gib(x: int) -> str:
+            return f"{x / 2**30:.2f}"
+
+        table = Table(
+            title=f"evendp plan ({self.mode}): global batch {self.global_batch} "
+            f"(eta_mem {self.eta_mem:.3f}) vs even {self.even_global_batch} "
+            f"(eta_mem {self.even_eta_mem:.3f})",
+            caption=f"GiB; budget = free x (1 - {self.safety_margin:g}); "
+            f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
+            + (
+                "\nextrapolated: a recommended size lies beyond the largest measured one, "
+                "where the predicted peak is a lower bound"
+                if self.extrapolated
+                else ""
+            ),
+        )
+        table.add_column("")
+        for d in self.devices:
+            table.add_column(d.name, justify="right")
+        table.add_row("samples", *[str(d.samples) for d in self.devices], style="bold")
+        for kind in KINDS:
+            if any(d.breakdown.get(kind, 0) for d in self.devices):
+                table.add_row(kind, *[gib(d.breakdown.get(kind, 0)) for d in self.devices])
+        table.add_row("predicted peak", *[gib(d.peak) for d in self.devices], style="bold")
+        table.add_row("budget", *[gib(d.budget) for d in self.devices])
+        table.add_row("max batch alone", *[str(d.max_batch_alone) for d in self.devices])
+        table.add_row("even: samples", *[str(d.even_samples) for d in self.devices])
+        table.add_row(
+            "even: peak",
+            *[gib(d.even_peak) + ("" if d.even_fits else " (OOM)") for d in self.devices],
+        )
+        return table
+
+    def plot(self, path: str) -> None:
+        """Write a stacked bar chart (PNG): each device's memory by kind, ours beside even."""
+        # The object API with an Agg canvas: no pyplot, no global backend switch, no display.
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(2 + 1.6 * len(self.devices), 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        width = 0.38
+        colors = [colormaps["tab10"](c) for c in range(10)]
+        for j, d in enumerate(self.devices):
+            for offset, parts, label in (
+                (-width / 2, d.breakdown, f"{d.samples}"),
+                (width / 2, d.even_breakdown, f"{d.even_samples}"),
+            ):
+                bottom = 0.0
+                for c, kind in enumerate(KINDS):
+                    h = parts.get(kind, 0) / 2**30
+                    if h:
+                        ax.bar(
+                            j + offset,
+                            h,
+                            width,
+                            bottom=bottom,
+                            color=colors[c % 10],
+                            label=kind if j == 0 and offset < 0 else None,
+                            hatch="//" if offset > 0 else None,
+                            edgecolor="white",
+                        )
+                        bottom += h
+                ax.text(j + offset, bottom, label, ha="center", va="bottom", fontsize=8)
+            ax.hlines(d.budget / 2**30, j - width, j + width, colors="black", linestyles="--")
+        ax.set_xticks(range(len(self.devices)), [d.name for d in self.devices])
+        ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
+        ax.set_title(
+            f"{self.mode}: batch {self.global_batch} (eta {self.eta_mem:.2f}) vs even "
+            f"{self.even_global_batch} (eta {self.even_eta_mem:.2f})"
+        )
+        ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)

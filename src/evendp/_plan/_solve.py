@@ -1,0 +1,220 @@
+"""The solver: pure arithmetic over measured cost curves (no model runs here).
+
+Peak memory as a function of the batch size is the maximum over moments of an affine
+function of it, so it is convex. Between two measured sizes the chord never under-predicts;
+beyond the largest measured size the outermost chord extended is a *lower* bound for a convex
+curve, so a recommendation there is provisional: the planner measures it and solves again,
+and says so (``Plan.extrapolated``) when it could not.
+
+What it counts per device (the design's memory model): parameters, gradients, optimizer state,
+activations, outputs; on the DP output device the gathered outputs, their gradient and the
+loss computed there; DDP's gradient buckets; and a fixed allowance for the CUDA context and
+library workspaces, which a fake run cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from .._errors import PlanError
+from .._split import split_sizes
+
+__all__ = ["Mode", "_Curve", "_Model", "_Solution", "_capped_even_split", "_solve"]
+
+Mode = Literal["dp", "ddp"]
+
+
+class _Curve:
+    """Bytes by kind as a function of batch size: piecewise linear through measured points,
+    extended beyond them along the outermost segment.
+
+    For a convex peak the chord between two measured sizes is an upper bound there, but the
+    outermost chord extended past the last measured size is a *lower* bound: the planner
+    measures any size it is about to recommend beyond the range, and flags a plan that
+    still rests on extrapolation.
+
+    >>> c = _Curve({2: {"act": 20.0}, 4: {"act": 40.0}})
+    >>> c.at(3)["act"], c.at(8)["act"], c.slope()
+    (30.0, 80.0, 10.0)
+    """
+
+    def __init__(self, points: dict[int, dict[str, float]]) -> None:
+        self.points = dict(sorted(points.items()))
+
+    def at(self, n: float) -> dict[str, float]:
+        xs = list(self.points)
+        if len(xs) == 1:
+            return dict(self.points[xs[0]])
+        i = 1
+        while i < len(xs) - 1 and n > xs[i]:
+            i += 1
+        x0, x1 = xs[i - 1], xs[i]
+        a, b = self.points[x0], self.points[x1]
+        w = (n - x0) / (x1 - x0)
+        return {k: a.get(k, 0.0) + w * (b.get(k, 0.0) - a.get(k, 0.0)) for k in a.keys() | b}
+
+    def slope(self) -> float:
+        """Total bytes per sample on the outermost segment."""
+        xs = list(self.points)
+        if len(xs) < 2:
+            return 0.0
+        a, b = self.points[xs[-2]], self.points[xs[-1]]
+        return (sum(b.values()) - sum(a.values())) / (xs[-1] - xs[-2])
+
+
+@dataclass
+class _Model:
+    """Per-device memory as a function of its own samples ``n`` and the global batch ``N``."""
+
+    mode: Mode
+    output_device: int
+    static: dict[str, float]
+    replica: _Curve
+    forward_end: _Curve
+    outputs: _Curve  # bytes of one replica's outputs
+    gathered: _Curve | None  # output device, at N (None: no criterion there)
+    gathered_held: _Curve | None
+    buckets: int
+    context: int
+
+    def breakdown(self, i: int, n: int, total: int) -> dict[str, float]:
+        """Bytes by kind on device ``i`` at its peak phase."""
+        s = self.static
+        opt_phase: dict[str, float] = {
+            "params": s["params"],
+            "grads": s["grads"],
+            "optimizer": s["optimizer"] + s["optimizer_extra"],
+        }
+        if self.mode == "ddp":
+            fwbw = {**self.replica.at(n), "optimizer": s["optimizer"], "buckets": self.buckets}
+            opt_phase.update(outputs=self.outputs.at(n).get("bytes", 0.0), buckets=self.buckets)
+            phases: list[dict[str, float]] = [fwbw, opt_phase]
+        else:
+            master, out_dev = i == 0, i == self.output_device
+            if n > 0:
+                fwbw, fend = self.replica.at(n), self.forward_end.at(n)
+            elif master:
+                fwbw = fend = {"params": float(s["params"])}
+            else:
+                fwbw = fend = {}
+            if master:
+                fwbw = {**fwbw, "optimizer": s["optimizer"]}
+                fend = {**fend, "optimizer": s["optimizer"]}
+            phases = [fwbw]
+            held: dict[str, float] = {}
+            if out_dev:
+                if self.gathered is not None and self.gathered_held is not None:
+                    phases.append(_add(fend, self.gathered.at(total)))
+                    held = self.gathered_held.at(total)
+                else:  # loss inside the model: DP gathers the outputs, nothing flows back
+                    o = self.outputs.at(total).get("bytes", 0.0) * (1 if n or total else 0)
+                    held = {"gathered_outputs": o}
+                phases[0] = _add(fwbw, held)
+            if master:
+                after = {k: v for k, v in held.items() if k != "gathered_grad"}
+                reduce: dict[str, float] = {
+                    "params": s["params"],
+                    "optimizer": s["optimizer"],
+                    "grads": 2 * s["grads"],  # replica 0's grads + their reduced sum
+                }
+                phases += [_add(reduce, after), _add(opt_phase, after)]
+        best = max(phases, key=lambda p: sum(p.values()))
+        return {**best, "cuda_context": float(self.context)}
+
+    def peak(self, i: int, n: int, total: int) -> float:
+        return sum(self.breakdown(i, n, total).values())
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b}
+
+
+def _largest(fits: Callable[[int], bool], hi_hint: int = 1) -> int:
+    """Largest n >= 0 with ``fits(n)`` for a monotone ``fits``; -1 when not even 0 fits."""
+    if not fits(0):
+        return -1
+    lo, hi = 0, max(1, hi_hint)
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            raise PlanError("the planned batch is unbounded: the model uses no memory per sample")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _capped_even_split(caps: list[int], total: int) -> list[int]:
+    """Split ``total`` as evenly as the caps allow: ``min(cap_i, level)`` for the lowest level.
+
+    For equally fast devices the step takes as long as the largest share, so the best split
+    that fits is the even one, with a device that cannot hold its even share kept at its cap
+    and the rest spread evenly over the others (speed differences are the speed balancer's
+    job, at run time). The caller guarantees ``sum(caps) >= total``.
+
+    >>> _capped_even_split([100, 5, 100], 30)
+    [13, 5, 12]
+    """
+    level = _largest(lambda lv: sum(min(c, lv) for c in caps) < total, 1) + 1
+    sizes = [min(c, level) for c in caps]
+    excess = sum(sizes) - total
+    for i in reversed(range(len(sizes))):  # take the excess back from the uncapped, last first
+        if excess and sizes[i] == level:
+            sizes[i] -= 1
+            excess -= 1
+    return sizes
+
+
+@dataclass
+class _Solution:
+    """Per-device samples: the chosen split, each device's most alone, the even split."""
+
+    split: list[int]
+    alone: list[int]
+    even: list[int]
+
+
+def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
+    k = len(budgets)
+
+    def cap(i: int, total: int) -> int:
+        return _largest(lambda n: model.peak(i, n, total) <= budgets[i], total or 1)
+
+    def caps(total: int) -> list[int]:
+        return [min(cap(i, total), total) for i in range(k)]
+
+    def feasible(total: int) -> bool:
+        c = caps(total)
+        return min(c) >= 0 and sum(c) >= total
+
+    def alone_cap(i: int) -> int:
+        return max(0, _largest(lambda n: model.peak(i, n, n) <= budgets[i]))
+
+    alone = [alone_cap(i) for i in range(k)]
+    best = _largest(feasible, max(1, sum(alone)))
+    if best < 1:
+        raise PlanError(
+            "not even one sample fits: "
+            + "; ".join(
+                f"device {i} needs {model.peak(i, 1, 1) / 2**30:.2f} GiB for one sample, "
+                f"may use {budgets[i] / 2**30:.2f} GiB"
+                for i in range(k)
+            )
+            + "; use devices with more free memory, a smaller model, AMP or checkpointing"
+        )
+    total = best if batch is None else batch
+    if total > best:
+        raise PlanError(
+            f"a global batch of {batch} does not fit these devices; the largest that fits is "
+            f"{best}; lower --batch, add devices or free memory"
+        )
+    split = _capped_even_split([max(c, 0) for c in caps(total)], total)
+
+    def even_fits(t: int) -> bool:
+        sizes = split_sizes(t, [1] * k)
+        return all(model.peak(i, sizes[i], t) <= budgets[i] for i in range(k))
+
+    even_total = total if batch is not None else max(0, _largest(even_fits, max(1, best)))
+    return _Solution(split, alone, split_sizes(even_total, [1] * k))
