@@ -74,7 +74,7 @@ def test_one_step_equals_the_full_batch_step_with_zeros_accum_and_oom() -> None:
     ref.load_state_dict(ours.state_dict())
     cfg = TrainConfig(steps=1, batch_size=12, accum=1, grad_clip=None, progress=False)
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
-    trainer = Trainer(ours, data, cfg, devices=["cpu"] * 3, weights=[2, 1, 0], optimizer=opt)
+    trainer = Trainer(ours, data, cfg, device_ids=["cpu"] * 3, weights=[2, 1, 0], optimizer=opt)
     indices = next(iter(trainer.sampler))
     report = trainer.fit()
     assert report.resplits >= 1 and report.skipped_steps == 0
@@ -116,7 +116,7 @@ def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
         steps=2, batch_size=12, accum=accum, grad_clip=None, progress=False, out_dir=tmp_path
     )
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
-    trainer = Trainer(ours, data, cfg, devices=["cpu"] * 3, weights=[1, 2, 1], optimizer=opt)
+    trainer = Trainer(ours, data, cfg, device_ids=["cpu"] * 3, weights=[1, 2, 1], optimizer=opt)
     batches = [data.batch(list(i)) for i in itertools.islice(trainer.sampler, 2)]
     report = trainer.fit()
     # One OOM in all: the second step reused the remembered caps.
@@ -135,7 +135,7 @@ def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
     assert _rel(_flat(ours), _flat(ref)) <= 1e-5
     # The caps travel in the checkpoint.
     cfg.resume = True
-    resumed = Trainer(TinyLM(), data, cfg, devices=["cpu"] * 3, weights=[1, 2, 1])
+    resumed = Trainer(TinyLM(), data, cfg, device_ids=["cpu"] * 3, weights=[1, 2, 1])
     resumed.fit()
     assert resumed.guard.micro_batch_sizes == caps
 
@@ -147,7 +147,7 @@ def test_accumulation_gives_the_same_step() -> None:
         torch.manual_seed(0)
         model = TinyLM()
         cfg = TrainConfig(steps=3, batch_size=10, accum=accum, grad_clip=0.5, progress=False)
-        Trainer(model, data, cfg, devices=["cpu", "cpu"], weights=[3, 1]).fit()
+        Trainer(model, data, cfg, device_ids=["cpu", "cpu"], weights=[3, 1]).fit()
         results.append(_flat(model))
     assert _rel(results[1], results[0]) <= 1e-5
 
@@ -169,7 +169,7 @@ def _run(tmp: Path | None, steps: int, resume: bool = False, every: int = 0) -> 
         model,
         _data(n=200),
         cfg,
-        devices=["cpu", "cpu"],
+        device_ids=["cpu", "cpu"],
         weights=[1, 1],
         optimizer=opt,
         scheduler=sched,
@@ -199,7 +199,7 @@ def test_ctrl_c_saves_and_returns(tmp_path: Path) -> None:
 
     torch.manual_seed(0)
     cfg = TrainConfig(steps=10, batch_size=8, out_dir=tmp_path, progress=False)
-    report = Trainer(TinyLM(), _data(), cfg, devices=["cpu"], loss_fn=loss_fn).fit()
+    report = Trainer(TinyLM(), _data(), cfg, device_ids=["cpu"], loss_fn=loss_fn).fit()
     assert report.interrupted and report.steps == 3
     from evendp._checkpoint import load_checkpoint
 
@@ -210,7 +210,7 @@ def test_bf16_autocast_on_cpu_trains_and_keeps_batchnorm_fp32() -> None:
     torch.manual_seed(0)
     model = TinyLM(batchnorm=True)
     cfg = TrainConfig(steps=25, batch_size=16, amp="bf16", lr=3e-2, progress=False)
-    report = Trainer(model, _data(), cfg, devices=["cpu", "cpu"], weights=[2, 1]).fit()
+    report = Trainer(model, _data(), cfg, device_ids=["cpu", "cpu"], weights=[2, 1]).fit()
     assert all(torch.isfinite(torch.tensor(report.losses)))
     assert report.final_loss is not None and report.first_loss is not None
     assert report.final_loss < report.first_loss
@@ -229,7 +229,7 @@ def test_fp16_with_grad_scaler_on_cuda() -> None:
     torch.manual_seed(0)
     model = TinyLM(batchnorm=True).cuda()
     cfg = TrainConfig(steps=20, batch_size=16, amp="fp16", lr=3e-2, progress=False)
-    trainer = Trainer(model, _data(), cfg, devices=["cuda:0", "cuda:0"], weights=[2, 1])
+    trainer = Trainer(model, _data(), cfg, device_ids=["cuda:0", "cuda:0"], weights=[2, 1])
     report = trainer.fit()
     assert trainer.scaler is not None and trainer.scaler.get_scale() > 0
     assert report.final_loss is not None and report.first_loss is not None
@@ -246,20 +246,20 @@ def test_activation_checkpointing_keeps_the_gradient_and_keys() -> None:
         model = GPT(cfg_gpt)
         keys = list(model.state_dict())
         cfg = TrainConfig(steps=2, batch_size=8, activation_checkpointing=ckpt, progress=False)
-        Trainer(model, data, cfg, devices=["cpu", "cpu"]).fit()
+        Trainer(model, data, cfg, device_ids=["cpu", "cpu"]).fit()
         assert list(model.state_dict()) == keys
         wrapped = any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
         assert wrapped == ckpt  # the option really wraps the blocks
         params.append(_flat(model))
     assert _rel(params[1], params[0]) <= 1e-5
     with pytest.raises(EvendpError, match="ModuleList"):
-        Trainer(TinyLM(), data, TrainConfig(activation_checkpointing=True), devices=["cpu"])
+        Trainer(TinyLM(), data, TrainConfig(activation_checkpointing=True), device_ids=["cpu"])
 
 
 def test_oom_resplit_false_lets_an_oom_propagate() -> None:
     torch.manual_seed(0)
     cfg = TrainConfig(steps=1, batch_size=8, oom_resplit=False, progress=False)
-    trainer = Trainer(TinyLM(limit=3), _data(), cfg, devices=["cpu"])
+    trainer = Trainer(TinyLM(limit=3), _data(), cfg, device_ids=["cpu"])
     assert not trainer.guard.catch
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit()
@@ -276,7 +276,7 @@ def test_skipped_steps_do_not_dilute_the_samples_per_step() -> None:
             raise torch.OutOfMemoryError("injected")
         return model(*batch)
 
-    trainer = Trainer(TinyLM(), _data(), cfg, devices=["cpu", "cpu"], loss_fn=loss_fn)
+    trainer = Trainer(TinyLM(), _data(), cfg, device_ids=["cpu", "cpu"], loss_fn=loss_fn)
     report = trainer.fit()
     assert report.steps == 3 and report.skipped_steps == 1 and len(report.losses) == 2
     assert [d.samples_per_step for d in report.devices] == [4, 4]
