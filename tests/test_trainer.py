@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from evendp._errors import EvendpError
@@ -498,3 +500,117 @@ def test_fsdp2_refuses_a_prebuilt_optimizer_and_checkpoints() -> None:
         _validate_fsdp2(TrainConfig(strategy="fsdp2"), torch.optim.SGD(model.parameters(), 0.1))
     with pytest.raises(EvendpError, match="out_dir=None"):
         _validate_fsdp2(TrainConfig(strategy="fsdp2", out_dir="x"), None)
+
+
+# --- the devices= spelling, fp16's skipped steps, count-weighted (token) losses -------------
+
+
+def test_devices_is_the_deprecated_spelling_of_device_ids() -> None:
+    cfg = TrainConfig(steps=1, batch_size=4, progress=False)
+    with pytest.deprecated_call(match="device_ids"):
+        trainer = Trainer(TinyLM(), _data(), cfg, devices=["cpu", "cpu"])
+    assert [str(d) for d in trainer.wrapped.device_ids] == ["cpu", "cpu"]
+    with pytest.raises(EvendpError, match="device_ids= only"):
+        Trainer(TinyLM(), _data(), cfg, devices=["cpu"], device_ids=["cpu"])
+
+
+def test_fp16_does_not_advance_the_schedule_when_the_scaler_skips_the_step() -> None:
+    # GradScaler runs on CPU: an inf gradient on the second step makes it skip that optimizer
+    # step and halve its scale; the learning-rate schedule must skip that step as well.
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    cfg = TrainConfig(steps=3, batch_size=4, amp="fp16", grad_clip=None, progress=False)
+    trainer: Trainer
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = model(*batch)
+        return loss * float("inf") if trainer.step == 1 else loss
+
+    trainer = Trainer(
+        model, _data(), cfg, device_ids=["cpu"], loss_fn=loss_fn, optimizer=opt, scheduler=sched
+    )
+    assert trainer.scaler is not None
+    trainer.fit()
+    assert sched.last_epoch == 2  # three steps, one of them skipped by the scaler
+    assert opt.param_groups[0]["lr"] == 0.25
+
+
+class _Masked(torch.utils.data.Dataset[Any]):
+    """Token windows with -100 labels: whole sequences and single tokens masked at random."""
+
+    def __init__(self, n: int, block: int, masked: float, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, V, (n, block), generator=g)
+        self.y = torch.randint(0, V, (n, block), generator=g)
+        self.y[torch.rand(n, block, generator=g) < 0.3] = -100
+        self.y[torch.rand(n, generator=g) < masked] = -100  # fully masked sequences
+        self.y[0, 0] = 3  # at least one counted token (the batch of 12 has most samples)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x[i], self.y[i]
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[indices], self.y[indices]
+
+
+def _tokens(batch: Any) -> torch.Tensor:
+    return (batch[1] != -100).sum()
+
+
+def _count_weighted_grads(
+    data: _Masked, weights: list[int], accum: int, limit: int, count: bool
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    torch.manual_seed(0)
+    model = TinyLM(limit=limit)
+    ref = TinyLM()
+    ref.load_state_dict(model.state_dict())
+    cfg = TrainConfig(steps=1, batch_size=12, accum=accum, lr=0.0, grad_clip=None, progress=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(
+        model,
+        data,
+        cfg,
+        device_ids=["cpu"] * len(weights),
+        weights=[float(w) for w in weights],
+        optimizer=opt,
+        count_fn=_tokens if count else None,
+    )
+    indices = list(next(iter(trainer.sampler)))
+    report = trainer.fit()
+    x, y = data.batch(indices)
+    loss = ref(x, y)  # one device: the mean over every non-ignored token of the batch
+    loss.backward()
+    return _grads(model), _grads(ref), report.losses[0], float(loss.detach())
+
+
+@settings(max_examples=12, deadline=None, phases=[Phase.generate])
+@given(
+    weights=st.lists(st.integers(0, 3), min_size=1, max_size=4).filter(any),
+    accum=st.integers(1, 3),
+    limit=st.sampled_from([2, 10**9]),
+    masked=st.sampled_from([0.3, 0.8]),
+    seed=st.integers(0, 50),
+)
+def test_count_fn_gives_the_token_mean_under_any_split_accum_and_oom(
+    weights: list[int], accum: int, limit: int, masked: float, seed: int
+) -> None:
+    data = _Masked(12, 5, masked, seed)  # every step is the whole dataset
+    ours, ref, loss, ref_loss = _count_weighted_grads(data, weights, accum, limit, count=True)
+    assert torch.isfinite(ours).all()
+    assert _rel(ours, ref) <= 1e-5
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # a NaN from an all-masked share fails
+
+
+def test_without_count_fn_a_masked_loss_is_weighted_by_samples_and_differs() -> None:
+    # The control: the same split weighted by samples is not the token mean, so the property
+    # above can fail.
+    data = _Masked(12, 5, 0.5, 3)
+    ours, ref, *_ = _count_weighted_grads(data, [2, 1, 1], 1, 10**9, count=False)
+    assert _rel(ours, ref) > 1e-3
+    ours, ref, *_ = _count_weighted_grads(data, [2, 1, 1], 1, 10**9, count=True)
+    assert _rel(ours, ref) <= 1e-5

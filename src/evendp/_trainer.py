@@ -499,8 +499,9 @@ class Trainer:
         show = cfg.progress and self.rank == 0
         started = time.perf_counter()
         prepared = Prefetcher(lambda: self._prepare(state.epoch, state.batch_in_epoch))
+        bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
         try:
-            with prepared as batches, TrainProgress(cfg.steps, enabled=show, start=state.step) as bar:
+            with prepared as batches, bar:
                 while state.step < cfg.steps:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
