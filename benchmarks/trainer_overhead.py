@@ -81,7 +81,7 @@ def _model() -> nn.Module:
 
 def _plain(model: nn.Module, data: _Data, sampler: UnevenBatchSampler) -> Callable[[int], None]:
     """nanoGPT's loop around ``model`` (DP, DDP or the bare module): ``run(steps)``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)  # as the Trainer
     state = {"epoch": 0, "it": iter(())}
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,9 +16,9 @@ names its device (``evendp_device_index``, set by ``BalancedDataParallel``) halv
 device's pieces only, and the healthy devices keep running their whole shares at once.
 
 Under DDP every rank runs its share locally (no collective inside forward or backward, see
-:func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag so that every
-rank agrees on "step" or "skip": an OOM on one rank can never leave another blocked in a
-collective.
+:func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag (with the
+step's loss in the same small tensor) so that every rank agrees on "step" or "skip": an OOM on
+one rank can never leave another blocked in a collective.
 """
 
 from __future__ import annotations
