@@ -387,7 +387,8 @@ class Trainer:
         if self.count_fn is None:
             return samples  # every rank knows every rank's share: no all-reduce
         local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
-        return self.strategy.global_count(local.reshape(()))
+        # Counted exactly in float64; the weight enters backward in the loss's fp32.
+        return self.strategy.global_count(local.reshape(())).float()
 
     def _train_step(self, batch: Batch, samples: int) -> torch.Tensor | None:
         """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
