@@ -14,7 +14,8 @@ Variants run in interleaved rounds (the order rotates every round), so load from
 processes hits them alike; each round's steps/s is a median input. An A/A row (the plain loop
 twice) gives the noise: a gap inside its spread is reported as "within noise". A Trainer round
 is one ``fit()`` call for the round's steps, so its per-call start (prefetch thread, report)
-is counted against it.
+is counted against it. CPU ms/step (this process, all threads; rank 0 under DDP) moves far
+less with other load on the machine than wall time; "CPU ratio" is plain / variant.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_overhead.py           # ~3 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_overhead.py --quick   # < 1 min
@@ -121,16 +122,19 @@ def _time_rounds(
 ) -> dict[str, list[float]]:
     for run in variants.values():  # warm up: allocator, threads, first-call costs
         run(max(steps // 4, 2))
-    rates: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    rates.update({f"{name} cpu": [] for name in names})
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             variants[name](steps)
+            cpu = time.process_time() - cpu  # this process, all its threads
             sync()
             rates[name].append(steps / (time.perf_counter() - start))
+            rates[f"{name} cpu"].append(cpu / steps * 1e3)
     return rates
 
 
@@ -184,13 +188,15 @@ def _ddp(args: argparse.Namespace, out: Path) -> dict[str, list[float]]:
 
 
 def _table(title: str, rates: dict[str, list[float]]) -> list[str]:
-    names = list(rates)
+    names = [n for n in rates if not n.endswith(" cpu")]
     plain, again = names[0], names[1]
     base = rates[plain]
     aa = [b / a for a, b in zip(base, rates[again], strict=True)]
     quartiles = statistics.quantiles(aa, n=4) if len(aa) > 1 else [aa[0]] * 3
     noise = max(abs(1 - statistics.median(aa)), (quartiles[2] - quartiles[0]) / 2)
-    lines = [title, f"{'variant':32} {'steps/s':>8} {'vs plain':>9}  verdict"]
+    head = f"{'variant':30} {'steps/s':>8} {'vs plain':>9} {'CPU ms/step':>12} {'CPU ratio':>10}"
+    lines = [title, head + "  verdict"]
+    cpu0 = statistics.median(rates[f"{plain} cpu"])
     for name in names:
         ratio = statistics.median(
             [b / a for a, b in zip(base, rates[name], strict=True)]
@@ -205,7 +211,11 @@ def _table(title: str, rates: dict[str, list[float]]) -> list[str]:
             verdict = "within noise"
         else:
             verdict = f"below {TARGET}"
-        lines.append(f"{name:32} {statistics.median(rates[name]):8.1f} {ratio:9.3f}  {verdict}")
+        cpu = statistics.median(rates[f"{name} cpu"])
+        lines.append(
+            f"{name:30} {statistics.median(rates[name]):8.1f} {ratio:9.3f} {cpu:12.2f}"
+            f" {cpu0 / cpu:10.3f}  {verdict}"
+        )
     return lines
 
 

@@ -166,6 +166,7 @@ def _run(tmp: Path | None, steps: int, resume: bool = False, every: int = 0) -> 
         resume=resume,
         checkpoint_every=every,
         progress=False,
+        prefetch=2,  # batches wait in the queue when a checkpoint is taken: still exact
     )
     trainer = Trainer(
         model,
@@ -292,6 +293,8 @@ def test_config_validation() -> None:
         TrainConfig(steps=0)
     with pytest.raises(EvendpError, match="out_dir"):
         TrainConfig(resume=True)
+    with pytest.raises(EvendpError, match="prefetch"):
+        TrainConfig(prefetch=-1)
 
 
 # --- uneven DDP on gloo: 2 processes, spawned once for the module ----------------------------

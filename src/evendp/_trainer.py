@@ -85,6 +85,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum"):
@@ -101,6 +102,12 @@ class TrainConfig:
             raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
         if self.strategy not in ("ddp", "fsdp2"):
             raise EvendpError(f"strategy must be 'ddp' or 'fsdp2', got {self.strategy!r}")
+        if self.prefetch is not None and (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 0
+        ):
+            raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -311,6 +318,10 @@ class Trainer:
         )
         self._collate = EmptySafeCollate(data)
         self._pin = wants_pinning(self.strategy.devices)
+        # With a GPU the host is free while the device computes: collate ahead in a thread.
+        # CPU devices are the host's own cores: a thread only competes with them for the GIL
+        # (measured: +1.5 ms CPU per step on a 13 ms step), so there the loop collates inline.
+        self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
         #: The last step's micro-steps: per micro-step, the samples each device ran.
@@ -499,7 +510,9 @@ class Trainer:
         interrupted = False
         show = cfg.progress and self.rank == 0
         started = time.perf_counter()
-        prepared = Prefetcher(lambda: self._prepare(state.epoch, state.batch_in_epoch))
+        prepared = Prefetcher(
+            lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
+        )
         bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
         try:
             with prepared as batches, bar:
