@@ -6,8 +6,9 @@ running it across ranks:
 - wrapping the model (:meth:`Strategy.wrap`) and where a batch goes (:meth:`Strategy.place`);
 - this process's shares of a step (:meth:`Strategy.shares`) and running one micro-step on
   given per-device rows (:meth:`Strategy.forward`), with the gradient sync on the last one;
-- the global count of counted items (:meth:`Strategy.global_count`) and the gradient and
-  loss reduction after backward (:meth:`Strategy.reduce`);
+- the global count of counted items (:meth:`Strategy.global_count`), the gradient reduction
+  after backward (:meth:`Strategy.reduce_gradients`) and the loss reduction, deferred until
+  the losses are read (:meth:`Strategy.reduce_losses`);
 - peak memory, device names for the report, and whether its state can be checkpointed.
 
 =============================  ===========================================================
@@ -131,10 +132,20 @@ class Strategy:
         dist.all_reduce(total)
         return total.to(self.device)
 
-    def reduce(self, total: torch.Tensor) -> torch.Tensor:
-        """After the step's backward: average gradients, return the step's loss sum over ranks."""
-        reduced = total.to(comm_device())
-        dist.all_reduce(reduced)  # asynchronous for the host: nothing reads it yet
+    #: Whether a step's loss total is this rank's part only (summed by :meth:`reduce_losses`).
+    losses_local = True
+
+    def reduce_gradients(self) -> None:
+        """After the step's backward: make the gradients the step's (DDP/FSDP2 already did)."""
+
+    def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
+        """Sum ``parts`` ((steps,) this rank's loss parts) over ranks: one all-reduce for all.
+
+        The Trainer calls it only when someone reads the losses (the progress bar every step,
+        a checkpoint, the report), so a step without logging adds no collective.
+        """
+        reduced = parts.to(comm_device())
+        dist.all_reduce(reduced)
         return reduced
 
     def peak_memory(self) -> list[int | None]:
@@ -203,8 +214,7 @@ class BalancedDP(Strategy):
     def global_count(self, local: torch.Tensor) -> torch.Tensor:
         return local.to(self._dp.output_device, torch.float64)
 
-    def reduce(self, total: torch.Tensor) -> torch.Tensor:
-        return total
+    losses_local = False  # one process: the total is the step's
 
     def peak_memory(self) -> list[int | None]:
         return [
@@ -238,10 +248,10 @@ class OomSafeDDP(Strategy):
     """
 
     guard_reduces_total = True
+    losses_local = False  # summed over ranks in the same all-reduce as the step/skip flag
 
-    def reduce(self, total: torch.Tensor) -> torch.Tensor:
+    def reduce_gradients(self) -> None:
         all_reduce_gradients(self.model.parameters())
-        return total  # already summed over ranks with the step/skip flag
 
 
 class FSDP2(Strategy):

@@ -5,11 +5,14 @@ curve, the samples each device ran); writing it into a checkpoint and reading it
 here, next to :mod:`evendp._checkpoint`, which owns the file format.
 
 Step losses stay on their device until someone reads them (:attr:`TrainState.losses`): the
-loop never waits for the device just to record a number.
+loop never waits for the device just to record a number. Under DDP/FSDP2 each rank records
+its own part of a step's loss, and :meth:`TrainState.flush` sums all pending parts over ranks
+in one collective when the losses are needed (progress bar, checkpoint, report).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,7 @@ class TrainState:
     batch_in_epoch: int = 0
     samples: list[int] = field(default_factory=list)
     _losses: list[float | torch.Tensor] = field(default_factory=list)
+    _parts: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -59,11 +63,37 @@ class TrainState:
         self._losses = [float(v) for v in self._losses]
         return list(self._losses)  # type: ignore[arg-type]
 
-    def record(self, loss: torch.Tensor | float | None, ran: list[int]) -> None:
-        """One step done: its loss (``None``: skipped, not recorded) and each device's samples."""
+    def record(
+        self, loss: torch.Tensor | float | None, ran: list[int], local: bool = False
+    ) -> None:
+        """One step done: its loss (``None``: skipped, not recorded) and each device's samples.
+
+        ``local``: the loss is this rank's part only; :meth:`flush` sums the parts over ranks.
+        """
         if loss is not None:
-            self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+            if local:
+                self._parts.append(torch.as_tensor(value).float())
+            else:
+                self._flush_order_check()
+                self._losses.append(value)
         self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+
+    def _flush_order_check(self) -> None:
+        if self._parts:  # a global loss after local parts: the parts must be summed first
+            raise RuntimeError("TrainState.flush() was not called before a global loss")
+
+    def flush(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective)."""
+        if self._parts:
+            summed = reduce(torch.stack(self._parts))  # (pending steps,)
+            self._losses.extend(summed.unbind())
+            self._parts = []
+
+    @property
+    def last_loss(self) -> float:
+        """The latest recorded (global) loss, read from the device now."""
+        return float(self._losses[-1])
 
     def _extra(self, guard: OomResplit) -> dict[str, Any]:
         return {

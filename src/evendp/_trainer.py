@@ -324,6 +324,7 @@ class Trainer:
         self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
+        self._local = self.strategy.losses_local
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
 
@@ -345,6 +346,7 @@ class Trainer:
         path = self.checkpoint_path
         if path is None:
             return None
+        self.state.flush(self.strategy.reduce_losses)  # every rank saves: collectives pair
         return self.state.save(path, rank=self.rank, **self._checkpointed())
 
     def _checkpointed(self) -> dict[str, Any]:
@@ -452,9 +454,9 @@ class Trainer:
         self.micro_steps = attempt
         if total is None:
             return None
-        total = strategy.reduce(total)
+        strategy.reduce_gradients()
         self._optimizer_step()
-        return total / self.world
+        return total / self.world  # DDP/FSDP2: this rank's part of the mean (losses_local)
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -521,8 +523,10 @@ class Trainer:
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
                     loss = self._train_step(item.batch, item.count)
                     state.step += 1
-                    state.record(loss, self._samples_ran(loss is not None))
-                    shown = None if loss is None or not show else float(loss)
+                    state.record(loss, self._samples_ran(loss is not None), self._local)
+                    if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
+                        state.flush(self.strategy.reduce_losses)
+                    shown = None if loss is None or not show else state.last_loss
                     text = self._memory_text() + self._micro_text() if show else ""
                     bar.update(state.step, shown, item.count, text)
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
@@ -534,6 +538,7 @@ class Trainer:
         return self._report(state.step - start_step, elapsed, interrupted)
 
     def _report(self, steps_run: int, elapsed: float, interrupted: bool) -> TrainReport:
+        self.state.flush(self.strategy.reduce_losses)
         samples = list(self.state.samples)
         if self.distributed:
             t = torch.tensor(samples, dtype=torch.float64, device=comm_device())
