@@ -142,6 +142,31 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.all_gather_object(mine, next(iter(trainer.sampler)))
     report = trainer.fit()
     results["tokens"] = {"grads": _grads(model), "indices": mine, "loss": report.losses[0]}
+    # 2b) Rank 1 cannot fit even one sample in step 0: the flag, riding in the gradient
+    # buckets, makes both ranks skip that step (neither hangs); step 1 trains exactly.
+    torch.manual_seed(0)
+    model = _TokenLM()
+    cfg = TrainConfig(steps=2, batch_sizes=[5, 3], lr=0.0, grad_clip=None, progress=False)
+    state: dict[str, Trainer] = {}
+
+    def oom_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        if rank == 1 and state["t"].step == 0:
+            raise torch.OutOfMemoryError("injected")
+        return model(*batch)  # type: ignore[no-any-return]
+
+    state["t"] = trainer = Trainer(
+        model, tokens, cfg, loss_fn=oom_loss, count_fn=lambda b: (b[1] != -100).sum()
+    )
+    trainer.sampler.set_epoch(0)
+    both: list[Any] = [None, None]
+    dist.all_gather_object(both, list(trainer.sampler)[:2])
+    report = trainer.fit()
+    results["skip"] = {
+        "skipped": report.skipped_steps,
+        "losses": report.losses,
+        "grads": _grads(model),
+        "indices": both,
+    }
     # 3) Buckets: three gradients, buckets of 40 bytes (a lone one in place, two flattened).
     params = [nn.Parameter(torch.zeros(n)) for n in (3, 4, 12)]
     for p in params:
@@ -197,6 +222,25 @@ def test_count_fn_under_ddp_is_the_token_mean_over_ranks(results: list[dict[str,
     for r in (r0, r1):
         assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
     assert abs(r0["loss"] - float(loss.detach())) <= 1e-5 * float(loss.detach())
+
+
+@pytest.mark.multiprocess
+def test_an_oom_no_rank_survives_skips_the_step_on_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["skip"] for r in results)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert len(r0["losses"]) == len(r1["losses"]) == 1
+    step1 = r0["indices"][0][1] + r0["indices"][1][1]
+    torch.manual_seed(0)
+    ref = _TokenLM()
+    x, y = _Tokens().batch(step1)
+    loss = ref(x, y)
+    loss.backward()
+    expected = _grads(ref)
+    for r in (r0, r1):
+        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
+    assert abs(r0["losses"][0] - float(loss.detach())) <= 1e-5 * float(loss.detach())
 
 
 @pytest.mark.multiprocess

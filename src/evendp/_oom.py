@@ -167,6 +167,7 @@ class OomResplit:
         min_micro_steps: int = 0,
         summed: bool = False,
         reduce_total: bool = False,
+        agree: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor | None:
         """Like :meth:`run`, with one share per device, each cut by its own cap.
 
@@ -191,6 +192,12 @@ class OomResplit:
         ``reduce_total=True`` (under DDP): the ranks' step/skip flag and their totals travel in
         one all-reduce, and the returned total is the sum over ranks (on the communication
         device); only the flag is read on the host, since every rank must agree on it.
+
+        ``agree(status)`` (under DDP) all-reduces (sums) ``status`` in place *instead of* the
+        guard's own all-reduce: :class:`~evendp._strategy.OomSafeDDP` passes one that sends it
+        with the gradient buckets, so the flag costs no collective of its own. A rank that
+        failed has zero gradients by then, and when any rank failed every rank zeroes the
+        averaged gradients and skips: the reduction was wasted, never wrong.
 
         >>> guard = OomResplit(devices=2)
         >>> seen = []
@@ -261,7 +268,10 @@ class OomResplit:
             where = comm_device(self.group)
             mine = torch.zeros((), device=where) if total is None else total.to(where)
             status = torch.stack([torch.tensor(float(failed), device=where), mine.float()])
-            dist.all_reduce(status, group=self.group)
+            if agree is not None:
+                agree(status)
+            else:
+                dist.all_reduce(status, group=self.group)
             failed = bool(status[0].item())  # the one host sync: every rank must agree
             if reduce_total and not failed:
                 total = status[1]
@@ -322,6 +332,7 @@ def all_reduce_gradients(
     group: dist.ProcessGroup | None = None,
     *,
     bucket_bytes: int = _BUCKET_BYTES,
+    extra: torch.Tensor | None = None,
 ) -> None:
     """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
 
@@ -335,6 +346,9 @@ def all_reduce_gradients(
     into one bucket buffer. At most two buckets are in flight, so the extra memory is two
     buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
     next one's packing.
+
+    ``extra`` (a small contiguous tensor, e.g. an OOM flag and a loss) is *summed* over ranks in
+    place, riding in the last bucket instead of a collective of its own.
 
     >>> p = torch.nn.Parameter(torch.ones(2))
     >>> p.grad = torch.full((2,), 3.0)
@@ -350,15 +364,17 @@ def all_reduce_gradients(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params if p.grad is not None]
+    if extra is not None:
+        grads.append(extra)
     in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
     for bucket in _buckets(grads, bucket_bytes):
         alone = len(bucket) == 1 and bucket[0].is_contiguous()
         flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
         in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
         if len(in_flight) > 2:
-            _unpack(*in_flight.popleft(), world)
+            _unpack(*in_flight.popleft(), world, extra)
     while in_flight:
-        _unpack(*in_flight.popleft(), world)
+        _unpack(*in_flight.popleft(), world, extra)
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
@@ -378,11 +394,18 @@ def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torc
 
 
 def _unpack(
-    work: dist.Work | None, flat: torch.Tensor, bucket: list[torch.Tensor], world: int
+    work: dist.Work | None,
+    flat: torch.Tensor,
+    bucket: list[torch.Tensor],
+    world: int,
+    summed: torch.Tensor | None,
 ) -> None:
+    # Gradients are averaged (as DDP does); ``summed`` (the extra tensor) keeps the sum.
     if work is not None:
         work.wait()
-    flat.div_(world)
-    if flat is not bucket[0]:
-        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            g.copy_(reduced)
+    if flat is bucket[0]:
+        if flat is not summed:
+            flat.div_(world)
+        return
+    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        g.copy_(reduced if g is summed else reduced.div_(world))

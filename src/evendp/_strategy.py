@@ -16,9 +16,10 @@ running it across ranks:
 :class:`DDP`                   ``oom_resplit=False``: torch's DistributedDataParallel, with
                                its overlap of all-reduce and backward (``no_sync`` until the
                                last micro-batch); an OOM on one rank is fatal, as in torch
-:class:`OomSafeDDP`            the default under torchrun: local backward, then one fused
-                               flag-and-loss all-reduce and an in-place bucketed gradient
-                               all-reduce, so an OOM on any rank never hangs another
+:class:`OomSafeDDP`            the default under torchrun: local backward, then the
+                               gradients all-reduced in place in buckets with the OOM flag
+                               and the loss riding in the last one, so an OOM on any rank
+                               never hangs another
 :class:`FSDP2`                 ``fully_shard``; reduce-scatter on the last micro-batch only
 =============================  ===========================================================
 
@@ -134,6 +135,8 @@ class Strategy:
 
     #: Whether a step's loss total is this rank's part only (summed by :meth:`reduce_losses`).
     losses_local = True
+    #: ``OomResplit``'s ``agree``: how the step/skip flag is all-reduced (``None``: its own).
+    agree: Callable[[torch.Tensor], None] | None = None
 
     def reduce_gradients(self) -> None:
         """After the step's backward: make the gradients the step's (DDP/FSDP2 already did)."""
@@ -241,17 +244,21 @@ class DDP(Strategy):
 class OomSafeDDP(Strategy):
     """DDP that survives an OOM on any rank: local backward, then agree, then reduce.
 
-    Every micro-batch accumulates locally (no collective inside forward or backward); then one
-    all-reduce carries the OOM flag and the loss together, and the gradients are averaged in
-    place in ~25 MiB buckets (:func:`all_reduce_gradients`). See the module docstring for why
-    the last backward is not overlapped.
+    Every micro-batch accumulates locally (no collective inside forward or backward); then the
+    gradients are averaged in place in ~25 MiB buckets (:func:`all_reduce_gradients`) with the
+    ranks' ``[OOM flag, loss]`` summed in the last bucket: no collective of its own, and one
+    host read (the flag) per step. A rank that failed sends zeros; when any rank failed, all
+    zero the result and skip. See the module docstring for why backward is not overlapped.
     """
 
     guard_reduces_total = True
     losses_local = False  # summed over ranks in the same all-reduce as the step/skip flag
 
-    def reduce_gradients(self) -> None:
-        all_reduce_gradients(self.model.parameters())
+    def agree(self, status: torch.Tensor) -> None:
+        # The ranks' [OOM flag, loss] rides in the last gradient bucket: the gradients are
+        # averaged and the flag summed in the same collectives, and the one host read (the
+        # flag) follows them. A rank that failed sends zeros; if any failed, all skip.
+        all_reduce_gradients(self.model.parameters(), extra=status)
 
 
 class FSDP2(Strategy):

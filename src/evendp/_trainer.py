@@ -450,6 +450,7 @@ class Trainer:
             min_micro_steps=strategy.min_micro_steps,
             summed=True,
             reduce_total=strategy.guard_reduces_total,
+            agree=strategy.agree,
         )
         self.micro_steps = attempt
         if total is None:
