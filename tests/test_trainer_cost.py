@@ -6,14 +6,19 @@ per-device rows change, so with ``count_fn`` the gradient is one device's on the
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from evendp import TrainConfig, Trainer, split_by_cost
+from evendp import TrainConfig, Trainer, UnevenBatchSampler, split_by_cost
+from tests._helpers import run_ranks
 
 V = 11
 
@@ -115,3 +120,45 @@ def test_costs_change_the_rows_from_a_function_of_the_item() -> None:
     assert [sum(r) for r in zip(*by_count.micro_steps, strict=True)] == [5, 5]
     assert sorted(sum(r) for r in zip(*by_cost.micro_steps, strict=True)) == [2, 8]
     assert float((ours - ref).norm() / ref.norm()) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Under DDP: the sampler assigns each step's samples to ranks by cost (2 gloo ranks)
+
+DDP_LENGTHS = [2, 12, 2, 2, 12, 2, 2, 2, 12, 2, 2, 2, 2, 12, 2, 2, 2, 2, 2, 2]
+DDP_SIZES = [6, 4]
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = TokenLM()
+    cfg = TrainConfig(steps=1, batch_sizes=DDP_SIZES, lr=0.0, grad_clip=None, progress=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    data = Lines(DDP_LENGTHS, seed=0)
+    trainer = Trainer(model, data, cfg, optimizer=opt, count_fn=tokens, costs=DDP_LENGTHS)
+    mine = next(iter(trainer.sampler))
+    trainer.fit()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+    torch.save({"indices": mine, "grads": grads}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_split_by_cost_and_keep_the_gradient(tmp_path: Path) -> None:
+    results = run_ranks(_ddp_worker, 2, tmp_path, 150, "DDP cost workers")
+    indices = [r["indices"] for r in results]
+    expected = [
+        next(iter(UnevenBatchSampler(len(DDP_LENGTHS), DDP_SIZES, rank=r, costs=DDP_LENGTHS)))
+        for r in range(2)
+    ]
+    assert indices == expected  # each rank ran the sampler's cost plan
+    assert [len(i) for i in indices] != DDP_SIZES  # which differs from the count split here
+    torch.manual_seed(0)
+    ref = TokenLM()
+    ref(*Lines(DDP_LENGTHS, seed=0).batch(indices[0] + indices[1])).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # type: ignore[union-attr]
+    for r in results:
+        assert float((r["grads"] - want).norm() / want.norm()) <= 1e-5
