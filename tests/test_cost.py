@@ -121,6 +121,15 @@ def test_all_zero_costs_split_by_count() -> None:
     assert split_by_cost([0, 0, 0, 0, 0], [2, 1, 0]) == [[0, 1, 2], [3, 4], []]
 
 
+def test_tensor_and_array_costs() -> None:
+    import numpy as np
+    import torch
+
+    want = split_by_cost([10, 1, 1, 10], [1, 1])
+    assert split_by_cost(torch.tensor([10, 1, 1, 10]), [1, 1]) == want  # type: ignore[arg-type]
+    assert split_by_cost(np.array([10.0, 1, 1, 10]), [1, 1]) == want  # type: ignore[arg-type]
+
+
 def test_empty_step() -> None:
     assert split_by_cost([], [1, 2]) == [[], []]
 

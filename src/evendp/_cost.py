@@ -45,6 +45,9 @@ _MAX_BISECTIONS = 100
 
 def _validate_costs(costs: object) -> list[float]:
     """Return ``costs`` as floats, or raise naming the bad value and the fix."""
+    tolist = getattr(costs, "tolist", None)  # a 1-D tensor or NumPy array of lengths
+    if callable(tolist) and getattr(costs, "ndim", None) == 1:
+        costs = tolist()
     if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
         raise EvendpError(
             f"costs must be a sequence of non-negative numbers (one per sample), got "
