@@ -1,15 +1,19 @@
 """Planner accuracy: predicted memory against measured, per model.
 
 CPU part (always): activation bytes per sample and the forward+backward peak predicted on
-fake tensors, against ``MemTracker`` on real tensors. GPU part (when CUDA is present): plan
-one device at a fixed batch, run real training steps at that batch, and compare the predicted
-allocator peak (the plan's peak minus its CUDA context allowance) with
-``torch.cuda.max_memory_reserved``. Target: within 5%, never more than 2% under.
+fake tensors, against ``MemTracker`` on real tensors; and the forward-only peak under
+``torch.no_grad`` (``plan(..., no_grad=True)``) against a real ``no_grad`` forward.
+GPU part (when CUDA is present): plan one device at a fixed batch, run real training steps
+at that batch, and compare the predicted allocator peak (the plan's peak minus its CUDA
+context allowance) with ``torch.cuda.max_memory_reserved``. Target: within 5%, never more
+than 2% under.
 
     python benchmarks/planner_gpu.py
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -127,6 +131,37 @@ def cpu_table() -> None:
         )
 
 
+def _real_no_grad_peak(name: str, n: int) -> int:
+    make, batch, criterion, _ = MODELS[name]
+    model = make().eval()
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        b = batch(n)
+        inputs = b if criterion is None else b[0]
+        with torch.no_grad():
+            out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        del out
+        return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def cpu_no_grad_table() -> None:
+    n = 16
+    print(f"CPU, forward only: fake-tensor no_grad peak vs MemTracker on real tensors (batch {n})")
+    print(f"{'model':8} {'peak pred':>12} {'real':>12} {'ratio':>7}")
+    for name, (make, batch, criterion, _) in MODELS.items():
+        if name == "lm-head":
+            continue
+
+        def inputs(k: int, b: Any = batch, c: Any = criterion) -> Any:
+            return b(k) if c is None else b(k)[0]  # the model's inputs only
+
+        prof = profile_step(make, inputs, (n,), optimizer=None, no_grad=True)
+        real = _real_no_grad_peak(name, n)
+        pp = prof["peak_bytes"][0]
+        print(f"{name:8} {pp:12.0f} {real:12.0f} {pp / real:7.3f}")
+
+
 def gpu_table() -> None:
     if not torch.cuda.is_available():
         print("GPU: skipped (no CUDA device)")
@@ -169,4 +204,5 @@ def gpu_table() -> None:
 
 if __name__ == "__main__":
     cpu_table()
+    cpu_no_grad_table()
     gpu_table()
