@@ -7,11 +7,14 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test lint types unit clean
 
+# The dev extras (transformers, accelerate, lightning) install with torch pinned as a
+# constraint, so no dependency can pull in another, multi-GB CUDA build of torch.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]"
+	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -61,8 +61,8 @@ def test_every_public_name_exists_and_is_documented() -> None:
 
 def test_implementation_modules_are_private() -> None:
     public = {m.name for m in pkgutil.iter_modules(evendp.__path__) if not m.name.startswith("_")}
-    # Only the command line and the built-in examples are public packages.
-    assert public <= {"cli", "examples"}
+    # Only the command line, the built-in examples and the integrations are public packages.
+    assert public <= {"cli", "examples", "integrations"}
 
 
 def test_py_typed_ships() -> None:

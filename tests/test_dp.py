@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from torch import nn
 
 from evendp import BalancedDataParallel, EvendpError, ParallelCriterion, Scattered, gather
 from tests._helpers import requires_cuda
+
+CPU = torch.device("cpu")
 
 # ---------------------------------------------------------------- models for the property tests
 
@@ -88,7 +91,7 @@ def _balanced(
         return wrapped(x, y)
     if name == "mlp":
         return nn.functional.mse_loss(wrapped(x), y)
-    wrapped.gather = False
+    wrapped.gather_output = False
     return ParallelCriterion(nn.CrossEntropyLoss())(wrapped(x), y)
 
 
@@ -124,7 +127,7 @@ def test_loss_and_gradient_equal_one_device_on_the_full_batch(
     model, (x, y) = CASES[name](batch)
     reference = copy.deepcopy(model)
 
-    wrapped = BalancedDataParallel(model, ["cpu"] * len(weights), chunk_sizes=weights)
+    wrapped = BalancedDataParallel(model, ["cpu"] * len(weights), weights=weights)
     loss = _balanced(wrapped, name, x, y)
     loss.backward()
     ref_loss = _reference(reference, name, x, y)
@@ -149,7 +152,7 @@ class PerSampleMean(nn.Module):
 
 def test_losses_split_two_to_one_combine_to_the_true_mean_not_the_mean_of_means() -> None:
     losses = torch.tensor([0.3, 0.2, 0.8])
-    wrapped = BalancedDataParallel(PerSampleMean(), ["cpu", "cpu"], chunk_sizes=[2, 1])
+    wrapped = BalancedDataParallel(PerSampleMean(), ["cpu", "cpu"], weights=[2, 1])
     combined = wrapped(losses)
     assert wrapped.last_sizes == [2, 1]
     # The per-device means are 0.25 and 0.8: their plain mean would be 0.525.
@@ -161,7 +164,7 @@ def test_scalar_output_is_the_same_on_one_device_and_many_without_gather_warning
     one = BalancedDataParallel(PerSampleMean(), ["cpu"])(losses)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        many = BalancedDataParallel(PerSampleMean(), ["cpu"] * 4, chunk_sizes=[3, 0, 1, 2])(losses)
+        many = BalancedDataParallel(PerSampleMean(), ["cpu"] * 4, weights=[3, 0, 1, 2])(losses)
     assert one.dim() == many.dim() == 0
     assert many.item() == pytest.approx(one.item(), rel=1e-6)
 
@@ -180,7 +183,7 @@ class ThreadRecorder(nn.Module):
 
 def test_virtual_devices_run_replicas_in_threads_and_zero_weight_devices_get_none() -> None:
     recorder = ThreadRecorder()
-    wrapped = BalancedDataParallel(recorder, ["cpu"] * 4, chunk_sizes=[1, 0, 1, 1])
+    wrapped = BalancedDataParallel(recorder, ["cpu"] * 4, weights=[1, 0, 1, 1])
     wrapped(torch.randn(6, 2))
     # Replicas share the `threads` set (shallow copies): one entry per active device.
     assert len(recorder.threads) == 3
@@ -197,7 +200,7 @@ def test_batch_smaller_than_the_device_count_uses_fewer_devices() -> None:
 
 
 def test_weights_are_renormalized_for_every_batch() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(1, 1), ["cpu"] * 3, chunk_sizes=[2, 1, 1])
+    wrapped = BalancedDataParallel(nn.Linear(1, 1), ["cpu"] * 3, weights=[2, 1, 1])
     wrapped(torch.randn(8, 1))
     assert wrapped.last_sizes == [4, 2, 2]
     wrapped(torch.randn(5, 1))
@@ -236,7 +239,7 @@ def test_structured_inputs_kwargs_and_outputs_round_trip() -> None:
     tensors = [torch.randn(7, 3) for _ in range(3)]
     args = (Pair(tensors[0], tensors[1]), {"x": tensors[2]}, Batch(torch.randn(7, 3), 2.0))
     expected = model(*args, tag="t", bias=0.5)
-    wrapped = BalancedDataParallel(model, ["cpu"] * 3, chunk_sizes=[1, 2, 3])
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, weights=[1, 2, 3])
     out, extra = wrapped(*args, tag="t", bias=0.5)
     torch.testing.assert_close(out, expected[0])
     assert extra["tag"] == "t"
@@ -262,7 +265,7 @@ def test_inputs_without_a_batch_tensor_are_refused() -> None:
 
 def test_gather_false_returns_scattered_and_gather_concatenates() -> None:
     net = nn.Linear(3, 2)
-    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes=[0, 2, 1], gather=False)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights=[0, 2, 1], gather_output=False)
     x = torch.randn(6, 3)
     parts = wrapped(x)
     assert isinstance(parts, Scattered)
@@ -276,7 +279,7 @@ def test_parallel_criterion_sum_with_ignore_index_matches_the_true_mean() -> Non
     net = nn.Linear(4, 5)
     x = torch.randn(9, 4)
     y = torch.tensor([0, -100, 2, 3, -100, -100, 1, 4, 2])
-    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes=[3, 1, 2], gather=False)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights=[3, 1, 2], gather_output=False)
     summed = ParallelCriterion(nn.CrossEntropyLoss(reduction="sum"), reduction="sum")
     loss = summed(wrapped(x), y) / (y != -100).sum()
     expected = nn.functional.cross_entropy(net(x), y, ignore_index=-100)
@@ -284,7 +287,7 @@ def test_parallel_criterion_sum_with_ignore_index_matches_the_true_mean() -> Non
 
 
 def test_parallel_criterion_errors() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(2, 2), ["cpu", "cpu"], gather=False)
+    wrapped = BalancedDataParallel(nn.Linear(2, 2), ["cpu", "cpu"], gather_output=False)
     parts = wrapped(torch.randn(4, 2))
     with pytest.raises(EvendpError, match=r"targets have 3 samples.*outputs have 4"):
         ParallelCriterion(nn.MSELoss())(parts, torch.randn(3, 2))
@@ -331,10 +334,10 @@ def test_a_bad_state_dict_still_fails_loudly() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"chunk_sizes": [1, 1]}, "2 weights .* for 3 devices"),
-        ({"chunk_sizes": [1, 1, 1, 1]}, "4 weights .* for 3 devices"),
-        ({"chunk_sizes": [1, -2, 1]}, "-2 at position 1"),
-        ({"chunk_sizes": [0, 0, 0]}, "all weights are zero"),
+        ({"weights": [1, 1]}, "2 weights .* for 3 devices"),
+        ({"weights": [1, 1, 1, 1]}, "4 weights .* for 3 devices"),
+        ({"weights": [1, -2, 1]}, "-2 at position 1"),
+        ({"weights": [0, 0, 0]}, "all weights are zero"),
         ({"dim": -1}, "dim must be a non-negative int"),
     ],
 )
@@ -376,7 +379,7 @@ class FailsAboveTwo(nn.Module):
 
 
 def test_out_of_memory_in_a_replica_thread_keeps_its_type() -> None:
-    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu", "cpu"], chunk_sizes=[1, 3])
+    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu", "cpu"], weights=[1, 3])
     with pytest.raises(torch.OutOfMemoryError) as info:
         wrapped(torch.randn(8))
     assert any("replica 1" in note for note in info.value.__notes__)
@@ -385,7 +388,7 @@ def test_out_of_memory_in_a_replica_thread_keeps_its_type() -> None:
 
 def test_out_of_memory_names_the_device_index_not_the_replica_index() -> None:
     # Device 0 has weight 0, so the failing replica 1 runs on device_ids[2].
-    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu"] * 3, chunk_sizes=[0, 1, 3])
+    wrapped = BalancedDataParallel(FailsAboveTwo(), ["cpu"] * 3, weights=[0, 1, 3])
     with pytest.raises(torch.OutOfMemoryError) as info:
         wrapped(torch.randn(8))
     assert info.value.evendp_device_index == 2  # type: ignore[attr-defined]
@@ -397,7 +400,7 @@ def test_no_grad_forward_works_and_builds_no_graph() -> None:
     with torch.no_grad():
         out = wrapped(x)
         # The final concatenation runs under no_grad anyway: look at the replicas' outputs.
-        parts = BalancedDataParallel(wrapped.module, ["cpu", "cpu", "cpu"], gather=False)(x)
+        parts = BalancedDataParallel(wrapped.module, ["cpu", "cpu", "cpu"], gather_output=False)(x)
     assert not out.requires_grad
     assert all(o.grad_fn is None for o in parts.outputs)
     torch.testing.assert_close(out, wrapped.module(x).detach())
@@ -423,7 +426,7 @@ def test_cuda_virtual_devices_match_one_device() -> None:
     net = MLP().cuda()
     reference = copy.deepcopy(net)
     x, y = torch.randn(9, 5, device="cuda"), torch.randn(9, 3, device="cuda")
-    wrapped = BalancedDataParallel(net, ["cuda:0", "cuda:0"], chunk_sizes=[2, 1])
+    wrapped = BalancedDataParallel(net, ["cuda:0", "cuda:0"], weights=[2, 1])
     nn.functional.mse_loss(wrapped(x), y).backward()
     nn.functional.mse_loss(reference(x), y).backward()
     for p, q in zip(net.parameters(), reference.parameters(), strict=True):
@@ -431,32 +434,341 @@ def test_cuda_virtual_devices_match_one_device() -> None:
         assert _relative_error(p.grad, q.grad) <= 1e-5
 
 
-def test_auto_chunk_sizes_plan_on_the_first_batch_and_stay_exact() -> None:
+def test_auto_weights_plan_on_the_first_batch_and_stay_exact() -> None:
     torch.manual_seed(5)
     net = MLP()
     reference = copy.deepcopy(net)
     x, y = torch.randn(7, 5), torch.randn(7, 3)
-    wrapped = BalancedDataParallel(net, ["cpu"] * 3, chunk_sizes="auto")
-    assert wrapped.chunk_sizes is None  # planned lazily, from the first real batch
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights="auto")
+    assert wrapped.weights is None  # planned lazily, from the first real batch
     nn.functional.mse_loss(wrapped(x), y).backward()
     nn.functional.mse_loss(reference(x), y).backward()
     # Virtual CPU devices have no memory to read: the planner gives equal weights.
-    assert wrapped.chunk_sizes == [1.0, 1.0, 1.0]
+    assert wrapped.weights == [1.0, 1.0, 1.0]
     assert wrapped.last_sizes == [3, 2, 2]
     for p, q in zip(net.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert _relative_error(p.grad, q.grad) <= 1e-5
 
 
-def test_unknown_chunk_sizes_string_is_refused() -> None:
+def test_unknown_weights_string_is_refused() -> None:
     with pytest.raises(EvendpError, match=r"'even' is not understood.*'auto'"):
-        BalancedDataParallel(nn.Linear(1, 1), ["cpu"], chunk_sizes="even")  # type: ignore[arg-type]
+        BalancedDataParallel(nn.Linear(1, 1), ["cpu"], weights="even")  # type: ignore[arg-type]
 
 
 def test_an_empty_batch_gives_the_module_output_and_a_zero_summed_loss() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(3, 2), ["cpu"] * 3, gather=False)
+    wrapped = BalancedDataParallel(nn.Linear(3, 2), ["cpu"] * 3, gather_output=False)
     parts = wrapped(torch.randn(0, 3))
     assert parts.sizes == [0]
     loss = ParallelCriterion(nn.MSELoss(reduction="sum"), "sum")(parts, torch.randn(0, 2))
     assert loss.item() == 0.0
     assert gather(parts).shape == (0, 2)
+
+
+# ---------------------------------------------------------------- renamed arguments
+
+
+def test_old_keyword_spellings_still_work_with_a_deprecation_warning() -> None:
+    with pytest.deprecated_call(match=r"chunk_sizes=\.\.\.\) is deprecated.*weights="):
+        wrapped = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, chunk_sizes=[3, 1])
+    with pytest.deprecated_call(match=r"gather=\.\.\.\) is deprecated.*gather_output="):
+        scattered = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, gather=False)
+    assert wrapped.weights == [3.0, 1.0]
+    assert scattered.gather_output is False
+    assert isinstance(scattered(torch.randn(4, 2)), Scattered)
+    wrapped(torch.randn(8, 2))
+    assert wrapped.last_sizes == [6, 2]
+
+
+def test_old_attribute_spellings_read_and_write_the_new_ones() -> None:
+    wrapped = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, weights=[1, 1])
+    with pytest.deprecated_call(match="chunk_sizes"):
+        assert wrapped.chunk_sizes == [1.0, 1.0]
+    with pytest.deprecated_call(match="chunk_sizes"):
+        wrapped.chunk_sizes = [1, 3]
+    assert wrapped.weights == [1.0, 3.0]
+    with pytest.deprecated_call(match="gather"):
+        assert wrapped.gather is True
+    with pytest.deprecated_call(match="gather"):
+        wrapped.gather = False
+    assert wrapped.gather_output is False
+
+
+def test_old_and_new_spelling_together_are_refused() -> None:
+    with pytest.raises(EvendpError, match="pass only weights="):
+        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], weights=[1], chunk_sizes=[1])
+    with pytest.raises(EvendpError, match="pass only gather_output="):
+        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], gather_output=False, gather=False)
+
+
+def test_the_old_positional_signature_gets_the_new_call_in_its_error() -> None:
+    with pytest.raises(EvendpError, match=r"BalancedDataParallel\(model, device_ids, weights=\["):
+        BalancedDataParallel(4, nn.Linear(2, 1), dim=0)  # type: ignore[arg-type]
+    with pytest.raises(EvendpError, match=r"first argument must be the nn\.Module"):
+        BalancedDataParallel("model")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- fixed_sizes
+
+
+def test_fixed_sizes_run_exactly_those_shares_and_restore_the_weights() -> None:
+    torch.manual_seed(6)
+    net = nn.Linear(3, 1)
+    wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights=[1, 1, 1])
+    x = torch.randn(6, 3)
+    with wrapped.fixed_sizes([0, 5, 1]):
+        out = wrapped(x)
+        assert wrapped.last_sizes == [0, 5, 1]
+        with wrapped.fixed_sizes([6, 0, 0]):
+            wrapped(x)
+            assert wrapped.last_sizes == [6, 0, 0]
+        wrapped(x)
+        assert wrapped.last_sizes == [0, 5, 1]  # the outer sizes again
+    torch.testing.assert_close(out, net(x))
+    wrapped(x)
+    assert wrapped.last_sizes == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fragment"),
+    [
+        ([2, 2], r"fixed_sizes\(\[2, 2\]\) has 2 sizes for 3 devices"),
+        ([3, -1, 2], "size -1 at position 1 is not a non-negative int"),
+        ([3, 1.5, 2], "size 1.5 at position 1"),
+        ("3,1,2", "one non-negative int per device"),
+    ],
+)
+def test_fixed_sizes_refuse_bad_sizes_on_entry(sizes: object, fragment: str) -> None:
+    wrapped = BalancedDataParallel(nn.Linear(3, 1), ["cpu"] * 3)
+    with pytest.raises(EvendpError, match=fragment), wrapped.fixed_sizes(sizes):  # type: ignore[arg-type]
+        pass
+
+
+def test_fixed_sizes_that_do_not_add_up_to_the_batch_name_both() -> None:
+    wrapped = BalancedDataParallel(nn.Linear(3, 1), ["cpu"] * 3)
+    with (
+        wrapped.fixed_sizes([2, 2, 1]),
+        pytest.raises(
+            EvendpError, match=r"fixed_sizes\(\[2, 2, 1\]\) add up to 5, but the batch has 6"
+        ),
+    ):
+        wrapped(torch.randn(6, 3))
+    assert wrapped._sizes is None  # left even after the failed call
+
+
+# ---------------------------------------------------------------- count_fn
+
+
+class MaskedTokenLoss(nn.Module):
+    """A token model whose forward returns the mean cross-entropy over unmasked tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.head = nn.Linear(6, 7)
+
+    def forward(self, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(idx)))  # (B, T, 7)
+        per_token = nn.functional.cross_entropy(logits.transpose(1, 2), idx, reduction="none")
+        return (per_token * mask).sum() / mask.sum()
+
+
+def _token_count(idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return mask.sum()
+
+
+def test_count_fn_makes_a_masked_mean_exact_and_an_all_masked_share_harmless() -> None:
+    torch.manual_seed(7)
+    model = MaskedTokenLoss()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 7, (5, 4))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, count_fn=_token_count)
+    with wrapped.fixed_sizes([2, 1, 2]):  # the last share has no unmasked token
+        loss = wrapped(idx, mask.float())
+    loss.backward()
+    ref_loss = reference(idx, mask.float())
+    ref_loss.backward()
+    assert _relative_error(loss.detach(), ref_loss.detach()) <= 1e-5
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.isfinite(p.grad).all()
+        assert _relative_error(p.grad, q.grad) <= 1e-5
+
+
+def test_without_count_fn_the_same_masked_loss_is_biased() -> None:
+    torch.manual_seed(7)
+    model = MaskedTokenLoss()
+    idx = torch.randint(0, 7, (4, 4))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
+    wrapped = BalancedDataParallel(model, ["cpu"] * 2, weights=[3, 1])
+    assert abs(wrapped(idx, mask).item() - model(idx, mask).item()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("returned", "fragment"),
+    [
+        (-1, "returned -1 for the share of 2 sample"),
+        (float("nan"), "returned nan"),
+        ("3", "returned '3'"),
+        (True, "returned True"),
+        (torch.ones(2), r"returned 'a tensor of shape \[2\]'"),
+    ],
+)
+def test_a_bad_count_names_the_device_and_the_share(returned: object, fragment: str) -> None:
+    wrapped = BalancedDataParallel(
+        nn.Linear(2, 1), ["cpu"] * 2, weights=[1, 1], count_fn=lambda x: returned
+    )
+    with pytest.raises(EvendpError, match=fragment) as info:
+        wrapped(torch.randn(4, 2))
+    assert "device_ids[0]=cpu" in str(info.value)
+
+
+def test_count_fn_must_be_callable() -> None:
+    with pytest.raises(EvendpError, match="count_fn must be callable"):
+        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], count_fn=3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- ParallelCriterion callables
+
+
+def _lm_scattered(
+    weights: list[float], seed: int = 8
+) -> tuple[nn.Module, Scattered, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    head = nn.Linear(4, 5)
+    hidden = torch.randn(6, 3, 4)  # (N, L, hidden) -> logits (N, L, V=5)
+    labels = torch.randint(0, 5, (6, 3))
+    labels[1:3] = -100  # rows 1 and 2 are all padding
+    labels[4, 1:] = -100
+    wrapped = BalancedDataParallel(
+        head, ["cpu"] * len(weights), weights=weights, gather_output=False
+    )
+    return head, wrapped(hidden), hidden, labels
+
+
+def _flat_ce(logits: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "criterion",
+    [
+        _flat_ce,
+        lambda logits, labels: _flat_ce(logits, labels),
+        functools.partial(_flat_ce, ignore_index=-100),
+    ],
+    ids=["function", "lambda", "partial"],
+)
+def test_any_callable_criterion_with_count_fn_is_exact_on_lm_logits(
+    criterion: Callable[..., torch.Tensor],
+) -> None:
+    head, parts, hidden, labels = _lm_scattered([1, 2, 1])
+    loss = ParallelCriterion(criterion, count_fn=lambda out, y: (y != -100).sum())(parts, labels)
+    expected = _flat_ce(head(hidden), labels)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    grad = head.weight.grad
+    head.zero_grad()
+    expected.backward()
+    assert grad is not None and head.weight.grad is not None
+    assert _relative_error(grad, head.weight.grad) <= 1e-5
+
+
+class FlatCE(nn.Module):
+    """A stateless criterion module: no parameters, no buffers."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _flat_ce(logits, labels)
+
+
+def test_modules_are_replicated_only_when_they_hold_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import evendp._dp as dp
+
+    _, parts, _, labels = _lm_scattered([1, 1])
+    copied: list[nn.Module] = []
+    real = dp.replicate
+
+    def spy(module: nn.Module, *args: object) -> list[nn.Module]:
+        copied.append(module)
+        return real(module, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dp, "replicate", spy)
+    ParallelCriterion(FlatCE())(parts, labels)
+    weighted = nn.CrossEntropyLoss(weight=torch.rand(5) + 0.5)
+    ParallelCriterion(lambda out, y: weighted(out.flatten(0, 1), y.flatten()))(parts, labels)
+    assert copied == []  # a stateless module and a lambda are called as they are
+    flat = Scattered([o.flatten(0, 1) for o in parts.outputs], [9, 9], parts.devices, 0, CPU)
+    ParallelCriterion(weighted)(flat, labels.flatten())
+    assert copied == [weighted]  # a module with a buffer gets a copy per device
+
+
+@pytest.mark.parametrize(
+    "criterion",
+    [
+        nn.CrossEntropyLoss(),
+        nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([0.5, 1, 2, 1, 3])),
+        nn.CrossEntropyLoss(label_smoothing=0.1, weight=torch.tensor([0.5, 1, 2, 1, 3])),
+    ],
+    ids=["ignore_index", "weight", "label_smoothing"],
+)
+def test_built_in_class_losses_count_their_own_denominator(criterion: nn.Module) -> None:
+    torch.manual_seed(9)
+    net = nn.Linear(4, 5)
+    x = torch.randn(9, 4)
+    y = torch.tensor([0, -100, 2, 3, -100, -100, 1, 4, 2])
+    parts = BalancedDataParallel(net, ["cpu"] * 3, weights=[3, 1, 2], gather_output=False)(x)
+    torch.testing.assert_close(ParallelCriterion(criterion)(parts, y), criterion(net(x), y))
+
+
+def test_count_fn_with_a_summing_reduction_is_refused() -> None:
+    with pytest.raises(EvendpError, match="reduction='sum' adds per-device sums"):
+        ParallelCriterion(_flat_ce, reduction="sum", count_fn=lambda out, y: 1)
+    with pytest.raises(EvendpError, match="criterion must be callable"):
+        ParallelCriterion("cross_entropy")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- BatchNorm
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def test_batchnorm_in_training_with_an_uneven_split_warns_once_with_the_fix() -> None:
+    with pytest.warns(
+        UserWarning, match=r"BatchNorm layer '1'.*GroupNorm or LayerNorm.*SyncBatchNorm"
+    ):
+        BalancedDataParallel(_bn_net(), ["cpu"] * 3, weights=[2, 1, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BalancedDataParallel(_bn_net(), ["cpu"] * 3)  # even: as nn.DataParallel
+        BalancedDataParallel(_bn_net(), ["cpu"] * 3, weights=[1, 0, 1])  # even over the active
+        BalancedDataParallel(_bn_net().eval(), ["cpu"] * 3, weights=[2, 1, 1])
+        BalancedDataParallel(_bn_net(), ["cpu"], weights=[1])
+        BalancedDataParallel(MLP(), ["cpu"] * 3, weights=[2, 1, 1])
+
+
+def test_a_one_sample_share_that_batchnorm_rejects_names_the_device_and_share() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        wrapped = BalancedDataParallel(_bn_net(), ["cpu"] * 3, weights=[4, 4, 1])
+    with pytest.raises(EvendpError, match=r"device_ids\[2\]=cpu got a share of 1 sample"):
+        wrapped(torch.randn(9, 3))
+    with pytest.raises(ValueError, match="Expected more than 1 value"):
+        BalancedDataParallel(_bn_net(), ["cpu"])(torch.randn(1, 3))  # torch's own: no split
+
+
+def test_scattered_keeps_the_counts_and_gather_combines_by_them() -> None:
+    torch.manual_seed(10)
+    model = MaskedTokenLoss()
+    idx = torch.randint(0, 7, (4, 3))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0], [0, 0, 0]]).float()
+    wrapped = BalancedDataParallel(
+        model, ["cpu"] * 2, weights=[1, 1], gather_output=False, count_fn=_token_count
+    )
+    parts = wrapped(idx, mask)
+    assert parts.counts == [6.0, 1.0]
+    torch.testing.assert_close(gather(parts), model(idx, mask))

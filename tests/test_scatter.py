@@ -90,3 +90,35 @@ def test_gradients_flow_back_through_scatter_and_gather() -> None:
     gather_outputs([p * 2 for p in parts], [2, 3], CPU).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, torch.full((5, 3), 2.0))
+
+
+def test_gather_weights_float_scalars_by_counts_and_leaves_out_empty_shares() -> None:
+    # Token means 0.5 over 4 tokens and 2.0 over 1 token: the mean over all 5 tokens is 0.8,
+    # whatever the samples were (weighting by samples [1, 1] would give 1.25).
+    means = [torch.tensor(0.5), torch.tensor(2.0)]
+    assert gather_outputs(means, [1, 1], CPU, counts=[4, 1]).item() == pytest.approx(0.8)
+    assert gather_outputs(means, [1, 1], CPU).item() == pytest.approx(1.25)
+    nan = torch.tensor(float("nan"))  # a mean over no tokens
+    assert gather_outputs([means[0], nan], [1, 1], CPU, counts=[4, 0]).item() == 0.5
+
+
+def test_gather_with_no_counted_item_anywhere_is_a_zero_that_backward_accepts() -> None:
+    w = torch.ones((), requires_grad=True)
+    nan_means = [w * float("nan"), w * float("nan")]
+    loss = gather_outputs(nan_means, [2, 1], CPU, counts=[0, 0])
+    assert loss.item() == 0.0
+    loss.backward()  # runs; nothing flows into w (no NaN either)
+    assert w.grad is None
+    one = gather_outputs([w * float("nan")], [2], CPU, counts=[0])
+    assert one.item() == 0.0
+
+
+def test_a_left_out_share_sends_no_nan_into_the_gradient() -> None:
+    w = torch.ones(3, requires_grad=True)
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    # A masked mean over an all-masked share: NaN forward and NaN backward (0 / 0).
+    kept = (w[:2] * mask[:2]).sum() / mask[:2].sum()
+    empty = (w[2:] * mask[2:]).sum() / mask[2:].sum()
+    gather_outputs([kept, empty], [2, 1], CPU, counts=[2, 0]).backward()
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, torch.tensor([0.5, 0.5, 0.0]))

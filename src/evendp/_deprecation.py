@@ -10,7 +10,7 @@ from typing import Any
 
 from ._errors import EvendpError
 
-__all__ = ["REMOVAL", "UNSET", "renamed_argument"]
+__all__ = ["REMOVAL", "UNSET", "renamed_argument", "warn_renamed"]
 
 #: The release in which the old spellings deprecated now stop working.
 REMOVAL = "0.3.0"
@@ -26,11 +26,36 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def warn_renamed(old: str, new: str, *, stacklevel: int) -> None:
+    """Warn that the spelling ``old`` is deprecated in favour of ``new`` (same meaning).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_renamed("BalancedDataParallel.gather", "gather_output", stacklevel=2)
+    >>> print(caught[0].message)
+    BalancedDataParallel.gather is deprecated and goes in evendp 0.3.0; use gather_output
+    """
+    warnings.warn(
+        f"{old} is deprecated and goes in evendp {REMOVAL}; use {new}",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def renamed_argument(
-    where: str, old: str, new: str, old_value: Any, new_value: Any, *, stacklevel: int = 3
+    where: str,
+    old: str,
+    new: str,
+    old_value: Any,
+    new_value: Any,
+    *,
+    default: Any = None,
+    stacklevel: int = 3,
 ) -> Any:
     """The value of a renamed argument: ``new_value``, or ``old_value`` with a warning.
 
+    ``default`` is the new argument's default (passing both spellings is an error);
     ``stacklevel`` 3 points the warning at the caller of the function that calls this.
 
     >>> renamed_argument("plan", "devices", "memory", UNSET, "24GiB")
@@ -45,11 +70,7 @@ def renamed_argument(
     """
     if old_value is UNSET:
         return new_value
-    if new_value is not None:
+    if new_value is not default:
         raise EvendpError(f"{where}() got both {old}= (its old name) and {new}=; pass only {new}=")
-    warnings.warn(
-        f"{where}({old}=...) is deprecated and goes in evendp {REMOVAL}; use {where}({new}=...)",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
+    warn_renamed(f"{where}({old}=...)", f"{where}({new}=...)", stacklevel=stacklevel)
     return old_value

@@ -6,7 +6,9 @@ One step, for a global batch of N samples and devices d_0..d_{k-1}:
 2. scatter: each active device gets its n_i consecutive samples (differentiable copies);
 3. replicate: a replica per active device whose parameters are differentiable copies;
 4. parallel apply: every replica runs forward in its own thread;
-5. gather: outputs are concatenated; a scalar (a mean loss) is combined with weights n_i / N.
+5. gather: outputs are concatenated; a scalar (a mean loss over c_i counted items: samples by
+   default, or what ``count_fn`` says, e.g. non-ignored tokens) is combined with weights
+   c_i / sum_j c_j, leaving out shares that count no item.
 
 Step 5's weighting is what makes the loss, and so the gradient, equal to a single device's on
 the whole batch, however uneven the split.
@@ -14,31 +16,46 @@ the whole batch, however uneven the split.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from ._deprecation import UNSET, renamed_argument, warn_renamed
 from ._errors import EvendpError
 from ._replicate import parallel_apply, replicate
-from ._scatter import batch_size, batch_size_and_devices, gather_outputs, scatter
+from ._scatter import batch_size, batch_size_and_devices, combine_means, gather_outputs, scatter
 from ._split import _validate_weights, split_sizes
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
 
 DeviceLike = int | str | torch.device
+Weights = Sequence[float] | Literal["auto"] | None
+#: What a count function may return: a number of items, as an int or a 0-dim tensor.
+Count = int | float | torch.Tensor
+
+
+# PyTorch's message when BatchNorm in training mode gets one value per channel.
+_NAME = "BalancedDataParallel"
+_BATCHNORM_ONE_VALUE = "Expected more than 1 value per channel when training"
 
 
 @dataclass(frozen=True)
 class Scattered:
-    """Per-device outputs of ``BalancedDataParallel(..., gather=False)`` and how they were split.
+    """Per-device outputs of ``BalancedDataParallel(..., gather_output=False)`` and their split.
 
     ``outputs[i]`` lives on ``devices[i]`` and covers ``sizes[i]`` consecutive samples of the
-    batch. Hand it to :class:`ParallelCriterion`, or to :func:`gather` for the full output.
+    batch; ``counts[i]`` is the number of items a scalar in it is a mean over (``None``: the
+    samples). Hand it to :class:`ParallelCriterion`, or to :func:`gather` for the full output.
     """
 
     outputs: list[Any]
@@ -46,6 +63,7 @@ class Scattered:
     devices: list[torch.device]
     dim: int
     output_device: torch.device
+    counts: list[float] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -56,19 +74,23 @@ class Scattered:
 def gather(scattered: Scattered) -> Any:
     """The full output on ``scattered.output_device``: per-device outputs joined along ``dim``.
 
-    >>> model = BalancedDataParallel(nn.Linear(3, 2), ["cpu", "cpu"], gather=False)
+    >>> model = BalancedDataParallel(nn.Linear(3, 2), ["cpu", "cpu"], gather_output=False)
     >>> parts = model(torch.randn(5, 3))
     >>> parts.sizes, gather(parts).shape
     ([3, 2], torch.Size([5, 2]))
     """
     _validate_scattered(scattered)
     return gather_outputs(
-        scattered.outputs, scattered.sizes, scattered.output_device, scattered.dim
+        scattered.outputs,
+        scattered.sizes,
+        scattered.output_device,
+        scattered.dim,
+        scattered.counts,
     )
 
 
 class BalancedDataParallel(nn.Module):
-    """``nn.DataParallel`` with per-device batch shares and an exact, sample-weighted combine.
+    """``nn.DataParallel`` with per-device batch shares and an exact, count-weighted combine.
 
     Args:
         module: the model; it must already sit on ``device_ids[0]``.
@@ -77,29 +99,56 @@ class BalancedDataParallel(nn.Module):
             with no GPU. Default: every visible CUDA device, else ``["cpu"]``.
         output_device: where outputs are gathered (default ``device_ids[0]``).
         dim: the batch dimension of inputs and outputs.
-        chunk_sizes: ``None`` for an even split; one non-negative weight per device,
+        weights: ``None`` for an even split; one non-negative weight per device,
             normalized for every batch by largest remainder (a zero-weight device gets no
             replica and no memory); or ``"auto"``: on the first batch, plan the split that
             fits each CUDA device's live free memory (:func:`evendp.plan`; equal weights on
             virtual CPU devices, which have no memory to read).
-        gather: ``False`` returns a :class:`Scattered` instead of gathered outputs.
+        gather_output: ``False`` returns a :class:`Scattered` instead of gathered outputs.
+        count_fn: ``count_fn(*inputs, **kwargs)`` is called on each replica's share of the
+            inputs (the signature of ``forward``) and returns the number of items that
+            replica's scalar output is a mean over, as an int or a 0-dim tensor (for a
+            Hugging Face causal LM: ``lambda *a, **kw: (kw["labels"][..., 1:] != -100).sum()``,
+            since the causal shift drops label position 0). Default: the samples.
+        chunk_sizes: deprecated alias of ``weights``.
+        gather: deprecated alias of ``gather_output``.
+
+    A replica that returns a floating scalar (a mean loss computed inside ``forward``) is
+    combined as ``sum_i c_i * loss_i / sum_i c_i`` with ``c_i`` its count: the same value,
+    and so the same gradient, as one device on the whole batch. A share that counts no item
+    (its mean is NaN) is left out, never multiplied by 0. (A per-device *sum* would be
+    averaged the same way: return a mean, or use ``gather_output=False`` with
+    ``ParallelCriterion(..., reduction="sum")``.)
 
     A ``torch.OutOfMemoryError`` raised in a replica's forward propagates unchanged, with the
     attribute ``evendp_device_index`` naming the entry of ``device_ids`` that ran out.
 
-    A replica that returns a floating scalar (a mean loss computed inside ``forward``) is
-    combined as the sample-weighted mean ``sum_i n_i/N * loss_i``: the same value, and so the
-    same gradient, as one device on the whole batch. (A per-device *sum* would be averaged
-    the same way: return a mean, or use ``gather=False`` with ``ParallelCriterion(...,
-    reduction="sum")``.)
+    Not exact by construction: BatchNorm in training mode normalizes each share with its own
+    statistics (a warning at wrap time says so when the split is uneven), and dropout draws
+    different masks than one device would (docs/exactness.md).
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Linear(4, 1)
-    >>> model = BalancedDataParallel(net, ["cpu", "cpu", "cpu"], chunk_sizes=[2, 1, 0])
+    >>> model = BalancedDataParallel(net, ["cpu", "cpu", "cpu"], weights=[2, 1, 0])
     >>> x = torch.randn(6, 4)
     >>> model(x).shape, model.last_sizes
     (torch.Size([6, 1]), [4, 2, 0])
     >>> torch.allclose(model(x), net(x))
+    True
+
+    A loss averaged over masked items (tokens, pixels) is exact with ``count_fn``:
+
+    >>> class MaskedMSE(nn.Module):
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.net = nn.Linear(4, 1)
+    ...     def forward(self, x, y, mask):  # the mean over unmasked samples only
+    ...         return ((self.net(x)[:, 0] - y) ** 2 * mask).sum() / mask.sum()
+    >>> mse = MaskedMSE()
+    >>> y, mask = torch.randn(6), torch.tensor([1.0, 1, 1, 1, 0, 1])
+    >>> model = BalancedDataParallel(mse, ["cpu"] * 3, weights=[3, 2, 1],
+    ...                              count_fn=lambda x, y, mask: mask.sum())
+    >>> torch.allclose(model(x, y, mask), mse(x, y, mask))
     True
     """
 
@@ -109,21 +158,31 @@ class BalancedDataParallel(nn.Module):
         device_ids: Sequence[DeviceLike] | None = None,
         output_device: DeviceLike | None = None,
         dim: int = 0,
-        chunk_sizes: Sequence[float] | Literal["auto"] | None = None,
-        gather: bool = True,
+        weights: Weights = None,
+        gather_output: bool = True,
+        count_fn: Callable[..., Count] | None = None,
+        *,
+        chunk_sizes: Weights = UNSET,
+        gather: bool = UNSET,
     ) -> None:
         super().__init__()
+        _validate_module(module, device_ids)
+        weights = renamed_argument(_NAME, "chunk_sizes", "weights", chunk_sizes, weights)
+        gather_output = renamed_argument(
+            _NAME, "gather", "gather_output", gather, gather_output, default=True
+        )
         self.module = module
         self.device_ids = _validate_devices(device_ids)
         self.output_device = (
             self.device_ids[0] if output_device is None else _to_device(output_device)
         )
         self.dim = _validate_dim(dim)
-        self.chunk_sizes = chunk_sizes
-        # Exact per-device counts for the next forwards, in place of the weights' split: the
-        # Trainer cuts each micro-step's rows itself and sets them (None: split by weights).
+        self.weights = weights
+        self.gather_output = _validate_flag("gather_output", gather_output)
+        self.count_fn = _validate_callable("count_fn", count_fn)
+        # Exact per-device counts for the next forwards, in place of the weights' split: set
+        # by fixed_sizes() (None: split by weights). The Trainer still writes it directly.
         self._sizes: list[int] | None = None
-        self.gather = gather
         #: The per-device sample counts of the last forward (zeros for idle devices).
         self.last_sizes: list[int] = []
         _validate_placement(module.parameters(), module.buffers(), home=self.device_ids[0])
@@ -132,24 +191,75 @@ class BalancedDataParallel(nn.Module):
         self._sentinel = _first_parameter_slot(module)
         # Both state_dict forms load: with and without the "module." prefix.
         self.register_load_state_dict_pre_hook(_add_module_prefix)
+        _warn_if_batchnorm_split_unevenly(module, weights, len(self.device_ids))
 
     @property
-    def chunk_sizes(self) -> list[float] | None:
+    def weights(self) -> list[float] | None:
         """Per-device weights (``None``: even; after ``"auto"``, what the planner chose on the
         first batch). Assigning validates them; assigning ``"auto"`` plans again."""
         return self._weights
 
-    @chunk_sizes.setter
-    def chunk_sizes(self, value: Sequence[float] | Literal["auto"] | None) -> None:
+    @weights.setter
+    def weights(self, value: Weights) -> None:
         if isinstance(value, str):
             _validate_auto(value)
             self._auto, self._weights = True, None
         else:
-            self._auto, self._weights = False, _validate_chunk_sizes(value, len(self.device_ids))
+            self._auto, self._weights = False, _validate_weight_list(value, len(self.device_ids))
+
+    @property
+    def chunk_sizes(self) -> list[float] | None:
+        """Deprecated alias of :attr:`weights`."""
+        warn_renamed(f"{_NAME}.chunk_sizes", f"{_NAME}.weights", stacklevel=2)
+        return self._weights
+
+    @chunk_sizes.setter
+    def chunk_sizes(self, value: Weights) -> None:
+        # nn.Module.__setattr__ sits between the caller and this setter.
+        warn_renamed(f"{_NAME}.chunk_sizes", f"{_NAME}.weights", stacklevel=3)
+        self.weights = value
+
+    @property
+    def gather(self) -> bool:
+        """Deprecated alias of :attr:`gather_output`."""
+        warn_renamed(f"{_NAME}.gather", f"{_NAME}.gather_output", stacklevel=2)
+        return self.gather_output
+
+    @gather.setter
+    def gather(self, value: bool) -> None:
+        warn_renamed(f"{_NAME}.gather", f"{_NAME}.gather_output", stacklevel=3)
+        self.gather_output = _validate_flag("gather_output", value)
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
         return split_sizes(total, self._weights or [1.0] * len(self.device_ids))
+
+    @contextlib.contextmanager
+    def fixed_sizes(self, sizes: Sequence[int]) -> Iterator[None]:
+        """Run every call inside the block with exactly ``sizes[i]`` samples on device ``i``.
+
+        ``sizes`` holds one non-negative int per entry of ``device_ids``; each call inside
+        checks that they add up to its batch. On exit the weights split batches again (an
+        outer ``fixed_sizes`` is restored).
+
+        >>> model = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 3)
+        >>> with model.fixed_sizes([0, 3, 1]):
+        ...     out = model(torch.randn(4, 2))
+        >>> model.last_sizes, out.shape
+        ([0, 3, 1], torch.Size([4, 1]))
+        >>> with model.fixed_sizes([2, 2, 2]):  # doctest: +ELLIPSIS
+        ...     model(torch.randn(4, 2))
+        Traceback (most recent call last):
+        ...
+        evendp...EvendpError: fixed_sizes([2, 2, 2]) add up to 6, but the batch has 4 ...
+        """
+        checked = _validate_fixed_sizes(sizes, len(self.device_ids))
+        outer = self._sizes
+        self._sizes = checked
+        try:
+            yield
+        finally:
+            self._sizes = outer
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._sentinel is not None:
@@ -162,12 +272,7 @@ class BalancedDataParallel(nn.Module):
                 f"(dim={self.dim}) among its inputs; pass the batch as a tensor, or call "
                 "the module directly when there is nothing to split"
             )
-        if self._sizes is not None:
-            self.last_sizes = list(self._sizes)
-        else:
-            if self._auto and self._weights is None:
-                self._weights = self._plan_weights(inputs, kwargs)
-            self.last_sizes = self.split(total)
+        self.last_sizes = self._sizes_for(total, inputs, kwargs)
         active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
         devices = [self.device_ids[i] for i in active]
         sizes = [self.last_sizes[i] for i in active]
@@ -176,36 +281,84 @@ class BalancedDataParallel(nn.Module):
             shards = [(inputs, kwargs)]
         else:
             shards = scatter((inputs, kwargs), sizes, devices, self.dim)
+        raw_counts = self._raw_counts(shards)  # before forward: nothing waits for them yet
         replicas = self._replicas(devices, include_home=active[0] == 0)
+        outputs = self._run_replicas(replicas, shards, devices, active, total)
+        counts = self._checked_counts(raw_counts, active, sizes)
+        if not self.gather_output:
+            return Scattered(outputs, sizes, devices, self.dim, self.output_device, counts)
+        if len(devices) == 1 and devices[0] == self.output_device and counts[0] > 0:
+            return outputs[0]  # as nn.DataParallel on one device: the module's own output
+        return gather_outputs(outputs, sizes, self.output_device, self.dim, counts)
+
+    def _sizes_for(self, total: int, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+        if self._sizes is not None:
+            _validate_fixed_total(self._sizes, total, self.dim)
+            return list(self._sizes)
+        if self._auto and self._weights is None:
+            self._weights = self._plan_weights(inputs, kwargs)
+        return self.split(total)
+
+    def _raw_counts(self, shards: list[Any]) -> list[Any] | None:
+        if self.count_fn is None:
+            return None
+        with torch.no_grad():
+            return [self.count_fn(*args, **kwargs) for args, kwargs in shards]
+
+    def _checked_counts(
+        self, raw: list[Any] | None, active: list[int], sizes: list[int]
+    ) -> list[float]:
+        if raw is None:
+            return [float(n) for n in sizes]
+        return [
+            _validate_count(value, "count_fn", f"device_ids[{i}]={self.device_ids[i]}", n)
+            for value, i, n in zip(raw, active, sizes, strict=True)
+        ]
+
+    def _run_replicas(
+        self,
+        replicas: list[nn.Module],
+        shards: list[Any],
+        devices: list[torch.device],
+        active: list[int],
+        total: int,
+    ) -> list[Any]:
         try:
-            outputs = parallel_apply(replicas, shards, devices)
+            return parallel_apply(replicas, shards, devices)
         except torch.OutOfMemoryError as error:
             # Say which entry of device_ids ran out, so a caller can shrink that share only.
             error.evendp_device_index = active[getattr(error, "evendp_replica", 0)]  # type: ignore[attr-defined]
             raise
-        if not self.gather:
-            return Scattered(outputs, sizes, devices, self.dim, self.output_device)
-        if len(devices) == 1 and devices[0] == self.output_device:
-            return outputs[0]  # as nn.DataParallel on one device: the module's own output
-        return gather_outputs(outputs, sizes, self.output_device, self.dim)
+        except ValueError as error:
+            index = active[getattr(error, "evendp_replica", 0)]
+            share = self.last_sizes[index]
+            if _BATCHNORM_ONE_VALUE not in str(error) or share == total:
+                raise
+            raise EvendpError(
+                f"device_ids[{index}]={self.device_ids[index]} got a share of {share} "
+                f"sample(s) of the batch of {total} (split {self.last_sizes}), and BatchNorm "
+                "in training mode needs more than one value per channel; give every active "
+                "device at least 2 samples (other weights, or a larger batch), put the "
+                "BatchNorm layers in eval() mode, or use GroupNorm / LayerNorm"
+            ) from error
 
     def _plan_weights(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
-        """``chunk_sizes="auto"``: plan DP on live free memory, the first batch as the example."""
+        """``weights="auto"``: plan DP on live free memory, the first batch as the example."""
         from ._plan import auto_weights  # the planner is heavy; only "auto" needs it
 
         if inputs and kwargs:
             raise EvendpError(
-                "chunk_sizes='auto' plans from the first batch, which must be passed all "
+                "weights='auto' plans from the first batch, which must be passed all "
                 f"positionally or all as keywords; got {len(inputs)} positional and "
                 f"keywords {sorted(kwargs)}. Plan explicitly with evendp.plan(...) and pass "
-                "chunk_sizes=plan.split instead"
+                "weights=plan.split instead"
             )
         home = self.output_device
         output_index = next((i for i, d in enumerate(self.device_ids) if d == home), 0)
         example = kwargs if kwargs else inputs
         return auto_weights(
             self.module, self.device_ids, example, output_device=output_index,
-            gather_output=self.gather, no_grad=not torch.is_grad_enabled(),
+            gather_output=self.gather_output, no_grad=not torch.is_grad_enabled(),
         )  # fmt: skip
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
@@ -223,33 +376,55 @@ class BalancedDataParallel(nn.Module):
 class ParallelCriterion(nn.Module):
     """Compute a loss on every device from a :class:`Scattered` and combine it exactly.
 
-    Targets are scattered with the same sizes as the outputs. With ``reduction="mean"`` (the
-    criterion returns a per-device mean) the result is ``sum_i n_i/N * loss_i``; with
-    ``reduction="sum"`` (the criterion returns a per-device sum) it is the plain sum.
+    Targets are scattered with the same sizes as the outputs. ``criterion`` is any callable
+    ``criterion(output, *targets, **kwargs)``: a function, a lambda, ``functools.partial`` or
+    an ``nn.Module`` (copied to each device only when it has parameters or buffers).
 
-    For a mean that is not over equal samples (``ignore_index``, padding), use a summing
-    criterion with ``reduction="sum"`` and divide by the global count of real targets::
+    With ``reduction="mean"`` (the criterion returns a per-device mean) the result is
+    ``sum_i c_i * loss_i / sum_i c_i``, where ``c_i = count_fn(output_i, *targets_i,
+    **kwargs_i)`` is the number of items device ``i``'s mean is over. Default count: the
+    samples, except for ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` with ``reduction="mean"``,
+    whose own denominator is used (targets not equal to ``ignore_index``, weighted by
+    ``weight``). A device whose count is 0 contributes nothing (never its NaN). With
+    ``reduction="sum"`` (the criterion returns a per-device sum) the result is the plain sum.
 
-        crit = ParallelCriterion(nn.CrossEntropyLoss(reduction="sum", ignore_index=-100), "sum")
-        loss = crit(scattered, targets) / (targets != -100).sum()
+    Language-model logits (N, L, V) with -100 on padding, split [2, 1] over two devices:
 
-    >>> net = nn.Linear(3, 2)
-    >>> model = BalancedDataParallel(net, ["cpu", "cpu"], chunk_sizes=[2, 1], gather=False)
-    >>> x, y = torch.randn(6, 3), torch.tensor([0, 1, 1, 0, 1, 0])
-    >>> loss = ParallelCriterion(nn.CrossEntropyLoss())(model(x), y)
-    >>> torch.allclose(loss, nn.CrossEntropyLoss()(model.module(x), y))
+    >>> torch.manual_seed(0) and None
+    >>> lm_head = nn.Linear(8, 11)                      # hidden (N, L, 8) -> logits (N, L, 11)
+    >>> model = BalancedDataParallel(lm_head, ["cpu", "cpu"], weights=[2, 1],
+    ...                              gather_output=False)
+    >>> hidden, labels = torch.randn(3, 5, 8), torch.randint(0, 11, (3, 5))
+    >>> labels[0, 2:] = -100                            # padding: row 0 has 2 real tokens
+    >>> def token_loss(logits, labels):                 # the mean over real tokens
+    ...     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    >>> criterion = ParallelCriterion(token_loss, count_fn=lambda out, y: (y != -100).sum())
+    >>> loss = criterion(model(hidden), labels)
+    >>> torch.allclose(loss, token_loss(lm_head(hidden), labels))
     True
     """
 
-    def __init__(self, criterion: nn.Module, reduction: Literal["mean", "sum"] = "mean") -> None:
+    def __init__(
+        self,
+        criterion: Callable[..., torch.Tensor],
+        reduction: Literal["mean", "sum"] = "mean",
+        count_fn: Callable[..., Count] | None = None,
+    ) -> None:
         super().__init__()
         if reduction not in ("mean", "sum"):
             raise EvendpError(
                 f"reduction={reduction!r} is not supported; use 'mean' when the criterion "
                 "returns a per-device mean, 'sum' when it returns a per-device sum"
             )
-        self.criterion = criterion
+        self.criterion = _validate_callable("criterion", criterion)
         self.reduction = reduction
+        self.count_fn = _validate_callable("count_fn", count_fn)
+        if count_fn is not None and reduction == "sum":
+            raise EvendpError(
+                "count_fn weights per-device means, but reduction='sum' adds per-device sums; "
+                "use reduction='mean' with count_fn, or divide the summed loss by your global "
+                "count yourself"
+            )
 
     def forward(self, scattered: Scattered, *targets: Any, **kwargs: Any) -> torch.Tensor:
         _validate_scattered(scattered)
@@ -269,8 +444,10 @@ class ParallelCriterion(nn.Module):
                 scattered.outputs, target_shards, strict=True
             )
         ]
-        criteria = replicate(self.criterion, scattered.devices, not torch.is_grad_enabled())
-        losses = parallel_apply(criteria, shards, scattered.devices)
+        count_fn = self.count_fn or _builtin_count_fn(self.criterion)
+        with torch.no_grad():
+            raw_counts = None if count_fn is None else [count_fn(*a, **kw) for a, kw in shards]
+        losses = parallel_apply(self._criteria(scattered.devices), shards, scattered.devices)
         for loss in losses:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise EvendpError(
@@ -280,10 +457,50 @@ class ParallelCriterion(nn.Module):
         if self.reduction == "sum":
             sums = [loss.to(scattered.output_device) for loss in losses]
             return torch.stack(sums).sum()
-        result: torch.Tensor = gather_outputs(
-            losses, scattered.sizes, scattered.output_device, scattered.dim
-        )
-        return result
+        if raw_counts is None:
+            counts = [float(n) for n in scattered.sizes]
+        else:
+            counts = [
+                _validate_count(value, "count_fn", f"device {device} (output {i})", n)
+                for i, (value, device, n) in enumerate(
+                    zip(raw_counts, scattered.devices, scattered.sizes, strict=True)
+                )
+            ]
+        return combine_means(losses, counts, scattered.output_device)
+
+    def _criteria(self, devices: list[torch.device]) -> list[nn.Module]:
+        criterion = self.criterion
+        if isinstance(criterion, nn.Module) and _has_state(criterion):
+            return replicate(criterion, devices, not torch.is_grad_enabled())
+        # A function, or a module with nothing to copy: the same callable on every device.
+        return cast(list[nn.Module], [criterion] * len(devices))
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _builtin_count_fn(criterion: Callable[..., Any]) -> Callable[..., Count] | None:
+    """The denominator of a built-in criterion's mean, where it is not the samples."""
+    if isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)) and criterion.reduction == "mean":
+        return functools.partial(_class_loss_count, criterion)
+    return None
+
+
+def _class_loss_count(
+    criterion: nn.CrossEntropyLoss | nn.NLLLoss, output: Any, *targets: Any, **kwargs: Any
+) -> Count:
+    """What ``CrossEntropyLoss``/``NLLLoss`` divide by: the weight of non-ignored targets."""
+    target = targets[0] if targets else kwargs.get("target")
+    if not isinstance(target, torch.Tensor):
+        return 1  # nothing to read: one share, one mean (the criterion will complain itself)
+    if target.is_floating_point():  # class probabilities: the mean is over positions
+        return target.numel() // target.shape[1] if target.dim() > 1 else 1
+    valid = target != criterion.ignore_index
+    weight = criterion.weight
+    if weight is None:
+        return valid.sum()
+    return (weight.to(target.device)[target.masked_fill(~valid, 0)] * valid).sum()
 
 
 def _describe(value: Any) -> str:
@@ -353,12 +570,12 @@ def _validate_dim(dim: int) -> int:
 def _validate_auto(value: str) -> None:
     if value != "auto":
         raise EvendpError(
-            f"chunk_sizes={value!r} is not understood; pass None (even split), 'auto' "
+            f"weights={value!r} is not understood; pass None (even split), 'auto' "
             "(planned from free memory), or one non-negative weight per device"
         )
 
 
-def _validate_chunk_sizes(value: Sequence[float] | None, num_devices: int) -> list[float] | None:
+def _validate_weight_list(value: Sequence[float] | None, num_devices: int) -> list[float] | None:
     if value is None:
         return None
     return _validate_weights(value, expected_len=num_devices)
@@ -396,6 +613,107 @@ def _validate_scattered(value: Any) -> None:
             f"expected the Scattered returned by BalancedDataParallel(..., gather=False), got "
             f"{_describe(value)}; for an already gathered output call the criterion directly"
         )
+
+
+def _validate_module(module: Any, device_ids: Any) -> None:
+    if isinstance(module, nn.Module):
+        return
+    if isinstance(device_ids, nn.Module):
+        raise EvendpError(
+            f"BalancedDataParallel got {module!r} before the module: that is the old "
+            "BalancedDataParallel(gpu0_bsz, model, dim=0) call. evendp takes the module first "
+            "and one weight per device: BalancedDataParallel(model, device_ids, "
+            f"weights=[gpu0_bsz, bsz, ...]), e.g. weights=[{module!r}, bsz, bsz] for three "
+            "GPUs where GPU 0 takes fewer samples than the others"
+        )
+    raise EvendpError(
+        f"BalancedDataParallel's first argument must be the nn.Module to wrap, got "
+        f"{_describe(module)}; call BalancedDataParallel(model, device_ids, weights=[...])"
+    )
+
+
+def _validate_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise EvendpError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _validate_callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise EvendpError(
+            f"{name} must be callable (a function, a lambda, functools.partial or an "
+            f"nn.Module), got {_describe(value)}"
+        )
+    return value
+
+
+def _validate_count(value: Any, name: str, where: str, samples: int) -> float:
+    """A count returned by a count function, as a float; or raise naming where it came from."""
+    number: float | None = None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+            number = float(value.item())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    if number is None or not math.isfinite(number) or number < 0:
+        shown = _describe(value) if isinstance(value, torch.Tensor) and value.dim() else value
+        raise EvendpError(
+            f"{name} returned {shown!r} for the share of {samples} sample(s) on {where}; it "
+            "must return how many items that share's mean is over, a non-negative int or "
+            "0-dim tensor, e.g. (labels != -100).sum()"
+        )
+    return number
+
+
+def _validate_fixed_sizes(sizes: Any, num_devices: int) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise EvendpError(
+            f"fixed_sizes takes one non-negative int per device, got {sizes!r}; pass e.g. [3, 1, 0]"
+        )
+    values = list(sizes)
+    if len(values) != num_devices:
+        raise EvendpError(
+            f"fixed_sizes({values}) has {len(values)} sizes for {num_devices} devices; pass "
+            f"exactly one per entry of device_ids ({num_devices} ints, 0 for an idle device)"
+        )
+    for i, n in enumerate(values):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise EvendpError(
+                f"fixed_sizes({values}): size {n!r} at position {i} is not a non-negative "
+                "int; use 0 to give a device no samples"
+            )
+    return values
+
+
+def _validate_fixed_total(sizes: list[int], total: int, dim: int) -> None:
+    if sum(sizes) != total:
+        raise EvendpError(
+            f"fixed_sizes({sizes}) add up to {sum(sizes)}, but the batch has {total} samples "
+            f"along dim={dim}; pass sizes that sum to the batch"
+        )
+
+
+def _warn_if_batchnorm_split_unevenly(module: nn.Module, weights: Any, devices: int) -> None:
+    """Warn (once, at wrap time) when BatchNorm statistics will differ from one device's."""
+    if devices < 2 or weights is None:
+        return
+    if not isinstance(weights, str) and len({float(w) for w in weights if float(w) > 0}) < 2:
+        return  # an even split over the active devices, as nn.DataParallel does
+    name = next(
+        (n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training), None
+    )
+    if name is None:
+        return
+    warnings.warn(
+        f"BatchNorm layer {name or type(module).__name__!r} is in training mode and "
+        f"weights={weights!r} split each batch unevenly: every device normalizes its share "
+        "with that share's own statistics, so the loss and gradient are not those of one "
+        "device on the whole batch. For exactness use GroupNorm or LayerNorm, or put the "
+        "BatchNorm layers in eval() mode; under DDP on GPUs, "
+        "nn.SyncBatchNorm.convert_sync_batchnorm(model) normalizes over all ranks",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _add_module_prefix(

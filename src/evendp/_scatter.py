@@ -22,6 +22,7 @@ from ._errors import EvendpError
 __all__ = [
     "batch_size",
     "batch_size_and_devices",
+    "combine_means",
     "gather_outputs",
     "map_tensors",
     "scatter",
@@ -132,57 +133,92 @@ def _chunk_mover(
 
 
 def gather_outputs(
-    outputs: Sequence[Any], sizes: Sequence[int], device: torch.device, dim: int = 0
+    outputs: Sequence[Any],
+    sizes: Sequence[int],
+    device: torch.device,
+    dim: int = 0,
+    counts: Sequence[float] | None = None,
 ) -> Any:
     """Combine per-device outputs on ``device``.
 
     Tensors with dimensions are concatenated along ``dim``. A floating 0-dim tensor (a loss
-    computed per device as a mean) becomes the sample-weighted mean ``sum_i n_i/N * out_i``,
-    which equals the mean over the whole batch; an integer 0-dim tensor (a count) is summed.
-    Other values are returned once when every device agrees, else as a list.
+    computed per device as a mean over its counted items) becomes ``sum_i c_i * out_i / C``
+    with ``C = sum_i c_i``, which equals the mean over every item of the batch; ``c_i`` is
+    ``counts[i]``, by default the samples ``sizes[i]``. A device with ``c_i = 0`` contributes
+    nothing (its mean over no items is NaN, and 0 * NaN is NaN); when every count is zero the
+    result is a zero. An integer 0-dim tensor (a count) is summed. Other values are returned
+    once when every device agrees, else as a list.
 
     >>> gather_outputs([torch.tensor(0.25), torch.tensor(0.8)], [2, 1], torch.device("cpu"))
     tensor(0.4333)
+    >>> nan = torch.tensor(float("nan"))  # a mean over a share with no counted items
+    >>> gather_outputs([torch.tensor(0.5), nan], [2, 1], torch.device("cpu"), counts=[4, 0])
+    tensor(0.5000)
     """
-    if len(outputs) == 1:
-        # One device did the whole batch (or the batch was empty): its output is the answer.
+    weights = [float(c) for c in (sizes if counts is None else counts)]
+    if len(outputs) == 1 and weights[0] > 0:
+        # One device did the whole batch: its output is the answer.
         return map_tensors(outputs[0], lambda t: t.to(device))
-    return _gather(list(outputs), list(sizes), device, dim)
+    return _gather(list(outputs), weights, device, dim)
 
 
-def _gather(outputs: list[Any], sizes: list[int], device: torch.device, dim: int) -> Any:
+def _gather(outputs: list[Any], counts: list[float], device: torch.device, dim: int) -> Any:
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        return _gather_tensors(outputs, sizes, device, dim)
+        return _gather_tensors(outputs, counts, device, dim)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*_gather_each(outputs, sizes, device, dim))
+        return type(first)(*_gather_each(outputs, counts, device, dim))
     if isinstance(first, (list, tuple)):
-        return type(first)(_gather_each(outputs, sizes, device, dim))
+        return type(first)(_gather_each(outputs, counts, device, dim))
     if isinstance(first, dict):
-        return type(first)((k, _gather([o[k] for o in outputs], sizes, device, dim)) for k in first)
+        return type(first)(
+            (k, _gather([o[k] for o in outputs], counts, device, dim)) for k in first
+        )
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         names = [f.name for f in dataclasses.fields(first) if f.init]
-        values = {n: _gather([getattr(o, n) for o in outputs], sizes, device, dim) for n in names}
+        values = {n: _gather([getattr(o, n) for o in outputs], counts, device, dim) for n in names}
         return dataclasses.replace(first, **values)
     if all(o == first for o in outputs[1:]):
         return first
     return outputs
 
 
-def _gather_each(outputs: list[Any], sizes: list[int], device: torch.device, dim: int) -> list[Any]:
-    return [_gather(list(items), sizes, device, dim) for items in zip(*outputs, strict=True)]
+def _gather_each(
+    outputs: list[Any], counts: list[float], device: torch.device, dim: int
+) -> list[Any]:
+    return [_gather(list(items), counts, device, dim) for items in zip(*outputs, strict=True)]
 
 
 def _gather_tensors(
-    tensors: list[torch.Tensor], sizes: list[int], device: torch.device, dim: int
+    tensors: list[torch.Tensor], counts: list[float], device: torch.device, dim: int
 ) -> torch.Tensor:
     if tensors[0].dim() > 0:
         return torch.cat([t.to(device) for t in tensors], dim=dim)
     if not tensors[0].is_floating_point():
         return torch.stack([t.to(device) for t in tensors]).sum()
-    # Per-device means -> the mean over all samples: weight n_i / N, never 1 / k.
-    total = sum(sizes)
-    combined = tensors[0].to(device) * (sizes[0] / total)
-    for t, n in zip(tensors[1:], sizes[1:], strict=True):
-        combined = combined + t.to(device) * (n / total)
+    return combine_means(tensors, counts, device)
+
+
+def combine_means(
+    means: Sequence[torch.Tensor], counts: Sequence[float], device: torch.device
+) -> torch.Tensor:
+    """``sum_i c_i * mean_i / sum_i c_i`` on ``device``, leaving out every ``c_i = 0``.
+
+    Per-device means -> the mean over all items: weight c_i / C, never 1 / k. A mean with
+    no items is left out of the graph entirely rather than multiplied by 0: its value is
+    NaN, and so is its backward (a masked mean divides by its zero count), and 0 * NaN is
+    NaN. With no items anywhere the result is a zero, a leaf so that ``backward()`` still
+    runs and leaves every gradient untouched.
+
+    >>> combine_means([torch.tensor(1.0), torch.tensor(4.0)], [3, 1], torch.device("cpu"))
+    tensor(1.7500)
+    """
+    total = float(sum(counts))
+    kept = [(m, c) for m, c in zip(means, counts, strict=True) if c > 0]
+    if not kept:
+        first = means[0]
+        return torch.zeros((), dtype=first.dtype, device=device, requires_grad=first.requires_grad)
+    combined = kept[0][0].to(device) * (kept[0][1] / total)
+    for mean, count in kept[1:]:
+        combined = combined + mean.to(device) * (count / total)
     return combined

@@ -271,7 +271,7 @@ class Trainer:
             self.sampler = UnevenBatchSampler(
                 data, [config.batch_size], rank=0, world_size=1, seed=config.seed
             )
-            self.wrapped = BalancedDataParallel(loss_module, devices, chunk_sizes=weights)
+            self.wrapped = BalancedDataParallel(loss_module, devices, weights=weights)
             self.dp_devices: list[torch.device] = list(self.wrapped.device_ids)
             self.device_names = [
                 f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp_devices)

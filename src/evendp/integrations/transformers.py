@@ -1,0 +1,227 @@
+"""``UnevenTrainer``: a Hugging Face ``Trainer`` whose ranks each take their own batch size.
+
+Run under ``evendp launch`` or ``torchrun`` (one process per device). ``batch_sizes[r]`` is the
+number of samples rank ``r`` takes per forward pass; ``gradient_accumulation_steps`` multiplies
+it as in Hugging Face, so one optimizer step covers ``sum(batch_sizes) * accumulation`` samples.
+``per_device_train_batch_size`` only sets the default (an even split) and is otherwise ignored.
+
+What changes against ``transformers.Trainer``, through its documented overridable methods:
+
+* ``get_train_dataloader``: the loader of :func:`evendp.integrations.accelerate.uneven_dataloader`
+  (one global permutation, every rank the same number of batches, each sample once per epoch).
+* ``compute_loss``: the gradient is the one of the mean over the whole global batch.
+  Token losses (the model takes ``num_items_in_batch``, ``model_accepts_loss_kwargs``) already
+  go through the Trainer's own path: it counts the step's non-ignored tokens on every rank, sums
+  them over ranks (``average_tokens_across_devices=True``, required) and multiplies by the
+  number of processes, which undoes DDP's averaging; that path is left exactly as it is. Any
+  other loss is taken as a per-batch mean over ``count_fn(inputs)`` items (default: the rows of
+  the batch): it becomes this batch's sum, divided by the step's count summed over all ranks and
+  micro-batches and multiplied by the world size, so neither DDP's division by the world size
+  nor the Trainer's division by the accumulation steps applies any more
+  (``loss_is_scaled_for_ga = True``).
+* ``get_batch_samples``: also sums ``count_fn`` over the step's micro-batches and ranks (one
+  all-reduce per optimizer step, only for non-token losses).
+* ``get_total_train_batch_size``: ``sum(batch_sizes) * gradient_accumulation_steps``, so the
+  logged total batch and samples/s are true.
+
+A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
+``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
+``model.accepts_loss_kwargs = False`` (the Trainer's own switch) so its loss is weighted by
+samples. Refused: ``auto_find_batch_size``, DeepSpeed, one process driving several GPUs
+(``nn.DataParallel``), ``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader
+
+import evendp
+
+from .accelerate import uneven_dataloader
+
+__all__ = ["UnevenTrainer", "count_rows"]
+
+# Loader settings copied from the Trainer's own training loader (see get_train_dataloader).
+_LOADER_SETTINGS = (
+    "num_workers",
+    "pin_memory",
+    "worker_init_fn",
+    "persistent_workers",
+    "prefetch_factor",
+    "multiprocessing_context",
+)
+
+
+def count_rows(inputs: Mapping[str, Any]) -> int:
+    """Rows in a batch: the length of ``labels``, else of the first tensor.
+
+    >>> count_rows({"input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)})
+    3
+    """
+    tensors = [inputs["labels"]] if "labels" in inputs else list(inputs.values())
+    for value in tensors:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise evendp.EvendpError(
+        f"cannot count the samples of a batch with keys {sorted(inputs)}: no tensor with a "
+        "batch dimension; pass count_fn=... to UnevenTrainer"
+    )
+
+
+def _validate_args(args: transformers.TrainingArguments) -> None:
+    """Refuse the Trainer settings evendp cannot keep exact, naming the fix."""
+    if args.auto_find_batch_size:
+        raise evendp.EvendpError(
+            "auto_find_batch_size=True is not supported by UnevenTrainer: it changes one batch "
+            "size for all ranks after an out-of-memory error. Set auto_find_batch_size=False "
+            "and pass batch_sizes=[...] (e.g. from `evendp plan --mode ddp`)"
+        )
+    if args.deepspeed:
+        raise evendp.EvendpError(
+            "UnevenTrainer does not support DeepSpeed (deepspeed=...); use DDP or FSDP, or "
+            "transformers.Trainer with DeepSpeed and even batches"
+        )
+    if args.n_gpu > 1:
+        raise evendp.EvendpError(
+            f"this process drives {args.n_gpu} GPUs (the Trainer would wrap the model in "
+            "nn.DataParallel); start one process per GPU with `evendp launch` or torchrun"
+        )
+    if not args.average_tokens_across_devices:
+        raise evendp.EvendpError(
+            "average_tokens_across_devices=False weights every rank's tokens by its own count; "
+            "with uneven batch sizes that biases the gradient. Set it to True (the default)"
+        )
+    if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
+        raise evendp.EvendpError(
+            f"train_sampling_strategy={args.train_sampling_strategy!r} chooses its own batches; "
+            "UnevenTrainer supports 'random' and 'sequential'"
+        )
+
+
+def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
+    """``EVENDP_BATCH_SIZES`` when set, else ``per_device_train_batch_size`` on every rank."""
+    world = max(1, args.world_size)
+    return evendp.batch_sizes_from_env(world, default=[args.per_device_train_batch_size] * world)
+
+
+def _batch_sum(loss: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """A per-batch mean times its count; an empty batch's NaN mean becomes a connected zero.
+
+    >>> empty = torch.zeros(0, requires_grad=True)
+    >>> _batch_sum(empty.mean(), 0), _batch_sum(torch.tensor(2.0), torch.tensor(3))
+    (tensor(0., grad_fn=<MulBackward0>), tensor(6.))
+    """
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, loss * count, torch.zeros_like(loss))
+    if count == 0:
+        return torch.nan_to_num(loss) * 0.0
+    return loss * count
+
+
+class UnevenTrainer(transformers.Trainer):
+    """``transformers.Trainer`` with ``batch_sizes[r]`` samples per forward pass on rank ``r``.
+
+    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
+    ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
+    non-token loss averaged over (default :func:`count_rows`). Everything else is the
+    Trainer's. See the module docstring for what changes and what is refused.
+
+    >>> import tempfile
+    >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    >>> model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=8, n_layer=1,
+    ...                                    n_head=2))
+    >>> args = TrainingArguments(tempfile.mkdtemp(), report_to="none", use_cpu=True)
+    >>> trainer = UnevenTrainer(model, args, batch_sizes=[3])
+    >>> trainer.batch_sizes, trainer.get_total_train_batch_size(args)
+    ([3], 3)
+    >>> UnevenTrainer(model, TrainingArguments(tempfile.mkdtemp(), report_to="none",
+    ...               use_cpu=True, auto_find_batch_size=True))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp._errors.EvendpError: auto_find_batch_size=True is not supported by UnevenTrainer: ...
+    """
+
+    # compute_loss returns the loss already normalized over the whole optimizer step.
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        *args: Any,
+        batch_sizes: Sequence[int] | None = None,
+        count_fn: Callable[[Mapping[str, Any]], int | torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        _validate_args(self.args)
+        world = max(1, self.args.world_size)
+        # Checked like every evendp batch-size list: one non-negative int per rank.
+        self.batch_sizes = (
+            _default_sizes(self.args)
+            if batch_sizes is None
+            else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})
+        )
+        self.count_fn = count_rows if count_fn is None else count_fn
+        # The current optimizer step's item count over all ranks (non-token losses only).
+        self._step_count: torch.Tensor | None = None
+
+    def get_train_dataloader(self) -> DataLoader:
+        """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
+
+        The Trainer's own loader is built first only to reuse what it derives from the
+        arguments (unused columns removed, worker settings), through public attributes.
+        """
+        base = super().get_train_dataloader()
+        settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return uneven_dataloader(
+            self.accelerator,
+            base.dataset,
+            self.batch_sizes,
+            collate_fn=base.collate_fn,
+            shuffle=self.args.train_sampling_strategy != "sequential",
+            seed=seed,
+            drop_last=self.args.dataloader_drop_last,
+            **settings,
+        )
+
+    def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
+        """Samples per optimizer step over all ranks: ``sum(batch_sizes) * accumulation``."""
+        return sum(self.batch_sizes) * args.gradient_accumulation_steps
+
+    def _token_path(self, num_items_in_batch: object) -> bool:
+        """Whether the Trainer's own num_items_in_batch normalization applies to this loss."""
+        return num_items_in_batch is not None and (
+            bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+        )
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list[Any], torch.Tensor | int | None]:
+        """The Trainer's micro-batches of one step; also their item count over all ranks."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_count = None
+        if not self._token_path(num_items):
+            local = sum((self.count_fn(batch) for batch in batches), start=0)
+            self._step_count = evendp.global_count(local)
+        return batches, num_items
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean."""
+        step_count = self._step_count if model.training else None
+        count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if step_count is not None:
+            loss = evendp.ddp_loss(_batch_sum(loss, count), count, step_count)
+        return (loss, outputs) if return_outputs else loss

@@ -1,0 +1,253 @@
+"""``UnevenTrainer`` on 2 gloo ranks with sizes [1, 3] against one plain ``Trainer`` process.
+
+One spawn runs both losses (token-level causal LM with padding and -100 labels; sample-level
+sequence classification); the single-process references run here, in the test process, with
+the whole optimizer-step batch (8 samples) in one forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._helpers import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+transformers = pytest.importorskip("transformers")
+
+SIZES = [1, 3]
+ACCUM = 2
+STEPS = 3
+SAMPLES = sum(SIZES) * ACCUM * STEPS  # exactly the 3 optimizer steps: one epoch
+TOL = 1e-5
+
+
+def _samples() -> list[dict[str, Any]]:
+    """Variable-length token sequences (ids 1..63; 0 is padding) with a class label each."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 13, (SAMPLES,), generator=g).tolist()
+    return [
+        {
+            "input_ids": torch.randint(1, 64, (n,), generator=g),
+            "class": int(torch.randint(0, 3, (), generator=g)),
+        }
+        for n in lengths
+    ]
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, task: str) -> None:
+        self.task, self.items = task, _samples()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self.items[i]
+        label = item["input_ids"] if self.task == "lm" else torch.tensor(item["class"])
+        return {"input_ids": item["input_ids"], "labels": label}
+
+
+def pad_collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample: ids 0, attention 0, LM labels -100."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, f in enumerate(features):
+        ids[row, : len(f["input_ids"])] = f["input_ids"]
+        mask[row, : len(f["input_ids"])] = 1
+    if features[0]["labels"].dim() == 0:  # one class per sample
+        labels = torch.stack([f["labels"] for f in features])
+    else:  # one label per token
+        labels = torch.full_like(ids, -100)
+        for row, f in enumerate(features):
+            labels[row, : len(f["labels"])] = f["labels"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _model(task: str) -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    if task == "lm":
+        return transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2ForSequenceClassification(config)
+    # Its forward takes **kwargs but its loss is a per-batch mean: the Trainer's own switch.
+    model.accepts_loss_kwargs = False
+    return model
+
+
+def _args(out: str, batch: int, accum: int, **extra: Any) -> Any:
+    options: dict[str, Any] = {
+        "output_dir": out,
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": accum,
+        "max_steps": STEPS,
+        "learning_rate": 0.5,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "weight_decay": 0.0,
+        "max_grad_norm": 0.0,
+        "train_sampling_strategy": "sequential",
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "seed": 0,
+    }
+    return transformers.TrainingArguments(**{**options, **extra})
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    from evendp.integrations.transformers import UnevenTrainer
+
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for task in ("lm", "cls"):
+            args = _args(tmp, batch=2, accum=ACCUM, ddp_backend="gloo")
+            model = _model(task)
+            trainer = UnevenTrainer(
+                model, args, train_dataset=_Data(task), data_collator=pad_collate,
+                batch_sizes=SIZES,
+            )  # fmt: skip
+            seen: list[list[int]] = []
+            loader = trainer.get_train_dataloader()
+            for batch in loader:  # the rows this rank gets, by their lengths
+                seen.append(batch["attention_mask"].sum(dim=1).tolist())
+            output = trainer.train()
+            result[task] = {
+                "params": _params(model),
+                "world": args.world_size,
+                "global_step": output.global_step,
+                "total_batch": trainer.get_total_train_batch_size(args),
+                "samples_per_second": output.metrics["train_samples_per_second"],
+                "runtime": output.metrics["train_runtime"],
+                "rows": seen,
+            }
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    import evendp
+
+    evendp.finish_distributed()
+
+
+def _reference(task: str) -> dict[str, torch.Tensor]:
+    """One plain Trainer process, the whole step's 8 samples in one forward pass."""
+    model = _model(task)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _args(tmp, batch=sum(SIZES) * ACCUM, accum=1)
+        trainer = transformers.Trainer(
+            model, args, train_dataset=_Data(task), data_collator=pad_collate
+        )
+        trainer.train()
+    return _params(model)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(_worker, 2, tmp_path_factory.mktemp("hf"), 300, "UnevenTrainer ranks")
+
+
+def _relative_update_error(got: dict, want: dict, start: dict) -> float:
+    num = sum(float((got[k] - want[k]).norm() ** 2) for k in want) ** 0.5
+    den = sum(float((want[k] - start[k]).norm() ** 2) for k in want) ** 0.5
+    return num / den
+
+
+@pytest.mark.parametrize("task", ["lm", "cls"])
+def test_parameters_equal_one_process_on_the_whole_batch(
+    ranks: list[dict[str, Any]], task: str
+) -> None:
+    start = _params(_model(task))
+    want = _reference(task)
+    for rank in ranks:
+        assert rank[task]["world"] == 2
+        assert rank[task]["global_step"] == STEPS
+        # The update itself (not just the parameters) matches to fp32 round-off.
+        assert _relative_update_error(rank[task]["params"], want, start) < TOL
+
+
+def test_each_rank_takes_its_own_batch_size_and_every_sample_once(
+    ranks: list[dict[str, Any]],
+) -> None:
+    lengths = sorted(len(s["input_ids"]) for s in _samples())
+    for task in ("lm", "cls"):
+        rows = [r[task]["rows"] for r in ranks]
+        assert [len(r) for r in rows] == [STEPS * ACCUM] * 2  # the same number of steps
+        assert all(len(batch) == SIZES[rank] for rank in (0, 1) for batch in rows[rank])
+        assert sorted(n for r in rows for batch in r for n in batch) == lengths
+
+
+def test_reported_total_batch_and_throughput_are_true(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        metrics = rank["lm"]
+        assert metrics["total_batch"] == sum(SIZES) * ACCUM
+        samples = metrics["samples_per_second"] * metrics["runtime"]
+        assert samples == pytest.approx(SAMPLES, rel=0.05)  # rounded metrics
+
+
+def _trainer(tmp_path: Path, **options: Any) -> Any:
+    from evendp.integrations.transformers import UnevenTrainer
+
+    args = _args(str(tmp_path), batch=2, accum=1, **options.pop("args", {}))
+    return UnevenTrainer(_model("lm"), args, train_dataset=_Data("lm"), **options)
+
+
+def test_batch_sizes_default_to_the_launcher_then_to_per_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _trainer(tmp_path).batch_sizes == [2]  # per_device_train_batch_size, one process
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "5")
+    trainer = _trainer(tmp_path)
+    assert trainer.batch_sizes == [5]
+    assert trainer.get_total_train_batch_size(trainer.args) == 5
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"args": {"auto_find_batch_size": True}}, "auto_find_batch_size=True is not supported"),
+        ({"args": {"average_tokens_across_devices": False}}, "average_tokens_across_devices"),
+        ({"args": {"train_sampling_strategy": "group_by_length"}}, "'random' and 'sequential'"),
+        ({"batch_sizes": [1, 3]}, r"2 batch sizes \[1, 3\] for world_size=1"),
+        ({"batch_sizes": [0]}, "all batch sizes are zero"),
+    ],
+)
+def test_refuses_what_it_cannot_keep_exact(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    import evendp
+
+    with pytest.raises(evendp.EvendpError, match=message):
+        _trainer(tmp_path, **options)

@@ -1,0 +1,142 @@
+"""A real Hugging Face GPT-2 with padded rows and ``labels=``: equal to one device.
+
+The usual call ``model(input_ids, attention_mask=..., labels=...)`` returns the mean over the
+non-ignored *shifted* labels (the causal shift drops label position 0). Weighting the
+replicas by samples is then off (the issue measured 5e-4 on the loss and 0.16 on the
+gradient); ``count_fn`` with the shift, or ``num_items_in_batch``, makes it exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from evendp import BalancedDataParallel
+from tests._helpers import requires_cuda
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [12, 3, 7, 9, 12, 5, 1, 1]  # real tokens per row; the last two have no shifted label
+EVEN = [12, 3, 7, 9, 12, 5, 2, 9]  # every share has labels
+SEQ_LEN = 12
+
+
+def hf_count(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The items GPT-2's loss is a mean over: labels that are not -100, after the shift."""
+    return (kwargs["labels"][..., 1:] != -100).sum()
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> torch.nn.Module:
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # config notes on a tiny vocab
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model: torch.nn.Module = transformers.GPT2LMHeadModel(config)
+    return model
+
+
+def padded_batch(lengths: list[int]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (len(lengths), SEQ_LEN), generator=generator)
+    mask = (torch.arange(SEQ_LEN)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def gradient_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """max over parameters of ||g - g_ref|| / ||g_ref||."""
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        worst = max(worst, float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)))
+    return worst
+
+
+def one_device(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    reference = copy.deepcopy(model)
+    loss = reference(**batch).loss
+    loss.backward()
+    return reference, loss
+
+
+def test_gpt2_labels_with_the_hf_count_fn_equal_one_device(gpt2: torch.nn.Module) -> None:
+    model = copy.deepcopy(gpt2)
+    batch = padded_batch(EVEN)
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, weights=[2, 1, 1], count_fn=hf_count)
+    out = wrapped(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
+    assert wrapped.last_sizes == [4, 2, 2]
+    assert out.logits.shape == (8, SEQ_LEN, 64)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+def test_gpt2_weighted_by_samples_is_not_exact(gpt2: torch.nn.Module) -> None:
+    model = copy.deepcopy(gpt2)
+    batch = padded_batch(EVEN)
+    out = BalancedDataParallel(model, ["cpu"] * 3, weights=[2, 1, 1])(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
+    assert abs(out.loss.item() - ref_loss.item()) > 1e-4
+    assert gradient_error(model, reference) > 1e-2
+
+
+def test_gpt2_share_with_no_label_adds_nothing_and_no_nan(gpt2: torch.nn.Module) -> None:
+    model = copy.deepcopy(gpt2)
+    batch = padded_batch(LENGTHS)
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, count_fn=hf_count)
+    with wrapped.fixed_sizes([4, 2, 2]):  # device 2 gets the two one-token rows: no label
+        out = wrapped(**batch)
+    alone = copy.deepcopy(gpt2)(**{k: v[6:] for k, v in batch.items()}).loss
+    assert torch.isnan(alone)  # what that share's replica returns on its own
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+def test_gpt2_num_items_in_batch_summed_per_device_equals_one_device(
+    gpt2: torch.nn.Module,
+) -> None:
+    model = copy.deepcopy(gpt2)
+    batch = padded_batch(LENGTHS)
+    items = hf_count(**batch)  # the global count, passed whole to every replica
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, weights=[2, 1, 1], gather_output=False)
+    parts = wrapped(**batch, num_items_in_batch=items)
+    loss = sum(part.loss.to(parts.output_device) for part in parts.outputs)  # sums / count
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpt2_on_cuda_virtual_devices_with_the_hf_count_fn(gpt2: torch.nn.Module) -> None:
+    model = copy.deepcopy(gpt2).cuda()
+    batch = {k: v.cuda() for k, v in padded_batch(LENGTHS).items()}
+    wrapped = BalancedDataParallel(model, ["cuda:0"] * 3, count_fn=hf_count)
+    with wrapped.fixed_sizes([4, 2, 2]):
+        out = wrapped(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(copy.deepcopy(gpt2).cuda(), batch)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
