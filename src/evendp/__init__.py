@@ -22,6 +22,7 @@ from ._errors import EvendpError, NvmlUnavailableError, PlanError
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._oom import OomResplit
 from ._plan import DevicePlan, Plan, plan
+from ._predict import Predictions, predict
 from ._report import TrainReport
 from ._speed import SpeedBalancer, balance_sizes
 from ._split import split_sizes
@@ -34,6 +35,9 @@ __all__ = [
     "Scattered",
     "gather",
     "split_sizes",
+    # inference
+    "Predictions",
+    "predict",
     # many processes
     "EmptySafeCollate",
     "UnevenBatchSampler",
