@@ -34,6 +34,7 @@ class FakeGpu:
     free: int
     util: int | None = 0
     pids: list[tuple[int, int | None]] = field(default_factory=list)
+    bus: int | None = None  # PCI bus number; default: NVML enumeration position + 0x10
 
 
 class FakeNvml:
@@ -68,7 +69,11 @@ class FakeNvml:
 
     def nvmlDeviceGetPciInfo(self, gpu: FakeGpu) -> SimpleNamespace:
         assert self.gpus is not None
-        return SimpleNamespace(busId=self._s(f"00000000:{0x10 + self.gpus.index(gpu):02X}:00.0"))
+        bus = 0x10 + self.gpus.index(gpu) if gpu.bus is None else gpu.bus
+        return SimpleNamespace(busId=self._s(f"00000000:{bus:02X}:00.0"))
+
+    def nvmlDeviceGetUUID(self, gpu: FakeGpu) -> str | bytes:
+        return self._s(fake_uuid(gpu.name))
 
     def nvmlDeviceGetName(self, gpu: FakeGpu) -> str | bytes:
         return self._s(gpu.name)
@@ -83,6 +88,10 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, gpu: FakeGpu) -> list[SimpleNamespace]:
         return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in gpu.pids]
+
+
+def fake_uuid(name: str) -> str:
+    return f"GPU-{name.encode().hex()}-fake"
 
 
 def mixed_gpus(n: int) -> list[FakeGpu]:
@@ -111,6 +120,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
     )
     monkeypatch.setattr(devices_mod, "_load_nvml", lambda: stub)
     monkeypatch.setattr(devices_mod, "_cuda_initialized", lambda: False)
+    # A GPU host's real CUDA would see its own GPUs, not the stub's: ask no CUDA here.
+    monkeypatch.setattr(devices_mod, "_cuda_device_count", lambda: None)
     return stub
 
 
@@ -118,7 +129,14 @@ def test_list_devices_reads_every_field(fake: FakeNvml) -> None:
     got = list_devices()
     assert [d.index for d in got] == [0, 1, 2, 3]
     assert got[0] == DeviceInfo(
-        0, "00000000:10:00.0", "A", 16 * GiB, 2 * GiB, 90, (devices_mod.GpuProcess(42, 14 * GiB),)
+        0,
+        "00000000:10:00.0",
+        "A",
+        16 * GiB,
+        2 * GiB,
+        90,
+        (devices_mod.GpuProcess(42, 14 * GiB),),
+        fake_uuid("A"),
     )
     assert got[2].utilization is None
     assert got[0].used_memory == 14 * GiB
@@ -182,13 +200,13 @@ def test_select_devices_sets_environment_and_mapping(fake: FakeNvml) -> None:
     mapping = select_devices(count=2)
     assert mapping == {1: 0, 3: 1}
     assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{fake_uuid('B')},{fake_uuid('D')}"
 
 
 def test_select_devices_the_device_ids_trap(fake: FakeNvml) -> None:
     # Physical GPUs 2 and 3 become cuda:0 and cuda:1; device_ids=[2, 3] would be wrong.
     assert select_devices(gpu_ids=[2, 3]) == {2: 0, 3: 1}
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{fake_uuid('C')},{fake_uuid('D')}"
 
 
 def test_select_devices_refuses_after_cuda_init(
@@ -229,3 +247,84 @@ def test_parse_bytes(text: str | int, expected: int) -> None:
 def test_parse_bytes_rejects(bad: object) -> None:
     with pytest.raises(EvendpError):
         parse_bytes(bad)  # type: ignore[arg-type]
+
+
+# --- what CUDA really sees, schedulers, PCI order -------------------------------------------
+
+
+_REAL_CUDA_DEVICE_COUNT = devices_mod._cuda_device_count
+
+
+@pytest.fixture
+def cuda_sees(fake: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A CUDA build whose runtime reports ``cuda_sees[0]`` GPUs (set by the test)."""
+    seen = [0]
+    monkeypatch.setattr(devices_mod, "_cuda_device_count", _REAL_CUDA_DEVICE_COUNT)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: seen[0], raising=False)
+    return seen
+
+
+def test_select_devices_refuses_when_cuda_already_fixed_its_gpus(
+    fake: FakeNvml, cuda_sees: list[int]
+) -> None:
+    # torch.cuda.is_available() ran first: the driver kept all 4 GPUs visible, while
+    # torch.cuda.is_initialized() is still False. {2: 0, 3: 1} would run on GPUs 0 and 1.
+    cuda_sees[0] = 4
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    os.environ["CUDA_DEVICE_ORDER"] = "FASTEST_FIRST"
+    with pytest.raises(EvendpError, match=r"CUDA sees 4 GPU\(s\), not 2.*restored"):
+        select_devices(gpu_ids=[2, 3])
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
+def test_select_devices_passes_when_cuda_sees_the_chosen_gpus(
+    fake: FakeNvml, cuda_sees: list[int]
+) -> None:
+    cuda_sees[0] = 2
+    assert select_devices(gpu_ids=[2, 3]) == {2: 0, 3: 1}
+
+
+@pytest.mark.parametrize(
+    ("visible", "kwargs", "expected"),
+    [
+        ("0,2", {}, {2: 0, 0: 1}),  # freest first, within the scheduler's GPUs only
+        ("3,0", {"count": 1}, {3: 0}),
+        (f"{fake_uuid('C')},{fake_uuid('A')[:12]}", {}, {2: 0, 0: 1}),  # UUIDs, a prefix too
+        ("0,2", {"ids": [0]}, {0: 0}),
+    ],
+)
+def test_select_devices_chooses_within_a_scheduler_set_cuda_visible_devices(
+    fake: FakeNvml, visible: str, kwargs: dict[str, object], expected: dict[int, int]
+) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    assert select_devices(**kwargs) == expected  # type: ignore[arg-type]
+    chosen = {"0": "A", "1": "B", "2": "C", "3": "D"}
+    names = [chosen[str(p)] for p in expected]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(fake_uuid(n) for n in names)
+
+
+@pytest.mark.parametrize(
+    ("visible", "kwargs", "message"),
+    [
+        ("0,2", {"ids": [1]}, r"GPU 1 is outside CUDA_VISIBLE_DEVICES='0,2'"),
+        ("MIG-1234", {}, r"entry 'MIG-1234' names no single GPU"),
+        ("7", {}, r"entry '7' names no single GPU"),
+    ],
+)
+def test_select_devices_refuses_what_a_scheduler_set_variable_excludes(
+    fake: FakeNvml, visible: str, kwargs: dict[str, object], message: str
+) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    with pytest.raises(EvendpError, match=message):
+        select_devices(**kwargs)  # type: ignore[arg-type]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == visible
+
+
+def test_list_devices_numbers_gpus_in_pci_bus_order_not_nvml_order() -> None:
+    # NVML enumerates B (bus 0x40) before A (bus 0x20); nvidia-smi and CUDA with
+    # CUDA_DEVICE_ORDER=PCI_BUS_ID call A GPU 0.
+    gpus = [FakeGpu("B", GiB, GiB, bus=0x40), FakeGpu("A", GiB, GiB, bus=0x20)]
+    got = list_devices(FakeNvml(gpus))
+    assert [(d.index, d.name) for d in got] == [(0, "A"), (1, "B")]

@@ -7,7 +7,7 @@ import itertools
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evendp._ddp import UnevenBatchSampler, ddp_loss
+from evendp._distributed import ddp_loss
 from evendp._errors import EvendpError
+from evendp._sampler import UnevenBatchSampler
 from evendp._speed import SpeedBalancer, balance_sizes
 from tests._helpers import free_port
 
@@ -290,3 +291,38 @@ def test_gloo_gradient_stays_exact(gloo_run: dict[str, Any]) -> None:
 def test_gloo_does_not_oscillate(gloo_run: dict[str, Any]) -> None:
     changes = [step for step, _ in gloo_run["history"][1:]]
     assert sum(1 for s in changes if 6 <= s < SLOW_AT) <= 2
+
+
+class _FakeEvent:
+    """Records the stream each CUDA event is recorded on (no GPU needed)."""
+
+    streams: ClassVar[list[object]] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+
+    def record(self, stream: object = None) -> None:
+        _FakeEvent.streams.append(stream)
+
+
+@pytest.mark.parametrize("under_nccl", [False, True])
+def test_measure_times_the_ranks_own_gpu_stream(
+    monkeypatch: pytest.MonkeyPatch, under_nccl: bool
+) -> None:
+    # Rank 1 of a node never called set_device: the current device is still cuda:0.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.streams = []
+    if under_nccl:
+        import evendp._speed as speed
+
+        monkeypatch.setattr(speed, "comm_device", lambda group=None: torch.device("cuda", 1))
+    _, b = balancer_with([4, 4])
+    with b.measure(4):
+        pass
+    assert _FakeEvent.streams == [("stream", torch.device("cuda", 1))] * 2
+    assert b._samples == 4 and len(b._events) == 1

@@ -5,18 +5,14 @@ The public API is what ``__all__`` lists; everything else lives in private modul
 """
 
 from ._checkpoint import load_checkpoint, save_checkpoint
-from ._ddp import (
-    EmptySafeCollate,
-    UnevenBatchSampler,
-    batch_sizes_from_env,
+from ._devices import DeviceInfo, list_devices, select_devices
+from ._distributed import (
     ddp_loss,
     finish_distributed,
     global_count,
     global_mean,
     init_distributed,
-    parse_batch_sizes,
 )
-from ._devices import DeviceInfo, list_devices, select_devices
 from ._dp import BalancedDataParallel, ParallelCriterion, Scattered, gather
 from ._errors import EvendpError, NvmlUnavailableError, PlanError
 from ._memory import DeviceMemory, live_memory, parse_memory
@@ -24,6 +20,7 @@ from ._oom import OomResplit
 from ._plan import DevicePlan, Plan, plan
 from ._predict import Predictions, predict
 from ._report import TrainReport
+from ._sampler import EmptySafeCollate, UnevenBatchSampler, batch_sizes_from_env, parse_batch_sizes
 from ._speed import SpeedBalancer, balance_sizes
 from ._split import split_sizes
 from ._trainer import TrainConfig, Trainer

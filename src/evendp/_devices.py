@@ -11,6 +11,7 @@ NVML cannot run on a machine with no NVIDIA driver.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Sequence
@@ -41,7 +42,11 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """One physical GPU as NVML reports it; ``index`` is the NVML (PCI bus) order.
+    """One physical GPU as NVML reports it; ``index`` is its place in PCI bus order.
+
+    PCI bus order is how ``nvidia-smi`` and CUDA with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` number
+    GPUs; NVML's own enumeration order usually matches it but need not. ``uuid`` is NVML's
+    ``GPU-...`` identifier ("" where unknown), the one name no ordering changes.
 
     >>> d = DeviceInfo(0, "00000000:17:00.0", "NVIDIA A100", total_memory=80 << 30,
     ...                free_memory=60 << 30, utilization=35)
@@ -56,6 +61,7 @@ class DeviceInfo:
     free_memory: int
     utilization: int | None = None
     processes: tuple[GpuProcess, ...] = field(default_factory=tuple)
+    uuid: str = ""
 
     @property
     def used_memory(self) -> int:
@@ -76,7 +82,7 @@ def _text(value: str | bytes) -> str:
 
 
 def list_devices(nvml: Any = None) -> list[DeviceInfo]:
-    """Every GPU NVML sees, in NVML (PCI bus) order; creates no CUDA context.
+    """Every GPU NVML sees, in PCI bus order (``index`` counts in it); creates no CUDA context.
 
     ``nvml`` defaults to the ``pynvml`` module; pass an object with the same functions to
     substitute it. Raises :class:`NvmlUnavailableError` when there is no NVIDIA driver.
@@ -109,6 +115,10 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
             processes = tuple(
                 GpuProcess(int(p.pid), getattr(p, "usedGpuMemory", None)) for p in running
             )
+            try:
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            except nvml.NVMLError:
+                uuid = ""
             devices.append(
                 DeviceInfo(
                     index=index,
@@ -118,9 +128,12 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
                     free_memory=int(memory.free),
                     utilization=utilization,
                     processes=processes,
+                    uuid=uuid,
                 )
             )
-        return devices
+        # Bus ids are fixed-width hex ("00000000:17:00.0"): sorting the text sorts the buses.
+        devices.sort(key=lambda d: d.pci_bus_id.lower())
+        return [dataclasses.replace(d, index=i) for i, d in enumerate(devices)]
     finally:
         nvml.nvmlShutdown()
 
@@ -178,15 +191,17 @@ def _validate_selection(
     """Raise :class:`EvendpError` naming a bad ``count`` or ``ids`` and the fix."""
     if count is not None and ids is not None:
         raise EvendpError(
-            f"pass either count ({count!r}) or ids ({list(ids)!r}), not both; "
-            "ids already fixes how many devices are used"
+            f"pass either count ({count!r}) or gpu_ids ({list(ids)!r}), not both; "
+            "gpu_ids already fixes how many devices are used"
         )
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise EvendpError(f"count must be a positive int, got {count!r}")
     if ids is not None:
         ids = list(ids)
         if not ids:
-            raise EvendpError("ids is empty; pass physical GPU ids such as [2, 3], or use count")
+            raise EvendpError(
+                "gpu_ids is empty; pass physical GPU ids such as [2, 3], or use count"
+            )
         known = {d.index for d in devices}
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or i not in known:
@@ -195,7 +210,7 @@ def _validate_selection(
                     f"{sorted(known)} (see `evendp devices`)"
                 )
         if len(set(ids)) != len(ids):
-            raise EvendpError(f"ids {ids!r} repeat a GPU; list each physical id once")
+            raise EvendpError(f"gpu_ids {ids!r} repeat a GPU; list each physical id once")
 
 
 def choose_devices(
@@ -253,6 +268,59 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())
 
 
+def _cuda_device_count() -> int | None:
+    """How many GPUs CUDA itself sees now (``None`` for a torch built without CUDA).
+
+    Asks the CUDA runtime, not ``torch.cuda.device_count()`` (which answers from NVML and
+    ``CUDA_VISIBLE_DEVICES`` before CUDA starts): once anything started the driver, e.g.
+    ``torch.cuda.is_available()``, the runtime keeps the GPUs that were visible then, while
+    ``torch.cuda.is_initialized()`` still says False.
+    """
+    import torch
+
+    if not torch.cuda._is_compiled():
+        return None
+    return int(torch._C._cuda_getDeviceCount())
+
+
+_ORDER, _VISIBLE = "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"
+
+
+def _allowed(devices: list[DeviceInfo], visible: str | None) -> list[DeviceInfo]:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` set before the call (a scheduler's) allows.
+
+    Entries are physical ids (in PCI bus order, as schedulers number GPUs) or ``GPU-`` UUIDs
+    (or a unique prefix of one, as CUDA accepts).
+    """
+    if visible is None:
+        return devices
+    allowed: list[DeviceInfo] = []
+    for entry in (e.strip() for e in visible.split(",") if e.strip()):
+        if entry.isdigit():
+            match = [d for d in devices if d.index == int(entry)]
+        elif entry.startswith("GPU-"):
+            match = [d for d in devices if d.uuid and d.uuid.startswith(entry)]
+        else:
+            match = []
+        if len(match) != 1:
+            raise EvendpError(
+                f"CUDA_VISIBLE_DEVICES={visible!r} was set before select_devices (by a "
+                f"scheduler?) and its entry {entry!r} names no single GPU of this machine; "
+                "select_devices chooses within it, so it must list physical ids or GPU UUIDs "
+                "(see `evendp devices`), or unset it"
+            )
+        allowed.append(match[0])
+    return allowed
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def select_devices(
     count: int | None = None,
     gpu_ids: Sequence[int] | None = None,
@@ -267,8 +335,12 @@ def select_devices(
     exactly the physical ``gpu_ids`` in the given order, then sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
     (so CUDA numbers GPUs like ``nvidia-smi`` does) and ``CUDA_VISIBLE_DEVICES``. After the
     call, physical GPU ``p`` is ``cuda:{mapping[p]}``: use the logical ids in
-    ``device_ids``. Must run before CUDA starts; raises :class:`EvendpError` otherwise.
-    Overwrites any ``CUDA_VISIBLE_DEVICES`` already set.
+    ``device_ids``. GPUs are named by UUID in ``CUDA_VISIBLE_DEVICES`` where NVML gives one
+    (no ordering can then mix them up). Must run before CUDA starts: after setting the
+    variables it asks CUDA how many GPUs it sees, and on a mismatch (something, e.g.
+    ``torch.cuda.is_available()``, started CUDA earlier) restores them and raises
+    :class:`EvendpError`. A ``CUDA_VISIBLE_DEVICES`` set before the call (by a scheduler) is
+    kept as the limit: the choice is made among the GPUs it lists.
 
     With no NVIDIA driver, ``gpu_ids`` are taken as given (nothing to check them against) and
     ``count``/``min_free`` raise :class:`EvendpError`.
@@ -296,6 +368,7 @@ def select_devices(
             "of the script, before any torch.cuda call or .cuda()/.to('cuda'), or set it in "
             "the shell: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=2,3 python train.py"
         )
+    saved = {key: os.environ.get(key) for key in (_ORDER, _VISIBLE)}
     try:
         devices = list_devices(nvml)
     except NvmlUnavailableError as exc:
@@ -306,8 +379,36 @@ def select_devices(
             ) from exc
         physical = list(ids)
         _validate_selection([DeviceInfo(i, "", "", 0, 0) for i in physical], None, physical)
+        names = [str(p) for p in physical]
+        driver = False
     else:
-        physical = [d.index for d in choose_devices(devices, count, ids, min_free)]
-    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(p) for p in physical)
+        driver = True
+        allowed = _allowed(devices, saved[_VISIBLE])
+        hidden = {d.index for d in devices} - {d.index for d in allowed}
+        outside = [i for i in ids or [] if i in hidden]
+        if outside:
+            raise EvendpError(
+                f"GPU {outside[0]} is outside CUDA_VISIBLE_DEVICES={saved[_VISIBLE]!r}, set "
+                f"before the call (by a scheduler?); choose among physical ids "
+                f"{[d.index for d in allowed]}"
+            )
+        chosen = choose_devices(allowed, count, ids, min_free)
+        physical = [d.index for d in chosen]
+        # UUIDs name the same GPUs whatever order CUDA numbers them in.
+        names = [d.uuid or str(d.index) for d in chosen]
+    os.environ[_ORDER] = "PCI_BUS_ID"
+    os.environ[_VISIBLE] = ",".join(names)
+    # Without a driver there is nothing CUDA could see; with one, check what it really sees.
+    seen = _cuda_device_count() if driver else None
+    if seen is not None and seen != len(physical):
+        _restore(saved)
+        raise EvendpError(
+            f"after setting CUDA_VISIBLE_DEVICES to GPUs {physical}, CUDA sees {seen} GPU(s), "
+            f"not {len(physical)}: CUDA already started in this process (torch.cuda."
+            "is_available() or device_count() starts it, while torch.cuda.is_initialized() "
+            "stays False), so the variable no longer changes which GPUs it uses; the "
+            "variables are restored. Call evendp.select_devices(...) before any torch.cuda "
+            "call, or set them in the shell: CUDA_DEVICE_ORDER=PCI_BUS_ID "
+            "CUDA_VISIBLE_DEVICES=2,3 python train.py"
+        )
     return {p: logical for logical, p in enumerate(physical)}

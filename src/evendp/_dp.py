@@ -32,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._deprecation import UNSET, renamed_argument, warn_renamed
 from ._errors import EvendpError
+from ._oom import is_oom_error
 from ._replicate import parallel_apply, replicate
 from ._scatter import batch_size, batch_size_and_devices, combine_means, gather_outputs, scatter
 from ._split import _validate_weights, split_sizes
@@ -120,7 +121,8 @@ class BalancedDataParallel(nn.Module):
     averaged the same way: return a mean, or use ``gather_output=False`` with
     ``ParallelCriterion(..., reduction="sum")``.)
 
-    A ``torch.OutOfMemoryError`` raised in a replica's forward propagates unchanged, with the
+    An out-of-memory error raised in a replica's forward (``torch.OutOfMemoryError``, or a
+    library's allocation failure) propagates unchanged, with the
     attribute ``evendp_device_index`` naming the entry of ``device_ids`` that ran out.
 
     Not exact by construction: BatchNorm in training mode normalizes each share with its own
@@ -325,11 +327,14 @@ class BalancedDataParallel(nn.Module):
     ) -> list[Any]:
         try:
             return parallel_apply(replicas, shards, devices)
-        except torch.OutOfMemoryError as error:
-            # Say which entry of device_ids ran out, so a caller can shrink that share only.
-            error.evendp_device_index = active[getattr(error, "evendp_replica", 0)]  # type: ignore[attr-defined]
-            raise
-        except ValueError as error:
+        except (RuntimeError, ValueError) as error:
+            if is_oom_error(error):
+                # Say which entry of device_ids ran out, so a caller can shrink that share only
+                # (also for cuBLAS/cuDNN allocation failures, which are plain RuntimeErrors).
+                error.evendp_device_index = active[getattr(error, "evendp_replica", 0)]  # type: ignore[union-attr]
+                raise
+            if not isinstance(error, ValueError):
+                raise
             index = active[getattr(error, "evendp_replica", 0)]
             share = self.last_sizes[index]
             if _BATCHNORM_ONE_VALUE not in str(error) or share == total:

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._ddp import ENV_BATCH_SIZES, parse_batch_sizes
 from ._deprecation import UNSET, renamed_argument
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._errors import EvendpError
 from ._memory import DeviceMemory, parse_memory
+from ._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from ._speed import ENV_BATCH_CAPS
 from ._split import split_sizes
 from ._validate import validate_int

@@ -25,15 +25,37 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._ddp import _world_size, comm_device
+from ._distributed import comm_device, world_size
 from ._errors import EvendpError
 
-__all__ = ["OomResplit", "all_reduce_gradients"]
+__all__ = ["OomResplit", "all_reduce_gradients", "is_oom_error"]
+
+# Out-of-memory reported as a plain RuntimeError by libraries that allocate on their own:
+# cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE workspaces ("CUBLAS_STATUS_ALLOC_FAILED",
+# "CUDNN_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED"), the CUDA runtime ("CUDA error: out of
+# memory") and NCCL ("Cuda failure 'out of memory'").
+_OOM_MESSAGE = re.compile(r"_ALLOC_FAILED|out of memory", re.IGNORECASE)
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """Whether ``error`` means a device ran out of memory: by type first, message as fallback.
+
+    >>> is_oom_error(torch.OutOfMemoryError("CUDA out of memory"))
+    True
+    >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
+    True
+    >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    False
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and _OOM_MESSAGE.search(str(error)) is not None
 
 
 def _default_backward(loss: torch.Tensor) -> None:
@@ -117,7 +139,7 @@ class OomResplit:
         self.micro_batch_sizes = [value] * len(self.micro_batch_sizes)
 
     def _distributed(self) -> bool:
-        return _world_size(self.group) > 1
+        return world_size(self.group) > 1
 
     def run(
         self,
@@ -225,8 +247,8 @@ class OomResplit:
                     shares, sizes, chunk_loss, weight, backward, min_micro_steps
                 )
                 break
-            except torch.OutOfMemoryError as error:
-                if not self.catch:
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not (self.catch and is_oom_error(error)):
                     raise
                 device = getattr(error, "evendp_device_index", None)
             # Handled here, outside the except block, so the failed graph's frames are freed.
@@ -306,7 +328,7 @@ def all_reduce_gradients(
     >>> p.grad
     tensor([3., 3.])
     """
-    world = _world_size(group)
+    world = world_size(group)
     if world == 1:
         return
     params = [p for p in parameters if p.requires_grad]

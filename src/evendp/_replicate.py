@@ -3,7 +3,9 @@
 Works the same for real CUDA devices and for *virtual* devices (the same device listed more
 than once, e.g. ``["cpu", "cpu", "cpu"]``): a parameter copy is ``param.to(device)``, which is
 differentiable and, on the same device, is the parameter itself, so every replica's gradient
-flows back into the one original parameter.
+flows back into the one original parameter. Copies to distinct GPUs go through PyTorch's
+coalesced broadcast instead (as ``nn.DataParallel`` does: few large copies, one autograd node
+whose backward sums the gradients with ``ReduceAddCoalesced``), not one ``.to()`` per tensor.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
         return []
     originals = list(module.modules())
     position = {id(m): i for i, m in enumerate(originals)}
+    broadcast = _coalesced_copies(originals, devices, detach)
     replicas = []
     for device in devices:
         copies = [m._replicate_for_data_parallel() for m in originals]
         # A parameter shared by two modules (tied embeddings) is copied once per device.
-        param_copies: dict[int, torch.Tensor] = {}
+        param_copies: dict[int, torch.Tensor] = dict(broadcast.get(device, {}))
         for original, copy in zip(originals, copies, strict=True):
             for name, child in original._modules.items():
                 copy._modules[name] = None if child is None else copies[position[id(child)]]
@@ -56,6 +59,74 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
                 copy._buffers[name] = None if buf is None else _buffer_copy(buf, device)
         replicas.append(copies[0])
     return replicas
+
+
+def _unique_params(originals: list[nn.Module]) -> list[torch.Tensor]:
+    """Every parameter once (a tied one only once), in module order."""
+    seen: dict[int, torch.Tensor] = {}
+    for m in originals:
+        for param in m._parameters.values():
+            if param is not None:
+                seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _coalesced_copies(
+    originals: list[nn.Module], devices: Sequence[torch.device], detach: bool
+) -> dict[torch.device, dict[int, torch.Tensor]]:
+    """``{device: {id(param): copy}}`` from one coalesced broadcast to the other distinct GPUs.
+
+    Only when every parameter sits on one GPU and the targets are distinct GPUs: repeated
+    (virtual) devices and the CPU keep ``param.to(device)``, which on the parameter's own
+    device is the parameter itself.
+    """
+    params = _unique_params(originals)
+    targets = _broadcast_targets([p.device for p in params], devices)
+    if targets is None:
+        return {}
+    per_device = _broadcast(params, targets, detach)
+    # The source comes first, as torch's broadcast wants; its own "copies" are not used.
+    return {
+        device: {id(p): c for p, c in zip(params, copies, strict=True)}
+        for device, copies in zip(targets[1:], per_device[1:], strict=True)
+    }
+
+
+def _broadcast_targets(
+    param_devices: Sequence[torch.device], devices: Sequence[torch.device]
+) -> list[torch.device] | None:
+    """``[source, *other targets]`` for one coalesced broadcast, or ``None`` where it does not
+    apply: parameters not all on one GPU, a repeated (virtual) device, a CPU target, or no
+    target other than the source.
+
+    >>> cuda = [torch.device("cuda", i) for i in range(3)]
+    >>> _broadcast_targets([cuda[0]], cuda[1:])
+    [device(type='cuda', index=0), device(type='cuda', index=1), device(type='cuda', index=2)]
+    >>> _broadcast_targets([cuda[0]], [cuda[1], cuda[1]]) is None
+    True
+    """
+    if not param_devices or len(set(param_devices)) != 1:
+        return None
+    source = param_devices[0]
+    devices = [torch.device(d) for d in devices]
+    others = [d for d in devices if d != source]
+    if (
+        source.type != "cuda"
+        or len(set(devices)) != len(devices)
+        or any(d.type != "cuda" for d in others)
+        or not others
+    ):
+        return None
+    return [source, *others]
+
+
+def _broadcast(
+    params: list[torch.Tensor], targets: list[torch.device], detach: bool
+) -> list[list[torch.Tensor]]:
+    """Per target, copies of ``params``: PyTorch's own coalesced replicate copy (GPU only)."""
+    from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
+
+    return [list(c) for c in _broadcast_coalesced_reshape(params, targets, detach)]
 
 
 def _param_copy(param: torch.Tensor, device: torch.device, detach: bool) -> torch.Tensor:
@@ -81,11 +152,12 @@ def parallel_apply(
     >>> [o.item() for o in out]
     [1.0, 1.0]
     """
-    if len(modules) == 1:  # the caller's own thread: its state is already in force
-        args, kwargs = shards[0]
-        return [modules[0](*args, **kwargs)]
     devices = [torch.device(d) for d in devices]
     state = _ThreadState(devices)
+    if len(modules) == 1:  # the caller's own thread, but on the replica's device and stream
+        args, kwargs = shards[0]
+        with state.enter(0):
+            return [modules[0](*args, **kwargs)]
 
     results: list[Any] = [None] * len(modules)
     errors: list[BaseException | None] = [None] * len(modules)

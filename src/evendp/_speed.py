@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ._ddp import _world_size, comm_device
+from ._distributed import comm_device, rank_cuda_device, world_size
 from ._errors import EvendpError
 
 __all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
@@ -208,7 +208,7 @@ class SpeedBalancer:
     speed never moves a rank past its memory; with that variable unset there is no limit.
     ``min_size`` keeps every rank busy enough to be measured.
 
-    >>> from evendp._ddp import UnevenBatchSampler
+    >>> from evendp._sampler import UnevenBatchSampler
     >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
     >>> balancer = SpeedBalancer(sampler, warmup=2)
     >>> balancer._set_timings([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
@@ -270,15 +270,23 @@ class SpeedBalancer:
         # --- GPU-only path. CUDA runs asynchronously, so a host timer would see only the
         # launches; events time the device work without stalling the host every step, and
         # are read (one wait) when the timings are exchanged.
+        # On the rank's own GPU's stream: the current device may still be cuda:0 on a rank
+        # that never called set_device, whose events would time another rank's work (~0 s).
+        stream = torch.cuda.current_stream(self._timing_device())
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        begin.record()
+        begin.record(stream)
         try:
             yield
         finally:
-            end.record()
+            end.record(stream)
             self._events.append((begin, end))
             self._samples += int(samples)
+
+    def _timing_device(self) -> torch.device:
+        """The GPU this rank computes on: its communication device under NCCL, else its own."""
+        device = comm_device(self.group)
+        return device if device.type == "cuda" else rank_cuda_device()
 
     def record(self, seconds: float, samples: int) -> None:
         """Add ``seconds`` of compute for ``samples`` samples to this step (manual timing)."""
@@ -300,7 +308,7 @@ class SpeedBalancer:
         """Every rank's ``(seconds, samples)`` since the last exchange."""
         if self._fake is not None:
             return [(float(s), float(n)) for s, n in self._fake]
-        world = _world_size(self.group)
+        world = world_size(self.group)
         if world == 1:
             return [(self._seconds, float(self._samples))]
         local = torch.tensor(

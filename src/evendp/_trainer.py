@@ -41,11 +41,12 @@ from ._checkpoint import (
     save_checkpoint,
     save_rank_rng,
 )
-from ._ddp import EmptySafeCollate, UnevenBatchSampler, comm_device
+from ._distributed import comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._oom import OomResplit, all_reduce_gradients
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
+from ._sampler import EmptySafeCollate, UnevenBatchSampler
 from ._scatter import batch_size, map_tensors, to_device
 from ._split import split_sizes
 

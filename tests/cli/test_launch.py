@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import evendp._devices as devices_mod
-from evendp._ddp import UnevenBatchSampler
+from evendp._sampler import UnevenBatchSampler
 from evendp.cli import main
 from tests.test_devices import FakeNvml
 

@@ -11,6 +11,7 @@ import torch
 
 from evendp.cli import main
 
+CPU3 = ["--devices", "cpu,cpu,cpu"]  # what the demo runs where no GPU exists; never a GPU
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "200000"]
 
 
@@ -23,13 +24,16 @@ def keep_threads() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """One 60-step CPU run of the default virtual devices, shared by the checks below."""
+    """One 60-step run on three virtual CPU devices, shared by the checks below.
+
+    ``--devices cpu,cpu,cpu`` (the default only where CUDA is absent) keeps it on the CPU on
+    a GPU host too, where the default would be every GPU."""
     out = tmp_path_factory.mktemp("demo")
     capture = out / "stdout.txt"
     import contextlib
 
     with capture.open("w") as f, contextlib.redirect_stdout(f):
-        code = main(["train", "--steps", "60", "--out", str(out), "--no-progress", *SMALL])
+        code = main(["train", "--steps", "60", "--out", str(out), "--no-progress", *CPU3, *SMALL])
     assert code == 0
     return out, capture.read_text()
 
@@ -62,7 +66,7 @@ def test_resume_continues_the_run(demo: tuple[Path, str]) -> None:
     before = json.loads((out / "report.json").read_text())["losses"]
     code = main(
         ["train", "--steps", "65", "--resume", "--out", str(out), "--no-progress", "--no-plan",
-         *SMALL]
+         *CPU3, *SMALL]
     )  # fmt: skip
     assert code == 0
     after = json.loads((out / "report.json").read_text())
@@ -100,7 +104,7 @@ def test_bad_input_exits_2_with_a_clear_message(
         (bad / "ckpt.pt").write_bytes(b"garbage")
         argv = ["--resume", "--out", str(bad)]
         message = "unreadable"
-    common = ["--steps", "2", "--out", str(tmp_path / "out"), "--no-progress", "--no-plan"]
+    common = ["--steps", "2", "--out", str(tmp_path / "out"), "--no-progress", "--no-plan", *CPU3]
     code = main(["train", *common, *SMALL, *argv])  # argv last: its values win
     assert code == 2
     assert message in capsys.readouterr().err
@@ -188,3 +192,17 @@ def test_ddp_devices_reach_the_launch_plan(
 def test_ddp_rejects_mixed_devices(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--mode", "ddp", "--devices", "cpu,1"]) == 2
     assert "cpu,cpu for CPU ranks" in capsys.readouterr().err
+
+
+def test_cpu_devices_keep_the_demo_on_the_cpu_on_a_gpu_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A GPU host as the CLI sees it (the default --devices would be every GPU): with
+    # --devices cpu,cpu,cpu, as the fixtures above pass, nothing touches CUDA, which on this
+    # CPU build would raise "Torch not compiled with CUDA enabled".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    argv = ["train", "--steps", "1", "--out", str(tmp_path), "--no-progress", "--no-plan"]
+    assert main([*argv, *CPU3, *SMALL]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [d["name"] for d in report["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]

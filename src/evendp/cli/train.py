@@ -288,8 +288,9 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
 def _run_ddp_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from evendp._ddp import batch_sizes_from_env, finish_distributed, init_distributed
+    from evendp._distributed import finish_distributed, init_distributed
     from evendp._report import write_report
+    from evendp._sampler import batch_sizes_from_env
     from evendp._split import split_sizes
     from evendp._trainer import TrainConfig, Trainer
 

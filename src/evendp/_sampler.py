@@ -1,28 +1,20 @@
-"""Multi-process data parallelism with a different batch size on every rank, exact gradients.
+"""Per-rank batches of different sizes for DDP/FSDP2: the sampler, its collate, its sizes.
 
-Two pieces, used together under ``torchrun`` with DDP or FSDP2:
-
-* :class:`UnevenBatchSampler` gives rank ``r`` batches of ``batch_sizes[r]`` indices. All ranks
-  walk ONE global permutation (seeded by ``seed + epoch``, identical everywhere) with one global
-  cursor: a step consumes ``B = sum(batch_sizes)`` indices and rank ``r`` takes the slice at
-  offset ``sum(batch_sizes[:r])``. So every rank yields the same number of steps and every index
-  appears exactly once per epoch. The final, partial step of ``R < B`` indices is split in
-  proportion with :func:`evendp._split.split_sizes`.
-* :func:`ddp_loss` scales a rank's summed loss so that DDP's (or FSDP2's) gradient averaging,
-  which divides by the number of ranks, yields the gradient of the global mean over samples.
-
-Why the scale: DDP computes ``(1/W) * sum_r grad(L_r)``. With ``L_r = S_r * W / N`` (``S_r`` the
-rank's summed loss, ``N`` the global count) that is ``sum_r grad(S_r) / N``, the gradient of
-the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean instead gives
-``(1/W) * sum_r grad(S_r) / n_r``, which over-weights the samples of small ranks.
+:class:`UnevenBatchSampler` gives rank ``r`` batches of ``batch_sizes[r]`` indices. All ranks
+walk ONE global permutation (seeded by ``seed + epoch``, identical everywhere) with one global
+cursor: a step consumes ``B = sum(batch_sizes)`` indices and rank ``r`` takes the slice at
+offset ``sum(batch_sizes[:r])``. So every rank yields the same number of steps and every index
+appears exactly once per epoch. The final, partial step of ``R < B`` indices is split in
+proportion with :func:`evendp._split.split_sizes`. :class:`EmptySafeCollate` gives a rank with
+no samples a real, empty batch; :func:`parse_batch_sizes` and :func:`batch_sizes_from_env` read
+the sizes ``evendp launch`` passes. Scaling the loss so the gradient stays exact is
+:func:`evendp._distributed.ddp_loss`'s job; nothing here needs a process group.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,11 +30,6 @@ __all__ = [
     "EmptySafeCollate",
     "UnevenBatchSampler",
     "batch_sizes_from_env",
-    "ddp_loss",
-    "finish_distributed",
-    "global_count",
-    "global_mean",
-    "init_distributed",
     "parse_batch_sizes",
 ]
 
@@ -427,210 +414,3 @@ class EmptySafeCollate:
         if self._empty is None:
             self._empty = _empty_like_batch(self.collate_fn([self.dataset[0]]))
         return self._empty
-
-
-# ---------------------------------------------------------------------------------------------
-# The loss
-
-
-def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor must sit to be communicated: NCCL moves CUDA tensors, gloo CPU ones."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _world_size(group: dist.ProcessGroup | None) -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    return 1
-
-
-def _count_tensor(count: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    """``count`` as a fresh tensor (never the caller's: all-reduce works in place)."""
-    if isinstance(count, torch.Tensor):
-        t = count.detach().to(device=device)
-        dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
-        return t.to(dtype=dtype, copy=True)
-    if isinstance(count, bool) or not isinstance(count, numbers.Real):
-        raise EvendpError(f"count must be an int, float or tensor, got {count!r}")
-    if count < 0:
-        raise EvendpError(f"count must be >= 0 (samples or tokens), got {count!r}")
-    dtype = torch.int64 if isinstance(count, numbers.Integral) else torch.float64
-    return torch.tensor(count, dtype=dtype, device=device)
-
-
-def global_count(
-    local_count: torch.Tensor | float,
-    device: torch.device | str | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """The sum of ``local_count`` over all ranks (one all-reduce; no process group: itself).
-
-    For gradient accumulation: count the samples (or tokens) of ALL of a step's micro-batches,
-    call this once, and pass the result as ``global_count`` to every micro-step's
-    :func:`ddp_loss`. ``device`` defaults to CUDA's current device when the backend is NCCL.
-
-    >>> global_count(7)
-    tensor(7)
-    """
-    total = _count_tensor(local_count, torch.device(device or comm_device(group)))
-    if _world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
-
-
-def ddp_loss(
-    local_sum: torch.Tensor,
-    local_count: torch.Tensor | float,
-    global_count: torch.Tensor | float | None = None,
-    *,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """The loss to ``backward()`` so DDP's/FSDP2's averaged gradient is the global-mean gradient.
-
-    ``local_sum`` is this rank's loss summed over its samples (e.g. ``cross_entropy(...,
-    reduction="sum")``), ``local_count`` how many samples (or non-ignored tokens) it summed.
-    Returns ``local_sum * world_size / global_count``, where ``global_count`` is the sum of
-    ``local_count`` over ranks, all-reduced here when not given. A rank with no samples still
-    runs forward on its empty batch, so its ``local_sum`` is a zero connected to every
-    parameter and DDP sees a gradient for each. A ``global_count`` of 0 (no samples anywhere)
-    gives a zero loss. It assumes the default averaging over ``world_size`` ranks of ``group``.
-
-    >>> out = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
-    >>> ddp_loss(out.sum(), 3)  # one process: the plain mean
-    tensor(2., grad_fn=<MulBackward0>)
-    >>> ddp_loss(out.sum(), 3, global_count=6)  # 3 of 6 samples, world_size 1 here
-    tensor(1., grad_fn=<MulBackward0>)
-    """
-    if not isinstance(local_sum, torch.Tensor):
-        raise EvendpError(
-            f"local_sum must be a tensor (the summed loss of this rank), got {local_sum!r}"
-        )
-    world = _world_size(group)
-    # At least fp32, so a bf16 sum is scaled without bf16 round-off.
-    loss = local_sum if local_sum.dtype in (torch.float32, torch.float64) else local_sum.float()
-    if isinstance(global_count, numbers.Real) and not isinstance(global_count, bool):
-        # A plain number: one multiply, no tensors to build (this runs every step).
-        total_n = float(global_count)
-        if not total_n >= 0:  # also catches NaN
-            raise EvendpError(f"global_count must be >= 0, got {global_count!r}")
-        return loss * (world / total_n if total_n > 0 else 0.0)
-    if global_count is None:
-        total = _count_tensor(local_count, local_sum.device)
-        if world > 1:
-            dist.all_reduce(total, group=group)
-    else:
-        total = _count_tensor(global_count, local_sum.device)
-    total = total.to(torch.float64)
-    # Zero samples everywhere means local_sum is 0 too: divide by 1 instead of 0, no host sync.
-    total = total + (total == 0)
-    # The scale in float64, then the loss's dtype: a float64 count must not promote fp32 to fp64.
-    return loss * (world / total).to(loss.dtype)
-
-
-def global_mean(
-    local_sum: torch.Tensor,
-    local_count: torch.Tensor | float,
-    *,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """The true mean loss over all ranks' samples, detached, for logging (one all-reduce).
-
-    Sums ``local_sum`` and ``local_count`` over ranks and divides; every rank gets the same
-    value. NaN when no rank had a sample.
-
-    >>> global_mean(torch.tensor(6.0), 4)
-    tensor(1.5000)
-    """
-    pair = torch.stack(
-        [
-            local_sum.detach().to(torch.float64).reshape(()),
-            _count_tensor(local_count, local_sum.device).to(torch.float64).reshape(()),
-        ]
-    )  # (2,): sum, count
-    if _world_size(group) > 1:
-        dist.all_reduce(pair, group=group)
-    return (pair[0] / pair[1]).to(local_sum.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Starting a rank
-
-
-def _validate_backend(backend: str | None) -> None:
-    if backend not in (None, "gloo", "nccl"):
-        raise EvendpError(
-            f"backend={backend!r} is not supported; expected 'nccl' (GPU ranks), 'gloo' (CPU "
-            "ranks) or None to choose by whether CUDA has a device for every local rank"
-        )
-
-
-def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
-    """Start the default process group of a ``torchrun`` rank; return the rank's device.
-
-    ``backend=None`` picks NCCL and ``cuda:LOCAL_RANK`` (made the current device) when CUDA
-    has a device for every local rank, else gloo and the CPU; ``"gloo"`` keeps CPU ranks on
-    a GPU machine. Other keyword arguments go to ``torch.distributed.init_process_group``.
-
-    End the run with :func:`finish_distributed`. Why not call ``init_process_group``
-    directly: importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
-    ``torch.compile`` import it on first use) binds that group into default arguments for
-    good, so ``destroy_process_group`` cannot free it; gloo's threads are then torn down
-    during interpreter exit, which aborts the process ("terminate called without an active
-    exception", exit -6) after a run that succeeded, about once in thirty runs here (torch
-    2.13). Importing it first, before the group exists, avoids that.
-
-    >>> import torch.distributed as dist
-    >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    device(type='cpu')
-    >>> dist.get_backend()
-    'gloo'
-    >>> dist.destroy_process_group()
-    """
-    _validate_backend(backend)
-    import torch.distributed.fsdp  # before the group exists: see above
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-        backend = "nccl" if use_cuda else "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":  # --- GPU-only: one device per local rank
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, **kwargs)
-    return device
-
-
-# Time given to gloo's worker threads to drop finished collectives before the group goes.
-_WORKER_GRACE_S = 0.05
-
-
-def finish_distributed() -> None:
-    """End a successful run: wait for every rank, then destroy the default process group.
-
-    Call it on every rank once training is done (not on an error path: a rank that failed
-    never reaches the barrier). Why not ``destroy_process_group()`` alone: gloo drops each
-    finished collective on one of its worker threads, and when the collective's tensors came
-    from Python that needs the GIL. The group's destructor joins those threads while holding
-    the GIL, so a worker still dropping the last collective deadlocks the exit (seen with
-    ranks pinned to one core each, where the worker gets no time before the join). So: a
-    barrier (every rank is done), a short sleep with the GIL released (the workers finish
-    dropping what they hold, the barrier included), then the destroy.
-
-    >>> import torch.distributed as dist
-    >>> _ = init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> finish_distributed()
-    >>> dist.is_initialized()
-    False
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise EvendpError(
-            "finish_distributed() found no process group; start one with init_distributed() "
-            "(or dist.init_process_group) first, or drop the call"
-        )
-    dist.barrier()
-    time.sleep(_WORKER_GRACE_S)
-    dist.destroy_process_group()
