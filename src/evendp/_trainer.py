@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -44,11 +44,13 @@ from ._checkpoint import (
 from ._distributed import comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
+from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._oom import OomResplit, all_reduce_gradients
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
 from ._sampler import EmptySafeCollate, UnevenBatchSampler
 from ._scatter import batch_size, map_tensors, to_device
 from ._split import split_sizes
+from ._validate import validate_int
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -85,6 +87,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum"):
@@ -101,6 +104,7 @@ class TrainConfig:
             raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
         if self.strategy not in ("ddp", "fsdp2"):
             raise EvendpError(f"strategy must be 'ddp' or 'fsdp2', got {self.strategy!r}")
+        validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -204,6 +208,13 @@ class Trainer:
         weights: per-device weights for the split (``None``: even).
         loss_fn: ``loss_fn(model, batch) -> mean loss``; default :func:`default_loss`.
         optimizer, scheduler: default AdamW(lr, weight_decay) and none.
+        eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
+            the last step (``eval_every=0``: only then), in order, every sample exactly once
+            over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
+            Results: ``TrainReport.eval``, the progress bar, ``report.json`` and the PNG.
+        eval_fn: ``eval_fn(model, batch) -> {name: (sum, count)}``; each metric is
+            ``total sum / total count``, exactly one device's over the whole set. Default:
+            ``{"loss": (loss_fn's mean x count, count)}``, the count being the samples.
 
     >>> from evendp.examples.stdlib_text import CharWindows
     >>> torch.manual_seed(0) and None
@@ -233,6 +244,8 @@ class Trainer:
         loss_fn: LossFn = default_loss,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any | None = None,
+        eval_data: Dataset[Any] | None = None,
+        eval_fn: EvalFn | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -303,6 +316,10 @@ class Trainer:
         self.micro_steps: list[list[int]] = []
         self.losses: list[float] = []
         self.step = 0
+        self.eval_data = eval_data
+        self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn)
+        #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
+        self.evals: list[dict[str, Any]] = []
         self.epoch = 0
         self.batch_in_epoch = 0
 
@@ -390,6 +407,42 @@ class Trainer:
                 yield map_tensors(batch, lambda t: to_device(t, self.device)), count
             self.epoch += 1
             self.batch_in_epoch = 0
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def _evaluate(self) -> dict[str, float] | None:
+        """Evaluate ``eval_data`` now (on every rank: the sums meet in one gather); record it."""
+        data = self.eval_data
+        if data is None:
+            return None
+        batch_fn = getattr(data, "batch", None)
+        empty_safe = EmptySafeCollate(data)
+
+        def collate(indices: list[int]) -> Batch:
+            return (
+                batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
+            )
+
+        if self.distributed:
+            metrics = evaluate_ranks(
+                self.model, data, self.eval_fn, batch_sizes=self.sampler.batch_sizes,
+                collate=collate, device=self.device, autocast=self._autocast,
+                every_step=self.config.strategy == "fsdp2",  # FSDP2's forward all-gathers
+            )  # fmt: skip
+        else:
+            dp = cast(BalancedDataParallel, self.wrapped)  # one process: always DP
+            metrics = evaluate_devices(
+                self.model, data, self.eval_fn, batch_size=self.config.batch_size,
+                device_ids=dp.device_ids, weights=dp.weights,
+                collate=collate, autocast=self._autocast,
+            )  # fmt: skip
+        self.evals.append({"step": self.step, "metrics": metrics})
+        return metrics
+
+    def _eval_text(self) -> str:
+        if not self.evals:
+            return ""
+        return "".join(f" val {k} {v:.4f}" for k, v in self.evals[-1]["metrics"].items())
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -528,8 +581,10 @@ class Trainer:
                     self.step += 1
                     if loss is not None:
                         self.losses.append(loss)
+                    if self.eval_data is not None and self._eval_due(cfg.steps):
+                        self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(self.step, loss, count, text)
+                    bar.update(self.step, loss, count, text + self._eval_text())
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save()
         except KeyboardInterrupt:
@@ -537,6 +592,10 @@ class Trainer:
         elapsed = time.perf_counter() - started
         self.save()
         return self._report(self.step - start_step, elapsed, interrupted)
+
+    def _eval_due(self, last: int) -> bool:
+        every = self.config.eval_every
+        return self.step == last or bool(every and self.step % every == 0)
 
     def _report(self, steps_run: int, elapsed: float, interrupted: bool) -> TrainReport:
         samples = list(self.samples)
@@ -568,6 +627,7 @@ class Trainer:
             interrupted=interrupted,
             mode=("fsdp2" if self.fsdp else "ddp") if self.distributed else "dp",
             amp=self.config.amp,
+            eval=list(self.evals),
         )
 
 
