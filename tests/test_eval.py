@@ -51,6 +51,11 @@ def lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(input_ids=ids, labels=labels).loss  # mean over non-ignored (shifted) tokens
 
 
+def lm_count(batch: Any) -> torch.Tensor:
+    """The items ``lm_loss`` averages over: non-ignored labels after the causal shift."""
+    return (batch[1][:, 1:] != IGNORE).sum()
+
+
 def lm_metrics(model: nn.Module, batch: Any) -> dict[str, tuple[Any, Any]]:
     """Token-weighted loss and next-token accuracy, each as (sum, count)."""
     ids, labels = batch
@@ -77,17 +82,25 @@ def one_device(model: nn.Module, samples: list[Any]) -> dict[str, float]:
     return {k: a / b for k, (a, b) in s.items()}
 
 
-def test_eval_over_uneven_virtual_devices_equals_one_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize("user_metrics", [True, False], ids=["eval_fn", "default"])
+def test_eval_over_uneven_virtual_devices_equals_one_device(
+    tmp_path: Path, user_metrics: bool
+) -> None:
     model = tiny_gpt2()
     train, val = lm_samples(64, seed=1), lm_samples(N_EVAL, seed=2)
     cfg = TrainConfig(steps=2, batch_size=8, lr=1e-3, eval_every=1, progress=False)
-    trainer = Trainer(model, train, cfg, devices=["cpu"] * 3, weights=[2, 1, 1],
-                      loss_fn=lm_loss, eval_data=val, eval_fn=lm_metrics)  # fmt: skip
+    # Default eval_fn: loss_fn's mean x count_fn's count (tokens), as training weights it.
+    eval_fn = lm_metrics if user_metrics else None
+    trainer = Trainer(model, train, cfg, device_ids=["cpu"] * 3, weights=[2, 1, 1],
+                      loss_fn=lm_loss, count_fn=lm_count, eval_data=val,
+                      eval_fn=eval_fn)  # fmt: skip
     report = trainer.fit()
     assert [e["step"] for e in report.eval] == [1, 2]
     assert model.training  # the Trainer's mode is given back after each evaluation
     expected = one_device(model, val)  # the final weights: the step-2 evaluation's
     got = report.eval[-1]["metrics"]
+    if not user_metrics:
+        del expected["accuracy"]
     assert got.keys() == expected.keys()
     for name in expected:
         assert got[name] == pytest.approx(expected[name], rel=1e-6)

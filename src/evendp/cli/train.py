@@ -369,7 +369,7 @@ def _run_dp(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
         progress=not args.no_progress,
     )  # fmt: skip
-    trainer = Trainer(model, data, cfg, devices=list(devices), weights=weights)
+    trainer = Trainer(model, data, cfg, device_ids=list(devices), weights=weights)
     print(
         f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
         f"{args.batch}, samples per device per step {trainer.wrapped.split(args.batch)}",  # type: ignore[operator]
