@@ -122,6 +122,9 @@ def test_auto_weights_under_no_grad_plan_a_forward(monkeypatch: pytest.MonkeyPat
     training = auto_weights(deep, [0, 1], x)
     inference = auto_weights(deep, [0, 1], x, no_grad=True)
     assert sum(inference) >= 1.5 * sum(training)
+    with torch.inference_mode():  # where weights="auto" meets it: the first call of predict
+        assert auto_weights(deep, [0, 1], x, no_grad=True) == inference
+        assert auto_weights(deep, [0, 1], x) == training
 
 
 def _balanced(module: nn.Module, devices: list[str], weights: Any) -> BalancedDataParallel:

@@ -150,22 +150,25 @@ def plan(
         safety_margin=safety_margin,
         context=parse_bytes(cuda_context),
     )
-    if not no_grad:
-        return _plan_step(
-            model, batch, mems, optimizer=optimizer, batch_size=batch_size,
-            checkpointing=checkpointing, no_grad=False, **common,
+    # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
+    # call that may run under torch.inference_mode or torch.no_grad).
+    with torch.inference_mode(False), torch.enable_grad():
+        if not no_grad:
+            return _plan_step(
+                model, batch, mems, optimizer=optimizer, batch_size=batch_size,
+                checkpointing=checkpointing, no_grad=False, **common,
+            )  # fmt: skip
+        forward = _plan_step(
+            model, batch, mems, optimizer=None, batch_size=batch_size,
+            checkpointing=False, no_grad=True, **common,
         )  # fmt: skip
-    forward = _plan_step(
-        model, batch, mems, optimizer=None, batch_size=batch_size,
-        checkpointing=False, no_grad=True, **common,
-    )  # fmt: skip
-    try:  # the training step on the same devices, for comparison: its largest batch
-        training: Plan | None = _plan_step(
-            model, batch, mems, optimizer=optimizer, batch_size=None,
-            checkpointing=checkpointing, no_grad=False, **common,
-        )  # fmt: skip
-    except PlanError:
-        training = None  # inference fits where not even one training sample does
+        try:  # the training step on the same devices, for comparison: its largest batch
+            training: Plan | None = _plan_step(
+                model, batch, mems, optimizer=optimizer, batch_size=None,
+                checkpointing=checkpointing, no_grad=False, **common,
+            )  # fmt: skip
+        except PlanError:
+            training = None  # inference fits where not even one training sample does
     return dataclasses.replace(forward, training=training)
 
 
@@ -408,11 +411,20 @@ def auto_weights(
         repeats = indices.count(i)  # virtual devices share one GPU's memory
         free = live[f"cuda:{i}"].free + resident.get(i, 0)
         mems.append(DeviceMemory(f"cuda:{i}", free // repeats))
-    batch: Any
     if no_grad:
-        # Forward only: DP gathers the outputs on output_device and nothing flows back.
-        batch, loss = example_inputs, None
-    elif gather_output:
+        # Forward only: DP gathers the outputs on output_device and nothing flows back. No
+        # training plan beside it (plan(no_grad=True) adds one): only the split is used.
+        _validate_options("dp", safety_margin, output_device, len(mems), None)
+        with torch.inference_mode(False), torch.enable_grad():
+            forward = _plan_step(
+                module, example_inputs, mems, mode="dp", criterion=None, optimizer=None,
+                batch_size=None, amp=None, checkpointing=False, gradient_as_bucket_view=False,
+                gather=gather_output, output_device=output_device, safety_margin=safety_margin,
+                context=0, no_grad=True,
+            )  # fmt: skip
+        return [float(n) for n in forward.split]
+    batch: Any
+    if gather_output:
         # The planner's criterion form: batch = (inputs, targets); the caller's targets are
         # not known here, and the gathered outputs and their gradient dominate anyway.
         batch = (example_inputs, None)
@@ -430,6 +442,5 @@ def auto_weights(
         output_device=output_device,
         safety_margin=safety_margin,
         cuda_context=0,
-        no_grad=no_grad,
     )
     return [float(n) for n in result.split]
