@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 from typing import Any
 
@@ -127,13 +126,6 @@ def test_auto_weights_under_no_grad_plan_a_forward(monkeypatch: pytest.MonkeyPat
         assert auto_weights(deep, [0, 1], x) == training
 
 
-def _balanced(module: nn.Module, devices: list[str], weights: Any) -> BalancedDataParallel:
-    # ``chunk_sizes=`` is being renamed ``weights=``: use whichever this version takes.
-    names = inspect.signature(BalancedDataParallel).parameters
-    key = "weights" if "weights" in names else "chunk_sizes"
-    return BalancedDataParallel(module, devices, **{key: weights})
-
-
 @pytest.mark.parametrize("grad", [True, False])
 def test_weights_auto_plans_forward_only_when_the_first_call_has_no_grad(
     monkeypatch: pytest.MonkeyPatch, grad: bool
@@ -145,10 +137,10 @@ def test_weights_auto_plans_forward_only_when_the_first_call_has_no_grad(
         return [1.0, 1.0]
 
     monkeypatch.setattr(plan_pkg, "auto_weights", record)
-    dp = _balanced(nn.Linear(4, 2), ["cpu", "cpu"], "auto")
+    dp = BalancedDataParallel(nn.Linear(4, 2), ["cpu", "cpu"], weights="auto")
     with torch.set_grad_enabled(grad):
         dp(torch.randn(5, 4))
     assert seen == [not grad]
     with torch.inference_mode():
-        _balanced(nn.Linear(4, 2), ["cpu", "cpu"], "auto")(torch.randn(5, 4))
+        BalancedDataParallel(nn.Linear(4, 2), ["cpu", "cpu"], weights="auto")(torch.randn(5, 4))
     assert seen == [not grad, True]
