@@ -19,6 +19,7 @@ from ._errors import EvendpError, NvmlUnavailableError, PlanError
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._oom import OomResplit
 from ._plan import DevicePlan, Plan, plan
+from ._predict import Predictions, predict
 from ._report import TrainReport
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, batch_sizes_from_env, parse_batch_sizes
 from ._speed import SpeedBalancer, balance_sizes
@@ -35,6 +36,9 @@ __all__ = [
     # cost (variable-length samples)
     "padded_cost",
     "split_by_cost",
+    # inference
+    "Predictions",
+    "predict",
     # many processes
     "EmptySafeCollate",
     "UnevenBatchSampler",

@@ -364,7 +364,7 @@ class BalancedDataParallel(nn.Module):
         example = kwargs if kwargs else inputs
         return auto_weights(
             self.module, self.device_ids, example, output_device=output_index,
-            gather_output=self.gather_output,
+            gather_output=self.gather_output, no_grad=not torch.is_grad_enabled(),
         )  # fmt: skip
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:

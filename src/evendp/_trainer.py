@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,9 @@ from ._blocks import block_predicate, repeated_blocks
 from ._cost import split_by_cost
 from ._deprecation import UNSET, renamed_argument
 from ._distributed import comm_device
+from ._dp import BalancedDataParallel
 from ._errors import EvendpError
+from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
@@ -51,6 +53,7 @@ from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
 from ._train_state import TrainState
+from ._validate import validate_int
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -89,6 +92,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
+    eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum"):
@@ -111,6 +115,7 @@ class TrainConfig:
             or self.prefetch < 0
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
+        validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -240,6 +245,14 @@ class Trainer:
             DDP: the sampler assigns the step's samples to ranks by cost. One process: the
             step's rows are ordered so each device's contiguous share is its cost plan.
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
+        eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
+            the last step (``eval_every=0``: only then), in order, every sample exactly once
+            over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
+            Results: ``TrainReport.eval``, the progress bar, ``report.json`` and the PNG.
+        eval_fn: ``eval_fn(model, batch) -> {name: (sum, count)}``; each metric is
+            ``total sum / total count``, exactly one device's over the whole set. Default:
+            ``{"loss": (loss_fn's mean x count, count)}``, counted by ``count_fn`` (else
+            the samples), as training weights the loss.
 
     >>> from evendp.examples.stdlib_text import CharWindows
     >>> torch.manual_seed(0) and None
@@ -270,6 +283,8 @@ class Trainer:
         count_fn: CountFn | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any | None = None,
+        eval_data: Dataset[Any] | None = None,
+        eval_fn: EvalFn | None = None,
         devices: Any = UNSET,
         costs: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
@@ -335,6 +350,10 @@ class Trainer:
         self._local = self.strategy.losses_local
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
+        self.eval_data = eval_data
+        self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
+        #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
+        self.evals: list[dict[str, Any]] = []
 
     # The run's position lives in self.state; these read it under the old names.
     step = property(lambda self: self.state.step)
@@ -404,6 +423,48 @@ class Trainer:
         if self._stand_in is None:
             self._stand_in = self.strategy.place(self._collate_indices([0]))
         return self._stand_in
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def _evaluate(self) -> dict[str, float] | None:
+        """Evaluate ``eval_data`` now (on every rank: the sums meet in one gather); record it."""
+        data = self.eval_data
+        if data is None:
+            return None
+        batch_fn = getattr(data, "batch", None)
+        empty_safe = EmptySafeCollate(data)
+
+        def collate(indices: list[int]) -> Batch:
+            return (
+                batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
+            )
+
+        if self.distributed:
+            metrics = evaluate_ranks(
+                self.model, data, self.eval_fn, batch_sizes=self.sampler.batch_sizes,
+                collate=collate, device=self.device, autocast=self._autocast,
+                every_step=self.config.strategy == "fsdp2",  # FSDP2's forward all-gathers
+            )  # fmt: skip
+        else:
+            dp = cast(BalancedDataParallel, self.wrapped)  # one process: always DP
+            metrics = evaluate_devices(
+                self.model, data, self.eval_fn, batch_size=self.config.batch_size,
+                device_ids=dp.device_ids, weights=dp.weights,
+                collate=collate, autocast=self._autocast,
+            )  # fmt: skip
+        self.evals.append({"step": self.step, "metrics": metrics})
+        return metrics
+
+    def _eval_due(self) -> bool:
+        every, step = self.config.eval_every, self.step
+        return self.eval_data is not None and (
+            step == self.config.steps or bool(every and step % every == 0)
+        )
+
+    def _eval_text(self) -> str:
+        if not self.evals:
+            return ""
+        return "".join(f" val {k} {v:.4f}" for k, v in self.evals[-1]["metrics"].items())
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -548,8 +609,10 @@ class Trainer:
                     if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
                         state.flush(self.strategy.reduce_losses)
                     shown = None if loss is None or not show else state.last_loss
+                    if self._eval_due():
+                        self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(state.step, shown, item.count, text)
+                    bar.update(state.step, shown, item.count, text + self._eval_text())
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
         except KeyboardInterrupt:
@@ -585,6 +648,7 @@ class Trainer:
             interrupted=interrupted,
             mode=self.strategy.name,
             amp=self.config.amp,
+            eval=list(self.evals),
         )
 
 
