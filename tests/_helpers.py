@@ -54,3 +54,24 @@ def run_ranks(
             p.kill()
         pytest.fail(f"{what} did not finish within {timeout_s} s (a rank hung)")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+def tiny_gpt2_config(**overrides: Any) -> Any:
+    """A GPT-2 small enough for 2 cores (no download), dropout off so runs compare exactly.
+
+    The tests' real-workload model: ``transformers.GPT2LMHeadModel(tiny_gpt2_config())``.
+    """
+    transformers = pytest.importorskip("transformers")
+    settings: dict[str, Any] = {
+        "vocab_size": 64,
+        "n_positions": 32,
+        "n_embd": 16,
+        "n_layer": 1,
+        "n_head": 2,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "summary_first_dropout": 0.0,
+    }
+    settings.update(overrides)
+    return transformers.GPT2Config(**settings)

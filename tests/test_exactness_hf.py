@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from evendp import BalancedDataParallel
-from tests._helpers import requires_cuda
+from tests._helpers import requires_cuda, tiny_gpt2_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,19 +33,7 @@ def hf_count(*args: Any, **kwargs: Any) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def gpt2() -> torch.nn.Module:
     logging.getLogger("transformers").setLevel(logging.ERROR)  # config notes on a tiny vocab
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_gpt2_config(use_cache=False, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model: torch.nn.Module = transformers.GPT2LMHeadModel(config)
     return model

@@ -18,6 +18,7 @@ from evendp._cost import padded_cost
 from evendp._distributed import ddp_loss
 from evendp._errors import EvendpError
 from evendp._sampler import UnevenBatchSampler
+from tests._helpers import tiny_gpt2_config
 
 
 def epoch(n: int, sizes: list[int], **kw: object) -> list[list[list[int]]]:
@@ -134,10 +135,7 @@ def test_bad_costs_name_the_value(data: object, costs: object, message: str) -> 
 
 def tiny_gpt2() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+    config = tiny_gpt2_config()
     torch.manual_seed(0)
     model: torch.nn.Module = transformers.GPT2LMHeadModel(config)
     return model

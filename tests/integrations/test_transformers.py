@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._helpers import run_ranks
+from tests._helpers import run_ranks, tiny_gpt2_config
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -71,19 +71,7 @@ def pad_collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def _model(task: str) -> torch.nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        summary_first_dropout=0.0,
-        num_labels=3,
-        pad_token_id=0,
-    )
+    config = tiny_gpt2_config(num_labels=3, pad_token_id=0)
     torch.manual_seed(0)
     if task == "lm":
         return transformers.GPT2LMHeadModel(config)
