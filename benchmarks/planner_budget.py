@@ -88,8 +88,11 @@ def main() -> None:
     rows = []
     for i, d in enumerate(predicted.devices):
         real = enforced_max(dp, config, i, hi=max(2, d.max_batch_alone))
-        rows.append({"device": i, "budget": budgets[i], "predicted": d.max_batch_alone,
-                     "real": real, "ratio": d.max_batch_alone / real if real else None})  # fmt: skip
+        ratio = d.max_batch_alone / real if real else None
+        rows.append(
+            {"device": i, "budget": budgets[i], "predicted": d.max_batch_alone, "real": real,
+             "ratio": ratio}
+        )  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
         return
