@@ -144,7 +144,10 @@ def memory_specs(text: str | None) -> list[DeviceMemory]:
     [24, 12, 12]
     """
     if text is not None:
-        return parse_memory(text)
+        try:
+            return parse_memory(text)
+        except EvendpError as exc:
+            raise EvendpError(f"--memory {text!r}: {exc}") from None
     try:
         return live_memory()
     except LiveMemoryError as exc:

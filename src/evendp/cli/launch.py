@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--batch",
-        type=bounded_int("--batch", 1, example=64),
+        type=bounded_int("--batch", 1, 1_000_000_000, 64),
         help=f"global batch, split across ranks for you (default {_DEFAULT_BATCH} when no "
         "--batch-sizes or --model is given)",
     )
@@ -89,7 +89,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group = parser.add_argument_group("torchrun options passed through unchanged")
     for key in PASSTHROUGH_OPTIONS:
-        group.add_argument("--" + key.replace("_", "-"), dest=key, default=None)
+        flag = "--" + key.replace("_", "-")
+        group.add_argument(flag, dest=key, default=None, help=f"torchrun's {flag}")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     parser.set_defaults(func=run)
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_ids = _gpu_ids(args)
         if not args.dry_run:
             _validate_script(args.script, passthrough)
+        _validate_texts(args)
         batch = args.batch
         if batch is None and args.batch_sizes is None and args.model is None:
             batch = _DEFAULT_BATCH
@@ -165,3 +167,24 @@ def _no_gpus(gpu_ids: list[int] | None) -> bool:
         return not list_devices()
     except (EvendpError, NvmlUnavailableError):  # no NVIDIA driver: CPU ranks
         return True
+
+
+def _validate_texts(args: argparse.Namespace) -> None:
+    """Free-text options, read now so a bad one is named by its flag even where unused."""
+    from .._devices import parse_bytes
+    from .._memory import parse_memory
+    from .._sampler import parse_batch_sizes
+
+    checks = [
+        ("--batch-sizes", args.batch_sizes, parse_batch_sizes, "3,5"),
+        ("--memory", args.memory, parse_memory, "24GiB,24GiB,12GiB"),
+        ("--min-free", args.min_free, parse_bytes, "8GiB"),
+        ("--context", args.context, parse_bytes, "512MiB"),
+    ]
+    for flag, text, parse, example in checks:
+        if text is None:
+            continue
+        try:
+            parse(text)
+        except EvendpError as exc:
+            raise EvendpError(f"{flag} {text!r}: {exc}; e.g. {flag} {example}") from None

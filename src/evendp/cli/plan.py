@@ -45,7 +45,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--batch",
-        type=bounded_int("--batch", 1, example=64),
+        type=bounded_int("--batch", 1, 1_000_000_000, 64),
         default=None,
         help="global batch (default: the largest that fits)",
     )
