@@ -55,7 +55,7 @@ KNOWN = [
 
 if NO_GPU:
     try:
-        import torch.utils.tensorboard  # noqa: F401
+        import torch.utils.tensorboard
     except ImportError:
         KNOWN.append((["train", "--log-to", "tensorboard"], "pip install tensorboard"))
 
