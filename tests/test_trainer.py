@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from evendp._errors import EvendpError
@@ -74,7 +76,7 @@ def test_one_step_equals_the_full_batch_step_with_zeros_accum_and_oom() -> None:
     ref.load_state_dict(ours.state_dict())
     cfg = TrainConfig(steps=1, batch_size=12, accum=1, grad_clip=None, progress=False)
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
-    trainer = Trainer(ours, data, cfg, devices=["cpu"] * 3, weights=[2, 1, 0], optimizer=opt)
+    trainer = Trainer(ours, data, cfg, device_ids=["cpu"] * 3, weights=[2, 1, 0], optimizer=opt)
     indices = next(iter(trainer.sampler))
     report = trainer.fit()
     assert report.resplits >= 1 and report.skipped_steps == 0
@@ -116,7 +118,7 @@ def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
         steps=2, batch_size=12, accum=accum, grad_clip=None, progress=False, out_dir=tmp_path
     )
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
-    trainer = Trainer(ours, data, cfg, devices=["cpu"] * 3, weights=[1, 2, 1], optimizer=opt)
+    trainer = Trainer(ours, data, cfg, device_ids=["cpu"] * 3, weights=[1, 2, 1], optimizer=opt)
     batches = [data.batch(list(i)) for i in itertools.islice(trainer.sampler, 2)]
     report = trainer.fit()
     # One OOM in all: the second step reused the remembered caps.
@@ -135,7 +137,7 @@ def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
     assert _rel(_flat(ours), _flat(ref)) <= 1e-5
     # The caps travel in the checkpoint.
     cfg.resume = True
-    resumed = Trainer(TinyLM(), data, cfg, devices=["cpu"] * 3, weights=[1, 2, 1])
+    resumed = Trainer(TinyLM(), data, cfg, device_ids=["cpu"] * 3, weights=[1, 2, 1])
     resumed.fit()
     assert resumed.guard.micro_batch_sizes == caps
 
@@ -147,7 +149,7 @@ def test_accumulation_gives_the_same_step() -> None:
         torch.manual_seed(0)
         model = TinyLM()
         cfg = TrainConfig(steps=3, batch_size=10, accum=accum, grad_clip=0.5, progress=False)
-        Trainer(model, data, cfg, devices=["cpu", "cpu"], weights=[3, 1]).fit()
+        Trainer(model, data, cfg, device_ids=["cpu", "cpu"], weights=[3, 1]).fit()
         results.append(_flat(model))
     assert _rel(results[1], results[0]) <= 1e-5
 
@@ -164,12 +166,13 @@ def _run(tmp: Path | None, steps: int, resume: bool = False, every: int = 0) -> 
         resume=resume,
         checkpoint_every=every,
         progress=False,
+        prefetch=2,  # batches wait in the queue when a checkpoint is taken: still exact
     )
     trainer = Trainer(
         model,
         _data(n=200),
         cfg,
-        devices=["cpu", "cpu"],
+        device_ids=["cpu", "cpu"],
         weights=[1, 1],
         optimizer=opt,
         scheduler=sched,
@@ -199,7 +202,7 @@ def test_ctrl_c_saves_and_returns(tmp_path: Path) -> None:
 
     torch.manual_seed(0)
     cfg = TrainConfig(steps=10, batch_size=8, out_dir=tmp_path, progress=False)
-    report = Trainer(TinyLM(), _data(), cfg, devices=["cpu"], loss_fn=loss_fn).fit()
+    report = Trainer(TinyLM(), _data(), cfg, device_ids=["cpu"], loss_fn=loss_fn).fit()
     assert report.interrupted and report.steps == 3
     from evendp._checkpoint import load_checkpoint
 
@@ -210,7 +213,7 @@ def test_bf16_autocast_on_cpu_trains_and_keeps_batchnorm_fp32() -> None:
     torch.manual_seed(0)
     model = TinyLM(batchnorm=True)
     cfg = TrainConfig(steps=25, batch_size=16, amp="bf16", lr=3e-2, progress=False)
-    report = Trainer(model, _data(), cfg, devices=["cpu", "cpu"], weights=[2, 1]).fit()
+    report = Trainer(model, _data(), cfg, device_ids=["cpu", "cpu"], weights=[2, 1]).fit()
     assert all(torch.isfinite(torch.tensor(report.losses)))
     assert report.final_loss is not None and report.first_loss is not None
     assert report.final_loss < report.first_loss
@@ -229,7 +232,7 @@ def test_fp16_with_grad_scaler_on_cuda() -> None:
     torch.manual_seed(0)
     model = TinyLM(batchnorm=True).cuda()
     cfg = TrainConfig(steps=20, batch_size=16, amp="fp16", lr=3e-2, progress=False)
-    trainer = Trainer(model, _data(), cfg, devices=["cuda:0", "cuda:0"], weights=[2, 1])
+    trainer = Trainer(model, _data(), cfg, device_ids=["cuda:0", "cuda:0"], weights=[2, 1])
     report = trainer.fit()
     assert trainer.scaler is not None and trainer.scaler.get_scale() > 0
     assert report.final_loss is not None and report.first_loss is not None
@@ -246,20 +249,20 @@ def test_activation_checkpointing_keeps_the_gradient_and_keys() -> None:
         model = GPT(cfg_gpt)
         keys = list(model.state_dict())
         cfg = TrainConfig(steps=2, batch_size=8, activation_checkpointing=ckpt, progress=False)
-        Trainer(model, data, cfg, devices=["cpu", "cpu"]).fit()
+        Trainer(model, data, cfg, device_ids=["cpu", "cpu"]).fit()
         assert list(model.state_dict()) == keys
         wrapped = any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
         assert wrapped == ckpt  # the option really wraps the blocks
         params.append(_flat(model))
     assert _rel(params[1], params[0]) <= 1e-5
     with pytest.raises(EvendpError, match="ModuleList"):
-        Trainer(TinyLM(), data, TrainConfig(activation_checkpointing=True), devices=["cpu"])
+        Trainer(TinyLM(), data, TrainConfig(activation_checkpointing=True), device_ids=["cpu"])
 
 
 def test_oom_resplit_false_lets_an_oom_propagate() -> None:
     torch.manual_seed(0)
     cfg = TrainConfig(steps=1, batch_size=8, oom_resplit=False, progress=False)
-    trainer = Trainer(TinyLM(limit=3), _data(), cfg, devices=["cpu"])
+    trainer = Trainer(TinyLM(limit=3), _data(), cfg, device_ids=["cpu"])
     assert not trainer.guard.catch
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit()
@@ -276,7 +279,7 @@ def test_skipped_steps_do_not_dilute_the_samples_per_step() -> None:
             raise torch.OutOfMemoryError("injected")
         return model(*batch)
 
-    trainer = Trainer(TinyLM(), _data(), cfg, devices=["cpu", "cpu"], loss_fn=loss_fn)
+    trainer = Trainer(TinyLM(), _data(), cfg, device_ids=["cpu", "cpu"], loss_fn=loss_fn)
     report = trainer.fit()
     assert report.steps == 3 and report.skipped_steps == 1 and len(report.losses) == 2
     assert [d.samples_per_step for d in report.devices] == [4, 4]
@@ -290,6 +293,8 @@ def test_config_validation() -> None:
         TrainConfig(steps=0)
     with pytest.raises(EvendpError, match="out_dir"):
         TrainConfig(resume=True)
+    with pytest.raises(EvendpError, match="prefetch"):
+        TrainConfig(prefetch=-1)
 
 
 # --- uneven DDP on gloo: 2 processes, spawned once for the module ----------------------------
@@ -498,3 +503,117 @@ def test_fsdp2_refuses_a_prebuilt_optimizer_and_checkpoints() -> None:
         _validate_fsdp2(TrainConfig(strategy="fsdp2"), torch.optim.SGD(model.parameters(), 0.1))
     with pytest.raises(EvendpError, match="out_dir=None"):
         _validate_fsdp2(TrainConfig(strategy="fsdp2", out_dir="x"), None)
+
+
+# --- the devices= spelling, fp16's skipped steps, count-weighted (token) losses -------------
+
+
+def test_devices_is_the_deprecated_spelling_of_device_ids() -> None:
+    cfg = TrainConfig(steps=1, batch_size=4, progress=False)
+    with pytest.deprecated_call(match="device_ids"):
+        trainer = Trainer(TinyLM(), _data(), cfg, devices=["cpu", "cpu"])
+    assert [str(d) for d in trainer.wrapped.device_ids] == ["cpu", "cpu"]
+    with pytest.raises(EvendpError, match="pass only device_ids="):
+        Trainer(TinyLM(), _data(), cfg, devices=["cpu"], device_ids=["cpu"])
+
+
+def test_fp16_does_not_advance_the_schedule_when_the_scaler_skips_the_step() -> None:
+    # GradScaler runs on CPU: an inf gradient on the second step makes it skip that optimizer
+    # step and halve its scale; the learning-rate schedule must skip that step as well.
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    cfg = TrainConfig(steps=3, batch_size=4, amp="fp16", grad_clip=None, progress=False)
+    trainer: Trainer
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = model(*batch)
+        return loss * float("inf") if trainer.step == 1 else loss
+
+    trainer = Trainer(
+        model, _data(), cfg, device_ids=["cpu"], loss_fn=loss_fn, optimizer=opt, scheduler=sched
+    )
+    assert trainer.scaler is not None
+    trainer.fit()
+    assert sched.last_epoch == 2  # three steps, one of them skipped by the scaler
+    assert opt.param_groups[0]["lr"] == 0.25
+
+
+class _Masked(torch.utils.data.Dataset[Any]):
+    """Token windows with -100 labels: whole sequences and single tokens masked at random."""
+
+    def __init__(self, n: int, block: int, masked: float, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, V, (n, block), generator=g)
+        self.y = torch.randint(0, V, (n, block), generator=g)
+        self.y[torch.rand(n, block, generator=g) < 0.3] = -100
+        self.y[torch.rand(n, generator=g) < masked] = -100  # fully masked sequences
+        self.y[0, 0] = 3  # at least one counted token (the batch of 12 has most samples)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x[i], self.y[i]
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[indices], self.y[indices]
+
+
+def _tokens(batch: Any) -> torch.Tensor:
+    return (batch[1] != -100).sum()
+
+
+def _count_weighted_grads(
+    data: _Masked, weights: list[int], accum: int, limit: int, count: bool
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    torch.manual_seed(0)
+    model = TinyLM(limit=limit)
+    ref = TinyLM()
+    ref.load_state_dict(model.state_dict())
+    cfg = TrainConfig(steps=1, batch_size=12, accum=accum, lr=0.0, grad_clip=None, progress=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(
+        model,
+        data,
+        cfg,
+        device_ids=["cpu"] * len(weights),
+        weights=[float(w) for w in weights],
+        optimizer=opt,
+        count_fn=_tokens if count else None,
+    )
+    indices = list(next(iter(trainer.sampler)))
+    report = trainer.fit()
+    x, y = data.batch(indices)
+    loss = ref(x, y)  # one device: the mean over every non-ignored token of the batch
+    loss.backward()
+    return _grads(model), _grads(ref), report.losses[0], float(loss.detach())
+
+
+@settings(max_examples=12, deadline=None, phases=[Phase.generate])
+@given(
+    weights=st.lists(st.integers(0, 3), min_size=1, max_size=4).filter(any),
+    accum=st.integers(1, 3),
+    limit=st.sampled_from([2, 10**9]),
+    masked=st.sampled_from([0.3, 0.8]),
+    seed=st.integers(0, 50),
+)
+def test_count_fn_gives_the_token_mean_under_any_split_accum_and_oom(
+    weights: list[int], accum: int, limit: int, masked: float, seed: int
+) -> None:
+    data = _Masked(12, 5, masked, seed)  # every step is the whole dataset
+    ours, ref, loss, ref_loss = _count_weighted_grads(data, weights, accum, limit, count=True)
+    assert torch.isfinite(ours).all()
+    assert _rel(ours, ref) <= 1e-5
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # a NaN from an all-masked share fails
+
+
+def test_without_count_fn_a_masked_loss_is_weighted_by_samples_and_differs() -> None:
+    # The control: the same split weighted by samples is not the token mean, so the property
+    # above can fail.
+    data = _Masked(12, 5, 0.5, 3)
+    ours, ref, *_ = _count_weighted_grads(data, [2, 1, 1], 1, 10**9, count=False)
+    assert _rel(ours, ref) > 1e-3
+    ours, ref, *_ = _count_weighted_grads(data, [2, 1, 1], 1, 10**9, count=True)
+    assert _rel(ours, ref) <= 1e-5

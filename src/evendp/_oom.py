@@ -16,9 +16,9 @@ names its device (``evendp_device_index``, set by ``BalancedDataParallel``) halv
 device's pieces only, and the healthy devices keep running their whole shares at once.
 
 Under DDP every rank runs its share locally (no collective inside forward or backward, see
-:func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag so that every
-rank agrees on "step" or "skip": an OOM on one rank can never leave another blocked in a
-collective.
+:func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag (with the
+step's loss in the same small tensor) so that every rank agrees on "step" or "skip": an OOM on
+one rank can never leave another blocked in a collective.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from __future__ import annotations
 import gc
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._distributed import comm_device, world_size
 from ._errors import EvendpError
@@ -180,11 +182,14 @@ class OomResplit:
         shares: Sequence[int],
         chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
         *,
-        weight: float,
+        weight: float | torch.Tensor,
         zero_grad: Callable[[], None],
         backward: Callable[[torch.Tensor], None] = _default_backward,
         micro_batch_sizes: Sequence[int | None] | None = None,
         min_micro_steps: int = 0,
+        summed: bool = False,
+        reduce_total: bool = False,
+        agree: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor | None:
         """Like :meth:`run`, with one share per device, each cut by its own cap.
 
@@ -200,6 +205,21 @@ class OomResplit:
         others, even with no samples. An empty micro-step backpropagates
         ``loss.nan_to_num(0.0) * 0`` (the mean over no samples is NaN): zero gradients that
         still reach every parameter, so DDP's and FSDP2's collectives pair up.
+
+        ``summed=True``: ``chunk_loss`` returns the loss already *summed* over its counted
+        items (and zero, never NaN, for none); it is weighted by ``weight`` alone. This is how
+        the Trainer weights by counted items (tokens) instead of samples. ``weight`` may be a
+        0-dim tensor (a global count all-reduced on the device, never read on the host).
+
+        ``reduce_total=True`` (under DDP): the ranks' step/skip flag and their totals travel in
+        one all-reduce, and the returned total is the sum over ranks (on the communication
+        device); only the flag is read on the host, since every rank must agree on it.
+
+        ``agree(status)`` (under DDP) all-reduces (sums) ``status`` in place *instead of* the
+        guard's own all-reduce: :class:`~evendp._strategy.OomSafeDDP` passes one that sends it
+        with the gradient buckets, so the flag costs no collective of its own. A rank that
+        failed has zero gradients by then, and when any rank failed every rank zeroes the
+        averaged gradients and skips: the reduction was wasted, never wrong.
 
         >>> guard = OomResplit(devices=2)
         >>> seen = []
@@ -244,7 +264,7 @@ class OomResplit:
             device: int | None = None
             try:
                 total = self._run_micro_steps(
-                    shares, sizes, chunk_loss, weight, backward, min_micro_steps
+                    shares, sizes, chunk_loss, weight, backward, min_micro_steps, summed
                 )
                 break
             except RuntimeError as error:  # torch.OutOfMemoryError is one
@@ -266,9 +286,17 @@ class OomResplit:
         failed = total is None
         # Without catching, an OOM has already propagated: the flag could only be 0.
         if self.catch and self._distributed():
-            flag = torch.tensor([1.0 if failed else 0.0], device=comm_device(self.group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            failed = bool(flag.item())
+            # One small all-reduce per step: [ranks that failed, sum of the ranks' totals].
+            where = comm_device(self.group)
+            mine = torch.zeros((), device=where) if total is None else total.to(where)
+            status = torch.stack([torch.tensor(float(failed), device=where), mine.float()])
+            if agree is not None:
+                agree(status)
+            else:
+                dist.all_reduce(status, group=self.group)
+            failed = bool(status[0].item())  # the one host sync: every rank must agree
+            if reduce_total and not failed:
+                total = status[1]
         if failed:
             zero_grad()
             self.skipped += 1
@@ -280,9 +308,10 @@ class OomResplit:
         shares: Sequence[int],
         sizes: list[int],
         chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
-        weight: float,
+        weight: float | torch.Tensor,
         backward: Callable[[torch.Tensor], None],
         min_micro_steps: int,
+        summed: bool = False,
     ) -> torch.Tensor:
         steps = max(
             (math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0
@@ -294,14 +323,19 @@ class OomResplit:
             spans = [
                 (min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)
             ]
-            loss = chunk_loss(spans)  # () mean over the micro-step's samples
+            loss = chunk_loss(spans)  # () mean over the micro-step's samples (or their sum)
             count = sum(b - a for a, b in spans)
-            # No samples: the mean is NaN, and NaN * 0 is NaN; zero it so the gradient is 0.
-            scaled = loss * (count * weight) if count else loss.nan_to_num(0.0) * 0.0
+            if summed:
+                scaled = loss * weight
+            elif count:
+                scaled = loss * (count * weight)
+            else:  # no samples: the mean is NaN, and NaN * 0 is NaN; zero it (gradient 0)
+                scaled = loss.nan_to_num(0.0) * 0.0
             backward(scaled)
             part = scaled.detach().float()
             total = part if total is None else total + part
-        return torch.zeros(()) if total is None else total.cpu()
+        # The total stays on its device: reading it is the caller's choice (when logging).
+        return torch.zeros(()) if total is None else total
 
 
 def _free_memory() -> None:
@@ -312,15 +346,31 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
 def all_reduce_gradients(
-    parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    *,
+    bucket_bytes: int = _BUCKET_BYTES,
+    extra: torch.Tensor | None = None,
 ) -> None:
-    """Average ``.grad`` over ranks (sum / world size, as DDP does), in one flat all-reduce.
+    """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
 
     Used after :meth:`OomResplit.run` agreed to step: every rank calls it exactly once per
     step, whatever its micro-batching, so the collectives stay in lockstep. A parameter
     without a gradient (a rank with an empty share) contributes zeros. Without a process
     group (or with one rank) it does nothing.
+
+    Gradients go in buckets of about ``bucket_bytes`` (DDP's 25 MiB), each one all-reduce:
+    a gradient that fills a bucket alone is reduced in place, smaller ones are flattened
+    into one bucket buffer. At most two buckets are in flight, so the extra memory is two
+    buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
+    next one's packing.
+
+    ``extra`` (a small contiguous tensor, e.g. an OOM flag and a loss) is *summed* over ranks in
+    place, riding in the last bucket instead of a collective of its own.
 
     >>> p = torch.nn.Parameter(torch.ones(2))
     >>> p.grad = torch.full((2,), 3.0)
@@ -335,15 +385,49 @@ def all_reduce_gradients(
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault((p.dtype, p.device), []).append(p)
-    for same in by_dtype.values():
-        grads = [p.grad for p in same if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    grads = [p.grad for p in params if p.grad is not None]
+    if extra is not None:
+        grads.append(extra)
+    in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
+    for bucket in _buckets(grads, bucket_bytes):
+        alone = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
+        in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+        if len(in_flight) > 2:
+            _unpack(*in_flight.popleft(), world, extra)
+    while in_flight:
+        _unpack(*in_flight.popleft(), world, extra)
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, about ``bucket_bytes`` per bucket."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        same = not bucket or (g.dtype, g.device) == (bucket[0].dtype, bucket[0].device)
+        if bucket and (not same or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _unpack(
+    work: dist.Work | None,
+    flat: torch.Tensor,
+    bucket: list[torch.Tensor],
+    world: int,
+    summed: torch.Tensor | None,
+) -> None:
+    # Gradients are averaged (as DDP does); ``summed`` (the extra tensor) keeps the sum.
+    if work is not None:
+        work.wait()
+    if flat is bucket[0]:
+        if flat is not summed:
+            flat.div_(world)
+        return
+    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        g.copy_(reduced if g is summed else reduced.div_(world))

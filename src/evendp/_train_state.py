@@ -1,0 +1,167 @@
+"""Where a training run stands, and how it is saved and resumed: the Trainer's bookkeeping.
+
+The loop only advances a :class:`TrainState` (``step``, the position in the sampler, the loss
+curve, the samples each device ran); writing it into a checkpoint and reading it back lives
+here, next to :mod:`evendp._checkpoint`, which owns the file format.
+
+Step losses stay on their device until someone reads them (:attr:`TrainState.losses`): the
+loop never waits for the device just to record a number. Under DDP/FSDP2 each rank records
+its own part of a step's loss, and :meth:`TrainState.flush` sums all pending parts over ranks
+in one collective when the losses are needed (progress bar, checkpoint, report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_rank_rng,
+    save_checkpoint,
+    save_rank_rng,
+)
+from ._oom import OomResplit
+
+__all__ = ["TrainState"]
+
+
+@dataclass
+class TrainState:
+    """The position of a run: optimizer steps done, epoch and batch within it, losses, samples.
+
+    ``batch_in_epoch`` counts the batches of ``epoch`` already *trained* (not merely prepared
+    by a prefetching loader), so a resume skips exactly those.
+
+    >>> state = TrainState(devices=2)
+    >>> state.record(torch.tensor(0.5), [3, 1])
+    >>> state.losses, state.samples
+    ([0.5], [3, 1])
+    """
+
+    devices: int
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    samples: list[int] = field(default_factory=list)
+    _losses: list[float | torch.Tensor] = field(default_factory=list)
+    _parts: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [0] * self.devices
+
+    @property
+    def losses(self) -> list[float]:
+        """The step losses as floats (reading them waits for the device, once per value)."""
+        self._losses = [float(v) for v in self._losses]
+        return list(self._losses)  # type: ignore[arg-type]
+
+    def record(
+        self, loss: torch.Tensor | float | None, ran: list[int], local: bool = False
+    ) -> None:
+        """One step done: its loss (``None``: skipped, not recorded) and each device's samples.
+
+        ``local``: the loss is this rank's part only; :meth:`flush` sums the parts over ranks.
+        """
+        if loss is not None:
+            value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+            if local:
+                self._parts.append(torch.as_tensor(value).float())
+            else:
+                self._flush_order_check()
+                self._losses.append(value)
+        self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+
+    def _flush_order_check(self) -> None:
+        if self._parts:  # a global loss after local parts: the parts must be summed first
+            raise RuntimeError("TrainState.flush() was not called before a global loss")
+
+    def flush(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective)."""
+        if self._parts:
+            summed = reduce(torch.stack(self._parts))  # (pending steps,)
+            self._losses.extend(summed.unbind())
+            self._parts = []
+
+    @property
+    def last_loss(self) -> float:
+        """The latest recorded (global) loss, read from the device now."""
+        return float(self._losses[-1])
+
+    def _extra(self, guard: OomResplit) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "losses": self.losses,
+            "samples": self.samples,
+            "micro_batch_sizes": guard.micro_batch_sizes,
+            "resplits": guard.resplits,
+            "skipped": guard.skipped,
+        }
+
+    def save(
+        self,
+        path: Path,
+        *,
+        rank: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        scheduler: Any | None,
+        guard: OomResplit,
+    ) -> Path | None:
+        """Rank 0 writes the checkpoint; every other rank saves only its own RNG."""
+        if rank != 0:
+            save_rank_rng(path, rank, self.step)
+            return None
+        return save_checkpoint(
+            path,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            scheduler=scheduler,
+            step=self.step,
+            extra=self._extra(guard),
+        )
+
+    def resume(
+        self,
+        path: Path,
+        *,
+        rank: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        scheduler: Any | None,
+        guard: OomResplit,
+    ) -> bool:
+        """Load the latest good checkpoint at ``path``; ``False`` (a fresh start) if none."""
+        found = latest_checkpoint(path)
+        if found is None:
+            return False
+        info = load_checkpoint(
+            found, model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler
+        )
+        extra = info["extra"]
+        self.step = info["step"]
+        if rank != 0:  # rank 0's generators were just restored; this rank's own, if saved
+            load_rank_rng(found, rank, self.step)
+        self.epoch = int(extra.get("epoch", 0))
+        self.batch_in_epoch = int(extra.get("batch_in_epoch", 0))
+        self._losses = [float(v) for v in extra.get("losses", [])]
+        saved = [int(v) for v in extra.get("samples", [])]
+        if len(saved) == len(self.samples):
+            self.samples = saved
+        caps = extra.get("micro_batch_sizes")
+        if isinstance(caps, list) and len(caps) == len(guard.micro_batch_sizes):
+            guard.micro_batch_sizes = [None if c is None else int(c) for c in caps]
+        guard.resplits = int(extra.get("resplits", 0))
+        guard.skipped = int(extra.get("skipped", 0))
+        return True

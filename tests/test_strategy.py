@@ -1,0 +1,248 @@
+"""The Trainer's strategies across ranks: empty shares with a model that rejects empty batches,
+count-weighted (token) losses under DDP, and the bucketed in-place gradient all-reduce.
+
+One pair of gloo processes, started once for the module, runs every check.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from evendp._oom import all_reduce_gradients
+from evendp._trainer import TrainConfig, Trainer
+from tests._helpers import run_ranks
+
+N, L, VOCAB = 41, 6, 64
+SIZES = [3, 5]  # 41 samples: five steps of 8, then a short step of 1 with an empty share
+MODES = ["safe", "plain", "fsdp2"]
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config)
+
+
+class _Sentences(torch.utils.data.Dataset[Any]):
+    """Padded token sequences with a class label (no batch() method: collated per sample)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, VOCAB, (N, L), generator=g)
+        lengths = torch.randint(2, L + 1, (N,), generator=g)
+        self.mask = (torch.arange(L) < lengths[:, None]).long()  # (N, L), right padding
+        self.ids = self.ids * self.mask
+        self.labels = torch.randint(0, 2, (N,), generator=g)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ids[i], self.mask[i], self.labels[i]
+
+
+def _bert_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    ids, mask, labels = batch
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss  # type: ignore[no-any-return]
+
+
+def _grads(model: nn.Module, sharded: bool = False) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.grad.full_tensor() if sharded else p.grad).reshape(-1)  # type: ignore[union-attr]
+            for p in model.parameters()
+        ]
+    )
+
+
+class _TokenLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 8)
+        self.fc = nn.Linear(8, 7)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.fc(torch.tanh(self.emb(x)))  # (B, T, 7)
+        return nn.functional.cross_entropy(logits.reshape(-1, 7), y.reshape(-1))
+
+
+class _Tokens(torch.utils.data.Dataset[Any]):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randint(0, 7, (16, 5), generator=g)
+        self.y = torch.randint(0, 7, (16, 5), generator=g)
+        self.y[torch.rand(16, 5, generator=g) < 0.4] = -100
+        self.y[torch.rand(16, generator=g) < 0.4] = -100  # whole sequences masked
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x[i], self.y[i]
+
+    def batch(self, indices: list[int]) -> Any:
+        return self.x[indices], self.y[indices]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results: dict[str, Any] = {}
+    data = _Sentences()
+    # 1) Empty shares with HF BERT: six steps at lr=0, the last one [1, 0] or [0, 1].
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = _bert()
+        cfg = TrainConfig(
+            steps=6,
+            batch_sizes=SIZES,
+            lr=0.0,
+            grad_clip=None,
+            oom_resplit=mode != "plain",
+            strategy="fsdp2" if mode == "fsdp2" else "ddp",
+            progress=False,
+        )
+        trainer = Trainer(model, data, cfg, loss_fn=_bert_loss)
+        trainer.sampler.set_epoch(0)
+        every: list[Any] = [None, None]
+        dist.all_gather_object(every, list(trainer.sampler))
+        report = trainer.fit()
+        results[f"bert-{mode}"] = {
+            "grads": _grads(model, sharded=mode == "fsdp2"),
+            "indices": every,
+            "losses": report.losses,
+        }
+    # 2) Token-weighted loss under OOM-safe DDP with accumulation: sizes [5, 3].
+    torch.manual_seed(0)
+    model = _TokenLM()
+    tokens = _Tokens()
+    cfg = TrainConfig(steps=1, batch_sizes=[5, 3], accum=2, lr=0.0, grad_clip=None, progress=False)
+    trainer = Trainer(model, tokens, cfg, count_fn=lambda b: (b[1] != -100).sum())
+    trainer.sampler.set_epoch(0)
+    mine: list[Any] = [None, None]
+    dist.all_gather_object(mine, next(iter(trainer.sampler)))
+    report = trainer.fit()
+    results["tokens"] = {"grads": _grads(model), "indices": mine, "loss": report.losses[0]}
+    # 2b) Rank 1 cannot fit even one sample in step 0: the flag, riding in the gradient
+    # buckets, makes both ranks skip that step (neither hangs); step 1 trains exactly.
+    torch.manual_seed(0)
+    model = _TokenLM()
+    cfg = TrainConfig(steps=2, batch_sizes=[5, 3], lr=0.0, grad_clip=None, progress=False)
+    state: dict[str, Trainer] = {}
+
+    def oom_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        if rank == 1 and state["t"].step == 0:
+            raise torch.OutOfMemoryError("injected")
+        return model(*batch)  # type: ignore[no-any-return]
+
+    state["t"] = trainer = Trainer(
+        model, tokens, cfg, loss_fn=oom_loss, count_fn=lambda b: (b[1] != -100).sum()
+    )
+    trainer.sampler.set_epoch(0)
+    both: list[Any] = [None, None]
+    dist.all_gather_object(both, list(trainer.sampler)[:2])
+    report = trainer.fit()
+    results["skip"] = {
+        "skipped": report.skipped_steps,
+        "losses": report.losses,
+        "grads": _grads(model),
+        "indices": both,
+    }
+    # 3) Buckets: three gradients, buckets of 40 bytes (a lone one in place, two flattened).
+    params = [nn.Parameter(torch.zeros(n)) for n in (3, 4, 12)]
+    for p in params:
+        p.grad = torch.arange(p.numel(), dtype=torch.float32) * (rank + 1)
+    all_reduce_gradients(params, bucket_bytes=40)
+    results["buckets"] = [p.grad for p in params]
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("strategy_ddp")
+    return run_ranks(_worker, 2, out, 240, "strategy workers")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_share_never_calls_bert_on_zero_rows_and_stays_exact(
+    results: list[dict[str, Any]], mode: str
+) -> None:
+    r0, r1 = (r[f"bert-{mode}"] for r in results)
+    steps = [a + b for a, b in zip(r0["indices"][0], r0["indices"][1], strict=True)]
+    assert len(steps) == 6 and len(steps[-1]) == 1  # the short last step: one rank is empty
+    assert not r0["indices"][0][-1] or not r0["indices"][1][-1]
+    data = _Sentences()
+    torch.manual_seed(0)
+    ref = _bert()
+    losses = []
+    for indices in steps:  # lr=0: every step at the initial weights
+        ref.zero_grad()
+        loss = _bert_loss(ref, torch.utils.data.default_collate([data[i] for i in indices]))
+        loss.backward()
+        losses.append(float(loss.detach()))
+    expected = _grads(ref)  # the short last step's gradient
+    for r in (r0, r1):
+        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
+    for got, want in zip(r0["losses"], losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.multiprocess
+def test_count_fn_under_ddp_is_the_token_mean_over_ranks(results: list[dict[str, Any]]) -> None:
+    r0, r1 = (r["tokens"] for r in results)
+    indices = r0["indices"][0] + r0["indices"][1]
+    torch.manual_seed(0)
+    ref = _TokenLM()
+    x, y = _Tokens().batch(indices)
+    loss = ref(x, y)  # one device: the mean over every non-ignored token
+    loss.backward()
+    expected = _grads(ref)
+    for r in (r0, r1):
+        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
+    assert abs(r0["loss"] - float(loss.detach())) <= 1e-5 * float(loss.detach())
+
+
+@pytest.mark.multiprocess
+def test_an_oom_no_rank_survives_skips_the_step_on_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["skip"] for r in results)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert len(r0["losses"]) == len(r1["losses"]) == 1
+    step1 = r0["indices"][0][1] + r0["indices"][1][1]
+    torch.manual_seed(0)
+    ref = _TokenLM()
+    x, y = _Tokens().batch(step1)
+    loss = ref(x, y)
+    loss.backward()
+    expected = _grads(ref)
+    for r in (r0, r1):
+        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
+    assert abs(r0["losses"][0] - float(loss.detach())) <= 1e-5 * float(loss.detach())
+
+
+@pytest.mark.multiprocess
+def test_bucketed_all_reduce_averages_in_place(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        for n, grad in zip((3, 4, 12), r["buckets"], strict=True):
+            assert torch.equal(grad, torch.arange(n, dtype=torch.float32) * 1.5)
