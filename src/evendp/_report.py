@@ -275,7 +275,7 @@ def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "txt": out / "report.txt", "png": out / "report.png"}
     paths["json"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    console = Console(record=True, width=100, file=io.StringIO())
+    console = Console(record=True, width=130, file=io.StringIO())
     console.print(report.table())
     console.print(report.summary())
     paths["txt"].write_text(console.export_text())

@@ -35,7 +35,7 @@ from evendp.cli._args import bounded_float, bounded_int, plain_text
 __all__ = ["add_parser", "run"]
 
 _DEFAULT_OUT = "runs/demo"
-_DEFAULT_STEPS = 200
+_DEFAULT_STEPS = 150
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
 _DEMO_MEMORY = "48MiB,48MiB,24MiB"
 
@@ -171,8 +171,9 @@ def _validate_args(args: argparse.Namespace) -> None:
             ) from None
 
 
-def _parse_devices(text: str | None) -> list[str | int]:
-    """``--devices`` as BalancedDataParallel device ids; GPUs named only where CUDA is.
+def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
+    """``--devices`` as BalancedDataParallel device ids; GPUs named only where CUDA is
+    (``check_gpus=False``: physical ids for the launcher, which asks NVML itself).
 
     >>> _parse_devices("cpu, cpu")
     ['cpu', 'cpu']
@@ -190,7 +191,7 @@ def _parse_devices(text: str | None) -> list[str | int]:
         if part == "cpu":
             out.append("cpu")
         elif index.isdigit():
-            out.append(_validate_gpu(text, int(index)))
+            out.append(_validate_gpu(text, int(index)) if check_gpus else int(index))
         else:
             raise EvendpError(
                 f"--devices {text!r}: {part!r} is not a device; write cpu, a GPU index "
@@ -333,7 +334,7 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
 def _planner_weights(
     config: Any, args: argparse.Namespace, spec: str | list[int] | None = None
 ) -> Any:
-    """The planner's per-device split of ``args.batch`` (``spec=None``: the live GPUs).
+    """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs).
 
     Declared memory on CPU devices gets no CUDA-context allowance: a CPU has no CUDA context.
     """
@@ -357,7 +358,7 @@ def _planner_weights(
             "lower --batch, shrink the model (--n-layer, --n-embd, --block-size) or raise "
             "--memory"
         ) from None
-    return [float(n) for n in p.split]
+    return p
 
 
 def _first_batch(trainer: Any) -> Any:
@@ -410,7 +411,12 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
 
     # The wrapper returns (sum over every real character) / rows: scale to the token mean.
     rows = len(batch[0])
-    balanced = gradient(lambda: trainer.wrapped(*batch) * rows / count)
+    # A check of the arithmetic, not of memory: the budgets (if any) stay out of it.
+    hook, trainer.wrapped._replica_context = trainer.wrapped._replica_context, None
+    try:
+        balanced = gradient(lambda: trainer.wrapped(*batch) * rows / count)
+    finally:
+        trainer.wrapped._replica_context = hook
     one_device = gradient(lambda: trainer.model(*batch)[1])
     for p in params:
         p.grad = None
@@ -460,7 +466,7 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
     """
     if text is None:
         return None, False
-    entries = _parse_devices(text)
+    entries = _parse_devices(text, check_gpus=False)
     if all(str(d).startswith("cpu") for d in entries):
         return None, True
     gpus = []
@@ -516,6 +522,8 @@ def _print_report(report: Any, paths: dict[str, Path]) -> None:
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:  # a log file or pipe: wide enough for every column
+        console = Console(width=130)
     console.print(report.table())
     console.print(report.summary())
     console.print("report: " + ", ".join(str(p) for p in paths.values()))
@@ -560,13 +568,15 @@ def _run_dp(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
     model, data, config = _build(args)
     on_gpus = all(isinstance(d, int) for d in devices)
+    planned = None
     if args.weights is None and memory is not None:
-        weights = _planner_weights(config, args, memory)  # the split that fits the memory
+        planned = _planner_weights(config, args, memory)  # the split that fits the memory
+        weights = [float(n) for n in planned.split]
     elif args.devices is None and args.weights is None and len(devices) > 1 and on_gpus:
         # All GPUs, no weights given: the planner's split (device 0 also holds the optimizer
         # and the gathered outputs), else free memory when the planner cannot place the batch.
         try:
-            weights = _planner_weights(config, args)
+            weights = [float(n) for n in _planner_weights(config, args).split]
         except EvendpError as exc:
             print(f"evendp train: planner split unavailable ({exc}); using free memory")
     home = devices[0]
@@ -603,11 +613,15 @@ def _run_dp(args: argparse.Namespace) -> int:
             d.forward_peak_bytes = budgets.peaks[i]
         if even is not None:
             d.even_samples, d.even_forward_peak_bytes, d.even_oom = even[i]
-    if not args.no_plan:
+    ours = [round(d.samples_per_step) for d in report.devices]
+    even_shares = split_even(args.batch, len(ours))
+    if planned is not None and planned.split == ours and planned.even_split == even_shares:
+        for d, p in zip(report.devices, planned.devices, strict=True):  # planned already
+            d.planned_bytes, d.even_planned_bytes = p.peak, p.even_peak
+            d.even_samples = p.even_samples
+    elif not args.no_plan:
         try:
-            ours = [round(d.samples_per_step) for d in report.devices]
             mine, theirs = _planned_peaks(config, args, ours)
-            even_shares = split_even(args.batch, len(ours))
             for d, a, b, n in zip(report.devices, mine, theirs, even_shares, strict=True):
                 d.planned_bytes, d.even_planned_bytes = a, b
                 d.even_samples = n
