@@ -21,6 +21,15 @@ from typing import Any
 __all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "write_report"]
 
 
+def _count(x: float) -> str:
+    """A per-step sample count: whole when it is, else one decimal (an epoch's short step).
+
+    >>> _count(12.0), _count(11.9333)
+    ('12', '11.9')
+    """
+    return f"{x:g}" if float(x).is_integer() else f"{x:.1f}"
+
+
 def format_bytes(n: float | None) -> str:
     """Human-readable bytes (binary units); ``None`` is shown as a dash.
 
@@ -119,7 +128,7 @@ class TrainReport:
                     oom = name.startswith("even fwd") and d.even_oom
                     cells.append(format_bytes(value) + (" OOM" if oom else ""))
             table.add_row(
-                d.name, f"{d.samples_per_step:g}", f"{d.samples_per_step / total:.0%}", *cells
+                d.name, _count(d.samples_per_step), f"{d.samples_per_step / total:.0%}", *cells
             )
         return table
 
@@ -212,7 +221,8 @@ def _plot_memory(ax: Any, report: TrainReport) -> None:
         if kind == "ours_measured" and all(d.peak_bytes is None for d in report.devices):
             label = "evendp split, measured (forward)"
         if kind == "even_measured":
-            label = "even split, measured (forward)"
+            oom = any(d.even_oom for d in report.devices)
+            label = "even split, measured (forward" + (", until OOM)" if oom else ")")
         offsets = [x - 0.4 + width * (j + 0.5) for x in xs]
         heights = [(b[kind] or 0) / 2**20 for b in bars]
         top = max(top, *heights)
@@ -237,10 +247,10 @@ def _plot_memory(ax: Any, report: TrainReport) -> None:
     labels = []
     for d in report.devices:
         even = "" if d.even_samples is None else f"\neven: {d.even_samples:g}"
-        labels.append(f"{d.name}\nevendp: {d.samples_per_step:g}/step{even}")
+        labels.append(f"{d.name}\nevendp: {_count(d.samples_per_step)}/step{even}")
     ax.set_xticks(list(xs), labels, fontsize=9)
     ax.set_ylabel("MiB")
-    ax.set_ylim(0, top * 1.25 if top else 1)
+    ax.set_ylim(0, top * 1.4 if top else 1)  # room for the legend above the budget lines
     ax.set_title("Per-device memory for one step")
     ax.grid(axis="y", alpha=0.3)
     if kinds or budget_drawn:

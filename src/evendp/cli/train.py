@@ -35,7 +35,7 @@ from evendp.cli._args import bounded_float, bounded_int, plain_text
 __all__ = ["add_parser", "run"]
 
 _DEFAULT_OUT = "runs/demo"
-_DEFAULT_STEPS = 150
+_DEFAULT_STEPS = 100
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
 _DEMO_MEMORY = "48MiB,48MiB,24MiB"
 
