@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .._deprecation import REMOVAL
@@ -175,7 +176,7 @@ def _validate_texts(args: argparse.Namespace) -> None:
     from .._memory import parse_memory
     from .._sampler import parse_batch_sizes
 
-    checks = [
+    checks: list[tuple[str, str | None, Callable[[str], object], str]] = [
         ("--batch-sizes", args.batch_sizes, parse_batch_sizes, "3,5"),
         ("--memory", args.memory, parse_memory, "24GiB,24GiB,12GiB"),
         ("--min-free", args.min_free, parse_bytes, "8GiB"),

@@ -592,9 +592,10 @@ def _run_dp(args: argparse.Namespace) -> int:
         count_fn=CodeParagraphs.count_tokens,
     )  # fmt: skip
     budgets = _attach_budgets(trainer, memory) if memory is not None and _all_cpu(devices) else None
+    dp: Any = trainer.wrapped  # BalancedDataParallel in one process
     print(
         f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
-        f"{args.batch}, samples per device per step {trainer.wrapped.split(args.batch)}"
+        f"{args.batch}, samples per device per step {dp.split(args.batch)}"
         + ("" if memory is None else " (the planner's split for --memory " + _fmt(memory) + ")"),
         flush=True,
     )
@@ -719,10 +720,10 @@ def _log_metrics(report: Any, args: argparse.Namespace) -> Path:
     from torch.utils.tensorboard import SummaryWriter
 
     path = out / "tensorboard"
-    writer = SummaryWriter(str(path))
+    board = SummaryWriter(str(path))
     for step, loss in enumerate(report.losses, start):
-        writer.add_scalar("train/loss", loss, step)
-    writer.close()
+        board.add_scalar("train/loss", loss, step)
+    board.close()
     return path
 
 
