@@ -246,3 +246,17 @@ def test_cpu_devices_keep_the_demo_on_the_cpu_on_a_gpu_host(
     assert main([*argv, *CPU3, *SMALL]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert [d["name"] for d in report["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_declared_memory_allows_a_cuda_context_on_gpus_only() -> None:
+    import argparse
+
+    from evendp.cli.train import _planner_weights
+    from evendp.examples.gpt import GPTConfig
+
+    config = GPTConfig(vocab_size=96, block_size=32, n_layer=1, n_head=4, n_embd=32)
+    args = argparse.Namespace(batch=None, amp="none", checkpointing=False, memory=None)
+    memory = [560 * 2**20, 560 * 2**20]
+    on_cpu = _planner_weights(config, args, memory, cpu=True)
+    on_gpus = _planner_weights(config, args, memory, cpu=False)  # 512 MiB of it is CUDA's
+    assert on_cpu.global_batch > on_gpus.global_batch > 0

@@ -332,7 +332,7 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
 
 
 def _planner_weights(
-    config: Any, args: argparse.Namespace, spec: str | list[int] | None = None
+    config: Any, args: argparse.Namespace, spec: str | list[int] | None = None, cpu: bool = False
 ) -> Any:
     """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs).
 
@@ -343,7 +343,6 @@ def _planner_weights(
     from evendp.cli._model_spec import _AMP, gpt_batch
     from evendp.examples.gpt import GPT
 
-    cpu = isinstance(spec, list)
     options: dict[str, Any] = {"cuda_context": 0} if cpu else {}
     try:
         p = plan(
@@ -351,7 +350,7 @@ def _planner_weights(
             amp=_AMP[args.amp], checkpointing=args.checkpointing, **options,
         )  # fmt: skip
     except PlanError as exc:
-        if not cpu:
+        if not isinstance(spec, list):
             raise
         raise EvendpError(
             f"--batch {args.batch} does not fit --memory {args.memory or _DEMO_MEMORY} ({exc}); "
@@ -570,7 +569,8 @@ def _run_dp(args: argparse.Namespace) -> int:
     on_gpus = all(isinstance(d, int) for d in devices)
     planned = None
     if args.weights is None and memory is not None:
-        planned = _planner_weights(config, args, memory)  # the split that fits the memory
+        # The split that fits the memory; a CPU has no CUDA context to allow for.
+        planned = _planner_weights(config, args, memory, cpu=_all_cpu(devices))
         weights = [float(n) for n in planned.split]
     elif args.devices is None and args.weights is None and len(devices) > 1 and on_gpus:
         # All GPUs, no weights given: the planner's split (device 0 also holds the optimizer
