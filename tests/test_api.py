@@ -38,10 +38,12 @@ EXPECTED_ALL = {
     "live_memory",
     "load_checkpoint",
     "parse_batch_sizes",
+    "padded_cost",
     "parse_memory",
     "plan",
     "save_checkpoint",
     "select_devices",
+    "split_by_cost",
     "split_sizes",
 }
 

@@ -5,6 +5,7 @@ The public API is what ``__all__`` lists; everything else lives in private modul
 """
 
 from ._checkpoint import load_checkpoint, save_checkpoint
+from ._cost import padded_cost, split_by_cost
 from ._devices import DeviceInfo, list_devices, select_devices
 from ._distributed import (
     ddp_loss,
@@ -31,6 +32,9 @@ __all__ = [
     "Scattered",
     "gather",
     "split_sizes",
+    # cost (variable-length samples)
+    "padded_cost",
+    "split_by_cost",
     # many processes
     "EmptySafeCollate",
     "UnevenBatchSampler",

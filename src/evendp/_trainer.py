@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,13 +39,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ._blocks import block_predicate, repeated_blocks
+from ._cost import split_by_cost
 from ._deprecation import UNSET, renamed_argument
 from ._distributed import comm_device
 from ._errors import EvendpError
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
-from ._sampler import EmptySafeCollate, UnevenBatchSampler
+from ._sampler import EmptySafeCollate, UnevenBatchSampler, _sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
@@ -234,6 +235,11 @@ class Trainer:
             however the batch is cut; a share with no counted items adds exactly nothing.
             ``count_fn`` must add up over rows (the count of a batch is the sum of its rows').
         optimizer, scheduler: default AdamW(lr, weight_decay) and none.
+        costs: per-sample cost (a sequence, or a function of ``data[i]``: its length in
+            tokens) to split each step by padded cost, not by count (docs/balancing.md).
+            DDP: the sampler assigns the step's samples to ranks by cost. One process: the
+            step's rows are ordered so each device's contiguous share is its cost plan.
+            The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         collate_fn: ``collate_fn(samples) -> batch`` for a dataset of samples that
             ``default_collate`` cannot stack, e.g. variable-length sequences to pad;
             default: ``data.batch(indices)`` when the dataset has it, else
@@ -278,6 +284,7 @@ class Trainer:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any | None = None,
         devices: Any = UNSET,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
@@ -308,6 +315,11 @@ class Trainer:
             rank=self.rank,
             world_size=self.world,
             seed=config.seed,
+            costs=costs if self.distributed else None,  # ranks split each step by cost
+        )
+        # One process: each step's rows are ordered so each device's share is its cost plan.
+        self._costs = (
+            None if self.distributed else _sample_costs(data, self.sampler.num_samples, costs)
         )
         # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
@@ -385,12 +397,22 @@ class Trainer:
             for i, indices in enumerate(self.sampler):
                 if i < skip:
                     continue
-                batch = self._collate_indices(list(indices))
+                indices, shares = self._by_cost(list(indices))
+                batch = self._collate_indices(indices)
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
-                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i))
+                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares)
             epoch, skip = epoch + 1, 0
+
+    def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
+        """The step's indices ordered device by device as the cost plan assigns them, and
+        each device's rows (``None`` without costs: the strategy splits by weights)."""
+        capacities = self.strategy.shares(len(indices))
+        if self._costs is None or len(capacities) < 2:
+            return indices, None
+        plan = split_by_cost([self._costs[i] for i in indices], capacities)
+        return [indices[j] for share in plan for j in share], [len(share) for share in plan]
 
     def _stand_in_for_empty(self) -> Batch:
         """One real sample for a rank with no rows: models may reject an empty batch."""
@@ -414,7 +436,9 @@ class Trainer:
         # Counted exactly in float64; the weight enters backward in the loss's fp32.
         return self.strategy.global_count(local.reshape(())).float()
 
-    def _train_step(self, batch: Batch, samples: int) -> torch.Tensor | None:
+    def _train_step(
+        self, batch: Batch, samples: int, planned: list[int] | None = None
+    ) -> torch.Tensor | None:
         """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
 
         Returns the global batch's mean loss (on the device), or ``None`` when skipped (OOM).
@@ -423,7 +447,7 @@ class Trainer:
         n = _batch_len(batch)
         batch = strategy.place(batch)
         # Each device's share of this batch: consecutive samples starting at offsets[i].
-        shares = strategy.shares(n)
+        shares = strategy.shares(n) if planned is None else planned  # planned: by cost
         offsets = [sum(shares[:i]) for i in range(len(shares))]
         accum = [math.ceil(s / self.config.accum) if s else None for s in shares]
         attempt: list[list[int]] = []  # per micro-step, the samples each device ran
@@ -533,7 +557,7 @@ class Trainer:
                 while state.step < cfg.steps:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.count)
+                    loss = self._train_step(item.batch, item.count, item.shares)
                     state.step += 1
                     state.record(loss, self._samples_ran(loss is not None), self._local)
                     if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
