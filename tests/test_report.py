@@ -36,8 +36,8 @@ def _report(measured: bool) -> TrainReport:
     )
 
 
-def _text(table: object) -> str:
-    console = Console(file=io.StringIO(), width=120)
+def _text(table: object, width: int = 120) -> str:
+    console = Console(file=io.StringIO(), width=width)
     console.print(table)
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert isinstance(out, str)
@@ -47,10 +47,11 @@ def _text(table: object) -> str:
 def test_table_rows_and_memory_columns() -> None:
     text = _text(_report(measured=True).table())
     assert "cuda:0" in text and "cuda:1" in text
-    assert "peak memory" in text and "3.00 GiB" in text and "4.00 GiB" in text
+    assert "peak, measured" in text and "3.00 GiB" in text and "4.00 GiB" in text
     assert "67%" in text and "33%" in text
     cpu = _text(_report(measured=False).table())
-    assert "planned peak" in cpu and "2.00 GiB" in cpu
+    # No measured figure: no measured column, and the planned one keeps its name.
+    assert "measured" not in cpu and "peak, planned" in cpu and "2.00 GiB" in cpu
 
 
 def test_write_report_files(tmp_path: Path) -> None:
@@ -87,3 +88,47 @@ def test_progress_bar_shows_step_loss_speed_and_memory() -> None:
 def test_format_bytes() -> None:
     assert format_bytes(0) == "0 B"
     assert format_bytes(5 * 2**20) == "5.0 MiB"
+
+
+def _budgeted() -> TrainReport:
+    mib = 2**20
+    devices = [
+        DeviceStat("cpu:0", 12, None, 33 * mib, 30 * mib, 48 * mib, 31 * mib, 11, 27 * mib),
+        DeviceStat("cpu:1", 12, None, 30 * mib, 28 * mib, 48 * mib, 29 * mib, 11, 27 * mib),
+        DeviceStat("cpu:2", 8, None, 20 * mib, 25 * mib, 24 * mib, 20 * mib, 10, 24.3 * mib, True),
+    ]
+    return TrainReport(devices, losses=[4.0, 3.0], steps=2, global_batch=32, model="GPT 3x64")
+
+
+def test_budgeted_table_names_each_figure_and_the_oom() -> None:
+    text = _text(_budgeted().table(), width=200)
+    for column in ("budget", "fwd peak, measured", "peak, planned", "even split",
+                   "even fwd, measured", "even peak, planned"):  # fmt: skip
+        assert column in text
+    assert "OOM" in text.splitlines()[-3] + text.splitlines()[-2]  # cpu:2's row
+    assert "GPT 3x64 on 3 devices" in text and "global batch 32, 2 steps" in text
+
+
+def test_png_has_title_budget_lines_and_no_label_on_the_axis(tmp_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    import evendp._report as rep
+
+    report = _budgeted()
+    report.eval = [{"step": 2, "metrics": {"loss": 3.1}}]
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    mem, curve = fig.subplots(1, 2)
+    rep._plot_memory(mem, report)
+    rep._plot_validation(curve, report.eval)
+    labels = [t.get_text() for t in mem.get_legend().get_texts()]
+    assert "budget" in labels and "evendp split, planned" in labels
+    assert "even split, measured (forward, until OOM)" in labels
+    assert [c for c in mem.collections if c.get_label() == "budget"]  # the budget line
+    # Shares are tick labels under the axis, not text sitting on the axis line (y=0).
+    assert all(t.xy[1] > 0 for t in mem.texts if hasattr(t, "xy"))
+    assert "evendp: 8/step" in mem.get_xticklabels()[2].get_text()
+    assert curve.get_legend() is not None  # the validation curve is labelled
+    paths = write_report(report, tmp_path)
+    assert json.loads(paths["json"].read_text())["devices"][2]["even_oom"] is True

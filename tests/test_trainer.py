@@ -617,3 +617,42 @@ def test_without_count_fn_a_masked_loss_is_weighted_by_samples_and_differs() -> 
     assert _rel(ours, ref) > 1e-3
     ours, ref, *_ = _count_weighted_grads(data, [2, 1, 1], 1, 10**9, count=True)
     assert _rel(ours, ref) <= 1e-5
+
+
+class _Sequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Variable-length samples with no batch(indices): default_collate cannot stack them."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.items = [torch.randint(0, 8, (int(n),), generator=g) for n in range(3, 9)] * 4
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.items[i][:-1], self.items[i][1:]
+
+
+def test_collate_fn_pads_variable_length_samples_and_fit_writes_the_report(
+    tmp_path: Path,
+) -> None:
+    from evendp.examples.stdlib_text import CodeParagraphs
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    cfg = TrainConfig(steps=2, batch_size=6, progress=False, out_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        Trainer(model, _Sequences(), cfg, device_ids=["cpu", "cpu"]).fit()
+    padder = CodeParagraphs([torch.arange(2)], block_size=8)  # its collate pads (x, y) pairs
+    report = Trainer(
+        model, _Sequences(), cfg, device_ids=["cpu", "cpu"], collate_fn=padder.collate,
+        count_fn=CodeParagraphs.count_tokens,
+    ).fit()  # fmt: skip
+    assert report.steps == 2
+    assert sorted(p.name for p in tmp_path.glob("report.*")) == [
+        "report.json",
+        "report.png",
+        "report.txt",
+    ]
+    with pytest.raises(EvendpError, match="collate_fn must be a function"):
+        Trainer(model, _Sequences(), cfg, collate_fn=3)  # type: ignore[arg-type]

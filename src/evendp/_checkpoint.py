@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -210,8 +211,8 @@ def _read(path: Path) -> dict[str, Any]:
     except Exception as exc:  # torch raises several types for a truncated or foreign file
         raise EvendpError(
             f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); it may be "
-            f"truncated or not an evendp checkpoint; {fix}"
+            f"{_first_sentence(str(exc))}); it may be truncated or not an evendp checkpoint; "
+            f"{fix}"
         ) from exc
     if (
         not isinstance(payload, dict)
@@ -241,6 +242,22 @@ def _read_rng(path: Path) -> dict[str, Any]:
             "the checkpoint writer's generator states on this rank"
         )
     return payload
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an error message, whole (never cut mid-sentence), no ANSI codes.
+
+    >>> _first_sentence("Weights only load failed. In PyTorch 2.6, we changed (a)...")
+    'Weights only load failed.'
+    >>> _first_sentence("")
+    'no detail'
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
+    if not text:
+        return "no detail"
+    first = text.splitlines()[0]
+    end = first.find(". ")
+    return first if end < 0 else first[: end + 1]
 
 
 def _validate_model_state(path: Path, model: torch.nn.Module, state: Mapping[str, Any]) -> None:

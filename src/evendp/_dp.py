@@ -188,6 +188,9 @@ class BalancedDataParallel(nn.Module):
         self._sizes: list[int] | None = None
         #: The per-device sample counts of the last forward (zeros for idle devices).
         self.last_sizes: list[int] = []
+        # A per-device context around each replica's forward, in its thread (set by
+        # evendp._budget.MemoryBudgets.attach: virtual devices that enforce a memory budget).
+        self._replica_context: Callable[[int], Any] | None = None
         _validate_placement(module.parameters(), module.buffers(), home=self.device_ids[0])
         # One parameter, looked up afresh every step, stands for the module's placement:
         # cheaper than walking all of them, and it sees a moved or replaced parameter.
@@ -327,7 +330,9 @@ class BalancedDataParallel(nn.Module):
         total: int,
     ) -> list[Any]:
         try:
-            return parallel_apply(replicas, shards, devices)
+            hook = self._replica_context
+            contexts = None if hook is None else [hook(i) for i in active]
+            return parallel_apply(replicas, shards, devices, contexts)
         except (RuntimeError, ValueError) as error:
             if is_oom_error(error):
                 # Say which entry of device_ids ran out, so a caller can shrink that share only

@@ -141,12 +141,14 @@ def parallel_apply(
     modules: Sequence[nn.Module],
     shards: Sequence[tuple[Sequence[Any], dict[str, Any]]],
     devices: Sequence[torch.device],
+    contexts: Sequence[contextlib.AbstractContextManager[Any]] | None = None,
 ) -> list[Any]:
     """Call ``modules[i](*args_i, **kwargs_i)`` on ``devices[i]``, in threads when more than one.
 
     Grad mode and autocast state are thread-local in PyTorch, so each thread re-enters the
     caller's. An exception from a replica is re-raised unchanged (a ``torch.OutOfMemoryError``
-    stays one) with a note naming the device.
+    stays one) with a note naming the device. ``contexts[i]``, when given, is entered around
+    replica ``i``'s call inside its thread (the hook of ``evendp._budget``'s memory budgets).
 
     >>> out = parallel_apply([nn.Identity()] * 2, [((torch.ones(1),), {})] * 2, ["cpu"] * 2)
     >>> [o.item() for o in out]
@@ -156,7 +158,7 @@ def parallel_apply(
     state = _ThreadState(devices)
     if len(modules) == 1:  # the caller's own thread, but on the replica's device and stream
         args, kwargs = shards[0]
-        with state.enter(0):
+        with state.enter(0), _context(contexts, 0):
             return [modules[0](*args, **kwargs)]
 
     results: list[Any] = [None] * len(modules)
@@ -164,7 +166,7 @@ def parallel_apply(
 
     def work(i: int) -> None:
         try:
-            with state.enter(i):
+            with state.enter(i), _context(contexts, i):
                 args, kwargs = shards[i]
                 results[i] = modules[i](*args, **kwargs)
         except BaseException as exc:  # re-raised in the caller's thread below
@@ -182,6 +184,12 @@ def parallel_apply(
             error.evendp_replica = i  # type: ignore[attr-defined]  # read by BalancedDataParallel
             raise error
     return results
+
+
+def _context(
+    contexts: Sequence[contextlib.AbstractContextManager[Any]] | None, i: int
+) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if contexts is None else contexts[i]
 
 
 class _ThreadState:

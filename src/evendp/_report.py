@@ -1,9 +1,11 @@
 """What a training run shows: a live progress bar, and a final table, JSON and PNG report.
 
-The PNG puts each device's peak memory beside the figure the planner gives an even split (the
-memory ``nn.DataParallel`` would need for the same global batch), and the loss curve.
-Measured peaks exist only on CUDA; on CPU virtual devices the table shows the planner's
-figure for our split instead, labelled as planned.
+The PNG's left panel shows, per device, its memory budget as a line, evendp's split under it
+and an even split of the same global batch (what ``nn.DataParallel`` runs) beside it; the
+right panel the loss curve (and the validation curve when there is one). Every figure says
+where it comes from: *measured* (the CUDA allocator's peak on a GPU; on budgeted virtual CPU
+devices the enforced forward peak of :mod:`evendp._budget`) or *planned* (the memory
+planner's forward+backward peak). One is never shown under the other's name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "write_report"]
+
+
+def _count(x: float) -> str:
+    """A per-step sample count: whole when it is, else one decimal (an epoch's short step).
+
+    >>> _count(12.0), _count(11.9333)
+    ('12', '11.9')
+    """
+    return f"{x:g}" if float(x).is_integer() else f"{x:.1f}"
 
 
 def format_bytes(n: float | None) -> str:
@@ -43,6 +54,11 @@ class DeviceStat:
     peak_bytes: int | None = None  # measured by the CUDA allocator
     planned_bytes: int | None = None  # planner, our split
     even_planned_bytes: int | None = None  # planner, an even split of the same batch
+    budget_bytes: int | None = None  # the device's declared memory (a virtual device's budget)
+    forward_peak_bytes: int | None = None  # measured: enforced forward peak, budgeted devices
+    even_samples: int | None = None  # an even split's share of the same batch
+    even_forward_peak_bytes: int | None = None  # measured for the even split (at the OOM: so far)
+    even_oom: bool = False  # the even split ran out of this device's budget
 
 
 @dataclass
@@ -66,6 +82,8 @@ class TrainReport:
     interrupted: bool = False
     mode: str = "dp"
     amp: str = "none"
+    #: What was trained, for titles: e.g. ``"GPT 3x64, 128 chars"`` (empty: not named).
+    model: str = ""
     #: Evaluations of ``eval_data``: ``[{"step": 100, "metrics": {"loss": 2.31}}, ...]``.
     eval: list[dict[str, Any]] = field(default_factory=list)
 
@@ -83,24 +101,50 @@ class TrainReport:
         """A ``rich.table.Table``: samples per step and memory for each device."""
         from rich.table import Table
 
-        measured = any(d.peak_bytes is not None for d in self.devices)
-        table = Table(title=f"evendp {self.mode}: {self.steps} steps, batch {self.global_batch}")
+        table = Table(title=self.title())
         table.add_column("device")
         table.add_column("samples/step", justify="right")
         table.add_column("share", justify="right")
-        table.add_column("peak memory" if measured else "planned peak", justify="right")
-        table.add_column("even split, planned", justify="right")
+        columns = [  # only the columns some device has a figure for
+            ("budget", lambda d: d.budget_bytes),
+            ("peak, measured", lambda d: d.peak_bytes),
+            ("fwd peak, measured", lambda d: d.forward_peak_bytes),
+            ("peak, planned", lambda d: d.planned_bytes),
+            ("even split", lambda d: d.even_samples),
+            ("even fwd, measured", lambda d: d.even_forward_peak_bytes),
+            ("even peak, planned", lambda d: d.even_planned_bytes),
+        ]
+        shown = [(n, f) for n, f in columns if any(f(d) is not None for d in self.devices)]
+        for name, _ in shown:
+            table.add_column(name, justify="right")
         total = sum(d.samples_per_step for d in self.devices) or 1.0
         for d in self.devices:
-            ours = d.peak_bytes if measured else d.planned_bytes
+            cells = []
+            for name, get in shown:
+                value = get(d)
+                if name == "even split":
+                    cells.append("-" if value is None else f"{value:g}")
+                else:
+                    oom = name.startswith("even fwd") and d.even_oom
+                    cells.append(format_bytes(value) + (" OOM" if oom else ""))
             table.add_row(
-                d.name,
-                f"{d.samples_per_step:g}",
-                f"{d.samples_per_step / total:.0%}",
-                format_bytes(ours),
-                format_bytes(d.even_planned_bytes),
+                d.name, _count(d.samples_per_step), f"{d.samples_per_step / total:.0%}", *cells
             )
         return table
+
+    def title(self) -> str:
+        """One line naming the run: model, devices, global batch, steps.
+
+        >>> TrainReport([DeviceStat("cpu:0", 2)], steps=5, global_batch=2, model="GPT").title()
+        'evendp dp: GPT on 1 device (cpu:0), global batch 2, 5 steps'
+        """
+        names = ", ".join(d.name for d in self.devices)
+        what = f"{self.model} on " if self.model else "on "
+        count = len(self.devices)
+        return (
+            f"evendp {self.mode}: {what}{count} device{'s' if count != 1 else ''} ({names}), "
+            f"global batch {self.global_batch}, {self.steps} steps"
+        )
 
     def summary(self) -> str:
         """Two lines: loss first -> final, throughput, and what OOM handling did."""
@@ -131,38 +175,89 @@ def _plot(report: TrainReport, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), dpi=100)
+    fig = Figure(figsize=(12, 5), dpi=100)
     FigureCanvasAgg(fig)
-    mem, curve = fig.subplots(1, 2)
-    names = [d.name for d in report.devices]
-    measured = any(d.peak_bytes is not None for d in report.devices)
-    ours = [(d.peak_bytes if measured else d.planned_bytes) or 0 for d in report.devices]
-    even = [d.even_planned_bytes or 0 for d in report.devices]
-    xs = list(range(len(names)))
-    width = 0.38
-    label = "evendp, measured peak" if measured else "evendp, planned peak"
-    mem.bar([x - width / 2 for x in xs], [b / 2**20 for b in ours], width, label=label)
-    mem.bar(
-        [x + width / 2 for x in xs], [b / 2**20 for b in even], width, label="even split, planned"
-    )
-    for x, d in zip(xs, report.devices, strict=True):
-        mem.annotate(f"{d.samples_per_step:g}/step", (x, 0), ha="center", va="bottom", fontsize=8)
-    mem.set_xticks(xs, names)
-    mem.set_ylabel("MiB")
-    mem.set_title("Per-device peak memory")
-    mem.legend(fontsize=8)
-    if not any(ours) and not any(even):
-        mem.text(
-            0.5, 0.5, "no memory figures on this machine", ha="center", transform=mem.transAxes
-        )
+    mem, curve = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.25, 1]})
+    fig.suptitle(report.title(), fontsize=11)
+    _plot_memory(mem, report)
     curve.plot(range(1, len(report.losses) + 1), report.losses, label="training")
     _plot_validation(curve, report.eval)
     curve.set_xlabel("step")
-    curve.set_ylabel("training loss")
+    curve.set_ylabel("loss")
     curve.set_title("Loss")
     curve.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+
+
+# (label, colour, hatch) per bar kind; measured bars are solid, planned ones hatched.
+_BARS = {
+    "ours_measured": ("evendp split, measured", "tab:blue", None),
+    "ours_planned": ("evendp split, planned", "tab:blue", "//"),
+    "even_measured": ("even split, measured", "tab:orange", None),
+    "even_planned": ("even split, planned", "tab:orange", "//"),
+}
+
+
+def _memory_bars(d: DeviceStat) -> dict[str, int | None]:
+    measured = d.peak_bytes if d.peak_bytes is not None else d.forward_peak_bytes
+    return {
+        "ours_measured": measured,
+        "ours_planned": d.planned_bytes,
+        "even_measured": d.even_forward_peak_bytes,
+        "even_planned": d.even_planned_bytes,
+    }
+
+
+def _plot_memory(ax: Any, report: TrainReport) -> None:
+    """Per device: the budget as a line, evendp's split and the even split as bars (MiB)."""
+    bars = [_memory_bars(d) for d in report.devices]
+    kinds = [k for k in _BARS if any(b[k] is not None for b in bars)]
+    xs = range(len(report.devices))
+    width = 0.8 / max(len(kinds), 1)
+    top = 0.0
+    for j, kind in enumerate(kinds):
+        label, colour, hatch = _BARS[kind]
+        if kind == "ours_measured" and all(d.peak_bytes is None for d in report.devices):
+            label = "evendp split, measured (forward)"
+        if kind == "even_measured":
+            oom = any(d.even_oom for d in report.devices)
+            label = "even split, measured (forward" + (", until OOM)" if oom else ")")
+        offsets = [x - 0.4 + width * (j + 0.5) for x in xs]
+        heights = [(b[kind] or 0) / 2**20 for b in bars]
+        top = max(top, *heights)
+        ax.bar(
+            offsets, heights, width * 0.92, label=label, color=colour if hatch is None else "white",
+            edgecolor=colour, hatch=hatch, linewidth=1.2,
+        )  # fmt: skip
+        if kind == "even_measured":
+            for x, d, h in zip(offsets, report.devices, heights, strict=True):
+                if d.even_oom:
+                    ax.annotate("OOM", (x, h), ha="center", va="bottom", fontsize=8,
+                                color="tab:red", fontweight="bold", xytext=(0, 6),
+                                textcoords="offset points")  # fmt: skip
+    budget_drawn = False
+    for x, d in zip(xs, report.devices, strict=True):
+        if d.budget_bytes is not None:
+            y = d.budget_bytes / 2**20
+            top = max(top, y)
+            ax.hlines(y, x - 0.45, x + 0.45, colors="tab:red", linewidth=2,
+                      label=None if budget_drawn else "budget")  # fmt: skip
+            budget_drawn = True
+    labels = []
+    for d in report.devices:
+        even = "" if d.even_samples is None else f"\neven: {d.even_samples:g}"
+        labels.append(f"{d.name}\nevendp: {_count(d.samples_per_step)}/step{even}")
+    ax.set_xticks(list(xs), labels, fontsize=9)
+    ax.set_ylabel("MiB")
+    ax.set_ylim(0, top * 1.4 if top else 1)  # room for the legend above the budget lines
+    ax.set_title("Per-device memory for one step")
+    ax.grid(axis="y", alpha=0.3)
+    if kinds or budget_drawn:
+        ax.legend(fontsize=8, loc="upper right", ncols=2)
+    else:
+        ax.text(0.5, 0.5, "no memory figures on this machine", ha="center",
+                transform=ax.transAxes)  # fmt: skip
 
 
 def _plot_validation(ax: Any, evals: list[dict[str, Any]]) -> None:
@@ -190,7 +285,7 @@ def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "txt": out / "report.txt", "png": out / "report.png"}
     paths["json"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    console = Console(record=True, width=100, file=io.StringIO())
+    console = Console(record=True, width=130, file=io.StringIO())
     console.print(report.table())
     console.print(report.summary())
     paths["txt"].write_text(console.export_text())

@@ -47,7 +47,7 @@ from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
-from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
+from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, _sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
@@ -253,6 +253,19 @@ class Trainer:
             ``total sum / total count``, exactly one device's over the whole set. Default:
             ``{"loss": (loss_fn's mean x count, count)}``, counted by ``count_fn`` (else
             the samples), as training weights the loss.
+        collate_fn: ``collate_fn(samples) -> batch`` for a dataset of samples that
+            ``default_collate`` cannot stack, e.g. variable-length sequences to pad;
+            default: ``data.batch(indices)`` when the dataset has it, else
+            ``default_collate``.
+
+    Batches: a dataset with a ``batch(indices) -> batch`` method builds each step's batch
+    itself from the step's sample indices (one call, no per-sample ``__getitem__``; e.g.
+    slicing a token tensor, or padding variable-length samples to the longest, as
+    :class:`evendp.examples.stdlib_text.CodeParagraphs` does). Without it, and without
+    ``collate_fn``, samples are stacked by ``default_collate``, which needs equal shapes.
+
+    With ``config.out_dir`` set, ``fit`` also writes the report there (``report.txt``,
+    ``report.json``, ``report.png``), as ``evendp train`` does.
 
     >>> from evendp.examples.stdlib_text import CharWindows
     >>> torch.manual_seed(0) and None
@@ -287,6 +300,7 @@ class Trainer:
         eval_fn: EvalFn | None = None,
         devices: Any = UNSET,
         costs: Sequence[float] | Callable[[Any], float] | None = None,
+        collate_fn: Callable[[list[Any]], Batch] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         self.config = config
@@ -335,11 +349,12 @@ class Trainer:
         self.scheduler = scheduler
         # A dataset without batch(indices) is collated per sample; an empty share (a rank of
         # size 0, or the short last step) gives zero-length tensors rather than an IndexError.
-        batch_fn = getattr(data, "batch", None)
+        # An explicit collate_fn wins over the dataset's batch(indices).
+        batch_fn = getattr(data, "batch", None) if collate_fn is None else None
         self._batch_fn: Callable[[list[int]], Batch] | None = (
             batch_fn if callable(batch_fn) else None
         )
-        self._collate = EmptySafeCollate(data)
+        self._collate = EmptySafeCollate(data, _validate_collate_fn(collate_fn))
         self._pin = wants_pinning(self.strategy.devices)
         # With a GPU the host is free while the device computes: collate ahead in a thread.
         # CPU devices are the host's own cores: a thread only competes with them for the GIL
@@ -619,7 +634,10 @@ class Trainer:
             interrupted = True
         elapsed = time.perf_counter() - started
         self.save()
-        return self._report(state.step - start_step, elapsed, interrupted)
+        report = self._report(state.step - start_step, elapsed, interrupted)
+        if cfg.out_dir is not None and self.rank == 0:
+            write_report(report, cfg.out_dir)  # the same files evendp train writes
+        return report
 
     def _report(self, steps_run: int, elapsed: float, interrupted: bool) -> TrainReport:
         self.state.flush(self.strategy.reduce_losses)
@@ -650,6 +668,15 @@ class Trainer:
             amp=self.config.amp,
             eval=list(self.evals),
         )
+
+
+def _validate_collate_fn(collate_fn: Any) -> Any:
+    if collate_fn is not None and not callable(collate_fn):
+        raise EvendpError(
+            f"collate_fn must be a function samples -> batch, got {collate_fn!r}; e.g. "
+            "collate_fn=CodeParagraphs.collate of a padded dataset"
+        )
+    return collate_fn
 
 
 def _pick_strategy(

@@ -175,8 +175,7 @@ def test_launch_ddp_uneven_reports_exact_global_losses() -> None:
 def test_old_devices_flag_is_hidden_but_still_accepted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with pytest.raises(SystemExit):
-        main(["launch", "--help"])
+    assert main(["launch", "--help"]) == 0
     help_text = capsys.readouterr().out
     assert "--gpus" in help_text and "--devices" not in help_text
     assert main(["launch", "--devices", "0,1", "--dry-run", "t.py"]) == 2

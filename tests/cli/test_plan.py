@@ -94,8 +94,7 @@ def test_bad_input_exits_2(
 def test_old_devices_flag_is_hidden_but_still_accepted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with pytest.raises(SystemExit):
-        main(["plan", "--help"])
+    assert main(["plan", "--help"]) == 0
     help_text = capsys.readouterr().out
     assert "--memory" in help_text and "--devices" not in help_text
     argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--batch", "16", "--json"]
@@ -120,8 +119,8 @@ def test_missing_memory_on_a_cpu_machine_names_the_flag(
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--batch", "0"], "--batch must be a positive int, got 0; e.g. --batch 64"),
-        (["--margin", "1.5"], "--margin must be in [0, 1), got 1.5; e.g. --margin 0.05"),
+        (["--batch", "0"], "--batch must be an int in [1, 1000000000], got '0'; e.g. --batch 64"),
+        (["--margin", "1.5"], "--margin must be a number in [0, 0.99], got '1.5'"),
         (["--context", "lots"], "--context 'lots' is not a size; e.g. --context 512MiB"),
     ],
 )

@@ -12,7 +12,9 @@ import torch
 from evendp.cli import main
 
 CPU3 = ["--devices", "cpu,cpu,cpu"]  # what the demo runs where no GPU exists; never a GPU
-SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "200000"]
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "600000"]
+# Budgets for SMALL's devices: an even split of 32 (10 on cpu:2) does not fit the small one.
+BUDGETS = ["--memory", "4MiB,4MiB,1MiB"]
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +26,7 @@ def keep_threads() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """One 60-step run on three virtual CPU devices, shared by the checks below.
+    """One 60-step run on three budgeted virtual CPU devices, shared by the checks below.
 
     ``--devices cpu,cpu,cpu`` (the default only where CUDA is absent) keeps it on the CPU on
     a GPU host too, where the default would be every GPU."""
@@ -33,7 +35,10 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     import contextlib
 
     with capture.open("w") as f, contextlib.redirect_stdout(f):
-        code = main(["train", "--steps", "60", "--out", str(out), "--no-progress", *CPU3, *SMALL])
+        code = main(
+            ["train", "--steps", "60", "--out", str(out), "--no-progress", "--log-to", "csv",
+             *CPU3, *SMALL, *BUDGETS]
+        )  # fmt: skip
     assert code == 0
     return out, capture.read_text()
 
@@ -50,15 +55,50 @@ def test_report_files_and_per_device_counts(demo: tuple[Path, str]) -> None:
     out, stdout = demo
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "ckpt.pt").exists()
-    assert "samples per device per step [16, 8, 8]" in stdout
-    # The demo proves its own claim: the uneven split gives one device's gradient.
+    split = json.loads((out / "report.json").read_text())["devices"]
+    shares = [round(d["samples_per_step"]) for d in split]
+    assert f"samples per device per step {shares} (the planner's split" in stdout
+    assert shares[2] < 10 < max(shares)  # the small device gets less than an even share
+    # The demo proves its own claim: on the first shuffled batch, the split's token-weighted
+    # gradient is one device's on the whole batch.
     check = next(line for line in stdout.splitlines() if "exactness check" in line)
-    assert "[16, 8, 8]" in check
+    assert "first (shuffled) batch" in check and "padding ignored" in check
     assert float(check.rsplit(" ", 1)[1]) <= 1e-5
     report = json.loads((out / "report.json").read_text())
-    assert [d["samples_per_step"] for d in report["devices"]] == [16, 8, 8]
-    assert all(d["even_planned_bytes"] and d["planned_bytes"] for d in report["devices"])
     assert "cpu:2" in (out / "report.txt").read_text()
+    assert report["model"].startswith("char GPT 1x32")
+
+
+def test_budgets_even_split_fails_and_ours_fits(demo: tuple[Path, str]) -> None:
+    out, stdout = demo
+    assert "the even split [11, 11, 10] (what nn.DataParallel runs) fails: virtual device " \
+        "cpu:2 is out of its 1.0 MiB budget" in stdout  # fmt: skip
+    devices = json.loads((out / "report.json").read_text())["devices"]
+    assert [d["even_oom"] for d in devices] == [False, False, True]
+    for d in devices:  # measured within every budget; planned figures labelled as planned
+        assert d["forward_peak_bytes"] <= d["budget_bytes"]
+        assert d["planned_bytes"] and d["even_planned_bytes"]
+    assert devices[2]["even_forward_peak_bytes"] > devices[2]["budget_bytes"]
+
+
+def test_metrics_csv_has_one_row_per_step(demo: tuple[Path, str]) -> None:
+    out, _ = demo
+    rows = (out / "metrics.csv").read_text().splitlines()
+    losses = json.loads((out / "report.json").read_text())["losses"]
+    assert rows[0] == "step,loss" and len(rows) == 61
+    assert [float(r.split(",")[1]) for r in rows[1:]] == pytest.approx(losses)
+
+
+def test_even_weights_on_budgets_re_split_on_out_of_memory(tmp_path: Path) -> None:
+    # Forcing the even split onto the budgets: the small device really runs out, and the
+    # Trainer's OOM re-split runs its share as micro-batches; the step still completes.
+    code = main(
+        ["train", "--steps", "2", "--weights", "1,1,1", "--out", str(tmp_path), "--no-progress",
+         "--no-plan", *CPU3, *SMALL, *BUDGETS]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["resplits"] >= 1 and report["skipped_steps"] == 0 and report["steps"] == 2
 
 
 def test_resume_continues_the_run(demo: tuple[Path, str]) -> None:
@@ -66,7 +106,7 @@ def test_resume_continues_the_run(demo: tuple[Path, str]) -> None:
     before = json.loads((out / "report.json").read_text())["losses"]
     code = main(
         ["train", "--steps", "65", "--resume", "--out", str(out), "--no-progress", "--no-plan",
-         *CPU3, *SMALL]
+         *CPU3, *SMALL, *BUDGETS]
     )  # fmt: skip
     assert code == 0
     after = json.loads((out / "report.json").read_text())
@@ -89,7 +129,7 @@ def test_bf16_and_accumulation_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--steps", "0"], "--steps must be a positive int"),
+        (["--steps", "0"], "--steps must be an int in [1, 10000000], got '0'"),
         (["--devices", "cpu,cpu", "--weights", "1,2,3"], "3 numbers for 2 devices"),
         (["--weights", "a,b,c"], "not a list of numbers"),
         (["--resume", "--out", "{tmp}/nothing.pt/x"], None),
@@ -147,9 +187,9 @@ def test_planner_split_favours_the_device_with_more_memory() -> None:
     args = argparse.Namespace(batch=64, amp="none", checkpointing=False)
     # 512 MiB CUDA context each: the second device cannot hold an even 32, so it gets what it
     # holds and the first the rest; with room for 32 on both the split is even (fastest).
-    weights = _planner_weights(config, args, "560MiB,542MiB")
+    weights = _planner_weights(config, args, "560MiB,542MiB").split
     assert sum(weights) == 64 and weights[0] > weights[1] > 0
-    assert _planner_weights(config, args, "560MiB,545MiB") == [32.0, 32.0]
+    assert _planner_weights(config, args, "560MiB,545MiB").split == [32, 32]
 
 
 @pytest.mark.parametrize(
@@ -206,3 +246,17 @@ def test_cpu_devices_keep_the_demo_on_the_cpu_on_a_gpu_host(
     assert main([*argv, *CPU3, *SMALL]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert [d["name"] for d in report["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_declared_memory_allows_a_cuda_context_on_gpus_only() -> None:
+    import argparse
+
+    from evendp.cli.train import _planner_weights
+    from evendp.examples.gpt import GPTConfig
+
+    config = GPTConfig(vocab_size=96, block_size=32, n_layer=1, n_head=4, n_embd=32)
+    args = argparse.Namespace(batch=None, amp="none", checkpointing=False, memory=None)
+    memory = [560 * 2**20, 560 * 2**20]
+    on_cpu = _planner_weights(config, args, memory, cpu=True)
+    on_gpus = _planner_weights(config, args, memory, cpu=False)  # 512 MiB of it is CUDA's
+    assert on_cpu.global_batch > on_gpus.global_batch > 0

@@ -59,3 +59,40 @@ def test_bad_sizes_are_clear_errors() -> None:
         CharWindows(torch.arange(5), block_size=5)
     with pytest.raises(EvendpError, match="max_chars"):
         load_corpus(0)
+
+
+def test_paragraphs_are_variable_length_padded_with_ignored_labels() -> None:
+    from evendp.examples.stdlib_text import IGNORE_INDEX, CodeParagraphs, stdlib_paragraphs
+
+    train, val, vocab = stdlib_paragraphs(block_size=64, max_chars=100_000)
+    assert len(set(train.lengths)) > 20 and max(train.lengths) == 64 and len(val) > 0
+    short = min(range(len(train)), key=lambda i: train.lengths[i])
+    x, y = train.batch([short, train.lengths.index(64)])
+    assert x.shape == y.shape == (2, 64)
+    n = train.lengths[short]
+    assert (y[0, n:] == IGNORE_INDEX).all() and (y[0, :n] != IGNORE_INDEX).all()
+    assert int(CodeParagraphs.count_tokens((x, y))) == n + 64
+    # Targets are the next character of the same paragraph.
+    assert vocab.decode(x[1, 1:]) == vocab.decode(y[1, :-1])
+
+
+def test_gpt_loss_is_the_mean_over_real_tokens_only() -> None:
+    from evendp.examples.gpt import GPT, GPTConfig
+    from evendp.examples.stdlib_text import CodeParagraphs
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8, block_size=6, n_layer=1, n_head=2, n_embd=8))
+    data = CodeParagraphs([torch.randint(0, 8, (7,)), torch.randint(0, 8, (3,))], 6)
+    x, y = data.batch([0, 1])
+    logits, loss = model(x, y)
+    per_token = torch.nn.functional.cross_entropy(logits.view(-1, 8), y.view(-1), reduction="none")
+    real = y.view(-1) != -100
+    assert loss is not None and torch.allclose(loss, per_token[real].mean())
+    assert int(real.sum()) == 8 and float(per_token[~real].detach().abs().sum()) == 0.0
+
+
+def test_paragraphs_bad_input_is_named() -> None:
+    from evendp.examples.stdlib_text import CodeParagraphs
+
+    with pytest.raises(EvendpError, match="2 or more characters"):
+        CodeParagraphs([torch.arange(1)], block_size=4)

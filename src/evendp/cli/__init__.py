@@ -1,27 +1,47 @@
 """The ``evendp`` command line: one module per subcommand.
 
 Each subcommand module defines ``add_parser(subparsers)`` (which registers its parser and
-sets ``func``) and the function it points to, ``run(args) -> int``.
+sets ``func``) and the function it points to, ``run(args) -> int``. Bad input exits with code
+2 and one line on stderr naming the value, what was expected and the fix.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["build_parser", "main"]
+from ._args import CleanParser
+
+__all__ = ["build_parser", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def version() -> str:
+    """The installed distribution's version (one source of truth: ``pyproject.toml``).
+
+    >>> version().count(".") >= 1
+    True
+    """
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("evendp")
+    except PackageNotFoundError:  # a source tree on sys.path without an install
+        return "unknown (not installed; pip install -e .)"
+
+
+def build_parser() -> CleanParser:
     """The top-level parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = CleanParser(
         prog="evendp",
         description="Balanced data-parallel training with exact gradients.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"evendp {version()}", help="print the version"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
@@ -31,12 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``evendp`` command; returns the exit code (2 for bad input)."""
+    from .._errors import EvendpError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version (0) and bad arguments (2)
+        return int(exit_.code or 0)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
+        print(f"evendp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

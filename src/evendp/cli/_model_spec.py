@@ -20,6 +20,7 @@ import torch.nn as nn
 from .._devices import parse_bytes
 from .._errors import EvendpError
 from .._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
+from ._args import bounded_float, bounded_int
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -75,13 +76,38 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
         "factory() returns (model, batch_fn) or (model, batch_fn, criterion), or a model "
         f"with an example_batch(n) method (default: {default or 'none'})",
     )
-    parser.add_argument("--vocab", type=int, default=40_000, help="lm-head vocabulary size")
-    parser.add_argument("--seq-len", type=int, default=None, help="lm-head / gpt sequence length")
-    parser.add_argument("--optimizer", choices=sorted(_OPTIMIZERS), default="adamw")
-    parser.add_argument("--amp", choices=sorted(_AMP), default="none")
+    parser.add_argument(
+        "--vocab",
+        type=bounded_int("--vocab", 1, 10_000_000, 40_000),
+        default=40_000,
+        help="lm-head vocabulary size (default 40000)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=bounded_int("--seq-len", 1, 1_000_000, 512),
+        default=None,
+        help="lm-head / gpt sequence length (default: the model's own)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(_OPTIMIZERS),
+        default="adamw",
+        help="optimizer whose state the plan counts (default adamw; none: no state)",
+    )
+    parser.add_argument(
+        "--amp",
+        choices=sorted(_AMP),
+        default="none",
+        help="plan under autocast to bf16 / fp16 (default none: fp32)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint each block")
     parser.add_argument("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view")
-    parser.add_argument("--margin", type=float, default=0.05, help="safety margin (default 0.05)")
+    parser.add_argument(
+        "--margin",
+        type=bounded_float("--margin", 0.0, 0.99, "0.05", low_inclusive=True),
+        default=0.05,
+        help="fraction of each device's memory kept free (default 0.05)",
+    )
     parser.add_argument("--context", default="512MiB", help="CUDA context allowance per device")
 
 
@@ -118,7 +144,10 @@ def memory_specs(text: str | None) -> list[DeviceMemory]:
     [24, 12, 12]
     """
     if text is not None:
-        return parse_memory(text)
+        try:
+            return parse_memory(text)
+        except EvendpError as exc:
+            raise EvendpError(f"--memory {text!r}: {exc}") from None
     try:
         return live_memory()
     except LiveMemoryError as exc:

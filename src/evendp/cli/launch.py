@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
+from ._args import bounded_int
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
+
+# The global batch when nothing sizes the ranks: split evenly on CPU, by free memory on GPUs.
+_DEFAULT_BATCH = 32
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -52,8 +58,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "each rank's memory there."
         ),
     )
-    parser.add_argument("--nproc", default="auto", help="ranks per node: an int or 'auto'")
-    parser.add_argument("--batch", type=int, help="global batch, split across ranks for you")
+    parser.add_argument(
+        "--nproc", default="auto", help="ranks per node: an int or 'auto' (default auto)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=bounded_int("--batch", 1, 1_000_000_000, 64),
+        help=f"global batch, split across ranks for you (default {_DEFAULT_BATCH} when no "
+        "--batch-sizes or --model is given)",
+    )
     parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
     parser.add_argument(
         "--gpus", type=_gpu_list, help="physical GPU ids (nvidia-smi order), e.g. 2,3"
@@ -77,7 +90,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group = parser.add_argument_group("torchrun options passed through unchanged")
     for key in PASSTHROUGH_OPTIONS:
-        group.add_argument("--" + key.replace("_", "-"), dest=key, default=None)
+        flag = "--" + key.replace("_", "-")
+        group.add_argument(flag, dest=key, default=None, help=f"torchrun's {flag}")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     parser.set_defaults(func=run)
@@ -88,6 +102,18 @@ def run(args: argparse.Namespace) -> int:
     passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
     try:
         gpu_ids = _gpu_ids(args)
+        if not args.dry_run:
+            _validate_script(args.script, passthrough)
+        _validate_texts(args)
+        batch = args.batch
+        if batch is None and args.batch_sizes is None and args.model is None:
+            batch = _DEFAULT_BATCH
+            how = "evenly (CPU ranks)" if _no_gpus(gpu_ids) else "by each GPU's free memory"
+            print(
+                f"evendp launch: no --batch, --batch-sizes or --model: global batch "
+                f"{batch} (the default), split {how}",
+                file=sys.stderr,
+            )
         model = example = options = None
         if args.model is not None:
             spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
@@ -95,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             options = {**plan_options(args), "criterion": spec.criterion}
         plan = plan_launch(
             nproc=args.nproc,
-            batch=args.batch,
+            batch=batch,
             batch_sizes=args.batch_sizes,
             gpu_ids=gpu_ids,
             min_free=args.min_free,
@@ -119,3 +145,47 @@ def run(args: argparse.Namespace) -> int:
     except EvendpError as exc:
         print(f"evendp launch: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _validate_script(script: str, passthrough: dict[str, object]) -> None:
+    """A missing script fails here in one line, not in every rank after torchrun starts."""
+    if passthrough.get("module") or passthrough.get("no_python"):
+        return  # SCRIPT is a module name or a program: torchrun resolves it
+    if not Path(script).is_file():
+        raise EvendpError(
+            f"script {script!r} does not exist (looked in {str(Path.cwd())!r}); give the path "
+            "of a Python file, e.g. evendp launch --nproc 2 examples/ddp_uneven.py"
+        )
+
+
+def _no_gpus(gpu_ids: list[int] | None) -> bool:
+    if gpu_ids:
+        return False
+    from .._devices import list_devices
+    from .._errors import NvmlUnavailableError
+
+    try:
+        return not list_devices()
+    except (EvendpError, NvmlUnavailableError):  # no NVIDIA driver: CPU ranks
+        return True
+
+
+def _validate_texts(args: argparse.Namespace) -> None:
+    """Free-text options, read now so a bad one is named by its flag even where unused."""
+    from .._devices import parse_bytes
+    from .._memory import parse_memory
+    from .._sampler import parse_batch_sizes
+
+    checks: list[tuple[str, str | None, Callable[[str], object], str]] = [
+        ("--batch-sizes", args.batch_sizes, parse_batch_sizes, "3,5"),
+        ("--memory", args.memory, parse_memory, "24GiB,24GiB,12GiB"),
+        ("--min-free", args.min_free, parse_bytes, "8GiB"),
+        ("--context", args.context, parse_bytes, "512MiB"),
+    ]
+    for flag, text, parse, example in checks:
+        if text is None:
+            continue
+        try:
+            parse(text)
+        except EvendpError as exc:
+            raise EvendpError(f"{flag} {text!r}: {exc}; e.g. {flag} {example}") from None

@@ -15,6 +15,7 @@ from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._plan import plan
 from .._validate import validate_int
+from ._args import bounded_int
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
@@ -35,8 +36,19 @@ def add_parser(subparsers: Any) -> None:
     )
     # The old spelling: accepted (with a warning) until 0.3.0, no longer advertised.
     p.add_argument("--devices", dest="old_devices", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("dp", "ddp"), default="dp")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default: largest)")
+    p.add_argument(
+        "--mode",
+        choices=("dp", "ddp"),
+        default="dp",
+        help="dp: one process (device 0 holds the optimizer and the gathered outputs); "
+        "ddp: one process per device (default dp)",
+    )
+    p.add_argument(
+        "--batch",
+        type=bounded_int("--batch", 1, 1_000_000_000, 64),
+        default=None,
+        help="global batch (default: the largest that fits)",
+    )
     p.add_argument(
         "--no-grad",
         action="store_true",

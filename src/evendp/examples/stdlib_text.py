@@ -8,6 +8,7 @@ dropped: they are rare in the stdlib and would only blow up the vocabulary.
 
 from __future__ import annotations
 
+import re
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,18 @@ from torch.utils.data import Dataset
 
 from .._errors import EvendpError
 
-__all__ = ["CharVocab", "CharWindows", "load_corpus", "stdlib_dataset"]
+__all__ = [
+    "IGNORE_INDEX",
+    "CharVocab",
+    "CharWindows",
+    "CodeParagraphs",
+    "load_corpus",
+    "stdlib_dataset",
+    "stdlib_paragraphs",
+]
+
+#: The label of a padding position: ``F.cross_entropy`` (and the GPT's loss) skip it.
+IGNORE_INDEX = -100
 
 # Printable ASCII plus newline; tabs become four spaces (PEP 8 code has almost none).
 _ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -170,3 +182,94 @@ def stdlib_dataset(
             f"max_chars={max_chars} is too small for block_size={block_size}; raise max_chars"
         )
     return CharWindows(data[:cut], block_size), CharWindows(data[cut:], block_size), vocab
+
+
+class CodeParagraphs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Variable-length samples: one paragraph of code each (text between blank lines).
+
+    Item ``i`` is ``(x, y)`` of the paragraph's own length ``L_i - 1`` (at most
+    ``block_size``): next-character pairs within the paragraph. ``batch(indices)`` pads every
+    sample to the longest in the batch: ``x`` with ``pad_id``, ``y`` with ``-100``
+    (:data:`IGNORE_INDEX`), so a loss that ignores -100 averages over real characters only.
+    ``lengths[i]`` is sample ``i``'s count of real (non-ignored) targets, the per-sample cost
+    a cost-balanced sampler can use.
+
+    >>> ds = CodeParagraphs([torch.arange(5), torch.arange(3)], block_size=8)
+    >>> ds.lengths
+    [4, 2]
+    >>> x, y = ds.batch([1, 0])
+    >>> x.tolist(), y.tolist()
+    ([[0, 1, 0, 0], [0, 1, 2, 3]], [[1, 2, -100, -100], [1, 2, 3, 4]])
+    >>> int(CodeParagraphs.count_tokens((x, y)))  # what Trainer(count_fn=...) counts
+    6
+    """
+
+    def __init__(
+        self, paragraphs: Sequence[torch.Tensor], block_size: int, pad_id: int = 0
+    ) -> None:
+        _validate_positive_int("block_size", block_size)
+        kept = [p[: block_size + 1] for p in paragraphs if p.dim() == 1 and len(p) >= 2]
+        if not kept:
+            raise EvendpError(
+                "no paragraph has 2 or more characters; pass 1-D tensors of character ids"
+            )
+        self.paragraphs = kept
+        self.block_size = block_size
+        self.pad_id = pad_id
+        self.lengths = [len(p) - 1 for p in kept]
+
+    def __len__(self) -> int:
+        return len(self.paragraphs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.paragraphs[i]
+        return p[:-1], p[1:]  # (L-1,) each
+
+    def batch(self, indices: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad the samples at ``indices`` to the longest: ``(x, y)`` of shape (B, T_max)."""
+        return self.collate([self[int(i)] for i in indices])
+
+    def collate(
+        self, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``collate_fn``: pad ``(x, y)`` pairs to the longest (x: ``pad_id``, y: -100)."""
+        width = max((len(x) for x, _ in samples), default=1)
+        x = torch.full((len(samples), width), self.pad_id, dtype=torch.long)  # (B, T)
+        y = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+        for row, (xi, yi) in enumerate(samples):
+            x[row, : len(xi)] = xi
+            y[row, : len(yi)] = yi
+        return x, y
+
+    @staticmethod
+    def count_tokens(batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The real (non-ignored) targets in ``(x, y)``: the count of a token-mean loss."""
+        return (batch[1] != IGNORE_INDEX).sum()
+
+
+def stdlib_paragraphs(
+    block_size: int = 128, max_chars: int = 1_000_000, val_fraction: float = 0.1
+) -> tuple[CodeParagraphs, CodeParagraphs, CharVocab]:
+    """Train and validation paragraphs of the stdlib corpus (variable length), and the vocab.
+
+    Paragraphs are split at blank lines; those under 16 characters (a lone ``else:``) are
+    dropped, longer ones are cut to ``block_size + 1`` characters. The last ``val_fraction``
+    of the paragraphs is the validation split.
+
+    >>> train, val, vocab = stdlib_paragraphs(block_size=32, max_chars=20_000)
+    >>> min(train.lengths) >= 15 and max(train.lengths) == 32 and len(val) > 0
+    True
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise EvendpError(f"val_fraction must be in [0, 1), got {val_fraction!r}; e.g. 0.1")
+    vocab = CharVocab()
+    texts = [p for p in re.split(r"\n[ ]*\n", load_corpus(max_chars)) if len(p.strip()) >= 16]
+    if len(texts) < 2:
+        raise EvendpError(f"max_chars={max_chars} gives under 2 paragraphs; raise max_chars")
+    paragraphs = [vocab.encode(t) for t in texts]
+    cut = min(len(paragraphs) - 1, max(1, len(paragraphs) - int(len(paragraphs) * val_fraction)))
+    return (
+        CodeParagraphs(paragraphs[:cut], block_size),
+        CodeParagraphs(paragraphs[cut:], block_size),
+        vocab,
+    )
