@@ -122,7 +122,7 @@ def step_exact_repeated(dry: bool) -> dict[str, Any]:
         x, y = torch.randn(37, 32), torch.randn(37, 8)
         if kind == "pinned":
             x, y = x.pin_memory(), y.pin_memory()
-        wrapped = BalancedDataParallel(net, [device, device], chunk_sizes=[3, 1])
+        wrapped = BalancedDataParallel(net, [device, device], weights=[3, 1])
         nn.functional.mse_loss(wrapped(x), y.to(device)).backward()
         nn.functional.mse_loss(ref(x.to(device)), y.to(device)).backward()
         pairs = zip(net.parameters(), ref.parameters(), strict=True)
@@ -152,7 +152,7 @@ def step_autocast_streams(dry: bool) -> dict[str, Any]:
 
     device = _device(dry)
     seen: list[tuple[Any, ...]] = []
-    wrapped = BalancedDataParallel(_Probe(seen).to(device), [device, device], chunk_sizes=[1, 1])
+    wrapped = BalancedDataParallel(_Probe(seen).to(device), [device, device], weights=[1, 1])
     dtype = torch.bfloat16
     x = torch.randn(8, 16, device=device)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -177,10 +177,7 @@ def step_weights_auto(dry: bool) -> dict[str, Any]:
 
     device = _gpu_only(dry)
     net = _mlp().to(device)
-    try:
-        wrapped = BalancedDataParallel(net, [device, device], weights="auto")  # type: ignore[call-arg]
-    except TypeError:  # before the rename of chunk_sizes to weights
-        wrapped = BalancedDataParallel(net, [device, device], chunk_sizes="auto")
+    wrapped = BalancedDataParallel(net, [device, device], weights="auto")
     out = wrapped(torch.randn(64, 32, device=device))
     return {"output_shape": list(out.shape), "split": list(getattr(wrapped, "last_sizes", []))}
 
@@ -405,7 +402,7 @@ def step_integration(dry: bool) -> dict[str, Any]:
             logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1), ignore_index=-100
         )
 
-    wrapped = BalancedDataParallel(net, [device, device], chunk_sizes=[5, 2])
+    wrapped = BalancedDataParallel(net, [device, device], weights=[5, 2])
     loss_of(wrapped(input_ids=ids, attention_mask=mask).logits).backward()
     loss_of(ref(input_ids=ids, attention_mask=mask).logits).backward()
     err = max(

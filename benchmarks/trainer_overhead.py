@@ -144,7 +144,7 @@ def _one_process(rounds: int, steps: int, batch: int) -> dict[str, list[float]]:
 
     def plain() -> Callable[[int], None]:
         sampler = UnevenBatchSampler(data, [batch], rank=0, world_size=1, seed=0)
-        return _plain(BalancedDataParallel(_model(), devices, chunk_sizes=weights), data, sampler)
+        return _plain(BalancedDataParallel(_model(), devices, weights=weights), data, sampler)
 
     # The Trainer's step 0 is not a timed step: its config asks for at least one.
     cfg = _config(batch_size=batch)
