@@ -52,8 +52,7 @@ def test_long_step_gives_the_small_device_fewer_samples_within_its_token_cap() -
         for r in range(3)
     ]
     uncapped = [
-        list(UnevenBatchSampler(96, sizes, rank=r, shuffle=False, costs=lengths))
-        for r in range(3)
+        list(UnevenBatchSampler(96, sizes, rank=r, shuffle=False, costs=lengths)) for r in range(3)
     ]
     long_step = [capped[r][0] for r in range(3)]
     costs = [padded_cost([lengths[i] for i in share]) for share in long_step]

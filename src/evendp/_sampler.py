@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from ._cost import _validate_costs, split_by_cost
+from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
 from ._split import split_sizes
 
@@ -135,7 +135,7 @@ def _validate_group_steps(group_steps: object, costs: list[float] | None) -> int
 
 
 def _validate_max_costs(
-    max_costs: object, costs: list[float] | None, world_size: int
+    max_costs: Sequence[float] | None, costs: list[float] | None, world_size: int
 ) -> list[float] | None:
     """``max_costs``: one cap per rank in cost units (``Plan.max_tokens``), only with costs."""
     if max_costs is None:
@@ -145,8 +145,7 @@ def _validate_max_costs(
             f"max_costs={max_costs!r} caps each rank's padded cost, but no costs were given; "
             "pass costs= (e.g. each sample's length) or leave max_costs=None"
         )
-    split_by_cost([], [1] * world_size, max_costs=max_costs)  # validates: one per rank, >= 0
-    return [float(c) for c in max_costs]  # type: ignore[attr-defined]
+    return _validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
 
 
 def _validate_rank(rank: int, world_size: int) -> None:
@@ -283,8 +282,9 @@ class UnevenBatchSampler:
     ``DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))`` and
     scale the loss with :func:`ddp_loss`. ``max_costs`` (with ``costs``; one per rank, e.g.
     ``plan(..., seq_len=L).max_tokens``) caps each rank's share in cost units: a step
-    whose samples cannot fit raises :class:`EvendpError` naming the step. ``rank``/``world_size`` come from the process group
-    only when ``None``; ``world_size`` defaults to ``len(batch_sizes)`` without one.
+    whose samples cannot fit raises :class:`EvendpError` naming the step.
+    ``rank``/``world_size`` come from the process group only when ``None``; ``world_size``
+    defaults to ``len(batch_sizes)`` without one.
 
     >>> UnevenBatchSampler(10, [1, 3], rank=0, shuffle=False)
     UnevenBatchSampler(10, batch_sizes=[1, 3], rank=0)
@@ -478,8 +478,7 @@ class UnevenBatchSampler:
                 )  # fmt: skip
             except EvendpError as err:
                 raise EvendpError(
-                    f"step {self._steps_done} of epoch {self.epoch} does not fit max_costs: "
-                    f"{err}"
+                    f"step {self._steps_done} of epoch {self.epoch} does not fit max_costs: {err}"
                 ) from None
             return [step[j] for j in shares[self.rank]], [len(share) for share in shares]
         # By count: the offset slices; the partial last step is split in proportion.

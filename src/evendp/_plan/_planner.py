@@ -18,9 +18,9 @@ from .._memory import DeviceMemory, live_memory, parse_memory
 from .._validate import validate_int
 from ._measure import (
     ModelLike,
-    at_width,
     OptimizerFactory,
     Point,
+    at_width,
     make_setup,
     measure_gathered,
     measure_replica,
@@ -69,7 +69,7 @@ def _validate_memory_specs(memory: Any) -> list[DeviceMemory]:
 
 def _validate_sequence_batch(batch: Any) -> None:
     """``seq_len`` resizes the example batch's dim 1: it needs tensors with one."""
-    if callable(batch) and not isinstance(batch, torch.Tensor) or not any(
+    if (callable(batch) and not isinstance(batch, torch.Tensor)) or not any(
         t.dim() >= 2 for t in tensors(batch)
     ):
         raise EvendpError(
