@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from ._cost import _validate_costs, split_by_cost
+from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
 from ._split import split_sizes
 
@@ -92,7 +92,7 @@ def _validate_length(data: object) -> int:
     return length
 
 
-def _sample_costs(data: object, length: int, costs: object) -> list[float] | None:
+def sample_costs(data: object, length: int, costs: object) -> list[float] | None:
     """Per-sample costs from a sequence (one per sample) or a function of ``data[i]``."""
     if costs is None:
         return None
@@ -132,6 +132,20 @@ def _validate_group_steps(group_steps: object, costs: list[float] | None) -> int
             "pass costs= (e.g. each sample's length) or leave group_steps=1"
         )
     return group_steps
+
+
+def _validate_max_costs(
+    max_costs: Sequence[float] | None, costs: list[float] | None, world_size: int
+) -> list[float] | None:
+    """``max_costs``: one cap per rank in cost units (``Plan.max_tokens``), only with costs."""
+    if max_costs is None:
+        return None
+    if costs is None:
+        raise EvendpError(
+            f"max_costs={max_costs!r} caps each rank's padded cost, but no costs were given; "
+            "pass costs= (e.g. each sample's length) or leave max_costs=None"
+        )
+    return _validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
 
 
 def _validate_rank(rank: int, world_size: int) -> None:
@@ -266,8 +280,11 @@ class UnevenBatchSampler:
     ``R < sum(batch_sizes)`` indices are split in proportion to ``batch_sizes``, so a rank may
     get an empty batch there (and always does when its size is 0). Use it as
     ``DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))`` and
-    scale the loss with :func:`ddp_loss`. ``rank``/``world_size`` come from the process group
-    only when ``None``; ``world_size`` defaults to ``len(batch_sizes)`` without one.
+    scale the loss with :func:`ddp_loss`. ``max_costs`` (with ``costs``; one per rank, e.g.
+    ``plan(..., seq_len=L).max_tokens``) caps each rank's share in cost units: a step
+    whose samples cannot fit raises :class:`EvendpError` naming the step.
+    ``rank``/``world_size`` come from the process group only when ``None``; ``world_size``
+    defaults to ``len(batch_sizes)`` without one.
 
     >>> UnevenBatchSampler(10, [1, 3], rank=0, shuffle=False)
     UnevenBatchSampler(10, batch_sizes=[1, 3], rank=0)
@@ -294,6 +311,7 @@ class UnevenBatchSampler:
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         padded: bool = True,
         group_steps: int = 1,
+        max_costs: Sequence[float] | None = None,
     ) -> None:
         rank, world_size = _default_rank_and_world(rank, world_size)
         sizes = _validate_batch_sizes(batch_sizes, world_size)
@@ -301,9 +319,10 @@ class UnevenBatchSampler:
         self.num_samples = _validate_length(data)
         _validate_coverage(self.num_samples, sizes, drop_last)
         # Computed once, identically on every rank (the data and the function are the same).
-        self.costs = _sample_costs(data, self.num_samples, costs)
+        self.costs = sample_costs(data, self.num_samples, costs)
         self.padded = bool(padded)
         self.group_steps = _validate_group_steps(group_steps, self.costs)
+        self.max_costs = _validate_max_costs(max_costs, self.costs, len(sizes))
         self.rank = rank
         self.world_size = len(sizes)
         self.shuffle = bool(shuffle)
@@ -452,7 +471,15 @@ class UnevenBatchSampler:
         """This rank's indices of the step's ``step`` indices, and every rank's count."""
         if self.costs is not None:
             costs = self.costs
-            shares = split_by_cost([costs[i] for i in step], self._sizes, padded=self.padded)
+            try:
+                shares = split_by_cost(
+                    [costs[i] for i in step], self._sizes, padded=self.padded,
+                    max_costs=self.max_costs,
+                )  # fmt: skip
+            except EvendpError as err:
+                raise EvendpError(
+                    f"step {self._steps_done} of epoch {self.epoch} does not fit max_costs: {err}"
+                ) from None
             return [step[j] for j in shares[self.rank]], [len(share) for share in shares]
         # By count: the offset slices; the partial last step is split in proportion.
         sizes = self._sizes if len(step) == self._global else split_sizes(len(step), self._sizes)

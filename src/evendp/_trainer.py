@@ -48,7 +48,7 @@ from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
-from ._sampler import EmptySafeCollate, UnevenBatchSampler, _sample_costs
+from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
@@ -245,6 +245,8 @@ class Trainer:
             DDP: the sampler assigns the step's samples to ranks by cost. One process: the
             step's rows are ordered so each device's contiguous share is its cost plan.
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
+        max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
+            ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
         eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
             the last step (``eval_every=0``: only then), in order, every sample exactly once
             over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
@@ -301,6 +303,7 @@ class Trainer:
         devices: Any = UNSET,
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
+        max_costs: Sequence[float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         self.config = config
@@ -331,11 +334,15 @@ class Trainer:
             world_size=self.world,
             seed=config.seed,
             costs=costs if self.distributed else None,  # ranks split each step by cost
+            max_costs=max_costs if self.distributed else None,
         )
         # One process: each step's rows are ordered so each device's share is its cost plan.
         self._costs = (
-            None if self.distributed else _sample_costs(data, self.sampler.num_samples, costs)
+            None if self.distributed else sample_costs(data, self.sampler.num_samples, costs)
         )
+        if max_costs is not None and costs is None:
+            raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
+        self._max_costs = None if self.distributed else max_costs
         # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
         self.guard = OomResplit(
@@ -428,9 +435,15 @@ class Trainer:
         """The step's indices ordered device by device as the cost plan assigns them, and
         each device's rows (``None`` without costs: the strategy splits by weights)."""
         capacities = self.strategy.shares(len(indices))
-        if self._costs is None or len(capacities) < 2:
+        # One device has nothing to balance, but its cap (max_costs) is still checked.
+        if self._costs is None or (len(capacities) < 2 and self._max_costs is None):
             return indices, None
-        plan = split_by_cost([self._costs[i] for i in indices], capacities)
+        try:
+            plan = split_by_cost(
+                [self._costs[i] for i in indices], capacities, max_costs=self._max_costs
+            )
+        except EvendpError as err:
+            raise EvendpError(f"a step of {len(indices)} samples: {err}") from None
         return [indices[j] for share in plan for j in share], [len(share) for share in plan]
 
     def _stand_in_for_empty(self) -> Batch:

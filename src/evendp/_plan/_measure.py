@@ -27,6 +27,7 @@ __all__ = [
     "ModelLike",
     "OptimizerFactory",
     "Point",
+    "at_width",
     "make_setup",
     "measure_forward",
     "measure_gathered",
@@ -360,6 +361,25 @@ def _validate_model(model: Any) -> Callable[[Any], nn.Module]:
 
         return build
     raise EvendpError(f"model must be an nn.Module or a function returning one, got {model!r}")
+
+
+def at_width(batch: Any, width: int) -> Any:
+    """The example ``batch`` with its sequence dimension (dim 1 of the tensors whose dim 1 is
+    the first such tensor's) set to ``width``; values do not matter on fake tensors.
+
+    >>> ids, labels = at_width((torch.zeros(2, 5, dtype=torch.long), torch.zeros(2)), 8)
+    >>> tuple(ids.shape), ids.dtype, tuple(labels.shape)
+    ((2, 8), torch.int64, (2,))
+    """
+    wide = [t for t in tensors(batch) if t.dim() >= 2]
+    old = wide[0].shape[1] if wide else None
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != old:
+            return t
+        return torch.zeros((t.shape[0], width, *t.shape[2:]), dtype=t.dtype)
+
+    return tree_map(one, batch)
 
 
 def _validate_batch(batch: Any) -> Callable[[int], Any]:

@@ -20,6 +20,7 @@ from ._measure import (
     ModelLike,
     OptimizerFactory,
     Point,
+    at_width,
     make_setup,
     measure_gathered,
     measure_replica,
@@ -28,7 +29,7 @@ from ._measure import (
     tensors,
 )
 from ._result import DevicePlan, Plan
-from ._solve import Mode, _Curve, _Model, _Solution, _solve
+from ._solve import Mode, _Curve, _Model, _Solution, _solve, _token_fit
 
 __all__ = ["auto_weights", "plan"]
 
@@ -66,6 +67,18 @@ def _validate_memory_specs(memory: Any) -> list[DeviceMemory]:
     )
 
 
+def _validate_sequence_batch(batch: Any) -> None:
+    """``seq_len`` resizes the example batch's dim 1: it needs tensors with one."""
+    if (callable(batch) and not isinstance(batch, torch.Tensor)) or not any(
+        t.dim() >= 2 for t in tensors(batch)
+    ):
+        raise EvendpError(
+            f"seq_len needs an example batch of tensors with a sequence dimension (dim 1), "
+            f"got {type(batch).__name__}; pass e.g. torch.zeros(1, 128, dtype=torch.long), "
+            "or leave seq_len=None"
+        )
+
+
 def plan(
     model: ModelLike,
     batch: Any,
@@ -83,6 +96,7 @@ def plan(
     safety_margin: float = 0.05,
     cuda_context: int | str = _DEFAULT_CONTEXT,
     no_grad: bool = False,
+    seq_len: int | None = None,
     devices: Any = UNSET,
 ) -> Plan:
     """Predict every device's memory for a training step and choose the per-device split.
@@ -115,6 +129,10 @@ def plan(
             activations saved for backward; ``optimizer`` and ``checkpointing`` are ignored.
             The training plan for the same devices is attached as ``Plan.training`` (``None``
             when not even one training sample fits), so both largest batches are reported.
+        seq_len: plan per-device caps in padded tokens (``Plan.max_tokens``) for steps whose
+            rows are padded to at most ``seq_len``: the example batch's sequence dimension
+            (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
+            (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
         devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
@@ -140,6 +158,9 @@ def plan(
     _validate_options(mode, safety_margin, output_device, k, batch_size)
     if not isinstance(no_grad, bool):
         raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    validate_int("seq_len", seq_len, minimum=2, allow_none=True, example="seq_len=1024")
+    if seq_len is not None:
+        _validate_sequence_batch(batch)
     common: dict[str, Any] = dict(
         mode=mode,
         criterion=criterion,
@@ -149,6 +170,7 @@ def plan(
         output_device=output_device,
         safety_margin=safety_margin,
         context=parse_bytes(cuda_context),
+        seq_len=seq_len,
     )
     # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
     # call that may run under torch.inference_mode or torch.no_grad).
@@ -189,9 +211,12 @@ def _plan_step(
     safety_margin: float,
     context: int,
     no_grad: bool,
+    seq_len: int | None = None,
 ) -> Plan:
     """One plan (a training step, or a forward under ``no_grad``) on validated options."""
     start = time.perf_counter()
+    if seq_len is not None:
+        batch = at_width(batch, seq_len)
     setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
     if mode == "ddp" or not gather:
         variant = "keep"
@@ -220,7 +245,8 @@ def _plan_step(
 
     def beyond_measured(sol: _Solution) -> tuple[set[int], set[int]]:
         """Recommended sizes past the largest measured one: replica sizes, global batches."""
-        want_rep = {n for n in [*sol.split, *sol.alone, *sol.even] if n > max(replica)}
+        caps = sol.caps if seq_len is not None else []  # token caps rest on them
+        want_rep = {n for n in [*sol.split, *sol.alone, *sol.even, *caps] if n > max(replica)}
         want_crit: set[int] = set()
         if needs_crit:
             totals = [sum(sol.split), sum(sol.even), sol.alone[output_device]]
@@ -241,7 +267,7 @@ def _plan_step(
                 crit[n] = measure_gathered(setup, sample, 2, n)
         mdl, sol = solve()  # the answer always rests on the last measurement
     extrapolated = any(beyond_measured(sol))
-    return _to_plan(
+    result = _to_plan(
         mdl,
         mems,
         budgets,
@@ -262,6 +288,38 @@ def _plan_step(
             "cuda_context": context,
         },
         no_grad,
+    )
+    if seq_len is None:
+        return result
+    short = make_setup(
+        model, at_width(batch, seq_len // 2), criterion, optimizer, amp, checkpointing, no_grad
+    )
+    with planning_errors("running the model on fake tensors at a shorter width"):
+        shorter = measure_replica(short, 4, variant)
+    return _with_token_caps(result, sol.caps, seq_len, replica, shorter)
+
+
+def _with_token_caps(
+    result: Plan, caps: list[int], seq_len: int, replica: dict[int, Point], shorter: Point
+) -> Plan:
+    """``result`` with each device's cap in padded tokens and the fitted token cost.
+
+    The cap is the device's most samples at width ``seq_len`` (in the planned global batch)
+    times ``seq_len``. A share padded to a width ``w <= seq_len`` costs ``fixed + tokens *
+    (per_token + per_token_width * w)``, so the same tokens cost no more at a shorter width
+    (``per_token_width >= 0``): the cap holds for every step whose rows are at most
+    ``seq_len`` long.
+    """
+    points = {(n, seq_len): sum(replica[n].fwbw.values()) for n in sorted(replica)[:2]}
+    points[(shorter.n, seq_len // 2)] = sum(shorter.fwbw.values())
+    fixed, per_token, per_token_width = _token_fit(points)
+    tokens = [c * seq_len for c in caps]
+    devices = tuple(
+        dataclasses.replace(d, max_tokens=t) for d, t in zip(result.devices, tokens, strict=True)
+    )
+    cost = {"fixed": fixed, "per_token": per_token, "per_token_width": per_token_width}
+    return dataclasses.replace(
+        result, devices=devices, max_tokens=tokens, seq_len=seq_len, token_cost=cost
     )
 
 

@@ -38,6 +38,7 @@ class DevicePlan:
     even_samples: int
     even_breakdown: dict[str, int]
     even_peak: int
+    max_tokens: int | None = None  # padded tokens this device holds (plan(seq_len=...))
 
     @property
     def fits(self) -> bool:
@@ -64,6 +65,12 @@ class Plan:
     ``no_grad`` is ``True`` for a forward-only plan (``plan(..., no_grad=True)``: inference,
     evaluation); then ``training`` is the training plan on the same devices (its largest
     batch), or ``None`` when not even one training sample fits.
+
+    ``max_tokens`` (with ``plan(..., seq_len=L)``, else ``None``) is each device's cap in
+    padded tokens (rows x the longest row) for steps of rows at most ``L`` long: pass it as
+    ``UnevenBatchSampler(costs=lengths, max_costs=plan.max_tokens)`` or
+    ``Trainer(costs=lengths, max_costs=plan.max_tokens)``. ``token_cost`` is the fitted
+    replica step bytes, ``fixed + tokens * (per_token + per_token_width * width)``.
     """
 
     mode: Mode
@@ -83,6 +90,9 @@ class Plan:
     extrapolated: bool = False
     no_grad: bool = False
     training: Plan | None = None
+    max_tokens: list[int] | None = None
+    seq_len: int | None = None
+    token_cost: dict[str, float] | None = None
 
     @property
     def step(self) -> str:
@@ -106,6 +116,9 @@ class Plan:
             "seconds": self.seconds,
             "extrapolated": self.extrapolated,
             "no_grad": self.no_grad,
+            "max_tokens": None if self.max_tokens is None else list(self.max_tokens),
+            "seq_len": self.seq_len,
+            "token_cost": None if self.token_cost is None else dict(self.token_cost),
             **self._training_dict(),
             "options": dict(self.options),
             "devices": [
@@ -122,6 +135,7 @@ class Plan:
                     "even_peak": d.even_peak,
                     "even_fits": d.even_fits,
                     "even_breakdown": dict(d.even_breakdown),
+                    "max_tokens": d.max_tokens,
                 }
                 for d in self.devices
             ],

@@ -21,7 +21,15 @@ from typing import Literal
 from .._errors import PlanError
 from .._split import split_sizes
 
-__all__ = ["Mode", "_Curve", "_Model", "_Solution", "_capped_even_split", "_solve"]
+__all__ = [
+    "Mode",
+    "_Curve",
+    "_Model",
+    "_Solution",
+    "_capped_even_split",
+    "_solve",
+    "_token_fit",
+]
 
 Mode = Literal["dp", "ddp"]
 
@@ -174,6 +182,7 @@ class _Solution:
     split: list[int]
     alone: list[int]
     even: list[int]
+    caps: list[int]  # each device's most samples within the chosen global batch
 
 
 def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
@@ -210,11 +219,36 @@ def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
             f"a global batch of {batch} does not fit these devices; the largest that fits is "
             f"{best}; lower --batch, add devices or free memory"
         )
-    split = _capped_even_split([max(c, 0) for c in caps(total)], total)
+    step_caps = [max(c, 0) for c in caps(total)]
+    split = _capped_even_split(step_caps, total)
 
     def even_fits(t: int) -> bool:
         sizes = split_sizes(t, [1] * k)
         return all(model.peak(i, sizes[i], t) <= budgets[i] for i in range(k))
 
     even_total = total if batch is not None else max(0, _largest(even_fits, max(1, best)))
-    return _Solution(split, alone, split_sizes(even_total, [1] * k))
+    return _Solution(split, alone, split_sizes(even_total, [1] * k), step_caps)
+
+
+def _token_fit(
+    peak_at: dict[tuple[int, int], float],
+) -> tuple[float, float, float]:
+    """Fit a replica's step bytes ``fixed + n * (per_token * w + per_token_width * w**2)``
+    to three measured ``(n, w) -> bytes`` points: two batch sizes at one width, one more
+    width. The ``w**2`` term is attention's score matrix (no fused kernel); it is 0 for a
+    model linear in the width. Returns ``(fixed, per_token, per_token_width)``.
+
+    >>> truth = lambda n, w: 100 + n * (8 * w + 0.5 * w * w)
+    >>> _token_fit({(n, w): truth(n, w) for n, w in [(2, 16), (4, 16), (4, 8)]})
+    (100.0, 8.0, 0.5)
+    """
+    (n0, w0), (n1, w1), (n2, w2) = sorted(peak_at, key=lambda nw: (-nw[1], nw[0]))
+    if w0 != w1 or n0 == n1 or w2 == w0 or n2 == 0:
+        raise PlanError(f"a token fit needs two sizes at one width and a third width: {peak_at}")
+    slope_long = (peak_at[(n1, w1)] - peak_at[(n0, w0)]) / (n1 - n0)  # bytes per sample at w0
+    fixed = peak_at[(n0, w0)] - n0 * slope_long
+    slope_short = (peak_at[(n2, w2)] - fixed) / n2
+    # slope(w) = per_token * w + per_token_width * w**2, known at w0 and w2:
+    per_token_width = (slope_long / w0 - slope_short / w2) / (w0 - w2)
+    per_token = slope_long / w0 - per_token_width * w0
+    return fixed, per_token, per_token_width
