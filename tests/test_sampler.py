@@ -327,7 +327,7 @@ def test_samples_in_step_rejects_steps_not_sampled() -> None:
         s.samples_in_step(0)
     list(s)
     assert s.samples_in_step(2) == 2  # still readable after the epoch's iterator is done
-    with pytest.raises(EvendpError, match="step must be an int >= 0"):
+    with pytest.raises(EvendpError, match="step must be a non-negative int"):
         s.samples_in_step(-1)
 
 

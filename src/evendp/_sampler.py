@@ -28,6 +28,7 @@ from torch.utils.data import default_collate
 from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
 from ._split import split_sizes
+from ._validate import validate_int
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -121,17 +122,17 @@ def sample_costs(data: object, length: int, costs: object) -> list[float] | None
 
 
 def _validate_group_steps(group_steps: object, costs: list[float] | None) -> int:
-    if isinstance(group_steps, bool) or not isinstance(group_steps, int) or group_steps < 1:
-        raise EvendpError(
-            f"group_steps must be an int >= 1 (steps whose samples are sorted by cost "
-            f"together), got {group_steps!r}; use 1 to keep each step's samples as drawn"
+    steps = int(
+        validate_int(
+            "group_steps", group_steps, minimum=1, example="1 keeps each step's samples as drawn"
         )
-    if group_steps > 1 and costs is None:
+    )
+    if steps > 1 and costs is None:
         raise EvendpError(
             f"group_steps={group_steps} groups samples by cost, but no costs were given; "
             "pass costs= (e.g. each sample's length) or leave group_steps=1"
         )
-    return group_steps
+    return steps
 
 
 def _validate_max_costs(
@@ -405,8 +406,7 @@ class UnevenBatchSampler:
         >>> [(batch, s.sizes_in_step(step)) for step, batch in enumerate(s)]
         [([0], [1, 3]), ([4, 7], [2, 2])]
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise EvendpError(f"step must be an int >= 0, got {step!r}")
+        validate_int("step", step, minimum=0)
         if step >= len(self._step_sizes):
             raise EvendpError(
                 f"step {step} has not been sampled yet this epoch (steps 0 to "

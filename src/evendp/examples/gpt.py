@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._errors import EvendpError
+from .._validate import validate_int
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -37,8 +38,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise EvendpError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+            validate_int(f"GPTConfig.{name}", value, minimum=1)
         if self.n_embd % self.n_head:
             raise EvendpError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._errors import EvendpError
+from .._validate import validate_int
 
 __all__ = ["LMHead", "lm_loss"]
 
@@ -30,8 +30,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int = 40_000, seq_len: int = 250, n_embd: int = 512) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("n_embd", n_embd)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise EvendpError(f"LMHead {name} must be a positive int, got {value!r}")
+            validate_int(f"LMHead {name}", value, minimum=1)
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.embed = nn.Embedding(vocab_size, n_embd)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .._errors import EvendpError
+from .._validate import validate_int
 
 __all__ = [
     "IGNORE_INDEX",
@@ -36,9 +37,7 @@ _ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 
 
 def _validate_positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise EvendpError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=64")
-    return value
+    return int(validate_int(name, value, minimum=1, example=f"{name}=64"))
 
 
 def load_corpus(max_chars: int = 1_000_000, stdlib_dir: str | Path | None = None) -> str:
