@@ -66,6 +66,7 @@ class TrainReport:
     interrupted: bool = False
     mode: str = "dp"
     amp: str = "none"
+    signal: int | None = None  # what interrupted the run: 2 SIGINT, 15 SIGTERM (None: none)
 
     @property
     def first_loss(self) -> float | None:
