@@ -25,6 +25,7 @@ import torch
 from ._errors import EvendpError
 
 __all__ = [
+    "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
     "load_rank_rng",
@@ -61,6 +62,19 @@ def latest_checkpoint(path: str | Path) -> Path | None:
         return p
     prev = previous_path(p)
     return prev if prev.exists() else None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint (``ckpt.pt`` file or ``ckpt.dcp`` folder) was saved at.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> checkpoint_step(save_checkpoint(f"{d}/ckpt.pt", model=torch.nn.Linear(1, 1), step=4))
+    4
+    """
+    p = Path(path)
+    payload = _read_state_file(p) if p.is_dir() else _read(p)
+    return int(payload["step"])
 
 
 def _rng_state() -> dict[str, Any]:
@@ -388,7 +402,7 @@ def save_sharded_checkpoint(
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Save an FSDP2 model and optimizer with ``torch.distributed.checkpoint``: every rank its shards.
+    """Save an FSDP2 model and optimizer with ``torch.distributed.checkpoint``, sharded.
 
     A collective: every rank calls it. The ranks write their shards, their own RNG states
     (``rng{rank}.pt``) and rank 0 the run's position (``state.pt``) into a temporary folder
@@ -457,11 +471,9 @@ def load_sharded_checkpoint(
     folder = Path(path)
     meta = _read_state_file(folder)
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-    )
+    # DCP loads in place into these (sharded) tensors, resharding to this world size.
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if scaler is not None and meta.get("scaler") is not None:
         scaler.load_state_dict(meta["scaler"])
     if scheduler is not None and meta.get("scheduler") is not None:

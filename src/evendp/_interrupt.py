@@ -11,12 +11,16 @@ flag is closed.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import threading
+from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StopFlag", "exit_code"]
+__all__ = ["StopFlag", "exit_code", "run_forwarding_signals"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -76,3 +80,29 @@ class StopFlag:
             signal.signal(sig, handler)
         self._previous.clear()
         self.active = False
+
+
+def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``cmd`` (torchrun) in a session of its own, pass SIGINT/SIGTERM on, wait for it.
+
+    Its own session: a Ctrl-C in the terminal reaches only this process, which forwards it
+    once; torchrun then signals its workers once (a second signal would cut torchrun's
+    shutdown short). Returns 130/143 when a signal came (the workers saved and stopped),
+    else the command's exit code.
+    """
+    process = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in _SIGNALS} if main else {}
+    try:
+        code = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_code(received[0]) if received else code

@@ -128,7 +128,12 @@ class TrainState:
         (no collective). ``sharded`` (FSDP2): a collective DCP save in which every rank writes
         its shards and its RNG into the ``ckpt.dcp`` folder.
         """
-        states = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+        states: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "scheduler": scheduler,
+        }
         if sharded:
             return save_sharded_checkpoint(path, **states, step=self.step, extra=self._extra(guard))
         if rank != 0:
@@ -158,7 +163,12 @@ class TrainState:
         found = latest_checkpoint(path)
         if found is None:
             return False
-        states = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+        states: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "scheduler": scheduler,
+        }
         if sharded:
             info = load_sharded_checkpoint(found, **states, reseed=reseed)
         else:

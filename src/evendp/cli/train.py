@@ -4,7 +4,9 @@ With no arguments it uses every GPU (split by the planner or by free memory), or
 three CPU virtual devices with an uneven split (weights 2,1,1), and writes a report (table,
 JSON, PNG) and checkpoints to ``runs/demo``. ``--mode ddp`` starts one process per device
 under torchrun (through ``evendp launch``'s planning). Exit code 2 on bad input, 130 after
-Ctrl-C (a checkpoint is saved first; ``--resume`` continues).
+SIGINT (Ctrl-C) and 143 after SIGTERM: the step in progress finishes on every rank, a
+checkpoint is saved, and ``--resume`` continues. ``--max-restarts N`` (ddp/fsdp2) lets
+torchrun restart the ranks after one dies; the restarted ranks resume from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -51,12 +53,28 @@ def add_parser(subparsers: Any) -> None:
         choices=("dp", "ddp", "fsdp2"),
         default="dp",
         help="dp: one process, BalancedDataParallel; ddp / fsdp2: one process per device under "
-        "torchrun (fsdp2 writes no checkpoints)",
+        "torchrun (fsdp2 checkpoints are sharded, in OUT/ckpt.dcp)",
     )
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (default 1)")
     p.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default {_DEFAULT_OUT})")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in OUT (an error when there is none)",
+    )
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="continue from the checkpoint in OUT if there is one, else start fresh",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
+        "the last checkpoint (default 0)",
+    )
     p.add_argument(
         "--checkpoint-every", type=int, default=50, help="steps between checkpoints (0: end only)"
     )
@@ -80,6 +98,56 @@ def _validate_args(args: argparse.Namespace) -> None:
             raise EvendpError(f"{flag} must be a positive int, got {value}; e.g. {flag} 2")
     if args.checkpoint_every < 0:
         raise EvendpError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.max_restarts < 0:
+        raise EvendpError(f"--max-restarts must be >= 0, got {args.max_restarts}; e.g. 1")
+    if args.max_restarts and args.mode == "dp":
+        raise EvendpError(
+            "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
+        )
+
+
+_INTERRUPTED = ".interrupted"  # in OUT: rank 0 leaves the signal's number for the launcher
+
+
+def _checkpoint_in(args: argparse.Namespace) -> Path:
+    return Path(args.out) / ("ckpt.dcp" if args.mode == "fsdp2" else "ckpt.pt")
+
+
+def _restarted() -> bool:
+    """Whether torchrun restarted this rank after a failure (then it resumes implicitly)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _resume_check(args: argparse.Namespace) -> int | None:
+    """Before any work: an exit code when there is nothing to do, else ``None``.
+
+    ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
+    checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
+    """
+    from evendp._checkpoint import checkpoint_step, latest_checkpoint
+
+    if not (args.resume or args.resume_or_start or _restarted()):
+        return None
+    found = latest_checkpoint(_checkpoint_in(args))
+    if found is None:
+        if args.resume and not args.resume_or_start:
+            raise EvendpError(
+                f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
+                "previous copy); check --out and --mode, or pass --resume-or-start to start "
+                "fresh when there is none"
+            )
+        return None
+    step = checkpoint_step(found)
+    if step >= args.steps:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"evendp train: the checkpoint {str(found)!r} is at step {step}, at or past "
+                f"--steps {args.steps}: nothing to train; raise --steps to continue (nothing "
+                "was changed)",
+                file=sys.stderr,
+            )
+        return 0
+    return None
 
 
 def _parse_devices(text: str | None) -> list[str | int]:
@@ -228,6 +296,7 @@ def _gradient_difference(trainer: Any, data: Any, batch_size: int) -> float:
 
 
 def _ddp_launch(args: argparse.Namespace) -> int:
+    from evendp._interrupt import exit_code
     from evendp._launch import launch, plan_launch
 
     gpus, cpu = _ddp_devices(args.devices)
@@ -255,11 +324,23 @@ def _ddp_launch(args: argparse.Namespace) -> int:
         "--seed", str(args.seed), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
         "--block-size", str(args.block_size), "--max-chars", str(args.max_chars),
     ]  # fmt: skip
-    argv += [flag for flag, on in (("--resume", args.resume), ("--checkpointing",
-             args.checkpointing), ("--no-progress", args.no_progress)) if on]  # fmt: skip
+    argv += [flag for flag, on in (("--resume", args.resume), ("--resume-or-start",
+             args.resume_or_start), ("--checkpointing", args.checkpointing),
+             ("--no-progress", args.no_progress)) if on]  # fmt: skip
     if cpu:  # the ranks must not pick up the GPUs they can see
         argv += ["--devices", args.devices]
-    return launch(str(Path(__file__).resolve()), argv, plan=plan)
+    marker = Path(args.out) / _INTERRUPTED
+    marker.unlink(missing_ok=True)
+    code = launch(
+        str(Path(__file__).resolve()),
+        argv,
+        plan=plan,
+        passthrough={"max_restarts": args.max_restarts} if args.max_restarts else None,
+    )
+    if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
+        code = exit_code(int(marker.read_text() or 0))
+        marker.unlink(missing_ok=True)
+    return code
 
 
 def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
@@ -305,17 +386,21 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
         lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
-        strategy="fsdp2" if args.mode == "fsdp2" else "ddp",
-        out_dir=None if args.mode == "fsdp2" else args.out,
-        checkpoint_every=0 if args.mode == "fsdp2" else args.checkpoint_every,
-        resume=args.resume, seed=args.seed, progress=not args.no_progress,
+        strategy="fsdp2" if args.mode == "fsdp2" else "ddp", out_dir=args.out,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
+        progress=not args.no_progress,
     )  # fmt: skip
     report = Trainer(model, data, cfg).fit()
     rank = dist.get_rank()
     finish_distributed()
     if rank == 0:
         _print_report(report, write_report(report, args.out))
-    return 130 if report.interrupted else 0
+        if report.interrupted:
+            (Path(args.out) / _INTERRUPTED).write_text(str(report.signal))
+    # Exit 0 after a clean stop: a failure code would make torchrun restart the group
+    # (--max-restarts); the launcher turns the marker into 130/143.
+    return 0
 
 
 def _print_report(report: Any, paths: dict[str, Path]) -> None:
@@ -328,11 +413,12 @@ def _print_report(report: Any, paths: dict[str, Path]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train and write the report; exit code 0, 2 for bad input, 130 after Ctrl-C."""
+    """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     try:
         _validate_args(args)
-        if args.mode == "fsdp2" and args.resume:
-            raise EvendpError("--resume needs checkpoints, which --mode fsdp2 does not write")
+        done = _resume_check(args)
+        if done is not None:
+            return done
         if args.mode in ("ddp", "fsdp2"):
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 return _run_ddp_rank(args)
@@ -344,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_dp(args: argparse.Namespace) -> int:
+    from evendp._interrupt import exit_code
     from evendp._report import write_report
     from evendp._trainer import TrainConfig, Trainer
 
@@ -366,8 +453,8 @@ def _run_dp(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
         activation_checkpointing=args.checkpointing, out_dir=args.out,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
-        progress=not args.no_progress,
+        checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
+        seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
     trainer = Trainer(model, data, cfg, device_ids=list(devices), weights=weights)
     print(
@@ -375,7 +462,7 @@ def _run_dp(args: argparse.Namespace) -> int:
         f"{args.batch}, samples per device per step {trainer.wrapped.split(args.batch)}",  # type: ignore[operator]
         flush=True,
     )
-    if args.amp == "none" and not args.resume:
+    if args.amp == "none" and not (args.resume or args.resume_or_start):
         _print_exactness_check(trainer, data, args.batch)
     report = trainer.fit()
     if not args.no_plan:
@@ -387,7 +474,7 @@ def _run_dp(args: argparse.Namespace) -> int:
         except EvendpError as exc:  # the report is still useful without planned figures
             print(f"evendp train: planned memory unavailable: {exc}", file=sys.stderr)
     _print_report(report, write_report(report, args.out))
-    return 130 if report.interrupted else 0
+    return exit_code(report.signal)
 
 
 if __name__ == "__main__":  # torchrun runs this file as the script of each rank
