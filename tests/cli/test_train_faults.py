@@ -172,3 +172,23 @@ def test_resume_at_or_past_steps_says_so_and_touches_nothing(
     assert f"at step {STEPS}, at or past --steps {STEPS - 5}" in capsys.readouterr().err
     after = (report.read_bytes(), report.stat().st_mtime_ns, (out / "ckpt.pt").read_bytes())
     assert after == before
+
+
+SMALL_DP = ["--devices", "cpu", "--batch", "4", "--no-progress", "--no-plan", "--n-layer", "1",
+            "--n-embd", "16", "--block-size", "16", "--max-chars", "20000"]  # fmt: skip
+
+
+def test_resume_without_a_checkpoint_is_an_error_unless_asked_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--resume", "--steps", "1", "--out", str(tmp_path), *SMALL_DP]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: no checkpoint in" in err and "--resume-or-start" in err
+    assert not list(tmp_path.iterdir())  # nothing written
+    code = main(["train", "--resume-or-start", "--steps", "1", "--out", str(tmp_path), *SMALL_DP])
+    assert code == 0 and _step(tmp_path / "ckpt.pt") == 1
+
+
+def test_max_restarts_needs_torchrun_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--max-restarts", "1", *SMALL_DP]) == 2
+    assert "--max-restarts" in capsys.readouterr().err
