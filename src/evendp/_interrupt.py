@@ -38,7 +38,8 @@ class StopFlag:
     """Catches SIGINT/SIGTERM while active; :attr:`signum` is the first one received.
 
     Outside the main thread Python cannot install handlers: the flag then stays inactive and
-    the caller keeps the default behaviour (``KeyboardInterrupt``).
+    the caller keeps the default behaviour (``KeyboardInterrupt``). A second SIGINT raises
+    ``KeyboardInterrupt`` at once, for a user who will not wait for the step to end.
 
     >>> import os
     >>> with StopFlag() as flag:
@@ -62,6 +63,8 @@ class StopFlag:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+        elif signum == signal.SIGINT:  # Ctrl-C pressed again: the user will not wait
+            raise KeyboardInterrupt("SIGINT twice: stopping now, not at a step boundary")
 
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
