@@ -331,12 +331,9 @@ def _ddp_launch(args: argparse.Namespace) -> int:
         argv += ["--devices", args.devices]
     marker = Path(args.out) / _INTERRUPTED
     marker.unlink(missing_ok=True)
-    code = launch(
-        str(Path(__file__).resolve()),
-        argv,
-        plan=plan,
-        passthrough={"max_restarts": args.max_restarts} if args.max_restarts else None,
-    )
+    # torchrun's --max-restarts only when asked (its default, 0, otherwise).
+    restarts = {"passthrough": {"max_restarts": args.max_restarts}} if args.max_restarts else {}
+    code = launch(str(Path(__file__).resolve()), argv, plan=plan, **restarts)
     if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
         code = exit_code(int(marker.read_text() or 0))
         marker.unlink(missing_ok=True)
