@@ -1,9 +1,11 @@
 """Planner accuracy: predicted memory against measured, per model.
 
 CPU part (always): activation bytes per sample and the forward+backward peak predicted on
-fake tensors, against ``MemTracker`` on real tensors. GPU part (when CUDA is present): plan
-one device at a fixed batch, run real training steps at that batch, and compare the predicted
-tensor peak (the plan's peak minus its CUDA context allowance) with what the planner models:
+fake tensors, against ``MemTracker`` on real tensors; and the forward-only peak under
+``torch.no_grad`` (``plan(..., no_grad=True)``) against a real ``no_grad`` forward.
+GPU part (when CUDA is present): plan one device at a fixed batch, run real training steps
+at that batch, and compare the predicted tensor peak (the plan's peak minus its CUDA context
+allowance) with what the planner models:
 ``torch.cuda.max_memory_allocated`` over the steady state (one warm-up step first, so optimizer
 state and library workspaces exist; the bytes held before the model was built subtracted).
 ``max_memory_reserved`` (the same baseline subtracted) is shown beside it: it adds allocator
@@ -135,6 +137,37 @@ def cpu_table() -> None:
         )
 
 
+def _real_no_grad_peak(name: str, n: int) -> int:
+    make, batch, criterion, _ = MODELS[name]
+    model = make().eval()
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        b = batch(n)
+        inputs = b if criterion is None else b[0]
+        with torch.no_grad():
+            out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        del out
+        return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def cpu_no_grad_table() -> None:
+    n = 16
+    print(f"CPU, forward only: fake-tensor no_grad peak vs MemTracker on real tensors (batch {n})")
+    print(f"{'model':8} {'peak pred':>12} {'real':>12} {'ratio':>7}")
+    for name, (make, batch, criterion, _) in MODELS.items():
+        if name == "lm-head":
+            continue
+
+        def inputs(k: int, b: Any = batch, c: Any = criterion) -> Any:
+            return b(k) if c is None else b(k)[0]  # the model's inputs only
+
+        prof = profile_step(make, inputs, (n,), optimizer=None, no_grad=True)
+        real = _real_no_grad_peak(name, n)
+        pp = prof["peak_bytes"][0]
+        print(f"{name:8} {pp:12.0f} {real:12.0f} {pp / real:7.3f}")
+
+
 def gpu_table(names: list[str]) -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
         print("GPU: skipped (no CUDA device)")
@@ -213,6 +246,7 @@ def main() -> None:
         parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     if not args.skip_cpu:
         cpu_table()
+        cpu_no_grad_table()
     rows = gpu_table(names)
     if args.json:
         with open(args.json, "w") as f:

@@ -20,6 +20,7 @@ EXPECTED_ALL = {
     "ParallelCriterion",
     "Plan",
     "PlanError",
+    "Predictions",
     "Scattered",
     "SpeedBalancer",
     "TrainConfig",
@@ -38,10 +39,13 @@ EXPECTED_ALL = {
     "live_memory",
     "load_checkpoint",
     "parse_batch_sizes",
+    "padded_cost",
     "parse_memory",
     "plan",
+    "predict",
     "save_checkpoint",
     "select_devices",
+    "split_by_cost",
     "split_sizes",
 }
 

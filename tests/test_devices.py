@@ -292,7 +292,7 @@ def test_select_devices_passes_when_cuda_sees_the_chosen_gpus(
         ("0,2", {}, {2: 0, 0: 1}),  # freest first, within the scheduler's GPUs only
         ("3,0", {"count": 1}, {3: 0}),
         (f"{fake_uuid('C')},{fake_uuid('A')[:12]}", {}, {2: 0, 0: 1}),  # UUIDs, a prefix too
-        ("0,2", {"ids": [0]}, {0: 0}),
+        ("0,2", {"gpu_ids": [0]}, {0: 0}),
     ],
 )
 def test_select_devices_chooses_within_a_scheduler_set_cuda_visible_devices(
@@ -308,7 +308,7 @@ def test_select_devices_chooses_within_a_scheduler_set_cuda_visible_devices(
 @pytest.mark.parametrize(
     ("visible", "kwargs", "message"),
     [
-        ("0,2", {"ids": [1]}, r"GPU 1 is outside CUDA_VISIBLE_DEVICES='0,2'"),
+        ("0,2", {"gpu_ids": [1]}, r"GPU 1 is outside CUDA_VISIBLE_DEVICES='0,2'"),
         ("MIG-1234", {}, r"entry 'MIG-1234' names no single GPU"),
         ("7", {}, r"entry '7' names no single GPU"),
     ],

@@ -106,7 +106,7 @@ def test_oom_inside_balanced_data_parallel_share() -> None:
     torch.manual_seed(0)
     # Only device 0's share (weight 2 of 4) goes above 4 samples: its thread raises.
     inner = OomNet(forward_limit=4)
-    model = BalancedDataParallel(inner, ["cpu", "cpu", "cpu"], chunk_sizes=[2, 1, 1])
+    model = BalancedDataParallel(inner, ["cpu", "cpu", "cpu"], weights=[2, 1, 1])
     x, y = _data()
     ref = _reference(inner, x, y)
     guard = OomResplit()
@@ -171,7 +171,7 @@ def _dp_run(
         rows = torch.cat(
             [torch.arange(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
         )
-        model.chunk_sizes = [b - a for a, b in spans]
+        model.weights = [b - a for a, b in spans]
         loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
         seen.append(list(model.last_sizes))
         return loss

@@ -126,7 +126,7 @@ def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
     assert trainer.guard.micro_batch_sizes == caps
     assert trainer.micro_steps == micro_steps  # the second step's micro-steps
     assert [d.samples_per_step for d in report.devices] == [3, 6, 3]
-    assert trainer.wrapped.chunk_sizes == [1, 2, 1]  # the user's weights, back after the step
+    assert trainer.wrapped.weights == [1, 2, 1]  # the user's weights, back after the step
     # The reference: SGD on the full batches; compare the second step's gradient and weights.
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for x, y in batches:

@@ -5,6 +5,7 @@ The public API is what ``__all__`` lists; everything else lives in private modul
 """
 
 from ._checkpoint import load_checkpoint, save_checkpoint
+from ._cost import padded_cost, split_by_cost
 from ._devices import DeviceInfo, list_devices, select_devices
 from ._distributed import (
     ddp_loss,
@@ -18,6 +19,7 @@ from ._errors import EvendpError, NvmlUnavailableError, PlanError
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._oom import OomResplit
 from ._plan import DevicePlan, Plan, plan
+from ._predict import Predictions, predict
 from ._report import TrainReport
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, batch_sizes_from_env, parse_batch_sizes
 from ._speed import SpeedBalancer, balance_sizes
@@ -31,6 +33,12 @@ __all__ = [
     "Scattered",
     "gather",
     "split_sizes",
+    # cost (variable-length samples)
+    "padded_cost",
+    "split_by_cost",
+    # inference
+    "Predictions",
+    "predict",
     # many processes
     "EmptySafeCollate",
     "UnevenBatchSampler",

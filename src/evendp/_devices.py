@@ -20,6 +20,7 @@ from typing import Any
 
 from ._deprecation import UNSET, renamed_argument
 from ._errors import EvendpError, NvmlUnavailableError
+from ._validate import validate_int
 
 __all__ = [
     "DeviceInfo",
@@ -194,8 +195,7 @@ def _validate_selection(
             f"pass either count ({count!r}) or gpu_ids ({list(ids)!r}), not both; "
             "gpu_ids already fixes how many devices are used"
         )
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-        raise EvendpError(f"count must be a positive int, got {count!r}")
+    validate_int("count", count, minimum=1, allow_none=True, example="count=2")
     if ids is not None:
         ids = list(ids)
         if not ids:

@@ -36,6 +36,7 @@ from ._oom import is_oom_error
 from ._replicate import parallel_apply, replicate
 from ._scatter import batch_size, batch_size_and_devices, combine_means, gather_outputs, scatter
 from ._split import _validate_weights, split_sizes
+from ._validate import validate_int
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
 
@@ -363,7 +364,7 @@ class BalancedDataParallel(nn.Module):
         example = kwargs if kwargs else inputs
         return auto_weights(
             self.module, self.device_ids, example, output_device=output_index,
-            gather_output=self.gather_output,
+            gather_output=self.gather_output, no_grad=not torch.is_grad_enabled(),
         )  # fmt: skip
 
     def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
@@ -567,9 +568,7 @@ def _validate_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.dev
 
 
 def _validate_dim(dim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-        raise EvendpError(f"dim must be a non-negative int (the batch dimension), got {dim!r}")
-    return dim
+    return int(validate_int("dim", dim, minimum=0, example="dim=0, the batch dimension"))
 
 
 def _validate_auto(value: str) -> None:

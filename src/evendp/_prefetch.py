@@ -33,6 +33,7 @@ class Prepared:
     epoch: int
     index: int
     count: int
+    shares: list[int] | None = None  # per-device rows when a cost plan ordered the batch
 
 
 class Prefetcher:

@@ -67,6 +67,8 @@ class TrainReport:
     mode: str = "dp"
     amp: str = "none"
     signal: int | None = None  # what interrupted the run: 2 SIGINT, 15 SIGTERM (None: none)
+    #: Evaluations of ``eval_data``: ``[{"step": 100, "metrics": {"loss": 2.31}}, ...]``.
+    eval: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def first_loss(self) -> float | None:
@@ -111,6 +113,11 @@ class TrainReport:
             f"{self.samples_per_s:.1f} samples/s\n"
             f"OOM re-splits: {self.resplits}, skipped steps: {self.skipped_steps}, "
             f"micro-batch: {self.micro_batch_size or 'whole batch'}"
+        ) + (
+            "\nvalidation at step {step}: ".format(**self.eval[-1])
+            + ", ".join(f"{k} {v:.4f}" for k, v in self.eval[-1]["metrics"].items())
+            if self.eval
+            else ""
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,13 +156,25 @@ def _plot(report: TrainReport, path: Path) -> None:
         mem.text(
             0.5, 0.5, "no memory figures on this machine", ha="center", transform=mem.transAxes
         )
-    curve.plot(range(1, len(report.losses) + 1), report.losses)
+    curve.plot(range(1, len(report.losses) + 1), report.losses, label="training")
+    _plot_validation(curve, report.eval)
     curve.set_xlabel("step")
     curve.set_ylabel("training loss")
     curve.set_title("Loss")
     curve.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _plot_validation(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """The validation loss (else the first metric) at each evaluated step, on the loss axes."""
+    if not evals:
+        return
+    name = "loss" if "loss" in evals[-1]["metrics"] else next(iter(evals[-1]["metrics"]), None)
+    points = [(e["step"], e["metrics"][name]) for e in evals if name in e["metrics"]]
+    if points:
+        ax.plot(*zip(*points, strict=True), "o-", label=f"validation {name}")
+        ax.legend(fontsize=8)
 
 
 def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:

@@ -7,7 +7,10 @@ offset ``sum(batch_sizes[:r])``. So every rank yields the same number of steps a
 appears exactly once per epoch. The final, partial step of ``R < B`` indices is split in
 proportion with :func:`evendp._split.split_sizes`. :class:`EmptySafeCollate` gives a rank with
 no samples a real, empty batch; :func:`parse_batch_sizes` and :func:`batch_sizes_from_env` read
-the sizes ``evendp launch`` passes. Scaling the loss so the gradient stays exact is
+the sizes ``evendp launch`` passes. With ``costs=`` (a cost per sample, e.g. its token length)
+each step still takes the same ``B`` indices, but they go to ranks by
+:func:`evendp._cost.split_by_cost` with ``batch_sizes`` as the capacities, so each rank's
+padded cost, not its sample count, follows its size. Scaling the loss so the gradient stays exact is
 :func:`evendp._distributed.ddp_loss`'s job; nothing here needs a process group.
 """
 
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from ._cost import _validate_costs, split_by_cost
 from ._errors import EvendpError
 from ._split import split_sizes
 
@@ -86,6 +90,48 @@ def _validate_length(data: object) -> int:
     if length < 0:
         raise EvendpError(f"data length must be >= 0, got {length}")
     return length
+
+
+def _sample_costs(data: object, length: int, costs: object) -> list[float] | None:
+    """Per-sample costs from a sequence (one per sample) or a function of ``data[i]``."""
+    if costs is None:
+        return None
+    if callable(costs):
+        if isinstance(data, int) or not hasattr(data, "__getitem__"):
+            raise EvendpError(
+                f"costs is a function of the dataset item, but data is {data!r}, not a "
+                "dataset; pass the dataset as data, or costs as a list (one number per sample)"
+            )
+        values: list[object] = []
+        for i in range(length):
+            values.append(costs(data[i]))
+        try:
+            return _validate_costs(values)
+        except EvendpError as err:
+            raise EvendpError(
+                f"costs({type(data).__name__}[i]) returned a bad value: {err}"
+            ) from None
+    checked = _validate_costs(costs)
+    if len(checked) != length:
+        raise EvendpError(
+            f"costs has {len(checked)} values for {length} samples; pass one cost per sample "
+            "(e.g. [len(x) for x in texts]) or a function of the dataset item"
+        )
+    return checked
+
+
+def _validate_group_steps(group_steps: object, costs: list[float] | None) -> int:
+    if isinstance(group_steps, bool) or not isinstance(group_steps, int) or group_steps < 1:
+        raise EvendpError(
+            f"group_steps must be an int >= 1 (steps whose samples are sorted by cost "
+            f"together), got {group_steps!r}; use 1 to keep each step's samples as drawn"
+        )
+    if group_steps > 1 and costs is None:
+        raise EvendpError(
+            f"group_steps={group_steps} groups samples by cost, but no costs were given; "
+            "pass costs= (e.g. each sample's length) or leave group_steps=1"
+        )
+    return group_steps
 
 
 def _validate_rank(rank: int, world_size: int) -> None:
@@ -206,7 +252,17 @@ class UnevenBatchSampler:
 
     Every rank yields the same number of batches (``ceil(len / sum(batch_sizes))``, or the
     floor with ``drop_last=True``), so no rank waits forever in an all-reduce; over all ranks
-    every index appears exactly once per epoch (``drop_last=False``). The last step's
+    every index appears exactly once per epoch (``drop_last=False``). With ``costs`` (one
+    number per sample, or a function of ``data[i]``: its length in tokens, or ``len +
+    len**2 / k`` for attention) each step takes the same indices as without, but they go to
+    ranks so each rank's padded cost (``len * max`` cost, or the sum with ``padded=False``)
+    follows ``batch_sizes``, similar lengths together; a rank's batch may then hold more or
+    fewer than ``batch_sizes[r]`` samples (:meth:`sizes_in_step` says how many). Every rank
+    computes the same plan with no communication. ``group_steps=k > 1`` also sorts each
+    window of ``k`` steps' samples by cost and cuts it into steps (in shuffled order), so a
+    step holds similar lengths and pads little; each index still appears once per epoch, but
+    which samples share a step changes (as transformers' ``group_by_length`` does). The last
+    step's
     ``R < sum(batch_sizes)`` indices are split in proportion to ``batch_sizes``, so a rank may
     get an empty batch there (and always does when its size is 0). Use it as
     ``DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))`` and
@@ -219,6 +275,10 @@ class UnevenBatchSampler:
     [[0], [4], [8]]
     >>> list(UnevenBatchSampler(10, [1, 3], rank=1, shuffle=False))
     [[1, 2, 3], [5, 6, 7], [9]]
+    >>> lengths = [9, 1, 1, 9, 2, 2, 8, 1]
+    >>> [list(UnevenBatchSampler(8, [2, 2], rank=r, shuffle=False, costs=lengths))
+    ...  for r in range(2)]
+    [[[1, 2], [4, 5, 7]], [[0, 3], [6]]]
     """
 
     def __init__(
@@ -230,12 +290,20 @@ class UnevenBatchSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
+        padded: bool = True,
+        group_steps: int = 1,
     ) -> None:
         rank, world_size = _default_rank_and_world(rank, world_size)
         sizes = _validate_batch_sizes(batch_sizes, world_size)
         _validate_rank(rank, len(sizes))
         self.num_samples = _validate_length(data)
         _validate_coverage(self.num_samples, sizes, drop_last)
+        # Computed once, identically on every rank (the data and the function are the same).
+        self.costs = _sample_costs(data, self.num_samples, costs)
+        self.padded = bool(padded)
+        self.group_steps = _validate_group_steps(group_steps, self.costs)
         self.rank = rank
         self.world_size = len(sizes)
         self.shuffle = bool(shuffle)
@@ -246,14 +314,13 @@ class UnevenBatchSampler:
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0
-        # Samples over all ranks in each step yielded this epoch (kept after the epoch ends:
-        # a DataLoader samples ahead of the training loop that asks).
-        self._step_totals: list[int] = []
+        # Every rank's sample count in each step yielded this epoch (kept after the epoch
+        # ends: a DataLoader samples ahead of the training loop that asks).
+        self._step_sizes: list[list[int]] = []
 
     def _set_sizes(self, sizes: list[int]) -> None:
         self._sizes = sizes
         self._global = sum(sizes)
-        self._offset = sum(sizes[: self.rank])
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -307,50 +374,90 @@ class UnevenBatchSampler:
         >>> [s.samples_in_step(step) for step, _ in enumerate(s)]
         [4, 4, 2]
         """
+        return sum(self.sizes_in_step(step))
+
+    def sizes_in_step(self, step: int) -> list[int]:
+        """Every rank's sample count in step ``step`` (0-based) of the epoch being iterated.
+
+        ``batch_sizes`` for full steps without ``costs``; with ``costs`` the cost-balanced
+        counts (the same on every rank, computed without communication).
+
+        >>> s = UnevenBatchSampler(8, [2, 2], rank=0, shuffle=False, costs=[5, 1, 1, 1, 1, 5, 5, 1])
+        >>> [(batch, s.sizes_in_step(step)) for step, batch in enumerate(s)]
+        [([0], [1, 3]), ([4, 7], [2, 2])]
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise EvendpError(f"step must be an int >= 0, got {step!r}")
-        if step >= len(self._step_totals):
+        if step >= len(self._step_sizes):
             raise EvendpError(
                 f"step {step} has not been sampled yet this epoch (steps 0 to "
-                f"{len(self._step_totals) - 1} have); count steps from 0 in each epoch, "
+                f"{len(self._step_sizes) - 1} have); count steps from 0 in each epoch, "
                 "e.g. `for step, batch in enumerate(loader)`"
             )
-        return self._step_totals[step]
+        return list(self._step_sizes[step])
 
     def _permutation(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
         # One generator seeded identically on every rank: the same permutation everywhere.
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        perm: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
+        if not self.shuffle:
+            perm = list(range(self.num_samples))
+        else:
+            perm = torch.randperm(self.num_samples, generator=generator).tolist()
+        if self.group_steps > 1:
+            perm = self._grouped(perm, generator)
         return perm
+
+    def _grouped(self, perm: list[int], generator: torch.Generator) -> list[int]:
+        """Sort each window of ``group_steps`` steps by cost, cut it into steps, shuffle them.
+
+        Steps of similar lengths pad little (as ``group_by_length`` in transformers); the
+        full steps of a window are shuffled so lengths do not grow along the epoch, and the
+        epoch's short last step stays last. Still a permutation: each index once per epoch.
+        """
+        costs, step, window = self.costs, self._global, self._global * self.group_steps
+        assert costs is not None  # _validate_group_steps: grouping needs costs
+        out: list[int] = []
+        for start in range(0, len(perm), window):
+            ranked = sorted(perm[start : start + window], key=lambda i: (costs[i], i))
+            steps = [ranked[k : k + step] for k in range(0, len(ranked), step)]
+            full = [s for s in steps if len(s) == step]
+            order = torch.randperm(len(full), generator=generator).tolist()
+            out += [i for k in order for i in full[k]]
+            out += [i for s in steps if len(s) < step for i in s]
+        return out
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = self._permutation()
         n = self.num_samples
         self._cursor = 0
         self._steps_done = 0
-        self._step_totals = []
+        self._step_sizes = []
         # Sizes are re-read every step so set_batch_sizes takes effect at the next yield.
         while True:
             remaining = n - self._cursor
             if remaining <= 0 or (self.drop_last and remaining < self._global):
                 break
-            start = self._cursor + self._offset
-            if remaining >= self._global:
-                size, step_total = self._sizes[self.rank], self._global
-            else:
-                last = split_sizes(remaining, self._sizes)  # the partial last step, in proportion
-                size, step_total = last[self.rank], remaining
-                start = self._cursor + sum(last[: self.rank])
-            batch = perm[start : start + size]
+            step_total = min(remaining, self._global)
+            step = perm[self._cursor : self._cursor + step_total]  # the same on every rank
+            batch, sizes = self._share(step)
             self._cursor += step_total
             self._steps_done += 1
-            self._step_totals.append(step_total)
+            self._step_sizes.append(sizes)
             yield batch
         self._cursor = 0
         self._steps_done = 0
+
+    def _share(self, step: list[int]) -> tuple[list[int], list[int]]:
+        """This rank's indices of the step's ``step`` indices, and every rank's count."""
+        if self.costs is not None:
+            costs = self.costs
+            shares = split_by_cost([costs[i] for i in step], self._sizes, padded=self.padded)
+            return [step[j] for j in shares[self.rank]], [len(share) for share in shares]
+        # By count: the offset slices; the partial last step is split in proportion.
+        sizes = self._sizes if len(step) == self._global else split_sizes(len(step), self._sizes)
+        start = sum(sizes[: self.rank])
+        return step[start : start + sizes[self.rank]], list(sizes)
 
     def __len__(self) -> int:
         # Steps already yielded in a running epoch plus the rest at the sizes in force now.

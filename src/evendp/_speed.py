@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ._distributed import comm_device, rank_cuda_device, world_size
 from ._errors import EvendpError
+from ._validate import validate_int
 
 __all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
 
@@ -79,8 +80,7 @@ def _validate_balance_inputs(
     total: int, seconds_per_sample: Sequence[float], caps: Sequence[int] | None, min_size: int
 ) -> tuple[list[float], list[int]]:
     """Check the inputs of :func:`balance_sizes`; return times and caps as lists."""
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise EvendpError(f"total must be a positive int (the global batch), got {total!r}")
+    validate_int("total", total, minimum=1, example="256, the global batch")
     times = [float(t) for t in seconds_per_sample]
     if not times:
         raise EvendpError("seconds_per_sample is empty; pass one time per rank")
@@ -95,8 +95,7 @@ def _validate_balance_inputs(
         raise EvendpError(
             f"got {len(limits)} caps for {len(times)} ranks; pass one max batch per rank"
         )
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise EvendpError(f"min_size must be a non-negative int, got {min_size!r}")
+    validate_int("min_size", min_size, minimum=0, example="1")
     for i, c in enumerate(limits):
         if c < min_size:
             raise EvendpError(
@@ -172,14 +171,9 @@ class _Sampler(Protocol):
 
 
 def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> None:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-        raise EvendpError(f"warmup must be an int >= 1 (steps measured first), got {warmup!r}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise EvendpError(f"every must be an int >= 1 (steps between exchanges), got {every!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise EvendpError(
-            f"window must be an int >= 1 (exchanges the median is taken over), got {window!r}"
-        )
+    validate_int("warmup", warmup, minimum=1, example="5 steps measured first")
+    validate_int("every", every, minimum=1, example="10 steps between exchanges")
+    validate_int("window", window, minimum=1, example="3 exchanges the median is taken over")
     if not 0 <= tolerance < 1:
         raise EvendpError(
             f"tolerance must be in [0, 1) (the least predicted gain worth a change), "

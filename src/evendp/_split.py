@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 from ._errors import EvendpError
+from ._validate import validate_int
 
 __all__ = ["split_sizes"]
 
@@ -55,8 +56,7 @@ def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
     >>> split_sizes(3, [1, 0, 1])
     [2, 0, 1]
     """
-    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-        raise EvendpError(f"total must be a non-negative int, got {total!r}")
+    validate_int("total", total, minimum=0, example="32")
     values = _validate_weights(weights)
     # Relative to the largest weight first: tiny (subnormal) or huge weights would make
     # total / sum overflow to infinity.

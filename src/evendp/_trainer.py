@@ -30,10 +30,10 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -41,18 +41,22 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ._blocks import block_predicate, repeated_blocks
+from ._cost import split_by_cost
 from ._deprecation import UNSET, renamed_argument
 from ._distributed import comm_device
+from ._dp import BalancedDataParallel
 from ._errors import EvendpError
+from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._interrupt import StopFlag
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes
-from ._sampler import EmptySafeCollate, UnevenBatchSampler
+from ._sampler import EmptySafeCollate, UnevenBatchSampler, _sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
 from ._train_state import TrainState
+from ._validate import validate_int
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -91,6 +95,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
+    eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum"):
@@ -113,6 +118,7 @@ class TrainConfig:
             or self.prefetch < 0
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
+        validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -237,6 +243,19 @@ class Trainer:
             however the batch is cut; a share with no counted items adds exactly nothing.
             ``count_fn`` must add up over rows (the count of a batch is the sum of its rows').
         optimizer, scheduler: default AdamW(lr, weight_decay) and none.
+        costs: per-sample cost (a sequence, or a function of ``data[i]``: its length in
+            tokens) to split each step by padded cost, not by count (docs/balancing.md).
+            DDP: the sampler assigns the step's samples to ranks by cost. One process: the
+            step's rows are ordered so each device's contiguous share is its cost plan.
+            The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
+        eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
+            the last step (``eval_every=0``: only then), in order, every sample exactly once
+            over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
+            Results: ``TrainReport.eval``, the progress bar, ``report.json`` and the PNG.
+        eval_fn: ``eval_fn(model, batch) -> {name: (sum, count)}``; each metric is
+            ``total sum / total count``, exactly one device's over the whole set. Default:
+            ``{"loss": (loss_fn's mean x count, count)}``, counted by ``count_fn`` (else
+            the samples), as training weights the loss.
 
     >>> from evendp.examples.stdlib_text import CharWindows
     >>> torch.manual_seed(0) and None
@@ -267,7 +286,10 @@ class Trainer:
         count_fn: CountFn | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any | None = None,
+        eval_data: Dataset[Any] | None = None,
+        eval_fn: EvalFn | None = None,
         devices: Any = UNSET,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         self.config = config
@@ -297,6 +319,11 @@ class Trainer:
             rank=self.rank,
             world_size=self.world,
             seed=config.seed,
+            costs=costs if self.distributed else None,  # ranks split each step by cost
+        )
+        # One process: each step's rows are ordered so each device's share is its cost plan.
+        self._costs = (
+            None if self.distributed else _sample_costs(data, self.sampler.num_samples, costs)
         )
         # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
@@ -327,6 +354,10 @@ class Trainer:
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
         self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
+        self.eval_data = eval_data
+        self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
+        #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
+        self.evals: list[dict[str, Any]] = []
 
     # The run's position lives in self.state; these read it under the old names.
     step = property(lambda self: self.state.step)
@@ -405,18 +436,70 @@ class Trainer:
             for i, indices in enumerate(self.sampler):
                 if i < skip:
                     continue
-                batch = self._collate_indices(list(indices))
+                indices, shares = self._by_cost(list(indices))
+                batch = self._collate_indices(indices)
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
-                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i))
+                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares)
             epoch, skip = epoch + 1, 0
+
+    def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
+        """The step's indices ordered device by device as the cost plan assigns them, and
+        each device's rows (``None`` without costs: the strategy splits by weights)."""
+        capacities = self.strategy.shares(len(indices))
+        if self._costs is None or len(capacities) < 2:
+            return indices, None
+        plan = split_by_cost([self._costs[i] for i in indices], capacities)
+        return [indices[j] for share in plan for j in share], [len(share) for share in plan]
 
     def _stand_in_for_empty(self) -> Batch:
         """One real sample for a rank with no rows: models may reject an empty batch."""
         if self._stand_in is None:
             self._stand_in = self.strategy.place(self._collate_indices([0]))
         return self._stand_in
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def _evaluate(self) -> dict[str, float] | None:
+        """Evaluate ``eval_data`` now (on every rank: the sums meet in one gather); record it."""
+        data = self.eval_data
+        if data is None:
+            return None
+        batch_fn = getattr(data, "batch", None)
+        empty_safe = EmptySafeCollate(data)
+
+        def collate(indices: list[int]) -> Batch:
+            return (
+                batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
+            )
+
+        if self.distributed:
+            metrics = evaluate_ranks(
+                self.model, data, self.eval_fn, batch_sizes=self.sampler.batch_sizes,
+                collate=collate, device=self.device, autocast=self._autocast,
+                every_step=self.config.strategy == "fsdp2",  # FSDP2's forward all-gathers
+            )  # fmt: skip
+        else:
+            dp = cast(BalancedDataParallel, self.wrapped)  # one process: always DP
+            metrics = evaluate_devices(
+                self.model, data, self.eval_fn, batch_size=self.config.batch_size,
+                device_ids=dp.device_ids, weights=dp.weights,
+                collate=collate, autocast=self._autocast,
+            )  # fmt: skip
+        self.evals.append({"step": self.step, "metrics": metrics})
+        return metrics
+
+    def _eval_due(self) -> bool:
+        every, step = self.config.eval_every, self.step
+        return self.eval_data is not None and (
+            step == self.config.steps or bool(every and step % every == 0)
+        )
+
+    def _eval_text(self) -> str:
+        if not self.evals:
+            return ""
+        return "".join(f" val {k} {v:.4f}" for k, v in self.evals[-1]["metrics"].items())
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -434,7 +517,9 @@ class Trainer:
         # Counted exactly in float64; the weight enters backward in the loss's fp32.
         return self.strategy.global_count(local.reshape(())).float()
 
-    def _train_step(self, batch: Batch, samples: int) -> torch.Tensor | None:
+    def _train_step(
+        self, batch: Batch, samples: int, planned: list[int] | None = None
+    ) -> torch.Tensor | None:
         """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
 
         Returns the global batch's mean loss (on the device), or ``None`` when skipped (OOM).
@@ -443,7 +528,7 @@ class Trainer:
         n = _batch_len(batch)
         batch = strategy.place(batch)
         # Each device's share of this batch: consecutive samples starting at offsets[i].
-        shares = strategy.shares(n)
+        shares = strategy.shares(n) if planned is None else planned  # planned: by cost
         offsets = [sum(shares[:i]) for i in range(len(shares))]
         accum = [math.ceil(s / self.config.accum) if s else None for s in shares]
         attempt: list[list[int]] = []  # per micro-step, the samples each device ran
@@ -560,14 +645,16 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.count)
+                    loss = self._train_step(item.batch, item.count, item.shares)
                     state.step += 1
                     state.record(loss, self._samples_ran(loss is not None), self._local)
                     if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
                         state.flush(self.strategy.reduce_losses)
                     shown = None if loss is None or not show else state.last_loss
+                    if self._eval_due():
+                        self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(state.step, shown, item.count, text)
+                    bar.update(state.step, shown, item.count, text + self._eval_text())
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
@@ -613,6 +700,7 @@ class Trainer:
             mode=self.strategy.name,
             amp=self.config.amp,
             signal=signum,
+            eval=list(self.evals),
         )
 
 

@@ -133,3 +133,12 @@ def test_bad_options_are_named_by_their_flags(
     err = capsys.readouterr().err
     assert needle in err
     assert "batch_size" not in err and "safety_margin" not in err and "cuda_context" not in err
+
+
+def test_no_grad_plans_the_builtin_gpt_forward_only(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--no-grad", "--memory", "24GiB,24GiB,12GiB", "--model", "gpt", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["no_grad"] is True and sum(data["split"]) == data["global_batch"]
+    # Without gradients, optimizer state or saved activations each device holds far more.
+    assert data["global_batch"] >= 1.5 * data["training"]["global_batch"]

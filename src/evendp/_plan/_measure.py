@@ -1,4 +1,5 @@
-"""Measuring: one training step run on fake tensors, memory by kind at each phase.
+"""Measuring: one training step (or one forward under ``no_grad``) run on fake tensors,
+memory by kind at each phase.
 
 The model is built (or copied) under ``FakeTensorMode`` on fake *cpu* tensors, so no real
 memory is touched and an 8-GPU, 40 GB model plans in seconds; fake ``cuda`` tensors cannot
@@ -27,6 +28,7 @@ __all__ = [
     "OptimizerFactory",
     "Point",
     "make_setup",
+    "measure_forward",
     "measure_gathered",
     "measure_replica",
     "planning_errors",
@@ -124,6 +126,7 @@ class _Setup:
     amp: torch.dtype | None
     checkpointing: bool | Callable[[nn.Module], bool]
     fake_mode: Any = None
+    no_grad: bool = False  # forward only: no gradients, optimizer state or saved activations
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.amp is None:
@@ -151,6 +154,9 @@ def _fresh_model(setup: _Setup) -> nn.Module:
     if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
         with setup.fake_mode:  # fake cuda tensors cannot run backward without a GPU
             model = model.to("cpu")
+    if setup.no_grad:
+        model.eval()  # inference: dropout off, BatchNorm reads its running statistics
+        return model  # checkpointing only trades memory saved for backward: none here
     model.train()
     _apply_checkpointing(model, setup.checkpointing)
     return model
@@ -182,7 +188,10 @@ class Point:
 def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
     """One fake step at batch size ``n``. ``variant``: ``keep`` (outputs held through the
     step: DDP, DP without gather), ``drop`` (DP, loss inside the model: outputs are copied
-    away), ``handoff`` (DP with a criterion on the output device)."""
+    away), ``handoff`` (DP with a criterion on the output device). Under ``setup.no_grad``
+    the variant does not matter: see :func:`measure_forward`."""
+    if setup.no_grad:
+        return measure_forward(setup, n)
     model = _fresh_model(setup)
     tracker = _tracker_class()()
     with setup.fake_mode:
@@ -237,14 +246,55 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
     return Point(n, fwbw, forward_end, output_bytes, static)
 
 
+def measure_forward(setup: _Setup, n: int) -> Point:
+    """One fake forward at batch size ``n`` under ``torch.no_grad`` (inference, evaluation).
+
+    No gradients, no optimizer state, and no activations saved for a backward: the peak is
+    the parameters plus the forward's largest live temporaries plus the outputs. With a
+    criterion, the loss on this device's outputs (as a per-device evaluation computes it) is
+    part of the step. The outputs stay held after the forward (``forward_end``): DP copies
+    them to the output device before the replica lets them go.
+    """
+    model = _fresh_model(setup)
+    tracker = _tracker_class()()
+    with setup.fake_mode, tracker:
+        batch = setup.make_batch(n)
+        inputs, targets = batch if setup.criterion is not None else (batch, None)
+        tracker.reset_peak()
+        with torch.no_grad(), setup.autocast():
+            output = _call(model, inputs)
+            output_bytes = _nbytes(output)
+            if setup.criterion is not None and targets is not None:
+                setup.criterion(output, targets)  # its temporaries count; its value does not
+        fwd = _kinds(tracker.get_tracker_snapshot())
+        peak = _kinds(tracker.get_tracker_snapshot("peak"))
+        del output
+    params = peak.get("PARAM", 0) + peak.get("BUFFER", 0)
+    out = min(output_bytes, peak["Total"] - params)
+    fwd_params = fwd.get("PARAM", 0) + fwd.get("BUFFER", 0)
+    return Point(
+        n,
+        {
+            "params": float(params),
+            "outputs": float(out),
+            "activations": float(peak["Total"] - params - out),
+        },
+        {"params": float(fwd_params), "activations": float(fwd["Total"] - fwd_params)},
+        output_bytes,
+        {"params": params, "grads": 0, "optimizer": 0, "optimizer_extra": 0},
+    )
+
+
 def measure_gathered(setup: _Setup, sample_output: Any, n_sample: int, total: int) -> Point:
     """DP's output device at global batch ``total``: gathered outputs, their gradient, the loss.
 
     ``sample_output`` is a replica output at batch ``n_sample`` (shapes and dtypes only).
+    Under ``setup.no_grad`` the loss is computed without a backward: no gathered gradient.
     """
     assert setup.criterion is not None  # only called with a criterion (internal invariant)
     tracker = _tracker_class()()
-    with setup.fake_mode:
+    wants_grad = not setup.no_grad
+    with setup.fake_mode, torch.set_grad_enabled(wants_grad):
         _, targets = setup.make_batch(total)
         with tracker:
 
@@ -252,15 +302,19 @@ def measure_gathered(setup: _Setup, sample_output: Any, n_sample: int, total: in
                 if not isinstance(t, torch.Tensor):
                     return t
                 if t.dim() == 0:  # DP gathers scalars into one entry per device
-                    return torch.zeros((1,), dtype=t.dtype, requires_grad=t.requires_grad)
+                    return torch.zeros(
+                        (1,), dtype=t.dtype, requires_grad=wants_grad and t.requires_grad
+                    )
                 shape = (t.shape[0] * total // max(n_sample, 1), *t.shape[1:])
-                return torch.zeros(shape, dtype=t.dtype, requires_grad=t.is_floating_point())
+                grad = wants_grad and t.is_floating_point()
+                return torch.zeros(shape, dtype=t.dtype, requires_grad=grad)
 
             gathered = tree_map(grow, sample_output)
             tracker.reset_peak()
             with setup.autocast():
                 loss = setup.criterion(gathered, targets)
-            loss.backward()
+            if wants_grad:
+                loss.backward()
             peak = _kinds(tracker.get_tracker_snapshot("peak"))
             grads = [t.grad for t in tensors(gathered) if t.grad is not None]
             g_bytes = _nbytes(gathered)
@@ -348,6 +402,7 @@ def make_setup(
     optimizer: OptimizerFactory | None,
     amp: torch.dtype | None,
     checkpointing: bool | Callable[[nn.Module], bool],
+    no_grad: bool = False,
 ) -> _Setup:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -363,6 +418,7 @@ def make_setup(
         amp,
         checkpointing,
         fake_mode,
+        no_grad,
     )
 
 
@@ -375,8 +431,12 @@ def profile_step(
     optimizer: OptimizerFactory | None = torch.optim.AdamW,
     amp: torch.dtype | None = None,
     checkpointing: bool | Callable[[nn.Module], bool] = False,
+    no_grad: bool = False,
 ) -> dict[str, Any]:
     """Measure one training step on fake tensors at each batch size in ``sizes``.
+
+    With ``no_grad=True`` the step is one forward under ``torch.no_grad`` (model in eval
+    mode): ``peak_bytes`` is the forward's peak and ``grads`` and ``optimizer`` are 0.
 
     Returns ``{"sizes", "params", "grads", "optimizer", "forward_bytes", "peak_bytes",
     "output_bytes"}``: the static bytes, and per size the memory held after forward (saved
@@ -391,7 +451,7 @@ def profile_step(
     >>> (p["forward_bytes"][1] - p["forward_bytes"][0]) / 8
     400.0
     """
-    setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing)
+    setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
     points = []
     with planning_errors("measuring the model on fake tensors"):
         for n in sizes:

@@ -3,6 +3,7 @@ solve again, and report the result as a :class:`Plan`."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 from .._deprecation import UNSET, renamed_argument
 from .._devices import parse_bytes
-from .._errors import EvendpError
+from .._errors import EvendpError, PlanError
 from .._memory import DeviceMemory, live_memory, parse_memory
 from .._validate import validate_int
 from ._measure import (
@@ -81,6 +82,7 @@ def plan(
     output_device: int = 0,
     safety_margin: float = 0.05,
     cuda_context: int | str = _DEFAULT_CONTEXT,
+    no_grad: bool = False,
     devices: Any = UNSET,
 ) -> Plan:
     """Predict every device's memory for a training step and choose the per-device split.
@@ -108,6 +110,11 @@ def plan(
             (``ParallelCriterion``), so no outputs are gathered.
         safety_margin: each device may use ``free * (1 - safety_margin)``.
         cuda_context: bytes per device for the CUDA context and library workspaces.
+        no_grad: plan a forward-only step (inference, evaluation, feature extraction under
+            ``torch.no_grad``, model in eval mode): no gradients, no optimizer state, no
+            activations saved for backward; ``optimizer`` and ``checkpointing`` are ignored.
+            The training plan for the same devices is attached as ``Plan.training`` (``None``
+            when not even one training sample fits), so both largest batches are reported.
         devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
@@ -122,14 +129,70 @@ def plan(
     ...          cuda_context=0)
     >>> p.split == [d.samples for d in p.devices] and p.eta_mem >= 0.95
     True
+    >>> inference = plan(net, torch.randn(1, 256), "1GiB,1GiB,512MiB", mode="ddp",
+    ...                  cuda_context=0, no_grad=True)
+    >>> inference.no_grad, inference.global_batch > inference.training.global_batch
+    (True, True)
     """
-    start = time.perf_counter()
     memory = renamed_argument("plan", "devices", "memory", devices, memory)
     mems = _validate_memory_specs(memory)
     k = len(mems)
     _validate_options(mode, safety_margin, output_device, k, batch_size)
-    context = parse_bytes(cuda_context)
-    setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing)
+    if not isinstance(no_grad, bool):
+        raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    common: dict[str, Any] = dict(
+        mode=mode,
+        criterion=criterion,
+        amp=amp,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        gather=gather,
+        output_device=output_device,
+        safety_margin=safety_margin,
+        context=parse_bytes(cuda_context),
+    )
+    # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
+    # call that may run under torch.inference_mode or torch.no_grad).
+    with torch.inference_mode(False), torch.enable_grad():
+        if not no_grad:
+            return _plan_step(
+                model, batch, mems, optimizer=optimizer, batch_size=batch_size,
+                checkpointing=checkpointing, no_grad=False, **common,
+            )  # fmt: skip
+        forward = _plan_step(
+            model, batch, mems, optimizer=None, batch_size=batch_size,
+            checkpointing=False, no_grad=True, **common,
+        )  # fmt: skip
+        try:  # the training step on the same devices, for comparison: its largest batch
+            training: Plan | None = _plan_step(
+                model, batch, mems, optimizer=optimizer, batch_size=None,
+                checkpointing=checkpointing, no_grad=False, **common,
+            )  # fmt: skip
+        except PlanError:
+            training = None  # inference fits where not even one training sample does
+    return dataclasses.replace(forward, training=training)
+
+
+def _plan_step(
+    model: ModelLike,
+    batch: Any,
+    mems: list[DeviceMemory],
+    *,
+    mode: Mode,
+    criterion: Callable[..., torch.Tensor] | None,
+    optimizer: OptimizerFactory | None,
+    batch_size: int | None,
+    amp: torch.dtype | None,
+    checkpointing: bool | Callable[[nn.Module], bool],
+    gradient_as_bucket_view: bool,
+    gather: bool,
+    output_device: int,
+    safety_margin: float,
+    context: int,
+    no_grad: bool,
+) -> Plan:
+    """One plan (a training step, or a forward under ``no_grad``) on validated options."""
+    start = time.perf_counter()
+    setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
     if mode == "ddp" or not gather:
         variant = "keep"
     else:
@@ -198,6 +261,7 @@ def plan(
             "output_device": output_device,
             "cuda_context": context,
         },
+        no_grad,
     )
 
 
@@ -237,6 +301,7 @@ def _to_plan(
     start: float,
     extrapolated: bool,
     options: dict[str, Any],
+    no_grad: bool,
 ) -> Plan:
     total, even_total = sum(sol.split), sum(sol.even)
     devices = []
@@ -277,6 +342,7 @@ def _to_plan(
         seconds=time.perf_counter() - start,
         extrapolated=extrapolated,
         options=options,
+        no_grad=no_grad,
     )
 
 
@@ -304,6 +370,7 @@ def auto_weights(
     safety_margin: float = 0.1,
     gather_output: bool = True,
     criterion: Callable[..., torch.Tensor] | None = None,
+    no_grad: bool = False,
 ) -> list[float]:
     """Per-device weights for ``BalancedDataParallel(weights="auto")``, from live memory.
 
@@ -316,7 +383,9 @@ def auto_weights(
     ``output_device`` and the gradient that flows back into them are counted there (through
     ``criterion(outputs, None)`` when given, else a stand-in that backpropagates the model's
     own loss if it returns one, or every floating output); with ``gather_output=False`` each
-    device keeps its outputs (``ParallelCriterion``).
+    device keeps its outputs (``ParallelCriterion``). With ``no_grad=True`` (the first call
+    ran under ``torch.no_grad`` or ``torch.inference_mode``) it plans a forward only: no
+    gradients, optimizer state or saved activations, so each device takes a larger share.
 
     >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
     [1.0, 1.0, 1.0]
@@ -342,10 +411,23 @@ def auto_weights(
         repeats = indices.count(i)  # virtual devices share one GPU's memory
         free = live[f"cuda:{i}"].free + resident.get(i, 0)
         mems.append(DeviceMemory(f"cuda:{i}", free // repeats))
+    if no_grad:
+        # Forward only: DP gathers the outputs on output_device and nothing flows back. No
+        # training plan beside it (plan(no_grad=True) adds one): only the split is used.
+        _validate_options("dp", safety_margin, output_device, len(mems), None)
+        with torch.inference_mode(False), torch.enable_grad():
+            forward = _plan_step(
+                module, example_inputs, mems, mode="dp", criterion=None, optimizer=None,
+                batch_size=None, amp=None, checkpointing=False, gradient_as_bucket_view=False,
+                gather=gather_output, output_device=output_device, safety_margin=safety_margin,
+                context=0, no_grad=True,
+            )  # fmt: skip
+        return [float(n) for n in forward.split]
+    batch: Any
     if gather_output:
         # The planner's criterion form: batch = (inputs, targets); the caller's targets are
         # not known here, and the gathered outputs and their gradient dominate anyway.
-        batch: Any = (example_inputs, None)
+        batch = (example_inputs, None)
         loss = criterion if criterion is not None else _gathered_loss
     else:
         batch, loss = example_inputs, None

@@ -60,6 +60,10 @@ class Plan:
 
     ``extrapolated`` is ``True`` when a recommended size lies beyond the largest measured
     batch size (``measured_sizes``): there the prediction is a lower bound, not a guarantee.
+
+    ``no_grad`` is ``True`` for a forward-only plan (``plan(..., no_grad=True)``: inference,
+    evaluation); then ``training`` is the training plan on the same devices (its largest
+    batch), or ``None`` when not even one training sample fits.
     """
 
     mode: Mode
@@ -77,6 +81,13 @@ class Plan:
     seconds: float
     options: dict[str, Any] = field(default_factory=dict)
     extrapolated: bool = False
+    no_grad: bool = False
+    training: Plan | None = None
+
+    @property
+    def step(self) -> str:
+        """What was planned, in words: ``"training step"`` or ``"forward only (no_grad)"``."""
+        return "forward only (no_grad)" if self.no_grad else "training step"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (bytes as ints)."""
@@ -94,6 +105,8 @@ class Plan:
             "safety_margin": self.safety_margin,
             "seconds": self.seconds,
             "extrapolated": self.extrapolated,
+            "no_grad": self.no_grad,
+            **self._training_dict(),
             "options": dict(self.options),
             "devices": [
                 {
@@ -114,6 +127,35 @@ class Plan:
             ],
         }
 
+    def _training_dict(self) -> dict[str, Any]:
+        """Under ``no_grad``: training's largest batch beside inference's (JSON key
+        ``training``, ``None`` when no training sample fits); nothing for a training plan."""
+        if not self.no_grad:
+            return {}
+        t = self.training
+        if t is None:
+            return {"training": None}
+        return {
+            "training": {
+                "split": list(t.split),
+                "global_batch": t.global_batch,
+                "eta_mem": t.eta_mem,
+                "max_batch_alone": [d.max_batch_alone for d in t.devices],
+                "peak": [d.peak for d in t.devices],
+            }
+        }
+
+    def _title(self) -> str:
+        title = (
+            f"evendp plan ({self.mode}, {self.step}): global batch {self.global_batch} "
+            f"(eta_mem {self.eta_mem:.3f}) vs even {self.even_global_batch} "
+            f"(eta_mem {self.even_eta_mem:.3f})"
+        )
+        if self.no_grad:
+            trained = "nothing fits" if self.training is None else self.training.global_batch
+            title += f"; training: {trained}"
+        return title
+
     def table(self) -> Any:
         """A ``rich.table.Table``: one column per device, one row per kind of memory (GiB)."""
         from rich.table import Table
@@ -122,9 +164,7 @@ class Plan:
             return f"{x / 2**30:.2f}"
 
         table = Table(
-            title=f"evendp plan ({self.mode}): global batch {self.global_batch} "
-            f"(eta_mem {self.eta_mem:.3f}) vs even {self.even_global_batch} "
-            f"(eta_mem {self.even_eta_mem:.3f})",
+            title=self._title(),
             caption=f"GiB; budget = free x (1 - {self.safety_margin:g}); "
             f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
             + (
@@ -144,6 +184,10 @@ class Plan:
         table.add_row("predicted peak", *[gib(d.peak) for d in self.devices], style="bold")
         table.add_row("budget", *[gib(d.budget) for d in self.devices])
         table.add_row("max batch alone", *[str(d.max_batch_alone) for d in self.devices])
+        if self.training is not None:
+            t = self.training.devices
+            table.add_row("training: samples", *[str(d.samples) for d in t])
+            table.add_row("training: max batch alone", *[str(d.max_batch_alone) for d in t])
         table.add_row("even: samples", *[str(d.even_samples) for d in self.devices])
         table.add_row(
             "even: peak",
@@ -188,7 +232,8 @@ class Plan:
         ax.set_xticks(range(len(self.devices)), [d.name for d in self.devices])
         ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
         ax.set_title(
-            f"{self.mode}: batch {self.global_batch} (eta {self.eta_mem:.2f}) vs even "
+            f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} "
+            f"(eta {self.eta_mem:.2f}) vs even "
             f"{self.even_global_batch} (eta {self.even_eta_mem:.2f})"
         )
         ax.legend(fontsize=7, loc="upper right")

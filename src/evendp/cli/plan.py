@@ -37,6 +37,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--devices", dest="old_devices", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("dp", "ddp"), default="dp")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: largest)")
+    p.add_argument(
+        "--no-grad",
+        action="store_true",
+        help="plan a forward only (inference, evaluation, feature extraction): no gradients, "
+        "optimizer state or saved activations; training's largest batch is shown beside it",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="write a stacked bar chart")
     p.set_defaults(func=run)
@@ -72,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             mode=args.mode,
             criterion=spec.criterion,
             batch_size=args.batch,
+            no_grad=args.no_grad,
             **plan_options(args),
         )
     except EvendpError as exc:
