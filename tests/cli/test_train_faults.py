@@ -1,7 +1,7 @@
 """`evendp train --mode ddp` under faults, through the real launcher and torchrun (gloo, CPU).
 
 One run is interrupted three times at seeded moments (SIGINT to rank 1, SIGINT to the
-launcher, SIGTERM to rank 0), resumed each time, and finished under ``--max-restarts`` with
+launcher, SIGTERM to rank 0), resumed each time, and finished under ``--max-restarts 1`` with
 rank 1 killed (SIGKILL) on the way; its final weights must equal an uninterrupted run's.
 """
 
@@ -132,18 +132,13 @@ def test_every_interrupt_stops_all_ranks_at_one_saved_step(runs: dict[str, Any])
     assert steps == sorted(steps) and len(set(steps)) == 3  # each resume went further
 
 
-@pytest.mark.skipif(
-    os.environ.get("EVENDP_ELASTIC_TESTS") != "1",
-    reason="set EVENDP_ELASTIC_TESTS=1: torchrun's restarted gloo group sometimes never connects "
-    "here (both ranks wait in init_process_group; seen in 1 of 3 runs on a loaded 2-core box)",
-)
 def test_a_killed_rank_is_restarted_and_the_run_equals_an_uninterrupted_one(
     runs: dict[str, Any],
 ) -> None:
     out, rng = runs["out"], random.Random(5)
     # Finish under --max-restarts, with rank 1 killed once a checkpoint further on exists.
     before = _step(out / "ckpt.pt") or 0
-    proc = _start(out, "--resume", "--max-restarts", "2")
+    proc = _start(out, "--resume", "--max-restarts", "1")
     _wait_for(lambda: (_step(out / "ckpt.pt") or 0) >= before + EVERY, 300, "progress")
     time.sleep(rng.uniform(0.0, 0.3))
     victim = _workers(out).get(1)
@@ -152,8 +147,8 @@ def test_a_killed_rank_is_restarted_and_the_run_equals_an_uninterrupted_one(
     output, _ = proc.communicate(timeout=300)
     killed = {"code": proc.returncode, "output": output}
     assert killed["code"] == 0, killed["output"][-3000:]
-    # Resumed at least twice in that launch: from --resume, then by torchrun's restart.
-    assert killed["output"].count("evendp: resumed from") >= 2, killed["output"][-3000:]
+    # Resumed twice in that launch: from --resume, then by torchrun's restart.
+    assert killed["output"].count("evendp: resumed from") == 2, killed["output"][-3000:]
     straight = runs["straight"]
     assert _step(out / "ckpt.pt") == STEPS
     ours, theirs = _weights(out / "ckpt.pt"), _weights(straight / "ckpt.pt")

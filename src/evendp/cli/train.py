@@ -331,8 +331,18 @@ def _ddp_launch(args: argparse.Namespace) -> int:
         argv += ["--devices", args.devices]
     marker = Path(args.out) / _INTERRUPTED
     marker.unlink(missing_ok=True)
-    # torchrun's --max-restarts only when asked (its default, 0, otherwise).
-    restarts = {"passthrough": {"max_restarts": args.max_restarts}} if args.max_restarts else {}
+    # torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
+    # rendezvous (what --standalone uses): each restart is a fresh rendezvous round.
+    restarts: dict[str, Any] = {}
+    if args.max_restarts:
+        from evendp._launch import _free_port
+
+        endpoint = f"127.0.0.1:{_free_port()}"
+        restarts["passthrough"] = {
+            "max_restarts": args.max_restarts,
+            "rdzv_backend": "c10d",
+            "rdzv_endpoint": endpoint,
+        }
     code = launch(str(Path(__file__).resolve()), argv, plan=plan, **restarts)
     if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
         code = exit_code(int(marker.read_text() or 0))
@@ -363,6 +373,30 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
     return gpus, False
 
 
+def _restart_store() -> dict[str, Any]:
+    """Under torchrun's agent store: a key prefix of this restart round's own.
+
+    The agent's store outlives the workers; without a prefix per round, a restarted rank can
+    read the dead round's gloo addresses and wait forever in ``init_process_group``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(minutes=10),
+    )  # fmt: skip
+    round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"evendp/round{round_}", agent),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
 def _run_ddp_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -373,7 +407,7 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
     from evendp._trainer import TrainConfig, Trainer
 
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
-    device = init_distributed("gloo" if cpu_ranks else "nccl")
+    device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
     # barrier, and torchrun stops every rank once one fails.
     world = dist.get_world_size()
