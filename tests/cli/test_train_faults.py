@@ -118,6 +118,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             interrupted=report["interrupted"],
         )
         results["segments"].append(seg)
+    finish = _start(out, "--resume")
+    results["finish"] = (finish.wait(timeout=300), _step(out / "ckpt.pt"))
     return results
 
 
@@ -128,6 +130,10 @@ def test_every_interrupt_stops_all_ranks_at_one_saved_step(runs: dict[str, Any])
         # One consistent step: rank 0's checkpoint, rank 1's RNG and the report agree.
         assert seg["ckpt"] == seg["rng1"] == seg["report_steps"], seg
         assert seg["interrupted"] and 0 < seg["ckpt"] < STEPS
+    assert runs["finish"] == (0, STEPS)  # resumed to the end: the uninterrupted run's weights
+    ours, theirs = _weights(runs["out"] / "ckpt.pt"), _weights(runs["straight"] / "ckpt.pt")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7)
     steps = [seg["ckpt"] for seg in runs["segments"]]
     assert steps == sorted(steps) and len(set(steps)) == 3  # each resume went further
 
