@@ -13,8 +13,10 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,13 +26,16 @@ import torch
 from ._errors import EvendpError
 
 __all__ = [
+    "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
     "load_rank_rng",
+    "load_sharded_checkpoint",
     "previous_path",
     "rank_rng_path",
     "save_checkpoint",
     "save_rank_rng",
+    "save_sharded_checkpoint",
 ]
 
 _FORMAT = "evendp-checkpoint"
@@ -38,10 +43,10 @@ _VERSION = 1
 
 
 def previous_path(path: str | Path) -> Path:
-    """Where the previous good checkpoint of ``path`` is kept.
+    """Where the previous good checkpoint of ``path`` (a file or a DCP folder) is kept.
 
-    >>> previous_path("runs/demo/ckpt.pt").name
-    'ckpt.prev.pt'
+    >>> previous_path("runs/demo/ckpt.pt").name, previous_path("runs/demo/ckpt.dcp").name
+    ('ckpt.prev.pt', 'ckpt.prev.dcp')
     """
     p = Path(path)
     return p.with_name(f"{p.stem}.prev{p.suffix}")
@@ -54,10 +59,23 @@ def latest_checkpoint(path: str | Path) -> Path | None:
     True
     """
     p = Path(path)
-    if p.is_file():
+    if p.exists():
         return p
     prev = previous_path(p)
-    return prev if prev.is_file() else None
+    return prev if prev.exists() else None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint (``ckpt.pt`` file or ``ckpt.dcp`` folder) was saved at.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> checkpoint_step(save_checkpoint(f"{d}/ckpt.pt", model=torch.nn.Linear(1, 1), step=4))
+    4
+    """
+    p = Path(path)
+    payload = _read_state_file(p) if p.is_dir() else _read(p)
+    return int(payload["step"])
 
 
 def _rng_state() -> dict[str, Any]:
@@ -77,11 +95,30 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     kind, internal, gauss = state["python"]
     random.setstate((kind, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _set_cuda_rng_states(list(state["cuda"]))
     np = sys.modules.get("numpy")
     if "numpy" in state and np is not None:
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def _set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
+    """Restore one CUDA generator per visible device, for as many as were saved and are here.
+
+    A run resumed on fewer GPUs than it saved from would fail in ``set_rng_state_all``
+    ("invalid device ordinal"); on more, the extra devices keep their seeded generators.
+    """
+    visible = torch.cuda.device_count()
+    restored = min(len(saved), visible)
+    for index in range(restored):
+        torch.cuda.set_rng_state(saved[index], index)
+    if len(saved) != visible:
+        warnings.warn(
+            f"the checkpoint holds CUDA generator states for {len(saved)} device(s), "
+            f"{visible} are visible here: restored the first {restored}"
+            + (", the others keep their seeded state" if visible > restored else ""),
+            stacklevel=3,
+        )
 
 
 def save_checkpoint(
@@ -121,11 +158,14 @@ def save_checkpoint(
         "rng": _rng_state(),
         "extra": dict(extra or {}),
     }
-    return _atomic_save(payload, target, keep_previous=True)
+    return _atomic_save(payload, target, previous=previous_path(target))
 
 
-def _atomic_save(payload: Mapping[str, Any], target: Path, keep_previous: bool) -> Path:
-    """Write ``payload`` to ``target`` through a temporary file and a rename."""
+def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None) -> Path:
+    """Write ``payload`` to ``target`` through a temporary file and a rename.
+
+    The file already at ``target`` is first moved to ``previous`` (unless ``None``).
+    """
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
     try:
@@ -133,8 +173,8 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, keep_previous: bool) 
             torch.save(dict(payload), f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-        if keep_previous and target.exists():
-            os.replace(target, previous_path(target))
+        if previous is not None and target.exists():
+            os.replace(target, previous)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -155,37 +195,60 @@ def rank_rng_path(path: str | Path, rank: int) -> Path:
 
 
 def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
-    """Save this process's RNG states for ``step`` (ranks other than the checkpoint writer).
+    """Save this process's RNG states for ``step`` beside checkpoint ``path``, keeping the last.
 
     Under DDP only rank 0 writes the checkpoint, but every rank draws its own dropout masks:
     each keeps its generators in a small file of its own, tagged with the step, written with
-    no collective so that a Ctrl-C on one rank cannot hang the others.
+    no collective so that a fault on one rank cannot hang the others. The file it replaces
+    becomes the RNG file of :func:`previous_path` (``ckpt.prev.rng{rank}.pt``), rotated with
+    the checkpoint, so a resume from the previous checkpoint finds this rank's state too.
     """
     target = rank_rng_path(path, rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
-    return _atomic_save(payload, target, keep_previous=False)
+    return _atomic_save(payload, target, previous=rank_rng_path(previous_path(path), rank))
 
 
-def load_rank_rng(path: str | Path, rank: int, step: int) -> bool:
-    """Restore this rank's RNG states saved at ``step``; False when absent or from another step.
+def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = None) -> bool:
+    """Restore this rank's RNG states saved with checkpoint ``path`` at ``step``.
 
-    >>> import tempfile
+    Returns True when restored. When the rank's file is absent or holds another step (a crash
+    between two ranks' writes, or a rank that did not exist when the run was saved), it warns
+    and, with ``reseed``, seeds torch and ``random`` with it (the generators then differ from
+    an uninterrupted run's, but never copy another rank's); it returns False.
+
+    >>> import tempfile, warnings
     >>> ckpt = f"{tempfile.mkdtemp()}/ckpt.pt"
     >>> _ = save_rank_rng(ckpt, rank=1, step=5)
     >>> a = torch.rand(1); _ = load_rank_rng(ckpt, rank=1, step=5); torch.equal(a, torch.rand(1))
     True
-    >>> load_rank_rng(ckpt, rank=1, step=6)  # a different step: not this checkpoint's state
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     load_rank_rng(ckpt, rank=1, step=6, reseed=7)  # another step: not this state
     False
+    >>> "reseeded" in str(caught[0].message)
+    True
     """
     source = rank_rng_path(path, rank)
-    if not source.exists():
-        return False
-    payload = _read_rng(source)
-    if int(payload["step"]) != int(step):
-        return False
-    _set_rng_state(payload["rng"])
-    return True
+    found: int | None = None
+    if source.exists():
+        payload = _read_rng(source)
+        found = int(payload["step"])
+        if found == int(step):
+            _set_rng_state(payload["rng"])
+            return True
+    why = "is missing" if found is None else f"holds step {found}"
+    what = "kept the state seeded at start" if reseed is None else f"reseeded with {reseed}"
+    warnings.warn(
+        f"rank {rank}: its RNG file {str(source)!r} for the checkpoint at step {step} {why}; "
+        f"{what}: dropout and other random draws on this rank will differ from an "
+        "uninterrupted run's",
+        stacklevel=2,
+    )
+    if reseed is not None:
+        torch.manual_seed(reseed)
+        random.seed(reseed)
+    return False
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -335,3 +398,137 @@ def load_checkpoint(
     if restore_rng:
         _set_rng_state(payload["rng"])
     return {"step": int(payload["step"]), "extra": dict(payload.get("extra") or {})}
+
+
+# -- sharded (FSDP2) checkpoints through torch.distributed.checkpoint ----------------------------
+
+_STATE_FILE = "state.pt"  # inside a DCP folder: step, extra, scaler/scheduler (rank 0's)
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng{rank}.pt"
+
+
+def save_sharded_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any | None = None,
+    step: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save an FSDP2 model and optimizer with ``torch.distributed.checkpoint``, sharded.
+
+    A collective: every rank calls it. The ranks write their shards, their own RNG states
+    (``rng{rank}.pt``) and rank 0 the run's position (``state.pt``) into a temporary folder
+    beside ``path``; once all have written, rank 0 moves the current folder to
+    :func:`previous_path` and renames the new one into place, so a complete checkpoint exists
+    at every instant and the RNG files rotate with it. No rank gathers the full model.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    rank = dist.get_rank()
+    if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+    rng = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+    _atomic_save(rng, _rng_file(tmp, rank), previous=None)
+    if rank == 0:
+        state = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "step": int(step),
+            "world_size": dist.get_world_size(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra": dict(extra or {}),
+        }
+        _atomic_save(state, tmp / _STATE_FILE, previous=None)
+    dist.barrier()  # every rank's shards and RNG are on disk
+    if rank == 0:
+        previous = previous_path(target)
+        shutil.rmtree(previous, ignore_errors=True)
+        if target.exists():
+            os.replace(target, previous)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    dist.barrier()  # nobody reads or writes the next checkpoint before the rename
+    return target
+
+
+def load_sharded_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any | None = None,
+    reseed: int | None = None,
+) -> dict[str, Any]:
+    """Restore a folder written by :func:`save_sharded_checkpoint`, on any world size.
+
+    A collective. DCP reshards the saved model and optimizer onto this run's ranks; this
+    rank's RNG states are restored from its own file, or, when the run was saved with fewer
+    ranks, reseeded with ``reseed`` and a warning. Returns ``{"step", "extra",
+    "world_size"}``.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = Path(path)
+    meta = _read_state_file(folder)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # DCP loads in place into these (sharded) tensors, resharding to this world size.
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    if scaler is not None and meta.get("scaler") is not None:
+        scaler.load_state_dict(meta["scaler"])
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    rank = dist.get_rank()
+    rng_file = _rng_file(folder, rank)
+    if rng_file.exists():
+        _set_rng_state(_read_rng(rng_file)["rng"])
+    else:
+        warnings.warn(
+            f"rank {rank}: the checkpoint {str(folder)!r} was saved by "
+            f"{meta.get('world_size')} rank(s) and holds no RNG state for this rank; "
+            f"{'kept the state seeded at start' if reseed is None else f'reseeded with {reseed}'}",
+            stacklevel=2,
+        )
+        if reseed is not None:
+            torch.manual_seed(reseed)
+            random.seed(reseed)
+    return {
+        "step": int(meta["step"]),
+        "extra": dict(meta.get("extra") or {}),
+        "world_size": int(meta.get("world_size", 0)),
+    }
+
+
+def _read_state_file(folder: Path) -> dict[str, Any]:
+    source = folder / _STATE_FILE
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:  # missing, truncated or foreign
+        raise EvendpError(
+            f"{str(folder)!r} is not a readable evendp sharded checkpoint ({type(exc).__name__} "
+            f"reading {_STATE_FILE}); resume from {str(previous_path(folder))!r} if it exists, "
+            "or delete the folder to start fresh"
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise EvendpError(
+            f"{str(source)!r} is not an evendp checkpoint state file; delete {str(folder)!r} "
+            "to start fresh"
+        )
+    return payload

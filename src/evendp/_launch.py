@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -393,9 +392,12 @@ def launch(
     """Run ``script`` under torchrun as ``plan`` says; returns torchrun's exit code.
 
     The plan's variables are added to ``env`` (default: this process's environment), so the
-    launcher itself never changes its own environment or starts CUDA.
+    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM are
+    passed on to torchrun (and by it to the ranks); the code is then 130/143.
     """
+    from ._interrupt import run_forwarding_signals
+
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
     cmd = torchrun_command(plan, script, script_args, passthrough)
-    return subprocess.run(cmd, env=child_env, check=False).returncode
+    return run_forwarding_signals(cmd, child_env)

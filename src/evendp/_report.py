@@ -84,6 +84,7 @@ class TrainReport:
     amp: str = "none"
     #: What was trained, for titles: e.g. ``"GPT 3x64, 128 chars"`` (empty: not named).
     model: str = ""
+    signal: int | None = None  # what interrupted the run: 2 SIGINT, 15 SIGTERM (None: none)
     #: Evaluations of ``eval_data``: ``[{"step": 100, "metrics": {"loss": 2.31}}, ...]``.
     eval: list[dict[str, Any]] = field(default_factory=list)
 

@@ -36,6 +36,7 @@ so it costs about one gradient all-reduce's time, not two copies of memory.
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -143,8 +144,36 @@ class Strategy:
         )
         return [mine if r == self.rank else None for r in range(self.world)]
 
-    #: ``None`` when the Trainer can checkpoint this strategy, else why not.
-    cannot_checkpoint: str | None = None
+    #: The checkpoint's name in ``out_dir``; ``sharded``: a DCP folder every rank writes.
+    checkpoint_name = "ckpt.pt"
+    sharded_checkpoint = False
+
+    #: This process's pending stop request (a signal number or ``None``); the Trainer sets it.
+    stop_source: Callable[[], int | None] = staticmethod(lambda: None)
+
+    def agree_stop(self) -> int | None:
+        """After a step: the stop signal any rank received, the same answer on every rank.
+
+        One tiny all-reduce of ``[SIGINT seen, SIGTERM seen]``, so every rank stops after the
+        same step (SIGINT wins when both came).
+        """
+        votes = _stop_votes(self.stop_source(), comm_device())
+        dist.all_reduce(votes)
+        return _agreed_signal(votes)
+
+
+def _stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
+    """``[this rank saw SIGINT, this rank saw SIGTERM]``: summed over ranks, never ambiguous."""
+    return torch.tensor(
+        [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)], device=device
+    )
+
+
+def _agreed_signal(votes: torch.Tensor) -> int | None:
+    sigint, sigterm = (float(v) for v in votes.tolist())
+    if sigint > 0:
+        return int(signal.SIGINT)
+    return int(signal.SIGTERM) if sigterm > 0 else None
 
 
 class BalancedDP(Strategy):
@@ -202,6 +231,9 @@ class BalancedDP(Strategy):
 
     losses_local = False  # one process: the total is the step's
 
+    def agree_stop(self) -> int | None:
+        return self.stop_source()  # one process: nothing to agree on
+
     def peak_memory(self) -> list[int | None]:
         return [
             int(torch.cuda.max_memory_allocated(d)) if d.type == "cuda" else None
@@ -236,12 +268,23 @@ class OomSafeDDP(Strategy):
 
     guard_reduces_total = True
     losses_local = False  # summed over ranks in the same all-reduce as the step/skip flag
+    _votes: torch.Tensor | None = None
 
     def agree(self, status: torch.Tensor) -> None:
-        # The ranks' [OOM flag, loss] rides in the last gradient bucket: the gradients are
-        # averaged and the flag summed in the same collectives, and the one host read (the
-        # flag) follows them. A rank that failed sends zeros; if any failed, all skip.
-        all_reduce_gradients(self.model.parameters(), extra=status)
+        # The ranks' [OOM flag, loss, SIGINT, SIGTERM] ride in the last gradient bucket: the
+        # gradients are averaged and the flags summed in the same collectives, and the one
+        # host read (the OOM flag) follows them. A rank that failed sends zeros; if any
+        # failed, all skip. The stop votes are read by agree_stop, after that same sync.
+        fused = torch.cat([status, _stop_votes(self.stop_source(), status.device)])
+        all_reduce_gradients(self.model.parameters(), extra=fused)
+        status.copy_(fused[: status.numel()])
+        self._votes = fused[status.numel() :]
+
+    def agree_stop(self) -> int | None:
+        votes, self._votes = self._votes, None
+        if votes is None:  # no step agreed since the last call: a collective of its own
+            return super().agree_stop()
+        return _agreed_signal(votes)
 
 
 class FSDP2(Strategy):
@@ -253,10 +296,8 @@ class FSDP2(Strategy):
 
     name = "fsdp2"
     catch_oom = False
-    cannot_checkpoint = (
-        "the Trainer does not checkpoint FSDP2 models yet; pass out_dir=None, or use "
-        "strategy='ddp', or save with torch.distributed.checkpoint yourself"
-    )
+    checkpoint_name = "ckpt.dcp"
+    sharded_checkpoint = True  # torch.distributed.checkpoint: each rank its shards
 
     def __init__(self, model: nn.Module, accum: int, blocks: Callable[[], list[nn.Module]]):
         super().__init__(model)

@@ -24,8 +24,10 @@ from ._checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_rank_rng,
+    load_sharded_checkpoint,
     save_checkpoint,
     save_rank_rng,
+    save_sharded_checkpoint,
 )
 from ._oom import OomResplit
 
@@ -52,6 +54,8 @@ class TrainState:
     samples: list[int] = field(default_factory=list)
     _losses: list[float | torch.Tensor] = field(default_factory=list)
     _parts: list[torch.Tensor] = field(default_factory=list)
+    #: What the last :meth:`resume` restored and what it could not (for the user to read).
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -116,20 +120,26 @@ class TrainState:
         scaler: torch.amp.GradScaler | None,
         scheduler: Any | None,
         guard: OomResplit,
+        sharded: bool = False,
     ) -> Path | None:
-        """Rank 0 writes the checkpoint; every other rank saves only its own RNG."""
+        """Write the checkpoint at ``path`` for this step.
+
+        DDP and one process: rank 0 writes ``ckpt.pt`` and every other rank only its own RNG
+        (no collective). ``sharded`` (FSDP2): a collective DCP save in which every rank writes
+        its shards and its RNG into the ``ckpt.dcp`` folder.
+        """
+        states: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "scheduler": scheduler,
+        }
+        if sharded:
+            return save_sharded_checkpoint(path, **states, step=self.step, extra=self._extra(guard))
         if rank != 0:
             save_rank_rng(path, rank, self.step)
             return None
-        return save_checkpoint(
-            path,
-            model=model,
-            optimizer=optimizer,
-            scaler=scaler,
-            scheduler=scheduler,
-            step=self.step,
-            extra=self._extra(guard),
-        )
+        return save_checkpoint(path, **states, step=self.step, extra=self._extra(guard))
 
     def resume(
         self,
@@ -141,27 +151,49 @@ class TrainState:
         scaler: torch.amp.GradScaler | None,
         scheduler: Any | None,
         guard: OomResplit,
+        sharded: bool = False,
+        reseed: int | None = None,
     ) -> bool:
-        """Load the latest good checkpoint at ``path``; ``False`` (a fresh start) if none."""
+        """Load the latest good checkpoint at ``path``; ``False`` (a fresh start) if none.
+
+        Every rank gets its own RNG state back (``reseed`` with a warning when the run was
+        saved without this rank). What does not fit this run (another number of devices) is
+        left at its fresh value and said in :attr:`notes`.
+        """
         found = latest_checkpoint(path)
         if found is None:
             return False
-        info = load_checkpoint(
-            found, model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler
-        )
+        states: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "scheduler": scheduler,
+        }
+        if sharded:
+            info = load_sharded_checkpoint(found, **states, reseed=reseed)
+        else:
+            info = load_checkpoint(found, **states)
         extra = info["extra"]
         self.step = info["step"]
-        if rank != 0:  # rank 0's generators were just restored; this rank's own, if saved
-            load_rank_rng(found, rank, self.step)
+        if rank != 0 and not sharded:  # load_checkpoint restored rank 0's generators
+            load_rank_rng(found, rank, self.step, reseed=reseed)
+        self.notes = [f"resumed from {found} at step {self.step}"]
         self.epoch = int(extra.get("epoch", 0))
         self.batch_in_epoch = int(extra.get("batch_in_epoch", 0))
         self._losses = [float(v) for v in extra.get("losses", [])]
         saved = [int(v) for v in extra.get("samples", [])]
         if len(saved) == len(self.samples):
             self.samples = saved
+        else:
+            self.notes.append(
+                f"the checkpoint counted samples for {len(saved)} device(s), this run has "
+                f"{len(self.samples)}: per-device sample counts start from 0"
+            )
         caps = extra.get("micro_batch_sizes")
         if isinstance(caps, list) and len(caps) == len(guard.micro_batch_sizes):
             guard.micro_batch_sizes = [None if c is None else int(c) for c in caps]
+        elif isinstance(caps, list) and any(c is not None for c in caps):
+            self.notes.append("the saved OOM micro-batch caps are per device: not applied here")
         guard.resplits = int(extra.get("resplits", 0))
         guard.skipped = int(extra.get("skipped", 0))
         return True

@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from ._distributed import comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
+from ._interrupt import StopFlag
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
@@ -315,8 +318,8 @@ class Trainer:
         if config.activation_checkpointing:
             _apply_activation_checkpointing(model)
         self.strategy = _pick_strategy(model, config, device_ids, weights)
-        if self.strategy.cannot_checkpoint is not None:
-            _validate_fsdp2(config, optimizer)
+        if self.strategy.sharded_checkpoint:
+            _validate_fsdp2(optimizer)
         self.rank, self.world = self.strategy.rank, self.strategy.world
         self.distributed = self.strategy.distributed
         self.device = self.strategy.device
@@ -372,6 +375,7 @@ class Trainer:
         self._local = self.strategy.losses_local
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
+        self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
         self.eval_data = eval_data
         self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
         #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
@@ -386,17 +390,48 @@ class Trainer:
 
     @property
     def checkpoint_path(self) -> Path | None:
-        """``out_dir/ckpt.pt`` (``None`` without an output directory)."""
+        """``out_dir/ckpt.pt``, or the ``out_dir/ckpt.dcp`` folder under FSDP2 (``None``: none)."""
         out = self.config.out_dir
-        return None if out is None else Path(out) / "ckpt.pt"
+        return None if out is None else Path(out) / self.strategy.checkpoint_name
 
     def save(self) -> Path | None:
-        """Write a checkpoint now (rank 0; other ranks save their RNG); returns its path."""
+        """Write a checkpoint now (every rank calls it); returns its path (``None`` on ranks > 0).
+
+        One process and DDP: rank 0 writes ``ckpt.pt``, the other ranks their RNG files.
+        FSDP2: every rank writes its shards into ``ckpt.dcp`` (torch.distributed.checkpoint).
+        """
         path = self.checkpoint_path
         if path is None:
             return None
         self.state.flush(self.strategy.reduce_losses)  # every rank saves: collectives pair
-        return self.state.save(path, rank=self.rank, **self._checkpointed())
+        saved = self.state.save(
+            path, rank=self.rank, sharded=self.strategy.sharded_checkpoint, **self._checkpointed()
+        )
+        self._saved_step = self.state.step
+        return saved if self.rank == 0 else None
+
+    def resume(self) -> bool:
+        """Load the latest good checkpoint in ``out_dir``; False (a fresh start) if none.
+
+        Every rank calls it. Each rank's generators come back from its own state; a rank the
+        saved run did not have is reseeded from (seed, rank, step) with a warning.
+        """
+        path = self.checkpoint_path
+        if path is None:
+            return False
+        found = self.state.resume(
+            path,
+            rank=self.rank,
+            sharded=self.strategy.sharded_checkpoint,
+            reseed=self.config.seed * 1_000_003 + self.rank,
+            **self._checkpointed(),
+        )
+        if found:
+            self._saved_step = self.state.step
+            if self.rank == 0:
+                for note in self.state.notes:
+                    print(f"evendp: {note}", file=sys.stderr, flush=True)
+        return found
 
     def _checkpointed(self) -> dict[str, Any]:
         return {
@@ -610,16 +645,23 @@ class Trainer:
     def fit(self) -> TrainReport:
         """Run until ``config.steps`` optimizer steps are done; return the report.
 
-        Ctrl-C saves a checkpoint (when ``out_dir`` is set) and returns the report so far
-        with ``interrupted=True``.
+        SIGINT or SIGTERM stops the run after the step in progress (under DDP/FSDP2 every rank
+        after the same step: the ranks agree on the flag each step), saves a checkpoint (when
+        ``out_dir`` is set) and returns the report so far with ``interrupted=True`` and the
+        signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
+        with StopFlag() as stop:
+            self.strategy.stop_source = lambda: stop.signum
+            return self._fit(stop)
+
+    def _fit(self, stop: StopFlag) -> TrainReport:
         cfg, state = self.config, self.state
         torch.manual_seed(cfg.seed + self.rank)
-        if cfg.resume and self.checkpoint_path is not None:
-            state.resume(self.checkpoint_path, rank=self.rank, **self._checkpointed())
+        if cfg.resume:
+            self.resume()
         start_step = state.step
         self.model.train()
-        interrupted = False
+        signum: int | None = None
         show = cfg.progress and self.rank == 0
         started = time.perf_counter()
         prepared = Prefetcher(
@@ -628,7 +670,7 @@ class Trainer:
         bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
         try:
             with prepared as batches, bar:
-                while state.step < cfg.steps:
+                while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
                     loss = self._train_step(item.batch, item.count, item.shares)
@@ -643,16 +685,27 @@ class Trainer:
                     bar.update(state.step, shown, item.count, text + self._eval_text())
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
+                    # Between steps, on every rank alike: the step is whole, the ranks agree.
+                    signum = self.strategy.agree_stop()
         except KeyboardInterrupt:
-            interrupted = True
+            # Not from a signal while the flag is active (those only set it): raised by the
+            # program itself or outside the main thread. One process: the step it cut is not
+            # counted and the checkpoint is the last whole step's. Under DDP/FSDP2 the other
+            # ranks could not agree on it: it propagates.
+            if self.distributed:
+                raise
+            signum = int(signal.SIGINT)
         elapsed = time.perf_counter() - started
-        self.save()
-        report = self._report(state.step - start_step, elapsed, interrupted)
-        if cfg.out_dir is not None and self.rank == 0:
-            write_report(report, cfg.out_dir)  # the same files evendp train writes
+        if state.step != self._saved_step:  # never a second save of the same step
+            self.save()
+        report = self._report(state.step - start_step, elapsed, signum)
+        # The same files evendp train writes; a resumed run that had nothing left to do
+        # leaves the report it finished with untouched.
+        if cfg.out_dir is not None and self.rank == 0 and state.step != start_step:
+            write_report(report, cfg.out_dir)
         return report
 
-    def _report(self, steps_run: int, elapsed: float, interrupted: bool) -> TrainReport:
+    def _report(self, steps_run: int, elapsed: float, signum: int | None) -> TrainReport:
         self.state.flush(self.strategy.reduce_losses)
         samples = list(self.state.samples)
         if self.distributed:
@@ -676,9 +729,10 @@ class Trainer:
             resplits=self.guard.resplits,
             skipped_steps=self.guard.skipped,
             micro_batch_size=self.guard.micro_batch_size,
-            interrupted=interrupted,
+            interrupted=signum is not None,
             mode=self.strategy.name,
             amp=self.config.amp,
+            signal=signum,
             eval=list(self.evals),
         )
 
@@ -706,14 +760,9 @@ def _pick_strategy(
     return OomSafeDDP(model) if config.oom_resplit else DDP(model)
 
 
-def _validate_fsdp2(config: TrainConfig, optimizer: torch.optim.Optimizer | None) -> None:
+def _validate_fsdp2(optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None:
         raise EvendpError(
             "strategy='fsdp2' shards the parameters, so an optimizer built before would update "
             "stale tensors; pass optimizer=None (AdamW with config.lr is built after sharding)"
-        )
-    if config.out_dir is not None:
-        raise EvendpError(
-            "the Trainer does not checkpoint FSDP2 models yet; pass out_dir=None, or use "
-            "strategy='ddp', or save with torch.distributed.checkpoint yourself"
         )

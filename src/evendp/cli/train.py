@@ -13,7 +13,10 @@ A budget counts each replica's forward allocations plus its parameters (and, on 
 device, gradients and optimizer state); backward's transient allocations are not counted.
 
 --mode ddp starts one process per device under torchrun (through evendp launch's planning).
-Exit code 2 on bad input, 130 after Ctrl-C (a checkpoint is saved first; --resume continues).
+Exit code 2 on bad input, 130 after SIGINT (Ctrl-C) and 143 after SIGTERM: the step in
+progress finishes on every rank, a checkpoint is saved, and --resume continues.
+--max-restarts N (ddp/fsdp2) lets torchrun restart the ranks after one dies; the restarted
+ranks resume from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def add_parser(subparsers: Any) -> None:
         choices=("dp", "ddp", "fsdp2"),
         default="dp",
         help="dp: one process, BalancedDataParallel; ddp / fsdp2: one process per device under "
-        "torchrun (fsdp2 writes no checkpoints) (default dp)",
+        "torchrun (fsdp2 checkpoints are sharded, in OUT/ckpt.dcp) (default dp)",
     )
     p.add_argument(
         "--amp",
@@ -98,7 +101,23 @@ def add_parser(subparsers: Any) -> None:
         help="micro-batches per step (default 1)",
     )
     p.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default {_DEFAULT_OUT})")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in OUT (an error when there is none)",
+    )
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="continue from the checkpoint in OUT if there is one, else start fresh",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=bounded_int("--max-restarts", 0, 100, 1),
+        default=0,
+        help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
+        "the last checkpoint (default 0)",
+    )
     p.add_argument(
         "--checkpoint-every",
         type=bounded_int("--checkpoint-every", 0, 10_000_000, 50),
@@ -169,6 +188,54 @@ def _validate_args(args: argparse.Namespace) -> None:
                 "--log-to tensorboard needs the tensorboard package, which is not installed; "
                 "pip install tensorboard, or use --log-to csv"
             ) from None
+    if args.max_restarts and args.mode == "dp":
+        raise EvendpError(
+            "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
+        )
+
+
+_INTERRUPTED = ".interrupted"  # in OUT: rank 0 leaves the signal's number for the launcher
+
+
+def _checkpoint_in(args: argparse.Namespace) -> Path:
+    return Path(args.out) / ("ckpt.dcp" if args.mode == "fsdp2" else "ckpt.pt")
+
+
+def _restarted() -> bool:
+    """Whether torchrun restarted this rank after a failure (then it resumes implicitly)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _resume_check(args: argparse.Namespace) -> int | None:
+    """Before any work: an exit code when there is nothing to do, else ``None``.
+
+    ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
+    checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
+    """
+    from evendp._checkpoint import checkpoint_step, latest_checkpoint
+
+    if not (args.resume or args.resume_or_start or _restarted()):
+        return None
+    found = latest_checkpoint(_checkpoint_in(args))
+    if found is None:
+        if args.resume and not args.resume_or_start:
+            raise EvendpError(
+                f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
+                "previous copy); check --out and --mode, or pass --resume-or-start to start "
+                "fresh when there is none"
+            )
+        return None
+    step = checkpoint_step(found)
+    if step >= args.steps:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"evendp train: the checkpoint {str(found)!r} is at step {step}, at or past "
+                f"--steps {args.steps}: nothing to train; raise --steps to continue (nothing "
+                "was changed)",
+                file=sys.stderr,
+            )
+        return 0
+    return None
 
 
 def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
@@ -423,6 +490,7 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
 
 
 def _ddp_launch(args: argparse.Namespace) -> int:
+    from evendp._interrupt import exit_code
     from evendp._launch import launch, plan_launch
 
     gpus, cpu = _ddp_devices(args.devices)
@@ -450,11 +518,30 @@ def _ddp_launch(args: argparse.Namespace) -> int:
         "--seed", str(args.seed), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
         "--block-size", str(args.block_size), "--max-chars", str(args.max_chars),
     ]  # fmt: skip
-    argv += [flag for flag, on in (("--resume", args.resume), ("--checkpointing",
-             args.checkpointing), ("--no-progress", args.no_progress)) if on]  # fmt: skip
+    argv += [flag for flag, on in (("--resume", args.resume), ("--resume-or-start",
+             args.resume_or_start), ("--checkpointing", args.checkpointing),
+             ("--no-progress", args.no_progress)) if on]  # fmt: skip
     if cpu:  # the ranks must not pick up the GPUs they can see
         argv += ["--devices", args.devices]
-    return launch(str(Path(__file__).resolve()), argv, plan=plan)
+    marker = Path(args.out) / _INTERRUPTED
+    marker.unlink(missing_ok=True)
+    # torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
+    # rendezvous (what --standalone uses): each restart is a fresh rendezvous round.
+    restarts: dict[str, Any] = {}
+    if args.max_restarts:
+        from evendp._launch import _free_port
+
+        endpoint = f"127.0.0.1:{_free_port()}"
+        restarts["passthrough"] = {
+            "max_restarts": args.max_restarts,
+            "rdzv_backend": "c10d",
+            "rdzv_endpoint": endpoint,
+        }
+    code = launch(str(Path(__file__).resolve()), argv, plan=plan, **restarts)
+    if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
+        code = exit_code(int(marker.read_text() or 0))
+        marker.unlink(missing_ok=True)
+    return code
 
 
 def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
@@ -480,6 +567,30 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
     return gpus, False
 
 
+def _restart_store() -> dict[str, Any]:
+    """Under torchrun's agent store: a key prefix of this restart round's own.
+
+    The agent's store outlives the workers; without a prefix per round, a restarted rank can
+    read the dead round's gloo addresses and wait forever in ``init_process_group``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(minutes=10),
+    )  # fmt: skip
+    round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"evendp/round{round_}", agent),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
 def _run_ddp_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -490,7 +601,7 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
     from evendp._trainer import TrainConfig, Trainer
 
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
-    device = init_distributed("gloo" if cpu_ranks else "nccl")
+    device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
     # barrier, and torchrun stops every rank once one fails.
     world = dist.get_world_size()
@@ -500,10 +611,10 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
         lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
-        strategy="fsdp2" if args.mode == "fsdp2" else "ddp",
-        out_dir=None if args.mode == "fsdp2" else args.out,
-        checkpoint_every=0 if args.mode == "fsdp2" else args.checkpoint_every,
-        resume=args.resume, seed=args.seed, progress=not args.no_progress,
+        strategy="fsdp2" if args.mode == "fsdp2" else "ddp", out_dir=args.out,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
+        progress=not args.no_progress,
     )  # fmt: skip
     from evendp.examples.stdlib_text import CodeParagraphs
 
@@ -514,7 +625,11 @@ def _run_ddp_rank(args: argparse.Namespace) -> int:
     finish_distributed()
     if rank == 0:
         _print_report(report, write_report(report, args.out))
-    return 130 if report.interrupted else 0
+        if report.interrupted:
+            (Path(args.out) / _INTERRUPTED).write_text(str(report.signal))
+    # Exit 0 after a clean stop: a failure code would make torchrun restart the group
+    # (--max-restarts); the launcher turns the marker into 130/143.
+    return 0
 
 
 def _print_report(report: Any, paths: dict[str, Path]) -> None:
@@ -529,11 +644,12 @@ def _print_report(report: Any, paths: dict[str, Path]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train and write the report; exit code 0, 2 for bad input, 130 after Ctrl-C."""
+    """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     try:
         _validate_args(args)
-        if args.mode == "fsdp2" and args.resume:
-            raise EvendpError("--resume needs checkpoints, which --mode fsdp2 does not write")
+        done = _resume_check(args)
+        if done is not None:
+            return done
         if args.mode in ("ddp", "fsdp2"):
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 return _run_ddp_rank(args)
@@ -555,6 +671,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_dp(args: argparse.Namespace) -> int:
+    from evendp._interrupt import exit_code
     from evendp._report import write_report
     from evendp._trainer import TrainConfig, Trainer
     from evendp.examples.stdlib_text import CodeParagraphs
@@ -584,8 +701,8 @@ def _run_dp(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
         activation_checkpointing=args.checkpointing, out_dir=args.out,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
-        progress=not args.no_progress,
+        checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
+        seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
     trainer = Trainer(
         model, data, cfg, device_ids=list(devices), weights=weights,
@@ -601,7 +718,7 @@ def _run_dp(args: argparse.Namespace) -> int:
     )
     first = _first_batch(trainer)
     even = _even_split_probe(trainer, budgets, first) if budgets is not None else None
-    if args.amp == "none" and not args.resume:
+    if args.amp == "none" and not (args.resume or args.resume_or_start):
         _print_exactness_check(trainer, first)
     if budgets is not None:
         budgets.reset_peaks()  # the probes above are not part of training
@@ -634,7 +751,7 @@ def _run_dp(args: argparse.Namespace) -> int:
     _print_report(report, paths)
     if budgets is not None:
         print(_BUDGET_NOTE)
-    return 130 if report.interrupted else 0
+    return exit_code(report.signal)
 
 
 _BUDGET_NOTE = (

@@ -1,0 +1,202 @@
+"""`evendp train --mode ddp` under faults, through the real launcher and torchrun (gloo, CPU).
+
+One run is interrupted three times at seeded moments (SIGINT to rank 1, SIGINT to the
+launcher, SIGTERM to rank 0), resumed each time, and finished under ``--max-restarts 1`` with
+rank 1 killed (SIGKILL) on the way; its final weights must equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from evendp.cli import main
+
+STEPS, EVERY = 80, 2
+ARGS = [
+    "--mode", "ddp", "--devices", "cpu,cpu", "--batch", "8", "--steps", str(STEPS),
+    "--checkpoint-every", str(EVERY), "--no-progress", "--n-layer", "1", "--n-embd", "16",
+    "--block-size", "16", "--max-chars", "20000",
+]  # fmt: skip
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "evendp", "train", *ARGS, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _workers(out: Path) -> dict[int, int]:
+    """The pids of this run's torchrun workers, by global rank (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        if str(out).encode() not in cmdline or not any(a.endswith(b"train.py") for a in cmdline):
+            continue
+        ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def _step(path: Path) -> int | None:
+    try:
+        return int(torch.load(path, weights_only=True)["step"])
+    except (OSError, RuntimeError, EOFError, KeyError):
+        return None
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _interrupt(out: Path, target: str, signum: int, rng: random.Random, *extra: str) -> dict:
+    """Start (or resume) the run, send ``signum`` to ``target`` at a seeded moment, wait."""
+    before = _step(out / "ckpt.pt") or 0
+    proc = _start(out, *extra)
+    goal = before + 2 * EVERY
+    _wait_for(lambda: (_step(out / "ckpt.pt") or 0) >= goal, 300, f"a checkpoint at {goal}")
+    time.sleep(rng.uniform(0.0, 0.3))  # the seeded moment: anywhere inside a step or a save
+    workers = _workers(out)
+    pid = {"launcher": proc.pid, "rank0": workers.get(0), "rank1": workers.get(1)}[target]
+    assert pid is not None, f"no {target} process found ({workers})"
+    sent = time.monotonic()
+    os.kill(pid, signum)
+    output, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    gone = _wait_for(lambda: not _workers(out) or None, 10, "every rank to exit")
+    return {"code": proc.returncode, "took": took, "gone": gone, "output": output}
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    rng = random.Random(11)
+    straight = tmp_path_factory.mktemp("straight")
+    done = _start(straight)
+    assert done.wait(timeout=300) == 0, done.communicate()[0]
+    out = tmp_path_factory.mktemp("faults")
+    results: dict[str, Any] = {"straight": straight, "out": out, "segments": []}
+    plan = [
+        ("rank1", signal.SIGINT, ()),
+        ("launcher", signal.SIGINT, ("--resume",)),
+        ("rank0", signal.SIGTERM, ("--resume",)),
+    ]
+    for target, signum, extra in plan:
+        seg = _interrupt(out, target, signum, rng, *extra)
+        report = json.loads((out / "report.json").read_text())
+        seg.update(
+            target=target,
+            signum=int(signum),
+            ckpt=_step(out / "ckpt.pt"),
+            rng1=_step(out / "ckpt.rng1.pt"),
+            report_steps=report["steps"],
+            interrupted=report["interrupted"],
+        )
+        results["segments"].append(seg)
+    finish = _start(out, "--resume")
+    results["finish"] = (finish.wait(timeout=300), _step(out / "ckpt.pt"))
+    return results
+
+
+def test_every_interrupt_stops_all_ranks_at_one_saved_step(runs: dict[str, Any]) -> None:
+    for seg in runs["segments"]:
+        assert seg["code"] == 128 + seg["signum"], seg["output"][-2000:]
+        assert seg["took"] < 60 and seg["gone"]  # every rank gone, no hang
+        # One consistent step: rank 0's checkpoint, rank 1's RNG and the report agree.
+        assert seg["ckpt"] == seg["rng1"] == seg["report_steps"], seg
+        assert seg["interrupted"] and 0 < seg["ckpt"] < STEPS
+    assert runs["finish"] == (0, STEPS)  # resumed to the end: the uninterrupted run's weights
+    ours, theirs = _weights(runs["out"] / "ckpt.pt"), _weights(runs["straight"] / "ckpt.pt")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7)
+    steps = [seg["ckpt"] for seg in runs["segments"]]
+    assert steps == sorted(steps) and len(set(steps)) == 3  # each resume went further
+
+
+def test_a_killed_rank_is_restarted_and_the_run_equals_an_uninterrupted_one(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    out, rng = tmp_path, random.Random(5)
+    # A fresh run under --max-restarts 1 (far from its end), rank 1 killed after a checkpoint.
+    before = 0
+    proc = _start(out, "--max-restarts", "1")
+    _wait_for(lambda: (_step(out / "ckpt.pt") or 0) >= before + EVERY, 300, "progress")
+    time.sleep(rng.uniform(0.0, 0.3))
+    victim = _workers(out).get(1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=300)
+    killed = {"code": proc.returncode, "output": output}
+    assert killed["code"] == 0, killed["output"][-3000:]
+    # Resumed once, by torchrun's restart (the first round started fresh).
+    assert killed["output"].count("evendp: resumed from") == 1, killed["output"][-3000:]
+    straight = runs["straight"]
+    assert _step(out / "ckpt.pt") == STEPS
+    ours, theirs = _weights(out / "ckpt.pt"), _weights(straight / "ckpt.pt")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7)
+    losses = json.loads((out / "report.json").read_text())["losses"]
+    reference = json.loads((straight / "report.json").read_text())["losses"]
+    assert len(losses) == STEPS
+    for a, b in zip(losses, reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_resume_at_or_past_steps_says_so_and_touches_nothing(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = runs["out"]
+    report = out / "report.json"
+    step = _step(out / "ckpt.pt")
+    assert step is not None
+    before = (report.read_bytes(), report.stat().st_mtime_ns, (out / "ckpt.pt").read_bytes())
+    code = main(["train", *ARGS, "--steps", str(step - 1), "--resume", "--out", str(out)])
+    assert code == 0
+    assert f"at step {step}, at or past --steps {step - 1}" in capsys.readouterr().err
+    after = (report.read_bytes(), report.stat().st_mtime_ns, (out / "ckpt.pt").read_bytes())
+    assert after == before
+
+
+SMALL_DP = ["--devices", "cpu", "--batch", "4", "--no-progress", "--no-plan", "--n-layer", "1",
+            "--n-embd", "16", "--block-size", "16", "--max-chars", "20000"]  # fmt: skip
+
+
+def test_resume_without_a_checkpoint_is_an_error_unless_asked_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--resume", "--steps", "1", "--out", str(tmp_path), *SMALL_DP]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: no checkpoint in" in err and "--resume-or-start" in err
+    assert not list(tmp_path.iterdir())  # nothing written
+    code = main(["train", "--resume-or-start", "--steps", "1", "--out", str(tmp_path), *SMALL_DP])
+    assert code == 0 and _step(tmp_path / "ckpt.pt") == 1
+
+
+def test_max_restarts_needs_torchrun_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--max-restarts", "1", *SMALL_DP]) == 2
+    assert "--max-restarts" in capsys.readouterr().err
