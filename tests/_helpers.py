@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,19 @@ def tiny_gpt2_config(**overrides: Any) -> Any:
     }
     settings.update(overrides)
     return transformers.GPT2Config(**settings)
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> None:
+    """Set what torchrun sets for ``rank`` of one node (in a spawned worker), offline, and one
+    intra-op thread per rank (2 cores shared by every rank)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)

@@ -3,6 +3,9 @@
 - The Trainer's eval loss and accuracy (sum, count) over 101 samples, under DDP and FSDP2,
   equal one device's over all 101; a plain ``DistributedSampler`` (which pads with duplicate
   samples to even out the ranks) gives a different value, so the check can fail.
+- Training (issue 10): the first step's gradient of the token-mean loss of a real GPT-2 with
+  padding and ``-100`` labels, under 3-rank DDP and FSDP2 with uneven sizes, equals one
+  device's on the step's global batch.
 - ``predict`` over 53 padded samples: each rank's rows, gathered and put in index order,
   equal one device's features.
 """
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from evendp import TrainConfig, Trainer, predict
+from evendp import TrainConfig, Trainer, UnevenBatchSampler, predict
 from tests._helpers import run_ranks
 from tests.test_eval import (
     N_EVAL,
@@ -51,6 +54,36 @@ def _padded_sampler_metrics(model: Any, val: list[Any], rank: int) -> dict[str, 
     return {"loss": float(sums[0] / sums[1]), "accuracy": float(sums[2] / sums[3])}
 
 
+def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    # Dropout draws different masks on every rank than on one device: off for exactness.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _one_device_grads(train: list[Any]) -> dict[str, torch.Tensor]:
+    """The reference: the token-mean loss of step 0's global batch on one device."""
+    step0 = [
+        i
+        for r in range(WORLD)
+        for i in next(iter(UnevenBatchSampler(train, SIZES, rank=r, world_size=WORLD)))
+    ]
+    ref = _no_dropout(tiny_gpt2())
+    ids, labels = torch.utils.data.default_collate([train[i] for i in step0])
+    lm_loss(ref, (ids, labels)).backward()
+    return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    full = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:  # FSDP2: a sharded DTensor, gathered here for the check only
+            g = p.grad
+            full[n] = g.full_tensor() if hasattr(g, "full_tensor") else g.detach().clone()
+    return full
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -59,13 +92,20 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         train, val = lm_samples(24, seed=1), lm_samples(N_EVAL, seed=2)
         for strategy in ("ddp", "fsdp2"):
-            model = tiny_gpt2()
-            cfg = TrainConfig(steps=1, batch_sizes=SIZES, strategy=strategy, progress=False)
+            model = _no_dropout(tiny_gpt2())
+            cfg = TrainConfig(
+                steps=1, batch_sizes=SIZES, strategy=strategy, grad_clip=None, progress=False
+            )
             # DDP: the user's metrics; FSDP2: the default eval_fn (the loss, token-counted).
             eval_fn = lm_metrics if strategy == "ddp" else None
             report = Trainer(model, train, cfg, loss_fn=lm_loss, count_fn=lm_count,
                              eval_data=val, eval_fn=eval_fn).fit()  # fmt: skip
             results[strategy] = {"eval": report.eval, "mode": report.mode}
+            # The step's gradient, read before any evaluation (an FSDP2 forward after the step
+            # may drop the root unit's gradients, which the optimizer has already used).
+            trained = _no_dropout(tiny_gpt2())
+            Trainer(trained, train, cfg, loss_fn=lm_loss, count_fn=lm_count).fit()
+            results[strategy]["grads"] = _grads(trained)
             if strategy == "ddp":  # the reference and the padded loop, on the same weights
                 results["one_device"] = one_device(model, val)
                 results["padded"] = _padded_sampler_metrics(model, val, rank)
@@ -73,6 +113,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 full = tiny_gpt2()
                 full.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
                 results["fsdp2_one_device"] = one_device(full, val)
+        results["one_device_grads"] = _one_device_grads(train)
         bert, samples = tiny_bert(), padded_samples()
         pred = predict(bert, samples, weights=SIZES, batch_size=7)
         parts: list[Any] = [None] * WORLD
@@ -104,6 +145,18 @@ def test_eval_on_uneven_ranks_equals_one_device(ranks: list[dict[str, Any]], str
         assert sorted(got) == sorted(names)
         for name in names:
             assert got[name] == pytest.approx(expected[name], rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_gpt2_token_gradient_on_uneven_ranks_equals_one_device(
+    ranks: list[dict[str, Any]], strategy: str
+) -> None:
+    expected = ranks[0]["one_device_grads"]
+    for r in ranks:
+        got = r[strategy]["grads"]
+        assert sorted(got) == sorted(expected)
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_a_padded_distributed_sampler_differs(ranks: list[dict[str, Any]]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import evendp
-from tests._helpers import run_ranks
+from tests._helpers import run_ranks, torchrun_env
 from tests.integrations._tiny import (
     ACCUM,
     EPOCHS,
@@ -38,16 +37,7 @@ TOL = 1e-5
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
+    torchrun_env(rank, 2, port)
     from accelerate import Accelerator
 
     from evendp.integrations.accelerate import uneven_dataloader

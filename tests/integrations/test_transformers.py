@@ -7,7 +7,6 @@ the whole optimizer-step batch (8 samples) in one forward pass.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._helpers import run_ranks, tiny_gpt2_config
+from tests._helpers import run_ranks, tiny_gpt2_config, torchrun_env
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -108,17 +107,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    torchrun_env(rank, 2, port)
     from evendp.integrations.transformers import UnevenTrainer
 
     result: dict[str, Any] = {}
