@@ -15,7 +15,14 @@ from ._distributed import (
     init_distributed,
 )
 from ._dp import BalancedDataParallel, ParallelCriterion, Scattered, gather
-from ._errors import EvendpError, NvmlUnavailableError, PlanError
+from ._errors import (
+    CheckpointError,
+    EvendpError,
+    LiveMemoryError,
+    NvmlUnavailableError,
+    PlanError,
+    TrainingError,
+)
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._oom import OomResplit
 from ._plan import DevicePlan, Plan, plan
@@ -70,9 +77,12 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     # errors
+    "CheckpointError",
     "EvendpError",
+    "LiveMemoryError",
     "NvmlUnavailableError",
     "PlanError",
+    "TrainingError",
 ]
 
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._devices import NvmlUnavailableError, list_devices, parse_bytes
-from ._errors import EvendpError
+from ._errors import EvendpError, LiveMemoryError
 
 __all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "parse_memory"]
 
@@ -24,17 +24,6 @@ _SPEC_HELP = (
     "optionally minus what another job already uses ('24GiB-10GiB'), optionally repeated "
     "('2x24GiB'); e.g. '24GiB,24GiB-10GiB,12GiB'"
 )
-
-
-class LiveMemoryError(EvendpError):
-    """No live GPU memory to read. ``reason`` says why; the message adds the fix in Python
-    spelling, and the command line replaces it with its own flag (``--memory``)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(
-            f"{reason}; declare each device's memory instead, e.g. memory='24GiB,24GiB,12GiB'"
-        )
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
         print(f"evendp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code  # 2 for bad input, 1 for a fault while training
     return code
 
 
