@@ -132,7 +132,8 @@ def test_step_count_needs_no_reduction_for_samples_and_one_otherwise() -> None:
     local = torch.tensor(4)
     total = step_count(local, all_reduce=all_reduce)
     assert len(calls) == 1 and calls[0] is not local  # a fresh tensor: reduced in place
-    assert total.dtype == torch.float64 and float(total) == 12.0
+    assert total.dtype == torch.int64 and float(total) == 12.0
+    assert step_count(2.5).dtype == torch.float64
     with pytest.raises(TypeError, match="samples"):
         step_count(None)
 

@@ -180,7 +180,7 @@ class MemoryBudgets:
             raise EvendpError(
                 f"{len(self.budgets)} budgets for {len(dp.device_ids)} devices; give one each"
             )
-        dp._replica_context = self.replica
+        dp.set_replica_context(self.replica)
         return self
 
     def resident_bytes(self, index: int) -> int:

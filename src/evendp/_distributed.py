@@ -17,14 +17,19 @@ from __future__ import annotations
 import numbers
 import os
 import time
-from typing import Any
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._errors import EvendpError
+from ._exact import mean_scale, step_count
 
 __all__ = [
+    "all_reduce_gradients",
     "comm_device",
     "ddp_loss",
     "finish_distributed",
@@ -143,10 +148,13 @@ def global_count(
     >>> global_count(7)
     tensor(7)
     """
-    total = _count_tensor(local_count, torch.device(device or comm_device(group)))
-    if world_size(group) > 1:
-        total = _all_reduce_sum(total, group)
-    return total
+    where = torch.device(device or comm_device(group))
+    reduce = (lambda t: _all_reduce_sum(t, group)) if world_size(group) > 1 else None
+    # A count was given: the result is a tensor, never the samples shortcut.
+    return cast(torch.Tensor, step_count(_count_tensor(local_count, where), all_reduce=reduce))
+
+
+_global_count = global_count  # ddp_loss's parameter of the same name shadows it
 
 
 def ddp_loss(
@@ -184,18 +192,13 @@ def ddp_loss(
         total_n = float(global_count)
         if not total_n >= 0:  # also catches NaN
             raise EvendpError(f"global_count must be >= 0, got {global_count!r}")
-        return loss * (world / total_n if total_n > 0 else 0.0)
+        return loss * mean_scale(total_n, world)
     if global_count is None:
-        total = _count_tensor(local_count, local_sum.device)
-        if world > 1:
-            total = _all_reduce_sum(total, group)
+        total = _global_count(local_count, local_sum.device, group)
     else:
         total = _count_tensor(global_count, local_sum.device)
-    total = total.to(torch.float64)
-    # Zero samples everywhere means local_sum is 0 too: divide by 1 instead of 0, no host sync.
-    total = total + (total == 0)
-    # The scale in float64, then the loss's dtype: a float64 count must not promote fp32 to fp64.
-    return loss * (world / total).to(loss.dtype)
+    # Zero samples everywhere means local_sum is 0 too: the scale divides by 1, no host sync.
+    return loss * mean_scale(total, world, dtype=loss.dtype)
 
 
 def global_mean(
@@ -324,3 +327,95 @@ def finish_distributed() -> None:
     dist.barrier()
     time.sleep(_WORKER_GRACE_S)
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients reduced after a local backward
+
+
+_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def all_reduce_gradients(
+    parameters: Iterable[torch.nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    *,
+    bucket_bytes: int = _BUCKET_BYTES,
+    extra: torch.Tensor | None = None,
+) -> None:
+    """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
+
+    For gradients accumulated with every backward local (no collective inside backward, so an
+    OOM on one rank leaves no other waiting; see :class:`evendp.OomResplit`): every rank calls
+    it exactly once per step, whatever its micro-batching, so the collectives stay in
+    lockstep. A parameter without a gradient (a rank with an empty share) contributes zeros.
+    Without a process group (or with one rank) it does nothing.
+
+    Gradients go in buckets of about ``bucket_bytes`` (DDP's 25 MiB), each one all-reduce:
+    a gradient that fills a bucket alone is reduced in place, smaller ones are flattened
+    into one bucket buffer. At most two buckets are in flight, so the extra memory is two
+    buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
+    next one's packing.
+
+    ``extra`` (a small contiguous tensor, e.g. an OOM flag and a loss) is *summed* over ranks in
+    place, riding in the last bucket instead of a collective of its own.
+
+    >>> p = torch.nn.Parameter(torch.ones(2))
+    >>> p.grad = torch.full((2,), 3.0)
+    >>> all_reduce_gradients([p])  # one process: unchanged
+    >>> p.grad
+    tensor([3., 3.])
+    """
+    world = world_size(group)
+    if world == 1:
+        return
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
+    if extra is not None:
+        grads.append(extra)
+    in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
+    for bucket in _buckets(grads, bucket_bytes):
+        alone = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
+        in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+        if len(in_flight) > 2:
+            _unpack(*in_flight.popleft(), world, extra)
+    while in_flight:
+        _unpack(*in_flight.popleft(), world, extra)
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, about ``bucket_bytes`` per bucket."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        same = not bucket or (g.dtype, g.device) == (bucket[0].dtype, bucket[0].device)
+        if bucket and (not same or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _unpack(
+    work: dist.Work | None,
+    flat: torch.Tensor,
+    bucket: list[torch.Tensor],
+    world: int,
+    summed: torch.Tensor | None,
+) -> None:
+    # Gradients are averaged (as DDP does); ``summed`` (the extra tensor) keeps the sum.
+    if work is not None:
+        work.wait()
+    if flat is bucket[0]:
+        if flat is not summed:
+            flat.div_(world)
+        return
+    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        g.copy_(reduced if g is summed else reduced.div_(world))

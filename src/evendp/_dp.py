@@ -32,9 +32,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._deprecation import UNSET, renamed_argument, warn_renamed
 from ._errors import EvendpError
-from ._oom import is_oom_error
+from ._exact import combine_means
+from ._oom_errors import is_oom_error, replica_of, tag_device_index
 from ._replicate import parallel_apply, replicate
-from ._scatter import batch_size, batch_size_and_devices, combine_means, gather_outputs, scatter
+from ._scatter import batch_size, batch_size_and_devices, gather_outputs, scatter
 from ._split import _validate_weights, split_sizes
 from ._validate import validate_int
 
@@ -184,12 +185,12 @@ class BalancedDataParallel(nn.Module):
         self.gather_output = _validate_flag("gather_output", gather_output)
         self.count_fn = _validate_callable("count_fn", count_fn)
         # Exact per-device counts for the next forwards, in place of the weights' split: set
-        # by fixed_sizes() (None: split by weights). The Trainer still writes it directly.
+        # by fixed_sizes() (None: split by weights).
         self._sizes: list[int] | None = None
         #: The per-device sample counts of the last forward (zeros for idle devices).
         self.last_sizes: list[int] = []
-        # A per-device context around each replica's forward, in its thread (set by
-        # evendp._budget.MemoryBudgets.attach: virtual devices that enforce a memory budget).
+        # A per-device context around each replica's forward, in its thread: see
+        # set_replica_context.
         self._replica_context: Callable[[int], Any] | None = None
         _validate_placement(module.parameters(), module.buffers(), home=self.device_ids[0])
         # One parameter, looked up afresh every step, stands for the module's placement:
@@ -235,6 +236,22 @@ class BalancedDataParallel(nn.Module):
     def gather(self, value: bool) -> None:
         warn_renamed(f"{_NAME}.gather", f"{_NAME}.gather_output", stacklevel=3)
         self.gather_output = _validate_flag("gather_output", value)
+
+    def set_replica_context(
+        self, hook: Callable[[int], contextlib.AbstractContextManager[Any]] | None
+    ) -> None:
+        """Run each replica's forward inside ``hook(i)`` (``i``: its entry of ``device_ids``),
+        in the replica's own thread; ``None`` removes it. E.g. virtual devices that enforce a
+        memory budget (:meth:`evendp._budget.MemoryBudgets.attach`).
+
+        >>> model = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2)
+        >>> seen = []
+        >>> model.set_replica_context(lambda i: contextlib.nullcontext(seen.append(i)))
+        >>> _ = model(torch.randn(3, 2))
+        >>> sorted(seen)
+        [0, 1]
+        """
+        self._replica_context = _validate_callable("hook", hook)
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
@@ -337,11 +354,11 @@ class BalancedDataParallel(nn.Module):
             if is_oom_error(error):
                 # Say which entry of device_ids ran out, so a caller can shrink that share only
                 # (also for cuBLAS/cuDNN allocation failures, which are plain RuntimeErrors).
-                error.evendp_device_index = active[getattr(error, "evendp_replica", 0)]  # type: ignore[union-attr]
+                tag_device_index(error, active[replica_of(error)])
                 raise
             if not isinstance(error, ValueError):
                 raise
-            index = active[getattr(error, "evendp_replica", 0)]
+            index = active[replica_of(error)]
             share = self.last_sizes[index]
             if _BATCHNORM_ONE_VALUE not in str(error) or share == total:
                 raise

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._errors import EvendpError
+from ._exact import weighted_sum
 from ._scatter import batch_size, map_tensors
 
 __all__ = ["EvalFn", "evaluate_devices", "evaluate_ranks", "loss_eval_fn", "model_mode"]
@@ -51,13 +52,8 @@ def loss_eval_fn(
     def eval_fn(model: nn.Module, batch: Batch) -> dict[str, SumCount]:
         count = _count_of(batch, count_fn)
         loss = loss_fn(model, batch)
-        # An empty share's mean is NaN (0/0): it counts nothing and adds nothing.
-        total = (
-            loss.detach().double() * count
-            if float(count) > 0
-            else torch.zeros((), dtype=torch.float64)
-        )
-        return {"loss": (total, count)}
+        # An empty share's mean is NaN (0/0): it counts nothing and adds exactly nothing.
+        return {"loss": (weighted_sum(loss.detach().double(), count), count)}
 
     return eval_fn
 

@@ -9,6 +9,7 @@ Every path of the package calls these functions instead of writing the rule agai
 - :func:`weighted_sum`: a share's mean times its count, an exact connected 0 for no items;
 - :func:`zero_weight`: a loss that joins backward and its collectives with weight 0;
 - :func:`combine_means`: per-share means -> the mean over all their items;
+- :func:`sum_on`: per-share sums -> the sum over all their items;
 - :func:`step_count`: the step's global count (the samples need no communication);
 - :func:`mean_scale`: ``numerator / global count``, 0 for no items anywhere.
 
@@ -27,7 +28,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Count", "combine_means", "mean_scale", "step_count", "weighted_sum", "zero_weight"]
+__all__ = [
+    "Count",
+    "combine_means",
+    "mean_scale",
+    "step_count",
+    "sum_on",
+    "weighted_sum",
+    "zero_weight",
+]
 
 #: A number of counted items: an int, a float or a 0-dim tensor.
 Count = int | float | torch.Tensor
@@ -105,6 +114,21 @@ def combine_means(
     return combined
 
 
+def sum_on(sums: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """Per-share sums (each from :func:`weighted_sum`) added up on ``device``.
+
+    Sums need no weights: the sum over all items is the sum of the shares' sums, and a share
+    with no item adds its exact 0.
+
+    >>> sum_on([torch.tensor(2.0), torch.tensor(0.0), torch.tensor(3.5)], "cpu")
+    tensor(5.5000)
+    """
+    total = sums[0].to(device)
+    for part in sums[1:]:
+        total = total + part.to(device)
+    return total
+
+
 def step_count(
     local: Count | None,
     *,
@@ -117,26 +141,28 @@ def step_count(
     ``local is None`` means the loss is a mean over samples: the step's ``samples`` over all
     processes is already known to every process (the sampler plans every rank's share), so it
     is returned as it is, with no communication. Otherwise ``local`` is this process's count
-    (e.g. ``count_fn(batch)``), made a float64 tensor on ``device`` and summed over processes
-    by ``all_reduce`` (one collective; ``None``: one process, nothing to sum). The result is
-    never read on the host.
+    (e.g. ``count_fn(batch)``), made a fresh tensor on ``device`` (int64 for whole numbers,
+    else float64: counted exactly) and summed over processes by ``all_reduce`` (one
+    collective; ``None``: one process, nothing to sum). The result is never read on the host.
 
     >>> step_count(None, samples=12)
     12
     >>> step_count(7)
-    tensor(7., dtype=torch.float64)
+    tensor(7)
     >>> step_count(torch.tensor(3), all_reduce=lambda t: t * 2)  # as if two ranks had 3
-    tensor(6., dtype=torch.float64)
+    tensor(6)
     """
     if local is None:
         if samples is None:
             raise TypeError("step_count(None) needs samples=, the step's samples")
         return samples
     if isinstance(local, torch.Tensor):
-        total = local.detach().to(device=device or local.device, dtype=torch.float64)
-        total = total.reshape(()).clone()  # a fresh tensor: all-reduce works in place
+        t = local.detach().to(device=device or local.device)
+        exact = torch.float64 if t.is_floating_point() or t.is_complex() else torch.int64
+        total = t.to(dtype=exact, copy=True)  # a fresh tensor: all-reduce works in place
     else:
-        total = torch.tensor(float(local), dtype=torch.float64, device=device)
+        exact = torch.int64 if isinstance(local, numbers.Integral) else torch.float64
+        total = torch.tensor(local, dtype=exact, device=device)
     return total if all_reduce is None else all_reduce(total)
 
 

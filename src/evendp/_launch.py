@@ -23,7 +23,7 @@ from ._errors import EvendpError
 from ._memory import DeviceMemory, parse_memory
 from ._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from ._speed import ENV_BATCH_CAPS
-from ._split import split_sizes
+from ._split import split_even, split_sizes
 from ._validate import validate_int
 
 if TYPE_CHECKING:
@@ -303,7 +303,7 @@ def plan_launch(
             sizes = split_sizes(batch, [m.free for m in mems])
             reason = "split by " + ("declared" if declared else "free") + " memory"
         else:
-            sizes = split_sizes(batch, [1] * (count * nodes))
+            sizes = split_even(batch, count * nodes)
             reason = (
                 "split evenly: other nodes' memory is not visible from here"
                 if gpus

@@ -1,63 +1,81 @@
 """Surviving ``torch.OutOfMemoryError`` without changing the math: exact micro-batch re-splits.
 
 A step's share of ``n`` samples runs as micro-batches ``[start, stop)``; each micro-batch's
-mean loss is weighted by ``(stop - start) * weight`` (``weight`` = 1 / global count, times the
-world size under DDP's averaging) before ``backward``, so the accumulated gradient is the
-gradient of the global mean however the share is cut. When a micro-batch runs out of memory,
-the step's gradients are dropped (an OOM inside ``backward`` may already have added part of a
-micro-batch to some ``.grad``), the failed graph is freed, the CUDA cache emptied, and the
-whole share runs again with micro-batches half as large. The working size is remembered for
-later steps. Only when a single-sample micro-batch still does not fit is the step skipped,
-counted in :attr:`OomResplit.skipped`.
+loss, summed over its counted items (:func:`evendp._exact.weighted_sum`), is weighted by
+``weight`` (1 / global count, times the world size under DDP's averaging) before ``backward``,
+so the accumulated gradient is the gradient of the global mean however the share is cut. When
+a micro-batch runs out of memory, the step's gradients are dropped (an OOM inside ``backward``
+may already have added part of a micro-batch to some ``.grad``), the failed graph is freed,
+the CUDA cache emptied, and the whole share runs again with micro-batches half as large. The
+working size is remembered for later steps. Only when a single-sample micro-batch still does
+not fit is the step skipped, counted in :attr:`OomResplit.skipped`.
 
 With several devices in one process (:meth:`OomResplit.run_shares`) each device keeps its own
 cap: micro-step k runs the k-th piece of every device's own share together, so an OOM that
-names its device (``evendp_device_index``, set by ``BalancedDataParallel``) halves that
-device's pieces only, and the healthy devices keep running their whole shares at once.
+names its device (:func:`evendp._oom_errors.device_index_of`, tagged by
+``BalancedDataParallel``) halves that device's pieces only, and the healthy devices keep
+running their whole shares at once.
 
-Under DDP every rank runs its share locally (no collective inside forward or backward, see
-:func:`all_reduce_gradients`), then :meth:`OomResplit.run` all-reduces one flag (with the
-step's loss in the same small tensor) so that every rank agrees on "step" or "skip": an OOM on
-one rank can never leave another blocked in a collective.
+Across processes the guard is only retry arithmetic: whether every process steps or skips,
+and how many micro-steps each must run, is a :class:`StepConsensus` the caller passes (the
+Trainer's strategy). Without one, under a process group, the guard all-reduces one flag so
+every rank agrees on "step" or "skip": an OOM on one rank never leaves another blocked in a
+collective (every backward stays local; see :func:`evendp._distributed.all_reduce_gradients`).
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import re
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ._distributed import comm_device, world_size
+from ._distributed import all_reduce_gradients, comm_device, world_size
 from ._errors import EvendpError
+from ._exact import weighted_sum
+from ._oom_errors import device_index_of, is_oom_error
+from ._validate import validate_int
 
-__all__ = ["OomResplit", "all_reduce_gradients", "is_oom_error"]
-
-# Out-of-memory reported as a plain RuntimeError by libraries that allocate on their own:
-# cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE workspaces ("CUBLAS_STATUS_ALLOC_FAILED",
-# "CUDNN_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED"), the CUDA runtime ("CUDA error: out of
-# memory") and NCCL ("Cuda failure 'out of memory'").
-_OOM_MESSAGE = re.compile(r"_ALLOC_FAILED|out of memory", re.IGNORECASE)
+__all__ = ["OomResplit", "StepConsensus", "all_reduce_gradients", "is_oom_error"]
 
 
-def is_oom_error(error: BaseException) -> bool:
-    """Whether ``error`` means a device ran out of memory: by type first, message as fallback.
+class StepConsensus(Protocol):
+    """How the processes running one step agree on it (a strategy provides one).
 
-    >>> is_oom_error(torch.OutOfMemoryError("CUDA out of memory"))
-    True
-    >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
-    True
-    >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    False
+    ``micro_steps(planned)``: how many micro-steps this process runs when its own shares need
+    ``planned`` (more when every process must run as many backward passes as the others).
+    ``agree_step(failed, total)``: called once per attempt's end on every process, whatever
+    happened: returns whether the step is skipped everywhere and the step's loss total.
     """
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and _OOM_MESSAGE.search(str(error)) is not None
+
+    def micro_steps(self, planned: int) -> int: ...
+
+    def agree_step(
+        self, failed: bool, total: torch.Tensor | None
+    ) -> tuple[bool, torch.Tensor | None]: ...
+
+
+class _GroupConsensus:
+    """The guard's own consensus: one all-reduced flag over ``group`` when there is one."""
+
+    def __init__(self, group: dist.ProcessGroup | None, catch: bool) -> None:
+        self.group, self.catch = group, catch
+
+    def micro_steps(self, planned: int) -> int:
+        return planned
+
+    def agree_step(
+        self, failed: bool, total: torch.Tensor | None
+    ) -> tuple[bool, torch.Tensor | None]:
+        # Without catching, an OOM has already propagated: the flag could only be 0.
+        if not (self.catch and world_size(self.group) > 1):
+            return failed, total
+        flag = torch.tensor(float(failed), device=comm_device(self.group))
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item()), total  # the one host sync: every rank must agree
 
 
 def _default_backward(loss: torch.Tensor) -> None:
@@ -65,11 +83,7 @@ def _default_backward(loss: torch.Tensor) -> None:
 
 
 def _validate_micro(name: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EvendpError(f"{name} must be a positive int or None, got {value!r}; e.g. 8")
-    return value
+    return validate_int(name, value, minimum=1, allow_none=True, example="8")
 
 
 class OomResplit:
@@ -111,8 +125,7 @@ class OomResplit:
         *,
         devices: int = 1,
     ) -> None:
-        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-            raise EvendpError(f"devices must be a positive int, got {devices!r}; e.g. 3")
+        validate_int("devices", devices, minimum=1, example="3")
         self.catch = catch
         #: Per device, the micro-batch that fits (``None``: its whole share); kept across steps.
         self.micro_batch_sizes = [_validate_micro("micro_batch_size", micro_batch_size)] * devices
@@ -139,9 +152,6 @@ class OomResplit:
     def micro_batch_size(self, value: int | None) -> None:
         value = _validate_micro("micro_batch_size", value)
         self.micro_batch_sizes = [value] * len(self.micro_batch_sizes)
-
-    def _distributed(self) -> bool:
-        return world_size(self.group) > 1
 
     def run(
         self,
@@ -188,38 +198,33 @@ class OomResplit:
         micro_batch_sizes: Sequence[int | None] | None = None,
         min_micro_steps: int = 0,
         summed: bool = False,
-        reduce_total: bool = False,
-        agree: Callable[[torch.Tensor], None] | None = None,
+        consensus: StepConsensus | None = None,
     ) -> torch.Tensor | None:
         """Like :meth:`run`, with one share per device, each cut by its own cap.
 
         Micro-step k gives device i the span ``[start_i, stop_i)`` of *its own* share: the
         k-th piece of at most ``micro_batch_sizes[i]`` samples, empty once the share is done.
         ``chunk_loss(spans)`` returns the mean loss over all the spans' samples, and is
-        weighted by their count times ``weight``. An OOM carrying ``evendp_device_index``
-        (set by :class:`~evendp.BalancedDataParallel` for a replica's forward) halves that
-        device's cap only; any other OOM (e.g. in backward) halves every device's.
+        weighted by their count times ``weight``. An OOM tagged with its device (by
+        :class:`~evendp.BalancedDataParallel` for a replica's forward) halves that device's
+        cap only; any other OOM (e.g. in backward) halves every device's.
 
         ``min_micro_steps`` pads the step with empty micro-steps (every span empty) up to that
         many: under DDP or FSDP2 every rank must run forward and backward as often as the
-        others, even with no samples. An empty micro-step backpropagates
-        ``loss.nan_to_num(0.0) * 0`` (the mean over no samples is NaN): zero gradients that
-        still reach every parameter, so DDP's and FSDP2's collectives pair up.
+        others, even with no samples. An empty micro-step backpropagates an exact zero
+        connected to the loss (:func:`evendp._exact.weighted_sum`: never the NaN of a mean
+        over no samples), so DDP's and FSDP2's collectives pair up.
 
         ``summed=True``: ``chunk_loss`` returns the loss already *summed* over its counted
         items (and zero, never NaN, for none); it is weighted by ``weight`` alone. This is how
         the Trainer weights by counted items (tokens) instead of samples. ``weight`` may be a
         0-dim tensor (a global count all-reduced on the device, never read on the host).
 
-        ``reduce_total=True`` (under DDP): the ranks' step/skip flag and their totals travel in
-        one all-reduce, and the returned total is the sum over ranks (on the communication
-        device); only the flag is read on the host, since every rank must agree on it.
-
-        ``agree(status)`` (under DDP) all-reduces (sums) ``status`` in place *instead of* the
-        guard's own all-reduce: :class:`~evendp._strategy.OomSafeDDP` passes one that sends it
-        with the gradient buckets, so the flag costs no collective of its own. A rank that
-        failed has zero gradients by then, and when any rank failed every rank zeroes the
-        averaged gradients and skips: the reduction was wasted, never wrong.
+        ``consensus`` (a strategy's): how many micro-steps to run and, after them, whether
+        every process steps or skips and the step's total (:class:`StepConsensus`). A rank
+        that failed has zero gradients by then, and when any rank failed every rank zeroes
+        the gradients and skips. Default: the guard's own one-flag all-reduce under a
+        process group (nothing to agree in one process).
 
         >>> guard = OomResplit(devices=2)
         >>> seen = []
@@ -235,6 +240,43 @@ class OomResplit:
         >>> guard.micro_batch_sizes, seen
         ([2, None], [[(0, 2), (0, 3)], [(2, 4), (3, 3)], [(4, 5), (3, 3)]])
         """
+        sizes = self._first_sizes(shares, micro_batch_sizes)
+        validate_int("min_micro_steps", min_micro_steps, minimum=0)
+        agreement = consensus or _GroupConsensus(self.group, self.catch)
+
+        def attempt() -> torch.Tensor:
+            planned = max(min_micro_steps, _micro_steps(shares, sizes))
+            steps = agreement.micro_steps(planned)
+            return self._run_micro_steps(shares, sizes, chunk_loss, weight, backward, steps, summed)
+
+        total: torch.Tensor | None = None
+        while True:
+            device: int | None = None
+            try:
+                total = attempt()
+                break
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not (self.catch and is_oom_error(error)):
+                    raise
+                device = device_index_of(error)
+            # Handled here, outside the except block, so the failed graph's frames are freed.
+            total = None
+            zero_grad()
+            _free_memory()
+            if not self._shrink(shares, sizes, device):
+                break
+            self.resplits += 1
+        failed, total = agreement.agree_step(total is None, total)
+        if failed:
+            zero_grad()
+            self.skipped += 1
+            return None
+        return total
+
+    def _first_sizes(
+        self, shares: Sequence[int], micro_batch_sizes: Sequence[int | None] | None
+    ) -> list[int]:
+        """Per device, the micro-batch to try first: the share, its cap, the caller's cap."""
         if len(shares) != len(self.micro_batch_sizes):
             raise EvendpError(
                 f"got {len(shares)} shares for a guard of {len(self.micro_batch_sizes)} devices;"
@@ -245,63 +287,24 @@ class OomResplit:
                 raise EvendpError(
                     f"n must be a non-negative int (samples in this share), got {n!r}"
                 )
-        if (
-            isinstance(min_micro_steps, bool)
-            or not isinstance(min_micro_steps, int)
-            or min_micro_steps < 0
-        ):
-            raise EvendpError(f"min_micro_steps must be an int >= 0, got {min_micro_steps!r}")
         caps = list(micro_batch_sizes or [None] * len(shares))
         for cap in caps:
             _validate_micro("micro_batch_size", cap)
-        sizes = [
+        return [
             min(x for x in (n, mine, cap) if x is not None)
             for n, mine, cap in zip(shares, self.micro_batch_sizes, caps, strict=True)
         ]
+
+    def _shrink(self, shares: Sequence[int], sizes: list[int], device: int | None) -> bool:
+        """Halve the failing device's micro-batches (every active one's when unknown);
+        False when none can shrink below the floor: the step is skipped."""
         floor = self.min_micro_batch_size or 1
-        total: torch.Tensor | None = None
-        while True:
-            device: int | None = None
-            try:
-                total = self._run_micro_steps(
-                    shares, sizes, chunk_loss, weight, backward, min_micro_steps, summed
-                )
-                break
-            except RuntimeError as error:  # torch.OutOfMemoryError is one
-                if not (self.catch and is_oom_error(error)):
-                    raise
-                device = getattr(error, "evendp_device_index", None)
-            # Handled here, outside the except block, so the failed graph's frames are freed.
-            total = None
-            zero_grad()
-            _free_memory()
-            active = [i for i, n in enumerate(shares) if n]
-            targets = [device] if device in active else active
-            shrink = [i for i in targets if sizes[i] > floor]
-            if not shrink:
-                break
-            for i in shrink:
-                sizes[i] = self.micro_batch_sizes[i] = max(math.ceil(sizes[i] / 2), floor)
-            self.resplits += 1
-        failed = total is None
-        # Without catching, an OOM has already propagated: the flag could only be 0.
-        if self.catch and self._distributed():
-            # One small all-reduce per step: [ranks that failed, sum of the ranks' totals].
-            where = comm_device(self.group)
-            mine = torch.zeros((), device=where) if total is None else total.to(where)
-            status = torch.stack([torch.tensor(float(failed), device=where), mine.float()])
-            if agree is not None:
-                agree(status)
-            else:
-                dist.all_reduce(status, group=self.group)
-            failed = bool(status[0].item())  # the one host sync: every rank must agree
-            if reduce_total and not failed:
-                total = status[1]
-        if failed:
-            zero_grad()
-            self.skipped += 1
-            return None
-        return total
+        active = [i for i, n in enumerate(shares) if n]
+        targets = [device] if device in active else active
+        shrink = [i for i in targets if sizes[i] > floor]
+        for i in shrink:
+            sizes[i] = self.micro_batch_sizes[i] = max(math.ceil(sizes[i] / 2), floor)
+        return bool(shrink)
 
     def _run_micro_steps(
         self,
@@ -310,13 +313,10 @@ class OomResplit:
         chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
         weight: float | torch.Tensor,
         backward: Callable[[torch.Tensor], None],
-        min_micro_steps: int,
-        summed: bool = False,
+        steps: int,
+        summed: bool,
     ) -> torch.Tensor:
-        steps = max(
-            (math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0
-        )
-        self.micro_step_count = steps = max(steps, min_micro_steps)
+        self.micro_step_count = steps
         total: torch.Tensor | None = None  # summed on the loss's device: one copy at the end
         for k in range(steps):
             self.micro_step = k
@@ -324,18 +324,19 @@ class OomResplit:
                 (min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)
             ]
             loss = chunk_loss(spans)  # () mean over the micro-step's samples (or their sum)
-            count = sum(b - a for a, b in spans)
-            if summed:
-                scaled = loss * weight
-            elif count:
-                scaled = loss * (count * weight)
-            else:  # no samples: the mean is NaN, and NaN * 0 is NaN; zero it (gradient 0)
-                scaled = loss.nan_to_num(0.0) * 0.0
+            if not summed:
+                loss = weighted_sum(loss, sum(b - a for a, b in spans))
+            scaled = loss * weight
             backward(scaled)
             part = scaled.detach().float()
             total = part if total is None else total + part
         # The total stays on its device: reading it is the caller's choice (when logging).
         return torch.zeros(()) if total is None else total
+
+
+def _micro_steps(shares: Sequence[int], sizes: Sequence[int]) -> int:
+    """The micro-steps the largest share needs at its micro-batch size."""
+    return max((math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0)
 
 
 def _free_memory() -> None:
@@ -344,90 +345,3 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
-
-
-def all_reduce_gradients(
-    parameters: Iterable[torch.nn.Parameter],
-    group: dist.ProcessGroup | None = None,
-    *,
-    bucket_bytes: int = _BUCKET_BYTES,
-    extra: torch.Tensor | None = None,
-) -> None:
-    """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
-
-    Used after :meth:`OomResplit.run` agreed to step: every rank calls it exactly once per
-    step, whatever its micro-batching, so the collectives stay in lockstep. A parameter
-    without a gradient (a rank with an empty share) contributes zeros. Without a process
-    group (or with one rank) it does nothing.
-
-    Gradients go in buckets of about ``bucket_bytes`` (DDP's 25 MiB), each one all-reduce:
-    a gradient that fills a bucket alone is reduced in place, smaller ones are flattened
-    into one bucket buffer. At most two buckets are in flight, so the extra memory is two
-    buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
-    next one's packing.
-
-    ``extra`` (a small contiguous tensor, e.g. an OOM flag and a loss) is *summed* over ranks in
-    place, riding in the last bucket instead of a collective of its own.
-
-    >>> p = torch.nn.Parameter(torch.ones(2))
-    >>> p.grad = torch.full((2,), 3.0)
-    >>> all_reduce_gradients([p])  # one process: unchanged
-    >>> p.grad
-    tensor([3., 3.])
-    """
-    world = world_size(group)
-    if world == 1:
-        return
-    params = [p for p in parameters if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]
-    if extra is not None:
-        grads.append(extra)
-    in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
-    for bucket in _buckets(grads, bucket_bytes):
-        alone = len(bucket) == 1 and bucket[0].is_contiguous()
-        flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
-        in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
-        if len(in_flight) > 2:
-            _unpack(*in_flight.popleft(), world, extra)
-    while in_flight:
-        _unpack(*in_flight.popleft(), world, extra)
-
-
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype and device, about ``bucket_bytes`` per bucket."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        same = not bucket or (g.dtype, g.device) == (bucket[0].dtype, bucket[0].device)
-        if bucket and (not same or size + nbytes > bucket_bytes):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def _unpack(
-    work: dist.Work | None,
-    flat: torch.Tensor,
-    bucket: list[torch.Tensor],
-    world: int,
-    summed: torch.Tensor | None,
-) -> None:
-    # Gradients are averaged (as DDP does); ``summed`` (the extra tensor) keeps the sum.
-    if work is not None:
-        work.wait()
-    if flat is bucket[0]:
-        if flat is not summed:
-            flat.div_(world)
-        return
-    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-        g.copy_(reduced if g is summed else reduced.div_(world))

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import DataLoader, default_collate
 
 from ._errors import EvendpError
-from ._scatter import map_tensors
+from ._scatter import call, map_tensors
 from ._validate import validate_int
 
 __all__ = ["Predictions", "predict"]
@@ -41,14 +41,6 @@ class Predictions(NamedTuple):
 
     outputs: Any
     indices: torch.Tensor
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _concat(parts: list[Any]) -> Any:
@@ -126,7 +118,8 @@ def _model_device(model: nn.Module) -> torch.device:
 def _rank_sizes(weights: Any, batch_size: int, world: int) -> list[int]:
     """This step's samples per rank: ``batch_size`` split by ``weights`` (default: the sizes
     ``evendp launch`` set in ``EVENDP_BATCH_SIZES``, scaled to ``batch_size``; else even)."""
-    from . import batch_sizes_from_env, split_sizes
+    from ._sampler import batch_sizes_from_env
+    from ._split import split_sizes
 
     if isinstance(weights, str):
         raise EvendpError(
@@ -146,7 +139,7 @@ def _predict_ranks(
     model: nn.Module, data: Any, weights: Any, batch_size: int, collate: Callable[..., Any],
     inference_mode: bool,
 ) -> Predictions:  # fmt: skip
-    from . import EmptySafeCollate, UnevenBatchSampler
+    from ._sampler import EmptySafeCollate, UnevenBatchSampler
 
     world = dist.get_world_size()
     sizes = _rank_sizes(weights, batch_size, world)
@@ -161,7 +154,7 @@ def _predict_ranks(
         if not step_indices and not talks:
             continue  # an empty share and nobody waits for this rank: skip the forward
         with _no_grad(inference_mode):
-            out = _call(model, map_tensors(batch, lambda t: t.to(device)))
+            out = call(model, map_tensors(batch, lambda t: t.to(device)))
             out = map_tensors(out, lambda t: t.detach().cpu())
         if step_indices:
             outputs.append(out)
@@ -175,7 +168,7 @@ def _predict_devices(
     model: nn.Module, data: Any, device_ids: Any, weights: Any, batch_size: int,
     collate: Callable[..., Any], inference_mode: bool,
 ) -> Predictions:  # fmt: skip
-    from . import BalancedDataParallel
+    from ._dp import BalancedDataParallel
 
     if isinstance(model, BalancedDataParallel):
         if device_ids is not None or weights is not None:
@@ -191,7 +184,7 @@ def _predict_devices(
     for batch in loader:
         with _no_grad(inference_mode):
             # A scalar per device (a loss) has no rows to order; _concat names that below.
-            out = map_tensors(_call(wrapped, batch), lambda t: t.detach().cpu())
+            out = map_tensors(call(wrapped, batch), lambda t: t.detach().cpu())
         outputs.append(out)
     n = len(data)
     return Predictions(_concat(outputs) if outputs else None, torch.arange(n))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._oom_errors import tag_replica
 from ._scatter import to_device
 
 __all__ = ["parallel_apply", "replicate"]
@@ -181,7 +182,7 @@ def parallel_apply(
         if error is not None:
             if hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note(f"evendp: raised by the replica on {devices[i]} (replica {i})")
-            error.evendp_replica = i  # type: ignore[attr-defined]  # read by BalancedDataParallel
+            tag_replica(error, i)  # read by BalancedDataParallel
             raise error
     return results
 

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from ._errors import EvendpError
+from ._exact import combine_means
 
 __all__ = [
     "batch_size",
+    "as_args",
     "batch_size_and_devices",
-    "combine_means",
+    "call",
     "gather_outputs",
     "map_tensors",
     "scatter",
@@ -37,6 +39,30 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     lands, so copies to the CPU stay synchronous.
     """
     return t.to(device, non_blocking=device.type == "cuda")
+
+
+def call(module: Callable[..., Any], inputs: Any) -> Any:
+    """``module`` on ``inputs`` as a model takes them: a dict as keywords, a tuple or list as
+    positional arguments, anything else as the one argument.
+
+    >>> call(lambda a, b=0: a + b, {"a": 1, "b": 2}), call(max, (1, 3)), call(abs, -4)
+    (3, 3, 4)
+    """
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(*as_args(inputs))
+
+
+def as_args(batch: Any) -> tuple[Any, ...]:
+    """``batch`` as positional arguments: its items for a tuple or list, else itself alone.
+
+    The Trainer's loss modules take a batch this way and rebuild it as a tuple, so a dict
+    batch reaches ``loss_fn`` whole.
+
+    >>> as_args((1, 2)), as_args({"x": 1})
+    ((1, 2), ({'x': 1},))
+    """
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -197,28 +223,3 @@ def _gather_tensors(
     if not tensors[0].is_floating_point():
         return torch.stack([t.to(device) for t in tensors]).sum()
     return combine_means(tensors, counts, device)
-
-
-def combine_means(
-    means: Sequence[torch.Tensor], counts: Sequence[float], device: torch.device
-) -> torch.Tensor:
-    """``sum_i c_i * mean_i / sum_i c_i`` on ``device``, leaving out every ``c_i = 0``.
-
-    Per-device means -> the mean over all items: weight c_i / C, never 1 / k. A mean with
-    no items is left out of the graph entirely rather than multiplied by 0: its value is
-    NaN, and so is its backward (a masked mean divides by its zero count), and 0 * NaN is
-    NaN. With no items anywhere the result is a zero, a leaf so that ``backward()`` still
-    runs and leaves every gradient untouched.
-
-    >>> combine_means([torch.tensor(1.0), torch.tensor(4.0)], [3, 1], torch.device("cpu"))
-    tensor(1.7500)
-    """
-    total = float(sum(counts))
-    kept = [(m, c) for m, c in zip(means, counts, strict=True) if c > 0]
-    if not kept:
-        first = means[0]
-        return torch.zeros((), dtype=first.dtype, device=device, requires_grad=first.requires_grad)
-    combined = kept[0][0].to(device) * (kept[0][1] / total)
-    for mean, count in kept[1:]:
-        combined = combined + mean.to(device) * (count / total)
-    return combined

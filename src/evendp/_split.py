@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ._errors import EvendpError
 from ._validate import validate_int
 
-__all__ = ["split_sizes"]
+__all__ = ["split_even", "split_sizes"]
 
 
 def _validate_weights(weights: Sequence[float], expected_len: int | None = None) -> list[float]:
@@ -73,3 +73,13 @@ def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
     for k in range(left):
         sizes[order[k % len(order)]] += 1
     return sizes
+
+
+def split_even(total: int, count: int) -> list[int]:
+    """``total`` samples over ``count`` equal devices: what ``nn.DataParallel`` runs.
+
+    >>> split_even(10, 3)
+    [4, 3, 3]
+    """
+    validate_int("count", count, minimum=1, example="2")
+    return split_sizes(total, [1] * count)

@@ -13,13 +13,15 @@ each device's share is cut by its own cap: an OOM in one replica's forward halve
 device's micro-batches only, and the healthy devices keep running their shares in one go.
 
 How a step runs (one process, DDP, OOM-safe DDP, FSDP2) is a strategy object
-(:mod:`evendp._strategy`); where the run stands and its checkpoints are a
+(:mod:`evendp._strategies`): every decision that differs between them is the strategy's, and
+the loop calls the same methods in every mode. Where the run stands and its checkpoints are a
 :class:`~evendp._train_state.TrainState`; batches are collated ahead in a thread
 (:mod:`evendp._prefetch`). The loop in :meth:`Trainer.fit` reads top to bottom.
 
-With ``count_fn`` the loss is a mean over counted items (e.g. non-ignored tokens): every
-micro-batch is weighted by its count over the step's global count, learnt before the first
-backward (one all-reduce under DDP/FSDP2, none in one process).
+Every share's loss is summed over its counted items (samples, or what ``count_fn`` counts, e.g.
+non-ignored tokens) and scaled by one over the step's global count, learnt before the first
+backward (one all-reduce under DDP/FSDP2 with ``count_fn``, none otherwise): the arithmetic
+is :mod:`evendp._exact`'s.
 """
 
 from __future__ import annotations
@@ -27,34 +29,30 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
 from ._blocks import block_predicate, repeated_blocks
 from ._cost import split_by_cost
 from ._deprecation import UNSET, renamed_argument
-from ._distributed import comm_device
-from ._dp import BalancedDataParallel
 from ._errors import EvendpError
-from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
+from ._evaluate import EvalFn, loss_eval_fn
+from ._exact import mean_scale, weighted_sum, zero_weight
 from ._interrupt import StopFlag
-from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
-from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
+from ._sampler import EmptySafeCollate, sample_costs
 from ._scatter import batch_size, map_tensors
-from ._split import split_sizes
-from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
+from ._strategies import Strategy, pick_strategy
+from ._strategies._fsdp2 import refuse_prebuilt_optimizer
 from ._train_state import TrainState
 from ._validate import validate_int
 
@@ -138,15 +136,11 @@ def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class _LossModule(nn.Module):
-    """Runs ``loss_fn(model, batch)`` inside ``forward`` so each replica returns only its loss.
+    """Runs ``loss_fn(model, batch)`` inside ``forward``; returns the loss *summed* over the
+    batch's counted items (``count_fn(batch)``, else its rows), exactly 0 (not NaN) with none.
 
-    BalancedDataParallel then combines the scalars, and no logits are gathered. It combines
-    scalars as the row-weighted mean ``sum_i n_i * out_i / n``; with ``count_fn`` each
-    replica returns ``S_i / n_i``, where ``S_i = loss_i * count_i`` is its loss *summed* over
-    its counted items (exactly 0, not NaN, when it has none), so the combination is
-    ``sum_i S_i / n`` and the caller's ``n * out`` the exact sum over every counted item,
-    whatever the per-device counts. Without ``count_fn`` the count is the rows and the
-    replica's mean is returned as it is.
+    So each replica, rank and micro-batch returns a sum, no logits are gathered, and the
+    step's loss is the sum of the sums over the step's global count, whatever the split.
 
     >>> net = nn.Linear(2, 3)
     >>> def loss_fn(model, batch):
@@ -154,7 +148,7 @@ class _LossModule(nn.Module):
     ...     return nn.functional.cross_entropy(model(x), y)
     >>> m = _LossModule(net, loss_fn, count_fn=lambda b: (b[1] != -100).sum())
     >>> m(torch.ones(2, 2), torch.tensor([-100, -100]))  # no counted items: 0, not NaN
-    tensor(0., grad_fn=<DivBackward0>)
+    tensor(0., grad_fn=<WhereBackward0>)
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, count_fn: CountFn | None = None):
@@ -165,11 +159,10 @@ class _LossModule(nn.Module):
 
     def forward(self, *batch: Any) -> torch.Tensor:
         loss = self.loss_fn(self.model, batch)
-        if self.count_fn is None:
-            return loss
-        count = torch.as_tensor(self.count_fn(batch)).to(loss.device, loss.dtype)
-        summed = torch.where(count > 0, loss * count, torch.zeros_like(loss))
-        return summed / max(_batch_len(batch), 1)
+        count = _batch_len(batch) if self.count_fn is None else self.count_fn(batch)
+        if not isinstance(count, (int, float, torch.Tensor)):
+            count = torch.as_tensor(count)  # e.g. a NumPy integer
+        return weighted_sum(loss, count)
 
 
 def _keep_batchnorm_fp32(model: nn.Module) -> None:
@@ -317,41 +310,27 @@ class Trainer:
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
             _apply_activation_checkpointing(model)
-        self.strategy = _pick_strategy(model, config, device_ids, weights)
-        if self.strategy.sharded_checkpoint:
-            _validate_fsdp2(optimizer)
-        self.rank, self.world = self.strategy.rank, self.strategy.world
-        self.distributed = self.strategy.distributed
-        self.device = self.strategy.device
+        self.strategy = strategy = _pick_strategy(model, config, device_ids, weights)
+        strategy.check_optimizer(optimizer)
+        self.rank, self.world = strategy.rank, strategy.world
+        self.device = strategy.device
         # fp16 needs loss scaling so small gradients do not flush to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(self.device.type) if config.amp == "fp16" else None
-        self.strategy.wrap(_LossModule(model, loss_fn, count_fn))
-        self.wrapped = self.strategy.wrapped
-        self.device_names = self.strategy.device_names
-        self.sampler = UnevenBatchSampler(
-            data,
-            (config.batch_sizes or split_sizes(config.batch_size, [1] * self.world))
-            if self.distributed
-            else [config.batch_size],
-            rank=self.rank,
-            world_size=self.world,
-            seed=config.seed,
-            costs=costs if self.distributed else None,  # ranks split each step by cost
-            max_costs=max_costs if self.distributed else None,
-        )
-        # One process: each step's rows are ordered so each device's share is its cost plan.
-        self._costs = (
-            None if self.distributed else sample_costs(data, self.sampler.num_samples, costs)
-        )
+        strategy.wrap(_LossModule(model, loss_fn, count_fn))
+        self.wrapped = strategy.wrapped
+        self.device_names = strategy.device_names
         if max_costs is not None and costs is None:
             raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
-        self._max_costs = None if self.distributed else max_costs
-        # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
+        self.sampler = strategy.sampler(
+            data, batch_size=config.batch_size, batch_sizes=config.batch_sizes,
+            seed=config.seed, costs=costs, max_costs=max_costs,
+        )  # fmt: skip
+        # The cost plan inside this process (one process: each device's contiguous share).
+        device_costs, self._max_costs = strategy.device_costs(costs, max_costs)
+        self._costs = sample_costs(data, self.sampler.num_samples, device_costs)
+        # A micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
-        self.guard = OomResplit(
-            catch=config.oom_resplit and self.strategy.catch_oom,
-            devices=len(self.strategy.shares(0)),
-        )
+        self.guard = strategy.guard(config.oom_resplit)
         # Built after wrapping: FSDP2 replaces the parameters with sharded ones.
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -372,7 +351,6 @@ class Trainer:
         self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
-        self._local = self.strategy.losses_local
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
         self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
@@ -404,9 +382,7 @@ class Trainer:
         if path is None:
             return None
         self.state.flush(self.strategy.reduce_losses)  # every rank saves: collectives pair
-        saved = self.state.save(
-            path, rank=self.rank, sharded=self.strategy.sharded_checkpoint, **self._checkpointed()
-        )
+        saved = self.strategy.save(self.state, path, self._checkpointed())
         self._saved_step = self.state.step
         return saved if self.rank == 0 else None
 
@@ -419,12 +395,8 @@ class Trainer:
         path = self.checkpoint_path
         if path is None:
             return False
-        found = self.state.resume(
-            path,
-            rank=self.rank,
-            sharded=self.strategy.sharded_checkpoint,
-            reseed=self.config.seed * 1_000_003 + self.rank,
-            **self._checkpointed(),
+        found = self.strategy.resume(
+            self.state, path, self._checkpointed(), reseed=self.config.seed * 1_000_003 + self.rank
         )
         if found:
             self._saved_step = self.state.step
@@ -444,10 +416,13 @@ class Trainer:
 
     # -- data --------------------------------------------------------------------------------
 
-    def _collate_indices(self, indices: list[int]) -> Batch:
+    def collate(self, indices: list[int]) -> Batch:
+        """The batch of the samples ``indices``, as a step builds it (not yet placed)."""
         if self._batch_fn is not None:
             return self._batch_fn(indices)
         return self._collate([self.data[i] for i in indices])
+
+    _collate_indices = collate  # the old internal name (evendp train's demo calls it)
 
     def _prepare(self, epoch: int, skip: int) -> Iterator[Prepared]:
         """Every step's batch from ``(epoch, skip)`` on, collated (and pinned) in order."""
@@ -459,7 +434,7 @@ class Trainer:
                 if i < skip:
                     continue
                 indices, shares = self._by_cost(list(indices))
-                batch = self._collate_indices(indices)
+                batch = self.collate(indices)
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
@@ -484,7 +459,7 @@ class Trainer:
     def _stand_in_for_empty(self) -> Batch:
         """One real sample for a rank with no rows: models may reject an empty batch."""
         if self._stand_in is None:
-            self._stand_in = self.strategy.place(self._collate_indices([0]))
+            self._stand_in = self.strategy.place(self.collate([0]))
         return self._stand_in
 
     # -- evaluation --------------------------------------------------------------------------
@@ -502,19 +477,10 @@ class Trainer:
                 batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
             )
 
-        if self.distributed:
-            metrics = evaluate_ranks(
-                self.model, data, self.eval_fn, batch_sizes=self.sampler.batch_sizes,
-                collate=collate, device=self.device, autocast=self._autocast,
-                every_step=self.config.strategy == "fsdp2",  # FSDP2's forward all-gathers
-            )  # fmt: skip
-        else:
-            dp = cast(BalancedDataParallel, self.wrapped)  # one process: always DP
-            metrics = evaluate_devices(
-                self.model, data, self.eval_fn, batch_size=self.config.batch_size,
-                device_ids=dp.device_ids, weights=dp.weights,
-                collate=collate, autocast=self._autocast,
-            )  # fmt: skip
+        metrics = self.strategy.evaluate(
+            self.model, data, self.eval_fn, batch_sizes=list(self.sampler.batch_sizes),
+            collate=collate, autocast=self._autocast,
+        )  # fmt: skip
         self.evals.append({"step": self.step, "metrics": metrics})
         return metrics
 
@@ -537,13 +503,29 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _global_count(self, batch: Batch, samples: int) -> float | torch.Tensor:
-        """The step's counted items over all ranks (before the first backward)."""
-        if self.count_fn is None:
-            return samples  # every rank knows every rank's share: no all-reduce
-        local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
-        # Counted exactly in float64; the weight enters backward in the loss's fp32.
-        return self.strategy.global_count(local.reshape(())).float()
+    def _step_count(self, batch: Batch, samples: int) -> int | float | torch.Tensor:
+        """The step's counted items over all processes (before the first backward)."""
+        local = None if self.count_fn is None else self.count_fn(batch)
+        return self.strategy.step_count(local, samples)
+
+    def batch_loss(self, batch: Batch) -> torch.Tensor:
+        """The mean loss of this process's ``batch`` over its counted items, split over the
+        devices as a step splits it (forward only; ``backward()`` gives its gradient).
+
+        >>> from evendp.examples.stdlib_text import CharWindows
+        >>> data = CharWindows(torch.randint(0, 5, (50,)), block_size=4)
+        >>> bigram = lambda m, b: nn.functional.cross_entropy(m(b[0]).view(-1, 5), b[1].view(-1))
+        >>> t = Trainer(nn.Embedding(5, 5), data, TrainConfig(progress=False),
+        ...             device_ids=["cpu"] * 2, loss_fn=bigram)
+        >>> batch = t.collate([0, 1, 2])
+        >>> torch.allclose(t.batch_loss(batch), bigram(t.model, batch))
+        True
+        """
+        batch = self.strategy.place(batch)
+        n = _batch_len(batch)
+        with self._autocast():
+            total = self.strategy.forward(batch, self.strategy.shares(n))
+        return total * mean_scale(self._step_count(batch, n))
 
     def _train_step(
         self, batch: Batch, samples: int, planned: list[int] | None = None
@@ -568,21 +550,19 @@ class Trainer:
                 attempt.clear()  # an OOM restarts the step from sample 0: count the last try
             attempt.append(strategy.ran(rows))
             last = guard.micro_step == guard.micro_step_count - 1
-            empty = sum(rows) == 0
+            if sum(rows) == 0:  # a rank with nothing left still runs: one stand-in sample
+                with strategy.sync(last), self._autocast():
+                    stand_in = strategy.forward(self._stand_in_for_empty(), strategy.shares(1))
+                return zero_weight(stand_in)  # joins backward and collectives with weight 0
             mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
-            part = self._stand_in_for_empty() if empty else _rows(batch, mine)
             with strategy.sync(last), self._autocast():
-                mean = strategy.forward(part, [1] if empty else rows)
-            if empty:  # the stand-in sample joins the collectives with weight exactly 0
-                return torch.where(torch.zeros((), dtype=torch.bool), mean.float(), 0.0)
-            # Each replica returned (its items' loss sum) / (its rows); the wrapper's scalar
-            # combination is the row-weighted mean, so times the rows it is the exact sum.
-            return mean.float() * sum(rows)
+                return strategy.forward(_rows(batch, mine), rows).float()
 
         def backward(loss: torch.Tensor) -> None:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-        weight = self.world / self._global_count(batch, samples)  # DDP averages over ranks
+        # DDP and FSDP2 average the gradient over ranks: the scale is world / count.
+        weight = mean_scale(self._step_count(batch, samples), self.world)
         self.optimizer.zero_grad(set_to_none=True)
         total = guard.run_shares(
             shares,
@@ -591,17 +571,16 @@ class Trainer:
             zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
             backward=backward,
             micro_batch_sizes=accum,
-            min_micro_steps=strategy.min_micro_steps,
             summed=True,
-            reduce_total=strategy.guard_reduces_total,
-            agree=strategy.agree,
+            consensus=strategy,
         )
         self.micro_steps = attempt
         if total is None:
             return None
         strategy.reduce_gradients()
         self._optimizer_step()
-        return total / self.world  # DDP/FSDP2: this rank's part of the mean (losses_local)
+        # The step's mean, or this rank's part of it (the strategy sums the parts when read).
+        return total / self.world
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -651,7 +630,7 @@ class Trainer:
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
         with StopFlag() as stop:
-            self.strategy.stop_source = lambda: stop.signum
+            self.strategy.watch_stop(lambda: stop.signum)
             return self._fit(stop)
 
     def _fit(self, stop: StopFlag) -> TrainReport:
@@ -675,7 +654,8 @@ class Trainer:
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
                     loss = self._train_step(item.batch, item.count, item.shares)
                     state.step += 1
-                    state.record(loss, self._samples_ran(loss is not None), self._local)
+                    # The loss is this process's part: reduce_losses makes it the step's.
+                    state.record(loss, self._samples_ran(loss is not None), local=True)
                     if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
                         state.flush(self.strategy.reduce_losses)
                     shown = None if loss is None or not show else state.last_loss
@@ -687,14 +667,11 @@ class Trainer:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
                     signum = self.strategy.agree_stop()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as error:
             # Not from a signal while the flag is active (those only set it): raised by the
-            # program itself or outside the main thread. One process: the step it cut is not
-            # counted and the checkpoint is the last whole step's. Under DDP/FSDP2 the other
-            # ranks could not agree on it: it propagates.
-            if self.distributed:
-                raise
-            signum = int(signal.SIGINT)
+            # program itself or outside the main thread. One process stops with SIGINT (the
+            # step it cut is not counted); across ranks it propagates.
+            signum = self.strategy.interrupted(error)
         elapsed = time.perf_counter() - started
         if state.step != self._saved_step:  # never a second save of the same step
             self.save()
@@ -707,11 +684,7 @@ class Trainer:
 
     def _report(self, steps_run: int, elapsed: float, signum: int | None) -> TrainReport:
         self.state.flush(self.strategy.reduce_losses)
-        samples = list(self.state.samples)
-        if self.distributed:
-            t = torch.tensor(samples, dtype=torch.float64, device=comm_device())
-            dist.all_reduce(t)  # each rank counted only its own share
-            samples = [int(v) for v in t.tolist()]
+        samples = self.strategy.reduce_samples(list(self.state.samples))
         done = max(self.state.step - self.guard.skipped, 1)  # skipped steps trained no samples
         peaks = self.strategy.peak_memory()
         stats = [
@@ -753,16 +726,10 @@ def _pick_strategy(
     weights: list[float] | None,
 ) -> Strategy:
     """The one place that maps the configuration to a way of running a step."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return BalancedDP(model, device_ids, weights)
-    if config.strategy == "fsdp2":
-        return FSDP2(model, config.accum, lambda: repeated_blocks(model))
-    return OomSafeDDP(model) if config.oom_resplit else DDP(model)
+    return pick_strategy(
+        model, strategy=config.strategy, oom_resplit=config.oom_resplit, accum=config.accum,
+        blocks=lambda: repeated_blocks(model), device_ids=device_ids, weights=weights,
+    )  # fmt: skip
 
 
-def _validate_fsdp2(optimizer: torch.optim.Optimizer | None) -> None:
-    if optimizer is not None:
-        raise EvendpError(
-            "strategy='fsdp2' shards the parameters, so an optimizer built before would update "
-            "stale tensors; pass optimizer=None (AdamW with config.lr is built after sharding)"
-        )
+_validate_fsdp2 = refuse_prebuilt_optimizer  # the old internal name

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .._blocks import block_predicate
 from .._errors import EvendpError, PlanError
+from .._scatter import call
 
 __all__ = [
     "ModelLike",
@@ -91,14 +92,6 @@ class _Handoff(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(torch.ones(shape, dtype=dtype) for shape, dtype in ctx.meta)
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -202,7 +195,7 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
             inputs, targets = batch if setup.criterion is not None else (batch, None)
             tracker.reset_peak()
             with setup.autocast():
-                output = _call(model, inputs)
+                output = call(model, inputs)
                 output_bytes = _nbytes(output)
                 if variant == "handoff":
                     outs = [t for t in tensors(output) if t.requires_grad]
@@ -263,7 +256,7 @@ def measure_forward(setup: _Setup, n: int) -> Point:
         inputs, targets = batch if setup.criterion is not None else (batch, None)
         tracker.reset_peak()
         with torch.no_grad(), setup.autocast():
-            output = _call(model, inputs)
+            output = call(model, inputs)
             output_bytes = _nbytes(output)
             if setup.criterion is not None and targets is not None:
                 setup.criterion(output, targets)  # its temporaries count; its value does not
@@ -333,7 +326,7 @@ def sample_output(setup: _Setup, n: int) -> Any:
     with setup.fake_mode, torch.no_grad():
         inputs, _ = setup.make_batch(n)
         with setup.autocast():
-            out = _call(model, inputs)
+            out = call(model, inputs)
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .._errors import PlanError
-from .._split import split_sizes
+from .._split import split_even
 
 __all__ = [
     "Mode",
@@ -223,11 +223,11 @@ def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
     split = _capped_even_split(step_caps, total)
 
     def even_fits(t: int) -> bool:
-        sizes = split_sizes(t, [1] * k)
+        sizes = split_even(t, k)
         return all(model.peak(i, sizes[i], t) <= budgets[i] for i in range(k))
 
     even_total = total if batch is not None else max(0, _largest(even_fits, max(1, best)))
-    return _Solution(split, alone, split_sizes(even_total, [1] * k), step_caps)
+    return _Solution(split, alone, split_even(even_total, k), step_caps)
 
 
 def _token_fit(

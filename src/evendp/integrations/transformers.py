@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from .._exact import weighted_sum
 from .accelerate import uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_rows"]
@@ -115,13 +116,9 @@ def _batch_sum(loss: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
 
     >>> empty = torch.zeros(0, requires_grad=True)
     >>> _batch_sum(empty.mean(), 0), _batch_sum(torch.tensor(2.0), torch.tensor(3))
-    (tensor(0., grad_fn=<MulBackward0>), tensor(6.))
+    (tensor(0., grad_fn=<WhereBackward0>), tensor(6.))
     """
-    if isinstance(count, torch.Tensor):
-        return torch.where(count > 0, loss * count, torch.zeros_like(loss))
-    if count == 0:
-        return torch.nan_to_num(loss) * 0.0
-    return loss * count
+    return weighted_sum(loss, count)
 
 
 class UnevenTrainer(transformers.Trainer):

@@ -1,0 +1,30 @@
+"""torch's ``DistributedDataParallel``: the all-reduce overlapped with the last backward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+
+from ._ranks import RankStrategy
+
+__all__ = ["DDP"]
+
+
+class DDP(RankStrategy):
+    """``oom_resplit=False``: torch's DistributedDataParallel, with its overlap of all-reduce
+    and backward (``no_sync`` until the last micro-batch); an OOM on one rank is fatal, as in
+    torch. Every rank runs at least one synced backward, even with no samples."""
+
+    def wrap(self, loss_module: nn.Module) -> None:
+        self.wrapped = nn.parallel.DistributedDataParallel(loss_module, broadcast_buffers=False)
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        ddp = self.wrapped
+        if last or not isinstance(ddp, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return ddp.no_sync()
+
+    def micro_steps(self, planned: int) -> int:
+        return max(planned, 1)  # DDP's reducer waits for every rank's backward
