@@ -49,7 +49,7 @@ def test_auto_weights_count_the_gathered_gradient(monkeypatch: pytest.MonkeyPatc
     gathered = auto_weights(model, [0, 1], tokens, gather_output=True)
     per_device = auto_weights(model, [0, 1], tokens, gather_output=False)
     # What auto planning counted before: gathered logits held on cuda:0, no gradient for them.
-    held_only = plan(model, tokens, mems, mode="dp", gather=True, **options).split
+    held_only = plan(model, tokens, mems, mode="dp", gather_output=True, **options).split
     # cuda:0 also holds the optimizer state and reduces the gradients (DP's master), so it
     # takes less even without gathering; holding the gathered logits costs it more, and their
     # gradient (as large again) more still.

@@ -17,7 +17,7 @@ from torch import nn
 
 from evendp._oom import all_reduce_gradients
 from evendp._trainer import TrainConfig, Trainer
-from tests._helpers import run_ranks
+from tests._helpers import run_ranks, tiny_gpt2_config
 
 N, L, VOCAB = 41, 6, 64
 SIZES = [3, 5]  # 41 samples: five steps of 8, then a short step of 1 with an empty share
@@ -60,6 +60,28 @@ class _Sentences(torch.utils.data.Dataset[Any]):
 def _bert_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     ids, mask, labels = batch
     return model(input_ids=ids, attention_mask=mask, labels=labels).loss  # type: ignore[no-any-return]
+
+
+class _Texts(_Sentences):
+    """The same padded sequences as language-model rows: the padding's labels are -100."""
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ids[i], self.mask[i], self.ids[i].masked_fill(self.mask[i] == 0, -100)
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel(tiny_gpt2_config(vocab_size=VOCAB))
+
+
+def _gpt2_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    ids, mask, labels = batch
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss  # type: ignore[no-any-return]
+
+
+def _gpt2_count(batch: Any) -> torch.Tensor:
+    return (batch[2][:, 1:] != -100).sum()  # the causal shift: position 0 predicts nothing
 
 
 def _grads(model: nn.Module, sharded: bool = False) -> torch.Tensor:
@@ -125,6 +147,24 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.all_gather_object(every, list(trainer.sampler))
         report = trainer.fit()
         results[f"bert-{mode}"] = {
+            "grads": _grads(model, sharded=mode == "fsdp2"),
+            "indices": every,
+            "losses": report.losses,
+        }
+    # 1b) The same with HF GPT-2: padding, -100 labels, the loss a mean over shifted labels.
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = _gpt2()
+        cfg = TrainConfig(
+            steps=6, batch_sizes=SIZES, lr=0.0, grad_clip=None, oom_resplit=mode != "plain",
+            strategy="fsdp2" if mode == "fsdp2" else "ddp", progress=False,
+        )  # fmt: skip
+        trainer = Trainer(model, _Texts(), cfg, loss_fn=_gpt2_loss, count_fn=_gpt2_count)
+        trainer.sampler.set_epoch(0)
+        every = [None, None]
+        dist.all_gather_object(every, list(trainer.sampler))
+        report = trainer.fit()
+        results[f"gpt2-{mode}"] = {
             "grads": _grads(model, sharded=mode == "fsdp2"),
             "indices": every,
             "losses": report.losses,
@@ -198,6 +238,30 @@ def test_an_empty_share_never_calls_bert_on_zero_rows_and_stays_exact(
     for indices in steps:  # lr=0: every step at the initial weights
         ref.zero_grad()
         loss = _bert_loss(ref, torch.utils.data.default_collate([data[i] for i in indices]))
+        loss.backward()
+        losses.append(float(loss.detach()))
+    expected = _grads(ref)  # the short last step's gradient
+    for r in (r0, r1):
+        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
+    for got, want in zip(r0["losses"], losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_share_of_gpt2_with_padding_labels_stays_exact(
+    results: list[dict[str, Any]], mode: str
+) -> None:
+    r0, r1 = (r[f"gpt2-{mode}"] for r in results)
+    steps = [a + b for a, b in zip(r0["indices"][0], r0["indices"][1], strict=True)]
+    assert not r0["indices"][0][-1] or not r0["indices"][1][-1]  # the last step: one empty
+    data = _Texts()
+    torch.manual_seed(0)
+    ref = _gpt2()
+    losses = []
+    for indices in steps:  # lr=0: every step at the initial weights
+        ref.zero_grad()
+        loss = _gpt2_loss(ref, torch.utils.data.default_collate([data[i] for i in indices]))
         loss.backward()
         losses.append(float(loss.detach()))
     expected = _grads(ref)  # the short last step's gradient

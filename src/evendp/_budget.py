@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ._errors import EvendpError
-from ._memory import parse_bytes
+from ._units import parse_bytes
 
 __all__ = ["MemoryBudgets", "ReplicaMemory", "tensor_bytes"]
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._deprecation import UNSET, renamed_argument
 from ._errors import EvendpError, NvmlUnavailableError
-from ._validate import validate_int
+from ._units import parse_bytes
+from ._validate import is_int, validate_int
 
 __all__ = [
     "DeviceInfo",
@@ -139,51 +139,6 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
         nvml.nvmlShutdown()
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from a number or a string with a unit (``"8GiB"``, ``"500 MB"``, ``"1.5g"``).
-
-    >>> parse_bytes("8GiB") == 8 << 30
-    True
-    >>> parse_bytes("1.5 GB")
-    1500000000
-    >>> parse_bytes(4096)
-    4096
-    """
-    if isinstance(value, bool):
-        raise EvendpError(f"memory size must be a number of bytes or e.g. '8GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise EvendpError(
-                f"cannot read memory size {value!r}; write bytes or a number with a unit, "
-                "e.g. '8GiB', '500MB', '1.5GB'"
-            )
-        number, unit = float(match.group(1)), match.group(2).lower()
-    if number < 0:
-        raise EvendpError(f"memory size must be non-negative, got {value!r}")
-    return int(number * _UNITS[unit])
-
-
 def _validate_selection(
     devices: Sequence[DeviceInfo],
     count: int | None,
@@ -204,7 +159,7 @@ def _validate_selection(
             )
         known = {d.index for d in devices}
         for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or i not in known:
+            if not is_int(i) or i not in known:
                 raise EvendpError(
                     f"GPU id {i!r} is not a physical device; this machine has ids "
                     f"{sorted(known)} (see `evendp devices`)"

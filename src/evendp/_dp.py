@@ -37,7 +37,7 @@ from ._oom_errors import is_oom_error, replica_of, tag_device_index
 from ._replicate import parallel_apply, replicate
 from ._scatter import batch_size, batch_size_and_devices, gather_outputs, scatter
 from ._split import _validate_weights, split_sizes
-from ._validate import validate_int
+from ._validate import is_int, validate_int
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
 
@@ -636,8 +636,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 def _validate_scattered(value: Any) -> None:
     if not isinstance(value, Scattered):
         raise EvendpError(
-            f"expected the Scattered returned by BalancedDataParallel(..., gather=False), got "
-            f"{_describe(value)}; for an already gathered output call the criterion directly"
+            "expected the Scattered returned by BalancedDataParallel(..., gather_output=False), "
+            f"got {_describe(value)}; for an already gathered output call the criterion directly"
         )
 
 
@@ -703,7 +703,7 @@ def _validate_fixed_sizes(sizes: Any, num_devices: int) -> list[int]:
             f"exactly one per entry of device_ids ({num_devices} ints, 0 for an idle device)"
         )
     for i, n in enumerate(values):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise EvendpError(
                 f"fixed_sizes({values}): size {n!r} at position {i} is not a non-negative "
                 "int; use 0 to give a device no samples"

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._devices import NvmlUnavailableError, list_devices, parse_bytes
+from ._devices import NvmlUnavailableError, list_devices
 from ._errors import EvendpError, LiveMemoryError
+from ._units import parse_bytes
 
 __all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "parse_memory"]
 

@@ -37,7 +37,7 @@ from ._distributed import all_reduce_gradients, comm_device, world_size
 from ._errors import EvendpError
 from ._exact import weighted_sum
 from ._oom_errors import device_index_of, is_oom_error
-from ._validate import validate_int
+from ._validate import is_int, validate_int
 
 __all__ = ["OomResplit", "StepConsensus", "all_reduce_gradients", "is_oom_error"]
 
@@ -283,7 +283,7 @@ class OomResplit:
                 " pass one share per device (zeros allowed)"
             )
         for n in shares:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            if not is_int(n) or n < 0:
                 raise EvendpError(
                     f"n must be a non-negative int (samples in this share), got {n!r}"
                 )

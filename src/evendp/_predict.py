@@ -8,8 +8,8 @@ without shuffling) and returns its part, in order, with the dataset indices it c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import DataLoader, default_collate
 
 from ._errors import EvendpError
+from ._evaluate import model_mode
 from ._scatter import call, map_tensors
 from ._validate import validate_int
 
@@ -66,19 +67,6 @@ def _concat(parts: list[Any]) -> Any:
 
 def _no_grad(inference_mode: bool) -> AbstractContextManager[Any]:
     return torch.inference_mode() if inference_mode else torch.no_grad()
-
-
-@contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model.eval()`` for the run (dropout off, BatchNorm on running statistics), then the
-    training flags each submodule had before."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
 
 
 def _validate_data(data: Any) -> int:
@@ -239,7 +227,7 @@ def predict(
     collate = default_collate if collate_fn is None else collate_fn
     if n == 0:
         return Predictions(None, torch.empty(0, dtype=torch.long))
-    with _eval_mode(model):
+    with model_mode(model, False):  # dropout off, BatchNorm on its running statistics
         if _distributed() and device_ids is None:
             return _predict_ranks(model, data, weights, batch_size, collate, inference_mode)
         return _predict_devices(

@@ -27,12 +27,16 @@ __all__ = ["Prefetcher", "Prepared", "pin", "wants_pinning"]
 
 @dataclass
 class Prepared:
-    """One collated batch, where it comes from, and the step's sample count over ranks."""
+    """One collated batch, where it comes from, and the step's samples over ranks.
+
+    ``samples`` (not a "count": counts are the items a loss is a mean over) is the step's
+    global batch, known to every rank with no communication.
+    """
 
     batch: Any
     epoch: int
     index: int
-    count: int
+    samples: int
     shares: list[int] | None = None  # per-device rows when a cost plan ordered the batch
 
 

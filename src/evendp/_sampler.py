@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
 from ._split import split_sizes
-from ._validate import validate_int
+from ._validate import is_int, validate_int
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -57,7 +57,7 @@ def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) ->
     if not sizes:
         raise EvendpError("batch_sizes is empty; pass one non-negative int per rank, e.g. [3, 5]")
     for i, b in enumerate(sizes):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        if not is_int(b) or b < 0:
             raise EvendpError(
                 f"batch size {b!r} for rank {i} in {sizes!r} is not a non-negative int; "
                 "use 0 for a rank that should get no samples"
@@ -150,7 +150,7 @@ def _validate_max_costs(
 
 
 def _validate_rank(rank: int, world_size: int) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise EvendpError(
             f"rank {rank!r} is out of range for world_size={world_size}; "
             f"expected an int in [0, {world_size - 1}]"

@@ -562,12 +562,12 @@ class Trainer:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
         # DDP and FSDP2 average the gradient over ranks: the scale is world / count.
-        weight = mean_scale(self._step_count(batch, samples), self.world)
+        scale = mean_scale(self._step_count(batch, samples), self.world)
         self.optimizer.zero_grad(set_to_none=True)
         total = guard.run_shares(
             shares,
             chunk_loss,
-            weight=weight,
+            weight=scale,
             zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
             backward=backward,
             micro_batch_sizes=accum,
@@ -652,7 +652,7 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.count, item.shares)
+                    loss = self._train_step(item.batch, item.samples, item.shares)
                     state.step += 1
                     # The loss is this process's part: reduce_losses makes it the step's.
                     state.record(loss, self._samples_ran(loss is not None), local=True)
@@ -662,7 +662,7 @@ class Trainer:
                     if self._eval_due():
                         self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(state.step, shown, item.count, text + self._eval_text())
+                    bar.update(state.step, shown, item.samples, text + self._eval_text())
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.

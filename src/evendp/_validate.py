@@ -10,7 +10,16 @@ from typing import Any
 
 from ._errors import EvendpError
 
-__all__ = ["validate_int"]
+__all__ = ["is_int", "validate_int"]
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int and not a bool (a flag is never a count).
+
+    >>> is_int(3), is_int(True), is_int(3.0)
+    (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _kind(minimum: int | None) -> str:
@@ -45,11 +54,7 @@ def validate_int(
     """
     if value is None and allow_none:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or (minimum is not None and value < minimum)
-    ):
+    if not is_int(value) or (minimum is not None and value < minimum):
         expected = _kind(minimum) + (" or None" if allow_none else "")
         hint = f"; e.g. {example}" if example else ""
         raise EvendpError(f"{name} must be {expected}, got {value!r}{hint}")

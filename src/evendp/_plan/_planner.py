@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 from .._deprecation import UNSET, renamed_argument
-from .._devices import parse_bytes
 from .._errors import EvendpError, PlanError
 from .._memory import DeviceMemory, live_memory, parse_memory
+from .._units import parse_bytes
 from .._validate import validate_int
 from ._measure import (
     ModelLike,
@@ -88,16 +88,17 @@ def plan(
     criterion: Callable[..., torch.Tensor] | None = None,
     optimizer: OptimizerFactory | None = torch.optim.AdamW,
     batch_size: int | None = None,
-    amp: torch.dtype | None = None,
+    amp: torch.dtype | str | None = None,
     checkpointing: bool | Callable[[nn.Module], bool] = False,
     gradient_as_bucket_view: bool = False,
-    gather: bool = True,
+    gather_output: bool = True,
     output_device: int = 0,
     safety_margin: float = 0.05,
     cuda_context: int | str = _DEFAULT_CONTEXT,
     no_grad: bool = False,
     seq_len: int | None = None,
     devices: Any = UNSET,
+    gather: Any = UNSET,
 ) -> Plan:
     """Predict every device's memory for a training step and choose the per-device split.
 
@@ -116,13 +117,18 @@ def plan(
             and loss on ``output_device``) or ``"ddp"`` (one process per device).
         optimizer: a factory ``optimizer(params)``; ``None`` for no optimizer state.
         batch_size: plan this global batch; ``None`` for the largest that fits.
-        amp: ``torch.bfloat16`` or ``torch.float16`` to plan under autocast.
+        amp: ``torch.bfloat16`` or ``torch.float16`` to plan under autocast; the
+            :class:`TrainConfig` spellings ``"bf16"``, ``"fp16"`` and ``"none"`` work too.
         checkpointing: ``True`` to checkpoint every block of every ``nn.ModuleList``, or a
             predicate choosing the modules to checkpoint.
         gradient_as_bucket_view: DDP's option; without it buckets cost one more gradient.
-        gather: DP only; ``False`` when the loss is computed per device
-            (``ParallelCriterion``), so no outputs are gathered.
-        safety_margin: each device may use ``free * (1 - safety_margin)``.
+        gather_output: DP only; ``False`` when the loss is computed per device
+            (``ParallelCriterion``), so no outputs are gathered (the same name as
+            :class:`BalancedDataParallel`'s; ``gather=`` is the deprecated spelling).
+        safety_margin: each device may use ``free * (1 - safety_margin)``. 0.05 here, for
+            a plan made ahead of a run on the free memory you state; ``weights="auto"``
+            (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
+            processes on the GPU keep changing.
         cuda_context: bytes per device for the CUDA context and library workspaces.
         no_grad: plan a forward-only step (inference, evaluation, feature extraction under
             ``torch.no_grad``, model in eval mode): no gradients, no optimizer state, no
@@ -134,6 +140,7 @@ def plan(
             (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
             (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
         devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
+        gather: the old name of ``gather_output`` (deprecated; goes in 0.3.0).
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
     solves again on every new measurement. When a recommended size still lies beyond the
@@ -153,6 +160,10 @@ def plan(
     (True, True)
     """
     memory = renamed_argument("plan", "devices", "memory", devices, memory)
+    amp = amp_dtype(amp)
+    gather_output = renamed_argument(
+        "plan", "gather", "gather_output", gather, gather_output, default=True
+    )
     mems = _validate_memory_specs(memory)
     k = len(mems)
     _validate_options(mode, safety_margin, output_device, k, batch_size)
@@ -166,7 +177,7 @@ def plan(
         criterion=criterion,
         amp=amp,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        gather=gather,
+        gather=gather_output,
         output_device=output_device,
         safety_margin=safety_margin,
         context=parse_bytes(cuda_context),
@@ -418,6 +429,25 @@ def _gathered_loss(output: Any, targets: Any) -> torch.Tensor:
     return sum((t.float().mean() for t in used), torch.zeros(()))
 
 
+_AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def amp_dtype(amp: torch.dtype | str | None) -> torch.dtype | None:
+    """``amp`` as the autocast dtype: a dtype, ``None``, or a :class:`TrainConfig` spelling.
+
+    >>> amp_dtype("bf16"), amp_dtype(torch.float16), amp_dtype("none")
+    (torch.bfloat16, torch.float16, None)
+    """
+    if isinstance(amp, str):
+        if amp not in _AMP_DTYPES:
+            raise EvendpError(
+                f"amp must be one of {sorted(_AMP_DTYPES)} or a torch dtype, got {amp!r}; "
+                "e.g. amp='bf16'"
+            )
+        return _AMP_DTYPES[amp]
+    return amp
+
+
 def auto_weights(
     module: nn.Module,
     device_ids: Sequence[torch.device | int | str],
@@ -444,6 +474,8 @@ def auto_weights(
     device keeps its outputs (``ParallelCriterion``). With ``no_grad=True`` (the first call
     ran under ``torch.no_grad`` or ``torch.inference_mode``) it plans a forward only: no
     gradients, optimizer state or saved activations, so each device takes a larger share.
+    ``safety_margin`` is 0.1, twice :func:`plan`'s: live free memory is what other processes
+    left a moment ago, and they keep allocating.
 
     >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
     [1.0, 1.0, 1.0]
@@ -496,7 +528,7 @@ def auto_weights(
         mode="dp",
         criterion=loss,
         optimizer=optimizer,
-        gather=gather_output,
+        gather_output=gather_output,
         output_device=output_device,
         safety_margin=safety_margin,
         cuda_context=0,
