@@ -1,4 +1,7 @@
-"""The exceptions evendp raises, in one place so callers can catch them by type.
+"""The exceptions evendp defines, in one place so callers can catch them by type.
+
+(Errors of torch and of the user's own code, ``torch.OutOfMemoryError`` included, pass
+through as they are.)
 
 One family, rooted at :class:`EvendpError`::
 

@@ -29,6 +29,7 @@ from ._checkpoint import (
     save_rank_rng,
     save_sharded_checkpoint,
 )
+from ._errors import TrainingError
 from ._oom import OomResplit
 
 __all__ = ["TrainState"]
@@ -85,7 +86,7 @@ class TrainState:
 
     def _flush_order_check(self) -> None:
         if self._parts:  # a global loss after local parts: the parts must be summed first
-            raise RuntimeError("TrainState.flush() was not called before a global loss")
+            raise TrainingError("TrainState.flush() was not called before a global loss")
 
     def flush(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective)."""
@@ -128,12 +129,7 @@ class TrainState:
         (no collective). ``sharded`` (FSDP2): a collective DCP save in which every rank writes
         its shards and its RNG into the ``ckpt.dcp`` folder.
         """
-        states: dict[str, Any] = {
-            "model": model,
-            "optimizer": optimizer,
-            "scaler": scaler,
-            "scheduler": scheduler,
-        }
+        states = _states(model, optimizer, scaler, scheduler)
         if sharded:
             return save_sharded_checkpoint(path, **states, step=self.step, extra=self._extra(guard))
         if rank != 0:
@@ -163,12 +159,7 @@ class TrainState:
         found = latest_checkpoint(path)
         if found is None:
             return False
-        states: dict[str, Any] = {
-            "model": model,
-            "optimizer": optimizer,
-            "scaler": scaler,
-            "scheduler": scheduler,
-        }
+        states = _states(model, optimizer, scaler, scheduler)
         if sharded:
             info = load_sharded_checkpoint(found, **states, reseed=reseed)
         else:
@@ -197,3 +188,13 @@ class TrainState:
         guard.resplits = int(extra.get("resplits", 0))
         guard.skipped = int(extra.get("skipped", 0))
         return True
+
+
+def _states(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    scheduler: Any | None,
+) -> dict[str, Any]:
+    """The objects a checkpoint holds the state of, by their name in it."""
+    return {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}

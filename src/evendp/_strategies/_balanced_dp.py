@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .._dp import BalancedDataParallel
+from .._errors import TrainingError
 from .._evaluate import EvalFn, evaluate_devices
 from .._exact import step_count, sum_on
 from .._sampler import UnevenBatchSampler
@@ -58,7 +59,7 @@ class BalancedDP(Strategy):
     def dp(self) -> BalancedDataParallel:
         """The wrapper (after :meth:`wrap`)."""
         if self._dp is None:
-            raise RuntimeError("BalancedDP.wrap() was not called")
+            raise TrainingError("BalancedDP.wrap() was not called before the step")
         return self._dp
 
     @property
