@@ -54,6 +54,7 @@ from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
+from ._step_cost import StepWeight, display_due
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
 from ._train_state import TrainState
 from ._validate import validate_int
@@ -94,6 +95,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
 
@@ -119,6 +121,7 @@ class TrainConfig:
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
         validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
+        validate_int("log_every", self.log_every, minimum=1, example="log_every=10")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -537,13 +540,15 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _global_count(self, batch: Batch, samples: int) -> float | torch.Tensor:
-        """The step's counted items over all ranks (before the first backward)."""
+    def _step_weight(self, batch: Batch, samples: int) -> float | StepWeight:
+        """``world / the step's counted items over all ranks``, known before the first backward."""
         if self.count_fn is None:
-            return samples  # every rank knows every rank's share: no all-reduce
+            return self.world / samples  # every rank knows every rank's share: no all-reduce
         local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
         # Counted exactly in float64; the weight enters backward in the loss's fp32.
-        return self.strategy.global_count(local.reshape(())).float()
+        if self.distributed:  # all-reduced while the first forward runs
+            return StepWeight(self.world, local, self.device)
+        return StepWeight.ready(self.world, self.strategy.global_count(local.reshape(())))
 
     def _train_step(
         self, batch: Batch, samples: int, planned: list[int] | None = None
@@ -573,6 +578,8 @@ class Trainer:
             part = self._stand_in_for_empty() if empty else _rows(batch, mine)
             with strategy.sync(last), self._autocast():
                 mean = strategy.forward(part, [1] if empty else rows)
+            if isinstance(weight, StepWeight):
+                weight.wait()  # the count's all-reduce ran during this forward
             if empty:  # the stand-in sample joins the collectives with weight exactly 0
                 return torch.where(torch.zeros((), dtype=torch.bool), mean.float(), 0.0)
             # Each replica returned (its items' loss sum) / (its rows); the wrapper's scalar
@@ -582,12 +589,12 @@ class Trainer:
         def backward(loss: torch.Tensor) -> None:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-        weight = self.world / self._global_count(batch, samples)  # DDP averages over ranks
+        weight = self._step_weight(batch, samples)  # DDP averages over ranks: times world
         self.optimizer.zero_grad(set_to_none=True)
         total = guard.run_shares(
             shares,
             chunk_loss,
-            weight=weight,
+            weight=weight.value if isinstance(weight, StepWeight) else weight,
             zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
             backward=backward,
             micro_batch_sizes=accum,
@@ -663,6 +670,7 @@ class Trainer:
         self.model.train()
         signum: int | None = None
         show = cfg.progress and self.rank == 0
+        shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()
         prepared = Prefetcher(
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
@@ -676,13 +684,24 @@ class Trainer:
                     loss = self._train_step(item.batch, item.count, item.shares)
                     state.step += 1
                     state.record(loss, self._samples_ran(loss is not None), self._local)
-                    if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
+                    # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
+                    # steps, the same on every rank; the report still gets every step's.
+                    due = cfg.progress and display_due(
+                        state.step, start_step, cfg.steps, cfg.log_every
+                    )
+                    if due:
                         state.flush(self.strategy.reduce_losses)
-                    shown = None if loss is None or not show else state.last_loss
+                        if show and loss is not None:
+                            shown = state.last_loss
                     if self._eval_due():
                         self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(state.step, shown, item.count, text + self._eval_text())
+                    bar.update(
+                        state.step,
+                        None if loss is None else shown,
+                        item.count,
+                        text + self._eval_text(),
+                    )
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.

@@ -1,0 +1,77 @@
+"""What a training step costs beyond its own work: the global count and the loss display.
+
+Two things the Trainer needs that are not the step's compute, each kept off the step's
+critical path:
+
+- **The step's global count** of counted items (``count_fn``, e.g. non-ignored tokens) under
+  DDP/FSDP2. Each rank only knows its own; the sum is needed before the first ``backward``
+  (it weights every micro-batch). :class:`StepWeight` starts its all-reduce *before* the first
+  forward, asynchronously, and waits for it only when that forward is done, so the collective
+  overlaps the forward instead of stalling it (without ``count_fn`` the count is the samples,
+  which every rank knows from the sampler: no collective at all).
+- **The progress bar's loss.** Reading a loss is a host sync (on a GPU), and under DDP/FSDP2
+  summing the ranks' parts is a collective; doing that every step only to print a number is
+  what nanoGPT avoids with ``log_interval``. :func:`display_due` says on which steps the bar
+  reads the loss (every ``log_every`` steps, the first and the last); every rank computes the
+  same answer, so the collective pairs up. The other steps cost neither. The report and
+  ``report.json`` still hold every step's exact loss: the pending parts are summed at the next
+  read, a checkpoint or the report, in one collective for all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._distributed import comm_device
+
+__all__ = ["StepWeight", "display_due"]
+
+
+class StepWeight:
+    """``world / (the step's global count)``, all-reduced while the first forward runs.
+
+    ``value`` is a 0-dim tensor on ``device`` that holds the weight once :meth:`wait` has
+    returned (call it after the forward, before the first ``backward``; later calls are free).
+    The arithmetic is the synchronous path's: the count summed in float64, the weight in fp32.
+
+    >>> import torch
+    >>> weight = StepWeight.ready(2, torch.tensor(8.0))  # no process group: nothing to wait for
+    >>> weight.wait()
+    tensor(0.2500)
+    """
+
+    def __init__(self, world: int, local: torch.Tensor, device: torch.device) -> None:
+        self._world = world
+        self._total = local.reshape(()).to(comm_device(), torch.float64)
+        # Started now, waited for after the forward: the collective overlaps it.
+        self._work = dist.all_reduce(self._total, async_op=True)
+        self.value = torch.empty((), device=device)
+
+    @classmethod
+    def ready(cls, world: int, total: torch.Tensor) -> StepWeight:
+        """A weight whose global count is already known (one process)."""
+        weight = cls.__new__(cls)
+        weight._world, weight._total, weight._work = world, total, None
+        weight.value = world / total.float()
+        return weight
+
+    def wait(self) -> torch.Tensor:
+        """The weight, once the all-reduce is done (NCCL: the stream waits, not the host)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self.value.copy_(self._world / self._total.to(self.value.device).float())
+        return self.value
+
+
+def display_due(step: int, start: int, steps: int, every: int) -> bool:
+    """Whether the progress bar reads the loss after ``step`` (1-based steps done).
+
+    The first step of this run, every ``every``-th step and the last one; the same on every
+    rank, so the reads' collective (DDP/FSDP2) pairs up.
+
+    >>> [s for s in range(1, 26) if display_due(s, start=0, steps=25, every=10)]
+    [1, 10, 20, 25]
+    """
+    return step == start + 1 or step % every == 0 or step == steps
