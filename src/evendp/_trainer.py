@@ -19,7 +19,8 @@ How a step runs (one process, DDP, OOM-safe DDP, FSDP2) is a strategy object
 
 With ``count_fn`` the loss is a mean over counted items (e.g. non-ignored tokens): every
 micro-batch is weighted by its count over the step's global count, learnt before the first
-backward (one all-reduce under DDP/FSDP2, none in one process).
+backward (one all-reduce under DDP/FSDP2, overlapping the first forward; none in one process).
+The progress bar reads the loss every ``log_every`` steps only (:mod:`evendp._step_cost`).
 """
 
 from __future__ import annotations
