@@ -20,7 +20,9 @@ less with other load on the machine than wall time; "CPU ratio" is plain / varia
 Token counts against sample counts: a second table per setting compares the Trainer with
 ``count_fn`` (a 0-dim tensor count, as for non-ignored tokens: under DDP the step's global
 count is all-reduced, started before the forward and waited for before the backward) with the
-same Trainer without it (the count from the sampler), beside an A/A row (that Trainer twice).
+same Trainer without it (the count from the sampler), beside an A/A row (that Trainer twice),
+and under DDP with ``counts=`` as well (per-sample counts: the global count needs no
+collective).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_overhead.py           # ~3 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_overhead.py --quick   # < 1 min
@@ -186,10 +188,8 @@ def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> Non
         return _plain(ddp, data, sampler)
 
     def trainer(**kw: Any) -> Callable[[int], None]:
-        count_fn = kw.pop("count_fn", None)
-        return _trainer(
-            Trainer(_model(), data, _config(batch_sizes=sizes, **kw), count_fn=count_fn)
-        )
+        extra = {k: kw.pop(k) for k in ("count_fn", "counts") if k in kw}
+        return _trainer(Trainer(_model(), data, _config(batch_sizes=sizes, **kw), **extra))
 
     variants = {
         "plain DDP loop": plain(),
@@ -198,6 +198,7 @@ def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> Non
         "Trainer (oom_resplit=False)": trainer(oom_resplit=False),
         "Trainer (OOM-safe) again": trainer(),
         "Trainer (OOM-safe), count_fn": trainer(count_fn=_tokens),
+        "Trainer (OOM-safe), counts=": trainer(count_fn=_tokens, counts=[1.0] * len(data)),
     }
     rates = _time_rounds(variants, args.rounds, args.steps, sync=dist.barrier)
     if rank == 0:
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(_table(title, ddp, names)))
     print()
     counts = ["Trainer (OOM-safe DDP)", "Trainer (OOM-safe) again", "Trainer (OOM-safe), count_fn"]
+    counts.append("Trainer (OOM-safe), counts=")
     print("\n".join(_table(f"{title}: token counts vs sample counts", ddp, counts)))
 
 

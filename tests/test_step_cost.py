@@ -36,7 +36,7 @@ def _config(out: Path | None, progress: bool, **kw: Any) -> TrainConfig:
     )  # fmt: skip
 
 
-def _fit_recording(out: Path, progress: bool, rank: int) -> list[tuple[str, bool]]:
+def _fit_recording(out: Path, progress: bool, rank: int, **kw: Any) -> list[tuple[str, bool]]:
     """One DDP run; every all_reduce call as (dtype, async_op)."""
     calls: list[tuple[str, bool]] = []
     original = dist.all_reduce
@@ -48,7 +48,7 @@ def _fit_recording(out: Path, progress: bool, rank: int) -> list[tuple[str, bool
     torch.manual_seed(0)
     model = TokenLM()
     cfg = _config(out, progress, batch_sizes=SIZES, oom_resplit=False)
-    trainer = Trainer(model, Lines(LENGTHS, seed=0), cfg, count_fn=tokens)
+    trainer = Trainer(model, Lines(LENGTHS, seed=0), cfg, count_fn=tokens, **kw)
     dist.all_reduce = recording  # type: ignore[assignment]
     try:
         trainer.fit()
@@ -64,6 +64,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     found = {
         "on": _fit_recording(Path(out) / "on", progress=True, rank=rank),
         "off": _fit_recording(Path(out) / "off", progress=False, rank=rank),
+        # Each row's count of real targets is its length: the global count needs no comm.
+        "counts": _fit_recording(Path(out) / "counts", progress=True, rank=rank, counts=LENGTHS),
     }
     torch.save(found, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -113,11 +115,30 @@ def test_report_json_holds_every_steps_exact_loss(
         device_ids=["cpu"],
         count_fn=tokens,
     ).fit()
-    for run in ("on", "off"):
+    for run in ("on", "off", "counts"):
         losses = json.loads((out / run / "report.json").read_text())["losses"]
         assert len(losses) == STEPS
         for ours, ref in zip(losses, one.losses, strict=True):
             assert abs(ours - ref) <= 1e-5 * abs(ref)
+
+
+@pytest.mark.multiprocess
+def test_per_sample_counts_take_the_count_all_reduce_away(
+    ranks: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = ranks
+    for r in results:
+        assert not any(overlapped for _, overlapped in r["counts"])
+        assert len(r["counts"]) == len(r["on"]) - STEPS  # one collective fewer per step
+
+
+def test_counts_need_count_fn_and_one_count_per_sample() -> None:
+    data = Lines(LENGTHS, seed=0)
+    cfg = _config(None, False, batch_size=8)
+    with pytest.raises(ValueError, match="count_fn=None"):
+        Trainer(TokenLM(), data, cfg, device_ids=["cpu"], counts=LENGTHS)
+    with pytest.raises(ValueError, match="one count >= 0 per sample"):
+        Trainer(TokenLM(), data, cfg, device_ids=["cpu"], count_fn=tokens, counts=[1, 2])
 
 
 def test_step_weight_without_a_process_group_is_the_synchronous_weight() -> None:

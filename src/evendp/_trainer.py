@@ -48,6 +48,7 @@ from ._distributed import comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
+from ._exact import mean_scale
 from ._interrupt import StopFlag
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
@@ -55,7 +56,7 @@ from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
-from ._step_cost import StepWeight, display_due
+from ._step_cost import StepWeight, display_due, sample_counts
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
 from ._train_state import TrainState
 from ._validate import validate_int
@@ -254,6 +255,10 @@ class Trainer:
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
             ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        counts: with ``count_fn``, each sample's counted items (a sequence, or a function of
+            ``data[i]``): what ``count_fn`` counts on that sample alone. The step's global
+            count is then their sum over the step's samples, known to every rank: under
+            DDP/FSDP2 no all-reduce per step (without it: one, overlapping the forward).
         eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
             the last step (``eval_every=0``: only then), in order, every sample exactly once
             over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
@@ -311,6 +316,7 @@ class Trainer:
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         max_costs: Sequence[float] | None = None,
+        counts: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         self.config = config
@@ -350,6 +356,9 @@ class Trainer:
         if max_costs is not None and costs is None:
             raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
         self._max_costs = None if self.distributed else max_costs
+        if counts is not None and count_fn is None:
+            raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
+        self._counts = sample_counts(data, self.sampler.num_samples, counts)
         # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
         self.guard = OomResplit(
@@ -467,7 +476,10 @@ class Trainer:
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
-                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares)
+                counted = None
+                if self._counts is not None:  # per-sample counts: the same on every rank
+                    counted = sum(self._counts[j] for j in self.sampler.step_indices)
+                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares, counted)
             epoch, skip = epoch + 1, 0
 
     def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
@@ -541,8 +553,10 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _step_weight(self, batch: Batch, samples: int) -> float | StepWeight:
+    def _step_weight(self, batch: Batch, samples: int, counted: float | None) -> float | StepWeight:
         """``world / the step's counted items over all ranks``, known before the first backward."""
+        if counted is not None:  # from Trainer(counts=): every rank knows it, no all-reduce
+            return float(mean_scale(counted, numerator=self.world))
         if self.count_fn is None:
             return self.world / samples  # every rank knows every rank's share: no all-reduce
         local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
@@ -552,7 +566,11 @@ class Trainer:
         return StepWeight.ready(self.world, self.strategy.global_count(local.reshape(())))
 
     def _train_step(
-        self, batch: Batch, samples: int, planned: list[int] | None = None
+        self,
+        batch: Batch,
+        samples: int,
+        planned: list[int] | None = None,
+        counted: float | None = None,
     ) -> torch.Tensor | None:
         """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
 
@@ -590,7 +608,7 @@ class Trainer:
         def backward(loss: torch.Tensor) -> None:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-        weight = self._step_weight(batch, samples)  # DDP averages over ranks: times world
+        weight = self._step_weight(batch, samples, counted)  # DDP averages over ranks: x world
         self.optimizer.zero_grad(set_to_none=True)
         total = guard.run_shares(
             shares,
@@ -682,7 +700,7 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.count, item.shares)
+                    loss = self._train_step(item.batch, item.count, item.shares, item.counted)
                     state.step += 1
                     state.record(loss, self._samples_ran(loss is not None), self._local)
                     # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
