@@ -20,8 +20,10 @@ the loop calls the same methods in every mode. Where the run stands and its chec
 
 Every share's loss is summed over its counted items (samples, or what ``count_fn`` counts, e.g.
 non-ignored tokens) and scaled by one over the step's global count, learnt before the first
-backward (one all-reduce under DDP/FSDP2 with ``count_fn``, none otherwise): the arithmetic
-is :mod:`evendp._exact`'s.
+backward (with ``count_fn`` under DDP/FSDP2 one all-reduce, overlapping the first forward;
+none in one process, with the samples, or with ``counts=``): the arithmetic is
+:mod:`evendp._exact`'s. The progress bar reads the loss every ``log_every`` steps only
+(:mod:`evendp._step_cost`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._sampler import EmptySafeCollate, sample_costs
 from ._scatter import batch_size, map_tensors
+from ._step_cost import StepWeight, display_due, sample_counts
 from ._strategies import Strategy, pick_strategy
 from ._strategies._fsdp2 import refuse_prebuilt_optimizer
 from ._train_state import TrainState
@@ -92,6 +95,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
 
@@ -117,6 +121,7 @@ class TrainConfig:
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
         validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
+        validate_int("log_every", self.log_every, minimum=1, example="log_every=10")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -243,6 +248,10 @@ class Trainer:
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
             ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        counts: with ``count_fn``, each sample's counted items (a sequence, or a function of
+            ``data[i]``): what ``count_fn`` counts on that sample alone. The step's global
+            count is then their sum over the step's samples, known to every rank: under
+            DDP/FSDP2 no all-reduce per step (without it: one, overlapping the forward).
         eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
             the last step (``eval_every=0``: only then), in order, every sample exactly once
             over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
@@ -300,6 +309,7 @@ class Trainer:
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         max_costs: Sequence[float] | None = None,
+        counts: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         self.config = config
@@ -328,6 +338,9 @@ class Trainer:
         # The cost plan inside this process (one process: each device's contiguous share).
         device_costs, self._max_costs = strategy.device_costs(costs, max_costs)
         self._costs = sample_costs(data, self.sampler.num_samples, device_costs)
+        if counts is not None and count_fn is None:
+            raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
+        self._counts = sample_counts(data, self.sampler.num_samples, counts)
         # A micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
         self.guard = strategy.guard(config.oom_resplit)
@@ -438,7 +451,10 @@ class Trainer:
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
-                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares)
+                counted = None
+                if self._counts is not None:  # per-sample counts: the same on every rank
+                    counted = sum(self._counts[j] for j in self.sampler.step_indices)
+                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares, counted)
             epoch, skip = epoch + 1, 0
 
     def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
@@ -503,10 +519,20 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _step_count(self, batch: Batch, samples: int) -> int | float | torch.Tensor:
-        """The step's counted items over all processes (before the first backward)."""
-        local = None if self.count_fn is None else self.count_fn(batch)
-        return self.strategy.step_count(local, samples)
+    def _step_weight(
+        self, batch: Batch, samples: int, counted: float | None = None
+    ) -> float | StepWeight:
+        """``world / the step's counted items over all processes``, before the first backward.
+
+        The samples, or per-sample ``counts=``, are known to every process (no collective);
+        a ``count_fn`` count is the strategy's to sum (:meth:`Strategy.count_weight`).
+        """
+        if counted is not None:  # from Trainer(counts=): every rank knows it
+            return float(mean_scale(counted, numerator=self.world))
+        if self.count_fn is None:
+            return float(mean_scale(samples, numerator=self.world))
+        local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
+        return self.strategy.count_weight(local.reshape(()))
 
     def batch_loss(self, batch: Batch) -> torch.Tensor:
         """The mean loss of this process's ``batch`` over its counted items, split over the
@@ -523,12 +549,18 @@ class Trainer:
         """
         batch = self.strategy.place(batch)
         n = _batch_len(batch)
+        weight = self._step_weight(batch, n)
         with self._autocast():
             total = self.strategy.forward(batch, self.strategy.shares(n))
-        return total * mean_scale(self._step_count(batch, n))
+        scale = weight.wait() if isinstance(weight, StepWeight) else weight
+        return total * scale / self.world
 
     def _train_step(
-        self, batch: Batch, samples: int, planned: list[int] | None = None
+        self,
+        batch: Batch,
+        samples: int,
+        planned: list[int] | None = None,
+        counted: float | None = None,
     ) -> torch.Tensor | None:
         """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
 
@@ -553,21 +585,24 @@ class Trainer:
             if sum(rows) == 0:  # a rank with nothing left still runs: one stand-in sample
                 with strategy.sync(last), self._autocast():
                     stand_in = strategy.forward(self._stand_in_for_empty(), strategy.shares(1))
-                return zero_weight(stand_in)  # joins backward and collectives with weight 0
-            mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
-            with strategy.sync(last), self._autocast():
-                return strategy.forward(_rows(batch, mine), rows).float()
+                summed = zero_weight(stand_in)  # joins backward and collectives with weight 0
+            else:
+                mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
+                with strategy.sync(last), self._autocast():
+                    summed = strategy.forward(_rows(batch, mine), rows).float()
+            if isinstance(weight, StepWeight):
+                weight.wait()  # the count's all-reduce ran during this forward
+            return summed
 
         def backward(loss: torch.Tensor) -> None:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-        # DDP and FSDP2 average the gradient over ranks: the scale is world / count.
-        scale = mean_scale(self._step_count(batch, samples), self.world)
+        weight = self._step_weight(batch, samples, counted)  # world / the global count
         self.optimizer.zero_grad(set_to_none=True)
         total = guard.run_shares(
             shares,
             chunk_loss,
-            weight=scale,
+            weight=weight.value if isinstance(weight, StepWeight) else weight,
             zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
             backward=backward,
             micro_batch_sizes=accum,
@@ -642,6 +677,7 @@ class Trainer:
         self.model.train()
         signum: int | None = None
         show = cfg.progress and self.rank == 0
+        shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()
         prepared = Prefetcher(
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
@@ -652,17 +688,28 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.samples, item.shares)
+                    loss = self._train_step(item.batch, item.samples, item.shares, item.counted)
                     state.step += 1
                     # The loss is this process's part: reduce_losses makes it the step's.
                     state.record(loss, self._samples_ran(loss is not None), local=True)
-                    if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
+                    # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
+                    # steps, the same on every rank; the report still gets every step's.
+                    due = cfg.progress and display_due(
+                        state.step, start_step, cfg.steps, cfg.log_every
+                    )
+                    if due:
                         state.flush(self.strategy.reduce_losses)
-                    shown = None if loss is None or not show else state.last_loss
+                        if show and loss is not None:
+                            shown = state.last_loss
                     if self._eval_due():
                         self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(state.step, shown, item.samples, text + self._eval_text())
+                    bar.update(
+                        state.step,
+                        None if loss is None else shown,
+                        item.samples,
+                        text + self._eval_text(),
+                    )
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.

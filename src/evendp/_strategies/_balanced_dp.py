@@ -16,6 +16,7 @@ from .._evaluate import EvalFn, evaluate_devices
 from .._exact import step_count, sum_on
 from .._sampler import UnevenBatchSampler
 from .._scatter import as_args
+from .._step_cost import StepWeight
 from ._base import Batch, Costs, Strategy
 
 __all__ = ["BalancedDP"]
@@ -93,8 +94,9 @@ class BalancedDP(Strategy):
     def ran(self, rows: list[int]) -> list[int]:
         return list(rows)
 
-    def step_count(self, local: Any, samples: int) -> int | float | torch.Tensor:
-        return step_count(local, samples=samples, device=self.dp.output_device)
+    def count_weight(self, local: torch.Tensor) -> StepWeight:
+        total = step_count(local, device=self.dp.output_device)  # one process: no collective
+        return StepWeight.ready(self.world, torch.as_tensor(total))
 
     def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
         with self.dp.fixed_sizes(rows):

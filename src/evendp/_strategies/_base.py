@@ -15,6 +15,7 @@ from torch import nn
 from .._evaluate import EvalFn
 from .._oom import OomResplit
 from .._sampler import UnevenBatchSampler
+from .._step_cost import StepWeight
 
 if TYPE_CHECKING:
     from .._train_state import TrainState
@@ -37,7 +38,7 @@ class Strategy(abc.ABC):
     Setup: :meth:`wrap` the loss module, build the :meth:`sampler` (and :meth:`device_costs`
     for a cost plan inside this process), the :meth:`guard` for OOM re-splits, and
     :meth:`check_optimizer`. Each step: :meth:`place` the batch, cut it into this process's
-    :meth:`shares`, learn the :meth:`step_count`, then per micro-step :meth:`forward` inside
+    :meth:`shares`, learn the :meth:`count_weight`, then per micro-step :meth:`forward` inside
     :meth:`sync`; the guard asks :meth:`micro_steps` and :meth:`agree_step` (the step/skip
     consensus); then :meth:`reduce_gradients`. Losses and samples are summed over processes
     by :meth:`reduce_losses` and :meth:`reduce_samples` when read; between steps
@@ -125,11 +126,12 @@ class Strategy(abc.ABC):
         """Per device of the report, the samples a micro-step of ``rows`` ran."""
 
     @abc.abstractmethod
-    def step_count(self, local: Any, samples: int) -> int | float | torch.Tensor:
-        """The step's counted items over every process (before the first backward).
+    def count_weight(self, local: torch.Tensor) -> StepWeight:
+        """``world / the step's counted items over every process``, from this process's
+        ``count_fn`` count ``local`` (float64, 0-dim), before the first backward.
 
-        ``local`` is this process's count (``None``: the loss is a mean over samples, and the
-        step's ``samples`` are the count, known everywhere with no communication).
+        (The samples, or per-sample counts, are known everywhere: the Trainer needs no
+        strategy for those.)
         """
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:

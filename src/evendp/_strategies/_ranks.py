@@ -12,11 +12,11 @@ from torch import nn
 
 from .._distributed import comm_device
 from .._evaluate import EvalFn, evaluate_ranks
-from .._exact import step_count
 from .._oom import OomResplit
 from .._sampler import UnevenBatchSampler
 from .._scatter import as_args, map_tensors, to_device
 from .._split import split_even
+from .._step_cost import StepWeight
 from ._base import Batch, Costs, Strategy, agreed_signal, stop_votes
 
 __all__ = ["RankStrategy"]
@@ -80,10 +80,10 @@ class RankStrategy(Strategy):
     def ran(self, rows: list[int]) -> list[int]:
         return [rows[0] if r == self.rank else 0 for r in range(self.world)]
 
-    def step_count(self, local: Any, samples: int) -> int | float | torch.Tensor:
-        # Counted items: one all-reduce, read on no host. Samples: every rank knows them.
-        total = step_count(local, samples=samples, device=comm_device(), all_reduce=_all_reduce)
-        return total.to(self.device) if isinstance(total, torch.Tensor) else total
+    def count_weight(self, local: torch.Tensor) -> StepWeight:
+        # One all-reduce, started now and waited for after the first forward (it overlaps
+        # the forward), read on no host.
+        return StepWeight(self.world, local, self.device)
 
     def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
         return self.wrapped(*as_args(part))
