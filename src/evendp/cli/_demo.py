@@ -170,7 +170,7 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
     # A check of the arithmetic, not of memory: the budgets (if any) stay out of it.
     hook, trainer.wrapped._replica_context = trainer.wrapped._replica_context, None
     try:
-        balanced = gradient(lambda: trainer.wrapped(*batch) * rows / count)
+        balanced = gradient(lambda: trainer.batch_loss(batch))
     finally:
         trainer.wrapped._replica_context = hook
     one_device = gradient(lambda: trainer.model(*batch)[1])
