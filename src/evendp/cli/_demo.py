@@ -165,8 +165,7 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
         loss().backward()
         return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
 
-    # The wrapper returns (sum over every real character) / rows: scale to the token mean.
-    rows = len(batch[0])
+    # The Trainer's own split loss: the mean over every real character of the batch.
     # A check of the arithmetic, not of memory: the budgets (if any) stay out of it.
     hook, trainer.wrapped._replica_context = trainer.wrapped._replica_context, None
     try:
