@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 import evendp
 
 
-def _epoch(lengths: list[int], sizes: list[int], budget: int, **kw: object) -> list[list[list[int]]]:
+def _epoch(
+    lengths: list[int], sizes: list[int], budget: int, **kw: object
+) -> list[list[list[int]]]:
     """Per rank, per step, the indices it takes (one epoch)."""
     world = len(sizes)
     samplers = [
