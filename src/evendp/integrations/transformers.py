@@ -43,7 +43,8 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .accelerate import uneven_dataloader
+from .._balance import NoBalance, step_balancer, time_forward, validate_balance
+from .accelerate import _InterleavedBatchSampler, uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_rows"]
 
@@ -100,7 +101,9 @@ def _validate_args(args: transformers.TrainingArguments) -> None:
     if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
         raise evendp.EvendpError(
             f"train_sampling_strategy={args.train_sampling_strategy!r} chooses its own batches; "
-            "UnevenTrainer supports 'random' and 'sequential'"
+            "UnevenTrainer supports 'random' and 'sequential'. For what group_by_length does, "
+            "exactly: UnevenTrainer(costs=lambda s: len(s['input_ids'])) sends each step's "
+            "samples to ranks by length"
         )
 
 
@@ -124,13 +127,49 @@ def _batch_sum(loss: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     return loss * count
 
 
+def _balanced_sampler(loader: DataLoader) -> Any:
+    """The every-rank sampler inside a prepared :func:`uneven_dataloader`."""
+    sampler: Any = loader
+    while not isinstance(sampler, _InterleavedBatchSampler):
+        sampler = sampler.batch_sampler
+    return sampler
+
+
+class _BalancerRelay(NoBalance):
+    """The trainer's current balancer (rebuilt with each training loader), for the hooks."""
+
+    def __init__(self, trainer: UnevenTrainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+
+    def measure(self, samples: int) -> Any:
+        return self.trainer.balancer.measure(samples)
+
+
+class _StepBalancer(transformers.TrainerCallback):
+    """At the end of every optimizer step, on every rank: maybe a new split (speed)."""
+
+    def __init__(self, trainer: UnevenTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.balancer.step()
+
+
 class UnevenTrainer(transformers.Trainer):
     """``transformers.Trainer`` with ``batch_sizes[r]`` samples per forward pass on rank ``r``.
 
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
     ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
-    non-token loss averaged over (default :func:`count_rows`). Everything else is the
-    Trainer's. See the module docstring for what changes and what is refused.
+    non-token loss averaged over (default :func:`count_rows`). ``balance="speed"`` times
+    each rank's forward passes and, at optimizer-step boundaries, moves samples from slow
+    ranks to fast ones (:class:`evendp.SpeedBalancer`): each step's samples, the total batch
+    and the gradient stay those of one process. ``costs`` (each training sample's length, or
+    a function of a dataset item, e.g. ``lambda s: len(s["input_ids"])``) sends each step's
+    samples to ranks by padded length, similar lengths together, so no rank pads for
+    another's long samples (what ``group_by_length`` is for, with the exact gradient).
+    Everything else is the Trainer's. See the module docstring for what changes and what is
+    refused.
 
     >>> import tempfile
     >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -155,9 +194,18 @@ class UnevenTrainer(transformers.Trainer):
         *args: Any,
         batch_sizes: Sequence[int] | None = None,
         count_fn: Callable[[Mapping[str, Any]], int | torch.Tensor] | None = None,
+        balance: str | None = None,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.balance = validate_balance(balance)
+        self.costs = costs
+        self.balancer: evendp.SpeedBalancer | NoBalance = NoBalance()
+        # Speed balance: forwards timed by hooks, a new split at each optimizer step's end.
+        if self.model is not None:  # model_init: no model yet, nothing to time
+            time_forward(self.model, _BalancerRelay(self))
+        self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
@@ -179,7 +227,7 @@ class UnevenTrainer(transformers.Trainer):
         base = super().get_train_dataloader()
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return uneven_dataloader(
+        loader = uneven_dataloader(
             self.accelerator,
             base.dataset,
             self.batch_sizes,
@@ -187,8 +235,15 @@ class UnevenTrainer(transformers.Trainer):
             shuffle=self.args.train_sampling_strategy != "sequential",
             seed=seed,
             drop_last=self.args.dataloader_drop_last,
+            costs=self.costs,
             **settings,
         )
+        # Bound to the loader training iterates: speed moves samples in its sampler.
+        world = max(1, self.args.world_size)
+        self.balancer = step_balancer(
+            _balanced_sampler(loader), self.balance, distributed=world > 1
+        )
+        return loader
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         """Samples per optimizer step over all ranks: ``sum(batch_sizes) * accumulation``."""
