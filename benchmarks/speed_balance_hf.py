@@ -8,11 +8,13 @@ so the figure does not depend on what else the 2 shared cores run. Rows, each th
 
 * A/A control: the even split against a second run of the even split (should read 1.00);
 * speed: ``balance="speed"`` against the even split, in samples/s over all steps after the
-  first (the convergence steps included). The ceiling of this setup is 1.5: the even split
-  runs at the slow rank's pace on both, the balanced split at ``1 + 1/2`` of it.
-* steps to converge: the first step from which the split stays where it ends.
+  first (the convergence steps included), and over the steps after it converged (from two
+  steps after the last re-split to the end, the same steps of both runs). The ceiling of
+  this setup is 1.5: the even split runs at the slow rank's pace on both, the balanced
+  split at ``1 + 1/2`` of it.
+* steps to converge: the step of the last re-split (the split stays there after it).
 
-Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/speed_balance_hf.py`` (about 2-3
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/speed_balance_hf.py`` (about 3
 minutes on 2 busy cores; ``--steps 20 --rounds 1`` for a smoke run). Prints a table and,
 with ``--json PATH``, writes the figures.
 """
@@ -165,6 +167,7 @@ class StepClock:
         steps = len(self.times) - 1  # from the end of the first step (startup excluded)
         return {
             "samples_per_s": batch * steps / (self.times[-1] - self.times[0]),
+            "times": self.times,
             "converged_at": converged_at(history),
             "final_split": history[-1][1] if history else None,
             "history": history,
@@ -200,27 +203,47 @@ def worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     evendp.finish_distributed()
 
 
+def _window_time(run: dict[str, Any], start: int) -> float:
+    """Seconds from the end of step ``start`` to the end of the run (steps counted from 1)."""
+    times = run["times"]
+    return float(times[-1] - times[min(start, len(times) - 2) - 1])
+
+
+def _rounds(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
 def table(results: dict[str, list[dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
     lines = [
-        "| trainer | row | samples/s (median) | ratio (median) | ratio per round | converged |",
-        "| --- | --- | ---: | ---: | --- | ---: |",
+        "| trainer | row | samples/s | ratio, all steps | per round | ratio, converged "
+        "| per round | converged at step |",
+        "| --- | --- | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     figures: dict[str, Any] = {}
     for trainer in ("hf", "evendp"):
         even = results[f"{trainer}/even"]
+        # "Converged": from two steps after the last re-split of any round (a loader may run
+        # one step ahead) to the end, the same window of steps in every run compared.
+        start = 2 + max(r["converged_at"] for r in results[f"{trainer}/speed"])
         for row, name in (("A/A control", "even_again"), ("speed / even", "speed")):
             runs = results[f"{trainer}/{name}"]
-            ratios = [
-                r["samples_per_s"] / e["samples_per_s"] for r, e in zip(runs, even, strict=True)
-            ]
+            pairs = list(zip(runs, even, strict=True))
+            ratios = [r["samples_per_s"] / e["samples_per_s"] for r, e in pairs]
+            steady = [_window_time(e, start) / _window_time(r, start) for r, e in pairs]
             rate = statistics.median(r["samples_per_s"] for r in runs)
-            ratio = statistics.median(ratios)
             steps = statistics.median(r["converged_at"] for r in runs)
-            per_round = " ".join(f"{x:.2f}" for x in ratios)
             label = "HF UnevenTrainer" if trainer == "hf" else "evendp Trainer"
             conv = f"{steps:g} (split {runs[-1]['final_split']})" if name == "speed" else "-"
-            lines.append(f"| {label} | {row} | {rate:.0f} | {ratio:.2f} | {per_round} | {conv} |")
-            figures[f"{trainer}/{name}"] = {"ratio": ratio, "ratios": ratios, "steps": steps}
+            lines.append(
+                f"| {label} | {row} | {rate:.0f} | {statistics.median(ratios):.2f} | "
+                f"{_rounds(ratios)} | {statistics.median(steady):.2f} | {_rounds(steady)} | "
+                f"{conv} |"
+            )
+            figures[f"{trainer}/{name}"] = {
+                "ratio": statistics.median(ratios), "ratios": ratios,
+                "ratio_converged": statistics.median(steady), "ratios_converged": steady,
+                "steps": steps,
+            }  # fmt: skip
     return "\n".join(lines), figures
 
 

@@ -4,7 +4,8 @@ One spawn runs both: a tiny GPT-2 causal LM (padding, -100 labels) with rank 1 s
 sleep per sample, speed-balanced; and the sequence classifier with samples sent to ranks by
 length. Each must end with the parameters of one plain ``transformers.Trainer`` process on
 the same global batches (SGD, 1e-5), while speed moved samples off the slow rank and cost
-balance gave the ranks other counts than the even split.
+balance sent samples by length. ``batch_sizes="auto"`` gives both ranks the same sizes, planned
+from each one's declared memory.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ transformers = pytest.importorskip("transformers")
 SPEED_SIZES, SPEED_STEPS = [4, 4], 8
 COST_SIZES, COST_ACCUM, COST_STEPS = [1, 3], 2, 3  # one epoch of test_transformers' data
 SLEEP_PER_SAMPLE = 0.01  # rank 1's forward: far slower than the tiny model itself
+MEMORY, AUTO_PER_DEVICE = "640MiB,576MiB", 6  # 128 and 64 MiB above the CUDA allowance
 TOL = 1e-5
 
 
@@ -96,10 +98,20 @@ def _cost_run(tmp: str) -> dict[str, Any]:
     return {"params": _params(model), "lengths": lengths}
 
 
+def _auto_sizes(tmp: str) -> list[int]:
+    from evendp.integrations.transformers import UnevenTrainer
+
+    args = _args(tmp, batch=AUTO_PER_DEVICE, accum=1, ddp_backend="gloo")
+    return UnevenTrainer(
+        _model("lm"), args, train_dataset=_Data("lm"), data_collator=pad_collate,
+        batch_sizes="auto", memory=MEMORY,
+    ).batch_sizes  # fmt: skip
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     torchrun_env(rank, 2, port)
     with tempfile.TemporaryDirectory() as tmp:
-        result = {"speed": _speed_run(rank, tmp), "cost": _cost_run(tmp)}
+        result = {"speed": _speed_run(rank, tmp), "cost": _cost_run(tmp), "auto": _auto_sizes(tmp)}
     torch.save(result, Path(out) / f"rank{rank}.pt")
     import evendp
 
@@ -154,3 +166,9 @@ def test_cost_balance_sends_samples_by_length_and_keeps_one_process_result(
 
     for rank, result in enumerate(ranks):  # each rank ran the cost plan, not the count split
         assert result["cost"]["lengths"] == split(rank, costs=lengths) != split(rank)
+
+
+def test_auto_batch_sizes_follow_each_rank_memory_and_agree(ranks: list[dict[str, Any]]) -> None:
+    sizes = ranks[0]["auto"]
+    assert ranks[1]["auto"] == sizes and sum(sizes) == AUTO_PER_DEVICE * 2
+    assert sizes[0] > sizes[1]  # the rank with more memory takes more of the same total

@@ -43,7 +43,14 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._balance import NoBalance, step_balancer, time_forward, validate_balance
+from .._balance import (
+    NoBalance,
+    auto_batch_sizes,
+    step_balancer,
+    time_forward,
+    validate_balance,
+    validate_batch_sizes_option,
+)
 from .accelerate import _InterleavedBatchSampler, uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_rows"]
@@ -168,6 +175,10 @@ class UnevenTrainer(transformers.Trainer):
     a function of a dataset item, e.g. ``lambda s: len(s["input_ids"])``) sends each step's
     samples to ranks by padded length, similar lengths together, so no rank pads for
     another's long samples (what ``group_by_length`` is for, with the exact gradient).
+    ``batch_sizes="auto"`` splits ``per_device_train_batch_size * world_size`` by each
+    rank's memory, planned for this model on one training sample (live free memory on a
+    GPU; ``memory=`` or ``EVENDP_MEMORY`` declares it, one entry per rank), the same on
+    every rank (one ``all_gather``); speed balance then never moves a rank past its cap.
     Everything else is the Trainer's. See the module docstring for what changes and what is
     refused.
 
@@ -192,10 +203,11 @@ class UnevenTrainer(transformers.Trainer):
     def __init__(
         self,
         *args: Any,
-        batch_sizes: Sequence[int] | None = None,
+        batch_sizes: Sequence[int] | str | None = None,
         count_fn: Callable[[Mapping[str, Any]], int | torch.Tensor] | None = None,
         balance: str | None = None,
         costs: Sequence[float] | Callable[[Any], float] | None = None,
+        memory: str | Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -209,14 +221,31 @@ class UnevenTrainer(transformers.Trainer):
         _validate_args(self.args)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
-        self.batch_sizes = (
-            _default_sizes(self.args)
-            if batch_sizes is None
-            else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})
-        )
+        validate_batch_sizes_option(batch_sizes)
+        self._caps: list[int] | None = None  # per-rank memory caps, when planned
+        if batch_sizes == "auto":
+            self.batch_sizes, self._caps = self._auto_sizes(memory)
+        else:
+            self.batch_sizes = (
+                _default_sizes(self.args)
+                if batch_sizes is None
+                else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})  # type: ignore[arg-type]
+            )
         self.count_fn = count_rows if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
+
+    def _auto_sizes(self, memory: str | Sequence[Any] | None) -> tuple[list[int], list[int]]:
+        """``batch_sizes="auto"``: ``per_device_train_batch_size * world`` split by each
+        rank's memory, planned for this model on one collated training sample."""
+        if self.model is None or self.train_dataset is None:
+            raise evendp.EvendpError(
+                "batch_sizes='auto' plans the model's step on a training sample; pass model= "
+                "and train_dataset= (not model_init)"
+            )
+        example = self.data_collator([self.train_dataset[0]])
+        global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
+        return auto_batch_sizes(self.model, example, global_batch=global_batch, memory=memory)
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
@@ -241,7 +270,7 @@ class UnevenTrainer(transformers.Trainer):
         # Bound to the loader training iterates: speed moves samples in its sampler.
         world = max(1, self.args.world_size)
         self.balancer = step_balancer(
-            _balanced_sampler(loader), self.balance, distributed=world > 1
+            _balanced_sampler(loader), self.balance, distributed=world > 1, caps=self._caps
         )
         return loader
 
