@@ -249,9 +249,9 @@ def table(results: dict[str, list[dict[str, Any]]]) -> tuple[str, dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=12, help="global batch (even: half each)")
-    parser.add_argument("--ms", type=float, default=20.0, help="rank 0's ms per sample")
+    parser.add_argument("--ms", type=float, default=40.0, help="rank 0's ms per sample")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -22,7 +22,6 @@ from torch import nn
 
 import evendp
 from evendp._balance import NoBalance, rank_batch_sizes, sizes_from_capacities
-from evendp._trainer import _LossModule, default_loss
 from tests._helpers import run_ranks, torchrun_env
 
 pytestmark = pytest.mark.multiprocess
@@ -102,11 +101,13 @@ def _speed(rank: int) -> dict[str, Any]:
     return {"params": _params(model), "history": trainer.balancer.history}
 
 
-def _auto() -> list[int]:
+def _auto() -> dict[str, Any]:
     os.environ["EVENDP_MEMORY"] = MEMORY
     model = Net()
-    cfg = _config(steps=1, batch_size=AUTO_BATCH, batch_sizes="auto")
-    return evendp.Trainer(model, _data(AUTO_BATCH), cfg, optimizer=_sgd(model)).sampler.batch_sizes
+    cfg = _config(steps=1, batch_size=AUTO_BATCH, batch_sizes="auto", balance="speed")
+    trainer = evendp.Trainer(model, _data(AUTO_BATCH), cfg, optimizer=_sgd(model))
+    # The capacities bound speed balance too: each rank's planned most samples.
+    return {"sizes": trainer.sampler.batch_sizes, "caps": trainer.balancer.caps}
 
 
 def _tokens(world: int) -> list[torch.Tensor]:
@@ -159,15 +160,12 @@ def test_speed_balance_moves_samples_and_keeps_one_process_parameters(
 def test_auto_batch_sizes_are_planned_per_rank_and_the_same_everywhere(
     ranks: list[dict[str, Any]],
 ) -> None:
-    caps = [
-        evendp.plan(
-            _LossModule(Net(), default_loss), _data(1)[0:1], [m], mode="ddp"
-        ).devices[0].max_batch_alone
-        for m in evendp.parse_memory(MEMORY)
-    ]  # fmt: skip
-    want = sizes_from_capacities(caps, AUTO_BATCH)
-    assert ranks[0]["auto"] == ranks[1]["auto"] == want
-    assert want != [AUTO_BATCH // 2] * 2 and want[0] > want[1]  # more memory, more samples
+    auto = ranks[0]["auto"]
+    assert ranks[1]["auto"] == auto  # the same sizes and capacities on every rank
+    caps, sizes = auto["caps"], auto["sizes"]
+    assert caps[0] > caps[1] > 0  # each rank planned on its own memory: more, more samples
+    assert sizes == sizes_from_capacities(caps, AUTO_BATCH)
+    assert sum(sizes) == AUTO_BATCH and sizes[0] > sizes[1]
 
 
 def test_token_budget_steps_equal_one_process(ranks: list[dict[str, Any]]) -> None:
