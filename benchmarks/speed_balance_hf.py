@@ -8,20 +8,22 @@ so the figure does not depend on what else the 2 shared cores run. Rows, each th
 
 * A/A control: the even split against a second run of the even split (should read 1.00);
 * speed: ``balance="speed"`` against the even split, in samples/s over all steps after the
-  first (the convergence steps included), and over the steps after it converged (from two
-  steps after the last re-split to the end, the same steps of both runs). The ceiling of
+  first (the convergence steps included), and after it converged: the median step time
+  from two steps after the last re-split on, the same steps of both runs (a median, so a
+  burst of load from other programs moves it little). The ceiling of
   this setup is 1.5: the even split runs at the slow rank's pace on both, the balanced
   split at ``1 + 1/2`` of it.
 * steps to converge: the step of the last re-split (the split stays there after it).
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/speed_balance_hf.py`` (about 3
-minutes on 2 busy cores; ``--steps 20 --rounds 1`` for a smoke run). Prints a table and,
+minutes on 2 busy cores; ``--steps 10 --rounds 1`` for a smoke run). Prints a table and,
 with ``--json PATH``, writes the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -204,9 +206,11 @@ def worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
 
 
 def _window_time(run: dict[str, Any], start: int) -> float:
-    """Seconds from the end of step ``start`` to the end of the run (steps counted from 1)."""
+    """The median seconds of one step from step ``start`` on (steps counted from 1): the
+    typical step, which a burst of load from other programs on the machine moves little."""
     times = run["times"]
-    return float(times[-1] - times[min(start, len(times) - 2) - 1])
+    start = min(start, len(times) - 2)
+    return statistics.median(b - a for a, b in itertools.pairwise(times[start - 1 :]))
 
 
 def _rounds(values: list[float]) -> str:
