@@ -15,7 +15,7 @@ so the figure does not depend on what else the 2 shared cores run. Rows, each th
   split at ``1 + 1/2`` of it.
 * steps to converge: the step of the last re-split (the split stays there after it).
 
-Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/speed_balance_hf.py`` (about 3
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/speed_balance_hf.py`` (about 4
 minutes on 2 busy cores; ``--steps 10 --rounds 1`` for a smoke run). Prints a table and,
 with ``--json PATH``, writes the figures.
 """

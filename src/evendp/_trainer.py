@@ -79,7 +79,10 @@ class TrainConfig:
 
     ``batch_size`` is the global batch per optimizer step (in one process; under ``torchrun``
     the per-rank sizes come from ``batch_sizes``). ``accum`` splits each step into that many
-    micro-batches (gradient accumulation); the gradient is unchanged.
+    micro-batches (gradient accumulation); the gradient is unchanged. Under ``torchrun``,
+    ``batch_sizes="auto"`` splits ``batch_size`` by each rank's memory (planned at start, the
+    same on every rank) and ``balance="speed"`` moves samples from slow ranks to fast ones at
+    step boundaries, the same samples per step (docs/balancing.md).
 
     >>> TrainConfig(steps=10, amp="bf16").amp
     'bf16'
@@ -260,6 +263,9 @@ class Trainer:
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
             ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        max_tokens: with ``costs``, each step's global batch is a token budget (fairseq's
+            ``max_tokens``): samples are taken while their summed cost fits, then split by
+            cost; ``config.batch_size``/``batch_sizes`` are then the capacities only.
         eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
             the last step (``eval_every=0``: only then), in order, every sample exactly once
             over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
