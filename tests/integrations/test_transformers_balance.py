@@ -20,6 +20,7 @@ import torch
 
 import evendp
 from tests._helpers import run_ranks, torchrun_env
+from tests.integrations._tiny import LR, make_model
 from tests.integrations.test_transformers import (
     _args,
     _Data,
@@ -108,10 +109,45 @@ def _auto_sizes(tmp: str) -> list[int]:
     ).batch_sizes  # fmt: skip
 
 
+def _accelerate_run(rank: int) -> dict[str, Any]:
+    """A hand-written Accelerate loop with ``speed_balancer``; rank 1 slowed."""
+    from accelerate import Accelerator
+
+    from evendp.integrations.accelerate import speed_balancer, uneven_dataloader
+
+    x, y = _loop_data()
+    accelerator = Accelerator(cpu=True)
+    loader = uneven_dataloader(
+        accelerator, torch.utils.data.TensorDataset(x, y), SPEED_SIZES, shuffle=False
+    )
+    balancer = speed_balancer(loader)
+    model = make_model()
+    if rank == 1:
+        model[0].register_forward_pre_hook(lambda m, a: time.sleep(SLEEP_PER_SAMPLE * len(a[0])))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for xb, yb in loader:
+        with balancer.measure(len(yb)):
+            local_sum = torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum")
+        accelerator.backward(evendp.ddp_loss(local_sum, len(yb)))
+        optimizer.step()
+        optimizer.zero_grad()
+        balancer.step()
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return {"params": params, "history": balancer.history}
+
+
+def _loop_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    n = sum(SPEED_SIZES) * SPEED_STEPS
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     torchrun_env(rank, 2, port)
     with tempfile.TemporaryDirectory() as tmp:
         result = {"speed": _speed_run(rank, tmp), "cost": _cost_run(tmp), "auto": _auto_sizes(tmp)}
+    result["accelerate"] = _accelerate_run(rank)
     torch.save(result, Path(out) / f"rank{rank}.pt")
     import evendp
 
@@ -172,3 +208,27 @@ def test_auto_batch_sizes_follow_each_rank_memory_and_agree(ranks: list[dict[str
     sizes = ranks[0]["auto"]
     assert ranks[1]["auto"] == sizes and sum(sizes) == AUTO_PER_DEVICE * 2
     assert sizes[0] > sizes[1]  # the rank with more memory takes more of the same total
+
+
+def test_accelerate_speed_balancer_keeps_one_process_parameters(
+    ranks: list[dict[str, Any]],
+) -> None:
+    x, y = _loop_data()
+    model = make_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    step = sum(SPEED_SIZES)
+    for k in range(SPEED_STEPS):  # shuffle=False: step k is samples [k * step, (k + 1) * step)
+        rows = slice(k * step, (k + 1) * step)
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = [p.detach() for p in model.parameters()]
+    for rank in ranks:
+        got = rank["accelerate"]["params"]
+        num = sum(float((g - w).norm() ** 2) for g, w in zip(got, want, strict=True)) ** 0.5
+        den = sum(float((w - s).norm() ** 2) for w, s in zip(want, start, strict=True)) ** 0.5
+        assert num / den < TOL
+    history = ranks[0]["accelerate"]["history"]
+    assert history == ranks[1]["accelerate"]["history"] and len(history) > 1
+    assert history[-1][1][1] < history[-1][1][0]  # samples moved off the slow rank 1
