@@ -134,9 +134,7 @@ def step_balancer(
     """
     if validate_balance(balance) == "none" or not distributed:
         return NoBalance()
-    balancer = SpeedBalancer(sampler, caps, **knobs)
-    balancer.active = True  # type: ignore[attr-defined]
-    return balancer
+    return SpeedBalancer(sampler, caps, **knobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +314,7 @@ def inline_for_balance(balancer: SpeedBalancer | NoBalance, asked: int | None, d
     >>> inline_for_balance(NoBalance(), None, 2)
     2
     """
-    if not getattr(balancer, "active", False):
+    if not balancer.active:
         return depth
     if asked:
         raise EvendpError(
