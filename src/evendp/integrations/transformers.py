@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from ._teardown import release_at_exit
 from .accelerate import uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_rows"]
@@ -169,6 +170,13 @@ class UnevenTrainer(transformers.Trainer):
         self.count_fn = count_rows if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; then the process group is freed at exit, before Python
+        finalizes (where gloo's threads would abort a finished run: see ``_teardown``)."""
+        output = super().train(*args, **kwargs)
+        release_at_exit(self)
+        return output
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
