@@ -16,6 +16,7 @@ from typing import Any
 
 from ._devices import NvmlUnavailableError, list_devices, parse_bytes
 from ._errors import EvendpError, LiveMemoryError
+from ._validate import validate_sequence
 
 __all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "parse_memory"]
 
@@ -147,6 +148,8 @@ def live_memory(device_ids: Sequence[int] | None = None, *, nvml: Any = None) ->
     ...     print("no GPU")  # keep the doctest quiet where one is present
     no GPU
     """
+    if device_ids is not None:
+        validate_sequence("device_ids", device_ids, integral=True, example="device_ids=[0, 1]")
     # --- GPU-only path below: nothing here runs on a machine without a driver. ---
     import torch
 

@@ -10,7 +10,7 @@ Each refusal is an :class:`EvendpError` naming the argument, what it got and wha
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from ._validate import (
 __all__ = [
     "checked_loss",
     "validate_batch_fits",
+    "validate_checkpoint_args",
     "validate_config",
     "validate_trainer_args",
     "warn_unused_batch_sizes",
@@ -63,7 +64,7 @@ def validate_config(config: Any) -> None:
         "checkpoint_every", config.checkpoint_every, minimum=0,
         example="checkpoint_every=100 (0: only at the end)",
     )  # fmt: skip
-    validate_int("seed", config.seed, minimum=0, example="seed=0")
+    validate_int("seed", config.seed, example="seed=0")
     validate_int("prefetch", config.prefetch, minimum=0, allow_none=True, example="prefetch=2")
     validate_int("eval_every", config.eval_every, minimum=0, example="eval_every=100")
     if (config.resume or config.checkpoint_every) and config.out_dir is None:
@@ -124,8 +125,7 @@ def _validate_dataset(name: str, data: Any) -> None:
         data, str | bytes | torch.Tensor
     ):
         raise EvendpError(
-            f"{name} must be a map-style dataset (len(data) and data[i]), got "
-            f"{type(data).__name__}"
+            f"{name} must be a map-style dataset (len(data) and data[i]), got {type(data).__name__}"
         )
 
 
@@ -162,3 +162,27 @@ def checked_loss(loss: Any) -> torch.Tensor:
             "it, e.g. cross_entropy(..., reduction='mean') or loss.mean()"
         )
     return loss
+
+
+def validate_checkpoint_args(
+    path: Any,
+    model: Any,
+    optimizer: Any,
+    scaler: Any,
+    scheduler: Any,
+    *,
+    step: Any = 0,
+    extra: Any = None,
+    restore_rng: Any = True,
+) -> None:
+    """The arguments of ``save_checkpoint`` / ``load_checkpoint`` before any file is touched."""
+    validate_path("path", path)
+    validate_instance("model", model, nn.Module, "an nn.Module")
+    for name, value in (("optimizer", optimizer), ("scaler", scaler), ("scheduler", scheduler)):
+        if value is not None and not callable(getattr(value, "state_dict", None)):
+            raise EvendpError(
+                f"{name} must have state_dict() and load_state_dict() (or be None), got {value!r}"
+            )
+    validate_int("step", step, minimum=0, example="step=100")
+    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
+    validate_bool("restore_rng", restore_rng)

@@ -28,6 +28,7 @@ __all__ = [
     "validate_int",
     "validate_numbers",
     "validate_path",
+    "validate_sequence",
 ]
 
 
@@ -223,6 +224,27 @@ def validate_numbers(
     return value
 
 
+def validate_sequence(
+    name: str, value: Any, *, integral: bool = False, example: str | None = None
+) -> Any:
+    """Return ``value`` when it is a sequence (not a string) of numbers (``integral``: ints);
+    their values are the caller's to check.
+
+    >>> validate_sequence("seconds_per_sample", 0.5, example="[0.5]")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: seconds_per_sample must be a list of numbers, got 0.5; e.g. [0.5]
+    """
+    kind = numbers.Integral if integral else numbers.Real
+    if (
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+    ):
+        raise _fail(name, "a list of " + ("ints" if integral else "numbers"), value, example)
+    return value
+
+
 def validate_count(
     name: str, value: Any, *, integral: bool = True, check_values: bool = True
 ) -> Any:
@@ -260,10 +282,10 @@ def validate_device(name: str, value: Any) -> torch.device:
 
     >>> validate_device("device", "cuda:1")
     device(type='cuda', index=1)
-    >>> validate_device("device", "gpu0")
+    >>> validate_device("device", "gpu0")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: device must be a torch.device, a name like 'cuda:0' or 'cpu', or a GPU index, got 'gpu0'
+    evendp.EvendpError: device must be a torch.device, a name like 'cuda:0' ..., got 'gpu0'
     """
     try:
         if isinstance(value, bool) or not isinstance(value, str | int | torch.device):

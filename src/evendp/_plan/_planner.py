@@ -15,7 +15,7 @@ from .._deprecation import UNSET, renamed_argument
 from .._devices import parse_bytes
 from .._errors import EvendpError, PlanError
 from .._memory import DeviceMemory, live_memory, parse_memory
-from .._validate import validate_int
+from .._validate import validate_bool, validate_callable, validate_float, validate_int
 from ._measure import (
     ModelLike,
     OptimizerFactory,
@@ -42,6 +42,8 @@ def _validate_options(
 ) -> None:
     if mode not in ("dp", "ddp"):
         raise EvendpError(f"mode must be 'dp' or 'ddp', got {mode!r}")
+    validate_float("safety_margin", safety_margin, minimum=0, example="safety_margin=0.05")
+    validate_int("output_device", output_device, minimum=0, example="output_device=0")
     if not 0.0 <= safety_margin < 1.0:
         raise EvendpError(f"safety_margin must be in [0, 1), got {safety_margin!r}; e.g. 0.05")
     if not 0 <= output_device < k:
@@ -158,6 +160,10 @@ def plan(
     _validate_options(mode, safety_margin, output_device, k, batch_size)
     if not isinstance(no_grad, bool):
         raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    validate_bool("gather", gather)
+    validate_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+    if not isinstance(checkpointing, bool):
+        validate_callable("checkpointing", checkpointing, "True, False or a function module->bool")
     validate_int("seq_len", seq_len, minimum=2, allow_none=True, example="seq_len=1024")
     if seq_len is not None:
         _validate_sequence_batch(batch)
