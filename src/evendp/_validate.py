@@ -107,8 +107,8 @@ def validate_float(
         isinstance(value, numbers.Real)
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and (minimum is None or value >= minimum)
-        and (not positive or value > 0)
+        and (minimum is None or float(value) >= minimum)
+        and (not positive or float(value) > 0)
     )
     if not ok:
         bound = " > 0" if positive else (f" >= {minimum:g}" if minimum is not None else "")
@@ -215,7 +215,7 @@ def validate_numbers(
     kind = numbers.Integral if integral else numbers.Real
     ok = isinstance(value, Sequence) and not isinstance(value, str | bytes)
     ok = ok and all(
-        isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and float(v) >= 0
         for v in value
     )
     if not ok:
