@@ -287,6 +287,19 @@ def _alarm(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextmanager
+def _in_tmp_dir() -> Iterator[None]:
+    import tempfile
+
+    before = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="evendp-inputs-") as tmp:
+        os.chdir(tmp)
+        try:
+            yield
+        finally:
+            os.chdir(before)
+
+
 def _finite(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return not value.is_floating_point() or bool(torch.isfinite(value).all())
@@ -322,7 +335,7 @@ def call_with(name: str, slot: int | str, junk: Any) -> tuple[bool, Any]:
         args = [*args[:slot], junk, *args[slot + 1 :]]
     else:
         kwargs = {**kwargs, slot: junk}
-    with _alarm(30):
+    with _alarm(30), _in_tmp_dir():  # a string is a valid path: files land in a temp dir
         try:
             return False, fn(*args, **kwargs)
         except EvendpError:
