@@ -67,6 +67,7 @@ def validate_config(config: Any) -> None:
     validate_int("seed", config.seed, example="seed=0")
     validate_int("prefetch", config.prefetch, minimum=0, allow_none=True, example="prefetch=2")
     validate_int("eval_every", config.eval_every, minimum=0, example="eval_every=100")
+    validate_int("log_every", config.log_every, minimum=1, example="log_every=10")
     if (config.resume or config.checkpoint_every) and config.out_dir is None:
         raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
 
