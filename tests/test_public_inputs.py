@@ -233,6 +233,7 @@ def _cases() -> dict[str, Callable[[], Case]]:
                 "costs": None,
                 "collate_fn": None,
                 "max_costs": None,
+                "counts": None,
             },
         ),
         "save_checkpoint": lambda: (
