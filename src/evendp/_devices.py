@@ -12,6 +12,7 @@ NVML cannot run on a machine with no NVIDIA driver.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -179,9 +180,14 @@ def parse_bytes(value: int | float | str) -> int:
                 "e.g. '8GiB', '500MB', '1.5GB'"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
-    if number < 0:
-        raise EvendpError(f"memory size must be non-negative, got {value!r}")
+    if not 0 <= number < math.inf:  # also NaN
+        raise EvendpError(f"memory size must be a finite number >= 0, got {value!r}")
     return int(number * _UNITS[unit])
+
+
+def _validate_id_list(ids: object) -> None:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise EvendpError(f"gpu_ids must be a list of physical GPU ids, got {ids!r}; e.g. [2, 3]")
 
 
 def _validate_selection(
@@ -197,6 +203,7 @@ def _validate_selection(
         )
     validate_int("count", count, minimum=1, allow_none=True, example="count=2")
     if ids is not None:
+        _validate_id_list(ids)
         ids = list(ids)
         if not ids:
             raise EvendpError(
@@ -361,6 +368,8 @@ def select_devices(
     ...     _ = os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     """
     ids = renamed_argument("select_devices", "ids", "gpu_ids", ids, gpu_ids)  # old name: 0.3.0
+    if ids is not None:
+        _validate_id_list(ids)
     if _cuda_initialized():
         raise EvendpError(
             "CUDA is already initialized in this process, so CUDA_VISIBLE_DEVICES can no "

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import EvendpError
+from ._validate import validate_count, validate_device
 
 __all__ = [
     "comm_device",
@@ -115,18 +116,28 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 # The loss
 
 
-def _count_tensor(count: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+def _count_tensor(
+    count: torch.Tensor | float, device: torch.device, name: str = "local_count"
+) -> torch.Tensor:
     """``count`` as a fresh tensor (never the caller's: all-reduce works in place)."""
     if isinstance(count, torch.Tensor):
+        validate_count(name, count, integral=False, check_values=_readable(count))
         t = count.detach().to(device=device)
         dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
         return t.to(dtype=dtype, copy=True)
     if isinstance(count, bool) or not isinstance(count, numbers.Real):
-        raise EvendpError(f"count must be an int, float or tensor, got {count!r}")
-    if count < 0:
-        raise EvendpError(f"count must be >= 0 (samples or tokens), got {count!r}")
+        raise EvendpError(f"{name} must be an int, float or tensor, got {count!r}")
+    if not count >= 0:  # also NaN
+        raise EvendpError(f"{name} must be >= 0 (samples or tokens), got {count!r}")
+    validate_count(name, count, integral=False)  # infinity
     dtype = torch.int64 if isinstance(count, numbers.Integral) else torch.float64
     return torch.tensor(count, dtype=dtype, device=device)
+
+
+def _readable(count: object) -> bool:
+    """Whether a count's value can be checked without waiting for a GPU (a Python number or
+    a CPU tensor). A GPU count is checked for its kind and shape only."""
+    return not isinstance(count, torch.Tensor) or count.device.type == "cpu"
 
 
 def global_count(
@@ -143,7 +154,8 @@ def global_count(
     >>> global_count(7)
     tensor(7)
     """
-    total = _count_tensor(local_count, torch.device(device or comm_device(group)))
+    where = comm_device(group) if device is None else validate_device("device", device)
+    total = _count_tensor(local_count, where)
     if world_size(group) > 1:
         total = _all_reduce_sum(total, group)
     return total
@@ -172,10 +184,7 @@ def ddp_loss(
     >>> ddp_loss(out.sum(), 3, global_count=6)  # 3 of 6 samples, world_size 1 here
     tensor(1., grad_fn=<MulBackward0>)
     """
-    if not isinstance(local_sum, torch.Tensor):
-        raise EvendpError(
-            f"local_sum must be a tensor (the summed loss of this rank), got {local_sum!r}"
-        )
+    _validate_local_sum(local_sum)
     world = world_size(group)
     # At least fp32, so a bf16 sum is scaled without bf16 round-off.
     loss = local_sum if local_sum.dtype in (torch.float32, torch.float64) else local_sum.float()
@@ -190,12 +199,25 @@ def ddp_loss(
         if world > 1:
             total = _all_reduce_sum(total, group)
     else:
-        total = _count_tensor(global_count, local_sum.device)
+        total = _count_tensor(global_count, local_sum.device, "global_count")
     total = total.to(torch.float64)
     # Zero samples everywhere means local_sum is 0 too: divide by 1 instead of 0, no host sync.
     total = total + (total == 0)
     # The scale in float64, then the loss's dtype: a float64 count must not promote fp32 to fp64.
     return loss * (world / total).to(loss.dtype)
+
+
+def _validate_local_sum(local_sum: object) -> None:
+    if not isinstance(local_sum, torch.Tensor) or local_sum.numel() != 1:
+        got = (
+            f"shape {tuple(local_sum.shape)}"
+            if isinstance(local_sum, torch.Tensor)
+            else repr(local_sum)
+        )
+        raise EvendpError(
+            f"local_sum must be a tensor (the summed loss of this rank), got {got}; e.g. "
+            "cross_entropy(logits, y, reduction='sum')"
+        )
 
 
 def global_mean(
@@ -212,6 +234,7 @@ def global_mean(
     >>> global_mean(torch.tensor(6.0), 4)
     tensor(1.5000)
     """
+    _validate_local_sum(local_sum)
     pair = torch.stack(
         [
             local_sum.detach().to(torch.float64).reshape(()),

@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
 from ._split import split_sizes
-from ._validate import validate_int
+from ._validate import validate_bool, validate_instance, validate_int
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -48,6 +48,7 @@ ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
 
 def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) -> list[int]:
     """Return ``batch_sizes`` as a list of ints, or raise naming the bad value and the fix."""
+    validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
         raise EvendpError(
             f"batch_sizes must be a sequence of non-negative ints (one per rank), got "
@@ -272,6 +273,9 @@ def batch_sizes_from_env(
     >>> batch_sizes_from_env(2, default=[4, 4], environ={})
     [4, 4]
     """
+    validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
+    validate_instance("var", var, str, "the name of an environment variable")
+    validate_instance("environ", environ, Mapping, "a mapping of variables", allow_none=True)
     env = os.environ if environ is None else environ
     if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
         world_size = int(env["WORLD_SIZE"])
@@ -373,6 +377,9 @@ class UnevenBatchSampler:
         max_costs: Sequence[float] | None = None,
         max_tokens: float | None = None,
     ) -> None:
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("padded", padded)):
+            validate_bool(name, flag)
+        validate_int("seed", seed, example="seed=0")
         rank, world_size = _default_rank_and_world(rank, world_size)
         sizes = _validate_batch_sizes(batch_sizes, world_size)
         _validate_rank(rank, len(sizes))

@@ -65,15 +65,21 @@ from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._step_cost import StepWeight, display_due, sample_counts
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
+from ._train_inputs import (
+    checked_loss,
+    validate_batch_fits,
+    validate_config,
+    validate_trainer_args,
+    warn_unused_batch_sizes,
+)
 from ._train_state import TrainState
-from ._validate import validate_int
+from ._validate import validate_count
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 CountFn = Callable[[Batch], "int | torch.Tensor"]
-_AMP = ("none", "bf16", "fp16")
 
 
 @dataclass
@@ -113,32 +119,9 @@ class TrainConfig:
     balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "accum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EvendpError(f"{name} must be a positive int, got {value!r}")
-        if self.amp not in _AMP:
-            raise EvendpError(f"amp must be one of {_AMP}, got {self.amp!r}; e.g. amp='bf16'")
-        if self.checkpoint_every < 0:
-            raise EvendpError(
-                f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}"
-            )
-        if (self.resume or self.checkpoint_every) and self.out_dir is None:
-            raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
-        if self.strategy not in ("ddp", "fsdp2"):
-            raise EvendpError(f"strategy must be 'ddp' or 'fsdp2', got {self.strategy!r}")
-        if self.prefetch is not None and (
-            isinstance(self.prefetch, bool)
-            or not isinstance(self.prefetch, int)
-            or self.prefetch < 0
-        ):
-            raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
-        validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
+        validate_config(self)  # every field, at construction (evendp._train_inputs)
         validate_balance(self.balance)
         validate_batch_sizes_option(self.batch_sizes)
-        validate_int("log_every", self.log_every, minimum=1, example="log_every=10")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -182,7 +165,7 @@ class _LossModule(nn.Module):
         self.count_fn = count_fn
 
     def forward(self, *batch: Any) -> torch.Tensor:
-        loss = self.loss_fn(self.model, batch)
+        loss = checked_loss(self.loss_fn(self.model, batch))
         if self.count_fn is None:
             return loss
         count = torch.as_tensor(self.count_fn(batch)).to(loss.device, loss.dtype)
@@ -336,6 +319,11 @@ class Trainer:
         counts: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
+        validate_trainer_args(
+            model, data, config, TrainConfig, loss_fn=loss_fn, count_fn=count_fn,
+            optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,
+            device_ids=device_ids, weights=weights,
+        )  # fmt: skip
         self.config = config
         self.model = model
         self.data = data
@@ -375,6 +363,8 @@ class Trainer:
         self.balancer = step_balancer(
             self.sampler, config.balance, distributed=self.distributed, caps=caps
         )
+        validate_batch_fits(data, self.sampler.batch_sizes, self.distributed)
+        warn_unused_batch_sizes(config, self.distributed)
         # One process: each step's rows are ordered so each device's share is its cost plan.
         self._costs = (
             None if self.distributed else sample_costs(data, self.sampler.num_samples, costs)
@@ -586,11 +576,19 @@ class Trainer:
             return float(mean_scale(counted, numerator=self.world))
         if self.count_fn is None:
             return self.world / samples  # every rank knows every rank's share: no all-reduce
-        local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
+        local = torch.as_tensor(self._checked_count(batch), dtype=torch.float64)
         # Counted exactly in float64; the weight enters backward in the loss's fp32.
         if self.distributed:  # all-reduced while the first forward runs
             return StepWeight(self.world, local, self.device)
         return StepWeight.ready(self.world, self.strategy.global_count(local.reshape(())))
+
+    def _checked_count(self, batch: Batch) -> int | torch.Tensor:
+        """``count_fn(batch)``, refused unless a whole number >= 0. Its value is read on the
+        CPU every step, on a GPU at the first step only (each read waits for the device)."""
+        count = cast(CountFn, self.count_fn)(batch)
+        on_cpu = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
+        validate_count("count_fn(batch)", count, check_values=on_cpu or self.state.step == 0)
+        return count
 
     def _train_step(
         self,

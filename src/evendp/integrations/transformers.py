@@ -51,6 +51,7 @@ from .._balance import (
     validate_balance,
     validate_batch_sizes_option,
 )
+from ._teardown import release_at_exit
 from .accelerate import _InterleavedBatchSampler, uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_rows"]
@@ -246,6 +247,13 @@ class UnevenTrainer(transformers.Trainer):
         example = self.data_collator([self.train_dataset[0]])
         global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
         return auto_batch_sizes(self.model, example, global_batch=global_batch, memory=memory)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; then the process group is freed at exit, before Python
+        finalizes (where gloo's threads would abort a finished run: see ``_teardown``)."""
+        output = super().train(*args, **kwargs)
+        release_at_exit(self)
+        return output
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
