@@ -31,6 +31,8 @@ from ._report import TrainReport
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, batch_sizes_from_env, parse_batch_sizes
 from ._speed import SpeedBalancer, balance_sizes
 from ._split import split_sizes
+from ._stand_in import is_stand_in
+from ._step_mean import StepMean
 from ._trainer import TrainConfig, Trainer
 
 __all__ = [
@@ -56,6 +58,8 @@ __all__ = [
     "global_mean",
     "init_distributed",
     "parse_batch_sizes",
+    "StepMean",
+    "is_stand_in",
     # planning
     "DeviceMemory",
     "DevicePlan",
