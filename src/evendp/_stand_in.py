@@ -54,7 +54,7 @@ class StandInTensor(torch.Tensor):
         copied = memo.get(id(self))
         if copied is None:
             copied = memo[id(self)] = self.clone()
-        return copied  # type: ignore[no-any-return]
+        return copied  # type: ignore[return-value]
 
 
 # The operations that move or copy a batch without computing on it: the mark goes along.
