@@ -43,20 +43,43 @@ def reference_update_error(seen: Sequence[list[list[list[int]]]], got: list[torc
     ``seen[rank][epoch][micro_step]`` are the indices a rank trained on; one optimizer step
     covers ``ACCUM`` micro-steps of all ranks, with the mean loss over all their samples.
     """
-    data, model = Data(), make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    start = [p.detach().clone() for p in model.parameters()]
-    for epoch in range(EPOCHS):
-        steps = list(zip(*(rank[epoch] for rank in seen), strict=True))
-        for w in range(0, len(steps), ACCUM):
-            idx = list(itertools.chain.from_iterable(itertools.chain(*steps[w : w + ACCUM])))
-            F.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    want = [p.detach() for p in model.parameters()]
+    start = [p.detach() for p in make_model().parameters()]
+    want, _ = reference_run(seen)
     return _norm([g - w for g, w in zip(got, want, strict=True)]) / _norm(
         [w - s for w, s in zip(want, start, strict=True)]
     )
+
+
+def reference_run(
+    seen: Sequence[list[list[list[int]]]], accum: int = ACCUM
+) -> tuple[list[torch.Tensor], list[float]]:
+    """One process on the windows ``seen`` describes: final parameters and each step's loss."""
+    data, model = Data(), make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for epoch in range(len(seen[0])):
+        steps = list(zip(*(rank[epoch] for rank in seen), strict=True))
+        for w in range(0, len(steps), accum):
+            idx = list(itertools.chain.from_iterable(itertools.chain(*steps[w : w + accum])))
+            loss = F.cross_entropy(model(data.x[idx]), data.y[idx])
+            loss.backward()
+            losses.append(float(loss.detach()))
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()], losses
+
+
+class RejectsEmpty(nn.Module):
+    """The tiny net, refusing a batch of 0 rows as GPT-2 and BERT do (they cannot reshape it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            raise RuntimeError("cannot reshape tensor of 0 elements")
+        return self.net(x)
 
 
 def _norm(tensors: list[Any]) -> float:

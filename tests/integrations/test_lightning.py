@@ -18,7 +18,7 @@ import torch
 
 import evendp
 from tests.integrations import _lightning_script as script
-from tests.integrations._tiny import EPOCHS, SAMPLES, SEED, reference_update_error
+from tests.integrations._tiny import EPOCHS, SAMPLES, SEED, reference_run, reference_update_error
 
 pytestmark = pytest.mark.multiprocess
 pytest.importorskip("lightning")
@@ -54,3 +54,32 @@ def test_parameters_equal_one_process_with_accumulation(ranks: list[dict[str, An
     seen = [r["seen"] for r in ranks]
     for result in ranks:
         assert reference_update_error(seen, result["params"]) < TOL
+
+
+@pytest.mark.parametrize(
+    ("run", "sizes", "samples"), [("mean", SIZES, 9), ("zero", [0, 4], SAMPLES)]
+)
+def test_a_mean_loss_and_empty_shares_equal_one_process(
+    ranks: list[dict[str, Any]], run: str, sizes: list[int], samples: int
+) -> None:
+    """training_step returns the usual mean; a rank with nothing runs a stand-in of weight 0."""
+    seen = [r[run]["seen"] for r in ranks]
+    for rank, result in enumerate(ranks):
+        sampler = evendp.UnevenBatchSampler(samples, sizes, rank=rank, seed=SEED)
+        for epoch, batches in enumerate(result[run]["seen"]):
+            sampler.set_epoch(epoch)
+            assert batches == list(sampler)
+        assert reference_update_error(seen, result[run]["params"]) < TOL
+    assert any([] in r[run]["seen"][0] for r in ranks)  # an empty share ran, as a stand-in
+    _, losses = reference_run(seen)
+    for result in ranks:  # the logged loss is the global batch's mean, on every rank
+        assert result[run]["loss"] == pytest.approx(losses[-1], rel=1e-5)
+
+
+def test_the_sum_default_warns_that_it_becomes_the_mean() -> None:
+    from evendp.integrations.lightning import UnevenGradient
+
+    with pytest.warns(DeprecationWarning, match="becomes 'mean'"):
+        assert UnevenGradient().reduction == "sum"
+    with pytest.raises(evendp.EvendpError, match="'mean' or 'sum'"):
+        UnevenGradient(reduction="avg")
