@@ -50,12 +50,24 @@ def reference_update_error(seen: Sequence[list[list[list[int]]]], got: list[torc
     )
 
 
+def warmup(step: int) -> float:
+    """The learning-rate factor of a 3-step linear warm-up (LambdaLR's ``lr_lambda``)."""
+    return min(1.0, (step + 1) / 3)
+
+
 def reference_run(
-    seen: Sequence[list[list[list[int]]]], accum: int = ACCUM
+    seen: Sequence[list[list[list[int]]]],
+    accum: int = ACCUM,
+    lrs: list[float] | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
-    """One process on the windows ``seen`` describes: final parameters and each step's loss."""
+    """One process on the windows ``seen`` describes: final parameters and each step's loss.
+
+    With ``lrs`` (a list to fill) the learning rate follows :func:`warmup`, one scheduler
+    step per optimizer step, and each optimizer step's rate is appended to it.
+    """
     data, model = Data(), make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup if lrs is not None else _one)
     losses = []
     for epoch in range(len(seen[0])):
         steps = list(zip(*(rank[epoch] for rank in seen), strict=True))
@@ -64,9 +76,16 @@ def reference_run(
             loss = F.cross_entropy(model(data.x[idx]), data.y[idx])
             loss.backward()
             losses.append(float(loss.detach()))
+            if lrs is not None:
+                lrs.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad()
     return [p.detach() for p in model.parameters()], losses
+
+
+def _one(step: int) -> float:
+    return 1.0
 
 
 class RejectsEmpty(nn.Module):
