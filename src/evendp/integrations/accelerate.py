@@ -194,6 +194,7 @@ def uneven_dataloader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    stand_in: bool | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A dataloader already passed through ``accelerator.prepare``, ``batch_sizes[rank]`` a batch.
@@ -205,7 +206,8 @@ def uneven_dataloader(
     short last step (always when its size is 0): ``collate_fn`` is wrapped in
     :class:`evendp.EmptySafeCollate`; with an :class:`UnevenAccelerator` it is a stand-in
     (one real sample, weight exactly 0 in its ``backward``), else a real, zero-length batch
-    (the ``ddp_loss`` recipe counts its 0 samples). Preparing the
+    (the ``ddp_loss`` recipe counts its 0 samples); ``stand_in`` chooses (``None``: a
+    stand-in with an ``UnevenAccelerator``). Preparing the
     returned loader again returns it unchanged (Accelerate marks it prepared). Other keyword
     arguments (``num_workers``, ``pin_memory``, ...) go to ``torch.utils.data.DataLoader``.
 
@@ -225,7 +227,9 @@ def uneven_dataloader(
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=evendp.EmptySafeCollate(dataset, collate_fn, stand_in=weighing),
+        collate_fn=evendp.EmptySafeCollate(
+            dataset, collate_fn, stand_in=weighing if stand_in is None else stand_in
+        ),
         **loader_kwargs,
     )
     prepared: DataLoader = accelerator.prepare(loader)
