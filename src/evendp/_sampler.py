@@ -27,8 +27,8 @@ from torch.utils.data import default_collate
 
 from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
+from ._exact import stand_in_batch
 from ._split import split_sizes
-from ._stand_in import stand_in_batch
 from ._validate import validate_int
 
 __all__ = [

@@ -26,7 +26,7 @@ from torch import nn
 
 from ._distributed import _all_reduce_sum, comm_device, world_size
 from ._errors import EvendpError
-from ._stand_in import is_stand_in, zero_weight
+from ._exact import is_stand_in, weighted_sum
 
 __all__ = ["StepMean"]
 
@@ -97,9 +97,7 @@ class StepMean:
             )
         count = 0 if is_stand_in(batch) else self.count_fn(batch)
         self._count = self._count + (count.detach() if isinstance(count, torch.Tensor) else count)
-        if not isinstance(count, torch.Tensor) and count == 0:
-            return zero_weight(loss)
-        local_sum = torch.where(torch.as_tensor(count) > 0, loss * count, 0.0)
+        local_sum = weighted_sum(loss, count)
         self._sum = self._sum + local_sum.detach().to(torch.float64)
         return local_sum
 

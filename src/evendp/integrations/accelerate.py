@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._stand_in import zero_weight
+from .._exact import weighted_sum
 from .._step_mean import count_rows
 from ._epoch import EpochRelay
 
@@ -155,7 +155,7 @@ class UnevenAccelerator(Accelerator):
             )
         # Accelerator.backward divides by the accumulation steps: undone here.
         scale = weight * self.gradient_accumulation_steps
-        super().backward(loss * scale if weight else zero_weight(loss), **kwargs)
+        super().backward(weighted_sum(loss, scale), **kwargs)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._stand_in import is_stand_in, zero_weight
+from .._exact import is_stand_in, weighted_sum, zero_weight
 from .accelerate import uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_labels", "count_rows"]
@@ -143,20 +143,6 @@ def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
     """``EVENDP_BATCH_SIZES`` when set, else ``per_device_train_batch_size`` on every rank."""
     world = max(1, args.world_size)
     return evendp.batch_sizes_from_env(world, default=[args.per_device_train_batch_size] * world)
-
-
-def _batch_sum(loss: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """A per-batch mean times its count; an empty batch's NaN mean becomes a connected zero.
-
-    >>> empty = torch.zeros(0, requires_grad=True)
-    >>> _batch_sum(empty.mean(), 0), _batch_sum(torch.tensor(2.0), torch.tensor(3))
-    (tensor(0., grad_fn=<MulBackward0>), tensor(6.))
-    """
-    if isinstance(count, torch.Tensor):
-        return torch.where(count > 0, loss * count, torch.zeros_like(loss))
-    if count == 0:
-        return torch.nan_to_num(loss) * 0.0
-    return loss * count
 
 
 class UnevenTrainer(transformers.Trainer):
@@ -314,7 +300,7 @@ class UnevenTrainer(transformers.Trainer):
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         if step_count is not None:
-            loss = evendp.ddp_loss(_batch_sum(loss, count), count, step_count)
+            loss = evendp.ddp_loss(weighted_sum(loss, count), count, step_count)
         elif stand_in and model.training:
             loss = zero_weight(loss)
         return (loss, outputs) if return_outputs else loss
