@@ -195,6 +195,7 @@ def uneven_dataloader(
     seed: int = 0,
     drop_last: bool = False,
     stand_in: bool | None = None,
+    batch_size: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A dataloader already passed through ``accelerator.prepare``, ``batch_sizes[rank]`` a batch.
@@ -202,14 +203,15 @@ def uneven_dataloader(
     Every rank yields the same number of batches; over all ranks each sample comes once per
     epoch (``drop_last=False``), in one permutation seeded by ``seed + epoch`` (Accelerate's
     ``DataLoaderShard`` sets the epoch when it starts iterating). ``batch_sizes`` defaults to
-    ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``). A rank may get an empty batch in the
-    short last step (always when its size is 0): ``collate_fn`` is wrapped in
-    :class:`evendp.EmptySafeCollate`; with an :class:`UnevenAccelerator` it is a stand-in
-    (one real sample, weight exactly 0 in its ``backward``), else a real, zero-length batch
-    (the ``ddp_loss`` recipe counts its 0 samples); ``stand_in`` chooses (``None``: a
-    stand-in with an ``UnevenAccelerator``). Preparing the
-    returned loader again returns it unchanged (Accelerate marks it prepared). Other keyword
-    arguments (``num_workers``, ``pin_memory``, ...) go to ``torch.utils.data.DataLoader``.
+    ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to ``batch_size`` on every rank. A
+    rank may get an empty batch in the short last step (always when its size is 0):
+    ``collate_fn`` is wrapped in :class:`evendp.EmptySafeCollate`; with an
+    :class:`UnevenAccelerator` it is a stand-in (one real sample, weight exactly 0 in its
+    ``backward``), else a real, zero-length batch (the ``ddp_loss`` recipe counts its 0
+    samples); ``stand_in`` chooses (``None``: a stand-in with an ``UnevenAccelerator``).
+    Preparing the returned loader again returns it unchanged (Accelerate marks it prepared).
+    Other keyword arguments (``num_workers``, ``pin_memory``, ...) go to
+    ``torch.utils.data.DataLoader``.
 
     >>> import torch
     >>> from accelerate import Accelerator
@@ -219,7 +221,9 @@ def uneven_dataloader(
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
     if batch_sizes is None and isinstance(accelerator, Accelerator):
-        batch_sizes = evendp.batch_sizes_from_env(accelerator.num_processes)
+        world = accelerator.num_processes
+        default = None if batch_size is None else [batch_size] * world
+        batch_sizes = evendp.batch_sizes_from_env(world, default=default)
     sizes = _as_list(batch_sizes)
     accelerator = _validate_accelerator(accelerator, sizes)
     weighing = isinstance(accelerator, UnevenAccelerator)

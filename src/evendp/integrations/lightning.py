@@ -65,19 +65,25 @@ def uneven_dataloader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    batch_size: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step (call it in a hook).
 
-    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it). The rank
-    comes from the process group when there is one, else it is 0 with one batch size.
+    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
+    ``batch_size`` on every rank. The rank comes from the process group when there is one,
+    else it is 0 with one batch size.
 
     >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
     >>> [b[0].tolist() for b in uneven_dataloader(data, [4], shuffle=False)]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
-    sizes = evendp.batch_sizes_from_env() if batch_sizes is None else batch_sizes
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    sizes = batch_sizes
+    if sizes is None:
+        world = torch.distributed.get_world_size() if distributed else 1
+        default = None if batch_size is None else [batch_size] * world
+        sizes = evendp.batch_sizes_from_env(world, default=default)
     sampler = evendp.UnevenBatchSampler(
         dataset,
         sizes,
