@@ -5,7 +5,7 @@ Run (CPU ranks use gloo; GPUs NCCL):
     evendp launch --nproc 2 --batch-sizes 1,3 examples/hf_trainer.py
     python examples/hf_trainer.py            # one process, per_device_train_batch_size
 
-The port of examples/plain/hf_trainer.py (2 changed lines: the import and UnevenTrainer).
+The port of examples/plain/hf_trainer.py (the changed lines: docs/integrations.md).
 Rank r takes batch_sizes[r] sequences per forward pass (EVENDP_BATCH_SIZES, set by
 `evendp launch`); with gradient_accumulation_steps=2 one optimizer step covers
 2 * sum(batch_sizes) sequences, and its gradient is the mean over all their non-padding tokens,

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
     )
     trainer.fit(module)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and "loss" in trainer.callback_metrics:
         print(f"final loss {trainer.callback_metrics['loss']:.4f}")
     if cli.out is not None:
         torch.save(module.net.state_dict(), cli.out / f"lightning{trainer.global_rank}.pt")
