@@ -119,6 +119,8 @@ class _WeighingLoader:
         self.loader.set_epoch(epoch)
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_sampler, device, ...
+        if name == "loader":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 

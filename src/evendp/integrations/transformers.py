@@ -263,13 +263,14 @@ class UnevenTrainer(transformers.Trainer):
         if "labels" not in batch or self.compute_loss_func is not None:
             return
         model = self.accelerator.unwrap_model(self.model)
-        inputs = send_to_device(dict(batch), self.args.device)
+        device = self.args.device
+        inputs = send_to_device(dict(batch), device)
         was_training = model.training
         model.eval()  # no dropout: the two forward passes differ only in the count
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
                 one, two = (
-                    float(model(**inputs, num_items_in_batch=torch.tensor(n)).loss)
+                    float(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)).loss)
                     for n in (1.0, 2.0)
                 )
         finally:
