@@ -1,6 +1,7 @@
 """Run by test_lightning.py under ``evendp launch``: Lightning DDP on gloo, sizes from the launcher.
 
 Usage: evendp launch --nproc 2 --batch-sizes 1,3 tests/integrations/_lightning_script.py OUT_DIR
+(the tests run it from _launched.py, in one launch with the ports of examples/).
 Each rank saves the sample indices of its batches and its final parameters to OUT_DIR/rankR.pt:
 at the top level for ``training_step`` returning a sum (``reduction="sum"``), under ``"mean"``
 and ``"zero"`` for the usual mean, with an empty share in the short last step of 9 samples and

@@ -1,7 +1,8 @@
 """The ports in examples/: each runs through ``evendp launch`` and equals one process.
 
-One launch (2 gloo ranks, sizes [1, 3], 17 samples: the short last step leaves rank 0
-nothing) runs the four ports of tests/integrations/_ports_script.py; the one-process
+One launch (conftest.py's, shared with test_lightning.py: 2 gloo ranks, sizes [1, 3], 17
+samples, so the short last step leaves rank 0 nothing) runs the four ports
+(tests/integrations/_ports_script.py); the one-process
 references run here, in the test process, with ``EVENDP_BATCH_SIZES=4`` (the same global
 batches). The changed-line counts quoted in docs/integrations.md are measured here too.
 """
@@ -9,10 +10,7 @@ batches). The changed-line counts quoted in docs/integrations.md are measured he
 from __future__ import annotations
 
 import difflib
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +36,6 @@ NO_STEPS = {  # the arguments that train nothing: the initial parameters
     "lightning_module": ["--epochs", "0"],
     "nanogpt_loop": ["--iters", "0"],
 }
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ports")
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "1,3"]
-    command += [script.__file__, str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
 
 
 def _one_process(port: str, out: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> dict:
