@@ -167,3 +167,12 @@ def test_refuses_sizes_that_do_not_match_the_processes() -> None:
         uneven_dataloader(Accelerator(cpu=True), Data(), SIZES)
     with pytest.raises(evendp.EvendpError, match="sequence of non-negative ints"):
         uneven_dataloader(Accelerator(cpu=True), Data(), "1,3")  # type: ignore[arg-type]
+
+
+def test_uneven_backward_needs_the_uneven_loader() -> None:
+    from evendp.integrations.accelerate import UnevenAccelerator
+
+    accelerator = UnevenAccelerator(cpu=True)
+    loss = torch.ones((), requires_grad=True) * 2
+    with pytest.raises(evendp.EvendpError, match="uneven_dataloader"):
+        accelerator.backward(loss)

@@ -308,3 +308,26 @@ def test_refuses_what_it_cannot_keep_exact(
 
     with pytest.raises(evendp.EvendpError, match=message):
         _trainer(tmp_path, **options)
+
+
+class _OddLoss(torch.nn.Module):
+    """A forward taking **kwargs whose loss depends on num_items_in_batch, but not as 1/count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 3)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> dict:
+        loss = torch.nn.functional.cross_entropy(self.emb(input_ids)[:, 0], labels)
+        count = kwargs.get("num_items_in_batch")
+        return {"loss": loss if count is None else loss / count.float().sqrt()}
+
+
+def test_a_loss_that_uses_the_count_oddly_stops_at_the_first_step(tmp_path: Path) -> None:
+    import evendp
+    from evendp.integrations.transformers import UnevenTrainer
+
+    args = _args(str(tmp_path), batch=2, accum=1)
+    trainer = UnevenTrainer(_OddLoss(), args, train_dataset=_Data("cls"), data_collator=pad_collate)
+    with pytest.raises(evendp.EvendpError, match=r"model\.accepts_loss_kwargs"):
+        trainer.train()

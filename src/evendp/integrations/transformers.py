@@ -270,7 +270,7 @@ class UnevenTrainer(transformers.Trainer):
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
                 one, two = (
-                    float(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)).loss)
+                    _loss_of(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
                     for n in (1.0, 2.0)
                 )
         finally:
@@ -330,6 +330,11 @@ class UnevenTrainer(transformers.Trainer):
             total = self.accelerator.gather(self._loss_sum.reshape(1)).mean()
             logs["train_loss"] = float(total) / self._steps
         super().log(logs, *args, **kwargs)
+
+
+def _loss_of(outputs: Any) -> float:
+    """The loss a model returned: ``outputs["loss"]`` (a ``ModelOutput`` too), else the first."""
+    return float(outputs["loss"] if isinstance(outputs, Mapping) else outputs[0])
 
 
 def _declares_loss_kwargs(model: nn.Module) -> bool:
