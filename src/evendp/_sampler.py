@@ -150,6 +150,59 @@ def _validate_max_costs(
     return _validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
 
 
+def _validate_max_tokens(
+    max_tokens: object, costs: list[float] | None, drop_last: bool, group_steps: int
+) -> float | None:
+    """``max_tokens``: the step's budget in cost units (tokens), only with costs."""
+    if max_tokens is None:
+        return None
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)):
+        raise EvendpError(
+            f"max_tokens must be a positive number (the tokens one step takes over all ranks), "
+            f"got {max_tokens!r}; e.g. max_tokens=4096"
+        )
+    if costs is None:
+        raise EvendpError(
+            f"max_tokens={max_tokens!r} fills each step up to a token budget, but no costs were "
+            "given; pass costs= (each sample's length in tokens) or leave max_tokens=None"
+        )
+    if drop_last or group_steps > 1:
+        raise EvendpError(
+            f"max_tokens={max_tokens!r} cuts steps by tokens; it takes drop_last=False and "
+            f"group_steps=1, got drop_last={drop_last}, group_steps={group_steps}"
+        )
+    longest = max(costs, default=0.0)
+    if not math.isfinite(max_tokens) or max_tokens < max(longest, 1e-300):
+        raise EvendpError(
+            f"max_tokens={max_tokens!r} is below the longest sample's {longest:g} tokens; no "
+            f"step could take it. Raise max_tokens to at least {longest:g} or truncate the sample"
+        )
+    return float(max_tokens)
+
+
+def budget_step_length(
+    costs: Sequence[float], order: Sequence[int], budget: float, start: int = 0
+) -> int:
+    """How many samples of ``order`` from ``start`` on one step takes under a token budget.
+
+    Samples are taken in order while their summed cost stays within ``budget`` (at least
+    one: the caller checks no sample alone exceeds it), as fairseq's ``max_tokens``.
+
+    >>> budget_step_length([3, 4, 2, 5], [0, 1, 2, 3], budget=9)
+    3
+    >>> budget_step_length([3, 4, 2, 5], [0, 1, 2, 3], budget=9, start=2)
+    2
+    """
+    total, taken = 0.0, 0
+    for k in range(start, len(order)):
+        i = order[k]
+        if taken and total + costs[i] > budget:
+            break
+        total += costs[i]
+        taken += 1
+    return taken
+
+
 def _validate_rank(rank: int, world_size: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise EvendpError(
@@ -285,6 +338,11 @@ class UnevenBatchSampler:
     scale the loss with :func:`ddp_loss`. ``max_costs`` (with ``costs``; one per rank, e.g.
     ``plan(..., seq_len=L).max_tokens``) caps each rank's share in cost units: a step
     whose samples cannot fit raises :class:`EvendpError` naming the step.
+    ``max_tokens`` (with ``costs``; fairseq's option) makes the global batch a token budget:
+    each step takes samples from the permutation while their summed cost stays within
+    ``max_tokens``, and splits them across ranks by cost with ``batch_sizes`` as the ranks'
+    capacities (and ``max_costs`` as their hard caps); steps then hold different numbers of
+    samples, the same steps whatever the split or the world size.
     ``rank``/``world_size`` come from the process group only when ``None``; ``world_size``
     defaults to ``len(batch_sizes)`` without one.
 
@@ -314,6 +372,7 @@ class UnevenBatchSampler:
         padded: bool = True,
         group_steps: int = 1,
         max_costs: Sequence[float] | None = None,
+        max_tokens: float | None = None,
     ) -> None:
         rank, world_size = _default_rank_and_world(rank, world_size)
         sizes = _validate_batch_sizes(batch_sizes, world_size)
@@ -325,6 +384,8 @@ class UnevenBatchSampler:
         self.padded = bool(padded)
         self.group_steps = _validate_group_steps(group_steps, self.costs)
         self.max_costs = _validate_max_costs(max_costs, self.costs, len(sizes))
+        self.max_tokens = _validate_max_tokens(max_tokens, self.costs, drop_last, group_steps)
+        self._budget_cuts: tuple[int, list[int]] | None = None  # (epoch, step lengths)
         self.rank = rank
         self.world_size = len(sizes)
         self.shuffle = bool(shuffle)
@@ -472,7 +533,7 @@ class UnevenBatchSampler:
             remaining = n - self._cursor
             if remaining <= 0 or (self.drop_last and remaining < self._global):
                 break
-            step_total = min(remaining, self._global)
+            step_total = self._step_length(perm, remaining)
             step = perm[self._cursor : self._cursor + step_total]  # the same on every rank
             batch, sizes = self._share(step)
             self._cursor += step_total
@@ -482,6 +543,24 @@ class UnevenBatchSampler:
             yield batch
         self._cursor = 0
         self._steps_done = 0
+
+    def _step_length(self, perm: list[int], remaining: int) -> int:
+        """Indices the next step takes: the global batch, or what the token budget holds."""
+        if self.max_tokens is None:
+            return min(remaining, self._global)
+        assert self.costs is not None  # _validate_max_tokens: a budget needs costs
+        return budget_step_length(self.costs, perm, self.max_tokens, self._cursor)
+
+    def _budget_steps(self) -> int:
+        """Steps in this epoch under the token budget (they do not depend on the sizes)."""
+        if self._budget_cuts is None or self._budget_cuts[0] != self.epoch:
+            assert self.costs is not None and self.max_tokens is not None
+            perm, lengths, cursor = self._permutation(), [], 0
+            while cursor < len(perm):
+                lengths.append(budget_step_length(self.costs, perm, self.max_tokens, cursor))
+                cursor += lengths[-1]
+            self._budget_cuts = (self.epoch, lengths)
+        return len(self._budget_cuts[1])
 
     def _share(self, step: list[int]) -> tuple[list[int], list[int]]:
         """This rank's indices of the step's ``step`` indices, and every rank's count."""
@@ -503,6 +582,8 @@ class UnevenBatchSampler:
         return step[start : start + sizes[self.rank]], list(sizes)
 
     def __len__(self) -> int:
+        if self.max_tokens is not None:
+            return self._budget_steps()
         # Steps already yielded in a running epoch plus the rest at the sizes in force now.
         remaining = self.num_samples - self._cursor
         return self._steps_done + _steps(remaining, self._global, self.drop_last)

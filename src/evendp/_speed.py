@@ -212,6 +212,9 @@ class SpeedBalancer:
     [6, 2]
     """
 
+    #: A balancer that acts (``evendp._balance.NoBalance`` is the one that does not).
+    active = True
+
     def __init__(
         self,
         sampler: _Sampler,

@@ -41,6 +41,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from ._balance import (
+    first_batch,
+    inline_for_balance,
+    rank_batch_sizes,
+    step_balancer,
+    validate_balance,
+    validate_batch_sizes_option,
+)
 from ._blocks import block_predicate, repeated_blocks
 from ._cost import split_by_cost
 from ._deprecation import UNSET, renamed_argument
@@ -55,7 +63,6 @@ from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
-from ._split import split_sizes
 from ._step_cost import StepWeight, display_due, sample_counts
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
 from ._train_state import TrainState
@@ -75,7 +82,10 @@ class TrainConfig:
 
     ``batch_size`` is the global batch per optimizer step (in one process; under ``torchrun``
     the per-rank sizes come from ``batch_sizes``). ``accum`` splits each step into that many
-    micro-batches (gradient accumulation); the gradient is unchanged.
+    micro-batches (gradient accumulation); the gradient is unchanged. Under ``torchrun``,
+    ``batch_sizes="auto"`` splits ``batch_size`` by each rank's memory (planned at start, the
+    same on every rank) and ``balance="speed"`` moves samples from slow ranks to fast ones at
+    step boundaries, the same samples per step (docs/balancing.md).
 
     >>> TrainConfig(steps=10, amp="bf16").amp
     'bf16'
@@ -83,7 +93,7 @@ class TrainConfig:
 
     steps: int = 100
     batch_size: int = 32
-    batch_sizes: list[int] | None = None  # per rank, under torchrun; None: even split
+    batch_sizes: list[int] | Literal["auto"] | None = None  # per rank, torchrun; None: even
     accum: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -100,6 +110,7 @@ class TrainConfig:
     log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
+    balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum"):
@@ -123,6 +134,8 @@ class TrainConfig:
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
         validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
+        validate_balance(self.balance)
+        validate_batch_sizes_option(self.batch_sizes)
         validate_int("log_every", self.log_every, minimum=1, example="log_every=10")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
@@ -255,6 +268,9 @@ class Trainer:
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
             ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        max_tokens: with ``costs``, each step's global batch is a token budget (fairseq's
+            ``max_tokens``): samples are taken while their summed cost fits, then split by
+            cost; ``config.batch_size``/``batch_sizes`` are then the capacities only.
         counts: with ``count_fn``, each sample's counted items (a sequence, or a function of
             ``data[i]``): what ``count_fn`` counts on that sample alone. The step's global
             count is then their sum over the step's samples, known to every rank: under
@@ -316,6 +332,7 @@ class Trainer:
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         max_costs: Sequence[float] | None = None,
+        max_tokens: float | None = None,
         counts: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
@@ -338,16 +355,25 @@ class Trainer:
         self.strategy.wrap(_LossModule(model, loss_fn, count_fn))
         self.wrapped = self.strategy.wrapped
         self.device_names = self.strategy.device_names
+        sizes, caps = rank_batch_sizes(
+            config.batch_sizes if self.distributed else [config.batch_size],
+            config.batch_size, self.world, model=lambda: _LossModule(model, loss_fn, count_fn),
+            example=lambda: first_batch(data, collate_fn),
+        )  # fmt: skip
         self.sampler = UnevenBatchSampler(
             data,
-            (config.batch_sizes or split_sizes(config.batch_size, [1] * self.world))
-            if self.distributed
-            else [config.batch_size],
+            sizes,
             rank=self.rank,
             world_size=self.world,
             seed=config.seed,
-            costs=costs if self.distributed else None,  # ranks split each step by cost
+            # ranks split each step by cost; a token budget needs the costs in one process too
+            costs=costs if self.distributed or max_tokens is not None else None,
             max_costs=max_costs if self.distributed else None,
+            max_tokens=max_tokens,
+        )
+        # balance="speed": at step boundaries samples move from slow ranks to fast ones.
+        self.balancer = step_balancer(
+            self.sampler, config.balance, distributed=self.distributed, caps=caps
         )
         # One process: each step's rows are ordered so each device's share is its cost plan.
         self._costs = (
@@ -383,6 +409,7 @@ class Trainer:
         # CPU devices are the host's own cores: a thread only competes with them for the GIL
         # (measured: +1.5 ms CPU per step on a 13 ms step), so there the loop collates inline.
         self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
+        self._prefetch = inline_for_balance(self.balancer, config.prefetch, self._prefetch)
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
         self._local = self.strategy.losses_local
@@ -595,7 +622,7 @@ class Trainer:
             empty = sum(rows) == 0
             mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
             part = self._stand_in_for_empty() if empty else _rows(batch, mine)
-            with strategy.sync(last), self._autocast():
+            with strategy.sync(last), self._autocast(), self.balancer.measure(sum(rows)):
                 mean = strategy.forward(part, [1] if empty else rows)
             if isinstance(weight, StepWeight):
                 weight.wait()  # the count's all-reduce ran during this forward
@@ -701,6 +728,7 @@ class Trainer:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
                     loss = self._train_step(item.batch, item.count, item.shares, item.counted)
+                    self.balancer.step()  # every rank alike: maybe a new split from next step
                     state.step += 1
                     state.record(loss, self._samples_ran(loss is not None), self._local)
                     # Read the loss (a host sync; DDP/FSDP2: a collective) only on display

@@ -39,14 +39,20 @@ from .._exact import weighted_sum
 from .._step_mean import count_rows
 from ._epoch import EpochRelay
 
-__all__ = ["UnevenAccelerator", "uneven_dataloader"]
+__all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
 
 
 class _InterleavedBatchSampler:
     """Every rank's :class:`evendp.UnevenBatchSampler` batches, step by step, in rank order."""
 
     def __init__(
-        self, data: object, batch_sizes: list[int], shuffle: bool, seed: int, drop_last: bool
+        self,
+        data: object,
+        batch_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        **options: Any,  # costs=, max_tokens=: as UnevenBatchSampler takes them
     ) -> None:
         self.ranks = [
             evendp.UnevenBatchSampler(
@@ -57,6 +63,7 @@ class _InterleavedBatchSampler:
                 shuffle=shuffle,
                 seed=seed,
                 drop_last=drop_last,
+                **options,
             )
             for r in range(len(batch_sizes))
         ]
@@ -66,6 +73,16 @@ class _InterleavedBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         for sampler in self.ranks:
             sampler.set_epoch(epoch)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The per-rank sizes in force (a speed balancer reads and sets them)."""
+        return self.ranks[0].batch_sizes
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """New per-rank sizes from the next step on, for every rank's sampler alike."""
+        for sampler in self.ranks:
+            sampler.set_batch_sizes(batch_sizes)
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in zip(*self.ranks, strict=True):
@@ -196,6 +213,8 @@ def uneven_dataloader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    costs: Sequence[float] | Callable[[Any], float] | None = None,
+    max_tokens: float | None = None,
     stand_in: bool | None = None,
     batch_size: int | None = None,
     **loader_kwargs: Any,
@@ -214,6 +233,10 @@ def uneven_dataloader(
     Preparing the returned loader again returns it unchanged (Accelerate marks it prepared).
     Other keyword arguments (``num_workers``, ``pin_memory``, ...) go to
     ``torch.utils.data.DataLoader``.
+    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
+    samples to ranks by padded cost and ``max_tokens`` makes the step a token budget, as
+    :class:`evendp.UnevenBatchSampler` does; :func:`speed_balancer` moves samples between
+    ranks by measured speed.
 
     >>> import torch
     >>> from accelerate import Accelerator
@@ -229,7 +252,15 @@ def uneven_dataloader(
     sizes = _as_list(batch_sizes)
     accelerator = _validate_accelerator(accelerator, sizes)
     weighing = isinstance(accelerator, UnevenAccelerator)
-    sampler = _InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last)
+    if weighing and max_tokens is not None:
+        raise evendp.EvendpError(
+            "UnevenAccelerator weighs each batch by the samples of its step, known from the "
+            "plan, but max_tokens makes the steps' sample counts data-dependent; use "
+            "accelerate.Accelerator with evendp.StepMean (weigh each loss, finish before "
+            "clipping) for a token budget"
+        )
+    options = {"costs": costs, "max_tokens": max_tokens}
+    sampler = _InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last, **options)
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -242,6 +273,34 @@ def uneven_dataloader(
     if weighing:
         return _WeighingLoader(prepared, sampler, accelerator)  # type: ignore[return-value]
     return prepared
+
+
+def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
+    """A :class:`evendp.SpeedBalancer` that re-splits ``loader``'s steps by measured speed.
+
+    ``loader`` comes from :func:`uneven_dataloader`. Time each forward pass with
+    ``with balancer.measure(len(batch)):`` (the forward and the loss, not
+    ``accelerator.backward``, which waits for the slowest rank) and call
+    ``balancer.step()`` after every optimizer step on every rank: samples then move from
+    slow ranks to fast ones; each step's samples, and the gradient, stay those of one
+    process. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    >>> balancer = speed_balancer(uneven_dataloader(Accelerator(cpu=True), data, [4]))
+    >>> balancer.sampler.batch_sizes
+    [4]
+    """
+    sampler: Any = loader
+    for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> ours
+        sampler = getattr(sampler, "batch_sampler", None)
+        if isinstance(sampler, _InterleavedBatchSampler):
+            return evendp.SpeedBalancer(sampler, **knobs)
+    raise evendp.EvendpError(
+        f"speed_balancer needs a loader from uneven_dataloader, got {type(loader).__name__}; "
+        "build it with evendp.integrations.accelerate.uneven_dataloader(accelerator, ...)"
+    )
 
 
 def _as_list(batch_sizes: object) -> list[int]:

@@ -32,11 +32,12 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from .._balance import NoBalance, step_balancer
 from .._deprecation import REMOVAL, UNSET
 from .._distributed import comm_device
 from ._epoch import RelayedBatchSampler
 
-__all__ = ["UnevenGradient", "count_samples", "uneven_dataloader"]
+__all__ = ["SpeedBalance", "UnevenGradient", "count_samples", "uneven_dataloader"]
 
 
 def count_samples(batch: Any) -> int:
@@ -65,6 +66,8 @@ def uneven_dataloader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    costs: Sequence[float] | Callable[[Any], float] | None = None,
+    max_tokens: float | None = None,
     batch_size: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
@@ -73,6 +76,9 @@ def uneven_dataloader(
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
     ``batch_size`` on every rank. The rank comes from the process group when there is one,
     else it is 0 with one batch size.
+    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
+    samples to ranks by padded cost; ``max_tokens`` makes each step a token budget (see
+    :class:`evendp.UnevenBatchSampler`); :class:`SpeedBalance` moves samples by speed.
 
     >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
     >>> [b[0].tolist() for b in uneven_dataloader(data, [4], shuffle=False)]
@@ -91,6 +97,8 @@ def uneven_dataloader(
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
+        costs=costs,
+        max_tokens=max_tokens,
     )
     return DataLoader(
         dataset,
@@ -205,3 +213,61 @@ def _amp_scale(trainer: pl.Trainer) -> float:
     """The fp16 GradScaler's current scale (it multiplied the loss), else 1."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
+def _balanced_sampler(loader: Any) -> Any:
+    """The sampler with ``set_batch_sizes`` inside a loader from :func:`uneven_dataloader`."""
+    sampler = loader
+    for _ in range(4):  # DataLoader -> RelayedBatchSampler -> UnevenBatchSampler
+        sampler = getattr(sampler, "batch_sampler", None)
+        if hasattr(sampler, "set_batch_sizes"):
+            return sampler
+    raise evendp.EvendpError(
+        f"SpeedBalance needs the training loader from evendp's uneven_dataloader, got "
+        f"{type(loader).__name__}; return uneven_dataloader(...) from train_dataloader() "
+        "and pass Trainer(use_distributed_sampler=False)"
+    )
+
+
+class SpeedBalance(pl.Callback):
+    """Move samples from slow ranks to fast ones at every optimizer step (Lightning DDP).
+
+    Times each rank's ``training_step`` (the forward and the loss, up to Lightning's
+    ``backward``, which waits for the slowest rank under DDP) and, before every optimizer
+    step, lets :class:`evendp.SpeedBalancer` re-split the sampler of
+    :func:`uneven_dataloader`: every rank applies the same split at the same step, each
+    step's samples stay the same, so with :class:`UnevenGradient` the gradient is still the
+    global batch's. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+
+    >>> SpeedBalance(warmup=2).knobs
+    {'warmup': 2}
+    """
+
+    def __init__(self, **knobs: Any) -> None:
+        self.knobs = knobs
+        self.balancer: Any = NoBalance()
+        self._block: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sampler = _balanced_sampler(trainer.train_dataloader)
+        self.balancer = step_balancer(
+            sampler, "speed", distributed=trainer.world_size > 1, **self.knobs
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._block = self.balancer.measure(count_samples(batch))
+        self._block.__enter__()
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._block is not None:
+            self._block.__exit__(None, None, None)
+            self._block = None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.balancer.step()

@@ -45,8 +45,16 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from .._balance import (
+    NoBalance,
+    auto_batch_sizes,
+    step_balancer,
+    time_forward,
+    validate_balance,
+    validate_batch_sizes_option,
+)
 from .._exact import is_stand_in, weighted_sum, zero_weight
-from .accelerate import uneven_dataloader
+from .accelerate import _InterleavedBatchSampler, uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_labels", "count_rows"]
 
@@ -135,7 +143,9 @@ def _validate_args(args: transformers.TrainingArguments) -> None:
     if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
         raise evendp.EvendpError(
             f"train_sampling_strategy={args.train_sampling_strategy!r} chooses its own batches; "
-            "UnevenTrainer supports 'random' and 'sequential'"
+            "UnevenTrainer supports 'random' and 'sequential'. For what group_by_length does, "
+            "exactly: UnevenTrainer(costs=lambda s: len(s['input_ids'])) sends each step's "
+            "samples to ranks by length"
         )
 
 
@@ -145,13 +155,53 @@ def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
     return evendp.batch_sizes_from_env(world, default=[args.per_device_train_batch_size] * world)
 
 
+def _balanced_sampler(loader: DataLoader) -> Any:
+    """The every-rank sampler inside a prepared :func:`uneven_dataloader`."""
+    sampler: Any = loader
+    while not isinstance(sampler, _InterleavedBatchSampler):
+        sampler = sampler.batch_sampler
+    return sampler
+
+
+class _BalancerRelay(NoBalance):
+    """The trainer's current balancer (rebuilt with each training loader), for the hooks."""
+
+    def __init__(self, trainer: UnevenTrainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+
+    def measure(self, samples: int) -> Any:
+        return self.trainer.balancer.measure(samples)
+
+
+class _StepBalancer(transformers.TrainerCallback):
+    """At the end of every optimizer step, on every rank: maybe a new split (speed)."""
+
+    def __init__(self, trainer: UnevenTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.balancer.step()
+
+
 class UnevenTrainer(transformers.Trainer):
     """``transformers.Trainer`` with ``batch_sizes[r]`` samples per forward pass on rank ``r``.
 
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
     ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
-    non-token loss averaged over (default :func:`count_rows`). Everything else is the
-    Trainer's. See the module docstring for what changes and what is refused.
+    non-token loss averaged over (default :func:`count_labels`). ``balance="speed"`` times
+    each rank's forward passes and, at optimizer-step boundaries, moves samples from slow
+    ranks to fast ones (:class:`evendp.SpeedBalancer`): each step's samples, the total batch
+    and the gradient stay those of one process. ``costs`` (each training sample's length, or
+    a function of a dataset item, e.g. ``lambda s: len(s["input_ids"])``) sends each step's
+    samples to ranks by padded length, similar lengths together, so no rank pads for
+    another's long samples (what ``group_by_length`` is for, with the exact gradient).
+    ``batch_sizes="auto"`` splits ``per_device_train_batch_size * world_size`` by each
+    rank's memory, planned for this model on one training sample (live free memory on a
+    GPU; ``memory=`` or ``EVENDP_MEMORY`` declares it, one entry per rank), the same on
+    every rank (one ``all_gather``); speed balance then never moves a rank past its cap.
+    Everything else is the Trainer's. See the module docstring for what changes and what is
+    refused.
 
     >>> import tempfile
     >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -174,19 +224,34 @@ class UnevenTrainer(transformers.Trainer):
     def __init__(
         self,
         *args: Any,
-        batch_sizes: Sequence[int] | None = None,
+        batch_sizes: Sequence[int] | str | None = None,
         count_fn: Callable[[Mapping[str, Any]], int | torch.Tensor] | None = None,
+        balance: str | None = None,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
+        memory: str | Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.balance = validate_balance(balance)
+        self.costs = costs
+        self.balancer: evendp.SpeedBalancer | NoBalance = NoBalance()
+        # Speed balance: forwards timed by hooks, a new split at each optimizer step's end.
+        if self.model is not None:  # model_init: no model yet, nothing to time
+            time_forward(self.model, _BalancerRelay(self))
+        self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
-        self.batch_sizes = (
-            _default_sizes(self.args)
-            if batch_sizes is None
-            else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})
-        )
+        validate_batch_sizes_option(batch_sizes)
+        self._caps: list[int] | None = None  # per-rank memory caps, when planned
+        if batch_sizes == "auto":
+            self.batch_sizes, self._caps = self._auto_sizes(memory)
+        else:
+            self.batch_sizes = (
+                _default_sizes(self.args)
+                if batch_sizes is None
+                else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})  # type: ignore[arg-type]
+            )
         self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
@@ -197,6 +262,18 @@ class UnevenTrainer(transformers.Trainer):
         self._loss_sum = torch.zeros((), device=self.args.device)  # this rank's, this train()
         self._steps = 0  # optimizer steps of this train() call
 
+    def _auto_sizes(self, memory: str | Sequence[Any] | None) -> tuple[list[int], list[int]]:
+        """``batch_sizes="auto"``: ``per_device_train_batch_size * world`` split by each
+        rank's memory, planned for this model on one collated training sample."""
+        if self.model is None or self.train_dataset is None:
+            raise evendp.EvendpError(
+                "batch_sizes='auto' plans the model's step on a training sample; pass model= "
+                "and train_dataset= (not model_init)"
+            )
+        example = self.data_collator([self.train_dataset[0]])
+        global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
+        return auto_batch_sizes(self.model, example, global_batch=global_batch, memory=memory)
+
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
 
@@ -206,7 +283,7 @@ class UnevenTrainer(transformers.Trainer):
         base = super().get_train_dataloader()
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return uneven_dataloader(
+        loader = uneven_dataloader(
             self.accelerator,
             base.dataset,
             self.batch_sizes,
@@ -214,9 +291,16 @@ class UnevenTrainer(transformers.Trainer):
             shuffle=self.args.train_sampling_strategy != "sequential",
             seed=seed,
             drop_last=self.args.dataloader_drop_last,
+            costs=self.costs,
             stand_in=True,  # an empty share: one real sample, weight 0 (compute_loss)
             **settings,
         )
+        # Bound to the loader training iterates: speed moves samples in its sampler.
+        world = max(1, self.args.world_size)
+        self.balancer = step_balancer(
+            _balanced_sampler(loader), self.balance, distributed=world > 1, caps=self._caps
+        )
+        return loader
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         """Samples per optimizer step over all ranks: ``sum(batch_sizes) * accumulation``."""
