@@ -349,8 +349,9 @@ class UnevenTrainer(transformers.Trainer):
         model = self.accelerator.unwrap_model(self.model)
         device = self.args.device
         inputs = send_to_device(dict(batch), device)
-        was_training = model.training
+        was_training, balancer = model.training, self.balancer
         model.eval()  # no dropout: the two forward passes differ only in the count
+        self.balancer = NoBalance()  # not timed: the speed balance sees training steps only
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
                 one, two = (
@@ -359,6 +360,7 @@ class UnevenTrainer(transformers.Trainer):
                 )
         finally:
             model.train(was_training)
+            self.balancer = balancer
         if abs(one - two) <= 1e-6 * abs(one):
             self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
         elif abs(one - 2 * two) > 1e-4 * abs(one):
