@@ -229,7 +229,10 @@ def global_mean(
     """The true mean loss over all ranks' samples, detached, for logging (one all-reduce).
 
     Sums ``local_sum`` and ``local_count`` over ranks and divides; every rank gets the same
-    value. NaN when no rank had a sample.
+    value. NaN when no rank had a sample. It is a collective: every rank must call it, so
+    never inside ``if rank == 0:`` (the other ranks never join and rank 0 waits). For
+    rank-0-only logging, :class:`evendp.StepMean` gives the step's global loss on every rank
+    from the all-reduce it does anyway.
 
     >>> global_mean(torch.tensor(6.0), 4)
     tensor(1.5000)

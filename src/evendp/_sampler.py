@@ -27,6 +27,7 @@ from torch.utils.data import default_collate
 
 from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
+from ._exact import stand_in_batch
 from ._split import split_sizes
 from ._validate import validate_bool, validate_instance, validate_int
 
@@ -623,31 +624,46 @@ def _empty_like_batch(batch: Any) -> Any:
 
 
 class EmptySafeCollate:
-    """Wrap a collate function so an empty index list gives zero-length tensors, not an error.
+    """Wrap a collate function so an empty index list gives a batch a model can run, not an error.
 
     ``torch.utils.data.default_collate([])`` raises ``IndexError``. A rank whose batch size is 0
     (or that gets nothing in the epoch's short last step) must still run forward and backward
-    so DDP's all-reduce matches, so it needs a real, empty batch: this collates the sample
+    so DDP's all-reduce matches, so it needs a real batch. By default this collates the sample
     ``dataset[0]`` once and cuts every tensor to length 0 along dim 0, keeping dtype and the
-    trailing shape. Non-empty batches go to ``collate_fn`` unchanged. Picklable, so it works
-    with ``num_workers > 0``.
+    trailing shape. With ``stand_in=True`` it gives that one real sample instead, every tensor
+    marked as a stand-in (see :func:`evendp.is_stand_in`): models that cannot forward 0 rows
+    (GPT-2, BERT) run it, and evendp's loss helpers (:class:`evendp.StepMean`, the
+    integrations) give it weight exactly 0. Non-empty batches go to ``collate_fn`` unchanged.
+    Picklable, so it works with ``num_workers > 0``.
 
     >>> data = [(torch.ones(3), 1), (torch.zeros(3), 0)]
     >>> x, y = EmptySafeCollate(data)([])
     >>> x.shape, y.shape, y.dtype
     (torch.Size([0, 3]), torch.Size([0]), torch.int64)
+    >>> from evendp import is_stand_in
+    >>> x, y = EmptySafeCollate(data, stand_in=True)([])
+    >>> x.shape, is_stand_in((x, y))
+    (torch.Size([1, 3]), True)
     """
 
-    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None):
+    def __init__(
+        self,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        stand_in: bool = False,
+    ):
         self.dataset = dataset
         self.collate_fn: Callable[[list[Any]], Any] = (
             default_collate if collate_fn is None else collate_fn
         )
+        self.stand_in = stand_in
         self._empty: Any = None
 
     def __call__(self, batch: list[Any]) -> Any:
         if len(batch) > 0:
             return self.collate_fn(batch)
         if self._empty is None:
-            self._empty = _empty_like_batch(self.collate_fn([self.dataset[0]]))
+            one = self.collate_fn([self.dataset[0]])
+            self._empty = stand_in_batch(one) if self.stand_in else _empty_like_batch(one)
         return self._empty

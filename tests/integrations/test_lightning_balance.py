@@ -42,8 +42,8 @@ def _fit(loader: Any, callback: Any) -> Any:
     module = Module()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, use_distributed_sampler=False,
-        callbacks=[UnevenGradient(), callback], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[UnevenGradient(reduction="sum"), callback], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module)
     return module
