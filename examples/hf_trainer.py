@@ -5,16 +5,20 @@ Run (CPU ranks use gloo; GPUs NCCL):
     evendp launch --nproc 2 --batch-sizes 1,3 examples/hf_trainer.py
     python examples/hf_trainer.py            # one process, per_device_train_batch_size
 
+The port of examples/plain/hf_trainer.py (the changed lines: docs/integrations.md).
 Rank r takes batch_sizes[r] sequences per forward pass (EVENDP_BATCH_SIZES, set by
 `evendp launch`); with gradient_accumulation_steps=2 one optimizer step covers
 2 * sum(batch_sizes) sequences, and its gradient is the mean over all their non-padding tokens,
-as if one device had run them all. The model is built from a config: nothing is downloaded.
+as if one device had run them all; the logged and final losses are the global batch's. The
+model is built from a config: nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -27,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 class Sequences(torch.utils.data.Dataset):
     """Variable-length counting sequences (t, t+1, t+2, ... mod 63, plus 1): easy to learn."""
 
-    def __init__(self, n: int = 256) -> None:
+    def __init__(self, n: int) -> None:
         g = torch.Generator().manual_seed(0)
         self.starts = torch.randint(0, 63, (n,), generator=g).tolist()
         self.lengths = torch.randint(4, 25, (n,), generator=g).tolist()
@@ -51,34 +55,41 @@ def pad(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": (labels != -100).long(), "labels": labels}
 
 
-def main() -> None:
+def make_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    model = GPT2LMHeadModel(config)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # dropout off
+    return GPT2LMHeadModel(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--out", type=Path, help="save each rank's final parameters here")
+    cli = parser.parse_args(argv)
+
+    model = make_model()
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="evendp-hf-"),
-        per_device_train_batch_size=4,  # only the default when EVENDP_BATCH_SIZES is unset
+        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_train_epochs=2,
-        learning_rate=3e-3,
-        logging_steps=8,
+        optim="sgd",
+        learning_rate=0.5,
+        logging_steps=4,
+        train_sampling_strategy="sequential",
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
     )
-    trainer = UnevenTrainer(model, args, train_dataset=Sequences(), data_collator=pad)
-    if trainer.is_world_process_zero():
-        print(
-            f"batch sizes per rank {trainer.batch_sizes}, "
-            f"{trainer.get_total_train_batch_size(args)} sequences per optimizer step"
-        )
+    trainer = UnevenTrainer(model, args, train_dataset=Sequences(cli.samples), data_collator=pad)
     output = trainer.train()
     if trainer.is_world_process_zero():
-        print(
-            f"train loss {output.training_loss:.4f}, "
-            f"{output.metrics['train_samples_per_second']} samples/s"
-        )
+        samples_per_s = output.metrics["train_samples_per_second"]
+        print(f"train loss {output.training_loss:.4f}, {samples_per_s} samples/s")
+    if cli.out is not None:
+        torch.save(model.state_dict(), cli.out / f"hf{args.process_index}.pt")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ._errors import (
     PlanError,
     TrainingError,
 )
+from ._exact import is_stand_in
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._oom import OomResplit
 from ._plan import DevicePlan, Plan, plan
@@ -31,6 +32,7 @@ from ._report import TrainReport
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, batch_sizes_from_env, parse_batch_sizes
 from ._speed import SpeedBalancer, balance_sizes
 from ._split import split_sizes
+from ._step_mean import StepMean
 from ._trainer import TrainConfig, Trainer
 
 __all__ = [
@@ -56,6 +58,8 @@ __all__ = [
     "global_mean",
     "init_distributed",
     "parse_batch_sizes",
+    "StepMean",
+    "is_stand_in",
     # planning
     "DeviceMemory",
     "DevicePlan",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ._errors import EvendpError
+from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
     "checkpoint_step",
@@ -145,6 +146,7 @@ def save_checkpoint(
     >>> load_checkpoint(f"{d}/ckpt.pt", model=model)["step"]
     3
     """
+    validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -383,6 +385,7 @@ def load_checkpoint(
     :class:`EvendpError` naming the file and the fix, and leaves the model, the optimizer and
     the file untouched. (See :func:`save_checkpoint` for an example.)
     """
+    validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
     p = Path(path)
     payload = _read(p)
     _validate_model_state(p, model, payload["model"])

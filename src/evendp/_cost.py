@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from ._errors import EvendpError
 from ._split import _validate_weights, split_sizes
+from ._validate import validate_bool
 
 __all__ = ["padded_cost", "split_by_cost"]
 
@@ -99,6 +100,7 @@ def padded_cost(costs: Sequence[float], padded: bool = True) -> float:
     0.0
     """
     values = _validate_costs(costs)
+    validate_bool("padded", padded)
     if not values:
         return 0.0
     return len(values) * max(values) if padded else float(sum(values))
@@ -210,6 +212,7 @@ def split_by_cost(
     [[0, 1, 2, 3], [4, 5], []]
     """
     values = _validate_costs(costs)
+    validate_bool("padded", padded)
     weights = _validate_weights(capacities)
     devices = len(weights)
     largest = max(weights)

@@ -139,6 +139,11 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
         nvml.nvmlShutdown()
 
 
+def _validate_id_list(ids: object) -> None:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise EvendpError(f"gpu_ids must be a list of physical GPU ids, got {ids!r}; e.g. [2, 3]")
+
+
 def _validate_selection(
     devices: Sequence[DeviceInfo],
     count: int | None,
@@ -152,6 +157,7 @@ def _validate_selection(
         )
     validate_int("count", count, minimum=1, allow_none=True, example="count=2")
     if ids is not None:
+        _validate_id_list(ids)
         ids = list(ids)
         if not ids:
             raise EvendpError(
@@ -316,6 +322,8 @@ def select_devices(
     ...     _ = os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     """
     ids = renamed_argument("select_devices", "ids", "gpu_ids", ids, gpu_ids)  # old name: 0.3.0
+    if ids is not None:
+        _validate_id_list(ids)
     if _cuda_initialized():
         raise EvendpError(
             "CUDA is already initialized in this process, so CUDA_VISIBLE_DEVICES can no "

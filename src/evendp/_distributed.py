@@ -27,6 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._errors import EvendpError
 from ._exact import mean_scale, step_count
+from ._validate import validate_count, validate_device
 
 __all__ = [
     "all_reduce_gradients",
@@ -120,18 +121,28 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 # The loss
 
 
-def _count_tensor(count: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+def _count_tensor(
+    count: torch.Tensor | float, device: torch.device, name: str = "local_count"
+) -> torch.Tensor:
     """``count`` as a fresh tensor (never the caller's: all-reduce works in place)."""
     if isinstance(count, torch.Tensor):
+        validate_count(name, count, integral=False, check_values=_readable(count))
         t = count.detach().to(device=device)
         dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
         return t.to(dtype=dtype, copy=True)
     if isinstance(count, bool) or not isinstance(count, numbers.Real):
-        raise EvendpError(f"count must be an int, float or tensor, got {count!r}")
-    if count < 0:
-        raise EvendpError(f"count must be >= 0 (samples or tokens), got {count!r}")
+        raise EvendpError(f"{name} must be an int, float or tensor, got {count!r}")
+    if not count >= 0:  # also NaN
+        raise EvendpError(f"{name} must be >= 0 (samples or tokens), got {count!r}")
+    validate_count(name, count, integral=False)  # infinity
     dtype = torch.int64 if isinstance(count, numbers.Integral) else torch.float64
     return torch.tensor(count, dtype=dtype, device=device)
+
+
+def _readable(count: object) -> bool:
+    """Whether a count's value can be checked without waiting for a GPU (a Python number or
+    a CPU tensor). A GPU count is checked for its kind and shape only."""
+    return not isinstance(count, torch.Tensor) or count.device.type == "cpu"
 
 
 def global_count(
@@ -148,7 +159,7 @@ def global_count(
     >>> global_count(7)
     tensor(7)
     """
-    where = torch.device(device or comm_device(group))
+    where = comm_device(group) if device is None else validate_device("device", device)
     reduce = (lambda t: _all_reduce_sum(t, group)) if world_size(group) > 1 else None
     # A count was given: the result is a tensor, never the samples shortcut.
     return cast(torch.Tensor, step_count(_count_tensor(local_count, where), all_reduce=reduce))
@@ -180,10 +191,7 @@ def ddp_loss(
     >>> ddp_loss(out.sum(), 3, global_count=6)  # 3 of 6 samples, world_size 1 here
     tensor(1., grad_fn=<MulBackward0>)
     """
-    if not isinstance(local_sum, torch.Tensor):
-        raise EvendpError(
-            f"local_sum must be a tensor (the summed loss of this rank), got {local_sum!r}"
-        )
+    _validate_local_sum(local_sum)
     world = world_size(group)
     # At least fp32, so a bf16 sum is scaled without bf16 round-off.
     loss = local_sum if local_sum.dtype in (torch.float32, torch.float64) else local_sum.float()
@@ -196,9 +204,22 @@ def ddp_loss(
     if global_count is None:
         total = _global_count(local_count, local_sum.device, group)
     else:
-        total = _count_tensor(global_count, local_sum.device)
+        total = _count_tensor(global_count, local_sum.device, "global_count")
     # Zero samples everywhere means local_sum is 0 too: the scale divides by 1, no host sync.
     return loss * mean_scale(total, world, dtype=loss.dtype)
+
+
+def _validate_local_sum(local_sum: object) -> None:
+    if not isinstance(local_sum, torch.Tensor) or local_sum.numel() != 1:
+        got = (
+            f"shape {tuple(local_sum.shape)}"
+            if isinstance(local_sum, torch.Tensor)
+            else repr(local_sum)
+        )
+        raise EvendpError(
+            f"local_sum must be a tensor (the summed loss of this rank), got {got}; e.g. "
+            "cross_entropy(logits, y, reduction='sum')"
+        )
 
 
 def global_mean(
@@ -210,11 +231,15 @@ def global_mean(
     """The true mean loss over all ranks' samples, detached, for logging (one all-reduce).
 
     Sums ``local_sum`` and ``local_count`` over ranks and divides; every rank gets the same
-    value. NaN when no rank had a sample.
+    value. NaN when no rank had a sample. It is a collective: every rank must call it, so
+    never inside ``if rank == 0:`` (the other ranks never join and rank 0 waits). For
+    rank-0-only logging, :class:`evendp.StepMean` gives the step's global loss on every rank
+    from the all-reduce it does anyway.
 
     >>> global_mean(torch.tensor(6.0), 4)
     tensor(1.5000)
     """
+    _validate_local_sum(local_sum)
     pair = torch.stack(
         [
             local_sum.detach().to(torch.float64).reshape(()),

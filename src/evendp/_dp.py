@@ -578,7 +578,7 @@ def _validate_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.dev
         if torch.cuda.is_available():
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
         return [torch.device("cpu")]
-    if isinstance(device_ids, (str, torch.device, int)):
+    if isinstance(device_ids, (str, torch.device, int)) or not isinstance(device_ids, Sequence):
         raise EvendpError(
             f"device_ids must be a list of devices, got {device_ids!r}; "
             f"wrap it in a list: device_ids=[{device_ids!r}]"

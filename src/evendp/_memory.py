@@ -17,8 +17,9 @@ from typing import Any
 from ._devices import NvmlUnavailableError, list_devices
 from ._errors import EvendpError, LiveMemoryError
 from ._units import parse_bytes
+from ._validate import validate_sequence
 
-__all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "parse_memory"]
+__all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "memory_runs", "parse_memory"]
 
 _SPEC_HELP = (
     "write one entry per device, separated by commas: a size ('24GiB', '12GB', bytes), "
@@ -87,6 +88,21 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
     ...
     evendp.EvendpError: cannot read device entry '24 furlongs' in '24 furlongs'; ...
     """
+    devices: list[DeviceMemory] = []
+    for count, free, total in memory_runs(spec):
+        start = len(devices)
+        devices += [DeviceMemory(f"dev{start + j}", free, total) for j in range(count)]
+    return devices
+
+
+def memory_runs(spec: str | Sequence[int | str]) -> list[tuple[int, int, int | None]]:
+    """The entries of a spec as ``(count, free, total)``, one per entry, in order: what
+    :func:`parse_memory` repeats into devices. The planner works on these (``"1000000x1GiB"``
+    is one entry, not a million devices).
+
+    >>> memory_runs("2x24GiB,12GiB-2GiB") == [(2, 24 << 30, None), (1, 10 << 30, 12 << 30)]
+    True
+    """
     if isinstance(spec, str):
         entries: list[str] = [e for e in spec.split(",")]
         text = spec
@@ -97,12 +113,7 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
         raise EvendpError(f"memory must be a string like '24GiB,12GiB' or a list, got {spec!r}")
     if not entries or any(not e.strip() for e in entries):
         raise EvendpError(f"device spec {text!r} has an empty entry; {_SPEC_HELP}")
-    devices: list[DeviceMemory] = []
-    for entry in entries:
-        count, free, total = _parse_entry(entry, text)
-        for _ in range(count):
-            devices.append(DeviceMemory(f"dev{len(devices)}", free, total))
-    return devices
+    return [_parse_entry(entry, text) for entry in entries]
 
 
 class _AllGpus:
@@ -148,6 +159,8 @@ def live_memory(device_ids: Sequence[int] | None = None, *, nvml: Any = None) ->
     ...     print("no GPU")  # keep the doctest quiet where one is present
     no GPU
     """
+    if device_ids is not None:
+        validate_sequence("device_ids", device_ids, integral=True, example="device_ids=[0, 1]")
     # --- GPU-only path below: nothing here runs on a machine without a driver. ---
     import torch
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, default_collate
 from ._errors import EvendpError
 from ._evaluate import model_mode
 from ._scatter import call, map_tensors
-from ._validate import validate_int
+from ._validate import validate_bool, validate_callable, validate_int
 
 __all__ = ["Predictions", "predict"]
 
@@ -224,6 +224,8 @@ def predict(
         raise EvendpError(f"model must be an nn.Module, got {type(model).__name__}")
     n = _validate_data(data)
     validate_int("batch_size", batch_size, minimum=1, example="batch_size=64")
+    validate_callable("collate_fn", collate_fn, "a function samples -> batch", allow_none=True)
+    validate_bool("inference_mode", inference_mode)
     collate = default_collate if collate_fn is None else collate_fn
     if n == 0:
         return Predictions(None, torch.empty(0, dtype=torch.long))

@@ -27,8 +27,9 @@ from torch.utils.data import default_collate
 
 from ._cost import _validate_caps, _validate_costs, split_by_cost
 from ._errors import EvendpError
+from ._exact import stand_in_batch
 from ._split import split_sizes
-from ._validate import is_int, validate_int
+from ._validate import is_int, validate_bool, validate_instance, validate_int
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -48,6 +49,7 @@ ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
 
 def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) -> list[int]:
     """Return ``batch_sizes`` as a list of ints, or raise naming the bad value and the fix."""
+    validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
         raise EvendpError(
             f"batch_sizes must be a sequence of non-negative ints (one per rank), got "
@@ -149,6 +151,59 @@ def _validate_max_costs(
     return _validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
 
 
+def _validate_max_tokens(
+    max_tokens: object, costs: list[float] | None, drop_last: bool, group_steps: int
+) -> float | None:
+    """``max_tokens``: the step's budget in cost units (tokens), only with costs."""
+    if max_tokens is None:
+        return None
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)):
+        raise EvendpError(
+            f"max_tokens must be a positive number (the tokens one step takes over all ranks), "
+            f"got {max_tokens!r}; e.g. max_tokens=4096"
+        )
+    if costs is None:
+        raise EvendpError(
+            f"max_tokens={max_tokens!r} fills each step up to a token budget, but no costs were "
+            "given; pass costs= (each sample's length in tokens) or leave max_tokens=None"
+        )
+    if drop_last or group_steps > 1:
+        raise EvendpError(
+            f"max_tokens={max_tokens!r} cuts steps by tokens; it takes drop_last=False and "
+            f"group_steps=1, got drop_last={drop_last}, group_steps={group_steps}"
+        )
+    longest = max(costs, default=0.0)
+    if not math.isfinite(max_tokens) or max_tokens < max(longest, 1e-300):
+        raise EvendpError(
+            f"max_tokens={max_tokens!r} is below the longest sample's {longest:g} tokens; no "
+            f"step could take it. Raise max_tokens to at least {longest:g} or truncate the sample"
+        )
+    return float(max_tokens)
+
+
+def budget_step_length(
+    costs: Sequence[float], order: Sequence[int], budget: float, start: int = 0
+) -> int:
+    """How many samples of ``order`` from ``start`` on one step takes under a token budget.
+
+    Samples are taken in order while their summed cost stays within ``budget`` (at least
+    one: the caller checks no sample alone exceeds it), as fairseq's ``max_tokens``.
+
+    >>> budget_step_length([3, 4, 2, 5], [0, 1, 2, 3], budget=9)
+    3
+    >>> budget_step_length([3, 4, 2, 5], [0, 1, 2, 3], budget=9, start=2)
+    2
+    """
+    total, taken = 0.0, 0
+    for k in range(start, len(order)):
+        i = order[k]
+        if taken and total + costs[i] > budget:
+            break
+        total += costs[i]
+        taken += 1
+    return taken
+
+
 def _validate_rank(rank: int, world_size: int) -> None:
     if not is_int(rank) or not 0 <= rank < world_size:
         raise EvendpError(
@@ -219,6 +274,9 @@ def batch_sizes_from_env(
     >>> batch_sizes_from_env(2, default=[4, 4], environ={})
     [4, 4]
     """
+    validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
+    validate_instance("var", var, str, "the name of an environment variable")
+    validate_instance("environ", environ, Mapping, "a mapping of variables", allow_none=True)
     env = os.environ if environ is None else environ
     if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
         world_size = int(env["WORLD_SIZE"])
@@ -284,6 +342,11 @@ class UnevenBatchSampler:
     scale the loss with :func:`ddp_loss`. ``max_costs`` (with ``costs``; one per rank, e.g.
     ``plan(..., seq_len=L).max_tokens``) caps each rank's share in cost units: a step
     whose samples cannot fit raises :class:`EvendpError` naming the step.
+    ``max_tokens`` (with ``costs``; fairseq's option) makes the global batch a token budget:
+    each step takes samples from the permutation while their summed cost stays within
+    ``max_tokens``, and splits them across ranks by cost with ``batch_sizes`` as the ranks'
+    capacities (and ``max_costs`` as their hard caps); steps then hold different numbers of
+    samples, the same steps whatever the split or the world size.
     ``rank``/``world_size`` come from the process group only when ``None``; ``world_size``
     defaults to ``len(batch_sizes)`` without one.
 
@@ -313,7 +376,11 @@ class UnevenBatchSampler:
         padded: bool = True,
         group_steps: int = 1,
         max_costs: Sequence[float] | None = None,
+        max_tokens: float | None = None,
     ) -> None:
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("padded", padded)):
+            validate_bool(name, flag)
+        validate_int("seed", seed, example="seed=0")
         rank, world_size = _default_rank_and_world(rank, world_size)
         sizes = _validate_batch_sizes(batch_sizes, world_size)
         _validate_rank(rank, len(sizes))
@@ -324,6 +391,8 @@ class UnevenBatchSampler:
         self.padded = bool(padded)
         self.group_steps = _validate_group_steps(group_steps, self.costs)
         self.max_costs = _validate_max_costs(max_costs, self.costs, len(sizes))
+        self.max_tokens = _validate_max_tokens(max_tokens, self.costs, drop_last, group_steps)
+        self._budget_cuts: tuple[int, list[int]] | None = None  # (epoch, step lengths)
         self.rank = rank
         self.world_size = len(sizes)
         self.shuffle = bool(shuffle)
@@ -471,7 +540,7 @@ class UnevenBatchSampler:
             remaining = n - self._cursor
             if remaining <= 0 or (self.drop_last and remaining < self._global):
                 break
-            step_total = min(remaining, self._global)
+            step_total = self._step_length(perm, remaining)
             step = perm[self._cursor : self._cursor + step_total]  # the same on every rank
             batch, sizes = self._share(step)
             self._cursor += step_total
@@ -481,6 +550,24 @@ class UnevenBatchSampler:
             yield batch
         self._cursor = 0
         self._steps_done = 0
+
+    def _step_length(self, perm: list[int], remaining: int) -> int:
+        """Indices the next step takes: the global batch, or what the token budget holds."""
+        if self.max_tokens is None:
+            return min(remaining, self._global)
+        assert self.costs is not None  # _validate_max_tokens: a budget needs costs
+        return budget_step_length(self.costs, perm, self.max_tokens, self._cursor)
+
+    def _budget_steps(self) -> int:
+        """Steps in this epoch under the token budget (they do not depend on the sizes)."""
+        if self._budget_cuts is None or self._budget_cuts[0] != self.epoch:
+            assert self.costs is not None and self.max_tokens is not None
+            perm, lengths, cursor = self._permutation(), [], 0
+            while cursor < len(perm):
+                lengths.append(budget_step_length(self.costs, perm, self.max_tokens, cursor))
+                cursor += lengths[-1]
+            self._budget_cuts = (self.epoch, lengths)
+        return len(self._budget_cuts[1])
 
     def _share(self, step: list[int]) -> tuple[list[int], list[int]]:
         """This rank's indices of the step's ``step`` indices, and every rank's count."""
@@ -502,6 +589,8 @@ class UnevenBatchSampler:
         return step[start : start + sizes[self.rank]], list(sizes)
 
     def __len__(self) -> int:
+        if self.max_tokens is not None:
+            return self._budget_steps()
         # Steps already yielded in a running epoch plus the rest at the sizes in force now.
         remaining = self.num_samples - self._cursor
         return self._steps_done + _steps(remaining, self._global, self.drop_last)
@@ -535,31 +624,46 @@ def _empty_like_batch(batch: Any) -> Any:
 
 
 class EmptySafeCollate:
-    """Wrap a collate function so an empty index list gives zero-length tensors, not an error.
+    """Wrap a collate function so an empty index list gives a batch a model can run, not an error.
 
     ``torch.utils.data.default_collate([])`` raises ``IndexError``. A rank whose batch size is 0
     (or that gets nothing in the epoch's short last step) must still run forward and backward
-    so DDP's all-reduce matches, so it needs a real, empty batch: this collates the sample
+    so DDP's all-reduce matches, so it needs a real batch. By default this collates the sample
     ``dataset[0]`` once and cuts every tensor to length 0 along dim 0, keeping dtype and the
-    trailing shape. Non-empty batches go to ``collate_fn`` unchanged. Picklable, so it works
-    with ``num_workers > 0``.
+    trailing shape. With ``stand_in=True`` it gives that one real sample instead, every tensor
+    marked as a stand-in (see :func:`evendp.is_stand_in`): models that cannot forward 0 rows
+    (GPT-2, BERT) run it, and evendp's loss helpers (:class:`evendp.StepMean`, the
+    integrations) give it weight exactly 0. Non-empty batches go to ``collate_fn`` unchanged.
+    Picklable, so it works with ``num_workers > 0``.
 
     >>> data = [(torch.ones(3), 1), (torch.zeros(3), 0)]
     >>> x, y = EmptySafeCollate(data)([])
     >>> x.shape, y.shape, y.dtype
     (torch.Size([0, 3]), torch.Size([0]), torch.int64)
+    >>> from evendp import is_stand_in
+    >>> x, y = EmptySafeCollate(data, stand_in=True)([])
+    >>> x.shape, is_stand_in((x, y))
+    (torch.Size([1, 3]), True)
     """
 
-    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None):
+    def __init__(
+        self,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        stand_in: bool = False,
+    ):
         self.dataset = dataset
         self.collate_fn: Callable[[list[Any]], Any] = (
             default_collate if collate_fn is None else collate_fn
         )
+        self.stand_in = stand_in
         self._empty: Any = None
 
     def __call__(self, batch: list[Any]) -> Any:
         if len(batch) > 0:
             return self.collate_fn(batch)
         if self._empty is None:
-            self._empty = _empty_like_batch(self.collate_fn([self.dataset[0]]))
+            one = self.collate_fn([self.dataset[0]])
+            self._empty = stand_in_batch(one) if self.stand_in else _empty_like_batch(one)
         return self._empty

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ._distributed import comm_device, rank_cuda_device, world_size
 from ._errors import EvendpError
-from ._validate import validate_int
+from ._validate import validate_float, validate_int, validate_numbers, validate_sequence
 
 __all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
 
@@ -81,6 +81,8 @@ def _validate_balance_inputs(
 ) -> tuple[list[float], list[int]]:
     """Check the inputs of :func:`balance_sizes`; return times and caps as lists."""
     validate_int("total", total, minimum=1, example="256, the global batch")
+    validate_sequence("seconds_per_sample", seconds_per_sample, example="[0.01, 0.02]")
+    validate_numbers("caps", caps, integral=True, allow_none=True, example="caps=[16, 32]")
     times = [float(t) for t in seconds_per_sample]
     if not times:
         raise EvendpError("seconds_per_sample is empty; pass one time per rank")
@@ -174,6 +176,7 @@ def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> N
     validate_int("warmup", warmup, minimum=1, example="5 steps measured first")
     validate_int("every", every, minimum=1, example="10 steps between exchanges")
     validate_int("window", window, minimum=1, example="3 exchanges the median is taken over")
+    validate_float("tolerance", tolerance, minimum=0, example="tolerance=0.05")
     if not 0 <= tolerance < 1:
         raise EvendpError(
             f"tolerance must be in [0, 1) (the least predicted gain worth a change), "
@@ -212,6 +215,9 @@ class SpeedBalancer:
     [6, 2]
     """
 
+    #: A balancer that acts (``evendp._balance.NoBalance`` is the one that does not).
+    active = True
+
     def __init__(
         self,
         sampler: _Sampler,
@@ -226,6 +232,11 @@ class SpeedBalancer:
     ) -> None:
         _validate_knobs(warmup, every, window, tolerance)
         self.sampler = sampler
+        if not callable(getattr(sampler, "set_batch_sizes", None)):
+            raise EvendpError(
+                f"sampler must be an evendp.UnevenBatchSampler (batch_sizes and "
+                f"set_batch_sizes), got {type(sampler).__name__}"
+            )
         sizes = list(sampler.batch_sizes)
         self.total = sum(sizes)
         self.world_size = len(sizes)

@@ -8,6 +8,7 @@ device index so the result is deterministic. A zero weight always gets zero samp
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 from ._errors import EvendpError
@@ -18,7 +19,11 @@ __all__ = ["split_even", "split_sizes"]
 
 def _validate_weights(weights: Sequence[float], expected_len: int | None = None) -> list[float]:
     """Return ``weights`` as floats, or raise naming what is wrong and how to fix it."""
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
+    if (
+        isinstance(weights, (str, bytes))
+        or not isinstance(weights, Sequence)
+        or not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights)
+    ):
         raise EvendpError(
             f"weights must be a sequence of non-negative numbers, got {weights!r}; "
             "pass e.g. [1, 1, 0.5]"

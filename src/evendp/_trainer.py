@@ -42,6 +42,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ._balance import (
+    first_batch,
+    inline_for_balance,
+    validate_balance,
+    validate_batch_sizes_option,
+)
 from ._blocks import block_predicate, repeated_blocks
 from ._cost import split_by_cost
 from ._deprecation import UNSET, renamed_argument
@@ -56,15 +62,15 @@ from ._scatter import batch_size, map_tensors
 from ._step_cost import StepWeight, display_due, sample_counts
 from ._strategies import Strategy, pick_strategy
 from ._strategies._fsdp2 import refuse_prebuilt_optimizer
+from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 from ._train_state import TrainState
-from ._validate import validate_int
+from ._validate import validate_count
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 CountFn = Callable[[Batch], "int | torch.Tensor"]
-_AMP = ("none", "bf16", "fp16")
 
 
 @dataclass
@@ -73,7 +79,10 @@ class TrainConfig:
 
     ``batch_size`` is the global batch per optimizer step (in one process; under ``torchrun``
     the per-rank sizes come from ``batch_sizes``). ``accum`` splits each step into that many
-    micro-batches (gradient accumulation); the gradient is unchanged.
+    micro-batches (gradient accumulation); the gradient is unchanged. Under ``torchrun``,
+    ``batch_sizes="auto"`` splits ``batch_size`` by each rank's memory (planned at start, the
+    same on every rank) and ``balance="speed"`` moves samples from slow ranks to fast ones at
+    step boundaries, the same samples per step (docs/balancing.md).
 
     >>> TrainConfig(steps=10, amp="bf16").amp
     'bf16'
@@ -81,7 +90,7 @@ class TrainConfig:
 
     steps: int = 100
     batch_size: int = 32
-    batch_sizes: list[int] | None = None  # per rank, under torchrun; None: even split
+    batch_sizes: list[int] | Literal["auto"] | None = None  # per rank, torchrun; None: even
     accum: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -98,32 +107,12 @@ class TrainConfig:
     log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
+    balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "accum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EvendpError(f"{name} must be a positive int, got {value!r}")
-        if self.amp not in _AMP:
-            raise EvendpError(f"amp must be one of {_AMP}, got {self.amp!r}; e.g. amp='bf16'")
-        if self.checkpoint_every < 0:
-            raise EvendpError(
-                f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}"
-            )
-        if (self.resume or self.checkpoint_every) and self.out_dir is None:
-            raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
-        if self.strategy not in ("ddp", "fsdp2"):
-            raise EvendpError(f"strategy must be 'ddp' or 'fsdp2', got {self.strategy!r}")
-        if self.prefetch is not None and (
-            isinstance(self.prefetch, bool)
-            or not isinstance(self.prefetch, int)
-            or self.prefetch < 0
-        ):
-            raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
-        validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
-        validate_int("log_every", self.log_every, minimum=1, example="log_every=10")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
+        validate_config(self)  # every field, at construction (evendp._train_inputs)
+        validate_balance(self.balance)
+        validate_batch_sizes_option(self.batch_sizes)
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -163,7 +152,7 @@ class _LossModule(nn.Module):
         self.count_fn = count_fn
 
     def forward(self, *batch: Any) -> torch.Tensor:
-        loss = self.loss_fn(self.model, batch)
+        loss = checked_loss(self.loss_fn(self.model, batch))
         count = _batch_len(batch) if self.count_fn is None else self.count_fn(batch)
         if not isinstance(count, (int, float, torch.Tensor)):
             count = torch.as_tensor(count)  # e.g. a NumPy integer
@@ -248,6 +237,9 @@ class Trainer:
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
             ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        max_tokens: with ``costs``, each step's global batch is a token budget (fairseq's
+            ``max_tokens``): samples are taken while their summed cost fits, then split by
+            cost; ``config.batch_size``/``batch_sizes`` are then the capacities only.
         counts: with ``count_fn``, each sample's counted items (a sequence, or a function of
             ``data[i]``): what ``count_fn`` counts on that sample alone. The step's global
             count is then their sum over the step's samples, known to every rank: under
@@ -309,9 +301,15 @@ class Trainer:
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         max_costs: Sequence[float] | None = None,
+        max_tokens: float | None = None,
         counts: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
+        validate_trainer_args(
+            model, data, config, TrainConfig, loss_fn=loss_fn, count_fn=count_fn,
+            optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,
+            device_ids=device_ids, weights=weights,
+        )  # fmt: skip
         self.config = config
         self.model = model
         self.data = data
@@ -331,9 +329,10 @@ class Trainer:
         self.device_names = strategy.device_names
         if max_costs is not None and costs is None:
             raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
-        self.sampler = strategy.sampler(
-            data, batch_size=config.batch_size, batch_sizes=config.batch_sizes,
-            seed=config.seed, costs=costs, max_costs=max_costs,
+        self.sampler, self.balancer = strategy.sampler(
+            data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
+            model=lambda: _LossModule(model, loss_fn, count_fn),
+            example=lambda: first_batch(data, collate_fn),
         )  # fmt: skip
         # The cost plan inside this process (one process: each device's contiguous share).
         device_costs, self._max_costs = strategy.device_costs(costs, max_costs)
@@ -362,6 +361,7 @@ class Trainer:
         # CPU devices are the host's own cores: a thread only competes with them for the GIL
         # (measured: +1.5 ms CPU per step on a 13 ms step), so there the loop collates inline.
         self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
+        self._prefetch = inline_for_balance(self.balancer, config.prefetch, self._prefetch)
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
         #: The last step's micro-steps: per micro-step, the samples each device ran.
@@ -531,8 +531,16 @@ class Trainer:
             return float(mean_scale(counted, numerator=self.world))
         if self.count_fn is None:
             return float(mean_scale(samples, numerator=self.world))
-        local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
+        local = torch.as_tensor(self._checked_count(self.count_fn, batch), dtype=torch.float64)
         return self.strategy.count_weight(local.reshape(()))
+
+    def _checked_count(self, count_fn: CountFn, batch: Batch) -> int | torch.Tensor:
+        """``count_fn(batch)``, refused unless a whole number >= 0. Its value is read on the
+        CPU every step, on a GPU at the first step only (each read waits for the device)."""
+        count = count_fn(batch)
+        on_cpu = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
+        validate_count("count_fn(batch)", count, check_values=on_cpu or self.state.step == 0)
+        return count
 
     def batch_loss(self, batch: Batch) -> torch.Tensor:
         """The mean loss of this process's ``batch`` over its counted items, split over the
@@ -582,13 +590,14 @@ class Trainer:
                 attempt.clear()  # an OOM restarts the step from sample 0: count the last try
             attempt.append(strategy.ran(rows))
             last = guard.micro_step == guard.micro_step_count - 1
+            measured = self.balancer.measure(sum(rows))
             if sum(rows) == 0:  # a rank with nothing left still runs: one stand-in sample
-                with strategy.sync(last), self._autocast():
+                with strategy.sync(last), self._autocast(), measured:
                     stand_in = strategy.forward(self._stand_in_for_empty(), strategy.shares(1))
                 summed = zero_weight(stand_in)  # joins backward and collectives with weight 0
             else:
                 mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
-                with strategy.sync(last), self._autocast():
+                with strategy.sync(last), self._autocast(), measured:
                     summed = strategy.forward(_rows(batch, mine), rows).float()
             if isinstance(weight, StepWeight):
                 weight.wait()  # the count's all-reduce ran during this forward
@@ -689,6 +698,7 @@ class Trainer:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
                     loss = self._train_step(item.batch, item.samples, item.shares, item.counted)
+                    self.balancer.step()  # every rank alike: maybe a new split from next step
                     state.step += 1
                     # The loss is this process's part: reduce_losses makes it the step's.
                     state.record(loss, self._samples_ran(loss is not None), local=True)

@@ -6,6 +6,7 @@ CUDA context allowance, ``--min-free``).
 
 from __future__ import annotations
 
+import math
 import re
 
 from ._errors import EvendpError
@@ -53,6 +54,6 @@ def parse_bytes(value: int | float | str) -> int:
                 "e.g. '8GiB', '500MB', '1.5GB'"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
-    if number < 0:
-        raise EvendpError(f"memory size must be non-negative, got {value!r}")
+    if not 0 <= number < math.inf:  # also NaN
+        raise EvendpError(f"memory size must be a finite number >= 0, got {value!r}")
     return int(number * _UNITS[unit])

@@ -1,4 +1,5 @@
-"""One check for integer arguments, so every ``must be a positive int`` reads the same.
+"""The checks at evendp's boundary, one meaning each, so every refusal reads the same:
+``NAME must be WHAT IT TAKES, got VALUE; e.g. A VALUE THAT WORKS`` (an :class:`EvendpError`).
 
 ``bool`` is an ``int`` subclass in Python, so ``isinstance(True, int)`` holds; a flag passed
 where a count belongs is a mistake, and this check refuses it.
@@ -6,11 +7,30 @@ where a count belongs is a mistake, and this check refuses it.
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
+from collections.abc import Hashable, Sequence
 from typing import Any
+
+import torch
 
 from ._errors import EvendpError
 
-__all__ = ["is_int", "validate_int"]
+__all__ = [
+    "is_int",
+    "validate_bool",
+    "validate_callable",
+    "validate_choice",
+    "validate_count",
+    "validate_device",
+    "validate_float",
+    "validate_instance",
+    "validate_int",
+    "validate_numbers",
+    "validate_path",
+    "validate_sequence",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -59,3 +79,224 @@ def validate_int(
         hint = f"; e.g. {example}" if example else ""
         raise EvendpError(f"{name} must be {expected}, got {value!r}{hint}")
     return value
+
+
+def _fail(name: str, expected: str, value: Any, example: str | None) -> EvendpError:
+    hint = f"; e.g. {example}" if example else ""
+    shown = repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
+    return EvendpError(f"{name} must be {expected}, got {shown}{hint}")
+
+
+def validate_float(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    positive: bool = False,
+    allow_none: bool = False,
+    example: str | None = None,
+) -> Any:
+    """Return ``value`` when it is a finite real number (not a bool, not a string), at least
+    ``minimum`` and, with ``positive``, above 0. NaN and infinity are refused: a NaN limit
+    compares false with everything, so it would silently switch a check off.
+
+    >>> validate_float("lr", 3e-4, minimum=0)
+    0.0003
+    >>> validate_float("grad_clip", float("nan"), positive=True, example="grad_clip=1.0")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: grad_clip must be a finite number > 0, got nan; e.g. grad_clip=1.0
+    """
+    if value is None and allow_none:
+        return None
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (minimum is None or float(value) >= minimum)
+        and (not positive or float(value) > 0)
+    )
+    if not ok:
+        bound = " > 0" if positive else (f" >= {minimum:g}" if minimum is not None else "")
+        expected = f"a finite number{bound}" + (" or None" if allow_none else "")
+        raise _fail(name, expected, value, example)
+    return value
+
+
+def validate_bool(name: str, value: Any) -> bool:
+    """Return ``value`` when it is ``True`` or ``False``: a flag, not a truthy object.
+
+    >>> validate_bool("resume", "no")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: resume must be True or False, got 'no'
+    """
+    if not isinstance(value, bool):
+        raise _fail(name, "True or False", value, None)
+    return value
+
+
+def validate_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """Return ``value`` when it is one of ``choices``.
+
+    >>> validate_choice("amp", "fp8", ("none", "bf16", "fp16"))
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: amp must be one of ('none', 'bf16', 'fp16'), got 'fp8'
+    """
+    if not isinstance(value, Hashable) or value not in choices:
+        raise _fail(name, f"one of {choices}", value, None)
+    return value
+
+
+def validate_callable(name: str, value: Any, what: str, *, allow_none: bool = False) -> Any:
+    """Return ``value`` when it can be called; ``what`` says what it is called with.
+
+    >>> validate_callable("loss_fn", "mse", "a function (model, batch) -> loss")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: loss_fn must be a function (model, batch) -> loss, got 'mse'
+    """
+    if value is None and allow_none:
+        return None
+    if not callable(value) or isinstance(value, type | torch.Tensor):
+        raise _fail(name, what + (" or None" if allow_none else ""), value, None)
+    return value
+
+
+def validate_instance(
+    name: str, value: Any, kind: type | tuple[type, ...], what: str, *, allow_none: bool = False
+) -> Any:
+    """Return ``value`` when it is a ``kind``; ``what`` names the kind for people.
+
+    >>> validate_instance("model", None, torch.nn.Module, "an nn.Module")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: model must be an nn.Module, got None
+    """
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, kind):
+        raise _fail(name, what + (" or None" if allow_none else ""), value, None)
+    return value
+
+
+def validate_path(name: str, value: Any, *, allow_none: bool = False) -> Any:
+    """Return ``value`` when it is a path: a non-empty ``str`` or an ``os.PathLike``.
+
+    >>> validate_path("out_dir", 123)
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: out_dir must be a path (str or pathlib.Path), got 123
+    """
+    if value is None and allow_none:
+        return None
+    if not (isinstance(value, os.PathLike) or (isinstance(value, str) and value)):
+        raise _fail(name, "a path (str or pathlib.Path)" + (" or None" if allow_none else ""),
+                    value, None)  # fmt: skip
+    return value
+
+
+def validate_numbers(
+    name: str,
+    value: Any,
+    *,
+    integral: bool = False,
+    allow_none: bool = False,
+    example: str | None = None,
+) -> Any:
+    """Return ``value`` when it is a sequence (not a string) of finite numbers >= 0; with
+    ``integral``, of ints. A string is refused: ``"3,5"`` is text for the command line, and
+    iterating it would read its characters.
+
+    >>> validate_numbers("weights", [2, 1.5])
+    [2, 1.5]
+    >>> validate_numbers("batch_sizes", "3,5", integral=True, example="batch_sizes=[3, 5]")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: batch_sizes must be a list of ints >= 0, got '3,5'; e.g. batch_sizes=[3, 5]
+    """
+    if value is None and allow_none:
+        return None
+    kind = numbers.Integral if integral else numbers.Real
+    ok = isinstance(value, Sequence) and not isinstance(value, str | bytes)
+    ok = ok and all(
+        isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and float(v) >= 0
+        for v in value
+    )
+    if not ok:
+        expected = "a list of " + ("ints" if integral else "finite numbers") + " >= 0"
+        raise _fail(name, expected + (" or None" if allow_none else ""), value, example)
+    return value
+
+
+def validate_sequence(
+    name: str, value: Any, *, integral: bool = False, example: str | None = None
+) -> Any:
+    """Return ``value`` when it is a sequence (not a string) of numbers (``integral``: ints);
+    their values are the caller's to check.
+
+    >>> validate_sequence("seconds_per_sample", 0.5, example="[0.5]")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: seconds_per_sample must be a list of numbers, got 0.5; e.g. [0.5]
+    """
+    kind = numbers.Integral if integral else numbers.Real
+    if (
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+    ):
+        raise _fail(name, "a list of " + ("ints" if integral else "numbers"), value, example)
+    return value
+
+
+def validate_count(
+    name: str, value: Any, *, integral: bool = True, check_values: bool = True
+) -> Any:
+    """Return ``value`` when it is a count of items: a number or one-element tensor, finite,
+    >= 0 and (``integral``) a whole number of samples or tokens; ``integral=False`` also takes
+    fractional counts (weighted items). ``check_values=False`` checks the kind and shape only,
+    where reading the value would wait for a GPU.
+
+    >>> validate_count("count_fn(batch)", torch.tensor(3.0))
+    tensor(3.)
+    >>> validate_count("count_fn(batch)", -1)
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: count_fn(batch) must be a whole number >= 0 (items counted), got -1
+    """
+    expected = ("a whole number" if integral else "a finite number") + " >= 0 (items counted)"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise _fail(name, expected + " as an int or a one-element tensor", value, None)
+        if not check_values or value.device.type == "meta":
+            return value
+        number: Any = value.detach().reshape(()).item()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = value
+    else:
+        raise _fail(name, expected, value, None)
+    whole = not integral or float(number).is_integer()
+    if not (math.isfinite(number) and number >= 0 and whole):
+        raise _fail(name, expected, value, None)
+    return value
+
+
+def validate_device(name: str, value: Any) -> torch.device:
+    """``value`` as a ``torch.device`` (a device, ``"cuda:1"``, ``"cpu"`` or a GPU index).
+
+    >>> validate_device("device", "cuda:1")
+    device(type='cuda', index=1)
+    >>> validate_device("device", "gpu0")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: device must be a torch.device, a name like 'cuda:0' ..., got 'gpu0'
+    """
+    try:
+        if isinstance(value, bool) or not isinstance(value, str | int | torch.device):
+            raise TypeError
+        return torch.device(value)
+    except (TypeError, RuntimeError, ValueError):
+        expected = "a torch.device, a name like 'cuda:0' or 'cpu', or a GPU index"
+        raise _fail(name, expected, value, None) from None

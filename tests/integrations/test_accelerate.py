@@ -25,8 +25,11 @@ from tests.integrations._tiny import (
     SAMPLES,
     SEED,
     Data,
+    RejectsEmpty,
     make_model,
+    reference_run,
     reference_update_error,
+    warmup,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -69,9 +72,41 @@ def _worker(rank: int, port: int, out: str) -> None:
         "prepared_again_is_same": again is loader,
         "seen": seen,
         "params": params,
+        "standard": {"ranks": _standard_loop(list(SIZES)), "zero": _standard_loop([0, 4])},
     }
     torch.save(result, Path(out) / f"rank{rank}.pt")
     evendp.finish_distributed()
+
+
+def _standard_loop(sizes: list[int]) -> dict[str, Any]:
+    """A standard Accelerate loop as users write it, on UnevenAccelerator: the model's mean loss,
+    ``accumulate``, ``backward``, a warm-up scheduler stepped every batch; 9 samples, so the
+    short last step [0, 1] leaves rank 0 nothing; the model refuses 0 rows."""
+    from evendp.integrations.accelerate import UnevenAccelerator, uneven_dataloader
+
+    accelerator = UnevenAccelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    nine = torch.utils.data.Subset(Data(), range(9))
+    loader = uneven_dataloader(accelerator, nine, sizes, seed=SEED)
+    model = RejectsEmpty()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    seen: list[list[list[int]]] = []
+    lrs: list[float] = []
+    for _epoch in range(EPOCHS):
+        seen.append([])
+        for x, y, idx in loader:
+            seen[-1].append([] if evendp.is_stand_in(idx) else idx.tolist())
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    lrs.append(optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return {"seen": seen, "params": params, "lrs": lrs}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +140,24 @@ def test_parameters_equal_one_process_on_the_same_windows(ranks: list[dict[str, 
         assert reference_update_error(seen, result["params"]) < TOL
 
 
+@pytest.mark.parametrize("run", ["ranks", "zero"])
+def test_a_standard_loop_with_a_scheduler_equals_one_process(
+    ranks: list[dict[str, Any]], run: str
+) -> None:
+    """The user's mean loss and backward as they are; the LR follows one process's schedule."""
+    seen = [r["standard"][run]["seen"] for r in ranks]
+    assert any([] in s[0] for s in seen)  # an empty share ran, as a stand-in
+    lrs: list[float] = []
+    want, _ = reference_run(seen, lrs=lrs)
+    start = [p.detach() for p in make_model().parameters()]
+    for result in ranks:
+        got = result["standard"][run]
+        assert got["lrs"] == pytest.approx(lrs, rel=1e-12)
+        num = sum(float((g - w).norm() ** 2) for g, w in zip(got["params"], want, strict=True))
+        den = sum(float((w - s).norm() ** 2) for w, s in zip(want, start, strict=True))
+        assert (num / den) ** 0.5 < TOL
+
+
 def test_refuses_sizes_that_do_not_match_the_processes() -> None:
     from accelerate import Accelerator
 
@@ -114,3 +167,12 @@ def test_refuses_sizes_that_do_not_match_the_processes() -> None:
         uneven_dataloader(Accelerator(cpu=True), Data(), SIZES)
     with pytest.raises(evendp.EvendpError, match="sequence of non-negative ints"):
         uneven_dataloader(Accelerator(cpu=True), Data(), "1,3")  # type: ignore[arg-type]
+
+
+def test_uneven_backward_needs_the_uneven_loader() -> None:
+    from evendp.integrations.accelerate import UnevenAccelerator
+
+    accelerator = UnevenAccelerator(cpu=True)
+    loss = torch.ones((), requires_grad=True) * 2
+    with pytest.raises(evendp.EvendpError, match="uneven_dataloader"):
+        accelerator.backward(loss)

@@ -1,15 +1,13 @@
 """Lightning DDP on 2 gloo ranks started by ``evendp launch --batch-sizes 1,3``, accumulation 2.
 
-The ranks run tests/integrations/_lightning_script.py through the real launcher and torchrun;
+The ranks run tests/integrations/_lightning_script.py through the real launcher and torchrun
+(in the launch conftest.py shares with test_ports.py);
 the tests compare their batches with each rank's ``UnevenBatchSampler`` and their parameters
 with one process training on the same accumulation windows.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +15,7 @@ import pytest
 import torch
 
 import evendp
-from tests.integrations import _lightning_script as script
-from tests.integrations._tiny import EPOCHS, SAMPLES, SEED, reference_update_error
+from tests.integrations._tiny import EPOCHS, SAMPLES, SEED, reference_run, reference_update_error
 
 pytestmark = pytest.mark.multiprocess
 pytest.importorskip("lightning")
@@ -28,16 +25,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("lightning")
-    root = Path(__file__).resolve().parents[2]  # the ranks import tests.integrations._tiny
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(root)) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "1,3"]
-    command += [script.__file__, str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def ranks(launched: Path) -> list[dict[str, Any]]:
+    """The ranks' results (conftest.py's shared launch runs _lightning_script.main)."""
+    return [torch.load(launched / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def test_each_rank_gets_exactly_its_own_batches(ranks: list[dict[str, Any]]) -> None:
@@ -54,3 +44,32 @@ def test_parameters_equal_one_process_with_accumulation(ranks: list[dict[str, An
     seen = [r["seen"] for r in ranks]
     for result in ranks:
         assert reference_update_error(seen, result["params"]) < TOL
+
+
+@pytest.mark.parametrize(
+    ("run", "sizes", "samples"), [("mean", SIZES, 9), ("zero", [0, 4], SAMPLES)]
+)
+def test_a_mean_loss_and_empty_shares_equal_one_process(
+    ranks: list[dict[str, Any]], run: str, sizes: list[int], samples: int
+) -> None:
+    """training_step returns the usual mean; a rank with nothing runs a stand-in of weight 0."""
+    seen = [r[run]["seen"] for r in ranks]
+    for rank, result in enumerate(ranks):
+        sampler = evendp.UnevenBatchSampler(samples, sizes, rank=rank, seed=SEED)
+        for epoch, batches in enumerate(result[run]["seen"]):
+            sampler.set_epoch(epoch)
+            assert batches == list(sampler)
+        assert reference_update_error(seen, result[run]["params"]) < TOL
+    assert any([] in r[run]["seen"][0] for r in ranks)  # an empty share ran, as a stand-in
+    _, losses = reference_run(seen)
+    for result in ranks:  # the logged loss is the global batch's mean, on every rank
+        assert result[run]["loss"] == pytest.approx(losses[-1], rel=1e-5)
+
+
+def test_the_sum_default_warns_that_it_becomes_the_mean() -> None:
+    from evendp.integrations.lightning import UnevenGradient
+
+    with pytest.warns(DeprecationWarning, match="becomes 'mean'"):
+        assert UnevenGradient().reduction == "sum"
+    with pytest.raises(evendp.EvendpError, match="'mean' or 'sum'"):
+        UnevenGradient(reduction="avg")

@@ -26,6 +26,17 @@ SAMPLES = sum(SIZES) * ACCUM * STEPS  # exactly the 3 optimizer steps: one epoch
 TOL = 1e-5
 
 
+# Models with no accepts_loss_kwargs flag (the probe decides), with empty shares: 17 samples make
+# micro-steps 4, 4, 4, 4, 1 whose last is [0, 1]; [0, 4] gives rank 0 nothing at every step.
+# task -> (model, sizes, samples)
+EDGES = {
+    "lm17": ("gpt2-lm", [1, 3], 17),
+    "gpt2cls0": ("gpt2-cls", [0, 4], SAMPLES),
+    "bertcls17": ("bert-cls", [1, 3], 17),
+    "berttok0": ("bert-tok", [0, 4], SAMPLES),
+}
+
+
 def _samples() -> list[dict[str, Any]]:
     """Variable-length token sequences (ids 1..63; 0 is padding) with a class label each."""
     g = torch.Generator().manual_seed(1)
@@ -40,15 +51,20 @@ def _samples() -> list[dict[str, Any]]:
 
 
 class _Data(torch.utils.data.Dataset):
-    def __init__(self, task: str) -> None:
-        self.task, self.items = task, _samples()
+    def __init__(self, task: str, samples: int = SAMPLES) -> None:
+        self.task, self.items = task, _samples()[:samples]
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self.items[i]
-        label = item["input_ids"] if self.task == "lm" else torch.tensor(item["class"])
+        if self.task in ("lm", "gpt2-lm"):
+            label = item["input_ids"]
+        elif self.task == "bert-tok":  # a tag per token, padding -100 (pad_collate)
+            label = item["input_ids"] % 3
+        else:
+            label = torch.tensor(item["class"])
         return {"input_ids": item["input_ids"], "labels": label}
 
 
@@ -72,6 +88,19 @@ def pad_collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def _model(task: str) -> torch.nn.Module:
     config = tiny_gpt2_config(num_labels=3, pad_token_id=0)
     torch.manual_seed(0)
+    if task.startswith("bert"):
+        bert = transformers.BertConfig(
+            vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=32, num_labels=3, pad_token_id=0,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        if task == "bert-tok":
+            return transformers.BertForTokenClassification(bert)
+        return transformers.BertForSequenceClassification(bert)
+    if task == "gpt2-lm":
+        return transformers.GPT2LMHeadModel(config)
+    if task == "gpt2-cls":  # no flag: UnevenTrainer finds out its loss ignores the count
+        return transformers.GPT2ForSequenceClassification(config)
     if task == "lm":
         return transformers.GPT2LMHeadModel(config)
     model = transformers.GPT2ForSequenceClassification(config)
@@ -133,22 +162,54 @@ def _worker(rank: int, port: int, out: str) -> None:
                 "runtime": output.metrics["train_runtime"],
                 "rows": seen,
             }
+        for task, (name, sizes, samples) in EDGES.items():
+            result[task] = _edge_run(tmp, name, sizes, samples)
     torch.save(result, Path(out) / f"rank{rank}.pt")
     import evendp
 
     evendp.finish_distributed()
 
 
-def _reference(task: str) -> dict[str, torch.Tensor]:
+# One epoch, losses logged every 2 steps: the last (third) step is not logged.
+_EDGE_ARGS = {
+    "max_steps": -1,
+    "num_train_epochs": 1,
+    "logging_strategy": "steps",
+    "logging_steps": 2,
+}
+
+
+def _edge_run(tmp: str, name: str, sizes: list[int], samples: int) -> dict[str, Any]:
+    from evendp.integrations.transformers import UnevenTrainer
+
+    args = _args(tmp, batch=2, accum=ACCUM, ddp_backend="gloo", **_EDGE_ARGS)
+    model = _model(name)
+    trainer = UnevenTrainer(
+        model, args, train_dataset=_Data(name, samples), data_collator=pad_collate,
+        batch_sizes=sizes,
+    )  # fmt: skip
+    output = trainer.train()
+    return {
+        "params": _params(model),
+        "train_loss": output.training_loss,
+        "metrics_loss": output.metrics["train_loss"],
+        "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "global_step": output.global_step,
+    }
+
+
+def _reference(
+    task: str, samples: int = SAMPLES, **extra: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
     """One plain Trainer process, the whole step's 8 samples in one forward pass."""
     model = _model(task)
     with tempfile.TemporaryDirectory() as tmp:
-        args = _args(tmp, batch=sum(SIZES) * ACCUM, accum=1)
+        args = _args(tmp, batch=sum(SIZES) * ACCUM, accum=1, **extra)
         trainer = transformers.Trainer(
-            model, args, train_dataset=_Data(task), data_collator=pad_collate
+            model, args, train_dataset=_Data(task, samples), data_collator=pad_collate
         )
-        trainer.train()
-    return _params(model)
+        output = trainer.train()
+    return _params(model), (output, trainer.state.log_history)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +228,7 @@ def test_parameters_equal_one_process_on_the_whole_batch(
     ranks: list[dict[str, Any]], task: str
 ) -> None:
     start = _params(_model(task))
-    want = _reference(task)
+    want, _ = _reference(task)
     for rank in ranks:
         assert rank[task]["world"] == 2
         assert rank[task]["global_step"] == STEPS
@@ -192,6 +253,25 @@ def test_reported_total_batch_and_throughput_are_true(ranks: list[dict[str, Any]
         assert metrics["total_batch"] == sum(SIZES) * ACCUM
         samples = metrics["samples_per_second"] * metrics["runtime"]
         assert samples == pytest.approx(SAMPLES, rel=0.05)  # rounded metrics
+
+
+@pytest.mark.parametrize("task", list(EDGES))
+def test_any_model_and_empty_shares_equal_one_process_and_report_global_losses(
+    ranks: list[dict[str, Any]], task: str
+) -> None:
+    """No accepts_loss_kwargs flag; an empty share (stand-in) on rank 0; the last step unlogged."""
+    name, _, samples = EDGES[task]
+    start = _params(_model(name))
+    want, (output, history) = _reference(name, samples, **_EDGE_ARGS)
+    logged = [e["loss"] for e in history if "loss" in e]
+    for rank in ranks:
+        got = rank[task]
+        assert got["global_step"] == output.global_step == 3
+        assert _relative_update_error(got["params"], want, start) < TOL
+        # train_loss and the logged losses are the global batch's, on every rank
+        assert got["train_loss"] == pytest.approx(output.training_loss, rel=1e-5)
+        assert got["metrics_loss"] == pytest.approx(output.training_loss, rel=1e-5)
+        assert got["logged"] == pytest.approx(logged, rel=1e-5)
 
 
 def _trainer(tmp_path: Path, **options: Any) -> Any:
@@ -228,3 +308,26 @@ def test_refuses_what_it_cannot_keep_exact(
 
     with pytest.raises(evendp.EvendpError, match=message):
         _trainer(tmp_path, **options)
+
+
+class _OddLoss(torch.nn.Module):
+    """A forward taking **kwargs whose loss depends on num_items_in_batch, but not as 1/count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 3)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> dict:
+        loss = torch.nn.functional.cross_entropy(self.emb(input_ids)[:, 0], labels)
+        count = kwargs.get("num_items_in_batch")
+        return {"loss": loss if count is None else loss / count.float().sqrt()}
+
+
+def test_a_loss_that_uses_the_count_oddly_stops_at_the_first_step(tmp_path: Path) -> None:
+    import evendp
+    from evendp.integrations.transformers import UnevenTrainer
+
+    args = _args(str(tmp_path), batch=2, accum=1)
+    trainer = UnevenTrainer(_OddLoss(), args, train_dataset=_Data("cls"), data_collator=pad_collate)
+    with pytest.raises(evendp.EvendpError, match=r"model\.accepts_loss_kwargs"):
+        trainer.train()

@@ -4,18 +4,19 @@ solve again, and report the result as a :class:`Plan`."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
 from .._deprecation import UNSET, renamed_argument
 from .._errors import EvendpError, PlanError
-from .._memory import DeviceMemory, live_memory, parse_memory
+from .._memory import DeviceMemory, live_memory, memory_runs
 from .._units import parse_bytes
-from .._validate import validate_int
+from .._validate import validate_bool, validate_callable, validate_float, validate_int
 from ._measure import (
     ModelLike,
     OptimizerFactory,
@@ -28,8 +29,8 @@ from ._measure import (
     sample_output,
     tensors,
 )
-from ._result import DevicePlan, Plan
-from ._solve import Mode, _Curve, _Model, _Solution, _solve, _token_fit
+from ._result import DevicePlan, DeviceRows, Plan
+from ._solve import Mode, _Curve, _Model, _Segment, _solve_spans, _spans, _token_fit, expand
 
 __all__ = ["auto_weights", "plan"]
 
@@ -42,6 +43,8 @@ def _validate_options(
 ) -> None:
     if mode not in ("dp", "ddp"):
         raise EvendpError(f"mode must be 'dp' or 'ddp', got {mode!r}")
+    validate_float("safety_margin", safety_margin, minimum=0, example="safety_margin=0.05")
+    validate_int("output_device", output_device, minimum=0, example="output_device=0")
     if not 0.0 <= safety_margin < 1.0:
         raise EvendpError(f"safety_margin must be in [0, 1), got {safety_margin!r}; e.g. 0.05")
     if not 0 <= output_device < k:
@@ -51,16 +54,46 @@ def _validate_options(
     validate_int("batch_size", batch_size, minimum=1, allow_none=True, example="batch_size=64")
 
 
-def _validate_memory_specs(memory: Any) -> list[DeviceMemory]:
+@dataclasses.dataclass(frozen=True)
+class _Fleet:
+    """The devices to plan for as runs of alike ones: ``(count, free, total)`` in order, and
+    their names (``None``: ``dev0``, ``dev1``, ... by position, as :func:`parse_memory`)."""
+
+    runs: list[tuple[int, int, int | None]]
+    names: list[str] | None = None
+
+    def __len__(self) -> int:
+        return sum(count for count, _, _ in self.runs)
+
+    def name(self, i: int) -> str:
+        return f"dev{i}" if self.names is None else self.names[i]
+
+    def free_at(self, i: int) -> int:
+        """Free bytes of device ``i``."""
+        start = 0
+        for count, free, _ in self.runs:
+            if i < start + count:
+                return free
+            start += count
+        raise IndexError(i)
+
+    @classmethod
+    def of(cls, mems: Sequence[DeviceMemory]) -> _Fleet:
+        runs = [(len(list(g)), free, total) for (free, total), g in
+                itertools.groupby(mems, key=lambda m: (m.free, m.total))]  # fmt: skip
+        return cls(runs, [m.name for m in mems])
+
+
+def _validate_memory_specs(memory: Any) -> _Fleet:
     """``plan(memory=...)``: a spec string, sizes, ``DeviceMemory`` or ``None`` (live GPUs)."""
     if memory is None:
-        return live_memory()
+        return _Fleet.of(live_memory())
     if isinstance(memory, str):
-        return parse_memory(memory)
+        return _Fleet(memory_runs(memory))
     if isinstance(memory, Sequence) and memory and all(isinstance(d, DeviceMemory) for d in memory):
-        return list(memory)
+        return _Fleet.of(memory)
     if isinstance(memory, Sequence) and memory:
-        return parse_memory(list(memory))
+        return _Fleet(memory_runs(list(memory)))
     raise EvendpError(
         f"memory must be a spec like '24GiB,24GiB,12GiB', a list of sizes or DeviceMemory, "
         f"or None for the live GPUs; got {memory!r}"
@@ -169,6 +202,10 @@ def plan(
     _validate_options(mode, safety_margin, output_device, k, batch_size)
     if not isinstance(no_grad, bool):
         raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    validate_bool("gather_output", gather_output)
+    validate_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+    if not isinstance(checkpointing, bool):
+        validate_callable("checkpointing", checkpointing, "True, False or a function module->bool")
     validate_int("seq_len", seq_len, minimum=2, allow_none=True, example="seq_len=1024")
     if seq_len is not None:
         _validate_sequence_batch(batch)
@@ -208,7 +245,7 @@ def plan(
 def _plan_step(
     model: ModelLike,
     batch: Any,
-    mems: list[DeviceMemory],
+    mems: _Fleet,
     *,
     mode: Mode,
     criterion: Callable[..., torch.Tensor] | None,
@@ -233,7 +270,7 @@ def _plan_step(
         variant = "keep"
     else:
         variant = "handoff" if criterion is not None else "drop"
-    budgets = [int(m.free * (1.0 - safety_margin)) for m in mems]
+    budgets = [(int(free * (1.0 - safety_margin)), count) for count, free, _ in mems.runs]
 
     replica: dict[int, Point] = {}
     crit: dict[int, Point] = {}
@@ -248,19 +285,23 @@ def _plan_step(
             for n in (2, 4):
                 crit[n] = measure_gathered(setup, sample, 2, n)
 
-    def solve() -> tuple[_Model, _Solution]:
+    def solve() -> tuple[_Model, list[_Segment]]:
         mdl = _build_model(
             mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
         )
-        return mdl, _solve(mdl, budgets, batch_size)
+        # Per distinct device (budget and role), not per device: see _solve_spans.
+        return mdl, _solve_spans(mdl, _spans(mdl, budgets), batch_size)
 
-    def beyond_measured(sol: _Solution) -> tuple[set[int], set[int]]:
+    def beyond_measured(sol: list[_Segment]) -> tuple[set[int], set[int]]:
         """Recommended sizes past the largest measured one: replica sizes, global batches."""
-        caps = sol.caps if seq_len is not None else []  # token caps rest on them
-        want_rep = {n for n in [*sol.split, *sol.alone, *sol.even, *caps] if n > max(replica)}
+        sizes = {n for seg in sol for n in (seg.split, seg.alone, seg.even)}
+        if seq_len is not None:  # token caps rest on them
+            sizes |= {seg.cap for seg in sol}
+        want_rep = {n for n in sizes if n > max(replica)}
         want_crit: set[int] = set()
         if needs_crit:
-            totals = [sum(sol.split), sum(sol.even), sol.alone[output_device]]
+            alone_out = next(g.alone for g in sol if g.start <= output_device < g.start + g.count)
+            totals = [_sum(sol, "split"), _sum(sol, "even"), alone_out]
             want_crit = {t for t in totals if t > max(crit)}
         return want_rep, want_crit
 
@@ -281,7 +322,6 @@ def _plan_step(
     result = _to_plan(
         mdl,
         mems,
-        budgets,
         sol,
         replica,
         mode,
@@ -307,11 +347,15 @@ def _plan_step(
     )
     with planning_errors("running the model on fake tensors at a shorter width"):
         shorter = measure_replica(short, 4, variant)
-    return _with_token_caps(result, sol.caps, seq_len, replica, shorter)
+    return _with_token_caps(result, sol, seq_len, replica, shorter)
+
+
+def _sum(segments: list[_Segment], name: str) -> int:
+    return sum(getattr(seg, name) * seg.count for seg in segments)
 
 
 def _with_token_caps(
-    result: Plan, caps: list[int], seq_len: int, replica: dict[int, Point], shorter: Point
+    result: Plan, sol: list[_Segment], seq_len: int, replica: dict[int, Point], shorter: Point
 ) -> Plan:
     """``result`` with each device's cap in padded tokens and the fitted token cost.
 
@@ -324,10 +368,13 @@ def _with_token_caps(
     points = {(n, seq_len): sum(replica[n].fwbw.values()) for n in sorted(replica)[:2]}
     points[(shorter.n, seq_len // 2)] = sum(shorter.fwbw.values())
     fixed, per_token, per_token_width = _token_fit(points)
-    tokens = [c * seq_len for c in caps]
-    devices = tuple(
-        dataclasses.replace(d, max_tokens=t) for d, t in zip(result.devices, tokens, strict=True)
-    )
+    tokens = [c * seq_len for c in expand(sol, "cap")]
+    rows = cast(DeviceRows, result.devices)  # _to_plan makes one run per segment
+    devices = DeviceRows(
+        [(start, count, dataclasses.replace(proto, max_tokens=seg.cap * seq_len))
+         for (start, count, proto), seg in zip(rows.runs, sol, strict=True)],
+        rows._name,
+    )  # fmt: skip
     cost = {"fixed": fixed, "per_token": per_token, "per_token_width": per_token_width}
     return dataclasses.replace(
         result, devices=devices, max_tokens=tokens, seq_len=seq_len, token_cost=cost
@@ -361,9 +408,8 @@ def _build_model(
 
 def _to_plan(
     mdl: _Model,
-    mems: list[DeviceMemory],
-    budgets: list[int],
-    sol: _Solution,
+    mems: _Fleet,
+    sol: list[_Segment],
     replica: dict[int, Point],
     mode: Mode,
     margin: float,
@@ -372,38 +418,39 @@ def _to_plan(
     options: dict[str, Any],
     no_grad: bool,
 ) -> Plan:
-    total, even_total = sum(sol.split), sum(sol.even)
-    devices = []
-    for i, m in enumerate(mems):
-        ours = {k: round(v) for k, v in mdl.breakdown(i, sol.split[i], total).items() if v}
-        even = {k: round(v) for k, v in mdl.breakdown(i, sol.even[i], even_total).items() if v}
-        devices.append(
-            DevicePlan(
-                name=m.name,
-                free=m.free,
-                budget=budgets[i],
-                samples=sol.split[i],
-                breakdown=ours,
-                peak=sum(ours.values()),
-                max_batch_alone=sol.alone[i],
-                even_samples=sol.even[i],
-                even_breakdown=even,
-                even_peak=sum(even.values()),
-            )
+    total, even_total = _sum(sol, "split"), _sum(sol, "even")
+    runs = []
+    for seg in sol:  # one DevicePlan per run of alike devices: DeviceRows names each
+        i = seg.start
+        ours = {k: round(v) for k, v in mdl.breakdown(i, seg.split, total).items() if v}
+        even = {k: round(v) for k, v in mdl.breakdown(i, seg.even, even_total).items() if v}
+        proto = DevicePlan(
+            name="",
+            free=mems.free_at(i),
+            budget=seg.budget,
+            samples=seg.split,
+            breakdown=ours,
+            peak=sum(ours.values()),
+            max_batch_alone=seg.alone,
+            even_samples=seg.even,
+            even_breakdown=even,
+            even_peak=sum(even.values()),
         )
-    reach = max(1, sum(sol.alone))
+        runs.append((seg.start, seg.count, proto))
+    devices = DeviceRows(runs, mems.name)
+    reach = max(1, _sum(sol, "alone"))
     sizes = sorted(replica)
     fe = _Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
     out = _Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
     return Plan(
         mode=mode,
-        devices=tuple(devices),
-        split=list(sol.split),
+        devices=devices,
+        split=expand(sol, "split"),
         global_batch=total,
         eta_mem=total / reach,
-        even_split=list(sol.even),
+        even_split=expand(sol, "even"),
         even_global_batch=even_total,
-        even_eta_mem=even_total / reach if all(d.even_fits for d in devices) else 0.0,
+        even_eta_mem=even_total / reach if all(p.even_fits for _, _, p in runs) else 0.0,
         activation_bytes_per_sample=fe.slope(),
         output_bytes_per_sample=out.slope(),
         measured_sizes=sizes,
@@ -507,7 +554,7 @@ def auto_weights(
         _validate_options("dp", safety_margin, output_device, len(mems), None)
         with torch.inference_mode(False), torch.enable_grad():
             forward = _plan_step(
-                module, example_inputs, mems, mode="dp", criterion=None, optimizer=None,
+                module, example_inputs, _Fleet.of(mems), mode="dp", criterion=None, optimizer=None,
                 batch_size=None, amp=None, checkpointing=False, gradient_as_bucket_view=False,
                 gather=gather_output, output_device=output_device, safety_margin=safety_margin,
                 context=0, no_grad=True,

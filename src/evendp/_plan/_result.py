@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from ._solve import Mode
 
-__all__ = ["KINDS", "DevicePlan", "Plan"]
+__all__ = ["KINDS", "DevicePlan", "DeviceRows", "Plan"]
+
+#: Above this many devices the table and the chart show one column per run of alike devices.
+GROUP_ABOVE = 16
 
 #: Row order of every breakdown (table, JSON, plot).
 KINDS: tuple[str, ...] = (
@@ -51,6 +57,66 @@ class DevicePlan:
         return self.even_peak <= self.budget
 
 
+class DeviceRows(Sequence[DevicePlan]):
+    """``Plan.devices``: one :class:`DevicePlan` per device, made when read from runs of alike
+    devices, so a plan over a million copies of one card holds a handful of objects.
+
+    It is a read-only sequence (``len``, indexing, iteration) equal to the tuple of its
+    items. ``runs`` are ``(start, count, prototype)``; ``name(i)`` is device ``i``'s name.
+
+    >>> proto = DevicePlan("", 8, 8, 2, {}, 2, 4, 2, {}, 2)
+    >>> rows = DeviceRows([(0, 3, proto)], lambda i: f"dev{i}")
+    >>> len(rows), rows[2].name, [d.samples for d in rows]
+    (3, 'dev2', [2, 2, 2])
+    """
+
+    def __init__(self, runs: list[tuple[int, int, DevicePlan]], name: Callable[[int], str]) -> None:
+        self.runs = runs
+        self._name = name
+        self._len = sum(count for _, count, _ in runs)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> DevicePlan: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[DevicePlan, ...]: ...
+    def __getitem__(self, index: int | slice) -> DevicePlan | tuple[DevicePlan, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._len)))
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError(f"device {index} of {self._len}")
+        for start, count, proto in self.runs:
+            if i < start + count:
+                return dataclasses.replace(proto, name=self._name(i))
+        raise IndexError(index)  # unreachable: the runs cover 0..len-1
+
+    def __iter__(self) -> Iterator[DevicePlan]:
+        for start, count, proto in self.runs:
+            for i in range(start, start + count):
+                yield dataclasses.replace(proto, name=self._name(i))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a tuple, so not hashable like one
+
+    def __repr__(self) -> str:
+        return f"DeviceRows({len(self)} devices in {len(self.runs)} runs)"
+
+
+def _starts(devices: Sequence[DevicePlan]) -> list[int]:
+    """Indices where a run of alike devices (equal but for the name) begins."""
+    if isinstance(devices, DeviceRows):
+        return [start for start, _, _ in devices.runs]
+    same = [dataclasses.replace(d, name="") for d in devices]
+    return [i for i in range(len(same)) if i == 0 or same[i] != same[i - 1]]
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-device memory for one training step and the split that maximizes the global batch.
@@ -74,7 +140,7 @@ class Plan:
     """
 
     mode: Mode
-    devices: tuple[DevicePlan, ...]
+    devices: Sequence[DevicePlan]  # a tuple, or DeviceRows (runs of alike devices)
     split: list[int]
     global_batch: int
     eta_mem: float
@@ -188,26 +254,48 @@ class Plan:
                 else ""
             ),
         )
+        columns = self.columns()
+        shown = [d for _, d, _ in columns]
         table.add_column("")
-        for d in self.devices:
-            table.add_column(d.name, justify="right")
-        table.add_row("samples", *[str(d.samples) for d in self.devices], style="bold")
+        for label, _, _ in columns:
+            table.add_column(label, justify="right")
+        table.add_row("samples", *[str(d.samples) for d in shown], style="bold")
         for kind in KINDS:
-            if any(d.breakdown.get(kind, 0) for d in self.devices):
-                table.add_row(kind, *[gib(d.breakdown.get(kind, 0)) for d in self.devices])
-        table.add_row("predicted peak", *[gib(d.peak) for d in self.devices], style="bold")
-        table.add_row("budget", *[gib(d.budget) for d in self.devices])
-        table.add_row("max batch alone", *[str(d.max_batch_alone) for d in self.devices])
+            if any(d.breakdown.get(kind, 0) for d in shown):
+                table.add_row(kind, *[gib(d.breakdown.get(kind, 0)) for d in shown])
+        table.add_row("predicted peak", *[gib(d.peak) for d in shown], style="bold")
+        table.add_row("budget", *[gib(d.budget) for d in shown])
+        table.add_row("max batch alone", *[str(d.max_batch_alone) for d in shown])
         if self.training is not None:
-            t = self.training.devices
+            t = [self.training.devices[i] for _, _, i in columns]
             table.add_row("training: samples", *[str(d.samples) for d in t])
             table.add_row("training: max batch alone", *[str(d.max_batch_alone) for d in t])
-        table.add_row("even: samples", *[str(d.even_samples) for d in self.devices])
+        table.add_row("even: samples", *[str(d.even_samples) for d in shown])
         table.add_row(
             "even: peak",
-            *[gib(d.even_peak) + ("" if d.even_fits else " (OOM)") for d in self.devices],
+            *[gib(d.even_peak) + ("" if d.even_fits else " (OOM)") for d in shown],
         )
         return table
+
+    def columns(self) -> list[tuple[str, DevicePlan, int]]:
+        """What the table and the chart show: ``(label, device, first index)``, one per device
+        up to :data:`GROUP_ABOVE` devices, beyond that one per run of alike devices (equal
+        share, memory and peak here and in ``training``), labelled ``dev1..dev7 (x7)``."""
+        n = len(self.devices)
+        if n <= GROUP_ABOVE:
+            return [(d.name, d, i) for i, d in enumerate(self.devices)]
+        cuts = set(_starts(self.devices))
+        if self.training is not None:
+            cuts |= set(_starts(self.training.devices))
+        bounds = [*sorted(cuts), n]
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            first = self.devices[a]
+            label = (
+                first.name if b - a == 1 else f"{first.name}..{self.devices[b - 1].name} (x{b - a})"
+            )
+            out.append((label, first, a))
+        return out
 
     def plot(self, path: str) -> None:
         """Write a stacked bar chart (PNG): each device's memory by kind, ours beside even."""
@@ -216,12 +304,13 @@ class Plan:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(2 + 1.6 * len(self.devices), 4.5))
+        columns = self.columns()
+        fig = Figure(figsize=(2 + 1.6 * len(columns), 4.5))
         FigureCanvasAgg(fig)
         ax = fig.subplots()
         width = 0.38
         colors = [colormaps["tab10"](c) for c in range(10)]
-        for j, d in enumerate(self.devices):
+        for j, (_, d, _) in enumerate(columns):
             for offset, parts, label in (
                 (-width / 2, d.breakdown, f"{d.samples}"),
                 (width / 2, d.even_breakdown, f"{d.even_samples}"),
@@ -243,7 +332,7 @@ class Plan:
                         bottom += h
                 ax.text(j + offset, bottom, label, ha="center", va="bottom", fontsize=8)
             ax.hlines(d.budget / 2**30, j - width, j + width, colors="black", linestyles="--")
-        ax.set_xticks(range(len(self.devices)), [d.name for d in self.devices])
+        ax.set_xticks(range(len(columns)), [label for label, _, _ in columns])
         ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
         ax.set_title(
             f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} "

@@ -14,20 +14,26 @@ library workspaces, which a fake run cannot see.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from .._errors import PlanError
-from .._split import split_even
 
 __all__ = [
     "Mode",
     "_Curve",
     "_Model",
+    "_Segment",
     "_Solution",
+    "_Span",
     "_capped_even_split",
     "_solve",
+    "_solve_spans",
+    "_spans",
+    "expand",
     "_token_fit",
 ]
 
@@ -146,7 +152,7 @@ def _largest(fits: Callable[[int], bool], hi_hint: int = 1) -> int:
     lo, hi = 0, max(1, hi_hint)
     while fits(hi):
         lo, hi = hi, hi * 2
-        if hi > 1 << 40:
+        if hi > (1 << 40) + 4 * hi_hint:  # past any device's memory (the hint: a fleet's)
             raise PlanError("the planned batch is unbounded: the model uses no memory per sample")
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -185,31 +191,107 @@ class _Solution:
     caps: list[int]  # each device's most samples within the chosen global batch
 
 
-def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
-    k = len(budgets)
+@dataclass(frozen=True)
+class _Span:
+    """``count`` consecutive devices from index ``start`` that the solver cannot tell apart:
+    the same budget and the same role (DP's device 0 and output device are their own)."""
 
-    def cap(i: int, total: int) -> int:
-        return _largest(lambda n: model.peak(i, n, total) <= budgets[i], total or 1)
+    start: int
+    count: int
+    budget: int
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """``count`` consecutive devices from ``start`` with one answer each: a span, cut where
+    the split or the even split changes value."""
+
+    start: int
+    count: int
+    budget: int
+    split: int
+    alone: int
+    even: int
+    cap: int
+
+
+def _spans(model: _Model, budgets: list[tuple[int, int]]) -> list[_Span]:
+    """Spans from runs of ``(budget, count)``, cut so DP's device 0 and output device stand
+    alone (their peaks differ from the other replicas')."""
+    special = {0, model.output_device} if model.mode == "dp" else set()
+    spans: list[_Span] = []
+    start = 0
+    for budget, count in budgets:
+        cuts = sorted({start, start + count} | {c for i in special for c in (i, i + 1)})
+        cuts = [c for c in cuts if start <= c <= start + count]
+        spans += [_Span(a, b - a, budget) for a, b in itertools.pairwise(cuts) if b > a]
+        start += count
+    return spans
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """``[5, 5, 3]`` -> ``[(5, 2), (3, 1)]``."""
+    return [(v, len(list(g))) for v, g in itertools.groupby(values)]
+
+
+def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
+    """The plan for one budget per device (see :func:`_solve_spans`), as per-device lists."""
+    segments = _solve_spans(model, _spans(model, _runs(budgets)), batch)
+    return _Solution(*(expand(segments, f) for f in ("split", "alone", "even", "cap")))
+
+
+def expand(segments: list[_Segment], name: str) -> list[int]:
+    """One field of every segment, one entry per device."""
+    out: list[int] = []
+    for seg in segments:
+        out += [getattr(seg, name)] * seg.count
+    return out
+
+
+def _solve_spans(model: _Model, spans: list[_Span], batch: int | None) -> list[_Segment]:
+    """The largest global batch, its split, each device's most alone and the even split.
+
+    The work is per distinct device (budget and role), not per device: a million copies of
+    one card cost what one does. Each answer is the one a per-device search would give.
+    """
+    k = sum(s.count for s in spans)
+    memo: dict[tuple[Any, ...], int] = {}
+
+    def key(span: _Span) -> tuple[int, bool, bool]:
+        i = span.start  # every device of a span has its first one's role
+        return span.budget, model.mode == "dp" and i == 0, i == model.output_device
+
+    def cap(span: _Span, total: int) -> int:
+        at = (key(span), "cap", total)
+        if at not in memo:
+            memo[at] = _largest(
+                lambda n: model.peak(span.start, n, total) <= span.budget, total or 1
+            )
+        return memo[at]
 
     def caps(total: int) -> list[int]:
-        return [min(cap(i, total), total) for i in range(k)]
+        return [min(cap(s, total), total) for s in spans]
 
     def feasible(total: int) -> bool:
         c = caps(total)
-        return min(c) >= 0 and sum(c) >= total
+        return min(c) >= 0 and sum(ci * s.count for ci, s in zip(c, spans, strict=True)) >= total
 
-    def alone_cap(i: int) -> int:
-        return max(0, _largest(lambda n: model.peak(i, n, n) <= budgets[i]))
+    def alone_cap(span: _Span) -> int:
+        at = (key(span), "alone")
+        if at not in memo:
+            memo[at] = max(0, _largest(lambda n: model.peak(span.start, n, n) <= span.budget))
+        return memo[at]
 
-    alone = [alone_cap(i) for i in range(k)]
-    best = _largest(feasible, max(1, sum(alone)))
+    alone = [alone_cap(s) for s in spans]
+    best = _largest(feasible, max(1, sum(a * s.count for a, s in zip(alone, spans, strict=True))))
     if best < 1:
         raise PlanError(
             "not even one sample fits: "
             + "; ".join(
-                f"device {i} needs {model.peak(i, 1, 1) / 2**30:.2f} GiB for one sample, "
-                f"may use {budgets[i] / 2**30:.2f} GiB"
-                for i in range(k)
+                f"device {s.start + j} needs {model.peak(s.start, 1, 1) / 2**30:.2f} GiB for "
+                f"one sample, may use {s.budget / 2**30:.2f} GiB"
+                for s in spans
+                for j in range(min(s.count, 3))  # a long run of equal devices: its first ones
             )
             + "; use devices with more free memory, a smaller model, AMP or checkpointing"
         )
@@ -220,14 +302,84 @@ def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
             f"{best}; lower --batch, add devices or free memory"
         )
     step_caps = [max(c, 0) for c in caps(total)]
-    split = _capped_even_split(step_caps, total)
+    split = _capped_even_runs([(c, s.count) for c, s in zip(step_caps, spans, strict=True)], total)
 
     def even_fits(t: int) -> bool:
-        sizes = split_even(t, k)
-        return all(model.peak(i, sizes[i], t) <= budgets[i] for i in range(k))
+        return all(  # each span's first device stands for its role
+            model.peak(spans[_span_of(spans, seg.start)].start, seg.even, t) <= seg.budget
+            for seg in _even_segments(spans, t, k, memo, key)
+        )
 
     even_total = total if batch is not None else max(0, _largest(even_fits, max(1, best)))
-    return _Solution(split, alone, split_even(even_total, k), step_caps)
+    segments = []
+    for seg in _even_segments(spans, even_total, k, None, key):
+        span_index = _span_of(spans, seg.start)
+        segments.append(
+            _Segment(seg.start, seg.count, seg.budget, 0, alone[span_index], seg.even,
+                     step_caps[span_index])
+        )  # fmt: skip
+    return _with_split(segments, split)
+
+
+def _even_sizes(total: int, k: int) -> tuple[int, int]:
+    """``split_sizes(total, [1] * k)`` is ``q + 1`` for the first ``r`` devices, then ``q``."""
+    q, r = divmod(total, k)
+    return q, r
+
+
+def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) -> list[_Segment]:
+    """The spans cut where the even split of ``total`` drops from ``q + 1`` to ``q``."""
+    q, r = _even_sizes(total, k)
+    out = []
+    for s in spans:
+        end = s.start + s.count
+        for a, b, size in ((s.start, min(end, r), q + 1), (max(s.start, r), end, q)):
+            if b > a:
+                out.append(_Segment(a, b - a, s.budget, 0, 0, size, 0))
+    if memo is not None:  # even_fits: one check per distinct device and size
+        seen: dict[tuple[Any, ...], _Segment] = {}
+        for seg in out:
+            span = _Span(seg.start, seg.count, seg.budget)
+            seen.setdefault((key(span), seg.even), seg)
+        out = list(seen.values())
+    return out
+
+
+def _span_of(spans: list[_Span], index: int) -> int:
+    lo, hi = 0, len(spans) - 1
+    while lo < hi:  # the last span starting at or before index
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if spans[mid].start <= index else (lo, mid - 1)
+    return lo
+
+
+def _capped_even_runs(caps: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
+    """:func:`_capped_even_split` over runs of ``(cap, count)``: runs of ``(size, count)``."""
+    level = _largest(lambda lv: sum(min(c, lv) * n for c, n in caps) < total, 1) + 1
+    sizes = [(min(c, level), n) for c, n in caps]
+    excess = sum(v * n for v, n in sizes) - total
+    out: list[tuple[int, int]] = []
+    for v, n in reversed(sizes):  # take the excess back from the uncapped, last first
+        take = min(excess, n) if v == level else 0
+        excess -= take
+        out += [(v - 1, take), (v, n - take)]  # reversed below: the last devices lose one
+    return [(v, n) for v, n in reversed(out) if n]
+
+
+def _with_split(segments: list[_Segment], split: list[tuple[int, int]]) -> list[_Segment]:
+    """``segments`` cut where the split's runs change value, each with its split size."""
+    out: list[_Segment] = []
+    runs = iter(split)
+    size, left = next(runs, (0, 0))
+    for seg in segments:
+        start, count = seg.start, seg.count
+        while count:
+            while left == 0:
+                size, left = next(runs)
+            n = min(count, left)
+            out.append(dataclasses.replace(seg, start=start, count=n, split=size))
+            start, count, left = start + n, count - n, left - n
+    return out
 
 
 def _token_fit(

@@ -17,7 +17,7 @@ from .._exact import step_count, sum_on
 from .._sampler import UnevenBatchSampler
 from .._scatter import as_args
 from .._step_cost import StepWeight
-from ._base import Batch, Costs, Strategy
+from ._base import Batch, Costs, Strategy, build_sampler
 
 __all__ = ["BalancedDP"]
 
@@ -70,15 +70,21 @@ class BalancedDP(Strategy):
     def sampler(
         self,
         data: Any,
+        config: Any,
         *,
-        batch_size: int,
-        batch_sizes: list[int] | None,
-        seed: int,
         costs: Costs,
         max_costs: Sequence[float] | None,
-    ) -> UnevenBatchSampler:
-        # One process draws the whole step; its devices' cost plan is device_costs'.
-        return UnevenBatchSampler(data, [batch_size], rank=0, world_size=1, seed=seed)
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
+        # One process draws the whole step (its devices' cost plan is device_costs'); a
+        # token budget needs the costs here too.
+        return build_sampler(
+            data, config, requested=[config.batch_size], rank=0, world=1, distributed=False,
+            costs=costs if max_tokens is not None else None, max_costs=None,
+            max_tokens=max_tokens, model=model, example=example,
+        )  # fmt: skip
 
     def device_costs(
         self, costs: Costs, max_costs: Sequence[float] | None

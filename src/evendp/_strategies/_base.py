@@ -82,14 +82,20 @@ class Strategy(abc.ABC):
     def sampler(
         self,
         data: Any,
+        config: Any,
         *,
-        batch_size: int,
-        batch_sizes: list[int] | None,
-        seed: int,
         costs: Costs,
         max_costs: Sequence[float] | None,
-    ) -> UnevenBatchSampler:
-        """The sampler of this process's samples of each step (split by cost where it is)."""
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
+        """The sampler of this process's samples of each step (split by cost where it is),
+        and the balancer the loop calls at step boundaries (``config.balance``).
+
+        ``model()`` and ``example()`` (the loss module and one batch) are for planning
+        ``batch_sizes="auto"``; ``config`` is the :class:`~evendp.TrainConfig`.
+        """
 
     def device_costs(
         self, costs: Costs, max_costs: Sequence[float] | None
@@ -203,6 +209,39 @@ class Strategy(abc.ABC):
     ) -> bool:
         """Load the latest good checkpoint at ``path`` into ``state`` and ``objects``."""
         return state.resume(path, rank=self.rank, reseed=reseed, **objects)
+
+
+def build_sampler(
+    data: Any,
+    config: Any,
+    *,
+    requested: Any,
+    rank: int,
+    world: int,
+    distributed: bool,
+    costs: Costs,
+    max_costs: Sequence[float] | None,
+    max_tokens: float | None,
+    model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+) -> tuple[UnevenBatchSampler, Any]:
+    """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
+    shared body of every strategy's :meth:`Strategy.sampler`)."""
+    from .._balance import rank_batch_sizes, step_balancer
+    from .._train_inputs import validate_batch_fits, warn_unused_batch_sizes
+
+    sizes, caps = rank_batch_sizes(
+        requested, config.batch_size, world, model=model, example=example
+    )
+    sampler = UnevenBatchSampler(
+        data, sizes, rank=rank, world_size=world, seed=config.seed, costs=costs,
+        max_costs=max_costs, max_tokens=max_tokens,
+    )  # fmt: skip
+    # balance="speed": at step boundaries samples move from slow ranks to fast ones.
+    balancer = step_balancer(sampler, config.balance, distributed=distributed, caps=caps)
+    validate_batch_fits(data, sampler.batch_sizes, distributed)
+    warn_unused_batch_sizes(config, distributed)
+    return sampler, balancer
 
 
 def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:

@@ -15,9 +15,8 @@ from .._evaluate import EvalFn, evaluate_ranks
 from .._oom import OomResplit
 from .._sampler import UnevenBatchSampler
 from .._scatter import as_args, map_tensors, to_device
-from .._split import split_even
 from .._step_cost import StepWeight
-from ._base import Batch, Costs, Strategy, agreed_signal, stop_votes
+from ._base import Batch, Costs, Strategy, agreed_signal, build_sampler, stop_votes
 
 __all__ = ["RankStrategy"]
 
@@ -53,17 +52,19 @@ class RankStrategy(Strategy):
     def sampler(
         self,
         data: Any,
+        config: Any,
         *,
-        batch_size: int,
-        batch_sizes: list[int] | None,
-        seed: int,
         costs: Costs,
         max_costs: Sequence[float] | None,
-    ) -> UnevenBatchSampler:
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
         # The ranks split each step by cost: every rank computes the same plan.
-        return UnevenBatchSampler(
-            data, batch_sizes or split_even(batch_size, self.world), rank=self.rank,
-            world_size=self.world, seed=seed, costs=costs, max_costs=max_costs,
+        return build_sampler(
+            data, config, requested=config.batch_sizes, rank=self.rank, world=self.world,
+            distributed=True, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
+            model=model, example=example,
         )  # fmt: skip
 
     def guard(self, oom_resplit: bool) -> OomResplit:

@@ -143,6 +143,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="also write one row per step (step, loss) to OUT/metrics.csv or, through "
         "torch.utils.tensorboard (pip install tensorboard), to OUT/tensorboard",
     )
+    p.add_argument(
+        "--balance",
+        choices=("none", "speed"),
+        default="none",
+        help="--mode ddp/fsdp2: 'speed' moves samples from slow ranks to fast ones at step "
+        "boundaries, the same samples per step and the same gradient (default none)",
+    )
     p.add_argument("--no-plan", action="store_true", help="skip the planned-memory figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -162,6 +169,11 @@ def _validate_args(args: argparse.Namespace) -> None:
                 "--log-to tensorboard needs the tensorboard package, which is not installed; "
                 "pip install tensorboard, or use --log-to csv"
             ) from None
+    if args.balance != "none" and args.mode == "dp":
+        raise EvendpError(
+            f"--balance {args.balance} balances ranks; use it with --mode ddp or fsdp2 (one "
+            "process splits by --weights)"
+        )
     if args.max_restarts and args.mode == "dp":
         raise EvendpError(
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"

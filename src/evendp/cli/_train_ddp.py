@@ -149,7 +149,7 @@ def run_rank(args: argparse.Namespace) -> int:
         strategy="fsdp2" if args.mode == "fsdp2" else "ddp", out_dir=args.out,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, balance=args.balance,
     )  # fmt: skip
     from ..examples.stdlib_text import CodeParagraphs
 

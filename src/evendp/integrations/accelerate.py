@@ -10,9 +10,18 @@ own batches. It has no ``batch_size`` (Accelerate then accepts batches of any le
 ``generator`` (Accelerate would overwrite it); its ``sampler`` attribute carries ``set_epoch``,
 which is how Accelerate's ``DataLoaderShard`` reaches it at every epoch.
 
-The loss: see :func:`evendp.ddp_loss` and docs/integrations.md (sum the loss, count every
-micro-batch of the optimizer step, one :func:`evendp.global_count`, ``accelerator.no_sync``
-on all but the last micro-batch).
+:class:`UnevenAccelerator` makes the rest of a standard loop exact as it is: the user's mean
+loss, ``accelerator.accumulate`` and ``accelerator.backward``. Its ``backward`` weights the
+loss of the batch the uneven loader yielded last by that batch's samples over the samples of
+its whole optimizer step on all ranks (known from the plan, no communication), times the world
+size (DDP averages over ranks) and the accumulation steps (which ``Accelerator.backward``
+divides by); an empty share is a stand-in sample of weight exactly 0. Its prepared LR
+schedulers step once per optimizer step: the loader is already per rank, so Accelerate's
+``num_processes`` steps per call (meant for a loader it shards itself) would run the schedule
+``num_processes`` times too fast.
+
+With a plain ``Accelerator`` the loss is the user's (the recipe: sum the loss, count every
+micro-batch of the optimizer step, one :func:`evendp.global_count`, :func:`evendp.ddp_loss`).
 """
 
 from __future__ import annotations
@@ -20,21 +29,30 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 import evendp
 
+from .._exact import weighted_sum
+from .._step_mean import count_rows
 from ._epoch import EpochRelay
 
-__all__ = ["uneven_dataloader"]
+__all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
 
 
 class _InterleavedBatchSampler:
     """Every rank's :class:`evendp.UnevenBatchSampler` batches, step by step, in rank order."""
 
     def __init__(
-        self, data: object, batch_sizes: list[int], shuffle: bool, seed: int, drop_last: bool
+        self,
+        data: object,
+        batch_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        **options: Any,  # costs=, max_tokens=: as UnevenBatchSampler takes them
     ) -> None:
         self.ranks = [
             evendp.UnevenBatchSampler(
@@ -45,6 +63,7 @@ class _InterleavedBatchSampler:
                 shuffle=shuffle,
                 seed=seed,
                 drop_last=drop_last,
+                **options,
             )
             for r in range(len(batch_sizes))
         ]
@@ -55,12 +74,113 @@ class _InterleavedBatchSampler:
         for sampler in self.ranks:
             sampler.set_epoch(epoch)
 
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The per-rank sizes in force (a speed balancer reads and sets them)."""
+        return self.ranks[0].batch_sizes
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """New per-rank sizes from the next step on, for every rank's sampler alike."""
+        for sampler in self.ranks:
+            sampler.set_batch_sizes(batch_sizes)
+
     def __iter__(self) -> Iterator[list[int]]:
         for step in zip(*self.ranks, strict=True):
             yield from step
 
     def __len__(self) -> int:
         return len(self.ranks[0]) * len(self.ranks)
+
+    def samples_in_step(self, step: int) -> int:
+        """Samples over all ranks in step ``step`` of an epoch (steps are full but the last)."""
+        first = self.ranks[0]
+        full = first.global_batch_size
+        return full if step < len(first) - 1 or self.drop_last else first.num_samples - full * step
+
+
+class _BatchWeights:
+    """The weight of the batch an uneven loader yielded last (read by ``backward``)."""
+
+    def __init__(self) -> None:
+        self.current: float | None = None
+
+
+class _WeighingLoader:
+    """The prepared loader of :class:`UnevenAccelerator`: records each yielded batch's weight.
+
+    The weight is ``samples * world_size / samples of the optimizer step over all ranks``;
+    the step is the window of ``gradient_accumulation_steps`` batches that
+    ``accelerator.accumulate`` syncs on (the last one of an epoch shorter).
+    """
+
+    _is_accelerate_prepared = True  # preparing it again returns it
+
+    def __init__(self, loader: Any, sampler: _InterleavedBatchSampler, accelerator: Any) -> None:
+        self.loader, self.sampler, self.accelerator = loader, sampler, accelerator
+
+    def __iter__(self) -> Iterator[Any]:
+        accum, world = self.accelerator.gradient_accumulation_steps, len(self.sampler.ranks)
+        steps = len(self.sampler.ranks[0])
+        weights = self.accelerator._evendp_weights
+        for i, batch in enumerate(self.loader):
+            window = range(i - i % accum, min(i - i % accum + accum, steps))
+            total = sum(self.sampler.samples_in_step(j) for j in window)
+            weights.current = count_rows(batch) * world / total if total else 0.0
+            yield batch
+        weights.current = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __getattr__(self, name: str) -> Any:  # dataset, batch_sampler, device, ...
+        if name == "loader":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class UnevenAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``backward`` and schedulers are exact with per-rank batch sizes.
+
+    Build the training loader with :func:`uneven_dataloader` (this accelerator first); then a
+    standard loop (``accelerator.accumulate``, the model's mean loss, ``accelerator.backward``,
+    ``scheduler.step()`` every batch) trains on the gradient of the mean over each optimizer
+    step's samples on all ranks, with the learning-rate schedule of one process. Arguments are
+    ``Accelerator``'s; ``split_batches`` and ``dispatch_batches`` are refused (each rank loads
+    its own batches).
+
+    >>> accelerator = UnevenAccelerator(cpu=True)
+    >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
+    >>> loader = uneven_dataloader(accelerator, data, [4], shuffle=False)
+    >>> model = accelerator.prepare(torch.nn.Linear(1, 1))
+    >>> [len(x) for (x,) in loader]
+    [4, 2]
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._evendp_weights = _BatchWeights()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``Accelerator.backward`` of the last yielded batch's mean loss, weighted exactly."""
+        weight = self._evendp_weights.current
+        if weight is None:
+            raise evendp.EvendpError(
+                "UnevenAccelerator.backward weights the batch an uneven_dataloader(accelerator, "
+                "...) loader yielded last, but no such loader is being iterated; build the "
+                "training loader with uneven_dataloader, or use accelerate.Accelerator"
+            )
+        # Accelerator.backward divides by the accumulation steps: undone here.
+        scale = weight * self.gradient_accumulation_steps
+        super().backward(weighted_sum(loss, scale), **kwargs)
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""
+        prepared = super().prepare_scheduler(scheduler)
+        prepared.split_batches = True  # one scheduler step per call, not num_processes
+        return prepared
 
 
 def _validate_accelerator(accelerator: object, batch_sizes: list[int]) -> Accelerator:
@@ -87,23 +207,36 @@ def _validate_accelerator(accelerator: object, batch_sizes: list[int]) -> Accele
 def uneven_dataloader(
     accelerator: Accelerator,
     dataset: Any,
-    batch_sizes: Sequence[int],
+    batch_sizes: Sequence[int] | None = None,
     *,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    costs: Sequence[float] | Callable[[Any], float] | None = None,
+    max_tokens: float | None = None,
+    stand_in: bool | None = None,
+    batch_size: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A dataloader already passed through ``accelerator.prepare``, ``batch_sizes[rank]`` a batch.
 
     Every rank yields the same number of batches; over all ranks each sample comes once per
     epoch (``drop_last=False``), in one permutation seeded by ``seed + epoch`` (Accelerate's
-    ``DataLoaderShard`` sets the epoch when it starts iterating). A rank may get an empty
-    batch in the short last step (always when its size is 0): ``collate_fn`` is wrapped in
-    :class:`evendp.EmptySafeCollate` so it is a real, zero-length batch. Preparing the
-    returned loader again returns it unchanged (Accelerate marks it prepared). Other keyword
-    arguments (``num_workers``, ``pin_memory``, ...) go to ``torch.utils.data.DataLoader``.
+    ``DataLoaderShard`` sets the epoch when it starts iterating). ``batch_sizes`` defaults to
+    ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to ``batch_size`` on every rank. A
+    rank may get an empty batch in the short last step (always when its size is 0):
+    ``collate_fn`` is wrapped in :class:`evendp.EmptySafeCollate`; with an
+    :class:`UnevenAccelerator` it is a stand-in (one real sample, weight exactly 0 in its
+    ``backward``), else a real, zero-length batch (the ``ddp_loss`` recipe counts its 0
+    samples); ``stand_in`` chooses (``None``: a stand-in with an ``UnevenAccelerator``).
+    Preparing the returned loader again returns it unchanged (Accelerate marks it prepared).
+    Other keyword arguments (``num_workers``, ``pin_memory``, ...) go to
+    ``torch.utils.data.DataLoader``.
+    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
+    samples to ranks by padded cost and ``max_tokens`` makes the step a token budget, as
+    :class:`evendp.UnevenBatchSampler` does; :func:`speed_balancer` moves samples between
+    ranks by measured speed.
 
     >>> import torch
     >>> from accelerate import Accelerator
@@ -112,17 +245,62 @@ def uneven_dataloader(
     >>> [batch[0].tolist() for batch in loader]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
+    if batch_sizes is None and isinstance(accelerator, Accelerator):
+        world = accelerator.num_processes
+        default = None if batch_size is None else [batch_size] * world
+        batch_sizes = evendp.batch_sizes_from_env(world, default=default)
     sizes = _as_list(batch_sizes)
     accelerator = _validate_accelerator(accelerator, sizes)
-    sampler = _InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last)
+    weighing = isinstance(accelerator, UnevenAccelerator)
+    if weighing and max_tokens is not None:
+        raise evendp.EvendpError(
+            "UnevenAccelerator weighs each batch by the samples of its step, known from the "
+            "plan, but max_tokens makes the steps' sample counts data-dependent; use "
+            "accelerate.Accelerator with evendp.StepMean (weigh each loss, finish before "
+            "clipping) for a token budget"
+        )
+    options = {"costs": costs, "max_tokens": max_tokens}
+    sampler = _InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last, **options)
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=evendp.EmptySafeCollate(dataset, collate_fn),
+        collate_fn=evendp.EmptySafeCollate(
+            dataset, collate_fn, stand_in=weighing if stand_in is None else stand_in
+        ),
         **loader_kwargs,
     )
     prepared: DataLoader = accelerator.prepare(loader)
+    if weighing:
+        return _WeighingLoader(prepared, sampler, accelerator)  # type: ignore[return-value]
     return prepared
+
+
+def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
+    """A :class:`evendp.SpeedBalancer` that re-splits ``loader``'s steps by measured speed.
+
+    ``loader`` comes from :func:`uneven_dataloader`. Time each forward pass with
+    ``with balancer.measure(len(batch)):`` (the forward and the loss, not
+    ``accelerator.backward``, which waits for the slowest rank) and call
+    ``balancer.step()`` after every optimizer step on every rank: samples then move from
+    slow ranks to fast ones; each step's samples, and the gradient, stay those of one
+    process. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    >>> balancer = speed_balancer(uneven_dataloader(Accelerator(cpu=True), data, [4]))
+    >>> balancer.sampler.batch_sizes
+    [4]
+    """
+    sampler: Any = loader
+    for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> ours
+        sampler = getattr(sampler, "batch_sampler", None)
+        if isinstance(sampler, _InterleavedBatchSampler):
+            return evendp.SpeedBalancer(sampler, **knobs)
+    raise evendp.EvendpError(
+        f"speed_balancer needs a loader from uneven_dataloader, got {type(loader).__name__}; "
+        "build it with evendp.integrations.accelerate.uneven_dataloader(accelerator, ...)"
+    )
 
 
 def _as_list(batch_sizes: object) -> list[int]:

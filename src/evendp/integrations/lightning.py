@@ -7,18 +7,22 @@ instead of re-instantiating it around a ``DistributedSampler``:
   :class:`evendp.UnevenBatchSampler` (rank from the process group, sizes from
   ``EVENDP_BATCH_SIZES`` by default) with :class:`evendp.EmptySafeCollate`. Lightning calls
   ``set_epoch`` only on ``batch_sampler.sampler``, so the loader puts a relay there.
-* :class:`UnevenGradient`, a callback: ``training_step`` returns the loss SUMMED over its
-  samples (or tokens); the callback counts them (``count_fn(batch)``) over every micro-batch of
-  the optimizer step, sums the count over ranks (one all-reduce per optimizer step) and, before
-  the optimizer step and gradient clipping, multiplies the gradients by
+* :class:`UnevenGradient`, a callback: ``training_step`` returns the mean loss over what
+  ``count_fn(batch)`` counts (``reduction="mean"``), as Lightning users write it. The callback
+  weights each micro-batch's loss by its count before backward, sums the count and the loss of
+  the whole optimizer step over ranks (one all-reduce per optimizer step) and, before the
+  optimizer step and gradient clipping, multiplies the gradients by
   ``accumulate_grad_batches * world_size / count``. That undoes Lightning's division of the
   loss by ``accumulate_grad_batches`` and DDP's by the world size, leaving the gradient of the
   mean over the whole global batch, for any split and for token counts known only after
-  the forward pass. Automatic optimization only.
+  the forward pass. It logs that batch's mean loss (``"loss"``), the same on every rank.
+  An empty share is a stand-in sample (one real sample) of weight exactly 0, so models that
+  cannot forward 0 rows run it. Automatic optimization only.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,9 +32,12 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from .._balance import NoBalance, step_balancer
+from .._deprecation import REMOVAL, UNSET
+from .._distributed import comm_device
 from ._epoch import RelayedBatchSampler
 
-__all__ = ["UnevenGradient", "count_samples", "uneven_dataloader"]
+__all__ = ["SpeedBalance", "UnevenGradient", "count_samples", "uneven_dataloader"]
 
 
 def count_samples(batch: Any) -> int:
@@ -59,19 +66,30 @@ def uneven_dataloader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    costs: Sequence[float] | Callable[[Any], float] | None = None,
+    max_tokens: float | None = None,
+    batch_size: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step (call it in a hook).
 
-    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it). The rank
-    comes from the process group when there is one, else it is 0 with one batch size.
+    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
+    ``batch_size`` on every rank. The rank comes from the process group when there is one,
+    else it is 0 with one batch size.
+    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
+    samples to ranks by padded cost; ``max_tokens`` makes each step a token budget (see
+    :class:`evendp.UnevenBatchSampler`); :class:`SpeedBalance` moves samples by speed.
 
     >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
     >>> [b[0].tolist() for b in uneven_dataloader(data, [4], shuffle=False)]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
-    sizes = evendp.batch_sizes_from_env() if batch_sizes is None else batch_sizes
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    sizes = batch_sizes
+    if sizes is None:
+        world = torch.distributed.get_world_size() if distributed else 1
+        default = None if batch_size is None else [batch_size] * world
+        sizes = evendp.batch_sizes_from_env(world, default=default)
     sampler = evendp.UnevenBatchSampler(
         dataset,
         sizes,
@@ -79,52 +97,177 @@ def uneven_dataloader(
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
+        costs=costs,
+        max_tokens=max_tokens,
     )
     return DataLoader(
         dataset,
         # Lightning calls set_epoch on batch_sampler.sampler only: the relay carries it.
         batch_sampler=RelayedBatchSampler(sampler),
-        collate_fn=evendp.EmptySafeCollate(dataset, collate_fn),
+        # An empty share (a size of 0, the short last step) is one real sample of weight 0.
+        collate_fn=evendp.EmptySafeCollate(dataset, collate_fn, stand_in=True),
         **loader_kwargs,
     )
+
+
+_REDUCTIONS = ("mean", "sum")
 
 
 class UnevenGradient(pl.Callback):
     """Make the accumulated, DDP-averaged gradient the mean over the step's global batch.
 
-    ``training_step`` must return the loss summed over what ``count_fn(batch)`` counts
-    (default :func:`count_samples`; for a language model, e.g. the non-ignored shifted labels).
+    ``training_step`` returns the loss as Lightning users write it, a mean over what
+    ``count_fn(batch)`` counts (``reduction="mean"``; default :func:`count_samples`; for a
+    language model e.g. the non-ignored shifted labels), or its sum (``reduction="sum"``).
+    Each micro-batch's loss is weighted by its count before backward (a stand-in batch, an
+    empty share, by exactly 0); before the optimizer step and gradient clipping one
+    all-reduce sums the step's count and loss over ranks, the gradients are multiplied by
+    ``accumulate_grad_batches * world_size / count`` (undoing Lightning's division by the
+    accumulation steps and DDP's by the world size), and the step's global mean loss is
+    logged as ``log_name`` (default ``"loss"``, ``None`` to not log), the same on every rank.
 
-    >>> UnevenGradient().count_fn((torch.zeros(5, 2),))
+    Until evendp 0.3.0 ``reduction`` defaults to ``"sum"`` with a ``DeprecationWarning``; it
+    then becomes ``"mean"``.
+
+    >>> UnevenGradient(reduction="mean").count_fn((torch.zeros(5, 2),))
     5
     """
 
-    def __init__(self, count_fn: Callable[[Any], int | torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        count_fn: Callable[[Any], int | torch.Tensor] | None = None,
+        *,
+        reduction: str = UNSET,
+        log_name: str | None = "loss",
+    ) -> None:
+        if reduction is UNSET:
+            warnings.warn(
+                "UnevenGradient's default reduction='sum' (training_step returns a summed loss) "
+                f"becomes 'mean' in evendp {REMOVAL}; pass reduction='mean' (training_step "
+                "returns the usual mean) or reduction='sum'",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            reduction = "sum"
+        if reduction not in _REDUCTIONS:
+            raise evendp.EvendpError(
+                f"reduction must be 'mean' or 'sum' (what training_step returns), got {reduction!r}"
+            )
         self.count_fn = count_samples if count_fn is None else count_fn
+        self.reduction = reduction
+        self.log_name = log_name
         self._local: int | torch.Tensor = 0  # items counted since the last optimizer step
+        self._batch: int | torch.Tensor = 0  # items of the current micro-batch
+        self._sum: torch.Tensor | float = 0.0  # loss summed since the last optimizer step
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise evendp.EvendpError(
                 "UnevenGradient needs automatic optimization (it rescales gradients before "
-                "Lightning's optimizer step); with manual optimization scale the loss with "
-                "evendp.ddp_loss yourself"
+                "Lightning's optimizer step); with manual optimization use evendp.StepMean"
             )
-        self._local = 0
+        self._local, self._sum = 0, 0.0
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._local = self._local + self.count_fn(batch)
+        self._batch = 0 if evendp.is_stand_in(batch) else self.count_fn(batch)
+        self._local = self._local + self._batch
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        # ``loss`` is training_step's value / accumulate_grad_batches (times the AMP scale),
+        # a fresh tensor that Lightning backwards next: weighting it in place weights backward.
+        unscale = trainer.accumulate_grad_batches / _amp_scale(trainer)
+        weight: int | torch.Tensor = self._batch if self.reduction == "mean" else 1
+        if isinstance(self._batch, int) and self._batch == 0:
+            weight = 0  # a stand-in (or empty) share: weight exactly 0
+        with torch.no_grad():
+            self._sum = self._sum + loss.detach().double() * unscale * weight
+        loss.mul_(weight)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        total = float(evendp.global_count(self._local))
-        self._local = 0
+        device = comm_device()
+        pair = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64).to(device) for v in (self._local, self._sum)]
+        )  # (2,): count, loss sum; one all-reduce for both
+        if trainer.world_size > 1:
+            torch.distributed.all_reduce(pair)
+        self._local, self._sum = 0, 0.0
+        total = float(pair[0])
         # Lightning divided each micro-batch's loss by accumulate_grad_batches, DDP by world.
         scale = trainer.accumulate_grad_batches * trainer.world_size / total if total else 0.0
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
                     param.grad.mul_(scale)
+        if self.log_name is not None:
+            mean = (pair[1] / pair[0]).float()  # the same on every rank: no sync_dist needed
+            pl_module.log(self.log_name, mean, on_step=True, prog_bar=True)
+
+
+def _amp_scale(trainer: pl.Trainer) -> float:
+    """The fp16 GradScaler's current scale (it multiplied the loss), else 1."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
+def _balanced_sampler(loader: Any) -> Any:
+    """The sampler with ``set_batch_sizes`` inside a loader from :func:`uneven_dataloader`."""
+    sampler = loader
+    for _ in range(4):  # DataLoader -> RelayedBatchSampler -> UnevenBatchSampler
+        sampler = getattr(sampler, "batch_sampler", None)
+        if hasattr(sampler, "set_batch_sizes"):
+            return sampler
+    raise evendp.EvendpError(
+        f"SpeedBalance needs the training loader from evendp's uneven_dataloader, got "
+        f"{type(loader).__name__}; return uneven_dataloader(...) from train_dataloader() "
+        "and pass Trainer(use_distributed_sampler=False)"
+    )
+
+
+class SpeedBalance(pl.Callback):
+    """Move samples from slow ranks to fast ones at every optimizer step (Lightning DDP).
+
+    Times each rank's ``training_step`` (the forward and the loss, up to Lightning's
+    ``backward``, which waits for the slowest rank under DDP) and, before every optimizer
+    step, lets :class:`evendp.SpeedBalancer` re-split the sampler of
+    :func:`uneven_dataloader`: every rank applies the same split at the same step, each
+    step's samples stay the same, so with :class:`UnevenGradient` the gradient is still the
+    global batch's. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+
+    >>> SpeedBalance(warmup=2).knobs
+    {'warmup': 2}
+    """
+
+    def __init__(self, **knobs: Any) -> None:
+        self.knobs = knobs
+        self.balancer: Any = NoBalance()
+        self._block: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sampler = _balanced_sampler(trainer.train_dataloader)
+        self.balancer = step_balancer(
+            sampler, "speed", distributed=trainer.world_size > 1, **self.knobs
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._block = self.balancer.measure(count_samples(batch))
+        self._block.__enter__()
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._block is not None:
+            self._block.__exit__(None, None, None)
+            self._block = None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.balancer.step()

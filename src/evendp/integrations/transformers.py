@@ -33,20 +33,31 @@ samples. Refused: ``auto_find_batch_size``, DeepSpeed, one process driving sever
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import transformers
+from accelerate.utils import send_to_device
 from torch import nn
 from torch.utils.data import DataLoader
 
 import evendp
 
-from .._exact import weighted_sum
-from .accelerate import uneven_dataloader
+from .._balance import (
+    NoBalance,
+    auto_batch_sizes,
+    step_balancer,
+    time_forward,
+    validate_balance,
+    validate_batch_sizes_option,
+)
+from .._exact import is_stand_in, weighted_sum, zero_weight
+from ._teardown import release_at_exit
+from .accelerate import _InterleavedBatchSampler, uneven_dataloader
 
-__all__ = ["UnevenTrainer", "count_rows"]
+__all__ = ["UnevenTrainer", "count_labels", "count_rows"]
 
 # Loader settings copied from the Trainer's own training loader (see get_train_dataloader).
 _LOADER_SETTINGS = (
@@ -60,11 +71,13 @@ _LOADER_SETTINGS = (
 
 
 def count_rows(inputs: Mapping[str, Any]) -> int:
-    """Rows in a batch: the length of ``labels``, else of the first tensor.
+    """Rows in a batch: the length of ``labels``, else of the first tensor; 0 for a stand-in.
 
     >>> count_rows({"input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)})
     3
     """
+    if is_stand_in(inputs):
+        return 0
     tensors = [inputs["labels"]] if "labels" in inputs else list(inputs.values())
     for value in tensors:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -73,6 +86,36 @@ def count_rows(inputs: Mapping[str, Any]) -> int:
         f"cannot count the samples of a batch with keys {sorted(inputs)}: no tensor with a "
         "batch dimension; pass count_fn=... to UnevenTrainer"
     )
+
+
+def count_labels(inputs: Mapping[str, Any], shift: bool = False) -> int | torch.Tensor:
+    """The labels a mean loss averages over: those not ``-100`` (``shift``: from position 1).
+
+    Without ``labels``, :func:`count_rows`; 0 for a stand-in. A cross-entropy mean (a class
+    per sample, or per token with ``-100`` for padding) is a mean over exactly these.
+
+    >>> count_labels({"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])})
+    tensor(3)
+    >>> count_labels({"labels": torch.tensor([2, 0, 1])})
+    tensor(3)
+    """
+    labels = inputs.get("labels")
+    if is_stand_in(inputs) or not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+        return count_rows(inputs)
+    counted = labels[..., 1:] if shift and labels.dim() > 1 else labels
+    return counted.ne(-100).sum()
+
+
+def _uncounted(batch: Any) -> Any:
+    """A stand-in batch as the Trainer's token count must see it: every label ignored."""
+    if not (is_stand_in(batch) and isinstance(batch, Mapping)):
+        return batch
+    ignored = {
+        k: torch.full_like(v.as_subclass(torch.Tensor), -100)
+        for k in ("labels", "shift_labels")
+        if isinstance(v := batch.get(k), torch.Tensor)
+    }
+    return {**batch, **ignored}
 
 
 def _validate_args(args: transformers.TrainingArguments) -> None:
@@ -101,7 +144,9 @@ def _validate_args(args: transformers.TrainingArguments) -> None:
     if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
         raise evendp.EvendpError(
             f"train_sampling_strategy={args.train_sampling_strategy!r} chooses its own batches; "
-            "UnevenTrainer supports 'random' and 'sequential'"
+            "UnevenTrainer supports 'random' and 'sequential'. For what group_by_length does, "
+            "exactly: UnevenTrainer(costs=lambda s: len(s['input_ids'])) sends each step's "
+            "samples to ranks by length"
         )
 
 
@@ -111,14 +156,33 @@ def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
     return evendp.batch_sizes_from_env(world, default=[args.per_device_train_batch_size] * world)
 
 
-def _batch_sum(loss: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """A per-batch mean times its count; an empty batch's NaN mean becomes a connected zero.
+def _balanced_sampler(loader: DataLoader) -> Any:
+    """The every-rank sampler inside a prepared :func:`uneven_dataloader`."""
+    sampler: Any = loader
+    while not isinstance(sampler, _InterleavedBatchSampler):
+        sampler = sampler.batch_sampler
+    return sampler
 
-    >>> empty = torch.zeros(0, requires_grad=True)
-    >>> _batch_sum(empty.mean(), 0), _batch_sum(torch.tensor(2.0), torch.tensor(3))
-    (tensor(0., grad_fn=<WhereBackward0>), tensor(6.))
-    """
-    return weighted_sum(loss, count)
+
+class _BalancerRelay(NoBalance):
+    """The trainer's current balancer (rebuilt with each training loader), for the hooks."""
+
+    def __init__(self, trainer: UnevenTrainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+
+    def measure(self, samples: int) -> Any:
+        return self.trainer.balancer.measure(samples)
+
+
+class _StepBalancer(transformers.TrainerCallback):
+    """At the end of every optimizer step, on every rank: maybe a new split (speed)."""
+
+    def __init__(self, trainer: UnevenTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.balancer.step()
 
 
 class UnevenTrainer(transformers.Trainer):
@@ -126,8 +190,19 @@ class UnevenTrainer(transformers.Trainer):
 
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
     ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
-    non-token loss averaged over (default :func:`count_rows`). Everything else is the
-    Trainer's. See the module docstring for what changes and what is refused.
+    non-token loss averaged over (default :func:`count_labels`). ``balance="speed"`` times
+    each rank's forward passes and, at optimizer-step boundaries, moves samples from slow
+    ranks to fast ones (:class:`evendp.SpeedBalancer`): each step's samples, the total batch
+    and the gradient stay those of one process. ``costs`` (each training sample's length, or
+    a function of a dataset item, e.g. ``lambda s: len(s["input_ids"])``) sends each step's
+    samples to ranks by padded length, similar lengths together, so no rank pads for
+    another's long samples (what ``group_by_length`` is for, with the exact gradient).
+    ``batch_sizes="auto"`` splits ``per_device_train_batch_size * world_size`` by each
+    rank's memory, planned for this model on one training sample (live free memory on a
+    GPU; ``memory=`` or ``EVENDP_MEMORY`` declares it, one entry per rank), the same on
+    every rank (one ``all_gather``); speed balance then never moves a rank past its cap.
+    Everything else is the Trainer's. See the module docstring for what changes and what is
+    refused.
 
     >>> import tempfile
     >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -150,22 +225,55 @@ class UnevenTrainer(transformers.Trainer):
     def __init__(
         self,
         *args: Any,
-        batch_sizes: Sequence[int] | None = None,
+        batch_sizes: Sequence[int] | str | None = None,
         count_fn: Callable[[Mapping[str, Any]], int | torch.Tensor] | None = None,
+        balance: str | None = None,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
+        memory: str | Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.balance = validate_balance(balance)
+        self.costs = costs
+        self.balancer: evendp.SpeedBalancer | NoBalance = NoBalance()
+        # Speed balance: forwards timed by hooks, a new split at each optimizer step's end.
+        if self.model is not None:  # model_init: no model yet, nothing to time
+            time_forward(self.model, _BalancerRelay(self))
+        self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
-        self.batch_sizes = (
-            _default_sizes(self.args)
-            if batch_sizes is None
-            else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})
-        )
-        self.count_fn = count_rows if count_fn is None else count_fn
+        validate_batch_sizes_option(batch_sizes)
+        self._caps: list[int] | None = None  # per-rank memory caps, when planned
+        if batch_sizes == "auto":
+            self.batch_sizes, self._caps = self._auto_sizes(memory)
+        else:
+            self.batch_sizes = (
+                _default_sizes(self.args)
+                if batch_sizes is None
+                else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})  # type: ignore[arg-type]
+            )
+        self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
+        # Whether a forward taking **kwargs really uses num_items_in_batch: tried at step 1.
+        self._probe_pending = self.model_accepts_loss_kwargs and not _declares_loss_kwargs(
+            self.accelerator.unwrap_model(self.model)
+        )
+        self._loss_sum = torch.zeros((), device=self.args.device)  # this rank's, this train()
+        self._steps = 0  # optimizer steps of this train() call
+
+    def _auto_sizes(self, memory: str | Sequence[Any] | None) -> tuple[list[int], list[int]]:
+        """``batch_sizes="auto"``: ``per_device_train_batch_size * world`` split by each
+        rank's memory, planned for this model on one collated training sample."""
+        if self.model is None or self.train_dataset is None:
+            raise evendp.EvendpError(
+                "batch_sizes='auto' plans the model's step on a training sample; pass model= "
+                "and train_dataset= (not model_init)"
+            )
+        example = self.data_collator([self.train_dataset[0]])
+        global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
+        return auto_batch_sizes(self.model, example, global_batch=global_batch, memory=memory)
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
@@ -176,7 +284,7 @@ class UnevenTrainer(transformers.Trainer):
         base = super().get_train_dataloader()
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return uneven_dataloader(
+        loader = uneven_dataloader(
             self.accelerator,
             base.dataset,
             self.batch_sizes,
@@ -184,8 +292,16 @@ class UnevenTrainer(transformers.Trainer):
             shuffle=self.args.train_sampling_strategy != "sequential",
             seed=seed,
             drop_last=self.args.dataloader_drop_last,
+            costs=self.costs,
+            stand_in=True,  # an empty share: one real sample, weight 0 (compute_loss)
             **settings,
         )
+        # Bound to the loader training iterates: speed moves samples in its sampler.
+        world = max(1, self.args.world_size)
+        self.balancer = step_balancer(
+            _balanced_sampler(loader), self.balance, distributed=world > 1, caps=self._caps
+        )
+        return loader
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         """Samples per optimizer step over all ranks: ``sum(batch_sizes) * accumulation``."""
@@ -197,16 +313,64 @@ class UnevenTrainer(transformers.Trainer):
             bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
         )
 
+    def _count_labels(self, inputs: Mapping[str, Any]) -> int | torch.Tensor:
+        return count_labels(inputs, shift=bool(getattr(self, "_loss_shifts_labels", False)))
+
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
     ) -> tuple[list[Any], torch.Tensor | int | None]:
-        """The Trainer's micro-batches of one step; also their item count over all ranks."""
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        """The Trainer's micro-batches of one step; also their item count over all ranks.
+
+        A stand-in batch counts no item (its labels read as ignored for the token count).
+        """
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        if self._probe_pending and batches:
+            self._probe_loss_kwargs(batches[0])
+        views = iter([_uncounted(batch) for batch in batches])
+        _, num_items = super().get_batch_samples(views, num_batches, device)
         self._step_count = None
+        self._steps += 1
         if not self._token_path(num_items):
             local = sum((self.count_fn(batch) for batch in batches), start=0)
             self._step_count = evendp.global_count(local)
         return batches, num_items
+
+    def _probe_loss_kwargs(self, batch: Mapping[str, Any]) -> None:
+        """Whether the model's loss uses ``num_items_in_batch``, tried on one batch (no grad).
+
+        Its ``forward`` takes ``**kwargs`` (so the Trainer passes the count), but many losses
+        ignore it (``BertForSequenceClassification``, ``GPT2ForSequenceClassification``,
+        ``BertForTokenClassification`` return a per-batch mean). Twice the count must halve a
+        loss that uses it and leave one that ignores it unchanged; such a loss is then
+        weighted by its labels here. Anything else stops the run, naming the switch.
+        """
+        self._probe_pending = False
+        if "labels" not in batch or self.compute_loss_func is not None:
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        device = self.args.device
+        inputs = send_to_device(dict(batch), device)
+        was_training, balancer = model.training, self.balancer
+        model.eval()  # no dropout: the two forward passes differ only in the count
+        self.balancer = NoBalance()  # not timed: the speed balance sees training steps only
+        try:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                one, two = (
+                    _loss_of(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                    for n in (1.0, 2.0)
+                )
+        finally:
+            model.train(was_training)
+            self.balancer = balancer
+        if abs(one - two) <= 1e-6 * abs(one):
+            self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
+        elif abs(one - 2 * two) > 1e-4 * abs(one):
+            raise evendp.EvendpError(
+                f"{type(model).__name__}'s loss takes num_items_in_batch but is neither a sum "
+                f"over it (count 1 gave {one:.6g}, count 2 gave {two:.6g}) nor independent of "
+                "it; set model.accepts_loss_kwargs = True if its loss is a sum divided by "
+                "num_items_in_batch, or False if it is a per-batch mean (weighted by count_fn)"
+            )
 
     def compute_loss(
         self,
@@ -215,10 +379,58 @@ class UnevenTrainer(transformers.Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean."""
+        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean.
+
+        A stand-in batch (an empty share) weighs exactly 0.
+        """
         step_count = self._step_count if model.training else None
+        stand_in = is_stand_in(inputs)
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         if step_count is not None:
-            loss = evendp.ddp_loss(_batch_sum(loss, count), count, step_count)
+            loss = evendp.ddp_loss(weighted_sum(loss, count), count, step_count)
+        elif stand_in and model.training:
+            loss = zero_weight(loss)
         return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The Trainer's step; its loss also summed here for the global ``train_loss``."""
+        loss = super().training_step(*args, **kwargs)
+        self._loss_sum = self._loss_sum + loss.detach().to(self._loss_sum.device)
+        return loss
+
+    def train(self, *args: Any, **kwargs: Any) -> transformers.trainer_utils.TrainOutput:
+        """The Trainer's ``train``; its ``train_loss`` is the global batch's, on every rank.
+
+        Afterwards the process group is freed at exit, before Python finalizes (where gloo's
+        threads would abort a finished run: see ``_teardown``).
+        """
+        self._loss_sum = torch.zeros((), device=self.args.device)
+        self._steps = 0
+        output = super().train(*args, **kwargs)
+        release_at_exit(self)
+        loss = output.metrics.get("train_loss", output.training_loss)
+        return transformers.trainer_utils.TrainOutput(output.global_step, loss, output.metrics)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``; the final ``train_loss`` made global first (all ranks log it).
+
+        The Trainer adds the losses of steps not logged yet as this rank's own share; the
+        mean of the ranks' sums is the global figure (each rank's loss is its part of it).
+        """
+        if "train_loss" in logs and self._steps:
+            total = self.accelerator.gather(self._loss_sum.reshape(1)).mean()
+            logs["train_loss"] = float(total) / self._steps
+        super().log(logs, *args, **kwargs)
+
+
+def _loss_of(outputs: Any) -> float:
+    """The loss a model returned: ``outputs["loss"]`` (a ``ModelOutput`` too), else the first."""
+    return float(outputs["loss"] if isinstance(outputs, Mapping) else outputs[0])
+
+
+def _declares_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the user (or the model class itself) said if its loss uses the count."""
+    return "accepts_loss_kwargs" in vars(model) or any(
+        "accepts_loss_kwargs" in vars(cls) for cls in type(model).__mro__
+    )

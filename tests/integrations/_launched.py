@@ -1,0 +1,22 @@
+"""The one ``evendp launch`` the integration tests share (2 gloo ranks, ``--batch-sizes 1,3``).
+
+Usage: evendp launch --nproc 2 --batch-sizes 1,3 tests/integrations/_launched.py OUT_DIR
+One gloo group for everything (the frameworks find it started): the Lightning checks of
+_lightning_script.py, then the four ports of examples/ (_ports_script.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import evendp
+from tests.integrations import _lightning_script, _ports_script
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    evendp.init_distributed("gloo")
+    _lightning_script.main(out)
+    for port in _ports_script.PORTS:
+        _ports_script.run(port, out)
+    evendp.finish_distributed()

@@ -1,0 +1,70 @@
+"""Lightning's ``SpeedBalance`` callback and ``uneven_dataloader(costs=)`` in one process.
+
+The callback finds evendp's sampler in the fit's own training loader (through the relay
+Lightning reaches) and runs beside ``UnevenGradient``; one process has no ranks to balance, so
+its split stays. A loader not built by ``uneven_dataloader`` is refused naming the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evendp
+from tests.integrations._tiny import Data, make_model
+
+pl = pytest.importorskip("lightning.pytorch")
+
+
+def _fit(loader: Any, callback: Any) -> Any:
+    from evendp.integrations.lightning import UnevenGradient
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+            self.rows: list[int] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, _ = batch
+            self.rows.append(len(y))
+            return F.cross_entropy(self.net(x), y, reduction="sum")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            return loader
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, use_distributed_sampler=False,
+        callbacks=[UnevenGradient(reduction="sum"), callback], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return module
+
+
+def test_speed_balance_finds_the_sampler_and_costs_reach_it() -> None:
+    from evendp.integrations.lightning import SpeedBalance, uneven_dataloader
+
+    lengths = [3, 9, 1, 4, 4, 8, 2, 7, 5, 6]
+    loader = uneven_dataloader(Data(), [4], costs=lengths, max_tokens=12, shuffle=False)
+    callback = SpeedBalance(warmup=2)
+    module = _fit(loader, callback)
+    steps = [len(b) for b in evendp.UnevenBatchSampler(10, [1], rank=0, shuffle=False,
+                                                       costs=lengths, max_tokens=12)]  # fmt: skip
+    assert module.rows == steps  # the token budget cut the steps, not batch_sizes=[4]
+    assert callback.balancer.history == []  # one process: nothing moved
+
+
+def test_speed_balance_refuses_a_foreign_loader() -> None:
+    from evendp.integrations.lightning import SpeedBalance
+
+    plain = torch.utils.data.DataLoader(Data(), batch_size=4)
+    with pytest.raises(evendp.EvendpError, match="uneven_dataloader"):
+        _fit(plain, SpeedBalance())

@@ -1,0 +1,189 @@
+"""Balance in the evendp Trainer on 2 gloo ranks: speed, ``batch_sizes="auto"``, token budgets.
+
+One spawn runs three trainings. Speed: rank 1 sleeps per sample in its forward; with
+``TrainConfig(balance="speed")`` samples move to rank 0 and the parameters still equal one
+process's on the same global batches (SGD, 1e-5). Auto: each rank plans its share from its own
+declared memory (``EVENDP_MEMORY``); both ranks get the same sizes, the ones the planner gives
+for those memories. Token budget: ``Trainer(costs=, max_tokens=)`` with a token-mean loss equals
+one process with the same budget.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import evendp
+from evendp._balance import NoBalance, rank_batch_sizes, sizes_from_capacities
+from tests._helpers import run_ranks, torchrun_env
+
+pytestmark = pytest.mark.multiprocess
+
+SIZES, STEPS, SLEEP = [4, 4], 8, 0.01
+MEMORY = "640MiB,576MiB"  # unequal: 128 MiB and 64 MiB above the planner's CUDA allowance
+AUTO_BATCH = 12
+TOKENS, BUDGET, TOKEN_STEPS = 6, 20, 4  # at most 6 tokens a sample, 20 a step
+TOL = 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.body(x), y)
+
+
+def _data(n: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+    )
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Sequences of 1..TOKENS tokens, right-padded to TOKENS; label -100 on the padding."""
+
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(4)
+        self.lengths = torch.randint(1, TOKENS + 1, (n,), generator=g).tolist()
+        self.x = torch.randn(n, TOKENS, 8, generator=g)
+        self.y = torch.randint(0, 3, (n, TOKENS), generator=g)
+        for i, n_i in enumerate(self.lengths):
+            self.y[i, n_i:] = -100
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def token_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    logits = model.body(x)  # (n, TOKENS, 3)
+    return F.cross_entropy(logits.reshape(-1, 3), y.reshape(-1), ignore_index=-100)
+
+
+def tokens(batch: Any) -> torch.Tensor:
+    return (batch[1] != -100).sum()
+
+
+def _config(**options: Any) -> evendp.TrainConfig:
+    settings: dict[str, Any] = {"lr": 0.3, "grad_clip": None, "progress": False, "seed": 1}
+    return evendp.TrainConfig(**{**settings, **options})
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.3)
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _speed(rank: int) -> dict[str, Any]:
+    model = Net()
+    if rank == 1:  # a device at a fraction of the speed: time spent in its forward
+        model.body.register_forward_pre_hook(lambda m, a: time.sleep(SLEEP * a[0].shape[0]))
+    cfg = _config(steps=STEPS, batch_size=sum(SIZES), batch_sizes=SIZES, balance="speed")
+    trainer = evendp.Trainer(model, _data(sum(SIZES) * STEPS), cfg, optimizer=_sgd(model))
+    trainer.fit()
+    return {"params": _params(model), "history": trainer.balancer.history}
+
+
+def _auto() -> dict[str, Any]:
+    os.environ["EVENDP_MEMORY"] = MEMORY
+    model = Net()
+    cfg = _config(steps=1, batch_size=AUTO_BATCH, batch_sizes="auto", balance="speed")
+    trainer = evendp.Trainer(model, _data(AUTO_BATCH), cfg, optimizer=_sgd(model))
+    # The capacities bound speed balance too: each rank's planned most samples.
+    return {"sizes": trainer.sampler.batch_sizes, "caps": trainer.balancer.caps}
+
+
+def _tokens(world: int) -> list[torch.Tensor]:
+    model = Net()
+    data = TokenData()
+    cfg = _config(steps=TOKEN_STEPS, batch_size=8, batch_sizes=[1, 2] if world > 1 else None)
+    evendp.Trainer(
+        model, data, cfg, optimizer=_sgd(model), loss_fn=token_loss, count_fn=tokens,
+        costs=data.lengths, max_tokens=BUDGET,
+    ).fit()  # fmt: skip
+    return _params(model)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torchrun_env(rank, 2, port)
+    evendp.init_distributed("gloo")
+    result = {"speed": _speed(rank), "auto": _auto(), "tokens": _tokens(2)}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    evendp.finish_distributed()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(_worker, 2, tmp_path_factory.mktemp("balance"), 300, "balanced Trainer")
+
+
+def _error(got: list[torch.Tensor], want: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    num = sum(float((g - w).norm() ** 2) for g, w in zip(got, want, strict=True)) ** 0.5
+    return num / sum(float((w - s).norm() ** 2) for w, s in zip(want, start, strict=True)) ** 0.5
+
+
+def test_speed_balance_moves_samples_and_keeps_one_process_parameters(
+    ranks: list[dict[str, Any]],
+) -> None:
+    model = Net()
+    start = _params(model)
+    cfg = _config(steps=STEPS, batch_size=sum(SIZES))
+    evendp.Trainer(
+        model, _data(sum(SIZES) * STEPS), cfg, device_ids=["cpu"], optimizer=_sgd(model)
+    ).fit()
+    want = _params(model)
+    for rank in ranks:
+        assert _error(rank["speed"]["params"], want, start) < TOL
+    history = ranks[0]["speed"]["history"]
+    assert history == ranks[1]["speed"]["history"]
+    sizes = history[-1][1]
+    assert len(history) > 1 and sizes[1] < sizes[0] and sum(sizes) == sum(SIZES)
+
+
+def test_auto_batch_sizes_are_planned_per_rank_and_the_same_everywhere(
+    ranks: list[dict[str, Any]],
+) -> None:
+    auto = ranks[0]["auto"]
+    assert ranks[1]["auto"] == auto  # the same sizes and capacities on every rank
+    caps, sizes = auto["caps"], auto["sizes"]
+    assert caps[0] > caps[1] > 0  # each rank planned on its own memory: more, more samples
+    assert sizes == sizes_from_capacities(caps, AUTO_BATCH)
+    assert sum(sizes) == AUTO_BATCH and sizes[0] > sizes[1]
+
+
+def test_token_budget_steps_equal_one_process(ranks: list[dict[str, Any]]) -> None:
+    start = _params(Net())
+    want = _tokens(1)
+    for rank in ranks:
+        assert _error(rank["tokens"], want, start) < TOL
+
+
+def test_one_process_and_bad_options() -> None:
+    sampler = evendp.UnevenBatchSampler(8, [8], rank=0)
+    assert isinstance(
+        evendp.Trainer(Net(), _data(8), _config(balance="speed"), device_ids=["cpu"]).balancer,
+        NoBalance,
+    )  # one process: no ranks to balance
+    assert rank_batch_sizes(None, 9, 2, model=Net, example=list) == ([5, 4], None)
+    assert sampler.batch_sizes == [8]
+    with pytest.raises(evendp.EvendpError, match="balance='fast' is not a balance"):
+        _config(balance="fast")
+    with pytest.raises(evendp.EvendpError, match="expected 'auto'"):
+        _config(batch_sizes="max")
