@@ -41,6 +41,7 @@ __all__ = [
     "load_sharded_checkpoint",
     "previous_path",
     "rank_rng_path",
+    "resumable_checkpoint",
     "save_checkpoint",
     "save_rank_rng",
     "save_sharded_checkpoint",
@@ -122,6 +123,24 @@ def checkpoint_step(path: str | Path) -> int:
     p = Path(path)
     payload = _read_state_file(p) if p.is_dir() else _read(p)
     return int(payload["step"])
+
+
+def resumable_checkpoint(path: str | Path) -> tuple[Path, int] | None:
+    """The checkpoint a resume will use and its step: ``path`` when it reads back whole, else
+    its previous copy (``None``: neither exists). The error of the last one when none reads.
+
+    >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
+    True
+    """
+    p = Path(path)
+    candidates = [c for c in (p, previous_path(p)) if c.exists()]
+    for candidate in candidates:
+        try:
+            return candidate, checkpoint_step(candidate)
+        except CorruptCheckpoint:
+            if candidate == candidates[-1]:
+                raise
+    return None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -257,9 +276,7 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
     The file already at ``target`` is first moved to ``previous`` (unless ``None``).
     """
     try:
-        fd, tmp_name = tempfile.mkstemp(
-            dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
-        )
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as exc:
         raise _disk_error(target, exc, "write") from None
     tmp = Path(tmp_name)
@@ -276,16 +293,13 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
             tmp.unlink()
         if isinstance(exc, OSError):
             raise _disk_error(target, exc, "write") from None
-        if isinstance(exc, RuntimeError) and _is_write_error(exc):  # torch wraps ENOSPC
-            raise _disk_error(target, OSError(28, _first_sentence(str(exc))), "write") from None
+        cause = exc.__context__  # torch.save wraps the file's OSError in a RuntimeError
+        if isinstance(exc, RuntimeError) and isinstance(cause, OSError):
+            raise _disk_error(target, cause, "write") from None
         raise
     _fsync_dir(target.parent)
     return target
 
-
-def _is_write_error(exc: RuntimeError) -> bool:
-    text = str(exc)
-    return "file write failed" in text or "No space left" in text or "unexpected pos" in text
 
 
 def rank_rng_path(path: str | Path, rank: int) -> Path:
@@ -445,8 +459,7 @@ def _read_rng(path: Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{str(path)!r} is not a readable evendp rank RNG file; {fix}")
     if payload.get("sha256") is not None and content_digest(payload) != payload["sha256"]:
         raise CorruptCheckpoint(
-            f"{str(path)!r} is corrupt: its contents do not match the sha256 saved with them; "
-            f"{fix}"
+            f"{str(path)!r} is corrupt: its contents do not match the sha256 saved with them; {fix}"
         )
     return payload
 

@@ -48,6 +48,7 @@ from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._interrupt import StopFlag
+from ._nonfinite import NonFiniteSteps, gradient_norm
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
@@ -96,6 +97,8 @@ class TrainConfig:
     progress: bool = True
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
+    # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum"):
@@ -119,6 +122,10 @@ class TrainConfig:
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
         validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
+        validate_int(
+            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=1,
+            example="max_nonfinite_steps=3",
+        )  # fmt: skip
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -372,6 +379,12 @@ class Trainer:
         self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
+        # What a resume must match: the same global batch keeps the remaining sample order.
+        global_batch = sum(self.sampler.batch_sizes) if self.distributed else config.batch_size
+        self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
+        out = config.out_dir
+        where = "" if out is None else f"; the last good checkpoint is in {out}"
+        self._nonfinite = NonFiniteSteps(config.max_nonfinite_steps, where)
         self._local = self.strategy.losses_local
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
@@ -600,14 +613,20 @@ class Trainer:
         if total is None:
             return None
         strategy.reduce_gradients()
-        self._optimizer_step()
+        if not self._optimizer_step():  # a NaN/inf gradient: skipped, as GradScaler does
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.skipped += 1
+            return None
         return total / self.world  # DDP/FSDP2: this rank's part of the mean (losses_local)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> bool:
+        """Clip and step; ``False`` (nothing updated) when the gradient is not finite."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
-        if self.config.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        norm = gradient_norm(self.model, self.config.grad_clip)
+        # GradScaler has its own policy for inf gradients (it lowers the scale and skips).
+        if self.scaler is None and not self._nonfinite.ok(norm, self.state.step + 1):
+            return False
         stepped = True
         if self.scaler is None:
             self.optimizer.step()
@@ -620,6 +639,7 @@ class Trainer:
             stepped = self.scaler.get_scale() >= scale
         if self.scheduler is not None and stepped:
             self.scheduler.step()
+        return True
 
     # -- the loop ----------------------------------------------------------------------------
 
