@@ -235,11 +235,13 @@ def save_checkpoint(
 
 
 def _refuse_non_finite(
-    target: Path, step: int, model_state: Mapping[str, Any], optimizer: Any
+    target: Path, step: int, model_state: Any, optimizer: Any, optimizer_state: Any = None
 ) -> None:
     bad = first_non_finite(model_state, "model")
-    if bad is None and optimizer is not None:
-        bad = first_non_finite(optimizer.state_dict().get("state", {}), "optimizer")
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict().get("state", {})
+    if bad is None and isinstance(optimizer_state, Mapping):
+        bad = first_non_finite(optimizer_state.get("state", optimizer_state), "optimizer")
     if bad is not None:
         raise TrainingError(
             f"not writing the checkpoint {str(target)!r} at step {step}: {bad} holds NaN or "
@@ -299,7 +301,6 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
         raise
     _fsync_dir(target.parent)
     return target
-
 
 
 def rank_rng_path(path: str | Path, rank: int) -> Path:
@@ -600,8 +601,7 @@ def save_sharded_checkpoint(
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(model, optimizer)
     # Every rank checks its own shards; the ranks agree before anything is written.
-    agreed(lambda: _refuse_non_finite(target, step, model_state, None), distributed=True)
-    agreed(lambda: _refuse_non_finite(target, step, optim_state.get("state", {}), None), True)
+    agreed(lambda: _refuse_non_finite(target, step, model_state, None, optim_state), True)
 
     def write() -> None:
         if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint

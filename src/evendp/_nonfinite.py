@@ -33,7 +33,7 @@ def gradient_norm(model: torch.nn.Module, clip: float | None) -> torch.Tensor:
     if clip is not None:
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     full = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor, reduced over the shards
     return full() if callable(full) else norm
 

@@ -208,8 +208,12 @@ class TrainState:
                 agreed(lambda: self._check_run_config(found, meta.get("extra") or {}), True)
                 return load_sharded_checkpoint(found, **states, reseed=reseed)
             info = agreed(lambda: self._load_one(found, states), distributed)
-            if rank != 0:  # load_checkpoint restored rank 0's generators
-                agreed(lambda: load_rank_rng(found, rank, info["step"], reseed=reseed), True)
+
+            def own_rng() -> None:
+                if rank != 0:  # load_checkpoint restored rank 0's generators
+                    load_rank_rng(found, rank, info["step"], reseed=reseed)
+
+            agreed(own_rng, distributed)  # every rank joins: a garbled file stops all
             return info
 
         skipped: list[str] = []

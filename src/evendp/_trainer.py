@@ -47,11 +47,12 @@ from ._distributed import comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
-from ._interrupt import StopFlag
+from ._interrupt import StopFlag, late_signal
 from ._nonfinite import NonFiniteSteps, gradient_norm
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
+from ._run_lock import trainer_lock
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
@@ -670,7 +671,7 @@ class Trainer:
         ``out_dir`` is set) and returns the report so far with ``interrupted=True`` and the
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
-        with StopFlag() as stop:
+        with trainer_lock(self.config.out_dir, self.distributed), StopFlag() as stop:
             self.strategy.stop_source = lambda: stop.signum
             return self._fit(stop)
 
@@ -681,7 +682,8 @@ class Trainer:
             self.resume()
         start_step = state.step
         self.model.train()
-        signum: int | None = None
+        # A signal during start-up (caught by the command line's flag) stops before step one.
+        signum: int | None = self.strategy.agree_stop()
         show = cfg.progress and self.rank == 0
         started = time.perf_counter()
         prepared = Prefetcher(
@@ -716,6 +718,7 @@ class Trainer:
                 raise
             signum = int(signal.SIGINT)
         elapsed = time.perf_counter() - started
+        signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
         if state.step != self._saved_step:  # never a second save of the same step
             self.save()
         report = self._report(state.step - start_step, elapsed, signum)
