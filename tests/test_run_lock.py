@@ -61,9 +61,8 @@ def test_the_processes_a_run_starts_join_its_lock_and_a_resume_waits_for_them(
     # The launcher is gone, its rank still trains: a resume into the folder refuses.
     try:
         time.sleep(0.1)
-        with pytest.raises(RunDirBusy, match="the launcher"):
-            with hold_run_dir(tmp_path):
-                pass
+        with pytest.raises(RunDirBusy, match="the launcher"), hold_run_dir(tmp_path):
+            pass
     finally:
         rank.kill()
         rank.wait()
