@@ -38,9 +38,9 @@ def test_a_live_run_is_named_and_a_dead_ones_lock_is_taken_over(tmp_path: Path) 
     try:
         holder = run_dir_holder(tmp_path)
         assert holder is not None and holder["pid"] == proc.pid
-        with pytest.raises(RunDirBusy, match=rf"in use by a live run: pid {proc.pid} .*--out"):
-            with hold_run_dir(tmp_path):
-                pass
+        busy = rf"in use by a live run: pid {proc.pid} .*--out"
+        with pytest.raises(RunDirBusy, match=busy), hold_run_dir(tmp_path):
+            pass
     finally:
         proc.send_signal(signal.SIGKILL)  # dies holding it: the OS releases the lock
         proc.wait()
