@@ -611,12 +611,14 @@ def save_sharded_checkpoint(
 
     agreed(write, distributed=True)
 
+    failures = _dcp_failures()
+
     def shards() -> None:
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
         except OSError as exc:
             raise _disk_error(target, exc, "write") from None
-        except Exception as exc:  # DCP wraps the ranks' OSErrors in its own exception
+        except failures as exc:  # DCP wraps the ranks' OSErrors in its own exception
             raise _disk_error(target, OSError(0, _first_sentence(str(exc))), "write") from None
         rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
         rng["sha256"] = content_digest(rng)
@@ -687,10 +689,12 @@ def load_sharded_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer)
     agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)
 
+    failures = _dcp_failures()
+
     def shards() -> None:
         try:  # DCP loads in place into these (sharded) tensors, resharding to this world size
             dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
-        except Exception as exc:  # a missing or truncated shard, from any rank's reader
+        except failures as exc:  # a missing or truncated shard, from any rank's reader
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
                 f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {_fix_for(folder)}"
@@ -722,6 +726,12 @@ def load_sharded_checkpoint(
         "extra": dict(meta.get("extra") or {}),
         "world_size": int(meta.get("world_size", 0)),
     }
+
+
+def _dcp_failures() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)  # DCP's is a BaseException, not an Exception
 
 
 def _root_cause(exc: BaseException) -> str:
