@@ -180,7 +180,7 @@ def test_ddp_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
 def test_planner_split_favours_the_device_with_more_memory() -> None:
     import argparse
 
-    from evendp.cli.train import _planner_weights
+    from evendp.cli._train_local import _planner_weights
     from evendp.examples.gpt import GPTConfig
 
     config = GPTConfig(vocab_size=96, block_size=32, n_layer=1, n_head=4, n_embd=32)
@@ -251,7 +251,7 @@ def test_cpu_devices_keep_the_demo_on_the_cpu_on_a_gpu_host(
 def test_declared_memory_allows_a_cuda_context_on_gpus_only() -> None:
     import argparse
 
-    from evendp.cli.train import _planner_weights
+    from evendp.cli._train_local import _planner_weights
     from evendp.examples.gpt import GPTConfig
 
     config = GPTConfig(vocab_size=96, block_size=32, n_layer=1, n_head=4, n_embd=32)

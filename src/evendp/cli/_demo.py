@@ -1,0 +1,245 @@
+"""The demo's checks and budgets in a one-process ``evendp train``.
+
+CPU virtual devices enforce declared memory (``MemoryBudgets``); before training, an even split
+(what ``nn.DataParallel`` runs) is tried on the first batch and the split gradient is compared
+with one device's; after training, each device's measured and planned figures join the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .._errors import EvendpError
+from .._oom import is_oom_error
+
+__all__: list[str] = []
+
+Figures = dict[str, Any]  # DeviceStat fields by name
+
+
+def run_checks(args: argparse.Namespace, trainer: Any, budgets: Any) -> Any:
+    """Before training: the even-split probe (budgeted devices) and the exactness check.
+
+    Returns the probe's per-device ``(even share, measured forward peak, ran out)`` or ``None``;
+    the budgets' peaks are reset afterwards, so the probes are not part of training.
+    """
+    first = _first_batch(trainer)
+    even = _even_split_probe(trainer, budgets, first) if budgets is not None else None
+    if args.amp == "none" and not (args.resume or args.resume_or_start):
+        _print_exactness_check(trainer, first)
+    if budgets is not None:
+        budgets.reset_peaks()
+    return even
+
+
+def with_figures(
+    args: argparse.Namespace,
+    config: Any,
+    devices: list[Any],
+    memory: list[int] | None,
+    budgets: Any,
+    even: Any,
+    planned: Any,
+) -> list[Any]:
+    """The report's ``DeviceStat``s with the budgets, measured peaks and planned peaks added."""
+    figures: list[Figures] = [{} for _ in devices]
+    for i, f in enumerate(figures):
+        if memory is not None:
+            f["budget_bytes"] = memory[i]
+        if budgets is not None:
+            f["forward_peak_bytes"] = budgets.peaks[i]
+        if even is not None:
+            f["even_samples"], f["even_forward_peak_bytes"], f["even_oom"] = even[i]
+    ours = [round(d.samples_per_step) for d in devices]
+    for f, p in zip(figures, _planned_figures(args, config, ours, planned), strict=True):
+        f.update(p)
+    return [replace(d, **f) for d, f in zip(devices, figures, strict=True)]
+
+
+def _planned_figures(
+    args: argparse.Namespace, config: Any, ours: list[int], planned: Any
+) -> list[Figures]:
+    """Planned peaks for our shares and an even split (from the plan when it priced them)."""
+    even_shares = split_even(args.batch, len(ours))
+    if planned is not None and planned.split == ours and planned.even_split == even_shares:
+        return [
+            {
+                "planned_bytes": p.peak,
+                "even_planned_bytes": p.even_peak,
+                "even_samples": p.even_samples,
+            }
+            for p in planned.devices
+        ]
+    if args.no_plan:
+        return [{} for _ in ours]
+    try:
+        mine, theirs = _planned_peaks(config, args, ours)
+    except EvendpError as exc:  # the report is still useful without planned figures
+        print(f"evendp train: planned memory unavailable: {exc}", file=sys.stderr)
+        return [{} for _ in ours]
+    return [
+        {"planned_bytes": a, "even_planned_bytes": b, "even_samples": n}
+        for a, b, n in zip(mine, theirs, even_shares, strict=True)
+    ]
+
+
+def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
+    """Planned forward+backward peak per device, for our shares and for an even split.
+
+    Not ``evendp.plan``: its ``DevicePlan.peak`` is for the planner's own split, and the
+    shares here may come from ``--weights``; ``profile_step`` prices any share (at the full
+    ``block_size``: the longest a padded batch gets).
+    """
+    from .._plan import profile_step
+    from .._split import split_sizes
+    from ..examples.gpt import GPT
+    from ._model_spec import _AMP, gpt_batch
+
+    even = split_sizes(args.batch, [1] * len(ours))
+    sizes = sorted({n for n in [*ours, *even] if n > 0})
+    prof = profile_step(
+        lambda: GPT(config),
+        gpt_batch(config),
+        sizes,
+        amp=_AMP[args.amp],
+        checkpointing=args.checkpointing,
+    )
+    peak = dict(zip(prof["sizes"], prof["peak_bytes"], strict=True))
+    # Device 0 also holds the optimizer state (DP keeps one optimizer, on the home device).
+    extra = [int(prof["optimizer"]) if i == 0 else 0 for i in range(len(ours))]
+    mine = [int(peak.get(n, 0)) + extra[i] for i, n in enumerate(ours)]
+    theirs = [int(peak.get(n, 0)) + extra[i] for i, n in enumerate(even)]
+    return mine, theirs
+
+
+def _first_batch(trainer: Any) -> Any:
+    """The first training batch exactly as ``fit`` will draw it (shuffled, seeded)."""
+    sampler = trainer.sampler
+    sampler.set_epoch(0)
+    indices = list(next(iter(sampler)))
+    return trainer._collate_indices(indices)
+
+
+def _print_exactness_check(trainer: Any, batch: Any) -> None:
+    try:
+        diff, count = _gradient_difference(trainer, batch)
+    except (RuntimeError, ValueError) as exc:
+        if not is_oom_error(exc):
+            raise
+        # The whole batch may not fit one device: that is why it is split.
+        trainer.optimizer.zero_grad(set_to_none=True)
+        print("evendp train: exactness check skipped: the whole batch does not fit one device")
+        return
+    print(
+        f"evendp train: exactness check on the first (shuffled) batch: gradient over the split "
+        f"{trainer.wrapped.last_sizes} vs one device on all {len(batch[0])} samples "
+        f"({count} real characters, padding ignored): relative difference {diff:.1e}",
+        flush=True,
+    )
+
+
+def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
+    """``||g_balanced - g_one|| / ||g_one||`` on a batch: the split must not matter.
+
+    ``g_balanced`` comes through BalancedDataParallel over every device with the run's split
+    and the token counts of each share; ``g_one`` from the model's own loss (the mean over the
+    batch's real characters) on the home device. The gradients are cleared again afterwards,
+    so training starts exactly as it would without the check.
+    """
+    from .._scatter import map_tensors
+    from ..examples.stdlib_text import CodeParagraphs
+
+    home = trainer.wrapped.device_ids[0]
+    batch = map_tensors(batch, lambda t: t.to(home))
+    count = int(CodeParagraphs.count_tokens(batch))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def gradient(loss: Any) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        loss().backward()
+        return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+    # The wrapper returns (sum over every real character) / rows: scale to the token mean.
+    rows = len(batch[0])
+    # A check of the arithmetic, not of memory: the budgets (if any) stay out of it.
+    hook, trainer.wrapped._replica_context = trainer.wrapped._replica_context, None
+    try:
+        balanced = gradient(lambda: trainer.wrapped(*batch) * rows / count)
+    finally:
+        trainer.wrapped._replica_context = hook
+    one_device = gradient(lambda: trainer.model(*batch)[1])
+    for p in params:
+        p.grad = None
+    return float((balanced - one_device).norm() / one_device.norm()), count
+
+
+_BUDGET_NOTE = (
+    "Budgets on CPU virtual devices count each replica's forward allocations (activations "
+    "kept for backward, temporaries, outputs) plus its parameters, and on the first device "
+    "the gradients and optimizer state; backward's transient allocations run in the autograd "
+    "engine's thread and are not counted (measured = forward peak; planned = the planner's "
+    "forward+backward peak)."
+)
+
+
+def split_even(total: int, count: int) -> list[int]:
+    from .._split import split_sizes
+
+    return split_sizes(total, [1] * count)
+
+
+def _fmt(memory: list[int]) -> str:
+    from .._report import format_bytes
+
+    return ",".join(format_bytes(m).replace(" ", "") for m in memory)
+
+
+def _attach_budgets(trainer: Any, memory: list[int]) -> Any:
+    """Make the virtual devices enforce ``memory``: resident bytes read live at every forward."""
+    from .._budget import MemoryBudgets, tensor_bytes
+
+    params = tensor_bytes(list(trainer.model.parameters()))
+
+    def resident(i: int) -> int:
+        if i:  # a replica: its copy of the parameters
+            return params
+        grads = [p.grad for p in trainer.model.parameters()]
+        return params + tensor_bytes(grads) + tensor_bytes(list(trainer.optimizer.state.values()))
+
+    return MemoryBudgets(memory, resident, names=trainer.device_names).attach(trainer.wrapped)
+
+
+def _even_split_probe(trainer: Any, budgets: Any, batch: Any) -> list[tuple[int, int | None, bool]]:
+    """One forward of ``batch`` split evenly, as nn.DataParallel would: does it fit?
+
+    Returns per device ``(even share, measured forward peak, ran out)``; prints the outcome.
+    """
+    from .._scatter import map_tensors
+
+    dp = trainer.wrapped
+    even = split_even(len(batch[0]), len(dp.device_ids))
+    batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
+    budgets.reset_peaks()
+    failed: int | None = None
+    try:
+        with dp.fixed_sizes(even):
+            dp(*batch)
+    except (RuntimeError, ValueError) as exc:
+        if not is_oom_error(exc):
+            raise
+        failed = getattr(exc, "evendp_device_index", None)
+        first_line = str(exc).splitlines()[0]
+        print(
+            f"evendp train: the even split {even} (what nn.DataParallel runs) fails: {first_line}"
+        )
+    else:
+        print(f"evendp train: the even split {even} fits these budgets too")
+    out = [(n, budgets.peaks[i], i == failed) for i, n in enumerate(even)]
+    budgets.reset_peaks()
+    return out

@@ -1,0 +1,317 @@
+"""``evendp train``'s options: their declaration, the checks across them, and what they name.
+
+Parsing here turns the user's text (``--devices``, ``--memory``, ``--weights``) into the
+values both runs use (one process or one per device); torch is imported only where a value
+needs it, so declaring the options costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from .._errors import EvendpError
+from ._args import bounded_float, bounded_int
+
+__all__ = ["add_options"]
+
+_DEFAULT_OUT = "runs/demo"
+_DEFAULT_STEPS = 100
+# The CPU demo's virtual devices: two roomy, one small (the seeds' story).
+_DEMO_MEMORY = "48MiB,48MiB,24MiB"
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """Declare ``evendp train``'s options on its parser ``p``."""
+    p.add_argument(
+        "--steps",
+        type=bounded_int("--steps", 1, 10_000_000, 200),
+        default=_DEFAULT_STEPS,
+        help=f"optimizer steps (default {_DEFAULT_STEPS})",
+    )
+    p.add_argument(
+        "--batch",
+        type=bounded_int("--batch", 1, 1_000_000, 32),
+        default=32,
+        help="global batch per step, in samples (default 32)",
+    )
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="comma-separated devices, repeats are virtual devices, e.g. 'cpu,cpu,cpu' or "
+        "'0,1' (default: all GPUs, else cpu,cpu,cpu with --memory " + _DEMO_MEMORY + ")",
+    )
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="each device's memory, e.g. '48MiB,48MiB,24MiB': the planner splits the batch to "
+        "fit it; on CPU devices it is a budget the device enforces (default: the GPUs' free "
+        "memory; " + _DEMO_MEMORY + " for the CPU demo)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="per-device split weights instead of the planner's split, e.g. '2,1,1'",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("dp", "ddp", "fsdp2"),
+        default="dp",
+        help="dp: one process, BalancedDataParallel; ddp / fsdp2: one process per device under "
+        "torchrun (fsdp2 checkpoints are sharded, in OUT/ckpt.dcp) (default dp)",
+    )
+    p.add_argument(
+        "--amp",
+        choices=("none", "bf16", "fp16"),
+        default="none",
+        help="autocast to bf16 / fp16 (fp16 with loss scaling) (default none: fp32)",
+    )
+    p.add_argument(
+        "--accum",
+        type=bounded_int("--accum", 1, 1024, 2),
+        default=1,
+        help="micro-batches per step (default 1)",
+    )
+    p.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default {_DEFAULT_OUT})")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in OUT (an error when there is none)",
+    )
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="continue from the checkpoint in OUT if there is one, else start fresh",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=bounded_int("--max-restarts", 0, 100, 1),
+        default=0,
+        help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
+        "the last checkpoint (default 0)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=bounded_int("--checkpoint-every", 0, 10_000_000, 50),
+        default=50,
+        help="steps between checkpoints (0: end only) (default 50)",
+    )
+    p.add_argument(
+        "--lr",
+        type=bounded_float("--lr", 0.0, 10.0, "3e-3"),
+        default=3e-3,
+        help="AdamW learning rate (default 3e-3)",
+    )
+    p.add_argument(
+        "--seed",
+        type=bounded_int("--seed", 0, 2**63 - 1, 0),
+        default=0,
+        help="seed of the model's initialization and the batch order (default 0)",
+    )
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument(
+        "--n-layer",
+        type=bounded_int("--n-layer", 1, 64, 3),
+        default=3,
+        help="transformer blocks (default 3)",
+    )
+    p.add_argument(
+        "--n-embd",
+        type=bounded_int("--n-embd", 4, 4096, 64),
+        default=64,
+        help="embedding width, a multiple of 4 (4 heads) (default 64)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=bounded_int("--block-size", 8, 4096, 128),
+        default=128,
+        help="longest sample in characters; longer paragraphs are cut (default 128)",
+    )
+    p.add_argument(
+        "--max-chars",
+        type=bounded_int("--max-chars", 10_000, 100_000_000, 1_000_000),
+        default=1_000_000,
+        help="corpus size in characters (default 1000000)",
+    )
+    p.add_argument(
+        "--log-to",
+        choices=("csv", "tensorboard"),
+        default=None,
+        help="also write one row per step (step, loss) to OUT/metrics.csv or, through "
+        "torch.utils.tensorboard (pip install tensorboard), to OUT/tensorboard",
+    )
+    p.add_argument("--no-plan", action="store_true", help="skip the planned-memory figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _validate_args(args: argparse.Namespace) -> None:
+    """Checks across options (each option's own range is checked by its type)."""
+    if args.n_embd % 4:
+        raise EvendpError(
+            f"--n-embd must be a multiple of 4 (the model has 4 heads), got {args.n_embd}; "
+            "e.g. --n-embd 64"
+        )
+    if args.log_to == "tensorboard":
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise EvendpError(
+                "--log-to tensorboard needs the tensorboard package, which is not installed; "
+                "pip install tensorboard, or use --log-to csv"
+            ) from None
+    if args.max_restarts and args.mode == "dp":
+        raise EvendpError(
+            "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
+        )
+
+
+def _checkpoint_in(args: argparse.Namespace) -> Path:
+    return Path(args.out) / ("ckpt.dcp" if args.mode == "fsdp2" else "ckpt.pt")
+
+
+def _restarted() -> bool:
+    """Whether torchrun restarted this rank after a failure (then it resumes implicitly)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _resume_check(args: argparse.Namespace) -> int | None:
+    """Before any work: an exit code when there is nothing to do, else ``None``.
+
+    ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
+    checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
+    """
+    from evendp._checkpoint import checkpoint_step, latest_checkpoint
+
+    if not (args.resume or args.resume_or_start or _restarted()):
+        return None
+    found = latest_checkpoint(_checkpoint_in(args))
+    if found is None:
+        if args.resume and not args.resume_or_start:
+            raise EvendpError(
+                f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
+                "previous copy); check --out and --mode, or pass --resume-or-start to start "
+                "fresh when there is none"
+            )
+        return None
+    step = checkpoint_step(found)
+    if step >= args.steps:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"evendp train: the checkpoint {str(found)!r} is at step {step}, at or past "
+                f"--steps {args.steps}: nothing to train; raise --steps to continue (nothing "
+                "was changed)",
+                file=sys.stderr,
+            )
+        return 0
+    return None
+
+
+def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
+    """``--devices`` as BalancedDataParallel device ids; GPUs named only where CUDA is
+    (``check_gpus=False``: physical ids for the launcher, which asks NVML itself).
+
+    >>> _parse_devices("cpu, cpu")
+    ['cpu', 'cpu']
+    """
+    if text is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return list(range(torch.cuda.device_count()))
+        return ["cpu", "cpu", "cpu"]
+    out: list[str | int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise EvendpError(f"--devices {text!r} has an empty entry; e.g. --devices cpu,cpu")
+        index = part.removeprefix("cuda:") if part.startswith("cuda:") else part
+        if part == "cpu":
+            out.append("cpu")
+        elif index.isdigit():
+            out.append(_validate_gpu(text, int(index)) if check_gpus else int(index))
+        else:
+            raise EvendpError(
+                f"--devices {text!r}: {part!r} is not a device; write cpu, a GPU index "
+                "(0) or cuda:0, e.g. --devices cpu,cpu,cpu"
+            )
+    return out
+
+
+def _validate_gpu(text: str, index: int) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EvendpError(
+            f"--devices {text!r} names a GPU, but torch sees none here (no CUDA build or no "
+            "driver); train on CPU virtual devices, e.g. --devices cpu,cpu,cpu"
+        )
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise EvendpError(
+            f"--devices {text!r}: GPU {index} does not exist, torch sees {count} "
+            f"(0..{count - 1}); e.g. --devices 0"
+        )
+    return index
+
+
+def _memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | None:
+    """Each device's memory in bytes (``None``: not declared, use weights or free memory)."""
+    from evendp._memory import parse_memory
+
+    text = args.memory
+    if text is None and args.devices is None and args.weights is None and _all_cpu(devices):
+        text = _DEMO_MEMORY  # the default demo: three virtual devices, one small
+    if text is None:
+        return None
+    try:
+        memory = [m.free for m in parse_memory(text)]
+    except EvendpError as exc:
+        raise EvendpError(f"--memory {text!r}: {exc}") from None
+    if len(memory) != len(devices):
+        raise EvendpError(
+            f"--memory {text!r} has {len(memory)} entries for {len(devices)} devices; give "
+            f"one each, e.g. --memory {','.join(['48MiB'] * len(devices))}"
+        )
+    return memory
+
+
+def _all_cpu(devices: list[str | int]) -> bool:
+    return all(str(d).startswith("cpu") for d in devices)
+
+
+def _parse_weights(text: str | None, devices: list[str | int]) -> list[float] | None:
+    if text is None:
+        if devices and all(isinstance(d, int) for d in devices):
+            return _free_memory_weights([int(d) for d in devices])
+        return None
+    return _weights_list(text, len(devices))
+
+
+def _weights_list(text: str, count: int) -> list[float]:
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise EvendpError(f"--weights {text!r} is not a list of numbers; e.g. 2,1,1") from None
+    if len(weights) != count:
+        raise EvendpError(
+            f"--weights has {len(weights)} numbers for {count} devices; give one each"
+        )
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise EvendpError(
+            f"--weights {text!r} must be numbers >= 0, not all 0; e.g. --weights 2,1,1"
+        )
+    return weights
+
+
+def _free_memory_weights(ids: list[int]) -> list[float] | None:
+    # Each GPU's share follows its free memory (another job on a card shrinks its share).
+    import torch
+
+    free = []
+    for i in ids:
+        f, _ = torch.cuda.mem_get_info(i)
+        free.append(float(f))
+    return free if len(set(ids)) == len(ids) else None

@@ -1,0 +1,78 @@
+"""What both ``evendp train`` runs share: the model and its data, the printed report, the
+metrics file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import EvendpError
+
+__all__: list[str] = []
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The model, the variable-length training paragraphs and the GPT config."""
+    from ..examples.gpt import GPT, GPTConfig
+    from ..examples.stdlib_text import stdlib_paragraphs
+
+    train, _val, vocab = stdlib_paragraphs(block_size=args.block_size, max_chars=args.max_chars)
+    if args.batch > len(train):
+        raise EvendpError(
+            f"--batch {args.batch} is more than the {len(train)} paragraphs in "
+            f"--max-chars {args.max_chars}; lower --batch or raise --max-chars"
+        )
+    config = GPTConfig(
+        vocab_size=vocab.size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=4,
+        n_embd=args.n_embd,
+    )
+    torch.manual_seed(args.seed)
+    return GPT(config), train, config
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return (
+        f"char GPT {args.n_layer}x{args.n_embd} on stdlib paragraphs (<= {args.block_size} "
+        "chars, padded)"
+    )
+
+
+def _print_report(report: Any, paths: dict[str, Path]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # a log file or pipe: wide enough for every column
+        console = Console(width=130)
+    console.print(report.table())
+    console.print(report.summary())
+    console.print("report: " + ", ".join(str(p) for p in paths.values()))
+
+
+def _log_metrics(report: Any, args: argparse.Namespace) -> Path:
+    """One row per step (step, loss) to OUT/metrics.csv or a TensorBoard event file."""
+    out = Path(args.out)
+    start = report.steps - len(report.losses) + 1
+    if args.log_to == "csv":
+        import csv
+
+        path = out / "metrics.csv"
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "loss"])
+            for step, loss in enumerate(report.losses, start):
+                writer.writerow([step, loss])
+        return path
+    from torch.utils.tensorboard import SummaryWriter
+
+    path = out / "tensorboard"
+    board = SummaryWriter(str(path))
+    for step, loss in enumerate(report.losses, start):
+        board.add_scalar("train/loss", loss, step)
+    board.close()
+    return path

@@ -1,0 +1,170 @@
+"""``evendp train --mode ddp|fsdp2``: one process per device under torchrun.
+
+The parent plans the launch (``evendp launch``'s planning) and starts torchrun with
+``cli/train.py`` as every rank's script; each rank trains its share and rank 0 writes the
+report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import EvendpError
+from ._train_args import _parse_devices, _restarted, _weights_list
+from ._train_common import _build, _model_name, _print_report
+
+__all__ = ["launch_ranks", "run_rank"]
+
+_INTERRUPTED = ".interrupted"  # in OUT: rank 0 leaves the signal's number for the launcher
+
+
+def launch_ranks(args: argparse.Namespace) -> int:
+    from .._interrupt import exit_code
+    from .._launch import launch, plan_launch
+
+    gpus, cpu = _ddp_devices(args.devices)
+    nproc: int | str
+    if args.devices is not None:
+        nproc = len(gpus) if gpus else len(args.devices.split(","))
+    else:
+        nproc = "auto" if torch.cuda.is_available() else 2
+    # cpu entries: CPU ranks (gloo) even on a GPU machine; NVML is not asked at all.
+    where: dict[str, Any] = {"gpu_ids": gpus, "nvml": False} if cpu else {"gpu_ids": gpus}
+    if args.weights is not None:  # uneven ranks: the weights fix every rank's batch size
+        from .._split import split_sizes
+
+        if nproc == "auto":
+            raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
+        weights = _weights_list(args.weights, int(nproc))
+        plan = plan_launch(nproc=nproc, batch_sizes=split_sizes(args.batch, weights), **where)
+    else:
+        plan = plan_launch(nproc=nproc, batch=args.batch, **where)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    argv = [
+        "--mode", args.mode, "--steps", str(args.steps), "--batch", str(args.batch),
+        "--amp", args.amp, "--accum", str(args.accum), "--out", args.out,
+        "--checkpoint-every", str(args.checkpoint_every), "--lr", str(args.lr),
+        "--seed", str(args.seed), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+        "--block-size", str(args.block_size), "--max-chars", str(args.max_chars),
+    ]  # fmt: skip
+    argv += [flag for flag, on in (("--resume", args.resume), ("--resume-or-start",
+             args.resume_or_start), ("--checkpointing", args.checkpointing),
+             ("--no-progress", args.no_progress)) if on]  # fmt: skip
+    if cpu:  # the ranks must not pick up the GPUs they can see
+        argv += ["--devices", args.devices]
+    marker = Path(args.out) / _INTERRUPTED
+    marker.unlink(missing_ok=True)
+    # torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
+    # rendezvous (what --standalone uses): each restart is a fresh rendezvous round.
+    restarts: dict[str, Any] = {}
+    if args.max_restarts:
+        from .._launch import _free_port
+
+        endpoint = f"127.0.0.1:{_free_port()}"
+        restarts["passthrough"] = {
+            "max_restarts": args.max_restarts,
+            "rdzv_backend": "c10d",
+            "rdzv_endpoint": endpoint,
+        }
+    code = launch(str(Path(__file__).with_name("train.py").resolve()), argv, plan=plan, **restarts)
+    if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
+        code = exit_code(int(marker.read_text() or 0))
+        marker.unlink(missing_ok=True)
+    return code
+
+
+def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
+    """``--devices`` under ``--mode ddp``: (physical GPU indices or None, CPU ranks?).
+
+    >>> _ddp_devices("2,3"), _ddp_devices("cuda:1"), _ddp_devices("cpu,cpu"), _ddp_devices(None)
+    (([2, 3], False), ([1], False), (None, True), (None, False))
+    """
+    if text is None:
+        return None, False
+    entries = _parse_devices(text, check_gpus=False)
+    if all(str(d).startswith("cpu") for d in entries):
+        return None, True
+    gpus = []
+    for d in entries:
+        index = d if isinstance(d, int) else str(d).removeprefix("cuda:")
+        if isinstance(index, str) and not index.isdigit():
+            raise EvendpError(
+                f"--devices {text!r} mixes or misnames devices for --mode ddp; give GPU "
+                "indices (e.g. 0,1 or cuda:0,cuda:1), one per rank, or cpu,cpu for CPU ranks"
+            )
+        gpus.append(int(index))
+    return gpus, False
+
+
+def _restart_store() -> dict[str, Any]:
+    """Under torchrun's agent store: a key prefix of this restart round's own.
+
+    The agent's store outlives the workers; without a prefix per round, a restarted rank can
+    read the dead round's gloo addresses and wait forever in ``init_process_group``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(minutes=10),
+    )  # fmt: skip
+    round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"evendp/round{round_}", agent),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from .._distributed import finish_distributed, init_distributed
+    from .._report import write_report
+    from .._sampler import batch_sizes_from_env
+    from .._split import split_sizes
+    from .._trainer import TrainConfig, Trainer
+
+    cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
+    device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
+    # No teardown on an error: the failed rank would wait forever in finish_distributed's
+    # barrier, and torchrun stops every rank once one fails.
+    world = dist.get_world_size()
+    sizes = batch_sizes_from_env(world, default=split_sizes(args.batch, [1] * world))
+    model, data, _config = _build(args)
+    model = model.to(device)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
+        lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
+        strategy="fsdp2" if args.mode == "fsdp2" else "ddp", out_dir=args.out,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    from ..examples.stdlib_text import CodeParagraphs
+
+    # Each rank pads its own share to its longest paragraph: assigning the step's paragraphs
+    # to ranks by length (costs=) cuts the padding and evens the ranks' work, with the same
+    # samples per step and the same token-exact gradient (docs/balancing.md).
+    trainer = Trainer(model, data, cfg, count_fn=CodeParagraphs.count_tokens, costs=data.lengths)
+    report = trainer.fit()
+    report.model = _model_name(args)
+    rank = dist.get_rank()
+    finish_distributed()
+    if rank == 0:
+        _print_report(report, write_report(report, args.out))
+        if report.interrupted:
+            (Path(args.out) / _INTERRUPTED).write_text(str(report.signal))
+    # Exit 0 after a clean stop: a failure code would make torchrun restart the group
+    # (--max-restarts); the launcher turns the marker into 130/143.
+    return 0

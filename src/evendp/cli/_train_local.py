@@ -1,0 +1,137 @@
+"""``evendp train --mode dp``: one process, ``BalancedDataParallel`` over the devices."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from .._errors import EvendpError
+from ._demo import _BUDGET_NOTE, _attach_budgets, _fmt, run_checks, with_figures
+from ._train_args import _DEMO_MEMORY, _all_cpu, _memory, _parse_devices, _parse_weights
+from ._train_common import _build, _log_metrics, _model_name, _print_report
+
+__all__ = ["run_local"]
+
+
+def run_local(args: argparse.Namespace) -> int:
+    """Train in this process and write the report; the exit code (130/143 after a signal)."""
+    from .._interrupt import exit_code
+    from .._report import write_report
+
+    devices = _parse_devices(args.devices)
+    memory = _memory(args, devices)
+    weights = _parse_weights(args.weights, devices)
+    _share_cpu_threads(devices)
+    model, data, config = _build(args)
+    planned, weights = _split(args, config, devices, memory, weights)
+    trainer = _trainer(args, model, data, devices, weights)
+    budgets = _attach_budgets(trainer, memory) if memory is not None and _all_cpu(devices) else None
+    _print_start(args, trainer, devices, memory)
+    even = run_checks(args, trainer, budgets)
+    report = trainer.fit()
+    report.model = _model_name(args)
+    report.devices = with_figures(args, config, report.devices, memory, budgets, even, planned)
+    paths = write_report(report, args.out)
+    if args.log_to is not None:
+        paths["metrics"] = _log_metrics(report, args)
+    _print_report(report, paths)
+    if budgets is not None:
+        print(_BUDGET_NOTE)
+    return exit_code(report.signal)
+
+
+def _share_cpu_threads(devices: list[str | int]) -> None:
+    if _all_cpu(devices) and len(devices) > 1:
+        # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+
+
+def _split(
+    args: argparse.Namespace,
+    config: Any,
+    devices: list[str | int],
+    memory: list[int] | None,
+    weights: list[float] | None,
+) -> tuple[Any, list[float] | None]:
+    """(the plan when the planner chose the split, else ``None``; the split weights)."""
+    if args.weights is None and memory is not None:
+        # The split that fits the memory; a CPU has no CUDA context to allow for.
+        planned = _planner_weights(config, args, memory, cpu=_all_cpu(devices))
+        return planned, [float(n) for n in planned.split]
+    on_gpus = all(isinstance(d, int) for d in devices)
+    if args.devices is None and args.weights is None and len(devices) > 1 and on_gpus:
+        # All GPUs, no weights given: the planner's split (device 0 also holds the optimizer
+        # and the gathered outputs), else free memory when the planner cannot place the batch.
+        try:
+            return None, [float(n) for n in _planner_weights(config, args).split]
+        except EvendpError as exc:
+            print(f"evendp train: planner split unavailable ({exc}); using free memory")
+    return None, weights
+
+
+def _trainer(
+    args: argparse.Namespace,
+    model: Any,
+    data: Any,
+    devices: list[str | int],
+    weights: list[float] | None,
+) -> Any:
+    from .._trainer import TrainConfig, Trainer
+    from ..examples.stdlib_text import CodeParagraphs
+
+    home = devices[0]
+    model = model.to(torch.device("cuda", home) if isinstance(home, int) else torch.device(home))
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
+        activation_checkpointing=args.checkpointing, out_dir=args.out,
+        checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
+        seed=args.seed, progress=not args.no_progress,
+    )  # fmt: skip
+    return Trainer(
+        model, data, cfg, device_ids=list(devices), weights=weights,
+        count_fn=CodeParagraphs.count_tokens,
+    )  # fmt: skip
+
+
+def _print_start(
+    args: argparse.Namespace, trainer: Any, devices: list[str | int], memory: list[int] | None
+) -> None:
+    dp: Any = trainer.wrapped  # BalancedDataParallel in one process
+    print(
+        f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
+        f"{args.batch}, samples per device per step {dp.split(args.batch)}"
+        + ("" if memory is None else " (the planner's split for --memory " + _fmt(memory) + ")"),
+        flush=True,
+    )
+
+
+def _planner_weights(
+    config: Any, args: argparse.Namespace, spec: str | list[int] | None = None, cpu: bool = False
+) -> Any:
+    """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs).
+
+    Declared memory on CPU devices gets no CUDA-context allowance: a CPU has no CUDA context.
+    """
+    from .._errors import PlanError
+    from .._plan import plan
+    from ..examples.gpt import GPT
+    from ._model_spec import _AMP, gpt_batch
+
+    options: dict[str, Any] = {"cuda_context": 0} if cpu else {}
+    try:
+        p = plan(
+            lambda: GPT(config), gpt_batch(config), spec, mode="dp", batch_size=args.batch,
+            amp=_AMP[args.amp], checkpointing=args.checkpointing, **options,
+        )  # fmt: skip
+    except PlanError as exc:
+        if not isinstance(spec, list):
+            raise
+        raise EvendpError(
+            f"--batch {args.batch} does not fit --memory {args.memory or _DEMO_MEMORY} ({exc}); "
+            "lower --batch, shrink the model (--n-layer, --n-embd, --block-size) or raise "
+            "--memory"
+        ) from None
+    return p
