@@ -80,11 +80,11 @@ class StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in _SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-                outer = getattr(self._previous[sig], "__self__", None)
-                if isinstance(outer, StopFlag) and self.signum is None:
+                pending = getattr(getattr(self._previous[sig], "__self__", None), "signum", None)
+                if self.signum is None and isinstance(pending, int):
                     # A signal during start-up, caught by the command line's flag: this run
                     # stops at its first step boundary instead of never hearing of it.
-                    self.signum = outer.signum
+                    self.signum = pending
             self.active = True
         return self
 

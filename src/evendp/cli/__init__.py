@@ -50,7 +50,24 @@ def build_parser() -> CleanParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``evendp`` command; returns the exit code (2 for bad input)."""
+    """Run the ``evendp`` command; returns the exit code (2 for bad input, 130/143 after a
+    signal).
+
+    SIGINT/SIGTERM are caught from the start: one arriving while the command starts up is
+    kept, and a training run stops at its first step boundary, saved, never a traceback.
+    """
+    from .._interrupt import StopFlag, exit_code
+
+    try:
+        with StopFlag():
+            code = _main(argv)
+    except KeyboardInterrupt:  # a second Ctrl-C: the user will not wait
+        print("evendp: interrupted (SIGINT twice)", file=sys.stderr)
+        return exit_code(2)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from .._errors import EvendpError
 
     parser = build_parser()
@@ -61,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
     try:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
