@@ -140,6 +140,24 @@ def _break(folder: Path, fault: str) -> None:
         (folder / ".metadata").unlink()
 
 
+def _fill(path: Path) -> None:
+    """Write zeros until the disk is full."""
+    with path.open("wb") as f:
+        try:
+            while True:
+                f.write(bytes(64 * 1024))
+                f.flush()
+        except OSError:
+            pass
+    with path.open("ab") as f:  # the last partial block too
+        try:
+            while True:
+                f.write(b"0")
+                f.flush()
+        except OSError:
+            pass
+
+
 def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, Any]:
     """Every fault one line, the same on both ranks, the previous checkpoint used or intact."""
     results: dict[str, Any] = {}
@@ -171,11 +189,17 @@ def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, 
     if (disk / "mounted").exists():
         for mode in ("ddp", "fsdp2"):
             where = disk / mode
-            run = partial(_resume, _gpt(0.0), where, 6, mode, checkpoint_every=1)
+            _resume(_gpt(0.0), where, 2, mode, checkpoint_every=1)  # two good checkpoints
+            dist.barrier()
+            if rank == 0:
+                _fill(disk / "filler")  # the disk is full from now on
+            dist.barrier()
+            run = partial(_resume, _gpt(0.0), where, 4, mode, checkpoint_every=1)
             results[f"disk_{mode}"] = _outcome(run)
             dist.barrier()
             if rank == 0:
                 results[f"disk_{mode}_files"] = sorted(p.name for p in where.iterdir())
+                (disk / "filler").unlink()
                 shutil.rmtree(where, ignore_errors=True)
             dist.barrier()
     return results

@@ -276,7 +276,12 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
     """Write ``payload`` to ``target`` through a temporary file and a rename.
 
     The file already at ``target`` is first moved to ``previous`` (unless ``None``).
+    Temporary files of ``target`` left by a process killed mid-save are removed first: one
+    writer per run directory (:mod:`evendp._run_lock`) means nobody else is writing them.
     """
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
     try:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as exc:
@@ -619,7 +624,10 @@ def save_sharded_checkpoint(
         except OSError as exc:
             raise _disk_error(target, exc, "write") from None
         except failures as exc:  # DCP wraps the ranks' OSErrors in its own exception
-            raise _disk_error(target, OSError(0, _first_sentence(str(exc))), "write") from None
+            cause = _dcp_cause(exc)
+            if not isinstance(cause, OSError):
+                cause = OSError(0, _first_sentence(str(cause)))
+            raise _disk_error(target, cause, "write") from None
         rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
         rng["sha256"] = content_digest(rng)
         _atomic_save(rng, _rng_file(tmp, rank), previous=None)
@@ -732,6 +740,17 @@ def _dcp_failures() -> tuple[type[BaseException], ...]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)  # DCP's is a BaseException, not an Exception
+
+
+def _dcp_cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's ``CheckpointException`` (an OSError if any)."""
+    found: list[BaseException] = []
+    for pair in getattr(exc, "failures", {}).values():
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        while inner is not None:
+            found.append(inner)
+            inner = inner.__cause__ or inner.__context__
+    return next((e for e in found if isinstance(e, OSError)), found[0] if found else exc)
 
 
 def _root_cause(exc: BaseException) -> str:

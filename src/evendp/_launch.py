@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import socket
 import sys
 import tempfile
@@ -424,7 +423,7 @@ def launch(
     cmd = torchrun_command(plan, script, script_args, passthrough)
     with contextlib.ExitStack() as stack:
         if run_dir is not None:
-            lock = stack.enter_context(hold_run_dir(run_dir, command=shlex.join(sys.argv)))
+            lock = stack.enter_context(hold_run_dir(run_dir))
             child_env.update(lock_env(lock))
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="evendp-outcome-"))
         outcome = Path(folder) / "outcome.json"

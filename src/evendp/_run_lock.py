@@ -160,13 +160,22 @@ def _take(fd: int, path: Path, folder: str, command: str | None) -> None:
         "folder": folder,
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "command": command or " ".join(sys.argv),
+        "command": command or _this_command(),
         "since": time.time(),
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
     # Shared from now on: the ranks this run starts join it; a new exclusive taker cannot.
     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
+def _this_command() -> str:
+    """This process's command line as typed (``evendp ...`` for the command line)."""
+    import shlex
+
+    first = Path(sys.argv[0]).name
+    program = "evendp" if first in ("__main__.py", "evendp") else sys.argv[0]
+    return shlex.join([program, *sys.argv[1:]])
 
 
 def _join(fd: int, path: Path, folder: str) -> None:
