@@ -120,6 +120,8 @@ def run_case(
     else:
         if proc.returncode != 0 or saved != STEPS:
             problems.append(f"not interrupted, yet exit {proc.returncode} at step {saved}")
+        if phase != "end":  # long before the last step: the signal must stop the run
+            problems.append("the signal was lost: the run trained to the end")
     if report is not None and not (saved == rng1 == report["steps"]):
         problems.append(f"checkpoint {saved}, rank 1 RNG {rng1}, report {report['steps']}")
     if "Traceback" in output:

@@ -35,6 +35,13 @@ __all__ = [
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def _pending(handler: Any) -> int | None:
+    """The signal a previous stop handler (a :class:`StopFlag`'s, or the rank script's early
+    one) has caught and nobody acted on yet."""
+    signum = getattr(getattr(handler, "__self__", None), "signum", None)
+    return signum if isinstance(signum, int) else None
+
+
 def exit_code(signum: int | None) -> int:
     """The shell's exit code for a run stopped by ``signum`` (0 when none).
 
@@ -80,8 +87,8 @@ class StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in _SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-                pending = getattr(getattr(self._previous[sig], "__self__", None), "signum", None)
-                if self.signum is None and isinstance(pending, int):
+                pending = _pending(self._previous[sig])
+                if self.signum is None and pending is not None:
                     # A signal during start-up, caught by the command line's flag: this run
                     # stops at its first step boundary instead of never hearing of it.
                     self.signum = pending
@@ -163,6 +170,9 @@ def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     main = threading.current_thread() is threading.main_thread()
     catch = (*_SIGNALS, signal.SIGHUP)
     previous = {sig: signal.signal(sig, record) for sig in catch} if main else {}
+    pending = _pending(previous.get(signal.SIGINT))
+    if pending is not None:  # came while this command started up: pass it on now
+        received.append(pending)
     try:
         code = _wait_forwarding(process, received)
     finally:
