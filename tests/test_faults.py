@@ -141,21 +141,17 @@ def _break(folder: Path, fault: str) -> None:
 
 
 def _fill(path: Path) -> None:
-    """Write zeros until the disk is full."""
-    with path.open("wb") as f:
-        try:
-            while True:
-                f.write(bytes(64 * 1024))
-                f.flush()
-        except OSError:
-            pass
-    with path.open("ab") as f:  # the last partial block too
-        try:
-            while True:
-                f.write(b"0")
-                f.flush()
-        except OSError:
-            pass
+    """Write zeros until the disk is full (unbuffered: nothing left to flush at close)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (64 * 1024, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(chunk))
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, Any]:
@@ -239,8 +235,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = tmp_path_factory.mktemp("faults") / "pair"
     disk = out / "disk"
     disk.mkdir(parents=True)
-    # A real full disk: a 400 KiB tmpfs holds one checkpoint of the tiny GPT, not two.
-    mount = ["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(disk)]
+    # A real full disk: a small tmpfs, filled up by the workers between two saves.
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
     mounted = subprocess.run(mount, capture_output=True).returncode == 0
     if mounted:
         (disk / "mounted").touch()
