@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from evendp._interrupt import _children
 from tests.cli.test_train_faults import EVERY, STEPS, _start, _step, _workers
 
 TARGETS = [
@@ -54,8 +55,16 @@ def _until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
 
 def _aim(out: Path, proc, target: str, phase: str, moment: float) -> int | None:  # type: ignore[no-untyped-def]
     """Wait for the phase and the seeded moment in it; the target's pid (None: gone)."""
-    if phase == "startup":  # from the launch on: torchrun and the ranks are starting
-        _until(lambda: target == "launcher" or len(_workers(out)) == 2, 60)
+    if phase == "startup":  # torchrun and the ranks are starting
+        # The launcher from the moment it has started torchrun (before, it is importing
+        # torch and has no handler yet: a SIGTERM then ends it by the signal, nothing written);
+        # a rank from the moment it exists (it catches signals before importing torch).
+        def started() -> bool:
+            if target == "launcher":
+                return bool(_children(proc.pid))
+            return len(_workers(out)) == 2
+
+        _until(started, 60)
         time.sleep(moment / 3)
     elif phase == "mid":
         _until(lambda: (_step(out / "ckpt.pt") or 0) >= EVERY, 300)
