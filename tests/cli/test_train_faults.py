@@ -272,3 +272,26 @@ def test_a_garbled_checkpoint_resumes_from_the_previous_one_another_batch_is_ref
     code = main([*args, "--steps", "8", "--resume", "--batch", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "global batch of 4, this run has 2" in err and "--batch 4" in err
+
+
+def test_ctrl_c_in_one_process_prints_the_command_that_resumes(tmp_path: Path) -> None:
+    import shlex
+
+    argv = ["train", "--steps", "400", "--checkpoint-every", "2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evendp", *argv, *SMALL_DP],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    _wait_for(lambda: (_step(tmp_path / "ckpt.pt") or 0) >= 2, 300, "a checkpoint")
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in output, output[-2000:]
+    line = next(x for x in output.splitlines() if "resume with: " in x)
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[:2] == ["evendp", "train"] and command[-1] == "--resume"
+    assert json.loads((tmp_path / "report.json").read_text())["interrupted"] is True
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    resumed = main(
+        [*command[1:-1], "--steps", str((_step(tmp_path / "ckpt.pt") or 0) + 2), "--resume"]
+    )
+    assert resumed == 0
