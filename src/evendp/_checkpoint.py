@@ -125,9 +125,10 @@ def checkpoint_step(path: str | Path) -> int:
     return int(payload["step"])
 
 
-def resumable_checkpoint(path: str | Path) -> tuple[Path, int] | None:
-    """The checkpoint a resume will use and its step: ``path`` when it reads back whole, else
-    its previous copy (``None``: neither exists). The error of the last one when none reads.
+def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
+    """The checkpoint a resume will use, its step and its ``extra`` (the run's configuration
+    among it): ``path`` when it reads back whole, else its previous copy (``None``: neither
+    exists). The error of the last one when none reads.
 
     >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
     True
@@ -136,7 +137,8 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int] | None:
     candidates = [c for c in (p, previous_path(p)) if c.exists()]
     for candidate in candidates:
         try:
-            return candidate, checkpoint_step(candidate)
+            payload = _read_state_file(candidate) if candidate.is_dir() else _read(candidate)
+            return candidate, int(payload["step"]), dict(payload.get("extra") or {})
         except CorruptCheckpoint:
             if candidate == candidates[-1]:
                 raise

@@ -197,7 +197,16 @@ def _resume_check(args: argparse.Namespace) -> int | None:
                 "fresh when there is none"
             )
         return None
-    found, step = resumable
+    found, step, extra = resumable
+    saved_batch = extra.get("global_batch")
+    if saved_batch is not None and int(saved_batch) != args.batch:  # refused before any work
+        from evendp._errors import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint {str(found)!r} was trained with a global batch of {saved_batch}, this "
+            f"run has {args.batch}: resuming would change the order of the remaining samples; "
+            f"resume with --batch {saved_batch}, or start fresh with another --out"
+        )
     if step >= args.steps:
         if os.environ.get("RANK", "0") == "0":
             print(
