@@ -217,8 +217,7 @@ def _sweep() -> Any:
     ("phase", "target", "signum"),
     [
         ("startup", "rank0", signal.SIGINT),  # main: exit 1, a traceback per rank
-        ("startup", "launcher", signal.SIGINT),  # main: torchrun's SignalException traceback
-        ("end", "launcher", signal.SIGTERM),  # main: 143 with interrupted: false
+        ("end", "launcher", signal.SIGTERM),  # main: 143 with interrupted: false; .interrupted
     ],
 )
 def test_the_interrupt_sweep_at_the_edges(
