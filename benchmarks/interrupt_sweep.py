@@ -150,7 +150,11 @@ def run_case(
         if worst > 1e-5:
             problems.append(f"weights differ (relative {worst:.1e})")
     status = "ok" if not problems else "FAIL: " + "; ".join(problems)
-    how = "interrupted" if report and report["interrupted"] else "finished"
+    how = (
+        "no step done, stopped"
+        if report is None
+        else ("interrupted" if report["interrupted"] else "finished")
+    )
     return not problems, f"{how} at step {saved}, all exited {took:.1f} s after it: {status}"
 
 
