@@ -223,7 +223,9 @@ class TrainState:
                 break
             except CorruptCheckpoint as exc:  # a mismatch with the run falls through: exit 2
                 if found == candidates[-1]:
-                    raise CorruptCheckpoint(" and ".join([*skipped, str(exc)])) from None
+                    last = str(exc)
+                    said = [x for x in skipped if not last.startswith(x)]  # each fault once
+                    raise CorruptCheckpoint(" and ".join([*said, last])) from None
                 skipped.append(str(exc).split(";")[0])
         self._latest_bad = found != path
         extra = info["extra"]
