@@ -94,8 +94,11 @@ def launch_ranks(args: argparse.Namespace) -> int:
             "rdzv_endpoint": endpoint,
         }
     script = str(Path(__file__).with_name("train.py").resolve())
-    # The run holds --out for its life (the ranks join); rank 0 leaves the exit code.
-    code = launch(script, argv, plan=plan, run_dir=args.out, **restarts)
+    from .._run_lock import child_env, hold_run_dir
+
+    with hold_run_dir(args.out) as lock:  # held for the run's life; the ranks join it
+        plan.env.update(child_env(lock))
+        code = launch(script, argv, plan=plan, **restarts)  # rank 0 leaves the exit code
     return say_how_to_resume(code, args.argv)
 
 
