@@ -57,10 +57,12 @@ from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
 from ._exact import mean_scale
-from ._interrupt import StopFlag
+from ._interrupt import StopFlag, late_signal
+from ._nonfinite import NonFiniteSteps, gradient_norm
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
+from ._run_lock import trainer_lock
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._step_cost import StepWeight, display_due, sample_counts
@@ -73,7 +75,7 @@ from ._train_inputs import (
     warn_unused_batch_sizes,
 )
 from ._train_state import TrainState
-from ._validate import validate_count
+from ._validate import validate_count, validate_int
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -117,11 +119,17 @@ class TrainConfig:
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
     balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
+    # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
         validate_config(self)  # every field, at construction (evendp._train_inputs)
         validate_balance(self.balance)
         validate_batch_sizes_option(self.batch_sizes)
+        validate_int(
+            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=1,
+            example="max_nonfinite_steps=3",
+        )  # fmt: skip
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -402,6 +410,12 @@ class Trainer:
         self._prefetch = inline_for_balance(self.balancer, config.prefetch, self._prefetch)
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
+        # What a resume must match: the same global batch keeps the remaining sample order.
+        global_batch = sum(self.sampler.batch_sizes) if self.distributed else config.batch_size
+        self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
+        out = config.out_dir
+        where = "" if out is None else f"; the last good checkpoint is in {out}"
+        self._nonfinite = NonFiniteSteps(config.max_nonfinite_steps, where)
         self._local = self.strategy.losses_local
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
@@ -651,14 +665,20 @@ class Trainer:
         if total is None:
             return None
         strategy.reduce_gradients()
-        self._optimizer_step()
+        if not self._optimizer_step():  # a NaN/inf gradient: skipped, as GradScaler does
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.skipped += 1
+            return None
         return total / self.world  # DDP/FSDP2: this rank's part of the mean (losses_local)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> bool:
+        """Clip and step; ``False`` (nothing updated) when the gradient is not finite."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
-        if self.config.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        norm = gradient_norm(self.model, self.config.grad_clip)
+        # GradScaler has its own policy for inf gradients (it lowers the scale and skips).
+        if self.scaler is None and not self._nonfinite.ok(norm, self.state.step + 1):
+            return False
         stepped = True
         if self.scaler is None:
             self.optimizer.step()
@@ -671,6 +691,7 @@ class Trainer:
             stepped = self.scaler.get_scale() >= scale
         if self.scheduler is not None and stepped:
             self.scheduler.step()
+        return True
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -701,7 +722,7 @@ class Trainer:
         ``out_dir`` is set) and returns the report so far with ``interrupted=True`` and the
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
-        with StopFlag() as stop:
+        with trainer_lock(self.config.out_dir, self.distributed), StopFlag() as stop:
             self.strategy.stop_source = lambda: stop.signum
             return self._fit(stop)
 
@@ -712,7 +733,8 @@ class Trainer:
             self.resume()
         start_step = state.step
         self.model.train()
-        signum: int | None = None
+        # A signal during start-up (caught by the command line's flag) stops before step one.
+        signum: int | None = self.strategy.agree_stop()
         show = cfg.progress and self.rank == 0
         shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()
@@ -760,6 +782,7 @@ class Trainer:
                 raise
             signum = int(signal.SIGINT)
         elapsed = time.perf_counter() - started
+        signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
         if state.step != self._saved_step:  # never a second save of the same step
             self.save()
         report = self._report(state.step - start_step, elapsed, signum)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ._args import CleanParser
 
@@ -50,8 +51,27 @@ def build_parser() -> CleanParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``evendp`` command; returns the exit code (2 for bad input)."""
+    """Run the ``evendp`` command; returns the exit code (2 for bad input, 130/143 after a
+    signal).
+
+    For ``train`` and ``launch``, SIGINT/SIGTERM are caught from the start: one arriving
+    while the command starts up is kept, and the run stops at its first step boundary, saved,
+    never with a traceback. The other commands keep the usual Ctrl-C.
+    """
+    from .._interrupt import StopFlag, exit_code
+
+    early = StopFlag()
+    try:
+        with early:
+            return _main(argv, early)
+    except KeyboardInterrupt:  # a second Ctrl-C, or Ctrl-C in another command
+        print("evendp: interrupted", file=sys.stderr)
+        return exit_code(2)
+
+
+def _main(argv: Sequence[str] | None, early: Any) -> int:
     from .._errors import EvendpError
+    from .._interrupt import exit_code
 
     parser = build_parser()
     try:
@@ -61,12 +81,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    if args.command not in _KEEP_SIGNALS:  # no run to stop cleanly: the usual Ctrl-C
+        early.__exit__(None, None, None)
+        if early.signum is not None:
+            return exit_code(early.signum)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
     try:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
         print(f"evendp {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code  # 2 for bad input, 1 for a fault while training
     return code
+
+
+# The commands that run training (or launch it): a signal stops them at a step boundary.
+_KEEP_SIGNALS = ("train", "launch")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -195,12 +195,13 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
     checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
     """
-    from evendp._checkpoint import checkpoint_step, latest_checkpoint
+    from evendp._checkpoint import resumable_checkpoint
 
     if not (args.resume or args.resume_or_start or _restarted()):
         return None
-    found = latest_checkpoint(_checkpoint_in(args))
-    if found is None:
+    # The checkpoint the resume will take: a corrupt latest one falls back to the previous.
+    resumable = resumable_checkpoint(_checkpoint_in(args))
+    if resumable is None:
         if args.resume and not args.resume_or_start:
             raise EvendpError(
                 f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
@@ -208,7 +209,16 @@ def _resume_check(args: argparse.Namespace) -> int | None:
                 "fresh when there is none"
             )
         return None
-    step = checkpoint_step(found)
+    found, step, extra = resumable
+    saved_batch = extra.get("global_batch")
+    if saved_batch is not None and int(saved_batch) != args.batch:  # refused before any work
+        from evendp._errors import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint {str(found)!r} was trained with a global batch of {saved_batch}, this "
+            f"run has {args.batch}: resuming would change the order of the remaining samples; "
+            f"resume with --batch {saved_batch}, or start fresh with another --out"
+        )
     if step >= args.steps:
         if os.environ.get("RANK", "0") == "0":
             print(

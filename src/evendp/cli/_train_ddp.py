@@ -21,11 +21,34 @@ from ._train_common import _build, _model_name, _print_report
 
 __all__ = ["launch_ranks", "run_rank"]
 
-_INTERRUPTED = ".interrupted"  # in OUT: rank 0 leaves the signal's number for the launcher
+
+def report_error(exc: EvendpError) -> int:
+    """One line for ``exc``: under torchrun only rank 0 prints it and leaves its exit code for
+    the launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
+    would fail again); elsewhere it is printed and its exit code returned."""
+    from .._launch import ENV_OUTCOME, write_outcome
+
+    rank = os.environ.get("RANK")
+    if rank is None or not os.environ.get(ENV_OUTCOME):
+        print(f"evendp train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if rank == "0":
+        print(f"evendp train: error: {exc}", file=sys.stderr, flush=True)
+        write_outcome(exc.exit_code, message=str(exc))
+    return 0
+
+
+def say_how_to_resume(code: int, argv: list[str] | None = None) -> int:
+    """After a run stopped by a signal: one line with the exact command that continues it."""
+    from .._interrupt import resume_command
+
+    if code in (130, 143):
+        command = resume_command(argv if argv is not None else sys.argv[1:])
+        print(f"evendp train: stopped and saved; resume with: {command}", file=sys.stderr)
+    return code
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
-    from .._interrupt import exit_code
     from .._launch import launch, plan_launch
 
     gpus, cpu = _ddp_devices(args.devices)
@@ -58,8 +81,6 @@ def launch_ranks(args: argparse.Namespace) -> int:
              ("--no-progress", args.no_progress)) if on]  # fmt: skip
     if cpu:  # the ranks must not pick up the GPUs they can see
         argv += ["--devices", args.devices]
-    marker = Path(args.out) / _INTERRUPTED
-    marker.unlink(missing_ok=True)
     # torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
     # rendezvous (what --standalone uses): each restart is a fresh rendezvous round.
     restarts: dict[str, Any] = {}
@@ -72,11 +93,13 @@ def launch_ranks(args: argparse.Namespace) -> int:
             "rdzv_backend": "c10d",
             "rdzv_endpoint": endpoint,
         }
-    code = launch(str(Path(__file__).with_name("train.py").resolve()), argv, plan=plan, **restarts)
-    if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
-        code = exit_code(int(marker.read_text() or 0))
-        marker.unlink(missing_ok=True)
-    return code
+    script = str(Path(__file__).with_name("train.py").resolve())
+    from .._run_lock import child_env, hold_run_dir
+
+    with hold_run_dir(args.out) as lock:  # held for the run's life; the ranks join it
+        plan.env.update(child_env(lock))
+        code = launch(script, argv, plan=plan, **restarts)  # rank 0 leaves the exit code
+    return say_how_to_resume(code, args.argv)
 
 
 def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
@@ -130,11 +153,14 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .._distributed import finish_distributed, init_distributed
+    from .._interrupt import die_with_parent, exit_code
+    from .._launch import write_outcome
     from .._report import write_report
     from .._sampler import batch_sizes_from_env
     from .._split import split_sizes
     from .._trainer import TrainConfig, Trainer
 
+    die_with_parent()  # torchrun killed: this rank stops after its step, saving
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
     device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
@@ -167,8 +193,7 @@ def run_rank(args: argparse.Namespace) -> int:
     finish_distributed()
     if rank == 0:
         _print_report(report, write_report(report, args.out))
-        if report.interrupted:
-            (Path(args.out) / _INTERRUPTED).write_text(str(report.signal))
+        write_outcome(exit_code(report.signal), interrupted=report.interrupted)
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group
-    # (--max-restarts); the launcher turns the marker into 130/143.
+    # (--max-restarts); the launcher exits with the code rank 0 left (130/143).
     return 0

@@ -40,7 +40,9 @@ def run_local(args: argparse.Namespace) -> int:
     _print_report(report, paths)
     if budgets is not None:
         print(_BUDGET_NOTE)
-    return exit_code(report.signal)
+    from ._train_ddp import say_how_to_resume
+
+    return say_how_to_resume(exit_code(report.signal), args.argv)
 
 
 def _share_cpu_threads(devices: list[str | int]) -> None:
