@@ -8,6 +8,7 @@ needs it, so declaring the options costs nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -16,7 +17,10 @@ from pathlib import Path
 from .._errors import EvendpError
 from ._args import bounded_float, bounded_int
 
-__all__ = ["add_options"]
+__all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
+
+#: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
+OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
 
 _DEFAULT_OUT = "runs/demo"
 _DEFAULT_STEPS = 100
@@ -165,6 +169,23 @@ def _validate_args(args: argparse.Namespace) -> None:
     if args.max_restarts and args.mode == "dp":
         raise EvendpError(
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
+        )
+    _validate_rank_options(args)
+
+
+def _validate_rank_options(args: argparse.Namespace) -> None:
+    """Options that mean nothing, or two things, with one process per device."""
+    if args.mode == "fsdp2" and args.memory is not None:
+        raise EvendpError(
+            f"--memory {args.memory!r} plans DDP ranks' batch sizes, but the planner has no "
+            "memory model of FSDP2's sharded ranks; use --mode ddp, or --weights to fix "
+            "each rank's share"
+        )
+    if args.mode == "ddp" and args.memory is not None and args.weights is not None:
+        raise EvendpError(
+            f"--memory {args.memory!r} and --weights {args.weights!r} both set the ranks' "
+            "batch sizes under --mode ddp (the planner's split for the memory, or the "
+            "weights'); give one"
         )
 
 
@@ -315,3 +336,28 @@ def _free_memory_weights(ids: list[int]) -> list[float] | None:
         f, _ = torch.cuda.mem_get_info(i)
         free.append(float(f))
     return free if len(set(ids)) == len(ids) else None
+
+
+def options_json(args: argparse.Namespace) -> str:
+    """Every parsed option as JSON, for the ranks (the subcommand's ``func`` stays behind).
+
+    >>> options_json(argparse.Namespace(steps=3, out="runs/x", func=print))
+    '{"steps": 3, "out": "runs/x"}'
+    """
+    return json.dumps({k: v for k, v in vars(args).items() if k != "func"})
+
+
+def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
+    """In a rank started by ``evendp train --mode ddp|fsdp2``: the parent's options, whole.
+
+    A rank's own argv only names its run; ``args`` is returned unchanged elsewhere (one
+    process, or ``evendp train`` started under the user's own torchrun).
+
+    >>> os.environ.pop(OPTIONS_ENV, None)
+    >>> options_from_env(argparse.Namespace(steps=3)).steps
+    3
+    """
+    text = os.environ.get(OPTIONS_ENV)
+    if text is None or "RANK" not in os.environ:
+        return args
+    return argparse.Namespace(**{**vars(args), **json.loads(text)})

@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     from evendp._errors import EvendpError
     from evendp._oom import is_oom_error
-    from evendp.cli._train_args import _resume_check, _validate_args
+    from evendp.cli._train_args import _resume_check, _validate_args, options_from_env
 
+    args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
     try:
         _validate_args(args)
         done = _resume_check(args)
