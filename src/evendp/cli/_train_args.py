@@ -91,6 +91,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="continue from the checkpoint in OUT if there is one, else start fresh",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh in OUT even when it holds another run's checkpoint, deleting that "
+        "checkpoint (without it such a run is refused)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=bounded_int("--max-restarts", 0, 100, 1),
         default=0,
@@ -171,6 +177,27 @@ def _validate_args(args: argparse.Namespace) -> None:
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
         )
     _validate_rank_options(args)
+    _validate_pairs(args)
+
+
+def _validate_pairs(args: argparse.Namespace) -> None:
+    """Options that contradict each other."""
+    if args.resume and args.resume_or_start:
+        raise EvendpError(
+            "--resume (a checkpoint must be there) and --resume-or-start (start fresh when "
+            "there is none) contradict each other; give one"
+        )
+    if args.overwrite and (args.resume or args.resume_or_start):
+        flag = "--resume" if args.resume else "--resume-or-start"
+        raise EvendpError(
+            f"--overwrite (start fresh, deleting OUT's checkpoint) and {flag} (continue it) "
+            "contradict each other; give one"
+        )
+    if args.accum > args.batch:
+        raise EvendpError(
+            f"--accum {args.accum} is more micro-batches than the {args.batch} samples of "
+            f"--batch {args.batch}; give --accum <= --batch, e.g. --accum {min(2, args.batch)}"
+        )
 
 
 def _validate_rank_options(args: argparse.Namespace) -> None:
@@ -228,6 +255,49 @@ def _resume_check(args: argparse.Namespace) -> int | None:
             )
         return 0
     return None
+
+
+def _checkpoints_in(out: str) -> list[Path]:
+    """Every checkpoint file or folder in ``out`` (any mode's, previous copies included)."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.startswith("ckpt.") and p.exists())
+
+
+def fresh_start_check(args: argparse.Namespace) -> None:
+    """Before any work, for a run that starts fresh: ``--out`` is a writable folder and holds
+    no other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently).
+
+    The launcher of ``--mode ddp|fsdp2`` checks once; its ranks do not (rank 0's first save
+    would look like another run to a rank that starts late).
+    """
+    from ._paths import check_out_dir
+
+    check_out_dir("--out", args.out)
+    if args.resume or args.resume_or_start or _restarted() or _is_launched_rank():
+        return
+    found = _checkpoints_in(args.out)
+    if not found:
+        return
+    if not args.overwrite:
+        raise EvendpError(
+            f"--out {args.out!r} holds another run's checkpoint ({found[0].name}); continue it "
+            "with --resume (or --resume-or-start), train into a fresh --out, or pass "
+            "--overwrite to delete it and start over"
+        )
+    for path in found:
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    print(f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in {args.out!r}")
+
+
+def _is_launched_rank() -> bool:
+    return OPTIONS_ENV in os.environ and "RANK" in os.environ
 
 
 def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:

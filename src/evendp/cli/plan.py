@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print; 2 on bad input."""
     try:
         memory = _memory_argument(args)
+        if args.plot:  # before planning: the picture must be writable
+            from ._paths import check_out_file
+
+            check_out_file("--plot", args.plot)
         if args.batch is not None:  # None: the largest batch that fits
             validate_int("--batch", args.batch, minimum=1, example="--batch 64")
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)

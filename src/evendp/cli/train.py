@@ -49,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     from evendp._errors import EvendpError
     from evendp._oom import is_oom_error
-    from evendp.cli._train_args import _resume_check, _validate_args, options_from_env
+    from evendp.cli._train_args import (
+        _resume_check,
+        _validate_args,
+        fresh_start_check,
+        options_from_env,
+    )
 
     args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
     try:
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         done = _resume_check(args)
         if done is not None:
             return done
+        fresh_start_check(args)
         return _run(args)
     except EvendpError as exc:
         print(f"evendp train: error: {exc}", file=sys.stderr)
