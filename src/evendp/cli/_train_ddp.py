@@ -56,12 +56,31 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
     nproc = _nproc(args, gpus)
     # cpu entries: CPU ranks (gloo) even on a GPU machine; NVML is not asked at all.
     where: dict[str, Any] = {"gpu_ids": gpus, "nvml": False} if cpu else {"gpu_ids": gpus}
-    plan = plan_launch(nproc=nproc, **_rank_sizes(args, nproc, cpu), **where)
+    try:
+        plan = plan_launch(nproc=nproc, **_rank_sizes(args, nproc, cpu), **where)
+    except EvendpError:
+        if gpus and not _nvidia_driver():  # the launcher's words name its own --gpus
+            raise EvendpError(
+                f"--devices {args.devices!r} names GPUs, but no NVIDIA driver was found here; "
+                "train on CPU ranks with --devices cpu,cpu"
+            ) from None
+        raise
     plan.env[OPTIONS_ENV] = options_json(args)
     argv = ["--mode", args.mode, "--out", args.out]
     if cpu:  # the ranks must not pick up the GPUs they can see
         argv += ["--devices", args.devices]
     return plan, argv
+
+
+def _nvidia_driver() -> bool:
+    from .._devices import list_devices
+    from .._errors import NvmlUnavailableError
+
+    try:
+        list_devices()
+    except NvmlUnavailableError:
+        return False
+    return True
 
 
 def _nproc(args: argparse.Namespace, gpus: list[int] | None) -> int | str:

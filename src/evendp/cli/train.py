@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from evendp.cli._args import plain_text
+from evendp.cli._args import plain_text, say_units
 from evendp.cli._train_args import add_options
 
 __all__ = ["add_parser", "run"]
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from evendp._errors import EvendpError
     from evendp._oom import is_oom_error
     from evendp.cli._train_args import (
+        _is_launched_rank,
         _resume_check,
         _validate_args,
         fresh_start_check,
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         if done is not None:
             return done
         fresh_start_check(args)
+        if not _is_launched_rank():  # the launcher said it once
+            say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:
         print(f"evendp train: error: {exc}", file=sys.stderr)
