@@ -349,9 +349,12 @@ def select_devices(
     >>> import os
     >>> old = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
     >>> import torch
+    >>> import warnings
     >>> if not torch.cuda.is_initialized():
     ...     try:
-    ...         mapping = select_devices(gpu_ids=[0])
+    ...         with warnings.catch_warnings():  # no driver: "cannot be checked"
+    ...             warnings.simplefilter("ignore", UserWarning)
+    ...             mapping = select_devices(gpu_ids=[0])
     ...     except EvendpError:  # a driver is present but GPU 0 does not exist
     ...         mapping = {0: 0}
     ...     print(mapping)

@@ -120,7 +120,7 @@ def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: A
     ' (--weights 3,1, on budgets of 1.0MiB,1.0MiB)'
     """
     budgets = "" if memory is None else _fmt(memory)
-    given = f"--memory {args.memory}" if args.memory is not None else f"the demo's {budgets}"
+    given = f"the demo's budgets {budgets}" if args.memory is None else f"--memory {args.memory}"
     if args.weights is not None:
         on = "" if memory is None else f", on budgets of {budgets}"
         return f" (--weights {args.weights}{on})"
@@ -150,7 +150,8 @@ def _planner_weights(
     except PlanError as exc:
         if not isinstance(spec, list):
             raise
-        given = f"--memory {args.memory}" if args.memory else f"the demo's budgets {_DEMO_MEMORY}"
+        given = f"--memory {args.memory or _DEMO_MEMORY}"
+        given += "" if args.memory else " (the demo's budgets)"
         raise EvendpError(
             f"--batch {args.batch} does not fit {given} ({exc}); lower --batch, shrink the "
             "model (--n-layer, --n-embd, --block-size) or raise --memory"
