@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The tested CPU build of torch; pyproject.toml declares only the range torch>=2.6.
+# The tested CPU build of torch; pyproject.toml declares only the range torch>=2.11.
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test lint types unit clean

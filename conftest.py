@@ -7,7 +7,12 @@ import doctest
 import inspect
 from typing import Any
 
+from tests._markdown import markdown_sybil
+
 collect_ignore = ["src/evendp/__main__.py"]
+
+# Every code block of README.md and docs/*.md runs (or is checked) as a test: tests/_markdown.py.
+pytest_collect_file = markdown_sybil.pytest()
 
 
 def _defining_module(obj: Any) -> str | None:

@@ -18,7 +18,12 @@ CPU time per step (all ranks) is reported beside wall time because it barely mov
 other load on the machine.
 Rows marked ``+AR`` let ``ddp_loss`` all-reduce the count (needed when the count is not the
 number of samples, e.g. non-ignored tokens); the others take it from
-``sampler.samples_in_step(step)``.
+``sampler.samples_in_step(step)``. ``+async AR`` starts that all-reduce before the forward
+and waits for it before the backward (what the Trainer does with ``count_fn``), so it overlaps
+the forward. ``counts`` sums per-sample counts over ``sampler.step_indices`` (the step's
+indices, the same on every rank): a token count with no collective. The token-count rows
+are compared with the sample-count row ``evendp [3, 13]`` (their "vs same work" and "CPU
+ratio" columns), beside an A/A row of that one timed twice.
 """
 
 from __future__ import annotations
@@ -75,7 +80,9 @@ def _make_step(
     ``kind``: "plain" (DistributedSampler, equal batches, mean loss: PyTorch as usual),
     "mean" (UnevenBatchSampler with mean loss per rank: the same work as evendp at these sizes
     but the inexact gradient), "evendp" (ddp_loss with the count from the sampler) or
-    "evendp+AR" (ddp_loss all-reduces the count).
+    "evendp+AR" (ddp_loss all-reduces the count) or "evendp+async" (the count's all-reduce
+    started before the forward, waited for before the backward) or "evendp+counts" (the
+    count summed from per-sample counts over the step's indices: no communication).
     """
     loader: DataLoader[Any]
     if kind == "plain":
@@ -89,6 +96,7 @@ def _make_step(
         loader = DataLoader(data, batch_sampler=sampler, collate_fn=EmptySafeCollate(data))
         set_epoch, steps_per_epoch = sampler.set_epoch, len(sampler)
     batches = _forever(loader, set_epoch)
+    counts = [1.0] * len(data)  # each sample's counted items (here: its one label)
     model = DDP(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     counter = [0]
@@ -100,6 +108,16 @@ def _make_step(
         opt.zero_grad(set_to_none=True)
         if kind in ("plain", "mean"):
             F.cross_entropy(model(x), y).backward()
+        elif kind == "evendp+counts":
+            local_sum = F.cross_entropy(model(x), y, reduction="sum")
+            total = float(sum(counts[j] for j in sampler.step_indices))  # every rank alike
+            ddp_loss(local_sum, len(y), total).backward()
+        elif kind == "evendp+async":
+            count = torch.tensor(float(len(y)), dtype=torch.float64)
+            work = dist.all_reduce(count, async_op=True)  # overlaps the forward below
+            local_sum = F.cross_entropy(model(x), y, reduction="sum")
+            work.wait()
+            ddp_loss(local_sum, len(y), count).backward()
         else:
             local_sum = F.cross_entropy(model(x), y, reduction="sum")
             # The global count from the sampler (no communication), or all-reduced.
@@ -121,7 +139,11 @@ def _variants(uneven: list[int]) -> list[tuple[str, str, list[int], str]]:
         (f"evendp {equal}", "evendp", equal, plain),
         (same_work, "mean", uneven, same_work),
         (f"evendp {uneven}", "evendp", uneven, same_work),
-        (f"evendp {uneven} +AR", "evendp+AR", uneven, same_work),
+        # Token counts (all-reduced) against sample counts (from the sampler), with A/A.
+        (f"evendp {uneven} again", "evendp", uneven, f"evendp {uneven}"),
+        (f"evendp {uneven} +AR", "evendp+AR", uneven, f"evendp {uneven}"),
+        (f"evendp {uneven} +async AR", "evendp+async", uneven, f"evendp {uneven}"),
+        (f"evendp {uneven} counts", "evendp+counts", uneven, f"evendp {uneven}"),
     ]
 
 
@@ -200,9 +222,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{ratios[name]:13.3f} {cpu_ms[name]:12.3f} {cpu_ms[base] / cpu_ms[name]:10.3f}"
         )
     print(
-        "ratios: higher is better; target >= 0.98 against the same work. The A/A row ('again')\n"
-        "shows the timing noise. On identical CPUs an uneven split also makes the bigger rank\n"
-        "slower ('vs plain'): that is the split, not evendp; on mixed devices it is the point."
+        "ratios: higher is better; target >= 0.98 against the same work. The A/A rows ('again')\n"
+        "show the timing noise; the rows after the second one compare token counts (+AR,\n"
+        "+async AR, counts) with the sample-count row above them. On identical CPUs an uneven\n"
+        "split also makes the bigger rank slower ('vs plain'): that is the split, not evendp;\n"
+        "on mixed devices it is the point."
     )
     return ratios
 

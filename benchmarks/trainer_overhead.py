@@ -17,6 +17,13 @@ is one ``fit()`` call for the round's steps, so its per-call start (prefetch thr
 is counted against it. CPU ms/step (this process, all threads; rank 0 under DDP) moves far
 less with other load on the machine than wall time; "CPU ratio" is plain / variant.
 
+Token counts against sample counts: a second table per setting compares the Trainer with
+``count_fn`` (a 0-dim tensor count, as for non-ignored tokens: under DDP the step's global
+count is all-reduced, started before the forward and waited for before the backward) with the
+same Trainer without it (the count from the sampler), beside an A/A row (that Trainer twice),
+and under DDP with ``counts=`` as well (per-sample counts: the global count needs no
+collective).
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_overhead.py           # ~3 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_overhead.py --quick   # < 1 min
 """
@@ -73,6 +80,11 @@ class _Data(torch.utils.data.Dataset[Any]):
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[indices], self.y[indices]
+
+
+def _tokens(batch: Any) -> torch.Tensor:
+    """A counted-items ``count_fn`` (here every label counts: the same gradient, its cost)."""
+    return (batch[1] >= 0).sum()
 
 
 def _model() -> nn.Module:
@@ -149,8 +161,17 @@ def _one_process(rounds: int, steps: int, batch: int) -> dict[str, list[float]]:
     # The Trainer's step 0 is not a timed step: its config asks for at least one.
     cfg = _config(batch_size=batch)
     cfg.steps = 1
-    trainer = Trainer(_model(), data, cfg, device_ids=devices, weights=weights)
-    variants = {"plain loop": plain(), "plain loop again": plain(), "Trainer": _trainer(trainer)}
+
+    def trainer(**kw: Any) -> Callable[[int], None]:
+        return _trainer(Trainer(_model(), data, cfg, device_ids=devices, weights=weights, **kw))
+
+    variants = {
+        "plain loop": plain(),
+        "plain loop again": plain(),
+        "Trainer": trainer(),
+        "Trainer again": trainer(),
+        "Trainer, count_fn": trainer(count_fn=_tokens),
+    }
     return _time_rounds(variants, rounds, steps, sync=lambda: None)
 
 
@@ -166,13 +187,18 @@ def _ddp_worker(rank: int, port: int, args: argparse.Namespace, out: str) -> Non
         ddp = nn.parallel.DistributedDataParallel(_model())
         return _plain(ddp, data, sampler)
 
-    safe = Trainer(_model(), data, _config(batch_sizes=sizes))
-    torch_ddp = Trainer(_model(), data, _config(batch_sizes=sizes, oom_resplit=False))
+    def trainer(**kw: Any) -> Callable[[int], None]:
+        extra = {k: kw.pop(k) for k in ("count_fn", "counts") if k in kw}
+        return _trainer(Trainer(_model(), data, _config(batch_sizes=sizes, **kw), **extra))
+
     variants = {
         "plain DDP loop": plain(),
         "plain DDP loop again": plain(),
-        "Trainer (OOM-safe DDP)": _trainer(safe),
-        "Trainer (oom_resplit=False)": _trainer(torch_ddp),
+        "Trainer (OOM-safe DDP)": trainer(),
+        "Trainer (oom_resplit=False)": trainer(oom_resplit=False),
+        "Trainer (OOM-safe) again": trainer(),
+        "Trainer (OOM-safe), count_fn": trainer(count_fn=_tokens),
+        "Trainer (OOM-safe), counts=": trainer(count_fn=_tokens, counts=[1.0] * len(data)),
     }
     rates = _time_rounds(variants, args.rounds, args.steps, sync=dist.barrier)
     if rank == 0:
@@ -187,8 +213,8 @@ def _ddp(args: argparse.Namespace, out: Path) -> dict[str, list[float]]:
     return torch.load(out / "ddp.pt")  # type: ignore[no-any-return]
 
 
-def _table(title: str, rates: dict[str, list[float]]) -> list[str]:
-    names = [n for n in rates if not n.endswith(" cpu")]
+def _table(title: str, rates: dict[str, list[float]], names: list[str]) -> list[str]:
+    """Rows ``names`` against ``names[0]``, with ``names[1]`` its A/A control."""
     plain, again = names[0], names[1]
     base = rates[plain]
     aa = [b / a for a, b in zip(base, rates[again], strict=True)]
@@ -236,10 +262,21 @@ def main(argv: list[str] | None = None) -> None:
     header += f", {args.rounds} rounds x {args.steps} steps, medians"
     print(header)
     one = _one_process(args.rounds, args.steps, args.batch)
-    print("\n".join(_table("one process, device_ids=['cpu', 'cpu'], weights [3, 1]", one)))
+    title = "one process, device_ids=['cpu', 'cpu'], weights [3, 1]"
+    print("\n".join(_table(title, one, ["plain loop", "plain loop again", "Trainer"])))
+    print()
+    counts = ["Trainer", "Trainer again", "Trainer, count_fn"]
+    print("\n".join(_table(f"{title}: token counts vs sample counts", one, counts)))
     print()
     ddp = _ddp(args, out)
-    print("\n".join(_table("2 ranks, gloo, 1 thread each, sizes [B/2, B/2]", ddp)))
+    title = "2 ranks, gloo, 1 thread each, sizes [B/2, B/2]"
+    names = ["plain DDP loop", "plain DDP loop again"]
+    names += ["Trainer (OOM-safe DDP)", "Trainer (oom_resplit=False)"]
+    print("\n".join(_table(title, ddp, names)))
+    print()
+    counts = ["Trainer (OOM-safe DDP)", "Trainer (OOM-safe) again", "Trainer (OOM-safe), count_fn"]
+    counts.append("Trainer (OOM-safe), counts=")
+    print("\n".join(_table(f"{title}: token counts vs sample counts", ddp, counts)))
 
 
 if __name__ == "__main__":

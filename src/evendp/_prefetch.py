@@ -34,6 +34,7 @@ class Prepared:
     index: int
     count: int
     shares: list[int] | None = None  # per-device rows when a cost plan ordered the batch
+    counted: float | None = None  # the step's counted items over ranks, from Trainer(counts=)
 
 
 class Prefetcher:

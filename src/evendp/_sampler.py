@@ -337,6 +337,20 @@ class UnevenBatchSampler:
         # Every rank's sample count in each step yielded this epoch (kept after the epoch
         # ends: a DataLoader samples ahead of the training loop that asks).
         self._step_sizes: list[list[int]] = []
+        self._step_indices: list[int] = []
+
+    @property
+    def step_indices(self) -> list[int]:
+        """The step last yielded, over every rank: the same indices on every rank, no comm.
+
+        With a count per sample (e.g. its non-ignored tokens) their sum over these indices is
+        the step's global count, known to every rank without an all-reduce.
+
+        >>> sampler = UnevenBatchSampler(6, [1, 2], rank=0, world_size=2, shuffle=False)
+        >>> next(iter(sampler)), sampler.step_indices
+        ([0], [0, 1, 2])
+        """
+        return list(self._step_indices)
 
     def _set_sizes(self, sizes: list[int]) -> None:
         self._sizes = sizes
@@ -463,6 +477,7 @@ class UnevenBatchSampler:
             self._cursor += step_total
             self._steps_done += 1
             self._step_sizes.append(sizes)
+            self._step_indices = step
             yield batch
         self._cursor = 0
         self._steps_done = 0

@@ -128,8 +128,8 @@ class Strategy:
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         """Sum ``parts`` ((steps,) this rank's loss parts) over ranks: one all-reduce for all.
 
-        The Trainer calls it only when someone reads the losses (the progress bar every step,
-        a checkpoint, the report), so a step without logging adds no collective.
+        The Trainer calls it only when someone reads the losses (the progress bar's display
+        steps, a checkpoint, the report), so a step without logging adds no collective.
         """
         reduced = parts.to(comm_device())
         dist.all_reduce(reduced)

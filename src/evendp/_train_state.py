@@ -7,7 +7,8 @@ here, next to :mod:`evendp._checkpoint`, which owns the file format.
 Step losses stay on their device until someone reads them (:attr:`TrainState.losses`): the
 loop never waits for the device just to record a number. Under DDP/FSDP2 each rank records
 its own part of a step's loss, and :meth:`TrainState.flush` sums all pending parts over ranks
-in one collective when the losses are needed (progress bar, checkpoint, report).
+in one collective when the losses are needed (the progress bar's display steps, see
+:func:`evendp._step_cost.display_due`; a checkpoint; the report).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ How a step runs (one process, DDP, OOM-safe DDP, FSDP2) is a strategy object
 
 With ``count_fn`` the loss is a mean over counted items (e.g. non-ignored tokens): every
 micro-batch is weighted by its count over the step's global count, learnt before the first
-backward (one all-reduce under DDP/FSDP2, none in one process).
+backward (one all-reduce under DDP/FSDP2, overlapping the first forward; none in one process).
+The progress bar reads the loss every ``log_every`` steps only (:mod:`evendp._step_cost`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ._distributed import comm_device
 from ._dp import BalancedDataParallel
 from ._errors import EvendpError
 from ._evaluate import EvalFn, evaluate_devices, evaluate_ranks, loss_eval_fn
+from ._exact import mean_scale
 from ._interrupt import StopFlag
 from ._oom import OomResplit
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
@@ -54,6 +56,7 @@ from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write
 from ._sampler import EmptySafeCollate, UnevenBatchSampler, sample_costs
 from ._scatter import batch_size, map_tensors
 from ._split import split_sizes
+from ._step_cost import StepWeight, display_due, sample_counts
 from ._strategy import DDP, FSDP2, BalancedDP, OomSafeDDP, Strategy
 from ._train_state import TrainState
 from ._validate import validate_int
@@ -94,6 +97,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
 
@@ -119,6 +123,7 @@ class TrainConfig:
         ):
             raise EvendpError(f"prefetch must be an int >= 0 or None, got {self.prefetch!r}")
         validate_int("eval_every", self.eval_every, minimum=0, example="eval_every=100")
+        validate_int("log_every", self.log_every, minimum=1, example="log_every=10")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise EvendpError(f"grad_clip must be positive or None, got {self.grad_clip!r}")
 
@@ -250,6 +255,10 @@ class Trainer:
             The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
         max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
             ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        counts: with ``count_fn``, each sample's counted items (a sequence, or a function of
+            ``data[i]``): what ``count_fn`` counts on that sample alone. The step's global
+            count is then their sum over the step's samples, known to every rank: under
+            DDP/FSDP2 no all-reduce per step (without it: one, overlapping the forward).
         eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
             the last step (``eval_every=0``: only then), in order, every sample exactly once
             over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
@@ -307,6 +316,7 @@ class Trainer:
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         max_costs: Sequence[float] | None = None,
+        counts: Sequence[float] | Callable[[Any], float] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         self.config = config
@@ -346,6 +356,9 @@ class Trainer:
         if max_costs is not None and costs is None:
             raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
         self._max_costs = None if self.distributed else max_costs
+        if counts is not None and count_fn is None:
+            raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
+        self._counts = sample_counts(data, self.sampler.num_samples, counts)
         # One process: a micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
         self.guard = OomResplit(
@@ -463,7 +476,10 @@ class Trainer:
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
-                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares)
+                counted = None
+                if self._counts is not None:  # per-sample counts: the same on every rank
+                    counted = sum(self._counts[j] for j in self.sampler.step_indices)
+                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares, counted)
             epoch, skip = epoch + 1, 0
 
     def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
@@ -537,16 +553,24 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _global_count(self, batch: Batch, samples: int) -> float | torch.Tensor:
-        """The step's counted items over all ranks (before the first backward)."""
+    def _step_weight(self, batch: Batch, samples: int, counted: float | None) -> float | StepWeight:
+        """``world / the step's counted items over all ranks``, known before the first backward."""
+        if counted is not None:  # from Trainer(counts=): every rank knows it, no all-reduce
+            return float(mean_scale(counted, numerator=self.world))
         if self.count_fn is None:
-            return samples  # every rank knows every rank's share: no all-reduce
+            return self.world / samples  # every rank knows every rank's share: no all-reduce
         local = torch.as_tensor(self.count_fn(batch), dtype=torch.float64)
         # Counted exactly in float64; the weight enters backward in the loss's fp32.
-        return self.strategy.global_count(local.reshape(())).float()
+        if self.distributed:  # all-reduced while the first forward runs
+            return StepWeight(self.world, local, self.device)
+        return StepWeight.ready(self.world, self.strategy.global_count(local.reshape(())))
 
     def _train_step(
-        self, batch: Batch, samples: int, planned: list[int] | None = None
+        self,
+        batch: Batch,
+        samples: int,
+        planned: list[int] | None = None,
+        counted: float | None = None,
     ) -> torch.Tensor | None:
         """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
 
@@ -573,6 +597,8 @@ class Trainer:
             part = self._stand_in_for_empty() if empty else _rows(batch, mine)
             with strategy.sync(last), self._autocast():
                 mean = strategy.forward(part, [1] if empty else rows)
+            if isinstance(weight, StepWeight):
+                weight.wait()  # the count's all-reduce ran during this forward
             if empty:  # the stand-in sample joins the collectives with weight exactly 0
                 return torch.where(torch.zeros((), dtype=torch.bool), mean.float(), 0.0)
             # Each replica returned (its items' loss sum) / (its rows); the wrapper's scalar
@@ -582,12 +608,12 @@ class Trainer:
         def backward(loss: torch.Tensor) -> None:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-        weight = self.world / self._global_count(batch, samples)  # DDP averages over ranks
+        weight = self._step_weight(batch, samples, counted)  # DDP averages over ranks: x world
         self.optimizer.zero_grad(set_to_none=True)
         total = guard.run_shares(
             shares,
             chunk_loss,
-            weight=weight,
+            weight=weight.value if isinstance(weight, StepWeight) else weight,
             zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
             backward=backward,
             micro_batch_sizes=accum,
@@ -665,6 +691,7 @@ class Trainer:
         self.model.train()
         signum: int | None = None
         show = cfg.progress and self.rank == 0
+        shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()
         prepared = Prefetcher(
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
@@ -675,16 +702,27 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.count, item.shares)
+                    loss = self._train_step(item.batch, item.count, item.shares, item.counted)
                     state.step += 1
                     state.record(loss, self._samples_ran(loss is not None), self._local)
-                    if cfg.progress:  # the same on every rank: the loss all-reduce pairs up
+                    # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
+                    # steps, the same on every rank; the report still gets every step's.
+                    due = cfg.progress and display_due(
+                        state.step, start_step, cfg.steps, cfg.log_every
+                    )
+                    if due:
                         state.flush(self.strategy.reduce_losses)
-                    shown = None if loss is None or not show else state.last_loss
+                        if show and loss is not None:
+                            shown = state.last_loss
                     if self._eval_due():
                         self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(state.step, shown, item.count, text + self._eval_text())
+                    bar.update(
+                        state.step,
+                        None if loss is None else shown,
+                        item.count,
+                        text + self._eval_text(),
+                    )
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.

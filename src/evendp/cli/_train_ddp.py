@@ -223,8 +223,12 @@ def run_rank(args: argparse.Namespace) -> int:
 
     # Each rank pads its own share to its longest paragraph: assigning the step's paragraphs
     # to ranks by length (costs=) cuts the padding and evens the ranks' work, with the same
-    # samples per step and the same token-exact gradient (docs/balancing.md).
-    trainer = Trainer(model, data, cfg, count_fn=CodeParagraphs.count_tokens, costs=data.lengths)
+    # samples per step and the same token-exact gradient (docs/balancing.md). lengths are
+    # also each paragraph's real targets (counts=): no all-reduce of the step's token count.
+    trainer = Trainer(
+        model, data, cfg, count_fn=CodeParagraphs.count_tokens, costs=data.lengths,
+        counts=data.lengths,
+    )  # fmt: skip
     report = trainer.fit()
     report.model = _model_name(args)
     report.devices = _with_budgets(report.devices, args.memory)
