@@ -248,7 +248,7 @@ class DDP(Strategy):
     catch_oom = False  # an OOM in one rank's backward would leave the others in the reducer
 
     def wrap(self, loss_module: nn.Module) -> None:
-        self.wrapped = nn.parallel.DistributedDataParallel(loss_module, broadcast_buffers=False)
+        self.wrapped = nn.parallel.DistributedDataParallel(loss_module, **_no_buffer_sync())
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         ddp = self.wrapped
@@ -316,3 +316,16 @@ class FSDP2(Strategy):
     def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
         return contextlib.nullcontext()
+
+
+def _no_buffer_sync() -> dict[str, Any]:
+    """DDP's switch for "no buffer broadcast before each forward", in this torch's spelling:
+    ``forward_sync_buffers`` since torch 2.13 (``broadcast_buffers`` warns there), else
+    ``broadcast_buffers``. The new one still syncs buffers once at construction, where every
+    rank holds the same freshly built (or resumed) model."""
+    import inspect
+
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}

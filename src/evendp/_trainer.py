@@ -732,6 +732,8 @@ class Trainer:
         if cfg.resume:
             self.resume()
         start_step = state.step
+        # What ran before this call (a resumed checkpoint's counts) stays out of its report.
+        before = (list(state.samples), self.guard.skipped)
         self.model.train()
         # A signal during start-up (caught by the command line's flag) stops before step one.
         signum: int | None = self.strategy.agree_stop()
@@ -785,21 +787,26 @@ class Trainer:
         signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
         if state.step != self._saved_step:  # never a second save of the same step
             self.save()
-        report = self._report(state.step - start_step, elapsed, signum)
+        report = self._report(state.step - start_step, elapsed, signum, before)
         # The same files evendp train writes; a resumed run that had nothing left to do
         # leaves the report it finished with untouched.
         if cfg.out_dir is not None and self.rank == 0 and state.step != start_step:
             write_report(report, cfg.out_dir)
         return report
 
-    def _report(self, steps_run: int, elapsed: float, signum: int | None) -> TrainReport:
+    def _report(
+        self, steps_run: int, elapsed: float, signum: int | None, before: tuple[list[int], int]
+    ) -> TrainReport:
+        """This call's figures: samples per device per step, throughput and time count only
+        the steps it ran (``before``: the samples and skipped steps it started from)."""
         self.state.flush(self.strategy.reduce_losses)
-        samples = list(self.state.samples)
+        samples = [a - b for a, b in zip(self.state.samples, before[0], strict=True)]
         if self.distributed:
             t = torch.tensor(samples, dtype=torch.float64, device=comm_device())
             dist.all_reduce(t)  # each rank counted only its own share
             samples = [int(v) for v in t.tolist()]
-        done = max(self.state.step - self.guard.skipped, 1)  # skipped steps trained no samples
+        # Skipped steps trained no samples.
+        done = max(steps_run - (self.guard.skipped - before[1]), 1)
         peaks = self.strategy.peak_memory()
         stats = [
             DeviceStat(name, samples[i] / done, peaks[i])
@@ -810,8 +817,9 @@ class Trainer:
             devices=stats,
             losses=self.state.losses,
             steps=self.state.step,
+            steps_run=steps_run,
             global_batch=round(per_step),
-            samples_per_s=per_step * steps_run / max(elapsed, 1e-9),
+            samples_per_s=sum(samples) / max(elapsed, 1e-9),
             elapsed_s=elapsed,
             resplits=self.guard.resplits,
             skipped_steps=self.guard.skipped,

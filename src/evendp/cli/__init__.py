@@ -18,6 +18,14 @@ __all__ = ["build_parser", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
+# Their one-line help, for `evendp --help` without importing them (and torch); a test keeps
+# these equal to what each module registers.
+_HELP: dict[str, str] = {
+    "devices": "list GPUs with free memory, utilization and processes (NVML, no CUDA init)",
+    "plan": "predict per-device memory and choose the split (no GPU needed)",
+    "launch": "run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
+    "train": "train the built-in char GPT on the stdlib source, using every device fully",
+}
 
 
 def version() -> str:
@@ -35,8 +43,12 @@ def version() -> str:
         return "unknown (not installed; pip install -e .)"
 
 
-def build_parser() -> CleanParser:
-    """The top-level parser with every subcommand registered."""
+def build_parser(light: bool = False) -> CleanParser:
+    """The top-level parser with every subcommand registered.
+
+    ``light``: the subcommands only by name and help (for ``--help`` and ``--version``: their
+    modules, and torch, are not imported).
+    """
     parser = CleanParser(
         prog="evendp",
         description="Balanced data-parallel training with exact gradients.",
@@ -46,7 +58,10 @@ def build_parser() -> CleanParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
-        importlib.import_module(f"evendp.cli.{name}").add_parser(subparsers)
+        if light:
+            subparsers.add_parser(name, help=_HELP[name])
+        else:
+            importlib.import_module(f"evendp.cli.{name}").add_parser(subparsers)
     return parser
 
 
@@ -72,8 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None, early: Any) -> int:
     from .._errors import EvendpError
     from .._interrupt import exit_code
+    from ._fast import is_light
 
-    parser = build_parser()
+    parser = build_parser(light=is_light(sys.argv[1:] if argv is None else list(argv)))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, --version (0) and bad arguments (2)

@@ -44,7 +44,7 @@ if __name__ == "__main__":  # torchrun's rank: from the first instant
     for _sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_sig, _early._handle)
 
-from evendp.cli._args import plain_text  # noqa: E402 (after the early handlers)
+from evendp.cli._args import plain_text, say_units  # noqa: E402 (after the early handlers)
 from evendp.cli._train_args import add_options  # noqa: E402
 
 __all__ = ["add_parser", "run"]
@@ -66,13 +66,23 @@ def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     from evendp._errors import EvendpError
     from evendp._oom import is_oom_error
-    from evendp.cli._train_args import _resume_check, _validate_args
+    from evendp.cli._train_args import (
+        _is_launched_rank,
+        _resume_check,
+        _validate_args,
+        fresh_start_check,
+        options_from_env,
+    )
 
+    args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
     try:
         _validate_args(args)
         done = _resume_check(args)
         if done is not None:
             return done
+        fresh_start_check(args)
+        if not _is_launched_rank():  # the launcher said it once
+            say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:
         from evendp.cli._train_ddp import report_error
