@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
 	touch $@
 
+# A demo is a fresh run each time: --overwrite replaces the previous demo's checkpoint.
 demo: $(VENV)/.installed
-	$(VENV)/bin/evendp train
+	$(VENV)/bin/evendp train --overwrite
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks examples

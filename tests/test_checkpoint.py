@@ -164,3 +164,127 @@ def test_each_rank_restores_its_own_rng_only_for_the_same_step(tmp_path: Path) -
     rank_rng_path(ckpt, 1).write_bytes(b"garbage")
     with pytest.raises(EvendpError, match=r"ckpt.rng1.pt.*delete it"):
         load_rank_rng(ckpt, rank=1, step=4)
+
+
+# -- verified checkpoints (issue 22) ------------------------------------------------------------
+
+
+def _garble_tensor(path: Path, tensor: torch.Tensor) -> None:
+    """Overwrite ``tensor``'s stored bytes in the file: the zip stays readable."""
+    data = path.read_bytes()
+    raw = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.index(raw)
+    garbled = bytes(random.Random(1).randbytes(len(raw)))
+    path.write_bytes(data[:at] + garbled + data[at + len(raw) :])
+
+
+def test_garbled_tensor_data_is_caught_by_the_checksum(tmp_path: Path) -> None:
+    from evendp._checkpoint import CorruptCheckpoint
+
+    model, opt, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt, step=3)
+    _garble_tensor(path, model[0].weight)
+    torch.load(path, weights_only=True)  # torch reads it without complaint
+    with pytest.raises(CorruptCheckpoint, match=r"ckpt\.pt.*sha256.*ckpt\.prev\.pt"):
+        load_checkpoint(path, model=model, optimizer=opt)
+
+
+def test_old_checkpoints_without_a_checksum_still_load(tmp_path: Path) -> None:
+    from evendp._checkpoint import UNVERIFIED
+
+    model, _, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, step=2)
+    payload = torch.load(path, weights_only=True)
+    assert {"step", "model", "sha256"} <= payload.keys()  # still a plain dict
+    del payload["sha256"]
+    torch.save(payload, path)
+    assert load_checkpoint(path, model=model)["step"] == 2
+    assert str(path) in UNVERIFIED
+
+
+def test_non_finite_state_is_never_written(tmp_path: Path) -> None:
+    from evendp._errors import TrainingError
+
+    model, opt, _ = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt, step=1)
+    good = path.read_bytes()
+    with torch.no_grad():
+        model[2].bias[0] = float("nan")
+    with pytest.raises(TrainingError, match=r"model\.2\.bias holds NaN or inf.*ckpt\.pt"):
+        save_checkpoint(path, model=model, optimizer=opt, step=2)
+    assert path.read_bytes() == good and not previous_path(path).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+def test_a_bad_previous_checkpoint_never_points_to_prev_prev(tmp_path: Path) -> None:
+    from evendp._checkpoint import CorruptCheckpoint
+
+    model, _, _ = _setup()
+    prev = previous_path(tmp_path / "ckpt.pt")
+    prev.write_bytes(b"garbage")
+    with pytest.raises(CorruptCheckpoint) as info:
+        load_checkpoint(prev, model=model)
+    assert "prev.prev" not in str(info.value) and "last fallback" in str(info.value)
+
+
+def test_rank_rng_prefers_the_exact_previous_state_over_a_reseed(tmp_path: Path) -> None:
+    from evendp._checkpoint import load_rank_rng, save_rank_rng
+
+    ckpt = tmp_path / "ckpt.pt"
+    torch.manual_seed(5)
+    save_rank_rng(ckpt, rank=1, step=10)
+    expected = torch.rand(3)
+    save_rank_rng(ckpt, rank=1, step=12)  # rank 0 died before writing its step-12 ckpt.pt
+    torch.manual_seed(99)
+    assert load_rank_rng(ckpt, rank=1, step=10, reseed=7)  # from ckpt.prev.rng1.pt, exactly
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def _tmpfs(where: Path, size: str) -> Path:
+    import subprocess
+
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)])
+    if done.returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): no real full disk to test")
+    return where
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    import subprocess
+
+    disk = _tmpfs(tmp_path / "disk", "3m")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(small_disk: Path) -> None:
+    from evendp._errors import TrainingError
+
+    model = torch.nn.Linear(400, 400)  # 640 KB: the third copy does not fit 3 MiB with AdamW
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 400)).sum().backward()
+    opt.step()
+    path = small_disk / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt, step=1)  # 1.9 MB
+    with pytest.raises(TrainingError, match=r"ckpt\.pt.*No space left on device.*--resume"):
+        save_checkpoint(path, model=model, optimizer=opt, step=2)
+    assert load_checkpoint(path, model=model)["step"] == 1
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt.pt"]  # no temp file left
+
+
+def test_a_read_only_folder_is_one_line(small_disk: Path) -> None:
+    import subprocess
+
+    from evendp._errors import TrainingError
+
+    model, _, _ = _setup()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    with pytest.raises(TrainingError, match=r"Read-only file system.*another --out"):
+        save_checkpoint(small_disk / "ckpt.pt", model=model, step=1)
+    with pytest.raises(TrainingError, match=r"could not create the folder.*Read-only"):
+        save_checkpoint(small_disk / "sub" / "ckpt.pt", model=model, step=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,100 @@ def _pair_worker(rank: int, port: int, out: str) -> None:
     dist.barrier()
     resumed = _fit(_gpt(0.0), steps=12, strategy="fsdp2", out_dir=fsdp, resume=True)
     results["fsdp_resumed"] = resumed.losses
+    results.update(_fault_scenarios(rank, root, fsdp, ddp))
     torch.save(results, root / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _outcome(action: Any) -> tuple[str, str]:
+    """What ``action()`` ended with: ("ok", notes) or (the exception's class, its message)."""
+    try:
+        trainer = action()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", " | ".join(trainer.state.notes)
+
+
+def _resume(model: nn.Module, where: Path, steps: int, strategy: str, **config: Any) -> Any:
+    cfg = TrainConfig(
+        lr=1e-2, progress=False, batch_sizes=[5, 3], steps=steps, out_dir=where, resume=True,
+        strategy=strategy, **config,  # type: ignore[arg-type]
+    )  # fmt: skip
+    trainer = Trainer(model, _data(), cfg, loss_fn=_loss)
+    trainer.fit()
+    return trainer
+
+
+def _break(folder: Path, fault: str) -> None:
+    shards = sorted(folder.glob("*.distcp"))
+    if fault == "missing-shard":
+        shards[-1].unlink()
+    elif fault == "truncated-shard":
+        data = shards[0].read_bytes()
+        shards[0].write_bytes(data[: len(data) // 3])
+    elif fault == "missing-metadata":
+        (folder / ".metadata").unlink()
+
+
+def _fill(path: Path) -> None:
+    """Write zeros until the disk is full (unbuffered: nothing left to flush at close)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (64 * 1024, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(chunk))
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, Any]:
+    """Every fault one line, the same on both ranks, the previous checkpoint used or intact."""
+    results: dict[str, Any] = {}
+    faults = ("missing-shard", "truncated-shard", "missing-metadata")
+    for fault in (*faults, "both-bad"):
+        where = root / f"fault-{fault}"
+        if rank == 0:
+            shutil.copytree(fsdp, where)
+            _break(where / "ckpt.dcp", "missing-metadata" if fault == "both-bad" else fault)
+            if fault == "both-bad":
+                _break(where / "ckpt.prev.dcp", "missing-metadata")
+        dist.barrier()
+        results[f"fsdp_{fault}"] = _outcome(partial(_resume, _gpt(0.0), where, 14, "fsdp2"))
+    where = root / "fault-wider"
+    if rank == 0:
+        shutil.copytree(fsdp, where)
+    dist.barrier()
+    wider = GPT(GPTConfig(V, BLOCK, n_layer=2, n_head=2, n_embd=24))
+    results["fsdp_wider"] = _outcome(partial(_resume, wider, where, 14, "fsdp2"))
+    # DDP: a garbled ckpt.rng1.pt stops both ranks with one message (no hang, no reseed).
+    where = root / "fault-rng"
+    if rank == 0:
+        shutil.copytree(ddp, where)
+        (where / "ckpt.rng1.pt").write_bytes(b"garbled")
+        (where / "ckpt.prev.rng1.pt").unlink(missing_ok=True)
+    dist.barrier()
+    results["ddp_rng"] = _outcome(partial(_resume, _gpt(0.2), where, 12, "ddp"))
+    disk = root / "disk"
+    if (disk / "mounted").exists():
+        for mode in ("ddp", "fsdp2"):
+            where = disk / mode
+            _resume(_gpt(0.0), where, 2, mode, checkpoint_every=1)  # two good checkpoints
+            dist.barrier()
+            if rank == 0:
+                _fill(disk / "filler")  # the disk is full from now on
+            dist.barrier()
+            run = partial(_resume, _gpt(0.0), where, 4, mode, checkpoint_every=1)
+            results[f"disk_{mode}"] = _outcome(run)
+            dist.barrier()
+            if rank == 0:
+                results[f"disk_{mode}_files"] = sorted(p.name for p in where.iterdir())
+                (disk / "filler").unlink()
+                shutil.rmtree(where, ignore_errors=True)
+            dist.barrier()
+    return results
 
 
 def _saved_step(where: Path, rank: int) -> int:
@@ -136,10 +229,20 @@ class _nothing:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import subprocess
+
     out = tmp_path_factory.mktemp("faults") / "pair"
-    out.mkdir()
-    return out, run_ranks(_pair_worker, 2, out, 240, "fault scenarios (2 ranks)")
+    disk = out / "disk"
+    disk.mkdir(parents=True)
+    # A real full disk: a small tmpfs, filled up by the workers between two saves.
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
+    mounted = subprocess.run(mount, capture_output=True).returncode == 0
+    if mounted:
+        (disk / "mounted").touch()
+    yield out, run_ranks(_pair_worker, 2, out, 240, "fault scenarios (2 ranks)")
+    if mounted:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _close(a: list[float], b: list[float], rtol: float) -> None:
@@ -196,3 +299,45 @@ def test_fsdp2_resumes_on_three_ranks_with_other_batch_sizes(
     assert losses[:6] == r0["fsdp_first"]
     # Same global batch, same samples per step: the curve continues up to reduction order.
     _close(losses, r0["fsdp_straight"], 1e-4)
+
+
+def test_fsdp2_shard_faults_fall_back_to_the_previous_checkpoint_in_one_line(
+    pair: tuple[Path, list[Any]],
+) -> None:
+    _, (r0, r1) = pair
+    for fault in ("missing-shard", "truncated-shard", "missing-metadata"):
+        kind, notes = r0[f"fsdp_{fault}"]
+        assert kind == "ok", (fault, notes)
+        assert "ckpt.dcp" in notes and "fell back" in notes and "ckpt.prev.dcp at step 6" in notes
+        assert r1[f"fsdp_{fault}"][0] == "ok"
+    kind, message = r0["fsdp_both-bad"]
+    assert kind == "CorruptCheckpoint" and r1["fsdp_both-bad"] == r0["fsdp_both-bad"]
+    assert "ckpt.dcp" in message and "ckpt.prev.dcp" in message and "\n" not in message
+    assert "prev.prev" not in message
+    kind, message = r0["fsdp_wider"]  # another model size: bad input, no fallback
+    assert kind == "CheckpointError" and r1["fsdp_wider"] == r0["fsdp_wider"]
+    assert "does not match the model" in message and "shape mismatches" in message
+
+
+def test_a_garbled_rank_rng_file_stops_every_rank_with_one_message(
+    pair: tuple[Path, list[Any]],
+) -> None:
+    _, (r0, r1) = pair
+    assert r0["ddp_rng"] == r1["ddp_rng"]  # both ranks: no hang, the same one line
+    kind, message = r0["ddp_rng"]
+    assert kind == "CorruptCheckpoint" and "ckpt.rng1.pt" in message and "delete it" in message
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_full_disk_under_ddp_and_fsdp2_is_one_line_on_every_rank(
+    pair: tuple[Path, list[Any]], mode: str
+) -> None:
+    _, (r0, r1) = pair
+    if f"disk_{mode}" not in r0:
+        pytest.skip("no tmpfs could be mounted here (needs root)")
+    assert r0[f"disk_{mode}"] == r1[f"disk_{mode}"]
+    kind, message = r0[f"disk_{mode}"]
+    assert kind == "TrainingError" and "No space left on device" in message, message
+    files = r0[f"disk_{mode}_files"]
+    assert not [f for f in files if f.endswith(".tmp")], files  # no temporary file left
+    assert ("ckpt.dcp" if mode == "fsdp2" else "ckpt.pt") in files  # the previous one stays

@@ -370,3 +370,90 @@ def test_launch_runs_torchrun_with_env(tmp_path: Path, monkeypatch: pytest.Monke
         assert res["CUDA_VISIBLE_DEVICES"] is None  # CPU plan leaves devices alone
     assert "EVENDP_BATCH_SIZES" not in env  # the env handed in is not modified
     assert "EVENDP_BATCH_SIZES" not in os.environ  # nor the launcher's own
+
+
+_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+
+    out = Path(sys.argv[1])
+    rank = os.environ["RANK"]
+
+    def stop(signum, frame):
+        (out / f"stopped{rank}").write_text(str(signum))
+        sys.exit(0)
+
+    if sys.argv[2] == "handler":
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def _launcher(tmp_path: Path, mode: str) -> tuple[Any, list[int]]:
+    import subprocess
+    import time
+
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {k: v for k, v in os.environ.items() if k != "EVENDP_BATCH_SIZES"}
+    cmd = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "1,1"]
+    proc = subprocess.Popen(
+        [*cmd, str(script), str(tmp_path), mode],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not all((tmp_path / f"pid{r}").exists() for r in (0, 1)):
+        time.sleep(0.05)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    time.sleep(0.3)  # the handlers are installed before the pid files are written
+    return proc, pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    import time
+
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_launcher_stops_torchrun_and_every_rank(tmp_path: Path) -> None:
+    import signal
+
+    proc, pids = _launcher(tmp_path, "plain")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # torchrun receives SIGTERM when its parent dies and stops its workers: nobody trains on.
+    assert _gone(pids, 40), [p for p in pids if _alive(p)]
+
+
+@pytest.mark.multiprocess
+def test_a_hang_up_or_ctrl_c_reaches_the_ranks_not_torchrun(tmp_path: Path) -> None:
+    import signal
+
+    proc, pids = _launcher(tmp_path, "handler")
+    os.kill(proc.pid, signal.SIGHUP)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGHUP, output
+    assert _gone(pids, 10)
+    # Each rank got SIGTERM itself and stopped cleanly: torchrun printed no SignalException.
+    assert [(tmp_path / f"stopped{r}").read_text() for r in (0, 1)] == ["15", "15"]
+    assert "Traceback" not in output and "SignalException" not in output, output

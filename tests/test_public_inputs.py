@@ -247,6 +247,8 @@ def _cases() -> dict[str, Callable[[], Case]]:
                 "extra": None,
             },
         ),
+        "StepMean": lambda: (evendp.StepMean, [], {"count_fn": None, "group": None}),
+        "is_stand_in": lambda: (evendp.is_stand_in, [torch.ones(2)], {}),
         "load_checkpoint": lambda: (
             evendp.load_checkpoint,
             [_saved()],

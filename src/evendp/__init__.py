@@ -4,6 +4,11 @@ with the gradient a single huge device would compute on the whole batch.
 The public API is what ``__all__`` lists; everything else lives in private modules.
 """
 
+# `evendp --version` / `--help` answer here and exit, before anything below imports torch.
+from .cli._fast import answer_without_torch as _answer_without_torch
+
+_answer_without_torch()
+
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._cost import padded_cost, split_by_cost
 from ._devices import DeviceInfo, list_devices, select_devices

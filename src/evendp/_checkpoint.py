@@ -4,7 +4,13 @@ A save writes a temporary file in the target's folder, fsyncs it, moves the curr
 to ``<name>.prev<suffix>`` and renames the temporary file into place (``os.replace`` is atomic
 on POSIX and Windows), so at every instant a complete checkpoint exists on disk. A load reads
 and checks everything (format, keys, shapes) before it touches the model or optimizer, so a
-corrupt or mismatched file is a clear :class:`EvendpError` and changes nothing.
+corrupt or mismatched file is a clear :class:`CheckpointError` and changes nothing.
+
+Each file carries what proves it whole: ``sha256``, a digest of its contents
+(:mod:`evendp._digest`), checked on every load, so garbled tensor data is caught although
+``torch.load`` reads it. A checkpoint is never written from non-finite parameters or optimizer
+state (:class:`TrainingError`), and a write that fails (disk full, read-only folder) leaves the
+files already there intact, removes its temporary file and says so in one line.
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._errors import EvendpError
+from ._digest import content_digest, first_non_finite
+from ._errors import CheckpointError, EvendpError, TrainingError
 from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
+    "CorruptCheckpoint",
     "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
@@ -34,6 +42,7 @@ __all__ = [
     "load_sharded_checkpoint",
     "previous_path",
     "rank_rng_path",
+    "resumable_checkpoint",
     "save_checkpoint",
     "save_rank_rng",
     "save_sharded_checkpoint",
@@ -41,6 +50,44 @@ __all__ = [
 
 _FORMAT = "evendp-checkpoint"
 _VERSION = 1
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint that cannot be read back whole (truncated, garbled, foreign): a resume
+    falls back to the previous good one. A mismatch with the run is a plain
+    :class:`CheckpointError`: the previous one would not fit either."""
+
+
+def current_path(path: str | Path) -> Path:
+    """The checkpoint ``path`` is the previous copy of, or ``path`` itself.
+
+    >>> current_path("d/ckpt.prev.pt").name, current_path("d/ckpt.pt").name
+    ('ckpt.pt', 'ckpt.pt')
+    """
+    p = Path(path)
+    return p.with_name(p.stem.removesuffix(".prev") + p.suffix) if is_previous(p) else p
+
+
+def is_previous(path: str | Path) -> bool:
+    """Whether ``path`` is a previous copy (``ckpt.prev.pt``, ``ckpt.prev.dcp``).
+
+    >>> is_previous("d/ckpt.prev.pt"), is_previous("d/ckpt.pt")
+    (True, False)
+    """
+    return Path(path).stem.endswith(".prev")
+
+
+def _fix_for(path: Path) -> str:
+    """What to do about an unusable checkpoint file: never point at ``ckpt.prev.prev.pt``."""
+    if is_previous(path):
+        return (
+            f"it was the last fallback; delete {str(path)!r} and resume from "
+            f"{str(current_path(path))!r}, or start fresh with another --out"
+        )
+    return (
+        f"resume from the previous good checkpoint {str(previous_path(path))!r} if it exists, "
+        "or delete the file to start fresh"
+    )
 
 
 def previous_path(path: str | Path) -> Path:
@@ -77,6 +124,26 @@ def checkpoint_step(path: str | Path) -> int:
     p = Path(path)
     payload = _read_state_file(p) if p.is_dir() else _read(p)
     return int(payload["step"])
+
+
+def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
+    """The checkpoint a resume will use, its step and its ``extra`` (the run's configuration
+    among it): ``path`` when it reads back whole, else its previous copy (``None``: neither
+    exists). The error of the last one when none reads.
+
+    >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
+    True
+    """
+    p = Path(path)
+    candidates = [c for c in (p, previous_path(p)) if c.exists()]
+    for candidate in candidates:
+        try:
+            payload = _read_state_file(candidate) if candidate.is_dir() else _read(candidate)
+            return candidate, int(payload["step"]), dict(payload.get("extra") or {})
+        except CorruptCheckpoint:
+            if candidate == candidates[-1]:
+                raise
+    return None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -131,8 +198,14 @@ def save_checkpoint(
     scheduler: Any | None = None,
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
+    keep_previous: bool = True,
 ) -> Path:
     """Write a checkpoint atomically; the one it replaces becomes :func:`previous_path`.
+
+    ``keep_previous=False``: the file at ``path`` is not a good checkpoint (a resume found it
+    corrupt), so it is replaced without rotating it over the good previous one.
+    :class:`TrainingError`, and nothing written, when the model or optimizer state holds
+    NaN or inf, or when the disk refuses the write.
 
     Saves the model, optimizer, scaler and scheduler states, the RNG states (torch, CUDA when
     used, Python ``random``, numpy when imported), ``step`` and ``extra`` (e.g. the sampler
@@ -148,7 +221,8 @@ def save_checkpoint(
     """
     validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _mkdir(target.parent)
+    _refuse_non_finite(target, step, model.state_dict(), optimizer)
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -160,15 +234,62 @@ def save_checkpoint(
         "rng": _rng_state(),
         "extra": dict(extra or {}),
     }
-    return _atomic_save(payload, target, previous=previous_path(target))
+    payload["sha256"] = content_digest(payload)
+    return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
+
+
+def _refuse_non_finite(
+    target: Path, step: int, model_state: Any, optimizer: Any, optimizer_state: Any = None
+) -> None:
+    bad = first_non_finite(model_state, "model")
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict().get("state", {})
+    if bad is None and isinstance(optimizer_state, Mapping):
+        bad = first_non_finite(optimizer_state.get("state", optimizer_state), "optimizer")
+    if bad is not None:
+        raise TrainingError(
+            f"not writing the checkpoint {str(target)!r} at step {step}: {bad} holds NaN or "
+            f"inf; the checkpoints already there are kept ({_kept(target)}); lower the "
+            "learning rate or check the data, then resume from them"
+        )
+
+
+def _kept(target: Path) -> str:
+    here = [p.name for p in (target, previous_path(target)) if p.exists()]
+    return ", ".join(here) if here else "none yet"
+
+
+def _mkdir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _disk_error(folder, exc, "create the folder") from None
+
+
+def _disk_error(where: Path, exc: OSError, doing: str) -> TrainingError:
+    """One line for a write the operating system refused: which file, why, what to do."""
+    why = exc.strerror or type(exc).__name__
+    return TrainingError(
+        f"could not {doing} {str(where)!r}: {why} (errno {exc.errno}); the checkpoints already "
+        f"there are intact ({_kept(where) if where.suffix else 'none touched'}); free space or "
+        "fix the permissions, then resume with --resume, or pass another --out"
+    )
 
 
 def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None) -> Path:
     """Write ``payload`` to ``target`` through a temporary file and a rename.
 
     The file already at ``target`` is first moved to ``previous`` (unless ``None``).
+    Temporary files of ``target`` left by a process killed mid-save are removed first: one
+    writer per run directory (:mod:`evendp._run_lock`) means nobody else is writing them.
     """
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _disk_error(target, exc, "write") from None
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -178,9 +299,14 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
         if previous is not None and target.exists():
             os.replace(target, previous)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, OSError):
+            raise _disk_error(target, exc, "write") from None
+        cause = exc.__context__  # torch.save wraps the file's OSError in a RuntimeError
+        if isinstance(exc, RuntimeError) and isinstance(cause, OSError):
+            raise _disk_error(target, cause, "write") from None
         raise
     _fsync_dir(target.parent)
     return target
@@ -206,16 +332,19 @@ def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
     the checkpoint, so a resume from the previous checkpoint finds this rank's state too.
     """
     target = rank_rng_path(path, rank)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+    _mkdir(target.parent)
+    payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+    payload["sha256"] = content_digest(payload)
     return _atomic_save(payload, target, previous=rank_rng_path(previous_path(path), rank))
 
 
 def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = None) -> bool:
     """Restore this rank's RNG states saved with checkpoint ``path`` at ``step``.
 
-    Returns True when restored. When the rank's file is absent or holds another step (a crash
-    between two ranks' writes, or a rank that did not exist when the run was saved), it warns
+    Returns True when restored. The rank's file of the other checkpoint (``ckpt.prev.rng{rank}.pt``
+    beside ``ckpt.pt``, and the reverse) is used when it holds ``step``: after a crash between
+    two ranks' writes it is the exact state. When neither holds ``step`` (or the run was saved
+    without this rank), it warns
     and, with ``reseed``, seeds torch and ``random`` with it (the generators then differ from
     an uninterrupted run's, but never copy another rank's); it returns False.
 
@@ -232,13 +361,25 @@ def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = N
     True
     """
     source = rank_rng_path(path, rank)
+    other = Path(path)
+    other = current_path(other) if is_previous(other) else previous_path(other)
     found: int | None = None
-    if source.exists():
-        payload = _read_rng(source)
-        found = int(payload["step"])
-        if found == int(step):
+    unreadable: CheckpointError | None = None
+    for candidate in (source, rank_rng_path(other, rank)):
+        if not candidate.exists():
+            continue
+        try:
+            payload = _read_rng(candidate)
+        except CheckpointError as exc:
+            unreadable = unreadable or exc
+            continue
+        if int(payload["step"]) == int(step):
             _set_rng_state(payload["rng"])
             return True
+        if candidate == source:
+            found = int(payload["step"])
+    if unreadable is not None:  # never reseed over a garbled file silently
+        raise unreadable
     why = "is missing" if found is None else f"holds step {found}"
     what = "kept the state seeded at start" if reseed is None else f"reseeded with {reseed}"
     warnings.warn(
@@ -265,16 +406,18 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    fix = (
-        f"resume from the previous good checkpoint {str(previous_path(path))!r} if it exists, "
-        "or delete the file to start fresh"
-    )
+    fix = _fix_for(path)
     if not path.is_file():
-        raise EvendpError(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
+        raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (PermissionError, IsADirectoryError) as exc:  # unreadable for the OS, not corrupt
+        raise CheckpointError(
+            f"cannot read the checkpoint {str(path)!r}: {exc.strerror or exc} (errno "
+            f"{exc.errno}); fix its permissions, or pass another --out"
+        ) from None
     except Exception as exc:  # torch raises several types for a truncated or foreign file
-        raise EvendpError(
+        raise CorruptCheckpoint(
             f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}: "
             f"{_first_sentence(str(exc))}); it may be truncated or not an evendp checkpoint; "
             f"{fix}"
@@ -284,16 +427,33 @@ def _read(path: Path) -> dict[str, Any]:
         or payload.get("format") != _FORMAT
         or not isinstance(payload.get("model"), dict)
     ):
-        raise EvendpError(
+        raise CorruptCheckpoint(
             f"{str(path)!r} is not an evendp checkpoint (no {_FORMAT!r} marker or model state); "
             f"{fix}"
         )
     if payload.get("version") != _VERSION:
-        raise EvendpError(
+        raise CheckpointError(
             f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
             f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
         )
+    _verify_digest(path, payload, fix)
     return payload
+
+
+#: Checkpoints read without a digest to verify (written before evendp kept one), by path.
+UNVERIFIED: set[str] = set()
+
+
+def _verify_digest(path: Path, payload: Mapping[str, Any], fix: str) -> None:
+    saved = payload.get("sha256")
+    if saved is None:  # an older evendp's file: accepted, and said once
+        UNVERIFIED.add(str(path))
+        return
+    if content_digest(payload) != saved:
+        raise CorruptCheckpoint(
+            f"checkpoint {str(path)!r} is corrupt: its contents do not match the sha256 "
+            f"saved with them (garbled tensor data); {fix}"
+        )
 
 
 def _read_rng(path: Path) -> dict[str, Any]:
@@ -301,10 +461,15 @@ def _read_rng(path: Path) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a truncated or foreign file
         payload = exc
+    fix = (
+        "delete it to resume with the checkpoint writer's generator states on this rank "
+        "(random draws there then differ from an uninterrupted run's)"
+    )
     if not isinstance(payload, dict) or payload.get("format") != f"{_FORMAT}-rng":
-        raise EvendpError(
-            f"{str(path)!r} is not a readable evendp rank RNG file; delete it to resume with "
-            "the checkpoint writer's generator states on this rank"
+        raise CorruptCheckpoint(f"{str(path)!r} is not a readable evendp rank RNG file; {fix}")
+    if payload.get("sha256") is not None and content_digest(payload) != payload["sha256"]:
+        raise CorruptCheckpoint(
+            f"{str(path)!r} is corrupt: its contents do not match the sha256 saved with them; {fix}"
         )
     return payload
 
@@ -345,7 +510,7 @@ def _validate_model_state(path: Path, model: torch.nn.Module, state: Mapping[str
             )
             if part
         )
-        raise EvendpError(
+        raise CheckpointError(
             f"checkpoint {str(path)!r} does not match the model ({details}); resume with the "
             "same model configuration that wrote it, or use a new output directory"
         )
@@ -355,14 +520,14 @@ def _validate_optimizer_state(
     path: Path, optimizer: torch.optim.Optimizer, state: Mapping[str, Any] | None
 ) -> None:
     if state is None:
-        raise EvendpError(
+        raise CheckpointError(
             f"checkpoint {str(path)!r} has no optimizer state but an optimizer was given; "
             "load it without optimizer= or resume from a full training checkpoint"
         )
     ours = [len(g["params"]) for g in optimizer.param_groups]
     theirs = [len(g["params"]) for g in state.get("param_groups", [])]
     if ours != theirs:
-        raise EvendpError(
+        raise CheckpointError(
             f"checkpoint {str(path)!r} optimizer has parameter groups of sizes {theirs}, "
             f"the optimizer here has {ours}; build the optimizer the same way as the run "
             "that wrote it"
@@ -377,17 +542,21 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     scheduler: Any | None = None,
     restore_rng: bool = True,
+    verify: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Validate, then restore a checkpoint written by :func:`save_checkpoint`.
 
     Returns ``{"step": int, "extra": dict}``. Everything is checked before anything is
     loaded: a corrupt file or one whose keys or shapes do not match raises
-    :class:`EvendpError` naming the file and the fix, and leaves the model, the optimizer and
-    the file untouched. (See :func:`save_checkpoint` for an example.)
+    :class:`CheckpointError` naming the file and the fix, and leaves the model, the optimizer and
+    the file untouched. ``verify(path, extra)`` may refuse the run's saved configuration
+    before anything is loaded. (See :func:`save_checkpoint` for an example.)
     """
     validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
     p = Path(path)
     payload = _read(p)
+    if verify is not None:
+        verify(p, dict(payload.get("extra") or {}))
     _validate_model_state(p, model, payload["model"])
     if optimizer is not None:
         _validate_optimizer_state(p, optimizer, payload.get("optimizer"))
@@ -421,6 +590,7 @@ def save_sharded_checkpoint(
     scheduler: Any | None = None,
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
+    keep_previous: bool = True,
 ) -> Path:
     """Save an FSDP2 model and optimizer with ``torch.distributed.checkpoint``, sharded.
 
@@ -434,37 +604,74 @@ def save_sharded_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from ._rank_errors import agreed
+
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
     rank = dist.get_rank()
-    if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-    rng = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
-    _atomic_save(rng, _rng_file(tmp, rank), previous=None)
-    if rank == 0:
-        state = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "step": int(step),
-            "world_size": dist.get_world_size(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "extra": dict(extra or {}),
-        }
-        _atomic_save(state, tmp / _STATE_FILE, previous=None)
-    dist.barrier()  # every rank's shards and RNG are on disk
-    if rank == 0:
-        previous = previous_path(target)
-        shutil.rmtree(previous, ignore_errors=True)
-        if target.exists():
-            os.replace(target, previous)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    dist.barrier()  # nobody reads or writes the next checkpoint before the rename
+    # Every rank checks its own shards; the ranks agree before anything is written.
+    agreed(lambda: _refuse_non_finite(target, step, model_state, None, optim_state), True)
+
+    def write() -> None:
+        if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint
+            _mkdir(target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            _mkdir(tmp)
+
+    agreed(write, distributed=True)
+
+    failures = _dcp_failures()
+
+    def shards() -> None:
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+        except OSError as exc:
+            raise _disk_error(target, exc, "write") from None
+        except failures as exc:  # DCP wraps the ranks' OSErrors in its own exception
+            cause = _dcp_cause(exc)
+            if not isinstance(cause, OSError):
+                cause = OSError(0, _first_sentence(str(cause)))
+            raise _disk_error(target, cause, "write") from None
+        rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+        rng["sha256"] = content_digest(rng)
+        _atomic_save(rng, _rng_file(tmp, rank), previous=None)
+        if rank == 0:
+            state: dict[str, Any] = {
+                "format": _FORMAT,
+                "version": _VERSION,
+                "step": int(step),
+                "world_size": dist.get_world_size(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "extra": dict(extra or {}),
+            }
+            state["sha256"] = content_digest(state)
+            _atomic_save(state, tmp / _STATE_FILE, previous=None)
+
+    try:
+        agreed(shards, distributed=True)  # every rank's shards and RNG are on disk
+    except EvendpError:
+        if rank == 0:  # a failed save leaves no temporary folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def rotate() -> None:
+        if rank == 0:
+            try:
+                previous = previous_path(target)
+                if target.exists() and not keep_previous:  # corrupt: never over the good one
+                    shutil.rmtree(target)
+                if target.exists():
+                    shutil.rmtree(previous, ignore_errors=True)
+                    os.replace(target, previous)
+                os.replace(tmp, target)
+                _fsync_dir(target.parent)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise _disk_error(target, exc, "rename into") from None
+
+    agreed(rotate, distributed=True)  # nobody reads or writes the next one before the rename
     return target
 
 
@@ -488,11 +695,25 @@ def load_sharded_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from ._rank_errors import agreed
+
     folder = Path(path)
-    meta = _read_state_file(folder)
+    meta = agreed(lambda: _read_state_file(folder), distributed=True)
     model_state, optim_state = get_state_dict(model, optimizer)
-    # DCP loads in place into these (sharded) tensors, resharding to this world size.
-    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+    agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)
+
+    failures = _dcp_failures()
+
+    def shards() -> None:
+        try:  # DCP loads in place into these (sharded) tensors, resharding to this world size
+            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+        except failures as exc:  # a missing or truncated shard, from any rank's reader
+            raise CorruptCheckpoint(
+                f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
+                f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {_fix_for(folder)}"
+            ) from None
+
+    agreed(shards, distributed=True)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if scaler is not None and meta.get("scaler") is not None:
         scaler.load_state_dict(meta["scaler"])
@@ -500,8 +721,9 @@ def load_sharded_checkpoint(
         scheduler.load_state_dict(meta["scheduler"])
     rank = dist.get_rank()
     rng_file = _rng_file(folder, rank)
-    if rng_file.exists():
-        _set_rng_state(_read_rng(rng_file)["rng"])
+    rng = agreed(lambda: _read_rng(rng_file) if rng_file.exists() else None, distributed=True)
+    if rng is not None:
+        _set_rng_state(rng["rng"])
     else:
         warnings.warn(
             f"rank {rank}: the checkpoint {str(folder)!r} was saved by "
@@ -519,19 +741,80 @@ def load_sharded_checkpoint(
     }
 
 
+def _dcp_failures() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)  # DCP's is a BaseException, not an Exception
+
+
+def _dcp_cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's ``CheckpointException`` (an OSError if any)."""
+    found: list[BaseException] = []
+    for pair in getattr(exc, "failures", {}).values():
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        while inner is not None:
+            found.append(inner)
+            inner = inner.__cause__ or inner.__context__
+    return next((e for e in found if isinstance(e, OSError)), found[0] if found else exc)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """DCP reports a rank's failure as a long summary: the first line of the innermost error."""
+    text = str(exc)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(("FileNotFoundError", "RuntimeError", "OSError", "EOFError")):
+            return line
+        if "No such file" in line or "truncated" in line or "unexpected" in line:
+            return line
+    return text
+
+
+def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
+    """The saved tensors' global shapes against the model's: a changed model is bad input."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as exc:  # no .metadata, or an unreadable one
+        raise CorruptCheckpoint(
+            f"sharded checkpoint {str(folder)!r} has no readable .metadata "
+            f"({type(exc).__name__}); {_fix_for(folder)}"
+        ) from None
+    wrong = []
+    for name, tensor in model_state.items():
+        meta = saved.get(f"model.{name}")
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            wrong.append(f"{name}: checkpoint {tuple(size)} vs model {tuple(tensor.shape)}")
+    missing = sorted(n for n in model_state if f"model.{n}" not in saved)
+    if wrong or missing:
+        details = "; ".join(
+            p
+            for p in (
+                f"shape mismatches {wrong[:3]}" if wrong else "",
+                f"missing keys {missing[:3]}" if missing else "",
+            )
+            if p
+        )
+        raise CheckpointError(
+            f"sharded checkpoint {str(folder)!r} does not match the model ({details}); resume "
+            "with the same model configuration that wrote it, or use a new output directory"
+        )
+
+
 def _read_state_file(folder: Path) -> dict[str, Any]:
     source = folder / _STATE_FILE
     try:
         payload = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # missing, truncated or foreign
-        raise EvendpError(
+        raise CorruptCheckpoint(
             f"{str(folder)!r} is not a readable evendp sharded checkpoint ({type(exc).__name__} "
-            f"reading {_STATE_FILE}); resume from {str(previous_path(folder))!r} if it exists, "
-            "or delete the folder to start fresh"
-        ) from exc
+            f"reading {_STATE_FILE}); {_fix_for(folder)}"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise EvendpError(
-            f"{str(source)!r} is not an evendp checkpoint state file; delete {str(folder)!r} "
-            "to start fresh"
+        raise CorruptCheckpoint(
+            f"{str(source)!r} is not an evendp checkpoint state file; {_fix_for(folder)}"
         )
+    _verify_digest(source, payload, _fix_for(folder))
     return payload

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,9 +310,12 @@ def select_devices(
     >>> import os
     >>> old = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
     >>> import torch
+    >>> import warnings
     >>> if not torch.cuda.is_initialized():
     ...     try:
-    ...         mapping = select_devices(gpu_ids=[0])
+    ...         with warnings.catch_warnings():  # no driver: "cannot be checked"
+    ...             warnings.simplefilter("ignore", UserWarning)
+    ...             mapping = select_devices(gpu_ids=[0])
     ...     except EvendpError:  # a driver is present but GPU 0 does not exist
     ...         mapping = {0: 0}
     ...     print(mapping)
@@ -337,11 +341,17 @@ def select_devices(
     except NvmlUnavailableError as exc:
         if ids is None or count is not None or min_free is not None:
             raise EvendpError(
-                f"cannot choose GPUs by count or free memory: {exc}; pass ids=[...] explicitly, "
-                "or run on CPU"
+                f"cannot choose GPUs by count or free memory: {exc}; pass gpu_ids=[...] "
+                "explicitly, or run on CPU"
             ) from exc
         physical = list(ids)
         _validate_selection([DeviceInfo(i, "", "", 0, 0) for i in physical], None, physical)
+        warnings.warn(
+            f"select_devices(gpu_ids={physical}): no NVIDIA driver found ({exc}), so these "
+            "GPUs cannot be checked; CUDA_VISIBLE_DEVICES is set as given, and with no GPU "
+            "torch will run on the CPU",
+            stacklevel=2,
+        )
         names = [str(p) for p in physical]
         driver = False
     else:

@@ -15,14 +15,31 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StopFlag", "exit_code", "run_forwarding_signals"]
+__all__ = [
+    "StopFlag",
+    "die_with_parent",
+    "exit_code",
+    "late_signal",
+    "resume_command",
+    "run_forwarding_signals",
+]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _pending(handler: Any) -> int | None:
+    """The signal a previous stop handler (a :class:`StopFlag`'s, or the rank script's early
+    one) has caught and nobody acted on yet."""
+    signum = getattr(getattr(handler, "__self__", None), "signum", None)
+    return signum if isinstance(signum, int) else None
 
 
 def exit_code(signum: int | None) -> int:
@@ -70,6 +87,11 @@ class StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in _SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+                pending = _pending(self._previous[sig])
+                if self.signum is None and pending is not None:
+                    # A signal during start-up, caught by the command line's flag: this run
+                    # stops at its first step boundary instead of never hearing of it.
+                    self.signum = pending
             self.active = True
         return self
 
@@ -85,27 +107,152 @@ class StopFlag:
         self.active = False
 
 
-def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run ``cmd`` (torchrun) in a session of its own, pass SIGINT/SIGTERM on, wait for it.
+def resume_command(argv: Sequence[str], prog: str = "evendp") -> str:
+    """The exact command that continues a stopped run: the same one, with ``--resume``.
 
-    Its own session: a Ctrl-C in the terminal reaches only this process, which forwards it
-    once; torchrun then signals its workers once (a second signal would cut torchrun's
-    shutdown short). Returns 130/143 when a signal came (the workers saved and stopped),
-    else the command's exit code.
+    >>> resume_command(["train", "--steps", "9", "--out", "my runs/a"])
+    "evendp train --steps 9 --out 'my runs/a' --resume"
+    >>> resume_command(["train", "--resume-or-start"])
+    'evendp train --resume-or-start'
     """
-    process = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+    import shlex
+
+    args = list(argv)
+    if "--resume" not in args and "--resume-or-start" not in args:
+        args.append("--resume")
+    return shlex.join([prog, *args])
+
+
+def late_signal(signum: int | None, finished: bool, rank: int = 0) -> int | None:
+    """The signal that stopped a run, or ``None`` when it came after the last step.
+
+    A run that did all its steps is finished however late a signal came: it is reported as
+    finished (exit 0, ``interrupted: false``) and the signal is said in one line (rank 0).
+
+    >>> late_signal(2, finished=False), late_signal(None, finished=True)
+    (2, None)
+    """
+    if signum is None or not finished:
+        return signum
+    if rank == 0:
+        print(
+            f"evendp: {signal.Signals(signum).name} came after the last step: the run had "
+            "finished and is saved as finished",
+            file=sys.stderr,
+            flush=True,
+        )
+    return None
+
+
+def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``cmd`` (torchrun), pass SIGINT/SIGTERM/SIGHUP on to its ranks, wait for it.
+
+    torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches only this
+    process. A signal here goes to torchrun's workers (once each, as soon as each has its
+    evendp stop handler installed), not to torchrun: the ranks finish the step, save and
+    exit 0, torchrun ends normally and prints no ``SignalException`` traceback. Workers of a
+    script without a SIGTERM handler (or none at all after a few seconds, or a second
+    Ctrl-C) get it through torchrun, as before. SIGHUP is passed on as SIGTERM.
+
+    torchrun gets ``PR_SET_PDEATHSIG`` (Linux): when this process dies, even by SIGKILL,
+    torchrun receives SIGTERM and stops its workers, so no rank trains on unsupervised.
+
+    Returns 128 + the signal's number when one came, else the command's exit code.
+    """
+    process = subprocess.Popen(
+        list(cmd), env=dict(env), start_new_session=True, preexec_fn=_die_with_parent
+    )
     received: list[int] = []
 
-    def forward(signum: int, frame: FrameType | None) -> None:
+    def record(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signum)
 
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in _SIGNALS} if main else {}
+    catch = (*_SIGNALS, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, record) for sig in catch} if main else {}
+    pending = _pending(previous.get(signal.SIGINT))
+    if pending is not None:  # came while this command started up: pass it on now
+        received.append(pending)
     try:
-        code = process.wait()
+        code = _wait_forwarding(process, received)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return exit_code(received[0]) if received else code
+
+
+def _wait_forwarding(process: subprocess.Popen[bytes], received: list[int]) -> int:
+    sent: set[int] = set()
+    to_torchrun = False
+    since: float | None = None
+    while True:
+        try:
+            return process.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            pass
+        if not received:
+            continue
+        signum = signal.SIGTERM if received[0] == signal.SIGHUP else received[0]
+        since = time.monotonic() if since is None else since
+        workers = _children(process.pid)
+        ready = [w for w in workers or [] if _catches_sigterm(w)]
+        for pid in ready:
+            if pid not in sent:
+                sent.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+        waited = time.monotonic() - since
+        impatient = len(received) > 1 or (not sent and waited > _GRACE_S) or workers is None
+        if impatient and not to_torchrun:
+            to_torchrun = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
+
+
+_GRACE_S = 5.0  # how long a signal waits for the ranks' stop handlers before going to torchrun
+
+
+def _children(pid: int) -> list[int] | None:
+    """The child processes of ``pid`` (``None`` where /proc cannot tell)."""
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        found: list[int] = []
+        for task in tasks:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        return found
+    except OSError:
+        return None
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler (evendp's stop flag) installed now."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux): a rank whose torchrun was killed
+    stops (after its step, saving) instead of training on unsupervised.
+
+    >>> die_with_parent()  # harmless anywhere
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the call: act now
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -10,11 +10,15 @@ model is planned, the most samples each rank's memory holds (``EVENDP_BATCH_CAPS
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._deprecation import UNSET, renamed_argument
@@ -29,7 +33,15 @@ from ._validate import validate_int
 if TYPE_CHECKING:
     from ._plan import Plan
 
-__all__ = ["LaunchPlan", "launch", "plan_launch", "torchrun_command"]
+__all__ = [
+    "ENV_OUTCOME",
+    "LaunchPlan",
+    "launch",
+    "plan_launch",
+    "read_outcome",
+    "torchrun_command",
+    "write_outcome",
+]
 
 # torchrun options passed through unchanged (multi-node and rendezvous).
 PASSTHROUGH_OPTIONS: tuple[str, ...] = (
@@ -388,16 +400,61 @@ def launch(
     plan: LaunchPlan,
     passthrough: Mapping[str, str | int | None] | None = None,
     env: Mapping[str, str] | None = None,
+    run_dir: str | Path | None = None,
 ) -> int:
     """Run ``script`` under torchrun as ``plan`` says; returns torchrun's exit code.
 
     The plan's variables are added to ``env`` (default: this process's environment), so the
-    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM are
-    passed on to torchrun (and by it to the ranks); the code is then 130/143.
+    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM/SIGHUP
+    are passed on to the ranks (:func:`evendp._interrupt.run_forwarding_signals`); the code
+    is then 130/143, and torchrun stops its ranks if this process dies.
+
+    ``run_dir``: the run's output folder, locked for the run's life (the ranks join the lock;
+    :class:`evendp._run_lock.RunDirBusy` when another live run holds it). The ranks' rank 0
+    may leave its exit code and message with :func:`write_outcome`; the launcher then exits
+    with that code (0 for a run that finished although a signal came late).
     """
     from ._interrupt import run_forwarding_signals
+    from ._run_lock import child_env as lock_env
+    from ._run_lock import hold_run_dir
 
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
     cmd = torchrun_command(plan, script, script_args, passthrough)
-    return run_forwarding_signals(cmd, child_env)
+    with contextlib.ExitStack() as stack:
+        if run_dir is not None:
+            lock = stack.enter_context(hold_run_dir(run_dir))
+            child_env.update(lock_env(lock))
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="evendp-outcome-"))
+        outcome = Path(folder) / "outcome.json"
+        child_env[ENV_OUTCOME] = str(outcome)
+        code = run_forwarding_signals(cmd, child_env)
+        said = read_outcome(outcome)
+        return code if said is None else int(said["code"])
+
+
+#: Where rank 0 leaves the run's exit code for the launcher (a private temporary file).
+ENV_OUTCOME = "EVENDP_OUTCOME"
+
+
+def write_outcome(code: int, **details: Any) -> None:
+    """Under ``evendp launch``: leave this run's exit code (and details) for the launcher.
+
+    The ranks themselves exit 0 after a clean stop or a clean error, so that torchrun neither
+    restarts them nor prints its ``ChildFailedError``; the launcher exits with ``code``.
+    Nothing happens outside a launcher.
+
+    >>> write_outcome(0)  # no launcher here: nothing to do
+    """
+    path = os.environ.get(ENV_OUTCOME)
+    if path:
+        Path(path).write_text(json.dumps({"code": int(code), **details}))
+
+
+def read_outcome(path: Path) -> dict[str, Any] | None:
+    """What :func:`write_outcome` left at ``path`` (``None``: nothing, or unreadable)."""
+    try:
+        said = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return said if isinstance(said, dict) and isinstance(said.get("code"), int) else None

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ._table import format_bytes
+
 __all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "write_report"]
 
 
@@ -28,21 +30,6 @@ def _count(x: float) -> str:
     ('12', '11.9')
     """
     return f"{x:g}" if float(x).is_integer() else f"{x:.1f}"
-
-
-def format_bytes(n: float | None) -> str:
-    """Human-readable bytes (binary units); ``None`` is shown as a dash.
-
-    >>> format_bytes(1536), format_bytes(3 * 2**30), format_bytes(None)
-    ('1.5 KiB', '3.00 GiB', '-')
-    """
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            value = n / scale
-            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -72,7 +59,7 @@ class TrainReport:
 
     devices: list[DeviceStat]
     losses: list[float] = field(default_factory=list)
-    steps: int = 0
+    steps: int = 0  # the run's position: optimizer steps done in all, resumed ones included
     global_batch: int = 0
     samples_per_s: float = 0.0
     elapsed_s: float = 0.0
@@ -87,6 +74,9 @@ class TrainReport:
     signal: int | None = None  # what interrupted the run: 2 SIGINT, 15 SIGTERM (None: none)
     #: Evaluations of ``eval_data``: ``[{"step": 100, "metrics": {"loss": 2.31}}, ...]``.
     eval: list[dict[str, Any]] = field(default_factory=list)
+    #: Steps this call ran (``None``: all of ``steps``); the per-step figures, samples/s and
+    #: ``elapsed_s`` are over these only.
+    steps_run: int | None = None
 
     @property
     def first_loss(self) -> float | None:
@@ -99,8 +89,9 @@ class TrainReport:
         return self.losses[-1] if self.losses else None
 
     def table(self) -> Any:
-        """A ``rich.table.Table``: samples per step and memory for each device."""
-        from rich.table import Table
+        """A ``rich.table.Table``: samples per step and memory for each device (``print``
+        shows it as text)."""
+        from ._table import PrintableTable as Table
 
         table = Table(title=self.title())
         table.add_column("device")
@@ -142,18 +133,32 @@ class TrainReport:
         names = ", ".join(d.name for d in self.devices)
         what = f"{self.model} on " if self.model else "on "
         count = len(self.devices)
+        resumed = "" if self.ran == self.steps else f" ({self.ran} this run)"
+        precision = "" if self.amp == "none" else f", {self.amp} autocast"
         return (
             f"evendp {self.mode}: {what}{count} device{'s' if count != 1 else ''} ({names}), "
-            f"global batch {self.global_batch}, {self.steps} steps"
+            f"global batch {self.global_batch}{precision}, {self.steps} steps{resumed}"
         )
+
+    @property
+    def ran(self) -> int:
+        """Steps this run trained (after a resume, fewer than :attr:`steps`).
+
+        >>> TrainReport([], steps=80, steps_run=20).ran
+        20
+        """
+        return self.steps if self.steps_run is None else self.steps_run
 
     def summary(self) -> str:
         """Two lines: loss first -> final, throughput, and what OOM handling did."""
         first, final = self.first_loss, self.final_loss
         loss = f"loss {first:.4f} -> {final:.4f}" if first is not None and final is not None else ""
         state = "interrupted" if self.interrupted else "finished"
+        steps = f"{self.steps} steps"
+        if self.ran != self.steps:
+            steps = f"{self.ran} steps (resumed at step {self.steps - self.ran}, now {self.steps})"
         return (
-            f"{state}: {self.steps} steps in {self.elapsed_s:.1f} s, {loss}, "
+            f"{state}: {steps} in {self.elapsed_s:.1f} s, {loss}, "
             f"{self.samples_per_s:.1f} samples/s\n"
             f"OOM re-splits: {self.resplits}, skipped steps: {self.skipped_steps}, "
             f"micro-batch: {self.micro_batch_size or 'whole batch'}"

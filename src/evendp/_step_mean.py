@@ -27,6 +27,7 @@ from torch import nn
 from ._distributed import _all_reduce_sum, comm_device, world_size
 from ._errors import EvendpError
 from ._exact import is_stand_in, weighted_sum
+from ._validate import validate_callable
 
 __all__ = ["StepMean"]
 
@@ -77,6 +78,12 @@ class StepMean:
         *,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        validate_callable("count_fn", count_fn, "a function batch -> items", allow_none=True)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise EvendpError(
+                f"group must be a torch.distributed ProcessGroup or None (the default group), "
+                f"got {group!r}"
+            )
         self.count_fn = count_rows if count_fn is None else count_fn
         self.group = group
         self.loss: torch.Tensor | None = None  # the last finished step's global mean loss

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from ._checkpoint import (
-    latest_checkpoint,
+    UNVERIFIED,
+    CorruptCheckpoint,
+    _read_state_file,
     load_checkpoint,
     load_rank_rng,
     load_sharded_checkpoint,
@@ -30,10 +32,18 @@ from ._checkpoint import (
     save_rank_rng,
     save_sharded_checkpoint,
 )
-from ._errors import TrainingError
+from ._checkpoint import previous_path as _previous
+from ._errors import CheckpointError, TrainingError
 from ._oom import OomResplit
+from ._rank_errors import agreed
 
 __all__ = ["TrainState"]
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass
@@ -58,6 +68,11 @@ class TrainState:
     _parts: list[torch.Tensor] = field(default_factory=list)
     #: What the last :meth:`resume` restored and what it could not (for the user to read).
     notes: list[str] = field(default_factory=list)
+    #: What must match on resume: ``{"global_batch": int, "mode": str}`` (set by the Trainer).
+    run_config: dict[str, Any] = field(default_factory=dict)
+    #: The file at the checkpoint path is not a good checkpoint (a resume fell back past it):
+    #: the next save replaces it without rotating it over the good previous one.
+    _latest_bad: bool = False
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -110,6 +125,7 @@ class TrainState:
             "micro_batch_sizes": guard.micro_batch_sizes,
             "resplits": guard.resplits,
             "skipped": guard.skipped,
+            **self.run_config,
         }
 
     def save(
@@ -130,13 +146,32 @@ class TrainState:
         (no collective). ``sharded`` (FSDP2): a collective DCP save in which every rank writes
         its shards and its RNG into the ``ckpt.dcp`` folder.
         """
-        states = _states(model, optimizer, scaler, scheduler)
+        states: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "scheduler": scheduler,
+        }
+        extra = self._extra(guard)
         if sharded:
-            return save_sharded_checkpoint(path, **states, step=self.step, extra=self._extra(guard))
-        if rank != 0:
-            save_rank_rng(path, rank, self.step)
-            return None
-        return save_checkpoint(path, **states, step=self.step, extra=self._extra(guard))
+            keep = not self._latest_bad
+            saved_dir = save_sharded_checkpoint(
+                path, **states, step=self.step, extra=extra, keep_previous=keep
+            )
+            self._latest_bad = False
+            return saved_dir
+        distributed = _distributed()
+
+        def write() -> Path | None:
+            if rank != 0:
+                save_rank_rng(path, rank, self.step)
+                return None
+            keep = not self._latest_bad
+            return save_checkpoint(path, **states, step=self.step, extra=extra, keep_previous=keep)
+
+        saved = agreed(write, distributed)  # a failed write on one rank stops every rank
+        self._latest_bad = False
+        return saved
 
     def resume(
         self,
@@ -157,19 +192,51 @@ class TrainState:
         saved without this rank). What does not fit this run (another number of devices) is
         left at its fresh value and said in :attr:`notes`.
         """
-        found = latest_checkpoint(path)
-        if found is None:
+        candidates = [p for p in (path, _previous(path)) if p.exists()]
+        if not candidates:
             return False
-        states = _states(model, optimizer, scaler, scheduler)
-        if sharded:
-            info = load_sharded_checkpoint(found, **states, reseed=reseed)
-        else:
-            info = load_checkpoint(found, **states)
+        states: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "scheduler": scheduler,
+        }
+        distributed = sharded or _distributed()
+
+        def load(found: Path) -> dict[str, Any]:
+            if sharded:
+                meta = agreed(lambda: _read_state_file(found), True)
+                agreed(lambda: self._check_run_config(found, meta.get("extra") or {}), True)
+                return load_sharded_checkpoint(found, **states, reseed=reseed)
+            info = agreed(lambda: self._load_one(found, states), distributed)
+
+            def own_rng() -> None:
+                if rank != 0:  # load_checkpoint restored rank 0's generators
+                    load_rank_rng(found, rank, info["step"], reseed=reseed)
+
+            agreed(own_rng, distributed)  # every rank joins: a garbled file stops all
+            return info
+
+        skipped: list[str] = []
+        for found in candidates:
+            try:
+                info = load(found)
+                break
+            except CorruptCheckpoint as exc:  # a mismatch with the run falls through: exit 2
+                if found == candidates[-1]:
+                    last = str(exc)
+                    said = [x for x in skipped if not last.startswith(x)]  # each fault once
+                    raise CorruptCheckpoint(" and ".join([*said, last])) from None
+                skipped.append(str(exc).split(";")[0])
+        self._latest_bad = found != path
         extra = info["extra"]
         self.step = info["step"]
-        if rank != 0 and not sharded:  # load_checkpoint restored rank 0's generators
-            load_rank_rng(found, rank, self.step, reseed=reseed)
-        self.notes = [f"resumed from {found} at step {self.step}"]
+        self.notes = [*(f"{s}; fell back to the previous checkpoint" for s in skipped)]
+        self.notes.append(f"resumed from {found} at step {self.step}")
+        if str(found) in UNVERIFIED:
+            self.notes.append(
+                f"{found} was written by an older evendp without a checksum: loaded unverified"
+            )
         self.epoch = int(extra.get("epoch", 0))
         self.batch_in_epoch = int(extra.get("batch_in_epoch", 0))
         self._losses = [float(v) for v in extra.get("losses", [])]
@@ -190,12 +257,16 @@ class TrainState:
         guard.skipped = int(extra.get("skipped", 0))
         return True
 
+    def _load_one(self, found: Path, states: dict[str, Any]) -> dict[str, Any]:
+        """Verify ``found`` against this run's configuration, then load it."""
+        return load_checkpoint(found, **states, verify=self._check_run_config)
 
-def _states(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    scheduler: Any | None,
-) -> dict[str, Any]:
-    """The objects a checkpoint holds the state of, by their name in it."""
-    return {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+    def _check_run_config(self, found: Path, saved: dict[str, Any]) -> None:
+        ours, theirs = self.run_config.get("global_batch"), saved.get("global_batch")
+        if ours is not None and theirs is not None and int(ours) != int(theirs):
+            raise CheckpointError(
+                f"checkpoint {str(found)!r} was trained with a global batch of {theirs}, this "
+                f"run has {ours}: resuming would change the order of the remaining samples; "
+                f"resume with the same global batch (--batch {theirs}), or start fresh with "
+                "another --out"
+            )

@@ -54,7 +54,8 @@ from ._deprecation import UNSET, renamed_argument
 from ._errors import EvendpError
 from ._evaluate import EvalFn, loss_eval_fn
 from ._exact import mean_scale, weighted_sum, zero_weight
-from ._interrupt import StopFlag
+from ._interrupt import StopFlag, late_signal
+from ._nonfinite import NonFiniteSteps, gradient_norm
 from ._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._sampler import EmptySafeCollate, sample_costs
@@ -64,7 +65,7 @@ from ._strategies import Strategy, pick_strategy
 from ._strategies._fsdp2 import refuse_prebuilt_optimizer
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 from ._train_state import TrainState
-from ._validate import validate_count
+from ._validate import validate_count, validate_int
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -108,11 +109,17 @@ class TrainConfig:
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
     balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
+    # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
         validate_config(self)  # every field, at construction (evendp._train_inputs)
         validate_balance(self.balance)
         validate_batch_sizes_option(self.batch_sizes)
+        validate_int(
+            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=1,
+            example="max_nonfinite_steps=3",
+        )  # fmt: skip
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -364,6 +371,12 @@ class Trainer:
         self._prefetch = inline_for_balance(self.balancer, config.prefetch, self._prefetch)
         self._stand_in: Batch | None = None
         self.state = TrainState(devices=len(self.device_names))
+        # What a resume must match: the same global batch keeps the remaining sample order.
+        global_batch = sum(self.sampler.batch_sizes)  # one process: config.batch_size
+        self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
+        out = config.out_dir
+        where = "" if out is None else f"; the last good checkpoint is in {out}"
+        self._nonfinite = NonFiniteSteps(config.max_nonfinite_steps, where)
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
         self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
@@ -622,15 +635,21 @@ class Trainer:
         if total is None:
             return None
         strategy.reduce_gradients()
-        self._optimizer_step()
+        if not self._optimizer_step():  # a NaN/inf gradient: skipped, as GradScaler does
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.skipped += 1
+            return None
         # The step's mean, or this rank's part of it (the strategy sums the parts when read).
         return total / self.world
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> bool:
+        """Clip and step; ``False`` (nothing updated) when the gradient is not finite."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
-        if self.config.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        norm = gradient_norm(self.model, self.config.grad_clip)
+        # GradScaler has its own policy for inf gradients (it lowers the scale and skips).
+        if self.scaler is None and not self._nonfinite.ok(norm, self.state.step + 1):
+            return False
         stepped = True
         if self.scaler is None:
             self.optimizer.step()
@@ -643,6 +662,7 @@ class Trainer:
             stepped = self.scaler.get_scale() >= scale
         if self.scheduler is not None and stepped:
             self.scheduler.step()
+        return True
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -673,7 +693,7 @@ class Trainer:
         ``out_dir`` is set) and returns the report so far with ``interrupted=True`` and the
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
-        with StopFlag() as stop:
+        with self.strategy.run_lock(self.config.out_dir), StopFlag() as stop:
             self.strategy.watch_stop(lambda: stop.signum)
             return self._fit(stop)
 
@@ -683,8 +703,11 @@ class Trainer:
         if cfg.resume:
             self.resume()
         start_step = state.step
+        # What ran before this call (a resumed checkpoint's counts) stays out of its report.
+        before = (list(state.samples), self.guard.skipped)
         self.model.train()
-        signum: int | None = None
+        # A signal during start-up (caught by the command line's flag) stops before step one.
+        signum: int | None = self.strategy.agree_stop()
         show = cfg.progress and self.rank == 0
         shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()
@@ -730,19 +753,26 @@ class Trainer:
             # step it cut is not counted); across ranks it propagates.
             signum = self.strategy.interrupted(error)
         elapsed = time.perf_counter() - started
+        signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
         if state.step != self._saved_step:  # never a second save of the same step
             self.save()
-        report = self._report(state.step - start_step, elapsed, signum)
+        report = self._report(state.step - start_step, elapsed, signum, before)
         # The same files evendp train writes; a resumed run that had nothing left to do
         # leaves the report it finished with untouched.
         if cfg.out_dir is not None and self.rank == 0 and state.step != start_step:
             write_report(report, cfg.out_dir)
         return report
 
-    def _report(self, steps_run: int, elapsed: float, signum: int | None) -> TrainReport:
+    def _report(
+        self, steps_run: int, elapsed: float, signum: int | None, before: tuple[list[int], int]
+    ) -> TrainReport:
+        """This call's figures: samples per device per step, throughput and time count only
+        the steps it ran (``before``: the samples and skipped steps it started from)."""
         self.state.flush(self.strategy.reduce_losses)
-        samples = self.strategy.reduce_samples(list(self.state.samples))
-        done = max(self.state.step - self.guard.skipped, 1)  # skipped steps trained no samples
+        samples = [a - b for a, b in zip(self.state.samples, before[0], strict=True)]
+        samples = self.strategy.reduce_samples(samples)  # each rank counted only its own
+        # Skipped steps trained no samples.
+        done = max(steps_run - (self.guard.skipped - before[1]), 1)
         peaks = self.strategy.peak_memory()
         stats = [
             DeviceStat(name, samples[i] / done, peaks[i])
@@ -753,8 +783,9 @@ class Trainer:
             devices=stats,
             losses=self.state.losses,
             steps=self.state.step,
+            steps_run=steps_run,
             global_batch=round(per_step),
-            samples_per_s=per_step * steps_run / max(elapsed, 1e-9),
+            samples_per_s=sum(samples) / max(elapsed, 1e-9),
             elapsed_s=elapsed,
             resplits=self.guard.resplits,
             skipped_steps=self.guard.skipped,

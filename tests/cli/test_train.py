@@ -175,6 +175,11 @@ def test_ddp_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
     resumed = json.loads((tmp_path / "cut" / "report.json").read_text())["losses"]
     assert len(straight) == len(resumed) == 6
     assert resumed == pytest.approx(straight, rel=1e-6, abs=0)
+    # The resumed run's report counts its own 3 steps, on the same two ranks.
+    report = json.loads((tmp_path / "cut" / "report.json").read_text())
+    assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]
+    assert report["global_batch"] == 16 and report["steps_run"] == 3
+    assert report["samples_per_s"] * report["elapsed_s"] == pytest.approx(3 * 16)
 
 
 def test_planner_split_favours_the_device_with_more_memory() -> None:

@@ -200,3 +200,97 @@ def test_resume_without_a_checkpoint_is_an_error_unless_asked_to_start(
 def test_max_restarts_needs_torchrun_ranks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--max-restarts", "1", *SMALL_DP]) == 2
     assert "--max-restarts" in capsys.readouterr().err
+
+
+def _sweep() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "interrupt_sweep.py"
+    spec = importlib.util.spec_from_file_location("interrupt_sweep", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("phase", "target", "signum"),
+    [
+        ("startup", "rank0", signal.SIGINT),  # main: exit 1, a traceback per rank
+        ("end", "launcher", signal.SIGTERM),  # main: 143 with interrupted: false; .interrupted
+    ],
+)
+def test_the_interrupt_sweep_at_the_edges(
+    runs: dict[str, Any], tmp_path: Path, phase: str, target: str, signum: int
+) -> None:
+    """A short run of benchmarks/interrupt_sweep.py: the moments that broke the contract."""
+    ok, line = _sweep().run_case(
+        tmp_path / "run", target, int(signum), phase, 0.3, runs["straight"]
+    )
+    assert ok, line
+
+
+def test_a_run_into_a_live_runs_folder_refuses_naming_the_holder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_run_lock import _holder
+
+    live = _holder(tmp_path)
+    try:
+        code = main(
+            ["train", "--resume-or-start", "--steps", "1", "--out", str(tmp_path), *SMALL_DP]
+        )
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"in use by a live run: pid {live.pid}" in err and "--out" in err
+        assert not list(tmp_path.iterdir())  # nothing written
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_garbled_checkpoint_resumes_from_the_previous_one_another_batch_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import random as _random
+
+    args = ["train", "--out", str(tmp_path), "--checkpoint-every", "2", *SMALL_DP]
+    assert main([*args, "--steps", "4"]) == 0
+    with (tmp_path / "ckpt.pt").open("r+b") as f:  # the issue's reproduction
+        size = f.seek(0, 2)
+        f.seek(int(size * 0.6))
+        f.write(_random.Random(1).randbytes(4096))
+    capsys.readouterr()
+    assert main([*args, "--steps", "6", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "fell back to the previous checkpoint" in err and "ckpt.prev.pt at step 2" in err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == 6 and all(v == v for v in report["losses"])  # no NaN
+    assert _step(tmp_path / "ckpt.prev.pt") == 4 and _step(tmp_path / "ckpt.pt") == 6
+    # --batch 4 on a --batch 4 checkpoint resumes; --batch 2 is refused with the fix.
+    code = main([*args, "--steps", "8", "--resume", "--batch", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "global batch of 4, this run has 2" in err and "--batch 4" in err
+
+
+def test_ctrl_c_in_one_process_prints_the_command_that_resumes(tmp_path: Path) -> None:
+    import shlex
+
+    argv = ["train", "--steps", "400", "--checkpoint-every", "2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evendp", *argv, *SMALL_DP],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    _wait_for(lambda: (_step(tmp_path / "ckpt.pt") or 0) >= 2, 300, "a checkpoint")
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in output, output[-2000:]
+    line = next(x for x in output.splitlines() if "resume with: " in x)
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[:2] == ["evendp", "train"] and command[-1] == "--resume"
+    assert json.loads((tmp_path / "report.json").read_text())["interrupted"] is True
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    resumed = main(
+        [*command[1:-1], "--steps", str((_step(tmp_path / "ckpt.pt") or 0) + 2), "--resume"]
+    )
+    assert resumed == 0

@@ -237,15 +237,14 @@ class Plan:
         return title
 
     def table(self) -> Any:
-        """A ``rich.table.Table``: one column per device, one row per kind of memory (GiB)."""
-        from rich.table import Table
-
-        def gib(x: int) -> str:
-            return f"{x / 2**30:.2f}"
+        """A ``rich.table.Table``: one column per device, one row per kind of memory (each
+        figure in a readable binary unit: ``48.0 MiB``, ``24.00 GiB``); ``print`` shows it."""
+        from .._table import PrintableTable as Table
+        from .._table import format_bytes as gib
 
         table = Table(
             title=self._title(),
-            caption=f"GiB; budget = free x (1 - {self.safety_margin:g}); "
+            caption=f"budget = free x (1 - {self.safety_margin:g}); "
             f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
             + (
                 "\nextrapolated: a recommended size lies beyond the largest measured one, "
@@ -296,6 +295,10 @@ class Plan:
             )
             out.append((label, first, a))
         return out
+
+    def __str__(self) -> str:
+        """The table as text: ``print(plan)`` (and ``print(plan.table())``) show it."""
+        return str(self.table())
 
     def plot(self, path: str) -> None:
         """Write a stacked bar chart (PNG): each device's memory by kind, ours beside even."""

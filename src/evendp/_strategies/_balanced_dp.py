@@ -14,6 +14,7 @@ from .._dp import BalancedDataParallel
 from .._errors import TrainingError
 from .._evaluate import EvalFn, evaluate_devices
 from .._exact import step_count, sum_on
+from .._run_lock import trainer_lock
 from .._sampler import UnevenBatchSampler
 from .._scatter import as_args
 from .._step_cost import StepWeight
@@ -90,6 +91,9 @@ class BalancedDP(Strategy):
         self, costs: Costs, max_costs: Sequence[float] | None
     ) -> tuple[Costs, Sequence[float] | None]:
         return costs, max_costs
+
+    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
+        return trainer_lock(out_dir, distributed=False)
 
     def place(self, batch: Batch) -> Batch:
         return batch  # the scatter copies each device's rows straight from the host

@@ -112,6 +112,11 @@ class Strategy(abc.ABC):
         """Refuse an optimizer this strategy cannot use (one built before sharding)."""
         return None
 
+    @abc.abstractmethod
+    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
+        """The run's hold on ``out_dir`` for the life of ``fit`` (one writer per run folder):
+        one process always takes it; ranks join their launcher's (:mod:`evendp._run_lock`)."""
+
     def watch_stop(self, source: StopSource) -> None:
         """Where :meth:`agree_stop` (and a consensus riding on a step) reads this process's
         stop request: the Trainer's signal flag."""

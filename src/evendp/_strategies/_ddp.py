@@ -18,7 +18,7 @@ class DDP(RankStrategy):
     torch. Every rank runs at least one synced backward, even with no samples."""
 
     def wrap(self, loss_module: nn.Module) -> None:
-        self.wrapped = nn.parallel.DistributedDataParallel(loss_module, broadcast_buffers=False)
+        self.wrapped = nn.parallel.DistributedDataParallel(loss_module, **_no_buffer_sync())
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         ddp = self.wrapped
@@ -28,3 +28,16 @@ class DDP(RankStrategy):
 
     def micro_steps(self, planned: int) -> int:
         return max(planned, 1)  # DDP's reducer waits for every rank's backward
+
+
+def _no_buffer_sync() -> dict[str, Any]:
+    """DDP's switch for "no buffer broadcast before each forward", in this torch's spelling:
+    ``forward_sync_buffers`` since torch 2.13 (``broadcast_buffers`` warns there), else
+    ``broadcast_buffers``. The new one still syncs buffers once at construction, where every
+    rank holds the same freshly built (or resumed) model."""
+    import inspect
+
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}

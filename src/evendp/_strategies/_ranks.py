@@ -13,6 +13,7 @@ from torch import nn
 from .._distributed import comm_device
 from .._evaluate import EvalFn, evaluate_ranks
 from .._oom import OomResplit
+from .._run_lock import trainer_lock
 from .._sampler import UnevenBatchSampler
 from .._scatter import as_args, map_tensors, to_device
 from .._step_cost import StepWeight
@@ -66,6 +67,9 @@ class RankStrategy(Strategy):
             distributed=True, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
             model=model, example=example,
         )  # fmt: skip
+
+    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
+        return trainer_lock(out_dir, distributed=True)
 
     def guard(self, oom_resplit: bool) -> OomResplit:
         # An OOM in one rank's backward would leave the others in its collectives.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ._args import CleanParser
 
@@ -17,6 +18,14 @@ __all__ = ["build_parser", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
+# Their one-line help, for `evendp --help` without importing them (and torch); a test keeps
+# these equal to what each module registers.
+_HELP: dict[str, str] = {
+    "devices": "list GPUs with free memory, utilization and processes (NVML, no CUDA init)",
+    "plan": "predict per-device memory and choose the split (no GPU needed)",
+    "launch": "run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
+    "train": "train the built-in char GPT on the stdlib source, using every device fully",
+}
 
 
 def version() -> str:
@@ -34,8 +43,12 @@ def version() -> str:
         return "unknown (not installed; pip install -e .)"
 
 
-def build_parser() -> CleanParser:
-    """The top-level parser with every subcommand registered."""
+def build_parser(light: bool = False) -> CleanParser:
+    """The top-level parser with every subcommand registered.
+
+    ``light``: the subcommands only by name and help (for ``--help`` and ``--version``: their
+    modules, and torch, are not imported).
+    """
     parser = CleanParser(
         prog="evendp",
         description="Balanced data-parallel training with exact gradients.",
@@ -45,15 +58,38 @@ def build_parser() -> CleanParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
-        importlib.import_module(f"evendp.cli.{name}").add_parser(subparsers)
+        if light:
+            subparsers.add_parser(name, help=_HELP[name])
+        else:
+            importlib.import_module(f"evendp.cli.{name}").add_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``evendp`` command; returns the exit code (2 for bad input)."""
-    from .._errors import EvendpError
+    """Run the ``evendp`` command; returns the exit code (2 for bad input, 130/143 after a
+    signal).
 
-    parser = build_parser()
+    For ``train`` and ``launch``, SIGINT/SIGTERM are caught from the start: one arriving
+    while the command starts up is kept, and the run stops at its first step boundary, saved,
+    never with a traceback. The other commands keep the usual Ctrl-C.
+    """
+    from .._interrupt import StopFlag, exit_code
+
+    early = StopFlag()
+    try:
+        with early:
+            return _main(argv, early)
+    except KeyboardInterrupt:  # a second Ctrl-C, or Ctrl-C in another command
+        print("evendp: interrupted", file=sys.stderr)
+        return exit_code(2)
+
+
+def _main(argv: Sequence[str] | None, early: Any) -> int:
+    from .._errors import EvendpError
+    from .._interrupt import exit_code
+    from ._fast import is_light
+
+    parser = build_parser(light=is_light(sys.argv[1:] if argv is None else list(argv)))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, --version (0) and bad arguments (2)
@@ -61,12 +97,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    if args.command not in _KEEP_SIGNALS:  # no run to stop cleanly: the usual Ctrl-C
+        early.__exit__(None, None, None)
+        if early.signum is not None:
+            return exit_code(early.signum)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
     try:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
         print(f"evendp {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code  # 2 for bad input, 1 for a fault while training
     return code
+
+
+# The commands that run training (or launch it): a signal stops them at a step boundary.
+_KEEP_SIGNALS = ("train", "launch")
 
 
 if __name__ == "__main__":  # pragma: no cover

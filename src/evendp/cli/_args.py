@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["CleanParser", "bounded_float", "bounded_int", "plain_text"]
+__all__ = ["CleanParser", "bounded_float", "bounded_int", "plain_text", "say_units"]
 
 
 class CleanParser(argparse.ArgumentParser):
@@ -106,3 +106,39 @@ def bounded_float(
 
     convert.__name__ = "float"
     return convert
+
+
+# A size with a decimal unit: k, M, G, T, alone or with B (KiB/MiB/GiB/TiB are binary).
+_DECIMAL = re.compile(r"([0-9]*\.?[0-9]+)\s*([kmgt]b?)(?![a-z])", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def decimal_sizes(text: str) -> list[tuple[str, int]]:
+    """The sizes in ``text`` written with a decimal unit, with their bytes.
+
+    >>> decimal_sizes("24G,24GiB,1.5gb")
+    [('24G', 24000000000), ('1.5gb', 1500000000)]
+    """
+    return [
+        (m.group(0), int(float(m.group(1)) * 1000 ** _POWERS[m.group(2)[0].lower()]))
+        for m in _DECIMAL.finditer(text)
+    ]
+
+
+def say_units(command: str, flag: str, text: str | None) -> None:
+    """Say on stderr how sizes with decimal units were read (``24G`` is 24 * 1000**3 bytes,
+    22.35 GiB): ``nvidia-smi`` and ``evendp devices`` speak MiB/GiB, so the difference matters.
+    """
+    if not text:
+        return
+    found = decimal_sizes(text)
+    if not found:
+        return
+    from .._table import format_bytes
+
+    read = ", ".join(f"{word} = {format_bytes(n)}" for word, n in found)
+    print(
+        f"{command}: {flag} {text!r}: decimal units, read as {read} (k, M, G, KB, MB, GB are "
+        "powers of 1000; write KiB, MiB, GiB for powers of 1024, nvidia-smi's units)",
+        file=sys.stderr,
+    )

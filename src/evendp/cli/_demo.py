@@ -29,7 +29,7 @@ def run_checks(args: argparse.Namespace, trainer: Any, budgets: Any) -> Any:
     the budgets' peaks are reset afterwards, so the probes are not part of training.
     """
     first = _first_batch(trainer)
-    even = _even_split_probe(trainer, budgets, first) if budgets is not None else None
+    even = None if budgets is None else _even_split_probe(trainer, budgets, first, args.amp)
     if args.amp == "none" and not (args.resume or args.resume_or_start):
         _print_exactness_check(trainer, first)
     if budgets is not None:
@@ -214,20 +214,30 @@ def _attach_budgets(trainer: Any, memory: list[int]) -> Any:
     return MemoryBudgets(memory, resident, names=trainer.device_names).attach(trainer.wrapped)
 
 
-def _even_split_probe(trainer: Any, budgets: Any, batch: Any) -> list[tuple[int, int | None, bool]]:
+def _even_split_probe(
+    trainer: Any, budgets: Any, batch: Any, amp: str
+) -> list[tuple[int, int | None, bool]]:
     """One forward of ``batch`` split evenly, as nn.DataParallel would: does it fit?
 
-    Returns per device ``(even share, measured forward peak, ran out)``; prints the outcome.
+    It runs in the precision that trains (``amp``: bf16 / fp16 activations are half fp32's),
+    so its verdict is about the run the report shows. Returns per device ``(even share,
+    measured forward peak, ran out)``; prints the outcome.
     """
+    import contextlib
+
     from .._scatter import map_tensors
+    from ._model_spec import _AMP
 
     dp = trainer.wrapped
     even = split_even(len(batch[0]), len(dp.device_ids))
     batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
     budgets.reset_peaks()
     failed: int | None = None
+    dtype = _AMP[amp]
+    kind = torch.device(trainer.device).type  # the replicas' threads inherit the autocast state
+    precision = contextlib.nullcontext() if dtype is None else torch.autocast(kind, dtype=dtype)
     try:
-        with dp.fixed_sizes(even):
+        with precision, dp.fixed_sizes(even):
             dp(*batch)
     except (RuntimeError, ValueError) as exc:
         if not is_oom_error(exc):

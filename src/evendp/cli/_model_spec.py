@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -207,6 +209,10 @@ def _user(spec: str) -> ModelSpec:
             f"--model {spec!r} is not 'gpt', 'lm-head' or 'package.module:factory'; "
             "e.g. --model mypkg.models:make_model"
         )
+    # As `python -m` does: modules in the current directory import (the console script's
+    # sys.path[0] is its own bin/ folder).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -227,11 +233,68 @@ def _user(spec: str) -> ModelSpec:
                 "(model, batch_fn) or (model, batch_fn, criterion) instead"
             )
         # The probe's method: one model, not one built per batch request.
-        return ModelSpec(factory, cast("Callable[[int], Any]", made.example_batch))
+        batch_fn = cast("Callable[[int], Any]", made.example_batch)
+        _probe_call(spec, made, batch_fn, None)
+        return ModelSpec(factory, batch_fn)
     if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
         criterion = made[2] if len(made) == 3 else None
+        _probe_call(spec, made[0], made[1], criterion)
         return ModelSpec(lambda: factory()[0], made[1], criterion)
     raise EvendpError(
         f"{spec!r} returned {type(made).__name__}; expected an nn.Module with example_batch(n), "
         "(model, batch_fn) or (model, batch_fn, criterion)"
     )
+
+
+def _probe_call(
+    spec: str, model: nn.Module, batch_fn: Callable[[int], Any], criterion: Any | None
+) -> None:
+    """One forward on fake tensors, as the planner will call it: a model and a ``batch_fn``
+    that disagree get one line saying what was called with what, not a deep TypeError."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .._plan._measure import _call
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        try:
+            batch = batch_fn(1)
+        except Exception as exc:  # the user's batch_fn can raise anything
+            raise EvendpError(
+                f"--model {spec!r}: batch_fn(1) failed: {type(exc).__name__}: {exc}"
+            ) from None
+        inputs = batch[0] if criterion is not None and isinstance(batch, (tuple, list)) else batch
+        try:
+            _call(model, inputs)
+        except TypeError as exc:
+            call = "model(batch)"
+            if isinstance(inputs, dict):
+                call = "model(**batch)"
+            elif isinstance(inputs, (tuple, list)):
+                call = "model(*batch)"
+            raise EvendpError(
+                f"--model {spec!r}: {type(model).__name__} was called as {call} with "
+                f"{_describe(inputs)} from batch_fn(n) and raised TypeError: {exc}; batch_fn "
+                "returns the model's inputs (a tensor: model(x); a tuple: model(*batch); a "
+                "dict: model(**batch)); for targets, return (model, batch_fn, criterion) with "
+                "batch_fn returning (inputs, targets)"
+            ) from None
+        except Exception:  # other failures are the planner's to report, with its context
+            return
+
+
+def _describe(value: Any) -> str:
+    """A short description of a batch: ``a tuple of 2 tensors [1, 64], [1]``.
+
+    >>> _describe((torch.zeros(1, 4), torch.zeros(1)))
+    'a tuple of 2 tensors [1, 4], [1]'
+    """
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(value)}"
+    if isinstance(value, (tuple, list)):
+        shapes = ", ".join(
+            str(list(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value
+        )
+        return f"a {type(value).__name__} of {len(value)} tensors {shapes}"
+    return f"a {type(value).__name__}"

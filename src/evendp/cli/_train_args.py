@@ -8,6 +8,7 @@ needs it, so declaring the options costs nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -16,7 +17,10 @@ from pathlib import Path
 from .._errors import EvendpError
 from ._args import bounded_float, bounded_int
 
-__all__ = ["add_options"]
+__all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
+
+#: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
+OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
 
 _DEFAULT_OUT = "runs/demo"
 _DEFAULT_STEPS = 100
@@ -85,6 +89,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--resume-or-start",
         action="store_true",
         help="continue from the checkpoint in OUT if there is one, else start fresh",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh in OUT even when it holds another run's checkpoint, deleting that "
+        "checkpoint (without it such a run is refused)",
     )
     p.add_argument(
         "--max-restarts",
@@ -178,6 +188,44 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise EvendpError(
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
         )
+    _validate_rank_options(args)
+    _validate_pairs(args)
+
+
+def _validate_pairs(args: argparse.Namespace) -> None:
+    """Options that contradict each other."""
+    if args.resume and args.resume_or_start:
+        raise EvendpError(
+            "--resume (a checkpoint must be there) and --resume-or-start (start fresh when "
+            "there is none) contradict each other; give one"
+        )
+    if args.overwrite and (args.resume or args.resume_or_start):
+        flag = "--resume" if args.resume else "--resume-or-start"
+        raise EvendpError(
+            f"--overwrite (start fresh, deleting OUT's checkpoint) and {flag} (continue it) "
+            "contradict each other; give one"
+        )
+    if args.accum > args.batch:
+        raise EvendpError(
+            f"--accum {args.accum} is more micro-batches than the {args.batch} samples of "
+            f"--batch {args.batch}; give --accum <= --batch, e.g. --accum {min(2, args.batch)}"
+        )
+
+
+def _validate_rank_options(args: argparse.Namespace) -> None:
+    """Options that mean nothing, or two things, with one process per device."""
+    if args.mode == "fsdp2" and args.memory is not None:
+        raise EvendpError(
+            f"--memory {args.memory!r} plans DDP ranks' batch sizes, but the planner has no "
+            "memory model of FSDP2's sharded ranks; use --mode ddp, or --weights to fix "
+            "each rank's share"
+        )
+    if args.mode == "ddp" and args.memory is not None and args.weights is not None:
+        raise EvendpError(
+            f"--memory {args.memory!r} and --weights {args.weights!r} both set the ranks' "
+            "batch sizes under --mode ddp (the planner's split for the memory, or the "
+            "weights'); give one"
+        )
 
 
 def _checkpoint_in(args: argparse.Namespace) -> Path:
@@ -195,12 +243,13 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
     checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
     """
-    from evendp._checkpoint import checkpoint_step, latest_checkpoint
+    from evendp._checkpoint import resumable_checkpoint
 
     if not (args.resume or args.resume_or_start or _restarted()):
         return None
-    found = latest_checkpoint(_checkpoint_in(args))
-    if found is None:
+    # The checkpoint the resume will take: a corrupt latest one falls back to the previous.
+    resumable = resumable_checkpoint(_checkpoint_in(args))
+    if resumable is None:
         if args.resume and not args.resume_or_start:
             raise EvendpError(
                 f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
@@ -208,7 +257,16 @@ def _resume_check(args: argparse.Namespace) -> int | None:
                 "fresh when there is none"
             )
         return None
-    step = checkpoint_step(found)
+    found, step, extra = resumable
+    saved_batch = extra.get("global_batch")
+    if saved_batch is not None and int(saved_batch) != args.batch:  # refused before any work
+        from evendp._errors import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint {str(found)!r} was trained with a global batch of {saved_batch}, this "
+            f"run has {args.batch}: resuming would change the order of the remaining samples; "
+            f"resume with --batch {saved_batch}, or start fresh with another --out"
+        )
     if step >= args.steps:
         if os.environ.get("RANK", "0") == "0":
             print(
@@ -219,6 +277,49 @@ def _resume_check(args: argparse.Namespace) -> int | None:
             )
         return 0
     return None
+
+
+def _checkpoints_in(out: str) -> list[Path]:
+    """Every checkpoint file or folder in ``out`` (any mode's, previous copies included)."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.startswith("ckpt.") and p.exists())
+
+
+def fresh_start_check(args: argparse.Namespace) -> None:
+    """Before any work, for a run that starts fresh: ``--out`` is a writable folder and holds
+    no other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently).
+
+    The launcher of ``--mode ddp|fsdp2`` checks once; its ranks do not (rank 0's first save
+    would look like another run to a rank that starts late).
+    """
+    from ._paths import check_out_dir
+
+    check_out_dir("--out", args.out)
+    if args.resume or args.resume_or_start or _restarted() or _is_launched_rank():
+        return
+    found = _checkpoints_in(args.out)
+    if not found:
+        return
+    if not args.overwrite:
+        raise EvendpError(
+            f"--out {args.out!r} holds another run's checkpoint ({found[0].name}); continue it "
+            "with --resume (or --resume-or-start), train into a fresh --out, or pass "
+            "--overwrite to delete it and start over"
+        )
+    for path in found:
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    print(f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in {args.out!r}")
+
+
+def _is_launched_rank() -> bool:
+    return OPTIONS_ENV in os.environ and "RANK" in os.environ
 
 
 def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
@@ -327,3 +428,28 @@ def _free_memory_weights(ids: list[int]) -> list[float] | None:
         f, _ = torch.cuda.mem_get_info(i)
         free.append(float(f))
     return free if len(set(ids)) == len(ids) else None
+
+
+def options_json(args: argparse.Namespace) -> str:
+    """Every parsed option as JSON, for the ranks (the subcommand's ``func`` stays behind).
+
+    >>> options_json(argparse.Namespace(steps=3, out="runs/x", func=print))
+    '{"steps": 3, "out": "runs/x"}'
+    """
+    return json.dumps({k: v for k, v in vars(args).items() if k != "func"})
+
+
+def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
+    """In a rank started by ``evendp train --mode ddp|fsdp2``: the parent's options, whole.
+
+    A rank's own argv only names its run; ``args`` is returned unchanged elsewhere (one
+    process, or ``evendp train`` started under the user's own torchrun).
+
+    >>> os.environ.pop(OPTIONS_ENV, None)
+    >>> options_from_env(argparse.Namespace(steps=3)).steps
+    3
+    """
+    text = os.environ.get(OPTIONS_ENV)
+    if text is None or "RANK" not in os.environ:
+        return args
+    return argparse.Namespace(**{**vars(args), **json.loads(text)})

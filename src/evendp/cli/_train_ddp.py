@@ -16,67 +16,155 @@ from typing import Any
 import torch
 
 from .._errors import EvendpError
-from ._train_args import _parse_devices, _restarted, _weights_list
-from ._train_common import _build, _model_name, _print_report
+from ._train_args import OPTIONS_ENV, _parse_devices, _restarted, _weights_list, options_json
+from ._train_common import _build, _log_metrics, _model_name, _print_report
 
-__all__ = ["launch_ranks", "run_rank"]
+__all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to_resume"]
 
-_INTERRUPTED = ".interrupted"  # in OUT: rank 0 leaves the signal's number for the launcher
+
+def report_error(exc: EvendpError) -> int:
+    """One line for ``exc``: under torchrun only rank 0 prints it and leaves its exit code for
+    the launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
+    would fail again); elsewhere it is printed and its exit code returned."""
+    from .._launch import ENV_OUTCOME, write_outcome
+
+    rank = os.environ.get("RANK")
+    if rank is None or not os.environ.get(ENV_OUTCOME):
+        print(f"evendp train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if rank == "0":
+        print(f"evendp train: error: {exc}", file=sys.stderr, flush=True)
+        write_outcome(exc.exit_code, message=str(exc))
+    return 0
+
+
+def say_how_to_resume(code: int, argv: list[str] | None = None) -> int:
+    """After a run stopped by a signal: one line with the exact command that continues it."""
+    from .._interrupt import resume_command
+
+    if code in (130, 143):
+        command = resume_command(argv if argv is not None else sys.argv[1:])
+        print(f"evendp train: stopped and saved; resume with: {command}", file=sys.stderr)
+    return code
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
-    from .._interrupt import exit_code
-    from .._launch import launch, plan_launch
+    """Plan the ranks, start them under torchrun and wait; the exit code (130/143 after a
+    signal)."""
+    from .._launch import launch
+    from .._run_lock import child_env, hold_run_dir
+
+    plan, argv = plan_ranks(args)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    script = str(Path(__file__).with_name("train.py").resolve())
+    with hold_run_dir(args.out) as lock:  # held for the run's life; the ranks join it
+        plan.env.update(child_env(lock))
+        code = launch(script, argv, plan=plan, **_restarts(args))  # rank 0 leaves the code
+    return say_how_to_resume(code, args.argv)
+
+
+def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The launch plan, carrying every validated option to the ranks, and the ranks' argv.
+
+    The options travel once, as JSON in the plan's environment (``OPTIONS_ENV``); the argv
+    only names the run (``--mode``, ``--out``, CPU ``--devices``) so that ``ps`` and
+    torchrun's logs tell which run a worker belongs to.
+    """
+    from .._launch import plan_launch
 
     gpus, cpu = _ddp_devices(args.devices)
-    nproc: int | str
-    if args.devices is not None:
-        nproc = len(gpus) if gpus else len(args.devices.split(","))
-    else:
-        nproc = "auto" if torch.cuda.is_available() else 2
+    nproc = _nproc(args, gpus)
     # cpu entries: CPU ranks (gloo) even on a GPU machine; NVML is not asked at all.
     where: dict[str, Any] = {"gpu_ids": gpus, "nvml": False} if cpu else {"gpu_ids": gpus}
+    try:
+        plan = plan_launch(nproc=nproc, **_rank_sizes(args, nproc, cpu), **where)
+    except EvendpError:
+        if gpus and not _nvidia_driver():  # the launcher's words name its own --gpus
+            raise EvendpError(
+                f"--devices {args.devices!r} names GPUs, but no NVIDIA driver was found here; "
+                "train on CPU ranks with --devices cpu,cpu"
+            ) from None
+        raise
+    plan.env[OPTIONS_ENV] = options_json(args)
+    argv = ["--mode", args.mode, "--out", args.out]
+    if cpu:  # the ranks must not pick up the GPUs they can see
+        argv += ["--devices", args.devices]
+    return plan, argv
+
+
+def _nvidia_driver() -> bool:
+    from .._devices import list_devices
+    from .._errors import NvmlUnavailableError
+
+    try:
+        list_devices()
+    except NvmlUnavailableError:
+        return False
+    return True
+
+
+def _nproc(args: argparse.Namespace, gpus: list[int] | None) -> int | str:
+    if args.devices is not None:
+        return len(gpus) if gpus else len(args.devices.split(","))
+    if args.memory is not None:  # one rank per declared memory
+        return len(args.memory.split(","))
+    return "auto" if torch.cuda.is_available() else 2
+
+
+def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[str, Any]:
+    """``plan_launch``'s batch arguments: fixed by --weights, planned for --memory, or split."""
     if args.weights is not None:  # uneven ranks: the weights fix every rank's batch size
         from .._split import split_sizes
 
         if nproc == "auto":
             raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
         weights = _weights_list(args.weights, int(nproc))
-        plan = plan_launch(nproc=nproc, batch_sizes=split_sizes(args.batch, weights), **where)
-    else:
-        plan = plan_launch(nproc=nproc, batch=args.batch, **where)
-    print(plan.describe(), file=sys.stderr, flush=True)
-    argv = [
-        "--mode", args.mode, "--steps", str(args.steps), "--batch", str(args.batch),
-        "--amp", args.amp, "--accum", str(args.accum), "--out", args.out,
-        "--checkpoint-every", str(args.checkpoint_every), "--lr", str(args.lr),
-        "--seed", str(args.seed), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-        "--block-size", str(args.block_size), "--max-chars", str(args.max_chars),
-    ]  # fmt: skip
-    argv += [flag for flag, on in (("--resume", args.resume), ("--resume-or-start",
-             args.resume_or_start), ("--checkpointing", args.checkpointing),
-             ("--no-progress", args.no_progress)) if on]  # fmt: skip
-    if cpu:  # the ranks must not pick up the GPUs they can see
-        argv += ["--devices", args.devices]
-    marker = Path(args.out) / _INTERRUPTED
-    marker.unlink(missing_ok=True)
-    # torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
-    # rendezvous (what --standalone uses): each restart is a fresh rendezvous round.
-    restarts: dict[str, Any] = {}
-    if args.max_restarts:
-        from .._launch import _free_port
+        return {"batch_sizes": split_sizes(args.batch, weights)}
+    if args.memory is None:
+        return {"batch": args.batch}
+    return _memory_sizes(args, nproc, cpu)
 
-        endpoint = f"127.0.0.1:{_free_port()}"
-        restarts["passthrough"] = {
+
+def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[str, Any]:
+    """The planner's DDP split of --batch over each rank's --memory (its budget)."""
+    from ..examples.gpt import GPT
+    from ._model_spec import _AMP, gpt_batch
+
+    entries = len(args.memory.split(","))
+    if nproc != "auto" and entries != nproc:
+        raise EvendpError(
+            f"--memory {args.memory!r} has {entries} entries for {nproc} ranks (--devices "
+            f"{args.devices!r}); give one each, e.g. --memory " + ",".join(["48MiB"] * int(nproc))
+        )
+    _model, _data, config = _build(args)
+    # CPU ranks have no CUDA context to allow for.
+    options = {"amp": _AMP[args.amp], "checkpointing": args.checkpointing}
+    if cpu or not torch.cuda.is_available():
+        options["cuda_context"] = 0
+    return {
+        "batch": args.batch,
+        "model": lambda: GPT(config),
+        "example_batch": gpt_batch(config),
+        "memory": args.memory,
+        "plan_options": options,
+    }
+
+
+def _restarts(args: argparse.Namespace) -> dict[str, Any]:
+    """torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
+    rendezvous (what --standalone uses): each restart is a fresh rendezvous round."""
+    if not args.max_restarts:
+        return {}
+    from .._launch import _free_port
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    return {
+        "passthrough": {
             "max_restarts": args.max_restarts,
             "rdzv_backend": "c10d",
             "rdzv_endpoint": endpoint,
         }
-    code = launch(str(Path(__file__).with_name("train.py").resolve()), argv, plan=plan, **restarts)
-    if code == 0 and marker.exists():  # a rank was signalled: all saved and stopped
-        code = exit_code(int(marker.read_text() or 0))
-        marker.unlink(missing_ok=True)
-    return code
+    }
 
 
 def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
@@ -130,11 +218,14 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .._distributed import finish_distributed, init_distributed
+    from .._interrupt import die_with_parent, exit_code
+    from .._launch import write_outcome
     from .._report import write_report
     from .._sampler import batch_sizes_from_env
     from .._split import split_sizes
     from .._trainer import TrainConfig, Trainer
 
+    die_with_parent()  # torchrun killed: this rank stops after its step, saving
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
     device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
@@ -163,12 +254,30 @@ def run_rank(args: argparse.Namespace) -> int:
     )  # fmt: skip
     report = trainer.fit()
     report.model = _model_name(args)
+    report.devices = _with_budgets(report.devices, args.memory)
     rank = dist.get_rank()
     finish_distributed()
     if rank == 0:
-        _print_report(report, write_report(report, args.out))
-        if report.interrupted:
-            (Path(args.out) / _INTERRUPTED).write_text(str(report.signal))
+        paths = write_report(report, args.out)
+        if args.log_to is not None:
+            paths["metrics"] = _log_metrics(report, args)
+        _print_report(report, paths)
+        write_outcome(exit_code(report.signal), interrupted=report.interrupted)
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group
-    # (--max-restarts); the launcher turns the marker into 130/143.
+    # (--max-restarts); the launcher exits with the code rank 0 left (130/143).
     return 0
+
+
+def _with_budgets(devices: list[Any], memory: str | None) -> list[Any]:
+    """Each rank's ``DeviceStat`` with its declared --memory (the budget its share was planned
+    for)."""
+    if memory is None:
+        return devices
+    from dataclasses import replace
+
+    from .._memory import parse_memory
+
+    budgets = [m.free for m in parse_memory(memory)]
+    if len(budgets) != len(devices):  # more ranks than this node declared (several nodes)
+        return devices
+    return [replace(d, budget_bytes=b) for d, b in zip(devices, budgets, strict=True)]

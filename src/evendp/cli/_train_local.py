@@ -29,7 +29,7 @@ def run_local(args: argparse.Namespace) -> int:
     planned, weights = _split(args, config, devices, memory, weights)
     trainer = _trainer(args, model, data, devices, weights)
     budgets = _attach_budgets(trainer, memory) if memory is not None and _all_cpu(devices) else None
-    _print_start(args, trainer, devices, memory)
+    _print_start(args, trainer, devices, memory, planned)
     even = run_checks(args, trainer, budgets)
     report = trainer.fit()
     report.model = _model_name(args)
@@ -40,7 +40,9 @@ def run_local(args: argparse.Namespace) -> int:
     _print_report(report, paths)
     if budgets is not None:
         print(_BUDGET_NOTE)
-    return exit_code(report.signal)
+    from ._train_ddp import say_how_to_resume
+
+    return say_how_to_resume(exit_code(report.signal), args.argv)
 
 
 def _share_cpu_threads(devices: list[str | int]) -> None:
@@ -97,15 +99,36 @@ def _trainer(
 
 
 def _print_start(
-    args: argparse.Namespace, trainer: Any, devices: list[str | int], memory: list[int] | None
+    args: argparse.Namespace,
+    trainer: Any,
+    devices: list[str | int],
+    memory: list[int] | None,
+    planned: Any,
 ) -> None:
     dp: Any = trainer.wrapped  # BalancedDataParallel in one process
     print(
         f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
         f"{args.batch}, samples per device per step {dp.split(args.batch)}"
-        + ("" if memory is None else " (the planner's split for --memory " + _fmt(memory) + ")"),
+        + _split_source(args, memory, planned),
         flush=True,
     )
+
+
+def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: Any) -> str:
+    """Where the split came from, in the words the user typed (or the demo's defaults).
+
+    >>> ns = argparse.Namespace(weights="3,1", memory=None)
+    >>> _split_source(ns, [2**20, 2**20], None)
+    ' (--weights 3,1, on budgets of 1.0MiB,1.0MiB)'
+    """
+    budgets = "" if memory is None else _fmt(memory)
+    given = f"the demo's budgets {budgets}" if args.memory is None else f"--memory {args.memory}"
+    if args.weights is not None:
+        on = "" if memory is None else f", on budgets of {budgets}"
+        return f" (--weights {args.weights}{on})"
+    if planned is not None:
+        return f" (the planner's split for {given})"
+    return ""
 
 
 def _planner_weights(
@@ -129,9 +152,10 @@ def _planner_weights(
     except PlanError as exc:
         if not isinstance(spec, list):
             raise
+        given = f"--memory {args.memory or _DEMO_MEMORY}"
+        given += "" if args.memory else " (the demo's budgets)"
         raise EvendpError(
-            f"--batch {args.batch} does not fit --memory {args.memory or _DEMO_MEMORY} ({exc}); "
-            "lower --batch, shrink the model (--n-layer, --n-embd, --block-size) or raise "
-            "--memory"
+            f"--batch {args.batch} does not fit {given} ({exc}); lower --batch, shrink the "
+            "model (--n-layer, --n-embd, --block-size) or raise --memory"
         ) from None
     return p

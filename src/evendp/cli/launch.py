@@ -10,7 +10,7 @@ from pathlib import Path
 from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
-from ._args import bounded_int
+from ._args import bounded_int, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
@@ -105,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.dry_run:
             _validate_script(args.script, passthrough)
         _validate_texts(args)
+        if args.min_free is not None and _no_gpus(gpu_ids):
+            raise EvendpError(
+                f"--min-free {args.min_free} picks GPUs by their free memory, but no NVIDIA "
+                "driver was found here (CPU ranks); drop --min-free"
+            )
+        for flag in ("--memory", "--min-free"):
+            say_units("evendp launch", flag, getattr(args, flag[2:].replace("-", "_")))
         batch = args.batch
         if batch is None and args.batch_sizes is None and args.model is None:
             batch = _DEFAULT_BATCH
@@ -156,6 +163,22 @@ def _validate_script(script: str, passthrough: dict[str, object]) -> None:
             f"script {script!r} does not exist (looked in {str(Path.cwd())!r}); give the path "
             "of a Python file, e.g. evendp launch --nproc 2 examples/ddp_uneven.py"
         )
+    _validate_python(script)
+
+
+def _validate_python(script: str) -> None:
+    """torchrun runs SCRIPT with python in every rank: a file that is not Python (README.md,
+    a shell script) is said once here, not as a SyntaxError traceback per rank."""
+    source = Path(script).read_bytes()
+    try:
+        compile(source, script, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        where = f" (line {exc.lineno}: {exc.msg})" if isinstance(exc, SyntaxError) else ""
+        raise EvendpError(
+            f"script {script!r} is not a Python file{where}; give the training script, e.g. "
+            "evendp launch --nproc 2 examples/ddp_uneven.py (a program that is not Python: "
+            "--no-python)"
+        ) from None
 
 
 def _no_gpus(gpu_ids: list[int] | None) -> bool:

@@ -15,7 +15,7 @@ from .._deprecation import REMOVAL
 from .._errors import EvendpError
 from .._plan import plan
 from .._validate import validate_int
-from ._args import bounded_int
+from ._args import bounded_int, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
@@ -80,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print; 2 on bad input."""
     try:
         memory = _memory_argument(args)
+        say_units("evendp plan", "--memory", args.memory)
+        if args.plot:  # before planning: the picture must be writable
+            from ._paths import check_out_file
+
+            check_out_file("--plot", args.plot)
         if args.batch is not None:  # None: the largest batch that fits
             validate_int("--batch", args.batch, minimum=1, example="--batch 64")
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)

@@ -24,11 +24,28 @@ from __future__ import annotations
 # Absolute imports: under --mode ddp this file is also torchrun's script.
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
-from evendp.cli._args import plain_text
-from evendp.cli._train_args import add_options
+
+class _EarlyStop:
+    """A rank's SIGINT/SIGTERM before evendp (and torch) are imported: kept, not a traceback;
+    the command line's stop flag takes it over and the run stops before its first step."""
+
+    signum: int | None = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+
+if __name__ == "__main__":  # torchrun's rank: from the first instant
+    _early = _EarlyStop()
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _early._handle)
+
+from evendp.cli._args import plain_text, say_units  # noqa: E402 (after the early handlers)
+from evendp.cli._train_args import add_options  # noqa: E402
 
 __all__ = ["add_parser", "run"]
 
@@ -49,17 +66,28 @@ def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     from evendp._errors import EvendpError
     from evendp._oom import is_oom_error
-    from evendp.cli._train_args import _resume_check, _validate_args
+    from evendp.cli._train_args import (
+        _is_launched_rank,
+        _resume_check,
+        _validate_args,
+        fresh_start_check,
+        options_from_env,
+    )
 
+    args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
     try:
         _validate_args(args)
         done = _resume_check(args)
         if done is not None:
             return done
+        fresh_start_check(args)
+        if not _is_launched_rank():  # the launcher said it once
+            say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:
-        print(f"evendp train: error: {exc}", file=sys.stderr)
-        return 2
+        from evendp.cli._train_ddp import report_error
+
+        return report_error(exc)  # once, not once per rank; 2 for bad input, 1 for a fault
     except (RuntimeError, ValueError) as exc:
         if not is_oom_error(exc):
             raise
@@ -75,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     """One process (``--mode dp``), a rank under torchrun, or the launcher of the ranks."""
     if args.mode == "dp":
+        from evendp._run_lock import hold_run_dir
         from evendp.cli._train_local import run_local
 
-        return run_local(args)
+        with hold_run_dir(args.out):  # one writer: refused while another live run has --out
+            return run_local(args)
     from evendp.cli._train_ddp import launch_ranks, run_rank
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -1,0 +1,56 @@
+"""Tables and byte counts for people: what ``print`` shows of a plan or a report.
+
+``Plan.table()`` and ``TrainReport.table()`` return a :class:`PrintableTable`, a
+``rich.table.Table`` that a console renders as before and that ``print``/``str`` render as
+text too (a plain ``rich`` table prints as ``<rich.table.Table object at ...>``).
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["PrintableTable", "format_bytes"]
+
+_WIDTH = 120  # wide enough for a plan of 6 devices; str() has no terminal to ask
+
+
+def format_bytes(n: float | None) -> str:
+    """Human-readable bytes (binary units, as ``nvidia-smi``); ``None`` is shown as a dash.
+
+    >>> format_bytes(1536), format_bytes(3 * 2**30), format_bytes(48 * 2**20), format_bytes(None)
+    ('1.5 KiB', '3.00 GiB', '48.0 MiB', '-')
+    """
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+class PrintableTable(Table):
+    """A ``rich`` table whose ``str`` is its rendering as plain text.
+
+    >>> t = PrintableTable(title="plan")
+    >>> t.add_column("device"); t.add_row("cuda:0")
+    >>> print(t)
+       plan
+    ┏━━━━━━━━┓
+    ┃ device ┃
+    ┡━━━━━━━━┩
+    │ cuda:0 │
+    └────────┘
+    """
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=_WIDTH, color_system=None, force_terminal=False)
+        console.print(self)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.title or 'untitled'}, {len(self.rows)} rows>"

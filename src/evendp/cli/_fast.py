@@ -1,0 +1,44 @@
+"""``evendp --version`` and ``evendp --help`` answered before the package loads torch.
+
+Importing any part of evendp runs ``evendp/__init__.py``, whose public face imports torch
+(1.6 s idle, several seconds on a busy machine): too slow for a version or a list of
+commands. So the face's first line asks :func:`answer_without_torch`, which answers exactly
+these invocations of the ``evendp`` command itself (its console script, or ``python -m
+evendp``) and exits; every other import, and every other command line, goes on as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+__all__ = ["answer_without_torch", "is_light"]
+
+#: Command lines that need neither torch nor a subcommand's module.
+LIGHT: tuple[list[str], ...] = (["--version"], ["--help"], ["-h"])
+
+
+def is_light(argv: list[str]) -> bool:
+    """Whether ``argv`` (after the program name) is answered without torch.
+
+    >>> is_light(["--version"]), is_light(["train", "--help"])
+    (True, False)
+    """
+    return list(argv) in LIGHT
+
+
+def _is_evendp_command() -> bool:
+    """This process is the ``evendp`` command (not a program that imports evendp)."""
+    if sys.argv[0] == "-m":  # runpy imports the package of `python -m NAME` first
+        orig = list(getattr(sys, "orig_argv", []))
+        return "-m" in orig and orig[orig.index("-m") + 1 : orig.index("-m") + 2] == ["evendp"]
+    return Path(sys.argv[0]).name in ("evendp", "evendp.exe")
+
+
+def answer_without_torch() -> None:
+    """Answer ``evendp --version`` / ``--help`` and exit; return at once otherwise."""
+    if not (is_light(sys.argv[1:]) and _is_evendp_command()):
+        return
+    from . import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""``evendp --version`` and ``evendp --help`` do not import torch; nothing else changes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evendp.cli import _HELP, build_parser
+
+
+def _imports(cmd: list[str]) -> tuple[str, set[str]]:
+    """stdout of ``cmd`` and the top-level packages it imported (``-X importtime``'s list)."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=True)
+    names = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    return proc.stdout, names
+
+
+def _console_script() -> str:
+    script = Path(sys.executable).with_name("evendp")
+    found = str(script) if script.exists() else shutil.which("evendp")
+    if found is None:
+        pytest.skip("no evendp console script installed next to this python")
+    return found
+
+
+@pytest.mark.parametrize("flag", ["--version", "--help"])
+@pytest.mark.parametrize("entry", ["-m", "console script"])
+def test_version_and_help_import_no_torch(flag: str, entry: str) -> None:
+    cmd = [sys.executable, "-m", "evendp"] if entry == "-m" else [_console_script()]
+    out, imported = _imports([*cmd, flag])
+    assert "torch" not in imported and "evendp" in imported
+    if flag == "--version":
+        assert out.startswith("evendp ")
+    else:
+        assert all(name in out for name in _HELP)
+
+
+def test_a_program_that_imports_evendp_gets_the_whole_face() -> None:
+    # Its own argv says --version, but it is not the evendp command: the face loads as ever.
+    code = "import evendp, sys; print(evendp.Trainer.__module__, 'torch' in sys.modules)"
+    out, _ = _imports([sys.executable, "-c", code, "--version"])
+    assert out.split() == ["evendp", "True"]
+
+
+def test_the_light_help_matches_the_subcommands() -> None:
+    def helps(parser: argparse.ArgumentParser) -> dict[str, str | None]:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {c.dest: c.help for c in sub._choices_actions}
+
+    assert helps(build_parser(light=True)) == helps(build_parser()) == _HELP

@@ -1,0 +1,151 @@
+"""Every ``evendp train`` option reaches the ranks of ``--mode ddp|fsdp2`` or is refused.
+
+The walk introspects the argparse parser, so a new option is covered (or the test asks for a
+sample value for it) without editing a list of flags here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from evendp.cli import build_parser, main
+from evendp.cli._train_args import OPTIONS_ENV, _validate_args, options_from_env
+from evendp.cli._train_ddp import plan_ranks
+
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "600000"]
+BASE = ["--devices", "cpu,cpu", "--batch", "16", *SMALL]
+
+# A value other than the default for each option that takes free text or a number; flags
+# (store_true) and choices are derived from the parser itself.
+SAMPLES = {
+    "--steps": "7",
+    "--batch": "24",
+    "--devices": "cpu,cpu,cpu",
+    "--memory": "48MiB,24MiB",
+    "--weights": "3,1",
+    "--accum": "2",
+    "--out": "runs/walked",
+    "--max-restarts": "2",
+    "--checkpoint-every": "3",
+    "--lr": "0.01",
+    "--seed": "5",
+    "--n-layer": "2",
+    "--n-embd": "48",
+    "--block-size": "40",
+    "--max-chars": "700000",
+}
+
+# Refused under a mode, with the words its one line must carry.
+REFUSED = {
+    ("fsdp2", "--memory"): "FSDP2",
+    ("fsdp2", "--log-to=tensorboard"): "tensorboard",
+    ("ddp", "--log-to=tensorboard"): "tensorboard",
+}
+
+
+def _train_actions() -> list[argparse.Action]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices["train"]
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def _variants(action: argparse.Action) -> list[tuple[str, list[str]]]:
+    """(label, argv) per non-default value of ``action``."""
+    flag = action.option_strings[0]
+    if isinstance(action, argparse._StoreTrueAction):
+        return [(flag, [flag])]
+    if action.choices is not None:
+        return [(f"{flag}={c}", [flag, str(c)]) for c in action.choices if c != action.default]
+    assert flag in SAMPLES, f"add a sample value for the new option {flag} to SAMPLES"
+    return [(flag, [flag, SAMPLES[flag]])]
+
+
+def _cases() -> list[tuple[str, str, list[str], str]]:
+    return [
+        (mode, label, argv, action.dest)
+        for mode in ("ddp", "fsdp2")
+        for action in _train_actions()
+        if action.dest != "mode"
+        for label, argv in _variants(action)
+    ]
+
+
+def _rank_options(plan: object, monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """What a rank's ``evendp train`` runs with, from the environment torchrun gives it."""
+    env = plan.env  # type: ignore[attr-defined]
+    monkeypatch.setenv(OPTIONS_ENV, env[OPTIONS_ENV])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # The rank's own argv names only its run; everything else comes from the launcher.
+    own = build_parser().parse_args(["train", "--mode", "ddp", "--out", "elsewhere"])
+    return options_from_env(own)
+
+
+@pytest.mark.parametrize(("mode", "label", "argv", "dest"), _cases())
+def test_every_option_reaches_the_ranks_or_is_refused(
+    mode: str,
+    label: str,
+    argv: list[str],
+    dest: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    full = ["train", "--mode", mode, *BASE, *argv]
+    if dest == "weights":  # three devices would need three weights
+        full = ["train", "--mode", mode, *BASE, "--devices", "cpu,cpu", *argv]
+    if (mode, label) in REFUSED:
+        assert main(full) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and REFUSED[(mode, label)] in err, err
+        return
+    args = build_parser().parse_args(full)
+    _validate_args(args)
+    plan, _ = plan_ranks(args)
+    rank = _rank_options(plan, monkeypatch)
+    default = build_parser().parse_args(["train"])
+    assert getattr(args, dest) != getattr(default, dest), "the walk must try a non-default"
+    assert getattr(rank, dest) == getattr(args, dest)
+    assert vars(rank) == vars(args)
+
+
+def test_memory_under_ddp_plans_each_rank_for_its_budget() -> None:
+    args = build_parser().parse_args(
+        ["train", "--mode", "ddp", *BASE, "--batch", "64", "--memory", "8MiB,4MiB"]
+    )
+    plan, _ = plan_ranks(args)
+    # An even 32 does not fit the 4 MiB rank: the planner gives it less, the other more.
+    assert sum(plan.batch_sizes) == 64 and plan.batch_sizes[0] > 32 > plan.batch_sizes[1]
+    assert plan.batch_caps[1] < 32
+
+
+def test_memory_entries_must_match_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--mode", "ddp", *BASE, "--memory", "8MiB,8MiB,4MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory" in err and "--devices 'cpu,cpu'" in err and "--nproc" not in err
+
+
+def test_memory_and_weights_together_are_refused_under_ddp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["train", "--mode", "ddp", *BASE, "--memory", "8MiB,4MiB", "--weights", "3,1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "give one" in err
+
+
+@pytest.mark.multiprocess
+def test_ddp_writes_metrics_and_runs_the_planned_split_with_budgets(tmp_path: Path) -> None:
+    code = main(
+        ["train", "--mode", "ddp", *BASE, "--batch", "64", "--memory", "8MiB,4MiB",
+         "--log-to", "csv", "--steps", "2", "--no-progress", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,loss" and [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
+    devices = json.loads((tmp_path / "report.json").read_text())["devices"]
+    shares = [d["samples_per_step"] for d in devices]
+    assert sum(shares) == 64 and shares[0] > shares[1]
+    assert [d["budget_bytes"] for d in devices] == [8 * 2**20, 4 * 2**20]

@@ -1,0 +1,95 @@
+"""Nothing lost: a fresh run never replaces another run's checkpoint unasked, output targets are
+checked before any work, and contradictory options are refused (exit 2, one line)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from evendp.cli import main
+
+TINY = ["--devices", "cpu", "--batch", "4", "--steps", "1", "--no-progress", "--no-plan",
+        "--n-layer", "1", "--n-embd", "16", "--block-size", "16",
+        "--max-chars", "10000"]  # fmt: skip
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
+def test_a_second_fresh_run_into_the_same_out_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *TINY, "--out", str(tmp_path)]) == 0
+    saved = (tmp_path / "ckpt.pt").read_bytes()
+    capsys.readouterr()
+    assert main(["train", *TINY, "--steps", "2", "--out", str(tmp_path)]) == 2
+    err = _one_line(capsys)
+    for words in ("--resume", "--resume-or-start", "fresh --out", "--overwrite", "ckpt.pt"):
+        assert words in err
+    assert (tmp_path / "ckpt.pt").read_bytes() == saved  # untouched
+
+
+def test_overwrite_starts_over_and_deletes_the_old_checkpoint(tmp_path: Path) -> None:
+    assert main(["train", *TINY, "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert main(["train", *TINY, "--overwrite", "--out", str(tmp_path)]) == 0
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1  # a fresh run's
+    assert not (tmp_path / "ckpt.prev.pt").exists()  # the old run's step 2 is gone
+
+
+def test_make_demo_runs_twice(tmp_path: Path) -> None:
+    recipe = re.search(r"^demo:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert recipe is not None
+    words = shlex.split(recipe.group(1))
+    args = words[words.index("train") :]  # `$(VENV)/bin/evendp train ...`
+    for _ in range(2):
+        assert main([*args, *TINY, "--out", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("target", "words"),
+    [("afile", "is a file, not a folder"), ("/proc/evendp-run", "cannot write in '/proc'")],
+)
+def test_out_is_checked_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, words: str
+) -> None:
+    if target == "afile":
+        target = str(tmp_path / "afile")
+        Path(target).write_text("")
+    assert main(["train", *TINY, "--out", target]) == 2
+    assert words in _one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("plot", "words"),
+    [("missing/dir/p.png", "does not exist"), (".", "is a folder")],
+)
+def test_plan_plot_is_checked_before_planning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], plot: str, words: str
+) -> None:
+    code = main(["plan", "--model", "gpt", "--memory", "1GiB", "--plot", str(tmp_path / plot)])
+    assert code == 2
+    err = _one_line(capsys)
+    assert "--plot" in err and words in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--resume", "--resume-or-start"], "contradict"),
+        (["--overwrite", "--resume"], "contradict"),
+        (["--accum", "100", "--batch", "32"], "--accum 100"),
+    ],
+)
+def test_contradictory_options_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], words: str
+) -> None:
+    assert main(["train", *TINY, *extra, "--out", str(tmp_path)]) == 2
+    assert words in _one_line(capsys)
