@@ -52,7 +52,7 @@ from evendp import (
     finish_distributed,
     init_distributed,
 )
-from evendp._launch import _free_port  # a free port, never torchrun's 29500
+from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
 
 FEATURES, CLASSES = 64, 10
 

@@ -225,7 +225,7 @@ def step_oom_resplit(dry: bool) -> dict[str, Any]:
 
 def step_cuda_events(dry: bool) -> dict[str, Any]:
     from evendp import SpeedBalancer
-    from evendp._sampler import UnevenBatchSampler
+    from evendp._distributed._sampler import UnevenBatchSampler
 
     device = _device(dry)
     balancer = SpeedBalancer(UnevenBatchSampler(64, [4], rank=0), warmup=1)
@@ -268,7 +268,7 @@ def step_nccl_one_rank(dry: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     from evendp import ddp_loss, finish_distributed, global_count, global_mean, init_distributed
-    from evendp._distributed import comm_device
+    from evendp._distributed._group import comm_device
 
     _gpu_only(dry)
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from evendp._interrupt import _children
+from evendp._distributed._interrupt import _children
 from tests.cli.test_train_faults import EVERY, STEPS, _start, _step, _workers
 
 TARGETS = [

@@ -1,6 +1,7 @@
 """The planner's predicted max batch per device vs the real one on budgeted virtual devices.
 
-Each virtual CPU device enforces its budget (``evendp._budget``): resident bytes (parameters;
+Each virtual CPU device enforces its budget (``evendp._training._budget``): resident bytes
+(parameters;
 on device 0 also the gradients and AdamW state, created by one real step first) plus every
 storage the replica's forward allocates. The real maximum is found by search: the largest
 share that device runs alone (``fixed_sizes``, every other share 0) without
@@ -23,9 +24,9 @@ import json
 import torch
 
 from evendp import BalancedDataParallel
-from evendp._budget import MemoryBudgets, tensor_bytes
-from evendp._plan import plan
-from evendp._trainer import _LossModule, default_loss
+from evendp._planning._plan import plan
+from evendp._training._budget import MemoryBudgets, tensor_bytes
+from evendp._training._trainer import _LossModule, default_loss
 from evendp.cli._model_spec import gpt_batch
 from evendp.examples.gpt import GPT, GPTConfig
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from evendp import plan
-from evendp._plan import _planner
-from evendp._plan._solve import _Model
+from evendp._planning import _planner
+from evendp._planning._solve import _Model
 
 COUNTS = (8, 1_000, 1_000_000)
 

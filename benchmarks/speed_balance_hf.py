@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import evendp
-from evendp._launch import _free_port  # a free port, never torchrun's 29500
+from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
 
 SEQ, VOCAB = 16, 64
 

@@ -44,8 +44,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from evendp import BalancedDataParallel, UnevenBatchSampler
-from evendp._launch import _free_port  # a free port, never torchrun's 29500
-from evendp._trainer import TrainConfig, Trainer
+from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
+from evendp._training._trainer import TrainConfig, Trainer
 
 FEATURES, HIDDEN, CLASSES = 64, 512, 10
 TARGET = 0.97

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from evendp._launch import _free_port
+from evendp._planning._launch import _free_port
 
 
 def free_port() -> int:

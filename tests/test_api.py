@@ -112,7 +112,7 @@ def test_renamed_arguments_still_work_with_a_warning(monkeypatch: object) -> Non
     import pytest
     import torch
 
-    from evendp._launch import plan_launch
+    from evendp._planning._launch import plan_launch
 
     net = torch.nn.Linear(4, 2)
     with pytest.deprecated_call(match=r"plan\(devices=...\).*0\.3\.0.*plan\(memory=...\)"):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import evendp
-from evendp._balance import NoBalance, rank_batch_sizes, sizes_from_capacities
+from evendp._planning._balance import NoBalance, rank_batch_sizes, sizes_from_capacities
 from tests._helpers import run_ranks, torchrun_env
 
 pytestmark = pytest.mark.multiprocess

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from evendp._checkpoint import (
+from evendp._core._errors import EvendpError
+from evendp._training._checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     previous_path,
     save_checkpoint,
 )
-from evendp._errors import EvendpError
 
 
 def _setup(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
@@ -148,7 +148,7 @@ def test_failed_write_leaves_existing_files_and_no_temp(tmp_path: Path) -> None:
 
 
 def test_each_rank_restores_its_own_rng_only_for_the_same_step(tmp_path: Path) -> None:
-    from evendp._checkpoint import load_rank_rng, rank_rng_path, save_rank_rng
+    from evendp._training._checkpoint import load_rank_rng, rank_rng_path, save_rank_rng
 
     ckpt = tmp_path / "ckpt.pt"
     torch.manual_seed(11)
@@ -179,7 +179,7 @@ def _garble_tensor(path: Path, tensor: torch.Tensor) -> None:
 
 
 def test_garbled_tensor_data_is_caught_by_the_checksum(tmp_path: Path) -> None:
-    from evendp._checkpoint import CorruptCheckpoint
+    from evendp._training._checkpoint import CorruptCheckpoint
 
     model, opt, _ = _setup()
     path = tmp_path / "ckpt.pt"
@@ -191,7 +191,7 @@ def test_garbled_tensor_data_is_caught_by_the_checksum(tmp_path: Path) -> None:
 
 
 def test_old_checkpoints_without_a_checksum_still_load(tmp_path: Path) -> None:
-    from evendp._checkpoint import UNVERIFIED
+    from evendp._training._checkpoint import UNVERIFIED
 
     model, _, _ = _setup()
     path = tmp_path / "ckpt.pt"
@@ -205,7 +205,7 @@ def test_old_checkpoints_without_a_checksum_still_load(tmp_path: Path) -> None:
 
 
 def test_non_finite_state_is_never_written(tmp_path: Path) -> None:
-    from evendp._errors import TrainingError
+    from evendp._core._errors import TrainingError
 
     model, opt, _ = _setup()
     path = tmp_path / "ckpt.pt"
@@ -220,7 +220,7 @@ def test_non_finite_state_is_never_written(tmp_path: Path) -> None:
 
 
 def test_a_bad_previous_checkpoint_never_points_to_prev_prev(tmp_path: Path) -> None:
-    from evendp._checkpoint import CorruptCheckpoint
+    from evendp._training._checkpoint import CorruptCheckpoint
 
     model, _, _ = _setup()
     prev = previous_path(tmp_path / "ckpt.pt")
@@ -231,7 +231,7 @@ def test_a_bad_previous_checkpoint_never_points_to_prev_prev(tmp_path: Path) -> 
 
 
 def test_rank_rng_prefers_the_exact_previous_state_over_a_reseed(tmp_path: Path) -> None:
-    from evendp._checkpoint import load_rank_rng, save_rank_rng
+    from evendp._training._checkpoint import load_rank_rng, save_rank_rng
 
     ckpt = tmp_path / "ckpt.pt"
     torch.manual_seed(5)
@@ -263,7 +263,7 @@ def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(small_disk: Path) -> None:
-    from evendp._errors import TrainingError
+    from evendp._core._errors import TrainingError
 
     model = torch.nn.Linear(400, 400)  # 640 KB: the third copy does not fit 3 MiB with AdamW
     opt = torch.optim.AdamW(model.parameters())
@@ -280,7 +280,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(small_disk: P
 def test_a_read_only_folder_is_one_line(small_disk: Path) -> None:
     import subprocess
 
-    from evendp._errors import TrainingError
+    from evendp._core._errors import TrainingError
 
     model, _, _ = _setup()
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)

@@ -1,4 +1,4 @@
-"""split_by_cost and padded_cost (evendp._cost): the pure cost-balanced split of one step."""
+"""split_by_cost and padded_cost (evendp._core._cost): the pure cost-balanced split of one step."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evendp._cost import padded_cost, split_by_cost
-from evendp._errors import EvendpError
-from evendp._split import split_sizes
+from evendp._core._cost import padded_cost, split_by_cost
+from evendp._core._errors import EvendpError
+from evendp._core._split import split_sizes
 
 costs_strategy = st.lists(st.integers(0, 300), min_size=0, max_size=40)
 capacities_strategy = st.lists(

@@ -8,8 +8,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from evendp._distributed import finish_distributed, init_distributed
-from evendp._trainer import TrainConfig, Trainer
+from evendp._distributed._group import finish_distributed, init_distributed
+from evendp._training._trainer import TrainConfig, Trainer
 from tests.test_trainer import TinyLM, _data
 
 

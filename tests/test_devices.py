@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import evendp._devices as devices_mod
-from evendp._devices import (
+import evendp._planning._devices as devices_mod
+from evendp._core._errors import EvendpError
+from evendp._planning._devices import (
     DeviceInfo,
     NvmlUnavailableError,
     choose_devices,
@@ -18,7 +19,6 @@ from evendp._devices import (
     parse_bytes,
     select_devices,
 )
-from evendp._errors import EvendpError
 
 GiB = 1 << 30
 

@@ -1,4 +1,5 @@
-"""The process-group side (evendp._distributed): loss helpers, starting a rank, where it talks.
+"""The process-group side (evendp._distributed._group): loss helpers, starting a rank, where it
+talks.
 
 Without a GPU, the NCCL paths are checked with a backend reported as "nccl" and collectives
 patched to record where their tensors live; the multi-process (gloo) checks of exact
@@ -11,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from evendp._distributed import (
+from evendp._core._errors import EvendpError
+from evendp._distributed._group import (
     ddp_loss,
     finish_distributed,
     global_count,
     global_mean,
     init_distributed,
 )
-from evendp._errors import EvendpError
 
 
 def test_model_runs_forward_and_backward_on_an_empty_batch() -> None:
@@ -141,7 +142,7 @@ def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
     """A real one-rank gloo group that reports "nccl" and two ranks; all_reduce records where
     its tensor lives and doubles it in place (what two equal ranks would give)."""
     init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    import evendp._distributed as mod
+    import evendp._distributed._group as mod
 
     seen: list[torch.device] = []
 
@@ -159,7 +160,7 @@ def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
 def test_comm_device_under_nccl_is_the_ranks_own_gpu_not_the_current_one(
     fake_nccl: list[torch.device], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from evendp._distributed import comm_device
+    from evendp._distributed._group import comm_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # set_device never called
@@ -178,7 +179,7 @@ def test_comm_device_under_nccl_is_the_ranks_own_gpu_not_the_current_one(
 def test_rank_cuda_device_with_one_visible_gpu_per_rank(
     monkeypatch: pytest.MonkeyPatch, local: str, count: int, expected: int
 ) -> None:
-    from evendp._distributed import rank_cuda_device
+    from evendp._distributed._group import rank_cuda_device
 
     monkeypatch.setenv("LOCAL_RANK", local)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -188,7 +189,7 @@ def test_rank_cuda_device_with_one_visible_gpu_per_rank(
 def test_rank_cuda_device_refuses_two_ranks_on_one_of_several_gpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from evendp._distributed import rank_cuda_device
+    from evendp._distributed._group import rank_cuda_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from evendp._distributed import ddp_loss, global_count, global_mean
-from evendp._sampler import EmptySafeCollate, UnevenBatchSampler
+from evendp._distributed._group import ddp_loss, global_count, global_mean
+from evendp._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
 from tests._helpers import free_port
 
 pytestmark = pytest.mark.multiprocess

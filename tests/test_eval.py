@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from evendp import EvendpError, TrainConfig, Trainer
-from evendp._evaluate import evaluate_devices, loss_eval_fn
-from evendp._report import write_report
+from evendp._training._evaluate import evaluate_devices, loss_eval_fn
+from evendp._training._report import write_report
 
 IGNORE = -100
 N_EVAL = 101

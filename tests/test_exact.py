@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evendp._exact import combine_means, mean_scale, step_count, weighted_sum, zero_weight
-from evendp._split import split_sizes
+from evendp._core._exact import combine_means, mean_scale, step_count, weighted_sum, zero_weight
+from evendp._core._split import split_sizes
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import evendp
-from evendp._exact import StandInTensor, stand_in_batch
+from evendp._core._exact import StandInTensor, stand_in_batch
 
 Pair = namedtuple("Pair", "x y")
 

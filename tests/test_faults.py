@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evendp._checkpoint import load_checkpoint, previous_path
-from evendp._trainer import TrainConfig, Trainer
+from evendp._training._checkpoint import load_checkpoint, previous_path
+from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
 from tests._helpers import run_ranks

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-import evendp._launch as launch_mod
-from evendp._errors import EvendpError, PlanError
-from evendp._launch import launch, plan_launch, torchrun_command
-from evendp._sampler import UnevenBatchSampler, batch_sizes_from_env
-from evendp._speed import SpeedBalancer
+import evendp._planning._launch as launch_mod
+from evendp._core._errors import EvendpError, PlanError
+from evendp._distributed._sampler import UnevenBatchSampler, batch_sizes_from_env
+from evendp._planning._launch import launch, plan_launch, torchrun_command
+from evendp._planning._speed import SpeedBalancer
 from tests.test_devices import FakeGpu, FakeNvml, GiB
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from evendp._checkpoint import previous_path
-from evendp._errors import CheckpointError, TrainingError
-from evendp._trainer import TrainConfig, Trainer
+from evendp._core._errors import CheckpointError, TrainingError
+from evendp._training._checkpoint import previous_path
+from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.stdlib_text import CharWindows
 
 V = 7

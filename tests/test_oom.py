@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evendp._dp import BalancedDataParallel
-from evendp._errors import EvendpError
-from evendp._oom import OomResplit, all_reduce_gradients
+from evendp._core._errors import EvendpError
+from evendp._parallel._dp import BalancedDataParallel
+from evendp._training._oom import OomResplit, all_reduce_gradients
 from tests._helpers import OomInBackward, run_ranks
 
 N = 12

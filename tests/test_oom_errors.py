@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evendp._oom import OomResplit, is_oom_error
+from evendp._training._oom import OomResplit, is_oom_error
 
 # Messages as torch, cuBLAS, cuDNN, cuFFT, the CUDA runtime and NCCL word them.
 OOM_MESSAGES = [

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import evendp._plan._planner as planner_mod
-from evendp._memory import DeviceMemory
-from evendp._plan import auto_weights, plan
+import evendp._planning._planner as planner_mod
+from evendp._planning._memory import DeviceMemory
+from evendp._planning._plan import auto_weights, plan
 from evendp.examples.lm_head import LMHead
 
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-import evendp._plan as plan_pkg
-import evendp._plan._planner as planner_mod
+import evendp._planning._plan as plan_pkg
+import evendp._planning._planner as planner_mod
 from evendp import BalancedDataParallel
-from evendp._memory import DeviceMemory
-from evendp._plan import auto_weights, plan, profile_step
+from evendp._planning._memory import DeviceMemory
+from evendp._planning._plan import auto_weights, plan, profile_step
 from evendp.examples.gpt import GPT, GPTConfig
 
 

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import evendp
-from evendp._errors import PlanError
-from evendp._plan import _planner
-from evendp._plan._solve import _capped_even_split, _largest, _Model, _solve
-from evendp._split import split_sizes
+from evendp._core._errors import PlanError
+from evendp._core._split import split_sizes
+from evendp._planning import _planner
+from evendp._planning._solve import _capped_even_split, _largest, _Model, _solve
 from tests.test_plan_solve import KiB, _model
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from evendp._errors import PlanError
-from evendp._plan._solve import Mode, _Curve, _Model, _solve
+from evendp._core._errors import PlanError
+from evendp._planning._solve import Mode, _Curve, _Model, _solve
 
 KiB = 1024.0
 

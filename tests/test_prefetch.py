@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from evendp._prefetch import Prefetcher
+from evendp._parallel._prefetch import Prefetcher
 
 
 def test_items_arrive_in_order_and_a_producer_error_reaches_the_consumer() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from evendp._replicate import parallel_apply, replicate
+from evendp._parallel._replicate import parallel_apply, replicate
 
 CPU = torch.device("cpu")
 
@@ -131,7 +131,7 @@ CUDA = [torch.device("cuda", i) for i in range(3)]
 def test_which_device_sets_get_a_coalesced_broadcast(
     param_devices: list[torch.device], devices: list[torch.device], expected: object
 ) -> None:
-    from evendp._replicate import _broadcast_targets
+    from evendp._parallel._replicate import _broadcast_targets
 
     assert _broadcast_targets(param_devices, devices) == expected
 
@@ -142,7 +142,7 @@ def test_replicate_uses_the_broadcast_copies_for_every_parameter(
 ) -> None:
     # No second GPU here: the decision is forced for CPU "GPUs" and the broadcast is a fake
     # that records its call and returns marked copies; replicas must use exactly those.
-    import evendp._replicate as mod
+    import evendp._parallel._replicate as mod
 
     calls: list[tuple[list[torch.device], int, bool]] = []
     made: dict[int, torch.Tensor] = {}

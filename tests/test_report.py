@@ -8,7 +8,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from evendp._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
+from evendp._training._report import (
+    DeviceStat,
+    TrainProgress,
+    TrainReport,
+    format_bytes,
+    write_report,
+)
 
 
 def _report(measured: bool) -> TrainReport:
@@ -113,7 +119,7 @@ def test_png_has_title_budget_lines_and_no_label_on_the_axis(tmp_path: Path) -> 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    import evendp._report as rep
+    import evendp._training._report as rep
 
     report = _budgeted()
     report.eval = [{"step": 2, "metrics": {"loss": 3.1}}]

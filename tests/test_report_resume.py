@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from evendp._report import TrainReport
-from evendp._split import split_sizes
-from evendp._trainer import TrainConfig, Trainer
+from evendp._core._split import split_sizes
+from evendp._training._report import TrainReport
+from evendp._training._trainer import TrainConfig, Trainer
 from tests._helpers import run_ranks
 from tests.test_trainer import TinyLM, _data
 

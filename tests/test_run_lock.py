@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from evendp._run_lock import ENV_RUN_LOCK, RunDirBusy, hold_run_dir, run_dir_holder
+from evendp._distributed._run_lock import ENV_RUN_LOCK, RunDirBusy, hold_run_dir, run_dir_holder
 
 _HOLD = """
 import sys, time
-from evendp._run_lock import hold_run_dir
+from evendp._distributed._run_lock import hold_run_dir
 with hold_run_dir(sys.argv[1], "evendp train --out somewhere"):
     print("held", flush=True)
     time.sleep(60)
@@ -53,7 +53,7 @@ def test_a_live_run_is_named_and_a_dead_ones_lock_is_taken_over(tmp_path: Path) 
 def test_the_processes_a_run_starts_join_its_lock_and_a_resume_waits_for_them(
     tmp_path: Path,
 ) -> None:
-    from evendp._run_lock import _lock_path, child_env
+    from evendp._distributed._run_lock import _lock_path, child_env
 
     with hold_run_dir(tmp_path, "the launcher") as lock:
         assert child_env(lock) == {ENV_RUN_LOCK: str(_lock_path(tmp_path))}

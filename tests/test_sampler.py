@@ -1,4 +1,4 @@
-"""UnevenBatchSampler, batch-size parsing and EmptySafeCollate (evendp._sampler).
+"""UnevenBatchSampler, batch-size parsing and EmptySafeCollate (evendp._distributed._sampler).
 
 The loss helpers and starting a rank are tests/test_distributed.py; the multi-process (gloo)
 checks of exact gradients live in tests/test_distributed_gloo.py.
@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from evendp._errors import EvendpError
-from evendp._sampler import (
+from evendp._core._errors import EvendpError
+from evendp._core._split import split_sizes
+from evendp._distributed._sampler import (
     EmptySafeCollate,
     UnevenBatchSampler,
     batch_sizes_from_env,
     parse_batch_sizes,
 )
-from evendp._split import split_sizes
 
 
 def all_ranks(n: int, sizes: list[int], **kw: object) -> list[list[list[int]]]:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evendp._cost import padded_cost
-from evendp._distributed import ddp_loss
-from evendp._errors import EvendpError
-from evendp._sampler import UnevenBatchSampler
+from evendp._core._cost import padded_cost
+from evendp._core._errors import EvendpError
+from evendp._distributed._group import ddp_loss
+from evendp._distributed._sampler import UnevenBatchSampler
 from tests._helpers import tiny_gpt2_config
 
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evendp import EvendpError
-from evendp._scatter import batch_size, gather_outputs, map_tensors, scatter
+from evendp._parallel._scatter import batch_size, gather_outputs, map_tensors, scatter
 
 CPU = torch.device("cpu")
 

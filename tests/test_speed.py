@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evendp._distributed import ddp_loss
-from evendp._errors import EvendpError
-from evendp._sampler import UnevenBatchSampler
-from evendp._speed import SpeedBalancer, balance_sizes
+from evendp._core._errors import EvendpError
+from evendp._distributed._group import ddp_loss
+from evendp._distributed._sampler import UnevenBatchSampler
+from evendp._planning._speed import SpeedBalancer, balance_sizes
 from tests._helpers import free_port
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_measure_times_the_ranks_own_gpu_stream(
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     _FakeEvent.streams = []
     if under_nccl:
-        import evendp._speed as speed
+        import evendp._planning._speed as speed
 
         monkeypatch.setattr(speed, "comm_device", lambda group=None: torch.device("cuda", 1))
     _, b = balancer_with([4, 4])

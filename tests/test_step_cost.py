@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from evendp import TrainConfig, Trainer
-from evendp._step_cost import StepWeight, display_due
+from evendp._distributed._step_cost import StepWeight, display_due
 from tests._helpers import run_ranks
 from tests.test_trainer_cost import Lines, TokenLM, tokens
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import evendp
-from evendp._exact import stand_in_batch
+from evendp._core._exact import stand_in_batch
 
 
 def _model() -> torch.nn.Module:

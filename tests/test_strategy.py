@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evendp._oom import all_reduce_gradients
-from evendp._trainer import TrainConfig, Trainer
+from evendp._training._oom import all_reduce_gradients
+from evendp._training._trainer import TrainConfig, Trainer
 from tests._helpers import run_ranks, tiny_gpt2_config
 
 N, L, VOCAB = 41, 6, 64

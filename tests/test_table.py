@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from evendp import TrainReport, plan
-from evendp._report import DeviceStat
+from evendp._training._report import DeviceStat
 
 
 def _net() -> nn.Module:

@@ -13,9 +13,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from evendp import EvendpError, TrainConfig, Trainer, UnevenBatchSampler, plan
-from evendp._cost import padded_cost
-from evendp._plan._measure import at_width, profile_step
-from evendp._plan._solve import _Curve, _Model, _solve, _token_fit
+from evendp._core._cost import padded_cost
+from evendp._planning._measure import at_width, profile_step
+from evendp._planning._solve import _Curve, _Model, _solve, _token_fit
 from tests.test_trainer_cost import Lines, TokenLM, tokens
 
 GiB = 2**30

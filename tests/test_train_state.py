@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from evendp._checkpoint import _set_rng_state, load_checkpoint
-from evendp._trainer import TrainConfig, Trainer
+from evendp._training._checkpoint import _set_rng_state, load_checkpoint
+from evendp._training._trainer import TrainConfig, Trainer
 from tests.test_trainer import TinyLM, _data
 
 

@@ -17,8 +17,8 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from evendp._errors import EvendpError
-from evendp._trainer import TrainConfig, Trainer
+from evendp._core._errors import EvendpError
+from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
 from tests._helpers import OomInBackward, requires_cuda, run_ranks
@@ -204,7 +204,7 @@ def test_ctrl_c_saves_and_returns(tmp_path: Path) -> None:
     cfg = TrainConfig(steps=10, batch_size=8, out_dir=tmp_path, progress=False)
     report = Trainer(TinyLM(), _data(), cfg, device_ids=["cpu"], loss_fn=loss_fn).fit()
     assert report.interrupted and report.steps == 3
-    from evendp._checkpoint import load_checkpoint
+    from evendp._training._checkpoint import load_checkpoint
 
     assert load_checkpoint(tmp_path / "ckpt.pt", model=TinyLM())["step"] == 3
 
@@ -355,7 +355,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     # samples: the second step is [1, 0]), on a dataset without batch() (collated per sample).
     # lr=0 keeps the weights, so every step's gradient is checked at the initial weights.
     nine = _NoBatch(_data(n=9 + 6))
-    from evendp._report import TrainProgress
+    from evendp._training._report import TrainProgress
 
     shown: list[int] = []  # the samples the progress bar is given, per step
     real_update = TrainProgress.update
@@ -496,7 +496,7 @@ def test_a_rank_with_no_samples_neither_hangs_nor_changes_the_gradient(
 
 
 def test_fsdp2_refuses_a_prebuilt_optimizer() -> None:
-    from evendp._trainer import _validate_fsdp2
+    from evendp._training._trainer import _validate_fsdp2
 
     model = TinyLM()
     with pytest.raises(EvendpError, match="optimizer=None"):

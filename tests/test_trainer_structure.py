@@ -2,7 +2,7 @@
 
 Read from the source (ast), so a new ``self.distributed`` test, ``cast(``, raw collective or
 strategy flag in the loop fails here, and the copies of the exactness arithmetic stay in
-``evendp/_exact.py``.
+``evendp/_core/_exact.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _tree(name: str) -> ast.Module:
 
 
 def test_the_trainer_module_has_no_mode_branch_cast_or_collective() -> None:
-    tree = _tree("_trainer.py")
+    tree = _tree("_training/_trainer.py")
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert "dist" not in names and "cast" not in names
@@ -69,4 +69,4 @@ def test_count_weighting_is_written_once_in_the_exact_core() -> None:
         for path in SRC.rglob("*.py")
         if any(_weights_by_count(n) for n in ast.walk(ast.parse(path.read_text())))
     )
-    assert found == ["_exact.py"], found
+    assert found == ["_core/_exact.py"], found

@@ -9,18 +9,8 @@ from .cli._fast import answer_without_torch as _answer_without_torch
 
 _answer_without_torch()
 
-from ._checkpoint import load_checkpoint, save_checkpoint
-from ._cost import padded_cost, split_by_cost
-from ._devices import DeviceInfo, list_devices, select_devices
-from ._distributed import (
-    ddp_loss,
-    finish_distributed,
-    global_count,
-    global_mean,
-    init_distributed,
-)
-from ._dp import BalancedDataParallel, ParallelCriterion, Scattered, gather
-from ._errors import (
+from ._core._cost import padded_cost, split_by_cost
+from ._core._errors import (
     CheckpointError,
     EvendpError,
     LiveMemoryError,
@@ -28,17 +18,32 @@ from ._errors import (
     PlanError,
     TrainingError,
 )
-from ._exact import is_stand_in
-from ._memory import DeviceMemory, live_memory, parse_memory
-from ._oom import OomResplit
-from ._plan import DevicePlan, Plan, plan
-from ._predict import Predictions, predict
-from ._report import TrainReport
-from ._sampler import EmptySafeCollate, UnevenBatchSampler, batch_sizes_from_env, parse_batch_sizes
-from ._speed import SpeedBalancer, balance_sizes
-from ._split import split_sizes
-from ._step_mean import StepMean
-from ._trainer import TrainConfig, Trainer
+from ._core._exact import is_stand_in
+from ._core._split import split_sizes
+from ._distributed._group import (
+    ddp_loss,
+    finish_distributed,
+    global_count,
+    global_mean,
+    init_distributed,
+)
+from ._distributed._sampler import (
+    EmptySafeCollate,
+    UnevenBatchSampler,
+    batch_sizes_from_env,
+    parse_batch_sizes,
+)
+from ._distributed._step_mean import StepMean
+from ._parallel._dp import BalancedDataParallel, ParallelCriterion, Scattered, gather
+from ._parallel._predict import Predictions, predict
+from ._planning._devices import DeviceInfo, list_devices, select_devices
+from ._planning._memory import DeviceMemory, live_memory, parse_memory
+from ._planning._plan import DevicePlan, Plan, plan
+from ._planning._speed import SpeedBalancer, balance_sizes
+from ._training._checkpoint import load_checkpoint, save_checkpoint
+from ._training._oom import OomResplit
+from ._training._report import TrainReport
+from ._training._trainer import TrainConfig, Trainer
 
 __all__ = [
     # single process

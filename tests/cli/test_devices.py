@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import evendp._devices as devices_mod
+import evendp._planning._devices as devices_mod
 from evendp.cli import main
 from tests.test_devices import FakeNvml, mixed_gpus
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import evendp._devices as devices_mod
-from evendp._sampler import UnevenBatchSampler
+import evendp._planning._devices as devices_mod
+from evendp._distributed._sampler import UnevenBatchSampler
 from evendp.cli import main
 from tests.test_devices import FakeNvml
 

@@ -210,10 +210,10 @@ def test_planner_split_favours_the_device_with_more_memory() -> None:
 def test_ddp_devices_reach_the_launch_plan(
     monkeypatch: pytest.MonkeyPatch, devices: str, expected: dict[str, object]
 ) -> None:
-    import evendp._launch
+    import evendp._planning._launch
 
     seen: dict[str, object] = {}
-    real = evendp._launch.plan_launch
+    real = evendp._planning._launch.plan_launch
 
     def fake_plan_launch(**kwargs: object) -> object:
         seen.update(kwargs)
@@ -223,8 +223,8 @@ def test_ddp_devices_reach_the_launch_plan(
         seen["argv"] = argv
         return 0
 
-    monkeypatch.setattr(evendp._launch, "plan_launch", fake_plan_launch)
-    monkeypatch.setattr(evendp._launch, "launch", fake_launch)
+    monkeypatch.setattr(evendp._planning._launch, "plan_launch", fake_plan_launch)
+    monkeypatch.setattr(evendp._planning._launch, "launch", fake_launch)
     assert main(["train", "--mode", "ddp", "--devices", devices, "--batch", "8"]) == 0
     for key, value in expected.items():
         assert seen[key] == value

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from evendp import EvendpError, select_devices
-from evendp._devices import list_devices
-from evendp._errors import NvmlUnavailableError
+from evendp._core._errors import NvmlUnavailableError
+from evendp._planning._devices import list_devices
 from evendp.cli import main
 
 TINY = ["--batch", "4", "--steps", "1", "--no-progress", "--no-plan", "--n-layer", "1",

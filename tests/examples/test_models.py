@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from evendp._errors import EvendpError
+from evendp._core._errors import EvendpError
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.lm_head import LMHead, lm_loss
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evendp._errors import EvendpError
+from evendp._core._errors import EvendpError
 from evendp.examples.stdlib_text import CharVocab, CharWindows, load_corpus, stdlib_dataset
 
 

@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     while the command starts up is kept, and the run stops at its first step boundary, saved,
     never with a traceback. The other commands keep the usual Ctrl-C.
     """
-    from .._interrupt import StopFlag, exit_code
+    from .._distributed._interrupt import StopFlag, exit_code
 
     early = StopFlag()
     try:
@@ -85,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None, early: Any) -> int:
-    from .._errors import EvendpError
-    from .._interrupt import exit_code
+    from .._core._errors import EvendpError
+    from .._distributed._interrupt import exit_code
     from ._fast import is_light
 
     parser = build_parser(light=is_light(sys.argv[1:] if argv is None else list(argv)))

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .._errors import EvendpError
-from .._oom import is_oom_error
+from .._core._errors import EvendpError
+from .._training._oom import is_oom_error
 
 __all__: list[str] = []
 
@@ -95,8 +95,8 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     shares here may come from ``--weights``; ``profile_step`` prices any share (at the full
     ``block_size``: the longest a padded batch gets).
     """
-    from .._plan import profile_step
-    from .._split import split_sizes
+    from .._core._split import split_sizes
+    from .._planning._plan import profile_step
     from ..examples.gpt import GPT
     from ._model_spec import _AMP, gpt_batch
 
@@ -151,7 +151,7 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
     batch's real characters) on the home device. The gradients are cleared again afterwards,
     so training starts exactly as it would without the check.
     """
-    from .._scatter import map_tensors
+    from .._parallel._scatter import map_tensors
     from ..examples.stdlib_text import CodeParagraphs
 
     home = trainer.wrapped.device_ids[0]
@@ -188,20 +188,20 @@ _BUDGET_NOTE = (
 
 
 def split_even(total: int, count: int) -> list[int]:
-    from .._split import split_sizes
+    from .._core._split import split_sizes
 
     return split_sizes(total, [1] * count)
 
 
 def _fmt(memory: list[int]) -> str:
-    from .._report import format_bytes
+    from .._training._report import format_bytes
 
     return ",".join(format_bytes(m).replace(" ", "") for m in memory)
 
 
 def _attach_budgets(trainer: Any, memory: list[int]) -> Any:
     """Make the virtual devices enforce ``memory``: resident bytes read live at every forward."""
-    from .._budget import MemoryBudgets, tensor_bytes
+    from .._training._budget import MemoryBudgets, tensor_bytes
 
     params = tensor_bytes(list(trainer.model.parameters()))
 
@@ -225,7 +225,7 @@ def _even_split_probe(
     """
     import contextlib
 
-    from .._scatter import map_tensors
+    from .._parallel._scatter import map_tensors
     from ._model_spec import _AMP
 
     dp = trainer.wrapped

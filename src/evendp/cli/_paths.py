@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .._errors import EvendpError
+from .._core._errors import EvendpError
 
 __all__ = ["check_out_dir", "check_out_file"]
 

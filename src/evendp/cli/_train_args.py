@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .._errors import EvendpError
+from .._core._errors import EvendpError
 from ._args import bounded_float, bounded_int
 
 __all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
@@ -243,7 +243,7 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
     checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
     """
-    from evendp._checkpoint import resumable_checkpoint
+    from evendp._training._checkpoint import resumable_checkpoint
 
     if not (args.resume or args.resume_or_start or _restarted()):
         return None
@@ -260,7 +260,7 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     found, step, extra = resumable
     saved_batch = extra.get("global_batch")
     if saved_batch is not None and int(saved_batch) != args.batch:  # refused before any work
-        from evendp._errors import CheckpointError
+        from evendp._core._errors import CheckpointError
 
         raise CheckpointError(
             f"checkpoint {str(found)!r} was trained with a global batch of {saved_batch}, this "
@@ -372,7 +372,7 @@ def _validate_gpu(text: str, index: int) -> int:
 
 def _memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | None:
     """Each device's memory in bytes (``None``: not declared, use weights or free memory)."""
-    from evendp._memory import parse_memory
+    from evendp._planning._memory import parse_memory
 
     text = args.memory
     if text is None and args.devices is None and args.weights is None and _all_cpu(devices):

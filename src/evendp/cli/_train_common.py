@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._errors import EvendpError
+from .._core._errors import EvendpError
 
 __all__: list[str] = []
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._errors import EvendpError
+from .._core._errors import EvendpError
 from ._train_args import OPTIONS_ENV, _parse_devices, _restarted, _weights_list, options_json
 from ._train_common import _build, _log_metrics, _model_name, _print_report
 
@@ -26,7 +26,7 @@ def report_error(exc: EvendpError) -> int:
     """One line for ``exc``: under torchrun only rank 0 prints it and leaves its exit code for
     the launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
     would fail again); elsewhere it is printed and its exit code returned."""
-    from .._launch import ENV_OUTCOME, write_outcome
+    from .._planning._launch import ENV_OUTCOME, write_outcome
 
     rank = os.environ.get("RANK")
     if rank is None or not os.environ.get(ENV_OUTCOME):
@@ -40,7 +40,7 @@ def report_error(exc: EvendpError) -> int:
 
 def say_how_to_resume(code: int, argv: list[str] | None = None) -> int:
     """After a run stopped by a signal: one line with the exact command that continues it."""
-    from .._interrupt import resume_command
+    from .._distributed._interrupt import resume_command
 
     if code in (130, 143):
         command = resume_command(argv if argv is not None else sys.argv[1:])
@@ -51,8 +51,8 @@ def say_how_to_resume(code: int, argv: list[str] | None = None) -> int:
 def launch_ranks(args: argparse.Namespace) -> int:
     """Plan the ranks, start them under torchrun and wait; the exit code (130/143 after a
     signal)."""
-    from .._launch import launch
-    from .._run_lock import child_env, hold_run_dir
+    from .._distributed._run_lock import child_env, hold_run_dir
+    from .._planning._launch import launch
 
     plan, argv = plan_ranks(args)
     print(plan.describe(), file=sys.stderr, flush=True)
@@ -70,7 +70,7 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
     only names the run (``--mode``, ``--out``, CPU ``--devices``) so that ``ps`` and
     torchrun's logs tell which run a worker belongs to.
     """
-    from .._launch import plan_launch
+    from .._planning._launch import plan_launch
 
     gpus, cpu = _ddp_devices(args.devices)
     nproc = _nproc(args, gpus)
@@ -93,8 +93,8 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
 
 
 def _nvidia_driver() -> bool:
-    from .._devices import list_devices
-    from .._errors import NvmlUnavailableError
+    from .._core._errors import NvmlUnavailableError
+    from .._planning._devices import list_devices
 
     try:
         list_devices()
@@ -114,7 +114,7 @@ def _nproc(args: argparse.Namespace, gpus: list[int] | None) -> int | str:
 def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[str, Any]:
     """``plan_launch``'s batch arguments: fixed by --weights, planned for --memory, or split."""
     if args.weights is not None:  # uneven ranks: the weights fix every rank's batch size
-        from .._split import split_sizes
+        from .._core._split import split_sizes
 
         if nproc == "auto":
             raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
@@ -155,7 +155,7 @@ def _restarts(args: argparse.Namespace) -> dict[str, Any]:
     rendezvous (what --standalone uses): each restart is a fresh rendezvous round."""
     if not args.max_restarts:
         return {}
-    from .._launch import _free_port
+    from .._planning._launch import _free_port
 
     endpoint = f"127.0.0.1:{_free_port()}"
     return {
@@ -217,13 +217,13 @@ def _restart_store() -> dict[str, Any]:
 def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .._distributed import finish_distributed, init_distributed
-    from .._interrupt import die_with_parent, exit_code
-    from .._launch import write_outcome
-    from .._report import write_report
-    from .._sampler import batch_sizes_from_env
-    from .._split import split_sizes
-    from .._trainer import TrainConfig, Trainer
+    from .._core._split import split_sizes
+    from .._distributed._group import finish_distributed, init_distributed
+    from .._distributed._interrupt import die_with_parent, exit_code
+    from .._distributed._sampler import batch_sizes_from_env
+    from .._planning._launch import write_outcome
+    from .._training._report import write_report
+    from .._training._trainer import TrainConfig, Trainer
 
     die_with_parent()  # torchrun killed: this rank stops after its step, saving
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
@@ -275,7 +275,7 @@ def _with_budgets(devices: list[Any], memory: str | None) -> list[Any]:
         return devices
     from dataclasses import replace
 
-    from .._memory import parse_memory
+    from .._planning._memory import parse_memory
 
     budgets = [m.free for m in parse_memory(memory)]
     if len(budgets) != len(devices):  # more ranks than this node declared (several nodes)

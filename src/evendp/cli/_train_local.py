@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._errors import EvendpError
+from .._core._errors import EvendpError
 from ._demo import _BUDGET_NOTE, _attach_budgets, _fmt, run_checks, with_figures
 from ._train_args import _DEMO_MEMORY, _all_cpu, _memory, _parse_devices, _parse_weights
 from ._train_common import _build, _log_metrics, _model_name, _print_report
@@ -18,8 +18,8 @@ __all__ = ["run_local"]
 
 def run_local(args: argparse.Namespace) -> int:
     """Train in this process and write the report; the exit code (130/143 after a signal)."""
-    from .._interrupt import exit_code
-    from .._report import write_report
+    from .._distributed._interrupt import exit_code
+    from .._training._report import write_report
 
     devices = _parse_devices(args.devices)
     memory = _memory(args, devices)
@@ -81,7 +81,7 @@ def _trainer(
     devices: list[str | int],
     weights: list[float] | None,
 ) -> Any:
-    from .._trainer import TrainConfig, Trainer
+    from .._training._trainer import TrainConfig, Trainer
     from ..examples.stdlib_text import CodeParagraphs
 
     home = devices[0]
@@ -138,8 +138,8 @@ def _planner_weights(
 
     Declared memory on CPU devices gets no CUDA-context allowance: a CPU has no CUDA context.
     """
-    from .._errors import PlanError
-    from .._plan import plan
+    from .._core._errors import PlanError
+    from .._planning._plan import plan
     from ..examples.gpt import GPT
     from ._model_spec import _AMP, gpt_batch
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
-from .._devices import DeviceInfo, NvmlUnavailableError, list_devices
+from .._planning._devices import DeviceInfo, NvmlUnavailableError, list_devices
 
 __all__ = ["add_parser", "render_table", "run"]
 

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .._deprecation import REMOVAL
-from .._errors import EvendpError
-from .._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
+from .._core._deprecation import REMOVAL
+from .._core._errors import EvendpError
+from .._planning._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
 from ._args import bounded_int, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
@@ -184,8 +184,8 @@ def _validate_python(script: str) -> None:
 def _no_gpus(gpu_ids: list[int] | None) -> bool:
     if gpu_ids:
         return False
-    from .._devices import list_devices
-    from .._errors import NvmlUnavailableError
+    from .._core._errors import NvmlUnavailableError
+    from .._planning._devices import list_devices
 
     try:
         return not list_devices()
@@ -195,9 +195,9 @@ def _no_gpus(gpu_ids: list[int] | None) -> bool:
 
 def _validate_texts(args: argparse.Namespace) -> None:
     """Free-text options, read now so a bad one is named by its flag even where unused."""
-    from .._devices import parse_bytes
-    from .._memory import parse_memory
-    from .._sampler import parse_batch_sizes
+    from .._distributed._sampler import parse_batch_sizes
+    from .._planning._devices import parse_bytes
+    from .._planning._memory import parse_memory
 
     checks: list[tuple[str, str | None, Callable[[str], object], str]] = [
         ("--batch-sizes", args.batch_sizes, parse_batch_sizes, "3,5"),

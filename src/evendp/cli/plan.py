@@ -11,10 +11,10 @@ import json
 import sys
 from typing import Any
 
-from .._deprecation import REMOVAL
-from .._errors import EvendpError
-from .._plan import plan
-from .._validate import validate_int
+from .._core._deprecation import REMOVAL
+from .._core._errors import EvendpError
+from .._core._validate import validate_int
+from .._planning._plan import plan
 from ._args import bounded_int, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 

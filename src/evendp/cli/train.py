@@ -64,8 +64,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
-    from evendp._errors import EvendpError
-    from evendp._oom import is_oom_error
+    from evendp._core._errors import EvendpError
+    from evendp._training._oom import is_oom_error
     from evendp.cli._train_args import (
         _is_launched_rank,
         _resume_check,
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     """One process (``--mode dp``), a rank under torchrun, or the launcher of the ranks."""
     if args.mode == "dp":
-        from evendp._run_lock import hold_run_dir
+        from evendp._distributed._run_lock import hold_run_dir
         from evendp.cli._train_local import run_local
 
         with hold_run_dir(args.out):  # one writer: refused while another live run has --out

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._errors import EvendpError
-from .._validate import validate_int
+from .._core._errors import EvendpError
+from .._core._validate import validate_int
 
 __all__ = ["GPT", "GPTConfig"]
 

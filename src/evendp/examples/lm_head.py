@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._validate import validate_int
+from .._core._validate import validate_int
 
 __all__ = ["LMHead", "lm_loss"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from .._errors import EvendpError
-from .._validate import validate_int
+from .._core._errors import EvendpError
+from .._core._validate import validate_int
 
 __all__ = [
     "IGNORE_INDEX",

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._distributed import finish_distributed
+from .._distributed._group import finish_distributed
 
 __all__ = ["release_at_exit", "release_process_group"]
 

@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._exact import weighted_sum
-from .._step_mean import count_rows
+from .._core._exact import weighted_sum
+from .._distributed._step_mean import count_rows
 from ._epoch import EpochRelay
 
 __all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]

@@ -32,9 +32,9 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._balance import NoBalance, step_balancer
-from .._deprecation import REMOVAL, UNSET
-from .._distributed import comm_device
+from .._core._deprecation import REMOVAL, UNSET
+from .._distributed._group import comm_device
+from .._planning._balance import NoBalance, step_balancer
 from ._epoch import RelayedBatchSampler
 
 __all__ = ["SpeedBalance", "UnevenGradient", "count_samples", "uneven_dataloader"]

@@ -45,7 +45,8 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._balance import (
+from .._core._exact import is_stand_in, weighted_sum, zero_weight
+from .._planning._balance import (
     NoBalance,
     auto_batch_sizes,
     step_balancer,
@@ -53,7 +54,6 @@ from .._balance import (
     validate_balance,
     validate_batch_sizes_option,
 )
-from .._exact import is_stand_in, weighted_sum, zero_weight
 from ._teardown import release_at_exit
 from .accelerate import _InterleavedBatchSampler, uneven_dataloader
 

@@ -1,0 +1,446 @@
+"""The process-group side of uneven DDP: starting a rank, where it communicates, the loss scale.
+
+:func:`init_distributed` / :func:`finish_distributed` start and end a ``torchrun`` rank's
+default process group; :func:`comm_device` says where a tensor must sit to be communicated
+(NCCL: the rank's own GPU, gloo: the CPU); :func:`ddp_loss` scales a rank's summed loss so
+that DDP's (or FSDP2's) gradient averaging, which divides by the number of ranks, yields the
+gradient of the global mean over samples.
+
+Why the scale: DDP computes ``(1/W) * sum_r grad(L_r)``. With ``L_r = S_r * W / N`` (``S_r`` the
+rank's summed loss, ``N`` the global count) that is ``sum_r grad(S_r) / N``, the gradient of
+the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean instead gives
+``(1/W) * sum_r grad(S_r) / n_r``, which over-weights the samples of small ranks.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .._core._errors import EvendpError
+from .._core._exact import mean_scale, step_count
+from .._core._validate import validate_count, validate_device
+
+__all__ = [
+    "all_reduce_gradients",
+    "comm_device",
+    "ddp_loss",
+    "finish_distributed",
+    "global_count",
+    "global_mean",
+    "init_distributed",
+    "rank_cuda_device",
+    "world_size",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Where this rank communicates
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (the default group when ``None``); 1 without a process group.
+
+    >>> world_size()
+    1
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def rank_cuda_device() -> torch.device:
+    """This rank's own GPU: ``cuda:LOCAL_RANK``, or ``cuda:0`` when the rank sees one GPU.
+
+    A scheduler that gives every rank only its own GPU (SLURM ``--gpus-per-task``, a
+    Kubernetes pod per rank) leaves ``LOCAL_RANK`` past the one visible device: that device
+    is the rank's. Any other ``LOCAL_RANK`` past the visible devices is an error, since two
+    ranks on one GPU is what NCCL refuses ("Duplicate GPU detected").
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if local < count:
+        return torch.device("cuda", local)
+    if count == 1:
+        return torch.device("cuda", 0)
+    raise EvendpError(
+        f"LOCAL_RANK={local} but this process sees {count} GPU(s); start at most one rank per "
+        "visible GPU (torchrun --nproc-per-node), give each rank its own GPU, or use "
+        "backend='gloo'"
+    )
+
+
+def _bound_device(group: dist.ProcessGroup | None) -> torch.device | None:
+    """The device ``init_process_group(device_id=...)`` bound the group to, if any."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    bound = getattr(pg, "bound_device_id", None)
+    return None if bound is None else torch.device(bound)
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must sit to be communicated: NCCL moves CUDA tensors, gloo CPU ones.
+
+    Under NCCL it is the rank's own GPU (the one the group is bound to, else
+    :func:`rank_cuda_device`), never merely the current device: a rank that did not call
+    ``torch.cuda.set_device`` would otherwise reduce on ``cuda:0`` with every other rank.
+
+    >>> comm_device()  # no process group: the CPU
+    device(type='cpu')
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        bound = _bound_device(group)
+        return bound if bound is not None else rank_cuda_device()
+    return torch.device("cpu")
+
+
+def _reduce_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where to all-reduce a tensor that lives on ``device``: gloo takes CPU and CUDA tensors,
+    NCCL only its own GPU's."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return comm_device(group)
+    return device
+
+
+def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``t`` summed over ranks, reduced where the backend can and returned on ``t``'s device."""
+    where = _reduce_device(group, t.device)
+    moved = t.to(where)
+    dist.all_reduce(moved, group=group)
+    return moved.to(t.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+def _count_tensor(
+    count: torch.Tensor | float, device: torch.device, name: str = "local_count"
+) -> torch.Tensor:
+    """``count`` as a fresh tensor (never the caller's: all-reduce works in place)."""
+    if isinstance(count, torch.Tensor):
+        validate_count(name, count, integral=False, check_values=_readable(count))
+        t = count.detach().to(device=device)
+        dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
+        return t.to(dtype=dtype, copy=True)
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
+        raise EvendpError(f"{name} must be an int, float or tensor, got {count!r}")
+    if not count >= 0:  # also NaN
+        raise EvendpError(f"{name} must be >= 0 (samples or tokens), got {count!r}")
+    validate_count(name, count, integral=False)  # infinity
+    dtype = torch.int64 if isinstance(count, numbers.Integral) else torch.float64
+    return torch.tensor(count, dtype=dtype, device=device)
+
+
+def _readable(count: object) -> bool:
+    """Whether a count's value can be checked without waiting for a GPU (a Python number or
+    a CPU tensor). A GPU count is checked for its kind and shape only."""
+    return not isinstance(count, torch.Tensor) or count.device.type == "cpu"
+
+
+def global_count(
+    local_count: torch.Tensor | float,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The sum of ``local_count`` over all ranks (one all-reduce; no process group: itself).
+
+    For gradient accumulation: count the samples (or tokens) of ALL of a step's micro-batches,
+    call this once, and pass the result as ``global_count`` to every micro-step's
+    :func:`ddp_loss`. ``device`` defaults to :func:`comm_device` (the rank's own GPU under NCCL).
+
+    >>> global_count(7)
+    tensor(7)
+    """
+    where = comm_device(group) if device is None else validate_device("device", device)
+    reduce = (lambda t: _all_reduce_sum(t, group)) if world_size(group) > 1 else None
+    # A count was given: the result is a tensor, never the samples shortcut.
+    return cast(torch.Tensor, step_count(_count_tensor(local_count, where), all_reduce=reduce))
+
+
+_global_count = global_count  # ddp_loss's parameter of the same name shadows it
+
+
+def ddp_loss(
+    local_sum: torch.Tensor,
+    local_count: torch.Tensor | float,
+    global_count: torch.Tensor | float | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The loss to ``backward()`` so DDP's/FSDP2's averaged gradient is the global-mean gradient.
+
+    ``local_sum`` is this rank's loss summed over its samples (e.g. ``cross_entropy(...,
+    reduction="sum")``), ``local_count`` how many samples (or non-ignored tokens) it summed.
+    Returns ``local_sum * world_size / global_count``, where ``global_count`` is the sum of
+    ``local_count`` over ranks, all-reduced here when not given. A rank with no samples still
+    runs forward on its empty batch, so its ``local_sum`` is a zero connected to every
+    parameter and DDP sees a gradient for each. A ``global_count`` of 0 (no samples anywhere)
+    gives a zero loss. It assumes the default averaging over ``world_size`` ranks of ``group``.
+
+    >>> out = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    >>> ddp_loss(out.sum(), 3)  # one process: the plain mean
+    tensor(2., grad_fn=<MulBackward0>)
+    >>> ddp_loss(out.sum(), 3, global_count=6)  # 3 of 6 samples, world_size 1 here
+    tensor(1., grad_fn=<MulBackward0>)
+    """
+    _validate_local_sum(local_sum)
+    world = world_size(group)
+    # At least fp32, so a bf16 sum is scaled without bf16 round-off.
+    loss = local_sum if local_sum.dtype in (torch.float32, torch.float64) else local_sum.float()
+    if isinstance(global_count, numbers.Real) and not isinstance(global_count, bool):
+        # A plain number: one multiply, no tensors to build (this runs every step).
+        total_n = float(global_count)
+        if not total_n >= 0:  # also catches NaN
+            raise EvendpError(f"global_count must be >= 0, got {global_count!r}")
+        return loss * mean_scale(total_n, world)
+    if global_count is None:
+        total = _global_count(local_count, local_sum.device, group)
+    else:
+        total = _count_tensor(global_count, local_sum.device, "global_count")
+    # Zero samples everywhere means local_sum is 0 too: the scale divides by 1, no host sync.
+    return loss * mean_scale(total, world, dtype=loss.dtype)
+
+
+def _validate_local_sum(local_sum: object) -> None:
+    if not isinstance(local_sum, torch.Tensor) or local_sum.numel() != 1:
+        got = (
+            f"shape {tuple(local_sum.shape)}"
+            if isinstance(local_sum, torch.Tensor)
+            else repr(local_sum)
+        )
+        raise EvendpError(
+            f"local_sum must be a tensor (the summed loss of this rank), got {got}; e.g. "
+            "cross_entropy(logits, y, reduction='sum')"
+        )
+
+
+def global_mean(
+    local_sum: torch.Tensor,
+    local_count: torch.Tensor | float,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The true mean loss over all ranks' samples, detached, for logging (one all-reduce).
+
+    Sums ``local_sum`` and ``local_count`` over ranks and divides; every rank gets the same
+    value. NaN when no rank had a sample. It is a collective: every rank must call it, so
+    never inside ``if rank == 0:`` (the other ranks never join and rank 0 waits). For
+    rank-0-only logging, :class:`evendp.StepMean` gives the step's global loss on every rank
+    from the all-reduce it does anyway.
+
+    >>> global_mean(torch.tensor(6.0), 4)
+    tensor(1.5000)
+    """
+    _validate_local_sum(local_sum)
+    pair = torch.stack(
+        [
+            local_sum.detach().to(torch.float64).reshape(()),
+            _count_tensor(local_count, local_sum.device).to(torch.float64).reshape(()),
+        ]
+    )  # (2,): sum, count
+    if world_size(group) > 1:
+        pair = _all_reduce_sum(pair, group)
+    return (pair[0] / pair[1]).to(local_sum.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting a rank
+
+
+def _validate_backend(backend: str | None) -> None:
+    if backend not in (None, "gloo", "nccl"):
+        raise EvendpError(
+            f"backend={backend!r} is not supported; expected 'nccl' (GPU ranks), 'gloo' (CPU "
+            "ranks) or None to choose by whether CUDA has a device for every local rank"
+        )
+
+
+def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
+    """Start the default process group of a ``torchrun`` rank; return the rank's device.
+
+    ``backend=None`` picks NCCL when CUDA has a device for every local rank, or when a
+    scheduler gave each rank its own GPU (one GPU visible through a one-entry
+    ``CUDA_VISIBLE_DEVICES``: that GPU is ``cuda:0``); else gloo and the CPU. ``"gloo"``
+    keeps CPU ranks on a GPU machine. Under NCCL the rank's GPU (``cuda:LOCAL_RANK``, or
+    ``cuda:0`` when it sees one) becomes the current device and is passed as ``device_id``,
+    which binds the group to it. Other keyword arguments go to
+    ``torch.distributed.init_process_group``.
+
+    End the run with :func:`finish_distributed`. Why not call ``init_process_group``
+    directly: importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
+    ``torch.compile`` import it on first use) binds that group into default arguments for
+    good, so ``destroy_process_group`` cannot free it; gloo's threads are then torn down
+    during interpreter exit, which aborts the process ("terminate called without an active
+    exception", exit -6) after a run that succeeded, about once in thirty runs here (torch
+    2.13). Importing it first, before the group exists, avoids that.
+
+    >>> import torch.distributed as dist
+    >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    device(type='cpu')
+    >>> dist.get_backend()
+    'gloo'
+    >>> dist.destroy_process_group()
+    """
+    _validate_backend(backend)
+    import torch.distributed.fsdp  # before the group exists: see above
+
+    if backend is None:
+        backend = "nccl" if _cuda_for_every_local_rank() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":  # --- GPU-only: the rank's own device, bound to the group
+        device = rank_cuda_device()
+        torch.cuda.set_device(device)
+        # Bound, NCCL creates its communicator on this device eagerly, and every collective
+        # (barrier included) uses it instead of guessing from the current device.
+        kwargs.setdefault("device_id", device)
+    dist.init_process_group(backend, **kwargs)
+    return device
+
+
+def _cuda_for_every_local_rank() -> bool:
+    """Whether each local rank has a GPU of its own: one per local rank, or each rank sees one.
+
+    The second case is a scheduler that hides the other ranks' GPUs (SLURM
+    ``--gpus-per-task``): one GPU visible, named by a ``CUDA_VISIBLE_DEVICES`` of one entry.
+    One GPU with the variable unset is a one-GPU machine, where ranks would share the GPU
+    (NCCL refuses that): gloo, as for any other shortfall.
+    """
+    if not torch.cuda.is_available():
+        return False
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    count = torch.cuda.device_count()
+    if count >= local_world:
+        return True
+    visible = [e for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    return count == 1 and len(visible) == 1
+
+
+# Time given to gloo's worker threads to drop finished collectives before the group goes.
+_WORKER_GRACE_S = 0.05
+
+
+def finish_distributed() -> None:
+    """End a successful run: wait for every rank, then destroy the default process group.
+
+    Call it on every rank once training is done (not on an error path: a rank that failed
+    never reaches the barrier); without a process group it returns quietly. Why not
+    ``destroy_process_group()`` alone: gloo drops each finished collective on one of its
+    worker threads, and when the collective's tensors came
+    from Python that needs the GIL. The group's destructor joins those threads while holding
+    the GIL, so a worker still dropping the last collective deadlocks the exit (seen with
+    ranks pinned to one core each, where the worker gets no time before the join). So: a
+    barrier (every rank is done), a short sleep with the GIL released (the workers finish
+    dropping what they hold, the barrier included), then the destroy.
+
+    >>> import torch.distributed as dist
+    >>> _ = init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> finish_distributed()
+    >>> dist.is_initialized()
+    False
+    >>> finish_distributed()  # nothing left to end: quiet
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # nothing to end: safe in a `finally` whether or not the start succeeded
+    dist.barrier()
+    time.sleep(_WORKER_GRACE_S)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients reduced after a local backward
+
+
+_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def all_reduce_gradients(
+    parameters: Iterable[torch.nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    *,
+    bucket_bytes: int = _BUCKET_BYTES,
+    extra: torch.Tensor | None = None,
+) -> None:
+    """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
+
+    For gradients accumulated with every backward local (no collective inside backward, so an
+    OOM on one rank leaves no other waiting; see :class:`evendp.OomResplit`): every rank calls
+    it exactly once per step, whatever its micro-batching, so the collectives stay in
+    lockstep. A parameter without a gradient (a rank with an empty share) contributes zeros.
+    Without a process group (or with one rank) it does nothing.
+
+    Gradients go in buckets of about ``bucket_bytes`` (DDP's 25 MiB), each one all-reduce:
+    a gradient that fills a bucket alone is reduced in place, smaller ones are flattened
+    into one bucket buffer. At most two buckets are in flight, so the extra memory is two
+    buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
+    next one's packing.
+
+    ``extra`` (a small contiguous tensor, e.g. an OOM flag and a loss) is *summed* over ranks in
+    place, riding in the last bucket instead of a collective of its own.
+
+    >>> p = torch.nn.Parameter(torch.ones(2))
+    >>> p.grad = torch.full((2,), 3.0)
+    >>> all_reduce_gradients([p])  # one process: unchanged
+    >>> p.grad
+    tensor([3., 3.])
+    """
+    world = world_size(group)
+    if world == 1:
+        return
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
+    if extra is not None:
+        grads.append(extra)
+    in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
+    for bucket in _buckets(grads, bucket_bytes):
+        alone = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
+        in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+        if len(in_flight) > 2:
+            _unpack(*in_flight.popleft(), world, extra)
+    while in_flight:
+        _unpack(*in_flight.popleft(), world, extra)
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, about ``bucket_bytes`` per bucket."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        same = not bucket or (g.dtype, g.device) == (bucket[0].dtype, bucket[0].device)
+        if bucket and (not same or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _unpack(
+    work: dist.Work | None,
+    flat: torch.Tensor,
+    bucket: list[torch.Tensor],
+    world: int,
+    summed: torch.Tensor | None,
+) -> None:
+    # Gradients are averaged (as DDP does); ``summed`` (the extra tensor) keeps the sum.
+    if work is not None:
+        work.wait()
+    if flat is bucket[0]:
+        if flat is not summed:
+            flat.div_(world)
+        return
+    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        g.copy_(reduced if g is summed else reduced.div_(world))

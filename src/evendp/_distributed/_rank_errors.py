@@ -1,0 +1,51 @@
+"""One error for all ranks: a fault one rank meets while saving or resuming is every rank's.
+
+Under DDP/FSDP2 a checkpoint write or read that fails on one rank (a full disk on rank 0, a
+garbled ``ckpt.rng1.pt`` on rank 1) would leave the other ranks waiting in the next
+collective until gloo or NCCL gives up with "Connection closed by peer", and torchrun would
+print one traceback per rank. :func:`agreed` runs the action on every rank, then the ranks
+exchange what went wrong in one small collective, and every rank raises the same
+:class:`EvendpError` (same class, same message), which the command line prints once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from .._core._errors import EvendpError
+
+__all__ = ["agreed"]
+
+T = TypeVar("T")
+
+
+def agreed(action: Callable[[], T], distributed: bool) -> T:
+    """``action()``; under ``distributed``, an :class:`EvendpError` on any rank raised on all.
+
+    The first failing rank's error wins (lowest rank). One ``all_gather_object`` per call:
+    only for saves and resumes, never per step.
+
+    >>> agreed(lambda: 3, distributed=False)
+    3
+    """
+    if not distributed:
+        return action()
+    import torch.distributed as dist
+
+    result: T | None = None
+    error: EvendpError | None = None
+    try:
+        result = action()
+    except EvendpError as exc:
+        error = exc
+    gathered: list[tuple[type, str] | None] = [None] * dist.get_world_size()
+    mine = None if error is None else (type(error), str(error))
+    dist.all_gather_object(gathered, mine)
+    first = next((g for g in gathered if g is not None), None)
+    if first is not None:
+        if error is not None and (type(error), str(error)) == first:
+            raise error
+        kind, message = first
+        raise kind(message)
+    return result  # type: ignore[return-value]

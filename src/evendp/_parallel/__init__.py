@@ -1,0 +1,3 @@
+"""Layer 3, one process: scatter and gather, replicas, BalancedDataParallel, prediction.
+
+Imports only the layers below it."""

@@ -1,0 +1,199 @@
+"""Splitting nested inputs by per-device sizes along ``dim``, and gathering outputs back.
+
+A *batch tensor* is any tensor with more than ``dim`` dimensions; all of them must agree on
+their size along ``dim``. Everything else (0-dim tensors, numbers, strings, ``None``) is
+passed whole to every device. Containers are rebuilt with their own type: tuples, lists,
+dicts, namedtuples and dataclasses.
+
+Every move is a differentiable ``narrow`` + ``to``, so gradients flow back to the original
+tensors whatever the devices are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._core._errors import EvendpError
+from .._core._exact import combine_means
+
+__all__ = [
+    "batch_size",
+    "batch_size_and_devices",
+    "gather_outputs",
+    "map_tensors",
+    "scatter",
+    "to_device",
+]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; asynchronous only towards a GPU.
+
+    A host that read a tensor copied from a GPU asynchronously could see it before the copy
+    lands, so copies to the CPU stay synchronous.
+    """
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Rebuild ``obj`` with ``fn`` applied to every tensor inside it (containers keep their type).
+
+    >>> map_tensors({"x": torch.ones(2), "k": 3}, lambda t: t * 2)
+    {'x': tensor([2., 2.]), 'k': 3}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(obj, **{n: map_tensors(getattr(obj, n), fn) for n in fields})
+    return obj
+
+
+def _is_batch_tensor(t: torch.Tensor, dim: int) -> bool:
+    return t.dim() > dim
+
+
+def batch_size(obj: Any, dim: int = 0) -> int | None:
+    """The common size along ``dim`` of every batch tensor in ``obj`` (None when there is none).
+
+    >>> batch_size(((torch.zeros(5, 2),), {"mask": torch.ones(5)}))
+    5
+    """
+    return batch_size_and_devices(obj, dim)[0]
+
+
+def batch_size_and_devices(obj: Any, dim: int = 0) -> tuple[int | None, set[torch.device]]:
+    """:func:`batch_size`, and the devices of every tensor in ``obj``, in one walk.
+
+    >>> batch_size_and_devices([torch.zeros(3), torch.tensor(1.0)])
+    (3, {device(type='cpu')})
+    """
+    found: list[tuple[int, tuple[int, ...]]] = []
+    devices: set[torch.device] = set()
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        devices.add(t.device)
+        if _is_batch_tensor(t, dim):
+            found.append((t.shape[dim], tuple(t.shape)))
+        return t
+
+    map_tensors(obj, record)
+    if not found:
+        return None, devices
+    first_size, first_shape = found[0]
+    for size, shape in found[1:]:
+        if size != first_size:
+            raise EvendpError(
+                f"batch tensors disagree along dim={dim}: one has shape {list(first_shape)} "
+                f"(size {first_size}), another {list(shape)} (size {size}); every tensor "
+                f"with a batch dimension must have the same size along dim={dim} — pass "
+                "per-sample tensors only, or wrap shared tensors as non-batch values "
+                "(e.g. a 0-dim tensor or a plain Python object)"
+            )
+    return first_size, devices
+
+
+def scatter(
+    obj: Any, sizes: Sequence[int], devices: Sequence[torch.device], dim: int = 0
+) -> list[Any]:
+    """One copy of ``obj`` per device, batch tensors cut into consecutive chunks of ``sizes``.
+
+    >>> parts = scatter(torch.arange(5), [3, 2], [torch.device("cpu")] * 2)
+    >>> [p.tolist() for p in parts]
+    [[0, 1, 2], [3, 4]]
+    """
+    shards = []
+    start = 0
+    for size, device in zip(sizes, devices, strict=True):
+        shards.append(map_tensors(obj, _chunk_mover(start, size, device, dim)))
+        start += size
+    return shards
+
+
+def _chunk_mover(
+    start: int, size: int, device: torch.device, dim: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        # A share that is the whole batch needs no narrow (and no NarrowBackward node).
+        if _is_batch_tensor(t, dim) and size != t.shape[dim]:
+            t = t.narrow(dim, start, size)
+        return to_device(t, device)
+
+    return move
+
+
+def gather_outputs(
+    outputs: Sequence[Any],
+    sizes: Sequence[int],
+    device: torch.device,
+    dim: int = 0,
+    counts: Sequence[float] | None = None,
+) -> Any:
+    """Combine per-device outputs on ``device``.
+
+    Tensors with dimensions are concatenated along ``dim``. A floating 0-dim tensor (a loss
+    computed per device as a mean over its counted items) becomes ``sum_i c_i * out_i / C``
+    with ``C = sum_i c_i``, which equals the mean over every item of the batch; ``c_i`` is
+    ``counts[i]``, by default the samples ``sizes[i]``. A device with ``c_i = 0`` contributes
+    nothing (its mean over no items is NaN, and 0 * NaN is NaN); when every count is zero the
+    result is a zero. An integer 0-dim tensor (a count) is summed. Other values are returned
+    once when every device agrees, else as a list.
+
+    >>> gather_outputs([torch.tensor(0.25), torch.tensor(0.8)], [2, 1], torch.device("cpu"))
+    tensor(0.4333)
+    >>> nan = torch.tensor(float("nan"))  # a mean over a share with no counted items
+    >>> gather_outputs([torch.tensor(0.5), nan], [2, 1], torch.device("cpu"), counts=[4, 0])
+    tensor(0.5000)
+    """
+    weights = [float(c) for c in (sizes if counts is None else counts)]
+    if len(outputs) == 1 and weights[0] > 0:
+        # One device did the whole batch: its output is the answer.
+        return map_tensors(outputs[0], lambda t: t.to(device))
+    return _gather(list(outputs), weights, device, dim)
+
+
+def _gather(outputs: list[Any], counts: list[float], device: torch.device, dim: int) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return _gather_tensors(outputs, counts, device, dim)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*_gather_each(outputs, counts, device, dim))
+    if isinstance(first, (list, tuple)):
+        return type(first)(_gather_each(outputs, counts, device, dim))
+    if isinstance(first, dict):
+        return type(first)(
+            (k, _gather([o[k] for o in outputs], counts, device, dim)) for k in first
+        )
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        names = [f.name for f in dataclasses.fields(first) if f.init]
+        values = {n: _gather([getattr(o, n) for o in outputs], counts, device, dim) for n in names}
+        return dataclasses.replace(first, **values)
+    if all(o == first for o in outputs[1:]):
+        return first
+    return outputs
+
+
+def _gather_each(
+    outputs: list[Any], counts: list[float], device: torch.device, dim: int
+) -> list[Any]:
+    return [_gather(list(items), counts, device, dim) for items in zip(*outputs, strict=True)]
+
+
+def _gather_tensors(
+    tensors: list[torch.Tensor], counts: list[float], device: torch.device, dim: int
+) -> torch.Tensor:
+    if tensors[0].dim() > 0:
+        return torch.cat([t.to(device) for t in tensors], dim=dim)
+    if not tensors[0].is_floating_point():
+        return torch.stack([t.to(device) for t in tensors]).sum()
+    return combine_means(tensors, counts, device)

@@ -1,0 +1,369 @@
+"""Balance where users train: one engine behind the Trainer, the CLI and the integrations.
+
+Two decisions, each made the same way on every rank:
+
+* **Speed** (``balance="speed"``): :func:`step_balancer` puts a :class:`~evendp.SpeedBalancer`
+  on the run's sampler. Each rank times its own forward passes; at a step boundary the ranks
+  exchange their seconds per sample (one small ``all_gather``) and all apply the same new
+  split: samples move from slow ranks to fast ones. Each step's samples are fixed by the
+  permutation and the global batch, which never change, so the run trains on the same global
+  batches as one process, with the same gradient; only which rank runs which samples moves.
+  Whoever drives the loop calls ``measure(n)`` around the forward and ``step()`` once per
+  optimizer step; with no balance both do nothing (:class:`NoBalance`).
+* **Memory** (``batch_sizes="auto"``): :func:`auto_batch_sizes` plans the real model's step
+  on this rank's own memory (:func:`evendp.plan` on fake tensors, no real memory touched),
+  gathers every rank's capacity (one ``all_gather``) and splits the global batch by them, so
+  every rank computes the same sizes with no file and no launcher. The memory is this rank's
+  live free memory on a GPU, or declared (``memory=`` or ``EVENDP_MEMORY``, one entry per
+  rank), which is how it is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core._errors import EvendpError, PlanError
+from .._distributed._group import comm_device
+from ._memory import DeviceMemory, live_memory, parse_memory
+from ._speed import SpeedBalancer, balance_sizes
+
+__all__ = [
+    "BALANCES",
+    "ENV_MEMORY",
+    "NoBalance",
+    "auto_batch_sizes",
+    "first_batch",
+    "inline_for_balance",
+    "rank_batch_sizes",
+    "rank_memory",
+    "sizes_from_capacities",
+    "step_balancer",
+    "time_forward",
+    "validate_balance",
+    "validate_batch_sizes_option",
+]
+
+Balance = Literal["none", "speed"]
+BALANCES: tuple[str, ...] = ("none", "speed")
+
+# Declared memory of every rank ("24GiB,12GiB"), read by batch_sizes="auto" where no GPU says.
+ENV_MEMORY = "EVENDP_MEMORY"
+
+
+def validate_balance(balance: object, name: str = "balance") -> Balance:
+    """``"none"`` or ``"speed"`` (``None`` means ``"none"``), else :class:`EvendpError`.
+
+    >>> validate_balance(None), validate_balance("speed")
+    ('none', 'speed')
+    """
+    if balance is None:
+        return "none"
+    if balance not in BALANCES:
+        raise EvendpError(
+            f"{name}={balance!r} is not a balance; expected one of {BALANCES} ('speed' moves "
+            "samples from slow ranks to fast ones at step boundaries)"
+        )
+    return balance  # type: ignore[return-value]
+
+
+def validate_batch_sizes_option(batch_sizes: object, name: str = "batch_sizes") -> None:
+    """``None``, ``"auto"`` or a list of ints; the list itself is checked by the sampler.
+
+    >>> validate_batch_sizes_option("auto")
+    """
+    if isinstance(batch_sizes, str) and batch_sizes != "auto":
+        raise EvendpError(
+            f"{name}={batch_sizes!r}: expected 'auto' (planned from each rank's memory), a list "
+            "of per-rank sizes like [3, 5], or None (an even split)"
+        )
+
+
+class NoBalance:
+    """What a run without speed balance calls: measuring and stepping do nothing.
+
+    >>> b = NoBalance()
+    >>> with b.measure(4):
+    ...     pass
+    >>> b.step(), b.history
+    (False, [])
+    """
+
+    active = False
+
+    def __init__(self) -> None:
+        self.history: list[tuple[int, list[int]]] = []
+
+    def measure(self, samples: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def record(self, seconds: float, samples: int) -> None:
+        """Nothing to record."""
+
+    def step(self) -> bool:
+        return False
+
+
+def step_balancer(
+    sampler: Any,
+    balance: object,
+    *,
+    distributed: bool = True,
+    caps: Sequence[int] | None = None,
+    **knobs: Any,
+) -> SpeedBalancer | NoBalance:
+    """The balancer a run calls at its step boundaries: speed balance or nothing.
+
+    ``sampler`` has ``batch_sizes`` and ``set_batch_sizes`` (:class:`evendp.UnevenBatchSampler`,
+    or the integrations' samplers). ``caps`` bound each rank by its memory (``None``:
+    ``EVENDP_BATCH_CAPS`` when ``evendp launch`` set it, else no bound). One process (not
+    ``distributed``) has no ranks to balance: nothing. ``knobs`` go to
+    :class:`~evendp.SpeedBalancer` (``warmup``, ``every``, ``window``, ``tolerance``).
+
+    >>> from evendp import UnevenBatchSampler
+    >>> step_balancer(UnevenBatchSampler(8, [2, 2], rank=0), "speed").world_size
+    2
+    >>> step_balancer(UnevenBatchSampler(8, [4], rank=0), "speed", distributed=False).active
+    False
+    """
+    if validate_balance(balance) == "none" or not distributed:
+        return NoBalance()
+    return SpeedBalancer(sampler, caps, **knobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# batch_sizes="auto": each rank's share from its own memory
+
+
+def rank_memory(
+    memory: str | Sequence[Any] | None = None,
+    *,
+    rank: int,
+    world_size: int,
+    environ: Mapping[str, str] | None = None,
+) -> DeviceMemory:
+    """This rank's memory: declared (``memory`` or ``EVENDP_MEMORY``), else read live (GPU).
+
+    A declared spec has one entry per rank (``"24GiB,24GiB-10GiB"``) or one entry for all.
+
+    >>> rank_memory("2GiB,1GiB", rank=1, world_size=2).free == 1 << 30
+    True
+    """
+    env = os.environ if environ is None else environ
+    spec = memory if memory is not None else env.get(ENV_MEMORY) or None
+    if spec is None:
+        # --- GPU only: this rank's own device, read now (NVML, or CUDA once it runs).
+        return live_memory([_local_cuda_index()])[0]
+    devices = parse_memory(spec)
+    if len(devices) == 1:
+        return devices[0]
+    if len(devices) != world_size:
+        raise EvendpError(
+            f"memory spec {spec!r} has {len(devices)} entries for {world_size} ranks; give one "
+            f"per rank (or one for all), e.g. {ENV_MEMORY}=24GiB,12GiB"
+        )
+    return devices[rank]
+
+
+def _local_cuda_index() -> int:
+    """The CUDA index this rank computes on (``LOCAL_RANK`` under torchrun). GPU only."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def sizes_from_capacities(caps: Sequence[int], global_batch: int | None = None) -> list[int]:
+    """Per-rank sizes from per-rank capacities: the capacities, or ``global_batch`` split
+    in proportion to them, never past one.
+
+    >>> sizes_from_capacities([40, 20]), sizes_from_capacities([40, 20], 30)
+    ([40, 20], [20, 10])
+    >>> sizes_from_capacities([40, 0], 30)
+    [30, 0]
+    """
+    caps = [int(c) for c in caps]
+    if sum(caps) == 0:
+        raise PlanError(
+            f"no rank's memory holds one sample of this step (capacities {caps}); free memory, "
+            "use activation checkpointing or a smaller model"
+        )
+    if global_batch is None:
+        return caps
+    if global_batch > sum(caps):
+        raise PlanError(
+            f"the global batch {global_batch} does not fit the ranks' memory, which holds "
+            f"{sum(caps)} samples in all (per rank {caps}); lower the batch (and raise the "
+            "gradient accumulation) or free memory"
+        )
+    # Minimizing max n_i / cap_i within the caps is the proportional split, in integers.
+    times = [1.0 / c if c else 1.0 for c in caps]
+    return balance_sizes(global_batch, times, caps)
+
+
+def _gather_int(value: int, group: Any = None) -> list[int]:
+    """Every rank's ``value`` (one all_gather); ``[value]`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    local = torch.tensor([value], dtype=torch.int64, device=comm_device(group))
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [int(p.item()) for p in parts]
+
+
+def auto_batch_sizes(
+    model: nn.Module | Callable[[], nn.Module],
+    batch: Any,
+    *,
+    global_batch: int | None = None,
+    memory: str | Sequence[Any] | None = None,
+    group: Any = None,
+    **plan_options: Any,
+) -> tuple[list[int], list[int]]:
+    """``(sizes, caps)`` for every rank, planned from each rank's own memory, the same on all.
+
+    Each rank plans the real model's step (``model`` on ``batch``, as :func:`evendp.plan`
+    takes them, ``mode="ddp"``) on :func:`rank_memory`: the most samples its memory holds
+    alone is its capacity. One ``all_gather`` gives every rank every capacity; the sizes are
+    :func:`sizes_from_capacities` of them. A rank whose planning fails still joins the
+    gather (so no rank hangs) and every rank raises the same error.
+
+    >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    >>> sizes, caps = auto_batch_sizes(net, torch.randn(1, 64), global_batch=32,
+    ...                                memory="64MiB", cuda_context=0)
+    >>> sizes == [32] and caps[0] >= 32
+    True
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if initialized else 0
+    world = dist.get_world_size(group) if initialized else 1
+    from ._plan import plan  # the planner pulls in fake tensors: only when asked
+
+    failure = ""
+    try:
+        mine = rank_memory(memory, rank=rank, world_size=world)
+        cap = plan(model, batch, [mine], mode="ddp", **plan_options).devices[0].max_batch_alone
+    except PlanError:
+        cap = 0  # nothing fits this rank: it gets no samples
+    except EvendpError as err:
+        cap, failure = -1, str(err)
+    caps = _gather_int(cap, group)
+    if failure or -1 in caps:
+        raise EvendpError(
+            failure
+            or f"planning batch_sizes='auto' failed on rank {caps.index(-1)} (see its error)"
+        )
+    return sizes_from_capacities(caps, global_batch), caps
+
+
+def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:
+    """One sample as a batch, for the planner: ``collate([0])``."""
+    if len(data) == 0:
+        raise EvendpError("batch_sizes='auto' plans on a sample of the data, but it is empty")
+    return collate([0])
+
+
+def first_batch(data: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
+    """The data's first sample as a one-sample batch (what the planner measures on)."""
+    from .._distributed._sampler import EmptySafeCollate
+
+    if len(data) == 0:
+        raise EvendpError("batch_sizes='auto' plans on a sample of the data, but it is empty")
+    batch_fn = getattr(data, "batch", None) if collate_fn is None else None
+    if callable(batch_fn):
+        return batch_fn([0])
+    return EmptySafeCollate(data, collate_fn)([data[0]])
+
+
+def rank_batch_sizes(
+    batch_sizes: Sequence[int] | str | None,
+    global_batch: int,
+    world_size: int,
+    *,
+    model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+) -> tuple[list[int], list[int] | None]:
+    """``(sizes, caps)`` for a run's ranks: given, even, or planned (``"auto"``).
+
+    ``model()`` and ``example()`` are called only for ``"auto"`` (the module whose first
+    scalar output is the step's loss, and one batch of the data).
+
+    >>> rank_batch_sizes(None, 10, 3, model=nn.Identity, example=list)
+    ([4, 3, 3], None)
+    """
+    from .._core._split import split_sizes
+
+    validate_batch_sizes_option(batch_sizes)
+    if batch_sizes == "auto":
+        sizes, caps = auto_batch_sizes(model(), example(), global_batch=global_batch)
+        return sizes, caps
+    if batch_sizes:
+        return [int(b) for b in batch_sizes], None
+    return split_sizes(global_batch, [1] * world_size), None
+
+
+def inline_for_balance(balancer: SpeedBalancer | NoBalance, asked: int | None, depth: int) -> int:
+    """Batches to collate ahead: none under speed balance (a thread ahead would apply a new
+    split at a step that depends on its timing, different on different ranks).
+
+    >>> inline_for_balance(NoBalance(), None, 2)
+    2
+    """
+    if not balancer.active:
+        return depth
+    if asked:
+        raise EvendpError(
+            f"prefetch={asked} collates batches ahead in a thread, but balance='speed' applies "
+            "a new split at the next step on every rank alike, which a thread ahead would "
+            "not; set prefetch=0 or None with balance='speed'"
+        )
+    return 0
+
+
+def _rows_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """The batch dimension of a forward call's first tensor (positional, else keyword)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
+
+
+def time_forward(module: nn.Module, balancer: SpeedBalancer | NoBalance) -> list[Any]:
+    """Time every training-mode forward of ``module`` as this rank's compute for the balancer.
+
+    For loops whose forward cannot be wrapped in ``measure`` (a framework calls it): a
+    pre-hook opens ``balancer.measure(rows)``, a hook closes it. Only the forward is timed:
+    under DDP the backward waits for the slowest rank, which would hide who is slow.
+    Returns the hook handles (``.remove()`` them to stop).
+
+    >>> class Log(NoBalance):
+    ...     def measure(self, samples):
+    ...         print("measured", samples)
+    ...         return super().measure(samples)
+    >>> net = nn.Linear(2, 2)
+    >>> handles = time_forward(net, Log())
+    >>> _ = net(torch.zeros(3, 2))
+    measured 3
+    """
+    open_blocks: list[contextlib.AbstractContextManager[None]] = []
+
+    def start(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if mod.training and torch.is_grad_enabled():
+            block = balancer.measure(_rows_of(args, kwargs))
+            block.__enter__()
+            open_blocks.append(block)
+
+    def stop(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if open_blocks:
+            open_blocks.pop().__exit__(None, None, None)
+
+    return [
+        # First in, last out: the timer brackets the module's other hooks too.
+        module.register_forward_pre_hook(start, with_kwargs=True, prepend=True),
+        module.register_forward_hook(stop, with_kwargs=True),
+    ]

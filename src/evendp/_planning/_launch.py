@@ -1,0 +1,462 @@
+"""``evendp launch``: choose devices and per-rank batch sizes, then hand off to torchrun.
+
+The launcher decides what every rank gets and passes it through the environment: which GPUs
+(``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), how many samples each rank takes per step
+(``EVENDP_BATCH_SIZES``, one int per global rank, read by ``UnevenBatchSampler``) and, when a
+model is planned, the most samples each rank's memory holds (``EVENDP_BATCH_CAPS``, read by
+``SpeedBalancer``). Everything else is ``torch.distributed.run`` (torchrun) itself, started as
+``python -m torch.distributed.run`` so its own options behave exactly as documented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._core._deprecation import UNSET, renamed_argument
+from .._core._errors import EvendpError
+from .._core._split import split_even, split_sizes
+from .._core._validate import validate_int
+from .._distributed._sampler import ENV_BATCH_SIZES, parse_batch_sizes
+from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
+from ._memory import DeviceMemory, parse_memory
+from ._speed import ENV_BATCH_CAPS
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+__all__ = [
+    "ENV_OUTCOME",
+    "LaunchPlan",
+    "launch",
+    "plan_launch",
+    "read_outcome",
+    "torchrun_command",
+    "write_outcome",
+]
+
+# torchrun options passed through unchanged (multi-node and rendezvous).
+PASSTHROUGH_OPTIONS: tuple[str, ...] = (
+    "nnodes",
+    "node_rank",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "master_addr",
+    "master_port",
+    "max_restarts",
+)
+
+# torchrun's default port; never used for local runs so two jobs cannot collide on it.
+_TORCHRUN_DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch will do: ranks on this node, batch sizes for all ranks, GPUs, env."""
+
+    nproc_per_node: int
+    batch_sizes: list[int] | None
+    physical_devices: list[int] | None  # None: CPU processes (gloo)
+    env: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    memory_plan: Plan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def batch_caps(self) -> list[int] | None:
+        """Most samples each rank's memory holds (from the plan; ``None`` without one)."""
+        if self.memory_plan is None:
+            return None
+        return [d.max_batch_alone for d in self.memory_plan.devices]
+
+    def describe(self) -> str:
+        """One line for the log."""
+        where = (
+            "CPU (gloo)"
+            if self.physical_devices is None
+            else "GPUs " + ",".join(map(str, self.physical_devices)) + " (physical ids)"
+        )
+        sizes = "script default" if self.batch_sizes is None else str(self.batch_sizes)
+        caps = "" if self.batch_caps is None else f", memory caps {self.batch_caps}"
+        return (
+            f"evendp launch: {self.nproc_per_node} rank(s) per node on {where}; "
+            f"batch sizes {sizes}{caps}{' — ' + self.reason if self.reason else ''}"
+        )
+
+
+def _fixed_nnodes(nnodes: str | int | None) -> int | None:
+    """The node count when fixed, ``None`` for an elastic range such as ``"1:4"``."""
+    if nnodes is None:
+        return 1
+    text = str(nnodes)
+    if ":" in text:
+        low, high = text.split(":", 1)
+        return int(low) if low == high else None
+    try:
+        value = int(text)
+    except ValueError:
+        raise EvendpError(f"--nnodes {nnodes!r} is not an int or MIN:MAX range") from None
+    if value < 1:
+        raise EvendpError(f"--nnodes must be >= 1, got {nnodes!r}")
+    return value
+
+
+def _validate_nproc(nproc: int | str | None) -> int | None:
+    """``None`` for ``auto``; else a positive int."""
+    if nproc is None or nproc == "auto":
+        return None
+    try:
+        value = int(nproc)
+    except (TypeError, ValueError):
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}") from None
+    if value < 1:
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}")
+    return value
+
+
+def _validate_model_inputs(
+    model: Any,
+    example_batch: Any,
+    memory: Any,
+    plan_options: Mapping[str, Any] | None,
+    batch_sizes: Any,
+    nodes: int,
+) -> None:
+    """Planning options must come together, on one node, and without fixed sizes."""
+    if model is None:
+        if example_batch is not None or plan_options:
+            raise EvendpError(
+                "example_batch and plan_options only apply when planning a model; pass "
+                "model= (--model on the command line) or drop them"
+            )
+    elif example_batch is None:
+        raise EvendpError(
+            "model= needs example_batch= (a batch, or a function of the batch size) so the "
+            "planner can run it; on the command line --model supplies both"
+        )
+    if batch_sizes is not None and (model is not None or memory is not None):
+        raise EvendpError(
+            f"--batch-sizes {batch_sizes} fixes every rank's share, so there is nothing to plan; "
+            "drop --batch-sizes, or drop --model/--memory"
+        )
+    if nodes != 1 and (model is not None or memory is not None):
+        raise EvendpError(
+            f"--model/--memory plan this node's devices only, but --nnodes is {nodes}; on "
+            "several nodes run `evendp plan` for the whole job and pass one --batch-sizes "
+            "list (node-major) on every node"
+        )
+    bad = sorted({"mode", "batch_size", "devices", "memory"} & set(plan_options or {}))
+    if bad:
+        raise EvendpError(
+            f"plan_options may not set {bad}: the launcher plans mode='ddp' on the ranks' "
+            "devices with --batch as the global batch"
+        )
+
+
+def _live_memory(chosen: Sequence[DeviceInfo]) -> list[DeviceMemory]:
+    """The chosen GPUs' free memory as NVML read it, named by physical id."""
+    return [DeviceMemory(f"gpu{d.index}", d.free_memory, d.total_memory) for d in chosen]
+
+
+def _plan_ranks(
+    model: Any,
+    example_batch: Any,
+    mems: list[DeviceMemory],
+    batch: int | None,
+    plan_options: Mapping[str, Any] | None,
+) -> Plan:
+    """The planner's DDP split of ``batch`` (``None``: the largest) over the ranks' memory."""
+    from ._plan import plan  # the planner pulls in fake tensors; only load it when asked
+
+    return plan(model, example_batch, mems, mode="ddp", batch_size=batch, **(plan_options or {}))
+
+
+def plan_launch(
+    nproc: int | str | None = "auto",
+    batch: int | None = None,
+    batch_sizes: str | Sequence[int] | None = None,
+    gpu_ids: Sequence[int] | None = None,
+    min_free: int | str | None = None,
+    nnodes: str | int | None = None,
+    nvml: Any = None,
+    *,
+    model: Any = None,
+    example_batch: Any = None,
+    memory: str | Sequence[int | str] | None = None,
+    plan_options: Mapping[str, Any] | None = None,
+    devices: Any = UNSET,
+) -> LaunchPlan:
+    """Decide ranks, devices and per-rank batch sizes for this node (no process started).
+
+    With GPUs (NVML): the given physical ``gpu_ids`` (NVML / ``nvidia-smi`` order), else the
+    freest ``nproc`` (all when ``auto``, or as many as ``memory`` declares). With no NVIDIA
+    driver: CPU ranks (``auto`` = the CPU count, as torchrun does, or one per ``memory`` entry).
+
+    Per-rank batch sizes, first that applies:
+
+    - ``batch_sizes``: given; they fix the rank count.
+    - ``model`` (and ``example_batch``, as :func:`evendp.plan` takes them): the planner's DDP
+      split of ``batch`` (``None``: the largest batch that fits) over each rank's memory:
+      ``memory`` when declared (``"24GiB,24GiB,12GiB"``, one entry per rank; needed on CPU),
+      else the chosen GPUs' free memory read now through NVML. ``plan_options`` go to
+      :func:`evendp.plan` (``optimizer``, ``amp``, ``safety_margin``...). The most samples each
+      rank's memory holds alone are exported too, as ``EVENDP_BATCH_CAPS``, for
+      ``SpeedBalancer``. :class:`evendp.PlanError` when the batch fits nowhere.
+    - ``batch`` alone: split in proportion to ``memory`` when declared, else to each chosen
+      GPU's free memory, else evenly (CPU).
+
+    With several nodes the sizes cover every global rank (node-major) and must be given, or
+    ``batch`` is split evenly, because one node cannot see the others' memory.
+
+    ``devices=`` is the old name of ``gpu_ids`` (deprecated; goes in 0.3.0).
+
+    >>> p = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
+    >>> p.nproc_per_node, p.batch_sizes, p.env["EVENDP_BATCH_SIZES"]
+    (2, [3, 5], '3,5')
+    >>> plan_launch(nproc=3, batch=10, nvml=False).batch_sizes
+    [4, 3, 3]
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+    ...                           torch.nn.Linear(1024, 10))
+    >>> p = plan_launch(batch=9000, nvml=False, model=net, example_batch=torch.randn(1, 256),
+    ...                 memory="64MiB,64MiB,32MiB", plan_options={"cuda_context": 0})
+    >>> sum(p.batch_sizes), p.batch_sizes[2] < p.batch_sizes[0] <= p.batch_caps[0]
+    (9000, True)
+    >>> sorted(p.env)
+    ['EVENDP_BATCH_CAPS', 'EVENDP_BATCH_SIZES']
+    """
+    gpu_ids = renamed_argument("plan_launch", "devices", "gpu_ids", devices, gpu_ids)
+    count = _validate_nproc(nproc)
+    nodes = _fixed_nnodes(nnodes)
+    if batch is not None and batch_sizes is not None:
+        raise EvendpError(
+            f"pass --batch ({batch}) or --batch-sizes ({batch_sizes}), not both; --batch is "
+            "split for you, --batch-sizes fixes every rank's share"
+        )
+    if batch is not None:
+        validate_int("--batch", batch, minimum=1, example="--batch 64")
+    sizes = None
+    if batch_sizes is not None:
+        text = batch_sizes if isinstance(batch_sizes, str) else ",".join(map(str, batch_sizes))
+        sizes = parse_batch_sizes(text)
+    if nodes is None and (sizes is not None or batch is not None or model is not None):
+        raise EvendpError(
+            f"--nnodes {nnodes} is an elastic range, so the number of ranks (and the batch size "
+            "of each) is not known before the run; use a fixed --nnodes N"
+        )
+    nodes = 1 if nodes is None else nodes
+    _validate_model_inputs(model, example_batch, memory, plan_options, batch_sizes, nodes)
+    declared = None if memory is None else parse_memory(memory)
+    if declared is not None:
+        if count is not None and count != len(declared):
+            raise EvendpError(
+                f"--nproc {count} but --memory declares {len(declared)} devices; give one "
+                "memory entry per rank, or drop --nproc"
+            )
+        count = len(declared)
+    if sizes is not None:
+        if len(sizes) % nodes:
+            raise EvendpError(
+                f"--batch-sizes has {len(sizes)} entries for {nodes} nodes; give one size per "
+                f"global rank (nodes x nproc, node-major), the same list on every node"
+            )
+        per_node = len(sizes) // nodes
+        if count is not None and count != per_node:
+            raise EvendpError(
+                f"--nproc {count} but --batch-sizes {sizes} has {per_node} per node; drop "
+                "--nproc or give one size per rank"
+            )
+        count = per_node
+
+    # Which GPUs; nvml=False means "do not ask NVML" (CPU planning, tests, doctests).
+    try:
+        gpus = [] if nvml is False else list_devices(nvml)
+    except NvmlUnavailableError:
+        gpus = []
+    env: dict[str, str] = {}
+    physical: list[int] | None = None
+    reason = ""
+    mems = declared
+    if gpus:
+        chosen = choose_devices(
+            gpus, count=None if gpu_ids else count, ids=gpu_ids, min_free=min_free
+        )
+        if count is not None and len(chosen) != count:
+            raise EvendpError(
+                f"--gpus {list(gpu_ids or [])} names {len(chosen)} GPUs but {count} ranks "
+                "per node were asked for; give one device per rank"
+            )
+        physical = [d.index for d in chosen]
+        count = len(chosen)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
+        if mems is None:
+            mems = _live_memory(chosen)
+    else:
+        if gpu_ids:
+            raise EvendpError(
+                f"--gpus {list(gpu_ids)} asks for GPUs but no NVIDIA driver was found; "
+                "drop --gpus to run CPU processes with gloo"
+            )
+        if count is None:
+            count = os.cpu_count() or 1
+    if batch is not None and sizes is None and model is None:
+        # Declared memory with several nodes was refused above; free memory is read per node.
+        if nodes == 1 and mems is not None:
+            sizes = split_sizes(batch, [m.free for m in mems])
+            reason = "split by " + ("declared" if declared else "free") + " memory"
+        else:
+            sizes = split_even(batch, count * nodes)
+            reason = (
+                "split evenly: other nodes' memory is not visible from here"
+                if gpus
+                else "split evenly across CPU ranks"
+            )
+    memory_plan = None
+    if model is not None:
+        if mems is None:  # no GPU was found to read, and none declared
+            raise EvendpError(
+                "--model needs each rank's memory, and no NVIDIA driver was found to read it; "
+                "declare it with --memory, e.g. --memory 24GiB,24GiB,12GiB (one entry per rank)"
+            )
+        memory_plan = _plan_ranks(model, example_batch, mems, batch, plan_options)
+        sizes = list(memory_plan.split)
+        env[ENV_BATCH_CAPS] = ",".join(str(d.max_batch_alone) for d in memory_plan.devices)
+        reason = (
+            f"planned (ddp) on {'declared' if declared else 'free'} memory: global batch "
+            f"{memory_plan.global_batch}, eta_mem {memory_plan.eta_mem:.2f} "
+            f"(even split {memory_plan.even_eta_mem:.2f})"
+        )
+    if sizes is not None:
+        env[ENV_BATCH_SIZES] = ",".join(map(str, sizes))
+    return LaunchPlan(count, sizes, physical, env, reason, memory_plan)
+
+
+def _free_port() -> int:
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port != _TORCHRUN_DEFAULT_PORT:
+            return port
+
+
+def torchrun_command(
+    plan: LaunchPlan,
+    script: str,
+    script_args: Sequence[str] = (),
+    passthrough: Mapping[str, str | int | None] | None = None,
+) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for ``plan``.
+
+    Multi-node options in ``passthrough`` (keys from :data:`PASSTHROUGH_OPTIONS`) go through
+    unchanged. A single-node run with no address given gets ``127.0.0.1`` and a free port
+    (never torchrun's default 29500, which two jobs on one box would fight over).
+
+    >>> plan = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
+    >>> cmd = torchrun_command(plan, "train.py", ["--lr", "0.1"], {"master_port": 1234})
+    >>> cmd[1:5]
+    ['-m', 'torch.distributed.run', '--nproc-per-node', '2']
+    >>> cmd[5:]
+    ['--master-addr', '127.0.0.1', '--master-port', '1234', 'train.py', '--lr', '0.1']
+    """
+    given = {k: v for k, v in (passthrough or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(PASSTHROUGH_OPTIONS))
+    if unknown:
+        raise EvendpError(
+            f"unknown torchrun option(s) {unknown}; evendp launch passes through "
+            f"{list(PASSTHROUGH_OPTIONS)}"
+        )
+    single_node = _fixed_nnodes(given.get("nnodes")) == 1
+    if single_node and "rdzv_endpoint" not in given:
+        given.setdefault("master_addr", "127.0.0.1")
+        given.setdefault("master_port", _free_port())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(plan.nproc_per_node),
+    ]
+    for key in PASSTHROUGH_OPTIONS:
+        if key in given:
+            cmd += ["--" + key.replace("_", "-"), str(given[key])]
+    return [*cmd, script, *script_args]
+
+
+def launch(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    plan: LaunchPlan,
+    passthrough: Mapping[str, str | int | None] | None = None,
+    env: Mapping[str, str] | None = None,
+    run_dir: str | Path | None = None,
+) -> int:
+    """Run ``script`` under torchrun as ``plan`` says; returns torchrun's exit code.
+
+    The plan's variables are added to ``env`` (default: this process's environment), so the
+    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM/SIGHUP
+    are passed on to the ranks (:func:`evendp._distributed._interrupt.run_forwarding_signals`);
+    the code
+    is then 130/143, and torchrun stops its ranks if this process dies.
+
+    ``run_dir``: the run's output folder, locked for the run's life (the ranks join the lock;
+    :class:`evendp._distributed._run_lock.RunDirBusy` when another live run holds it). The ranks'
+    rank 0
+    may leave its exit code and message with :func:`write_outcome`; the launcher then exits
+    with that code (0 for a run that finished although a signal came late).
+    """
+    from .._distributed._interrupt import run_forwarding_signals
+    from .._distributed._run_lock import child_env as lock_env
+    from .._distributed._run_lock import hold_run_dir
+
+    child_env = dict(os.environ if env is None else env)
+    child_env.update(plan.env)
+    cmd = torchrun_command(plan, script, script_args, passthrough)
+    with contextlib.ExitStack() as stack:
+        if run_dir is not None:
+            lock = stack.enter_context(hold_run_dir(run_dir))
+            child_env.update(lock_env(lock))
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="evendp-outcome-"))
+        outcome = Path(folder) / "outcome.json"
+        child_env[ENV_OUTCOME] = str(outcome)
+        code = run_forwarding_signals(cmd, child_env)
+        said = read_outcome(outcome)
+        return code if said is None else int(said["code"])
+
+
+#: Where rank 0 leaves the run's exit code for the launcher (a private temporary file).
+ENV_OUTCOME = "EVENDP_OUTCOME"
+
+
+def write_outcome(code: int, **details: Any) -> None:
+    """Under ``evendp launch``: leave this run's exit code (and details) for the launcher.
+
+    The ranks themselves exit 0 after a clean stop or a clean error, so that torchrun neither
+    restarts them nor prints its ``ChildFailedError``; the launcher exits with ``code``.
+    Nothing happens outside a launcher.
+
+    >>> write_outcome(0)  # no launcher here: nothing to do
+    """
+    path = os.environ.get(ENV_OUTCOME)
+    if path:
+        Path(path).write_text(json.dumps({"code": int(code), **details}))
+
+
+def read_outcome(path: Path) -> dict[str, Any] | None:
+    """What :func:`write_outcome` left at ``path`` (``None``: nothing, or unreadable)."""
+    try:
+        said = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return said if isinstance(said, dict) and isinstance(said.get("code"), int) else None

@@ -1,0 +1,583 @@
+"""The planner's entry points: measure a few sizes, solve, measure where the answer landed,
+solve again, and report the result as a :class:`Plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+
+from .._core._deprecation import UNSET, renamed_argument
+from .._core._errors import EvendpError, PlanError
+from .._core._units import parse_bytes
+from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
+from ._measure import (
+    ModelLike,
+    OptimizerFactory,
+    Point,
+    at_width,
+    make_setup,
+    measure_gathered,
+    measure_replica,
+    planning_errors,
+    sample_output,
+    tensors,
+)
+from ._memory import DeviceMemory, live_memory, memory_runs
+from ._result import DevicePlan, DeviceRows, Plan
+from ._solve import Mode, _Curve, _Model, _Segment, _solve_spans, _spans, _token_fit, expand
+
+__all__ = ["auto_weights", "plan"]
+
+_DEFAULT_CONTEXT = 512 << 20  # CUDA context + cuBLAS/cuDNN workspaces, typical on recent GPUs
+_MAX_ROUNDS = 4
+
+
+def _validate_options(
+    mode: str, safety_margin: float, output_device: int, k: int, batch_size: int | None
+) -> None:
+    if mode not in ("dp", "ddp"):
+        raise EvendpError(f"mode must be 'dp' or 'ddp', got {mode!r}")
+    validate_float("safety_margin", safety_margin, minimum=0, example="safety_margin=0.05")
+    validate_int("output_device", output_device, minimum=0, example="output_device=0")
+    if not 0.0 <= safety_margin < 1.0:
+        raise EvendpError(f"safety_margin must be in [0, 1), got {safety_margin!r}; e.g. 0.05")
+    if not 0 <= output_device < k:
+        raise EvendpError(
+            f"output_device {output_device!r} is not one of the {k} devices 0..{k - 1}"
+        )
+    validate_int("batch_size", batch_size, minimum=1, allow_none=True, example="batch_size=64")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fleet:
+    """The devices to plan for as runs of alike ones: ``(count, free, total)`` in order, and
+    their names (``None``: ``dev0``, ``dev1``, ... by position, as :func:`parse_memory`)."""
+
+    runs: list[tuple[int, int, int | None]]
+    names: list[str] | None = None
+
+    def __len__(self) -> int:
+        return sum(count for count, _, _ in self.runs)
+
+    def name(self, i: int) -> str:
+        return f"dev{i}" if self.names is None else self.names[i]
+
+    def free_at(self, i: int) -> int:
+        """Free bytes of device ``i``."""
+        start = 0
+        for count, free, _ in self.runs:
+            if i < start + count:
+                return free
+            start += count
+        raise IndexError(i)
+
+    @classmethod
+    def of(cls, mems: Sequence[DeviceMemory]) -> _Fleet:
+        runs = [(len(list(g)), free, total) for (free, total), g in
+                itertools.groupby(mems, key=lambda m: (m.free, m.total))]  # fmt: skip
+        return cls(runs, [m.name for m in mems])
+
+
+def _validate_memory_specs(memory: Any) -> _Fleet:
+    """``plan(memory=...)``: a spec string, sizes, ``DeviceMemory`` or ``None`` (live GPUs)."""
+    if memory is None:
+        return _Fleet.of(live_memory())
+    if isinstance(memory, str):
+        return _Fleet(memory_runs(memory))
+    if isinstance(memory, Sequence) and memory and all(isinstance(d, DeviceMemory) for d in memory):
+        return _Fleet.of(memory)
+    if isinstance(memory, Sequence) and memory:
+        return _Fleet(memory_runs(list(memory)))
+    raise EvendpError(
+        f"memory must be a spec like '24GiB,24GiB,12GiB', a list of sizes or DeviceMemory, "
+        f"or None for the live GPUs; got {memory!r}"
+    )
+
+
+def _validate_sequence_batch(batch: Any) -> None:
+    """``seq_len`` resizes the example batch's dim 1: it needs tensors with one."""
+    if (callable(batch) and not isinstance(batch, torch.Tensor)) or not any(
+        t.dim() >= 2 for t in tensors(batch)
+    ):
+        raise EvendpError(
+            f"seq_len needs an example batch of tensors with a sequence dimension (dim 1), "
+            f"got {type(batch).__name__}; pass e.g. torch.zeros(1, 128, dtype=torch.long), "
+            "or leave seq_len=None"
+        )
+
+
+def plan(
+    model: ModelLike,
+    batch: Any,
+    memory: str | Sequence[Any] | None = None,
+    *,
+    mode: Mode = "dp",
+    criterion: Callable[..., torch.Tensor] | None = None,
+    optimizer: OptimizerFactory | None = torch.optim.AdamW,
+    batch_size: int | None = None,
+    amp: torch.dtype | str | None = None,
+    checkpointing: bool | Callable[[nn.Module], bool] = False,
+    gradient_as_bucket_view: bool = False,
+    gather_output: bool = True,
+    output_device: int = 0,
+    safety_margin: float = 0.05,
+    cuda_context: int | str = _DEFAULT_CONTEXT,
+    no_grad: bool = False,
+    seq_len: int | None = None,
+    devices: Any = UNSET,
+    gather: Any = UNSET,
+) -> Plan:
+    """Predict every device's memory for a training step and choose the per-device split.
+
+    Args:
+        model: an ``nn.Module`` (copied onto fake tensors) or a function returning one
+            (called under ``FakeTensorMode``: build on CPU, it allocates nothing).
+        batch: an example batch (tensors with the batch in dim 0; its size does not matter)
+            or a function ``batch(n)``. Without ``criterion`` it is the model's input (a
+            tensor, a tuple of positional arguments, or a dict of keyword arguments) and the
+            loss is the model's first scalar output; with ``criterion`` it is
+            ``(inputs, targets)`` and the loss is ``criterion(model(inputs), targets)``.
+        memory: each device's memory: ``"24GiB,24GiB-10GiB,12GiB"`` (see
+            :func:`evendp.parse_memory`), a list of sizes or ``DeviceMemory``, or ``None`` to
+            read the live GPUs' free memory.
+        mode: ``"dp"`` (one process; device 0 holds the optimizer, and the gathered outputs
+            and loss on ``output_device``) or ``"ddp"`` (one process per device).
+        optimizer: a factory ``optimizer(params)``; ``None`` for no optimizer state.
+        batch_size: plan this global batch; ``None`` for the largest that fits.
+        amp: ``torch.bfloat16`` or ``torch.float16`` to plan under autocast; the
+            :class:`TrainConfig` spellings ``"bf16"``, ``"fp16"`` and ``"none"`` work too.
+        checkpointing: ``True`` to checkpoint every block of every ``nn.ModuleList``, or a
+            predicate choosing the modules to checkpoint.
+        gradient_as_bucket_view: DDP's option; without it buckets cost one more gradient.
+        gather_output: DP only; ``False`` when the loss is computed per device
+            (``ParallelCriterion``), so no outputs are gathered (the same name as
+            :class:`BalancedDataParallel`'s; ``gather=`` is the deprecated spelling).
+        safety_margin: each device may use ``free * (1 - safety_margin)``. 0.05 here, for
+            a plan made ahead of a run on the free memory you state; ``weights="auto"``
+            (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
+            processes on the GPU keep changing.
+        cuda_context: bytes per device for the CUDA context and library workspaces.
+        no_grad: plan a forward-only step (inference, evaluation, feature extraction under
+            ``torch.no_grad``, model in eval mode): no gradients, no optimizer state, no
+            activations saved for backward; ``optimizer`` and ``checkpointing`` are ignored.
+            The training plan for the same devices is attached as ``Plan.training`` (``None``
+            when not even one training sample fits), so both largest batches are reported.
+        seq_len: plan per-device caps in padded tokens (``Plan.max_tokens``) for steps whose
+            rows are padded to at most ``seq_len``: the example batch's sequence dimension
+            (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
+            (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
+        devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
+        gather: the old name of ``gather_output`` (deprecated; goes in 0.3.0).
+
+    The planner measures a few batch sizes and then the sizes it is about to recommend, and
+    solves again on every new measurement. When a recommended size still lies beyond the
+    largest measured one (the rounds ran out), ``Plan.extrapolated`` is ``True``: beyond the
+    measured range the prediction is a lower bound for a convex peak, so check that plan.
+
+    Raises :class:`PlanError` when the model fails on fake tensors or no batch fits.
+
+    >>> net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    >>> p = plan(net, torch.randn(1, 256), "1GiB,1GiB,512MiB", mode="ddp",
+    ...          cuda_context=0)
+    >>> p.split == [d.samples for d in p.devices] and p.eta_mem >= 0.95
+    True
+    >>> inference = plan(net, torch.randn(1, 256), "1GiB,1GiB,512MiB", mode="ddp",
+    ...                  cuda_context=0, no_grad=True)
+    >>> inference.no_grad, inference.global_batch > inference.training.global_batch
+    (True, True)
+    """
+    memory = renamed_argument("plan", "devices", "memory", devices, memory)
+    amp = amp_dtype(amp)
+    gather_output = renamed_argument(
+        "plan", "gather", "gather_output", gather, gather_output, default=True
+    )
+    mems = _validate_memory_specs(memory)
+    k = len(mems)
+    _validate_options(mode, safety_margin, output_device, k, batch_size)
+    if not isinstance(no_grad, bool):
+        raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    validate_bool("gather_output", gather_output)
+    validate_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+    if not isinstance(checkpointing, bool):
+        validate_callable("checkpointing", checkpointing, "True, False or a function module->bool")
+    validate_int("seq_len", seq_len, minimum=2, allow_none=True, example="seq_len=1024")
+    if seq_len is not None:
+        _validate_sequence_batch(batch)
+    common: dict[str, Any] = dict(
+        mode=mode,
+        criterion=criterion,
+        amp=amp,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        gather=gather_output,
+        output_device=output_device,
+        safety_margin=safety_margin,
+        context=parse_bytes(cuda_context),
+        seq_len=seq_len,
+    )
+    # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
+    # call that may run under torch.inference_mode or torch.no_grad).
+    with torch.inference_mode(False), torch.enable_grad():
+        if not no_grad:
+            return _plan_step(
+                model, batch, mems, optimizer=optimizer, batch_size=batch_size,
+                checkpointing=checkpointing, no_grad=False, **common,
+            )  # fmt: skip
+        forward = _plan_step(
+            model, batch, mems, optimizer=None, batch_size=batch_size,
+            checkpointing=False, no_grad=True, **common,
+        )  # fmt: skip
+        try:  # the training step on the same devices, for comparison: its largest batch
+            training: Plan | None = _plan_step(
+                model, batch, mems, optimizer=optimizer, batch_size=None,
+                checkpointing=checkpointing, no_grad=False, **common,
+            )  # fmt: skip
+        except PlanError:
+            training = None  # inference fits where not even one training sample does
+    return dataclasses.replace(forward, training=training)
+
+
+def _plan_step(
+    model: ModelLike,
+    batch: Any,
+    mems: _Fleet,
+    *,
+    mode: Mode,
+    criterion: Callable[..., torch.Tensor] | None,
+    optimizer: OptimizerFactory | None,
+    batch_size: int | None,
+    amp: torch.dtype | None,
+    checkpointing: bool | Callable[[nn.Module], bool],
+    gradient_as_bucket_view: bool,
+    gather: bool,
+    output_device: int,
+    safety_margin: float,
+    context: int,
+    no_grad: bool,
+    seq_len: int | None = None,
+) -> Plan:
+    """One plan (a training step, or a forward under ``no_grad``) on validated options."""
+    start = time.perf_counter()
+    if seq_len is not None:
+        batch = at_width(batch, seq_len)
+    setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
+    if mode == "ddp" or not gather:
+        variant = "keep"
+    else:
+        variant = "handoff" if criterion is not None else "drop"
+    budgets = [(int(free * (1.0 - safety_margin)), count) for count, free, _ in mems.runs]
+
+    replica: dict[int, Point] = {}
+    crit: dict[int, Point] = {}
+    with planning_errors("running the model on fake tensors"):
+        for n in (2, 4):
+            replica[n] = measure_replica(setup, n, variant)
+    sample = None
+    needs_crit = mode == "dp" and gather and criterion is not None
+    if needs_crit:
+        with planning_errors("computing the criterion on fake gathered outputs"):
+            sample = sample_output(setup, 2)
+            for n in (2, 4):
+                crit[n] = measure_gathered(setup, sample, 2, n)
+
+    def solve() -> tuple[_Model, list[_Segment]]:
+        mdl = _build_model(
+            mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
+        )
+        # Per distinct device (budget and role), not per device: see _solve_spans.
+        return mdl, _solve_spans(mdl, _spans(mdl, budgets), batch_size)
+
+    def beyond_measured(sol: list[_Segment]) -> tuple[set[int], set[int]]:
+        """Recommended sizes past the largest measured one: replica sizes, global batches."""
+        sizes = {n for seg in sol for n in (seg.split, seg.alone, seg.even)}
+        if seq_len is not None:  # token caps rest on them
+            sizes |= {seg.cap for seg in sol}
+        want_rep = {n for n in sizes if n > max(replica)}
+        want_crit: set[int] = set()
+        if needs_crit:
+            alone_out = next(g.alone for g in sol if g.start <= output_device < g.start + g.count)
+            totals = [_sum(sol, "split"), _sum(sol, "even"), alone_out]
+            want_crit = {t for t in totals if t > max(crit)}
+        return want_rep, want_crit
+
+    mdl, sol = solve()
+    for _ in range(_MAX_ROUNDS):
+        want_rep, want_crit = beyond_measured(sol)
+        if not want_rep and not want_crit:
+            break
+        with planning_errors("running the model on fake tensors"):
+            # The largest only: every chord below it interpolates, an upper bound there.
+            for n in sorted(want_rep)[-1:]:
+                replica[n] = measure_replica(setup, n, variant)
+            for n in sorted(want_crit)[-1:]:
+                assert sample is not None  # needs_crit measured it above
+                crit[n] = measure_gathered(setup, sample, 2, n)
+        mdl, sol = solve()  # the answer always rests on the last measurement
+    extrapolated = any(beyond_measured(sol))
+    result = _to_plan(
+        mdl,
+        mems,
+        sol,
+        replica,
+        mode,
+        safety_margin,
+        start,
+        extrapolated,
+        {
+            "criterion": criterion is not None,
+            "optimizer": getattr(optimizer, "__name__", repr(optimizer)),
+            "amp": None if amp is None else str(amp).removeprefix("torch."),
+            "checkpointing": bool(checkpointing),
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "gather": gather,
+            "output_device": output_device,
+            "cuda_context": context,
+        },
+        no_grad,
+    )
+    if seq_len is None:
+        return result
+    short = make_setup(
+        model, at_width(batch, seq_len // 2), criterion, optimizer, amp, checkpointing, no_grad
+    )
+    with planning_errors("running the model on fake tensors at a shorter width"):
+        shorter = measure_replica(short, 4, variant)
+    return _with_token_caps(result, sol, seq_len, replica, shorter)
+
+
+def _sum(segments: list[_Segment], name: str) -> int:
+    return sum(getattr(seg, name) * seg.count for seg in segments)
+
+
+def _with_token_caps(
+    result: Plan, sol: list[_Segment], seq_len: int, replica: dict[int, Point], shorter: Point
+) -> Plan:
+    """``result`` with each device's cap in padded tokens and the fitted token cost.
+
+    The cap is the device's most samples at width ``seq_len`` (in the planned global batch)
+    times ``seq_len``. A share padded to a width ``w <= seq_len`` costs ``fixed + tokens *
+    (per_token + per_token_width * w)``, so the same tokens cost no more at a shorter width
+    (``per_token_width >= 0``): the cap holds for every step whose rows are at most
+    ``seq_len`` long.
+    """
+    points = {(n, seq_len): sum(replica[n].fwbw.values()) for n in sorted(replica)[:2]}
+    points[(shorter.n, seq_len // 2)] = sum(shorter.fwbw.values())
+    fixed, per_token, per_token_width = _token_fit(points)
+    tokens = [c * seq_len for c in expand(sol, "cap")]
+    rows = cast(DeviceRows, result.devices)  # _to_plan makes one run per segment
+    devices = DeviceRows(
+        [(start, count, dataclasses.replace(proto, max_tokens=seg.cap * seq_len))
+         for (start, count, proto), seg in zip(rows.runs, sol, strict=True)],
+        rows._name,
+    )  # fmt: skip
+    cost = {"fixed": fixed, "per_token": per_token, "per_token_width": per_token_width}
+    return dataclasses.replace(
+        result, devices=devices, max_tokens=tokens, seq_len=seq_len, token_cost=cost
+    )
+
+
+def _build_model(
+    mode: Mode,
+    output_device: int,
+    replica: dict[int, Point],
+    crit: dict[int, Point],
+    bucket_view: bool,
+    context: int,
+    needs_crit: bool,
+) -> _Model:
+    first = replica[min(replica)]
+    static = {key: float(v) for key, v in first.static.items()}
+    return _Model(
+        mode=mode,
+        output_device=output_device,
+        static=static,
+        replica=_Curve({n: p.fwbw for n, p in replica.items()}),
+        forward_end=_Curve({n: p.forward_end for n, p in replica.items()}),
+        outputs=_Curve({n: {"bytes": float(p.output_bytes)} for n, p in replica.items()}),
+        gathered=_Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
+        gathered_held=_Curve({n: p.forward_end for n, p in crit.items()}) if needs_crit else None,
+        buckets=0 if (mode == "dp" or bucket_view) else int(static["grads"]),
+        context=context,
+    )
+
+
+def _to_plan(
+    mdl: _Model,
+    mems: _Fleet,
+    sol: list[_Segment],
+    replica: dict[int, Point],
+    mode: Mode,
+    margin: float,
+    start: float,
+    extrapolated: bool,
+    options: dict[str, Any],
+    no_grad: bool,
+) -> Plan:
+    total, even_total = _sum(sol, "split"), _sum(sol, "even")
+    runs = []
+    for seg in sol:  # one DevicePlan per run of alike devices: DeviceRows names each
+        i = seg.start
+        ours = {k: round(v) for k, v in mdl.breakdown(i, seg.split, total).items() if v}
+        even = {k: round(v) for k, v in mdl.breakdown(i, seg.even, even_total).items() if v}
+        proto = DevicePlan(
+            name="",
+            free=mems.free_at(i),
+            budget=seg.budget,
+            samples=seg.split,
+            breakdown=ours,
+            peak=sum(ours.values()),
+            max_batch_alone=seg.alone,
+            even_samples=seg.even,
+            even_breakdown=even,
+            even_peak=sum(even.values()),
+        )
+        runs.append((seg.start, seg.count, proto))
+    devices = DeviceRows(runs, mems.name)
+    reach = max(1, _sum(sol, "alone"))
+    sizes = sorted(replica)
+    fe = _Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
+    out = _Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
+    return Plan(
+        mode=mode,
+        devices=devices,
+        split=expand(sol, "split"),
+        global_batch=total,
+        eta_mem=total / reach,
+        even_split=expand(sol, "even"),
+        even_global_batch=even_total,
+        even_eta_mem=even_total / reach if all(p.even_fits for _, _, p in runs) else 0.0,
+        activation_bytes_per_sample=fe.slope(),
+        output_bytes_per_sample=out.slope(),
+        measured_sizes=sizes,
+        safety_margin=margin,
+        seconds=time.perf_counter() - start,
+        extrapolated=extrapolated,
+        options=options,
+        no_grad=no_grad,
+    )
+
+
+def _gathered_loss(output: Any, targets: Any) -> torch.Tensor:
+    """Stand-in for the loss a caller computes on ``BalancedDataParallel``'s gathered output.
+
+    A loss the model computed in ``forward`` arrives gathered as one entry per device (a
+    tensor of at most one dimension): the caller backpropagates that, and the other outputs
+    get no gradient. Otherwise the outputs (logits) themselves are the loss's input, and
+    each receives a full-size gradient, as any criterion on them would produce.
+    """
+    floats = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
+    losses = [t for t in floats if t.dim() <= 1]
+    used = losses or floats
+    return sum((t.float().mean() for t in used), torch.zeros(()))
+
+
+_AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def amp_dtype(amp: torch.dtype | str | None) -> torch.dtype | None:
+    """``amp`` as the autocast dtype: a dtype, ``None``, or a :class:`TrainConfig` spelling.
+
+    >>> amp_dtype("bf16"), amp_dtype(torch.float16), amp_dtype("none")
+    (torch.bfloat16, torch.float16, None)
+    """
+    if isinstance(amp, str):
+        if amp not in _AMP_DTYPES:
+            raise EvendpError(
+                f"amp must be one of {sorted(_AMP_DTYPES)} or a torch dtype, got {amp!r}; "
+                "e.g. amp='bf16'"
+            )
+        return _AMP_DTYPES[amp]
+    return amp
+
+
+def auto_weights(
+    module: nn.Module,
+    device_ids: Sequence[torch.device | int | str],
+    example_inputs: Any,
+    *,
+    output_device: int = 0,
+    optimizer: OptimizerFactory | None = torch.optim.AdamW,
+    safety_margin: float = 0.1,
+    gather_output: bool = True,
+    criterion: Callable[..., torch.Tensor] | None = None,
+    no_grad: bool = False,
+) -> list[float]:
+    """Per-device weights for ``BalancedDataParallel(weights="auto")``, from live memory.
+
+    Plans DP on the devices' free memory right now (NVML, or ``torch.cuda.mem_get_info``),
+    counting the module's parameters already resident there as available to it, and returns
+    the largest split that fits as weights. On non-CUDA (virtual CPU) devices there is no
+    memory to read: every device gets weight 1.0.
+
+    It plans the program that will run: with ``gather_output=True`` the outputs gathered on
+    ``output_device`` and the gradient that flows back into them are counted there (through
+    ``criterion(outputs, None)`` when given, else a stand-in that backpropagates the model's
+    own loss if it returns one, or every floating output); with ``gather_output=False`` each
+    device keeps its outputs (``ParallelCriterion``). With ``no_grad=True`` (the first call
+    ran under ``torch.no_grad`` or ``torch.inference_mode``) it plans a forward only: no
+    gradients, optimizer state or saved activations, so each device takes a larger share.
+    ``safety_margin`` is 0.1, twice :func:`plan`'s: live free memory is what other processes
+    left a moment ago, and they keep allocating.
+
+    >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
+    [1.0, 1.0, 1.0]
+    """
+    devices = [
+        torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids
+    ]
+    if not devices:
+        raise EvendpError("device_ids is empty; pass the devices BalancedDataParallel uses")
+    if any(d.type != "cuda" for d in devices):
+        return [1.0] * len(devices)
+    # --- GPU-only path below (tests reach it with a fake live_memory). ---
+    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in devices]
+    live = {m.name: m for m in live_memory(sorted(set(indices)))}
+    resident: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type == "cuda":
+            resident[t.device.index] = (
+                resident.get(t.device.index, 0) + t.numel() * t.element_size()
+            )
+    mems = []
+    for i in indices:
+        repeats = indices.count(i)  # virtual devices share one GPU's memory
+        free = live[f"cuda:{i}"].free + resident.get(i, 0)
+        mems.append(DeviceMemory(f"cuda:{i}", free // repeats))
+    if no_grad:
+        # Forward only: DP gathers the outputs on output_device and nothing flows back. No
+        # training plan beside it (plan(no_grad=True) adds one): only the split is used.
+        _validate_options("dp", safety_margin, output_device, len(mems), None)
+        with torch.inference_mode(False), torch.enable_grad():
+            forward = _plan_step(
+                module, example_inputs, _Fleet.of(mems), mode="dp", criterion=None, optimizer=None,
+                batch_size=None, amp=None, checkpointing=False, gradient_as_bucket_view=False,
+                gather=gather_output, output_device=output_device, safety_margin=safety_margin,
+                context=0, no_grad=True,
+            )  # fmt: skip
+        return [float(n) for n in forward.split]
+    batch: Any
+    if gather_output:
+        # The planner's criterion form: batch = (inputs, targets); the caller's targets are
+        # not known here, and the gathered outputs and their gradient dominate anyway.
+        batch = (example_inputs, None)
+        loss = criterion if criterion is not None else _gathered_loss
+    else:
+        batch, loss = example_inputs, None
+    result = plan(
+        module,
+        batch,
+        mems,
+        mode="dp",
+        criterion=loss,
+        optimizer=optimizer,
+        gather_output=gather_output,
+        output_device=output_device,
+        safety_margin=safety_margin,
+        cuda_context=0,
+    )
+    return [float(n) for n in result.split]

@@ -1,0 +1,347 @@
+"""The planner's answer: :class:`Plan` and :class:`DevicePlan`, as a table, JSON or a chart."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+from ._solve import Mode
+
+__all__ = ["KINDS", "DevicePlan", "DeviceRows", "Plan"]
+
+#: Above this many devices the table and the chart show one column per run of alike devices.
+GROUP_ABOVE = 16
+
+#: Row order of every breakdown (table, JSON, plot).
+KINDS: tuple[str, ...] = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "outputs",
+    "gathered_outputs",
+    "gathered_grad",
+    "loss",
+    "buckets",
+    "cuda_context",
+)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device in a :class:`Plan`: its memory, share and predicted peak, by kind."""
+
+    name: str
+    free: int
+    budget: int
+    samples: int
+    breakdown: dict[str, int]
+    peak: int
+    max_batch_alone: int
+    even_samples: int
+    even_breakdown: dict[str, int]
+    even_peak: int
+    max_tokens: int | None = None  # padded tokens this device holds (plan(seq_len=...))
+
+    @property
+    def fits(self) -> bool:
+        """Whether the chosen share's predicted peak is within the budget."""
+        return self.peak <= self.budget
+
+    @property
+    def even_fits(self) -> bool:
+        """Whether the even split's predicted peak is within the budget."""
+        return self.even_peak <= self.budget
+
+
+class DeviceRows(Sequence[DevicePlan]):
+    """``Plan.devices``: one :class:`DevicePlan` per device, made when read from runs of alike
+    devices, so a plan over a million copies of one card holds a handful of objects.
+
+    It is a read-only sequence (``len``, indexing, iteration) equal to the tuple of its
+    items. ``runs`` are ``(start, count, prototype)``; ``name(i)`` is device ``i``'s name.
+
+    >>> proto = DevicePlan("", 8, 8, 2, {}, 2, 4, 2, {}, 2)
+    >>> rows = DeviceRows([(0, 3, proto)], lambda i: f"dev{i}")
+    >>> len(rows), rows[2].name, [d.samples for d in rows]
+    (3, 'dev2', [2, 2, 2])
+    """
+
+    def __init__(self, runs: list[tuple[int, int, DevicePlan]], name: Callable[[int], str]) -> None:
+        self.runs = runs
+        self._name = name
+        self._len = sum(count for _, count, _ in runs)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> DevicePlan: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[DevicePlan, ...]: ...
+    def __getitem__(self, index: int | slice) -> DevicePlan | tuple[DevicePlan, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._len)))
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError(f"device {index} of {self._len}")
+        for start, count, proto in self.runs:
+            if i < start + count:
+                return dataclasses.replace(proto, name=self._name(i))
+        raise IndexError(index)  # unreachable: the runs cover 0..len-1
+
+    def __iter__(self) -> Iterator[DevicePlan]:
+        for start, count, proto in self.runs:
+            for i in range(start, start + count):
+                yield dataclasses.replace(proto, name=self._name(i))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a tuple, so not hashable like one
+
+    def __repr__(self) -> str:
+        return f"DeviceRows({len(self)} devices in {len(self.runs)} runs)"
+
+
+def _starts(devices: Sequence[DevicePlan]) -> list[int]:
+    """Indices where a run of alike devices (equal but for the name) begins."""
+    if isinstance(devices, DeviceRows):
+        return [start for start, _, _ in devices.runs]
+    same = [dataclasses.replace(d, name="") for d in devices]
+    return [i for i in range(len(same)) if i == 0 or same[i] != same[i - 1]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-device memory for one training step and the split that maximizes the global batch.
+
+    ``split`` is the per-device sample counts: pass it as
+    ``BalancedDataParallel(weights=plan.split)`` or
+    ``UnevenBatchSampler(batch_sizes=plan.split)``.
+
+    ``extrapolated`` is ``True`` when a recommended size lies beyond the largest measured
+    batch size (``measured_sizes``): there the prediction is a lower bound, not a guarantee.
+
+    ``no_grad`` is ``True`` for a forward-only plan (``plan(..., no_grad=True)``: inference,
+    evaluation); then ``training`` is the training plan on the same devices (its largest
+    batch), or ``None`` when not even one training sample fits.
+
+    ``max_tokens`` (with ``plan(..., seq_len=L)``, else ``None``) is each device's cap in
+    padded tokens (rows x the longest row) for steps of rows at most ``L`` long: pass it as
+    ``UnevenBatchSampler(costs=lengths, max_costs=plan.max_tokens)`` or
+    ``Trainer(costs=lengths, max_costs=plan.max_tokens)``. ``token_cost`` is the fitted
+    replica step bytes, ``fixed + tokens * (per_token + per_token_width * width)``.
+    """
+
+    mode: Mode
+    devices: Sequence[DevicePlan]  # a tuple, or DeviceRows (runs of alike devices)
+    split: list[int]
+    global_batch: int
+    eta_mem: float
+    even_split: list[int]
+    even_global_batch: int
+    even_eta_mem: float
+    activation_bytes_per_sample: float
+    output_bytes_per_sample: float
+    measured_sizes: list[int]
+    safety_margin: float
+    seconds: float
+    options: dict[str, Any] = field(default_factory=dict)
+    extrapolated: bool = False
+    no_grad: bool = False
+    training: Plan | None = None
+    max_tokens: list[int] | None = None
+    seq_len: int | None = None
+    token_cost: dict[str, float] | None = None
+
+    @property
+    def step(self) -> str:
+        """What was planned, in words: ``"training step"`` or ``"forward only (no_grad)"``."""
+        return "forward only (no_grad)" if self.no_grad else "training step"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (bytes as ints)."""
+        return {
+            "mode": self.mode,
+            "split": list(self.split),
+            "global_batch": self.global_batch,
+            "eta_mem": self.eta_mem,
+            "even_split": list(self.even_split),
+            "even_global_batch": self.even_global_batch,
+            "even_eta_mem": self.even_eta_mem,
+            "activation_bytes_per_sample": self.activation_bytes_per_sample,
+            "output_bytes_per_sample": self.output_bytes_per_sample,
+            "measured_sizes": list(self.measured_sizes),
+            "safety_margin": self.safety_margin,
+            "seconds": self.seconds,
+            "extrapolated": self.extrapolated,
+            "no_grad": self.no_grad,
+            "max_tokens": None if self.max_tokens is None else list(self.max_tokens),
+            "seq_len": self.seq_len,
+            "token_cost": None if self.token_cost is None else dict(self.token_cost),
+            **self._training_dict(),
+            "options": dict(self.options),
+            "devices": [
+                {
+                    "name": d.name,
+                    "free": d.free,
+                    "budget": d.budget,
+                    "samples": d.samples,
+                    "peak": d.peak,
+                    "fits": d.fits,
+                    "max_batch_alone": d.max_batch_alone,
+                    "breakdown": dict(d.breakdown),
+                    "even_samples": d.even_samples,
+                    "even_peak": d.even_peak,
+                    "even_fits": d.even_fits,
+                    "even_breakdown": dict(d.even_breakdown),
+                    "max_tokens": d.max_tokens,
+                }
+                for d in self.devices
+            ],
+        }
+
+    def _training_dict(self) -> dict[str, Any]:
+        """Under ``no_grad``: training's largest batch beside inference's (JSON key
+        ``training``, ``None`` when no training sample fits); nothing for a training plan."""
+        if not self.no_grad:
+            return {}
+        t = self.training
+        if t is None:
+            return {"training": None}
+        return {
+            "training": {
+                "split": list(t.split),
+                "global_batch": t.global_batch,
+                "eta_mem": t.eta_mem,
+                "max_batch_alone": [d.max_batch_alone for d in t.devices],
+                "peak": [d.peak for d in t.devices],
+            }
+        }
+
+    def _title(self) -> str:
+        title = (
+            f"evendp plan ({self.mode}, {self.step}): global batch {self.global_batch} "
+            f"(eta_mem {self.eta_mem:.3f}) vs even {self.even_global_batch} "
+            f"(eta_mem {self.even_eta_mem:.3f})"
+        )
+        if self.no_grad:
+            trained = "nothing fits" if self.training is None else self.training.global_batch
+            title += f"; training: {trained}"
+        return title
+
+    def table(self) -> Any:
+        """A ``rich.table.Table``: one column per device, one row per kind of memory (each
+        figure in a readable binary unit: ``48.0 MiB``, ``24.00 GiB``); ``print`` shows it."""
+        from .._core._table import PrintableTable as Table
+        from .._core._table import format_bytes as gib
+
+        table = Table(
+            title=self._title(),
+            caption=f"budget = free x (1 - {self.safety_margin:g}); "
+            f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
+            + (
+                "\nextrapolated: a recommended size lies beyond the largest measured one, "
+                "where the predicted peak is a lower bound"
+                if self.extrapolated
+                else ""
+            ),
+        )
+        columns = self.columns()
+        shown = [d for _, d, _ in columns]
+        table.add_column("")
+        for label, _, _ in columns:
+            table.add_column(label, justify="right")
+        table.add_row("samples", *[str(d.samples) for d in shown], style="bold")
+        for kind in KINDS:
+            if any(d.breakdown.get(kind, 0) for d in shown):
+                table.add_row(kind, *[gib(d.breakdown.get(kind, 0)) for d in shown])
+        table.add_row("predicted peak", *[gib(d.peak) for d in shown], style="bold")
+        table.add_row("budget", *[gib(d.budget) for d in shown])
+        table.add_row("max batch alone", *[str(d.max_batch_alone) for d in shown])
+        if self.training is not None:
+            t = [self.training.devices[i] for _, _, i in columns]
+            table.add_row("training: samples", *[str(d.samples) for d in t])
+            table.add_row("training: max batch alone", *[str(d.max_batch_alone) for d in t])
+        table.add_row("even: samples", *[str(d.even_samples) for d in shown])
+        table.add_row(
+            "even: peak",
+            *[gib(d.even_peak) + ("" if d.even_fits else " (OOM)") for d in shown],
+        )
+        return table
+
+    def columns(self) -> list[tuple[str, DevicePlan, int]]:
+        """What the table and the chart show: ``(label, device, first index)``, one per device
+        up to :data:`GROUP_ABOVE` devices, beyond that one per run of alike devices (equal
+        share, memory and peak here and in ``training``), labelled ``dev1..dev7 (x7)``."""
+        n = len(self.devices)
+        if n <= GROUP_ABOVE:
+            return [(d.name, d, i) for i, d in enumerate(self.devices)]
+        cuts = set(_starts(self.devices))
+        if self.training is not None:
+            cuts |= set(_starts(self.training.devices))
+        bounds = [*sorted(cuts), n]
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            first = self.devices[a]
+            label = (
+                first.name if b - a == 1 else f"{first.name}..{self.devices[b - 1].name} (x{b - a})"
+            )
+            out.append((label, first, a))
+        return out
+
+    def __str__(self) -> str:
+        """The table as text: ``print(plan)`` (and ``print(plan.table())``) show it."""
+        return str(self.table())
+
+    def plot(self, path: str) -> None:
+        """Write a stacked bar chart (PNG): each device's memory by kind, ours beside even."""
+        # The object API with an Agg canvas: no pyplot, no global backend switch, no display.
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        columns = self.columns()
+        fig = Figure(figsize=(2 + 1.6 * len(columns), 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        width = 0.38
+        colors = [colormaps["tab10"](c) for c in range(10)]
+        for j, (_, d, _) in enumerate(columns):
+            for offset, parts, label in (
+                (-width / 2, d.breakdown, f"{d.samples}"),
+                (width / 2, d.even_breakdown, f"{d.even_samples}"),
+            ):
+                bottom = 0.0
+                for c, kind in enumerate(KINDS):
+                    h = parts.get(kind, 0) / 2**30
+                    if h:
+                        ax.bar(
+                            j + offset,
+                            h,
+                            width,
+                            bottom=bottom,
+                            color=colors[c % 10],
+                            label=kind if j == 0 and offset < 0 else None,
+                            hatch="//" if offset > 0 else None,
+                            edgecolor="white",
+                        )
+                        bottom += h
+                ax.text(j + offset, bottom, label, ha="center", va="bottom", fontsize=8)
+            ax.hlines(d.budget / 2**30, j - width, j + width, colors="black", linestyles="--")
+        ax.set_xticks(range(len(columns)), [label for label, _, _ in columns])
+        ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
+        ax.set_title(
+            f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} "
+            f"(eta {self.eta_mem:.2f}) vs even "
+            f"{self.even_global_batch} (eta {self.even_eta_mem:.2f})"
+        )
+        ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)

@@ -1,0 +1,368 @@
+"""Speed balance: move samples from slow ranks to fast ones at step boundaries.
+
+Memory decides how much each rank *can* hold; speed decides how much it *should* hold. In DDP
+every step waits for the slowest rank, so step time is ``max_i n_i * t_i`` with ``t_i`` the
+seconds per sample on rank ``i``. :func:`balance_sizes` picks integer ``n_i`` (summing to the
+global batch, each within its memory cap) that minimize that maximum. :class:`SpeedBalancer`
+measures ``t_i`` during training, shares it with one small ``all_gather`` and applies new
+sizes through ``UnevenBatchSampler.set_batch_sizes`` on every rank at the same step. The global
+batch never changes and ``ddp_loss`` weights each rank by its sample count, so the gradient
+stays the exact full-batch gradient whatever the split.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .._core._errors import EvendpError
+from .._core._validate import validate_float, validate_int, validate_numbers, validate_sequence
+from .._distributed._group import comm_device, rank_cuda_device, world_size
+
+__all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
+
+# Set by `evendp launch --model`: the largest batch each rank's memory holds, one per rank.
+ENV_BATCH_CAPS = "EVENDP_BATCH_CAPS"
+
+
+def batch_caps_from_env(
+    world_size: int | None = None,
+    *,
+    var: str = ENV_BATCH_CAPS,
+    environ: Mapping[str, str] | None = None,
+) -> list[int] | None:
+    """Per-rank memory caps from ``EVENDP_BATCH_CAPS`` (set by ``evendp launch --model``).
+
+    Each entry is the most samples that rank's memory holds (the planner's
+    ``DevicePlan.max_batch_alone``). Returns ``None`` when the variable is absent or empty.
+    The length is checked against ``world_size`` when given.
+
+    >>> batch_caps_from_env(2, environ={"EVENDP_BATCH_CAPS": "48,24"})
+    [48, 24]
+    >>> batch_caps_from_env(environ={}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(var, "")
+    if not text.strip():
+        return None
+    caps: list[int] = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise EvendpError(
+                f"{var}={text!r}: {part.strip()!r} is not a non-negative int; expected one "
+                "memory cap (max samples) per rank, comma-separated, e.g. '48,48,24'"
+            ) from None
+        caps.append(value)
+    if world_size is not None and len(caps) != world_size:
+        raise EvendpError(
+            f"{var}={text!r} has {len(caps)} caps for {world_size} ranks; give one per rank "
+            f"or unset {var}"
+        )
+    return caps
+
+
+def _validate_balance_inputs(
+    total: int, seconds_per_sample: Sequence[float], caps: Sequence[int] | None, min_size: int
+) -> tuple[list[float], list[int]]:
+    """Check the inputs of :func:`balance_sizes`; return times and caps as lists."""
+    validate_int("total", total, minimum=1, example="256, the global batch")
+    validate_sequence("seconds_per_sample", seconds_per_sample, example="[0.01, 0.02]")
+    validate_numbers("caps", caps, integral=True, allow_none=True, example="caps=[16, 32]")
+    times = [float(t) for t in seconds_per_sample]
+    if not times:
+        raise EvendpError("seconds_per_sample is empty; pass one time per rank")
+    for i, t in enumerate(times):
+        if not math.isfinite(t) or t <= 0:
+            raise EvendpError(
+                f"seconds_per_sample[{i}] = {seconds_per_sample[i]!r} is not a positive finite "
+                "number; measure at least one sample on every rank"
+            )
+    limits = [total] * len(times) if caps is None else [int(c) for c in caps]
+    if len(limits) != len(times):
+        raise EvendpError(
+            f"got {len(limits)} caps for {len(times)} ranks; pass one max batch per rank"
+        )
+    validate_int("min_size", min_size, minimum=0, example="1")
+    for i, c in enumerate(limits):
+        if c < min_size:
+            raise EvendpError(
+                f"cap {c} for rank {i} is below min_size={min_size}; raise the cap or lower "
+                "min_size"
+            )
+    if sum(limits) < total:
+        raise EvendpError(
+            f"caps {limits} hold {sum(limits)} samples in all, fewer than the global batch "
+            f"{total}; lower the batch or raise the caps"
+        )
+    if min_size * len(times) > total:
+        raise EvendpError(
+            f"min_size={min_size} on {len(times)} ranks needs {min_size * len(times)} samples, "
+            f"more than the global batch {total}; lower min_size"
+        )
+    return times, limits
+
+
+def balance_sizes(
+    total: int,
+    seconds_per_sample: Sequence[float],
+    caps: Sequence[int] | None = None,
+    min_size: int = 0,
+) -> list[int]:
+    """Integer batch sizes that minimize ``max_i n_i * t_i`` with ``sum n_i == total``.
+
+    Each rank gets between ``min_size`` and ``caps[i]`` samples (its memory limit; no limit
+    when ``caps`` is ``None``). Water-filling gives the continuous optimum, its floor is
+    topped up one sample at a time to the rank that would finish soonest, which is optimal
+    for identical samples on ranks of different speed. Ties go to the lower rank.
+
+    >>> balance_sizes(30, [1.0, 2.0])      # rank 1 is half as fast
+    [20, 10]
+    >>> balance_sizes(30, [1.0, 2.0], caps=[16, 32])  # rank 0 cannot hold 20
+    [16, 14]
+    >>> balance_sizes(8, [1.0, 1.0, 1.0])
+    [3, 3, 2]
+    """
+    times, limits = _validate_balance_inputs(total, seconds_per_sample, caps, min_size)
+
+    def filled(level: float) -> float:
+        return sum(min(c, max(min_size, level / t)) for t, c in zip(times, limits, strict=True))
+
+    # Bisect the common finish time at which the clamped continuous sizes hold `total`.
+    low, high = 0.0, max(c * t for t, c in zip(times, limits, strict=True)) + max(times)
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if filled(mid) < total else (low, mid)
+    sizes = [min(c, max(min_size, math.floor(low / t))) for t, c in zip(times, limits, strict=True)]
+    # Top up greedily: the next sample goes where it finishes first.
+    heap = [
+        ((n + 1) * t, i)
+        for i, (n, t, c) in enumerate(zip(sizes, times, limits, strict=True))
+        if n < c
+    ]
+    heapq.heapify(heap)
+    for _ in range(total - sum(sizes)):
+        _, i = heapq.heappop(heap)
+        sizes[i] += 1
+        if sizes[i] < limits[i]:
+            heapq.heappush(heap, ((sizes[i] + 1) * times[i], i))
+    return sizes
+
+
+class _Sampler(Protocol):
+    """What the balancer needs from a sampler (``UnevenBatchSampler`` has it)."""
+
+    @property
+    def batch_sizes(self) -> list[int]: ...
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None: ...
+
+
+def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> None:
+    validate_int("warmup", warmup, minimum=1, example="5 steps measured first")
+    validate_int("every", every, minimum=1, example="10 steps between exchanges")
+    validate_int("window", window, minimum=1, example="3 exchanges the median is taken over")
+    validate_float("tolerance", tolerance, minimum=0, example="tolerance=0.05")
+    if not 0 <= tolerance < 1:
+        raise EvendpError(
+            f"tolerance must be in [0, 1) (the least predicted gain worth a change), "
+            f"got {tolerance!r}"
+        )
+
+
+class SpeedBalancer:
+    """Re-split each step's global batch by measured speed, within memory caps.
+
+    Wrap the part of each step that does not wait on other ranks (the forward and the local
+    loss; not ``backward()`` under DDP, whose gradient all-reduce waits for the slowest rank)
+    in ``with balancer.measure(n):`` where ``n`` is this rank's sample count, and call
+    ``balancer.step()`` once per step on every rank. Every ``every`` steps the ranks exchange
+    their timings (one ``all_gather`` of two numbers), take each rank's median seconds per
+    sample over the last ``window`` exchanges (one step slowed by the OS or a page fault is
+    ignored; a lasting change wins after ``window // 2 + 1`` exchanges), and from step
+    ``warmup`` on, apply
+    :func:`balance_sizes` when it predicts a step at least ``tolerance`` faster than the
+    current split. Every rank computes the same sizes from the same gathered numbers, so all
+    call ``set_batch_sizes`` with the same list at the same step. The first step's timing is
+    dropped (it pays one-off allocation and warm-up costs).
+
+    ``caps``: the most samples each rank's memory holds (from ``evendp.plan`` or measured).
+    ``None`` reads them from ``EVENDP_BATCH_CAPS``, which ``evendp launch --model`` sets, so
+    speed never moves a rank past its memory; with that variable unset there is no limit.
+    ``min_size`` keeps every rank busy enough to be measured.
+
+    >>> from evendp._distributed._sampler import UnevenBatchSampler
+    >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
+    >>> balancer = SpeedBalancer(sampler, warmup=2)
+    >>> balancer._set_timings([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
+    >>> [balancer.step() for _ in range(3)]  # step 1 dropped, 2 re-splits, 3 keeps it
+    [False, True, False]
+    >>> sampler.batch_sizes
+    [6, 2]
+    """
+
+    #: A balancer that acts (``evendp._planning._balance.NoBalance`` is the one that does not).
+    active = True
+
+    def __init__(
+        self,
+        sampler: _Sampler,
+        caps: Sequence[int] | None = None,
+        *,
+        warmup: int = 3,
+        every: int = 1,
+        window: int = 5,
+        tolerance: float = 0.05,
+        min_size: int = 1,
+        group: Any = None,
+    ) -> None:
+        _validate_knobs(warmup, every, window, tolerance)
+        self.sampler = sampler
+        if not callable(getattr(sampler, "set_batch_sizes", None)):
+            raise EvendpError(
+                f"sampler must be an evendp.UnevenBatchSampler (batch_sizes and "
+                f"set_batch_sizes), got {type(sampler).__name__}"
+            )
+        sizes = list(sampler.batch_sizes)
+        self.total = sum(sizes)
+        self.world_size = len(sizes)
+        source = ""
+        if caps is None:
+            caps = batch_caps_from_env(self.world_size)
+            source = f" (from {ENV_BATCH_CAPS}, set by evendp launch)" if caps else ""
+        # Validate caps and min_size against the global batch once, up front.
+        try:
+            _validate_balance_inputs(self.total, [1.0] * self.world_size, caps, min_size)
+        except EvendpError as exc:
+            raise EvendpError(f"{exc}{source}") from None
+        self.caps = None if caps is None else [int(c) for c in caps]
+        self.warmup, self.every = warmup, every
+        self.window, self.tolerance, self.min_size = window, tolerance, min_size
+        self.group = group
+        self.seconds_per_sample: list[float | None] = [None] * self.world_size
+        self._recent: list[deque[float]] = [deque(maxlen=window) for _ in range(self.world_size)]
+        self.steps = 0
+        self.history: list[tuple[int, list[int]]] = [(0, sizes)]
+        self._seconds = 0.0
+        self._samples = 0
+        self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events, GPU only
+        self._fake: list[list[float]] | None = None
+
+    @contextmanager
+    def measure(self, samples: int) -> Iterator[None]:
+        """Time the block as this rank's compute for ``samples`` samples of this step."""
+        if not torch.cuda.is_initialized():
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.record(time.perf_counter() - start, samples)
+            return
+        # --- GPU-only path. CUDA runs asynchronously, so a host timer would see only the
+        # launches; events time the device work without stalling the host every step, and
+        # are read (one wait) when the timings are exchanged.
+        # On the rank's own GPU's stream: the current device may still be cuda:0 on a rank
+        # that never called set_device, whose events would time another rank's work (~0 s).
+        stream = torch.cuda.current_stream(self._timing_device())
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        try:
+            yield
+        finally:
+            end.record(stream)
+            self._events.append((begin, end))
+            self._samples += int(samples)
+
+    def _timing_device(self) -> torch.device:
+        """The GPU this rank computes on: its communication device under NCCL, else its own."""
+        device = comm_device(self.group)
+        return device if device.type == "cuda" else rank_cuda_device()
+
+    def record(self, seconds: float, samples: int) -> None:
+        """Add ``seconds`` of compute for ``samples`` samples to this step (manual timing)."""
+        self._seconds += float(seconds)
+        self._samples += int(samples)
+
+    def _set_timings(self, per_rank: list[list[float]]) -> None:
+        """Use fixed ``[seconds, samples]`` per rank instead of a real exchange (tests)."""
+        self._fake = per_rank
+
+    def _read_events(self) -> None:
+        """Add the GPU time of the blocks timed since the last exchange (GPU only)."""
+        for begin, end in self._events:
+            end.synchronize()
+            self._seconds += begin.elapsed_time(end) / 1000  # milliseconds -> seconds
+        self._events.clear()
+
+    def _exchange(self) -> list[tuple[float, float]]:
+        """Every rank's ``(seconds, samples)`` since the last exchange."""
+        if self._fake is not None:
+            return [(float(s), float(n)) for s, n in self._fake]
+        world = world_size(self.group)
+        if world == 1:
+            return [(self._seconds, float(self._samples))]
+        local = torch.tensor(
+            [self._seconds, float(self._samples)],
+            dtype=torch.float64,
+            device=comm_device(self.group),
+        )
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=self.group)
+        return [(float(p[0]), float(p[1])) for p in parts]
+
+    def step(self) -> bool:
+        """Close this step's measurement; maybe re-split. Returns True when sizes changed."""
+        self.steps += 1
+        if self.steps == 1:
+            # Drop the first step whatever `every` is: one-off costs (allocations, first
+            # kernels) would mislead. Local only, so every rank still exchanges at the same steps.
+            self._events.clear()
+            self._seconds, self._samples = 0.0, 0
+            return False
+        if self.steps % self.every:
+            return False
+        self._read_events()
+        timings = self._exchange()
+        self._seconds, self._samples = 0.0, 0
+        if len(timings) != self.world_size:
+            raise EvendpError(
+                f"the process group has {len(timings)} ranks but the sampler has "
+                f"{self.world_size} batch sizes; build the sampler with one size per rank"
+            )
+        for i, (seconds, samples) in enumerate(timings):
+            if samples > 0 and seconds > 0:
+                self._recent[i].append(seconds / samples)
+                self.seconds_per_sample[i] = statistics.median(self._recent[i])
+        return self._rebalance()
+
+    def _rebalance(self) -> bool:
+        known = self.seconds_per_sample
+        if self.steps < self.warmup or any(t is None for t in known):
+            return False
+        times = [float(t) for t in known if t is not None]
+        current = list(self.sampler.batch_sizes)
+        proposed = balance_sizes(self.total, times, self.caps, self.min_size)
+        now = max(n * t for n, t in zip(current, times, strict=True))
+        then = max(n * t for n, t in zip(proposed, times, strict=True))
+        # Hysteresis: a change must promise a real gain, so timing noise cannot make the
+        # split flip back and forth.
+        if proposed == current or then > now * (1 - self.tolerance):
+            return False
+        self.sampler.set_batch_sizes(proposed)
+        self.history.append((self.steps, proposed))
+        return True

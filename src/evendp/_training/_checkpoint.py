@@ -1,0 +1,821 @@
+"""Checkpoints that survive crashes: atomic writes, the previous good one kept, strict loads.
+
+A save writes a temporary file in the target's folder, fsyncs it, moves the current checkpoint
+to ``<name>.prev<suffix>`` and renames the temporary file into place (``os.replace`` is atomic
+on POSIX and Windows), so at every instant a complete checkpoint exists on disk. A load reads
+and checks everything (format, keys, shapes) before it touches the model or optimizer, so a
+corrupt or mismatched file is a clear :class:`CheckpointError` and changes nothing.
+
+Each file carries what proves it whole: ``sha256``, a digest of its contents
+(:mod:`evendp._core._digest`), checked on every load, so garbled tensor data is caught although
+``torch.load`` reads it. A checkpoint is never written from non-finite parameters or optimizer
+state (:class:`TrainingError`), and a write that fails (disk full, read-only folder) leaves the
+files already there intact, removes its temporary file and says so in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._core._digest import content_digest, first_non_finite
+from .._core._errors import CheckpointError, EvendpError, TrainingError
+from ._train_inputs import validate_checkpoint_args
+
+__all__ = [
+    "CorruptCheckpoint",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_rank_rng",
+    "load_sharded_checkpoint",
+    "previous_path",
+    "rank_rng_path",
+    "resumable_checkpoint",
+    "save_checkpoint",
+    "save_rank_rng",
+    "save_sharded_checkpoint",
+]
+
+_FORMAT = "evendp-checkpoint"
+_VERSION = 1
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint that cannot be read back whole (truncated, garbled, foreign): a resume
+    falls back to the previous good one. A mismatch with the run is a plain
+    :class:`CheckpointError`: the previous one would not fit either."""
+
+
+def current_path(path: str | Path) -> Path:
+    """The checkpoint ``path`` is the previous copy of, or ``path`` itself.
+
+    >>> current_path("d/ckpt.prev.pt").name, current_path("d/ckpt.pt").name
+    ('ckpt.pt', 'ckpt.pt')
+    """
+    p = Path(path)
+    return p.with_name(p.stem.removesuffix(".prev") + p.suffix) if is_previous(p) else p
+
+
+def is_previous(path: str | Path) -> bool:
+    """Whether ``path`` is a previous copy (``ckpt.prev.pt``, ``ckpt.prev.dcp``).
+
+    >>> is_previous("d/ckpt.prev.pt"), is_previous("d/ckpt.pt")
+    (True, False)
+    """
+    return Path(path).stem.endswith(".prev")
+
+
+def _fix_for(path: Path) -> str:
+    """What to do about an unusable checkpoint file: never point at ``ckpt.prev.prev.pt``."""
+    if is_previous(path):
+        return (
+            f"it was the last fallback; delete {str(path)!r} and resume from "
+            f"{str(current_path(path))!r}, or start fresh with another --out"
+        )
+    return (
+        f"resume from the previous good checkpoint {str(previous_path(path))!r} if it exists, "
+        "or delete the file to start fresh"
+    )
+
+
+def previous_path(path: str | Path) -> Path:
+    """Where the previous good checkpoint of ``path`` (a file or a DCP folder) is kept.
+
+    >>> previous_path("runs/demo/ckpt.pt").name, previous_path("runs/demo/ckpt.dcp").name
+    ('ckpt.prev.pt', 'ckpt.prev.dcp')
+    """
+    p = Path(path)
+    return p.with_name(f"{p.stem}.prev{p.suffix}")
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """``path`` if it exists, else its previous copy if that exists (a crash mid-save), else None.
+
+    >>> latest_checkpoint("/nonexistent/ckpt.pt") is None
+    True
+    """
+    p = Path(path)
+    if p.exists():
+        return p
+    prev = previous_path(p)
+    return prev if prev.exists() else None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint (``ckpt.pt`` file or ``ckpt.dcp`` folder) was saved at.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> checkpoint_step(save_checkpoint(f"{d}/ckpt.pt", model=torch.nn.Linear(1, 1), step=4))
+    4
+    """
+    p = Path(path)
+    payload = _read_state_file(p) if p.is_dir() else _read(p)
+    return int(payload["step"])
+
+
+def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
+    """The checkpoint a resume will use, its step and its ``extra`` (the run's configuration
+    among it): ``path`` when it reads back whole, else its previous copy (``None``: neither
+    exists). The error of the last one when none reads.
+
+    >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
+    True
+    """
+    p = Path(path)
+    candidates = [c for c in (p, previous_path(p)) if c.exists()]
+    for candidate in candidates:
+        try:
+            payload = _read_state_file(candidate) if candidate.is_dir() else _read(candidate)
+            return candidate, int(payload["step"]), dict(payload.get("extra") or {})
+        except CorruptCheckpoint:
+            if candidate == candidates[-1]:
+                raise
+    return None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")  # only when the program uses numpy; never import it here
+    if np is not None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        # Plain lists so the file loads with weights_only=True (no numpy arrays pickled).
+        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, internal, gauss = state["python"]
+    random.setstate((kind, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        _set_cuda_rng_states(list(state["cuda"]))
+    np = sys.modules.get("numpy")
+    if "numpy" in state and np is not None:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def _set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
+    """Restore one CUDA generator per visible device, for as many as were saved and are here.
+
+    A run resumed on fewer GPUs than it saved from would fail in ``set_rng_state_all``
+    ("invalid device ordinal"); on more, the extra devices keep their seeded generators.
+    """
+    visible = torch.cuda.device_count()
+    restored = min(len(saved), visible)
+    for index in range(restored):
+        torch.cuda.set_rng_state(saved[index], index)
+    if len(saved) != visible:
+        warnings.warn(
+            f"the checkpoint holds CUDA generator states for {len(saved)} device(s), "
+            f"{visible} are visible here: restored the first {restored}"
+            + (", the others keep their seeded state" if visible > restored else ""),
+            stacklevel=3,
+        )
+
+
+def save_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any | None = None,
+    step: int = 0,
+    extra: Mapping[str, Any] | None = None,
+    keep_previous: bool = True,
+) -> Path:
+    """Write a checkpoint atomically; the one it replaces becomes :func:`previous_path`.
+
+    ``keep_previous=False``: the file at ``path`` is not a good checkpoint (a resume found it
+    corrupt), so it is replaced without rotating it over the good previous one.
+    :class:`TrainingError`, and nothing written, when the model or optimizer state holds
+    NaN or inf, or when the disk refuses the write.
+
+    Saves the model, optimizer, scaler and scheduler states, the RNG states (torch, CUDA when
+    used, Python ``random``, numpy when imported), ``step`` and ``extra`` (e.g. the sampler
+    position). Returns ``path``. If writing fails, the files already there are untouched.
+
+    >>> import tempfile, torch
+    >>> d = tempfile.mkdtemp()
+    >>> model = torch.nn.Linear(2, 1)
+    >>> save_checkpoint(f"{d}/ckpt.pt", model=model, step=3).name
+    'ckpt.pt'
+    >>> load_checkpoint(f"{d}/ckpt.pt", model=model)["step"]
+    3
+    """
+    validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
+    target = Path(path)
+    _mkdir(target.parent)
+    _refuse_non_finite(target, step, model.state_dict(), optimizer)
+    payload = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "step": int(step),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": _rng_state(),
+        "extra": dict(extra or {}),
+    }
+    payload["sha256"] = content_digest(payload)
+    return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
+
+
+def _refuse_non_finite(
+    target: Path, step: int, model_state: Any, optimizer: Any, optimizer_state: Any = None
+) -> None:
+    bad = first_non_finite(model_state, "model")
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict().get("state", {})
+    if bad is None and isinstance(optimizer_state, Mapping):
+        bad = first_non_finite(optimizer_state.get("state", optimizer_state), "optimizer")
+    if bad is not None:
+        raise TrainingError(
+            f"not writing the checkpoint {str(target)!r} at step {step}: {bad} holds NaN or "
+            f"inf; the checkpoints already there are kept ({_kept(target)}); lower the "
+            "learning rate or check the data, then resume from them"
+        )
+
+
+def _kept(target: Path) -> str:
+    here = [p.name for p in (target, previous_path(target)) if p.exists()]
+    return ", ".join(here) if here else "none yet"
+
+
+def _mkdir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _disk_error(folder, exc, "create the folder") from None
+
+
+def _disk_error(where: Path, exc: OSError, doing: str) -> TrainingError:
+    """One line for a write the operating system refused: which file, why, what to do."""
+    why = exc.strerror or type(exc).__name__
+    return TrainingError(
+        f"could not {doing} {str(where)!r}: {why} (errno {exc.errno}); the checkpoints already "
+        f"there are intact ({_kept(where) if where.suffix else 'none touched'}); free space or "
+        "fix the permissions, then resume with --resume, or pass another --out"
+    )
+
+
+def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None) -> Path:
+    """Write ``payload`` to ``target`` through a temporary file and a rename.
+
+    The file already at ``target`` is first moved to ``previous`` (unless ``None``).
+    Temporary files of ``target`` left by a process killed mid-save are removed first: one
+    writer per run directory (:mod:`evendp._distributed._run_lock`) means nobody else is
+    writing them.
+    """
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _disk_error(target, exc, "write") from None
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(payload), f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        if previous is not None and target.exists():
+            os.replace(target, previous)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):
+            raise _disk_error(target, exc, "write") from None
+        cause = exc.__context__  # torch.save wraps the file's OSError in a RuntimeError
+        if isinstance(exc, RuntimeError) and isinstance(cause, OSError):
+            raise _disk_error(target, cause, "write") from None
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def rank_rng_path(path: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its own RNG state beside checkpoint ``path``.
+
+    >>> rank_rng_path("runs/demo/ckpt.pt", 2).name
+    'ckpt.rng2.pt'
+    """
+    p = Path(path)
+    return p.with_name(f"{p.stem}.rng{rank}{p.suffix}")
+
+
+def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
+    """Save this process's RNG states for ``step`` beside checkpoint ``path``, keeping the last.
+
+    Under DDP only rank 0 writes the checkpoint, but every rank draws its own dropout masks:
+    each keeps its generators in a small file of its own, tagged with the step, written with
+    no collective so that a fault on one rank cannot hang the others. The file it replaces
+    becomes the RNG file of :func:`previous_path` (``ckpt.prev.rng{rank}.pt``), rotated with
+    the checkpoint, so a resume from the previous checkpoint finds this rank's state too.
+    """
+    target = rank_rng_path(path, rank)
+    _mkdir(target.parent)
+    payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+    payload["sha256"] = content_digest(payload)
+    return _atomic_save(payload, target, previous=rank_rng_path(previous_path(path), rank))
+
+
+def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = None) -> bool:
+    """Restore this rank's RNG states saved with checkpoint ``path`` at ``step``.
+
+    Returns True when restored. The rank's file of the other checkpoint (``ckpt.prev.rng{rank}.pt``
+    beside ``ckpt.pt``, and the reverse) is used when it holds ``step``: after a crash between
+    two ranks' writes it is the exact state. When neither holds ``step`` (or the run was saved
+    without this rank), it warns
+    and, with ``reseed``, seeds torch and ``random`` with it (the generators then differ from
+    an uninterrupted run's, but never copy another rank's); it returns False.
+
+    >>> import tempfile, warnings
+    >>> ckpt = f"{tempfile.mkdtemp()}/ckpt.pt"
+    >>> _ = save_rank_rng(ckpt, rank=1, step=5)
+    >>> a = torch.rand(1); _ = load_rank_rng(ckpt, rank=1, step=5); torch.equal(a, torch.rand(1))
+    True
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     load_rank_rng(ckpt, rank=1, step=6, reseed=7)  # another step: not this state
+    False
+    >>> "reseeded" in str(caught[0].message)
+    True
+    """
+    source = rank_rng_path(path, rank)
+    other = Path(path)
+    other = current_path(other) if is_previous(other) else previous_path(other)
+    found: int | None = None
+    unreadable: CheckpointError | None = None
+    for candidate in (source, rank_rng_path(other, rank)):
+        if not candidate.exists():
+            continue
+        try:
+            payload = _read_rng(candidate)
+        except CheckpointError as exc:
+            unreadable = unreadable or exc
+            continue
+        if int(payload["step"]) == int(step):
+            _set_rng_state(payload["rng"])
+            return True
+        if candidate == source:
+            found = int(payload["step"])
+    if unreadable is not None:  # never reseed over a garbled file silently
+        raise unreadable
+    why = "is missing" if found is None else f"holds step {found}"
+    what = "kept the state seeded at start" if reseed is None else f"reseeded with {reseed}"
+    warnings.warn(
+        f"rank {rank}: its RNG file {str(source)!r} for the checkpoint at step {step} {why}; "
+        f"{what}: dropout and other random draws on this rank will differ from an "
+        "uninterrupted run's",
+        stacklevel=2,
+    )
+    if reseed is not None:
+        torch.manual_seed(reseed)
+        random.seed(reseed)
+    return False
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The renames are durable only once the directory entry is flushed (POSIX only).
+    if os.name != "posix":  # pragma: no cover
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    fix = _fix_for(path)
+    if not path.is_file():
+        raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (PermissionError, IsADirectoryError) as exc:  # unreadable for the OS, not corrupt
+        raise CheckpointError(
+            f"cannot read the checkpoint {str(path)!r}: {exc.strerror or exc} (errno "
+            f"{exc.errno}); fix its permissions, or pass another --out"
+        ) from None
+    except Exception as exc:  # torch raises several types for a truncated or foreign file
+        raise CorruptCheckpoint(
+            f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}: "
+            f"{_first_sentence(str(exc))}); it may be truncated or not an evendp checkpoint; "
+            f"{fix}"
+        ) from exc
+    if (
+        not isinstance(payload, dict)
+        or payload.get("format") != _FORMAT
+        or not isinstance(payload.get("model"), dict)
+    ):
+        raise CorruptCheckpoint(
+            f"{str(path)!r} is not an evendp checkpoint (no {_FORMAT!r} marker or model state); "
+            f"{fix}"
+        )
+    if payload.get("version") != _VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
+            f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
+        )
+    _verify_digest(path, payload, fix)
+    return payload
+
+
+#: Checkpoints read without a digest to verify (written before evendp kept one), by path.
+UNVERIFIED: set[str] = set()
+
+
+def _verify_digest(path: Path, payload: Mapping[str, Any], fix: str) -> None:
+    saved = payload.get("sha256")
+    if saved is None:  # an older evendp's file: accepted, and said once
+        UNVERIFIED.add(str(path))
+        return
+    if content_digest(payload) != saved:
+        raise CorruptCheckpoint(
+            f"checkpoint {str(path)!r} is corrupt: its contents do not match the sha256 "
+            f"saved with them (garbled tensor data); {fix}"
+        )
+
+
+def _read_rng(path: Path) -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for a truncated or foreign file
+        payload = exc
+    fix = (
+        "delete it to resume with the checkpoint writer's generator states on this rank "
+        "(random draws there then differ from an uninterrupted run's)"
+    )
+    if not isinstance(payload, dict) or payload.get("format") != f"{_FORMAT}-rng":
+        raise CorruptCheckpoint(f"{str(path)!r} is not a readable evendp rank RNG file; {fix}")
+    if payload.get("sha256") is not None and content_digest(payload) != payload["sha256"]:
+        raise CorruptCheckpoint(
+            f"{str(path)!r} is corrupt: its contents do not match the sha256 saved with them; {fix}"
+        )
+    return payload
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an error message, whole (never cut mid-sentence), no ANSI codes.
+
+    >>> _first_sentence("Weights only load failed. In PyTorch 2.6, we changed (a)...")
+    'Weights only load failed.'
+    >>> _first_sentence("")
+    'no detail'
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
+    if not text:
+        return "no detail"
+    first = text.splitlines()[0]
+    end = first.find(". ")
+    return first if end < 0 else first[: end + 1]
+
+
+def _validate_model_state(path: Path, model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    own = model.state_dict()
+    missing = sorted(own.keys() - state.keys())
+    unexpected = sorted(state.keys() - own.keys())
+    wrong = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and isinstance(v, torch.Tensor) and isinstance(state[k], torch.Tensor)
+        if state[k].shape != v.shape
+    ]
+    if missing or unexpected or wrong:
+        details = "; ".join(
+            part
+            for part in (
+                f"missing keys {missing[:5]}" if missing else "",
+                f"unexpected keys {unexpected[:5]}" if unexpected else "",
+                f"shape mismatches {wrong[:5]}" if wrong else "",
+            )
+            if part
+        )
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not match the model ({details}); resume with the "
+            "same model configuration that wrote it, or use a new output directory"
+        )
+
+
+def _validate_optimizer_state(
+    path: Path, optimizer: torch.optim.Optimizer, state: Mapping[str, Any] | None
+) -> None:
+    if state is None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no optimizer state but an optimizer was given; "
+            "load it without optimizer= or resume from a full training checkpoint"
+        )
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in state.get("param_groups", [])]
+    if ours != theirs:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} optimizer has parameter groups of sizes {theirs}, "
+            f"the optimizer here has {ours}; build the optimizer the same way as the run "
+            "that wrote it"
+        )
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any | None = None,
+    restore_rng: bool = True,
+    verify: Callable[[Path, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Validate, then restore a checkpoint written by :func:`save_checkpoint`.
+
+    Returns ``{"step": int, "extra": dict}``. Everything is checked before anything is
+    loaded: a corrupt file or one whose keys or shapes do not match raises
+    :class:`CheckpointError` naming the file and the fix, and leaves the model, the optimizer and
+    the file untouched. ``verify(path, extra)`` may refuse the run's saved configuration
+    before anything is loaded. (See :func:`save_checkpoint` for an example.)
+    """
+    validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
+    p = Path(path)
+    payload = _read(p)
+    if verify is not None:
+        verify(p, dict(payload.get("extra") or {}))
+    _validate_model_state(p, model, payload["model"])
+    if optimizer is not None:
+        _validate_optimizer_state(p, optimizer, payload.get("optimizer"))
+    model.load_state_dict(payload["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+    if scaler is not None and payload.get("scaler") is not None:
+        scaler.load_state_dict(payload["scaler"])
+    if scheduler is not None and payload.get("scheduler") is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+    if restore_rng:
+        _set_rng_state(payload["rng"])
+    return {"step": int(payload["step"]), "extra": dict(payload.get("extra") or {})}
+
+
+# -- sharded (FSDP2) checkpoints through torch.distributed.checkpoint ----------------------------
+
+_STATE_FILE = "state.pt"  # inside a DCP folder: step, extra, scaler/scheduler (rank 0's)
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng{rank}.pt"
+
+
+def save_sharded_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any | None = None,
+    step: int = 0,
+    extra: Mapping[str, Any] | None = None,
+    keep_previous: bool = True,
+) -> Path:
+    """Save an FSDP2 model and optimizer with ``torch.distributed.checkpoint``, sharded.
+
+    A collective: every rank calls it. The ranks write their shards, their own RNG states
+    (``rng{rank}.pt``) and rank 0 the run's position (``state.pt``) into a temporary folder
+    beside ``path``; once all have written, rank 0 moves the current folder to
+    :func:`previous_path` and renames the new one into place, so a complete checkpoint exists
+    at every instant and the RNG files rotate with it. No rank gathers the full model.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .._distributed._rank_errors import agreed
+
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    rank = dist.get_rank()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # Every rank checks its own shards; the ranks agree before anything is written.
+    agreed(lambda: _refuse_non_finite(target, step, model_state, None, optim_state), True)
+
+    def write() -> None:
+        if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint
+            _mkdir(target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            _mkdir(tmp)
+
+    agreed(write, distributed=True)
+
+    failures = _dcp_failures()
+
+    def shards() -> None:
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+        except OSError as exc:
+            raise _disk_error(target, exc, "write") from None
+        except failures as exc:  # DCP wraps the ranks' OSErrors in its own exception
+            cause = _dcp_cause(exc)
+            if not isinstance(cause, OSError):
+                cause = OSError(0, _first_sentence(str(cause)))
+            raise _disk_error(target, cause, "write") from None
+        rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+        rng["sha256"] = content_digest(rng)
+        _atomic_save(rng, _rng_file(tmp, rank), previous=None)
+        if rank == 0:
+            state: dict[str, Any] = {
+                "format": _FORMAT,
+                "version": _VERSION,
+                "step": int(step),
+                "world_size": dist.get_world_size(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "extra": dict(extra or {}),
+            }
+            state["sha256"] = content_digest(state)
+            _atomic_save(state, tmp / _STATE_FILE, previous=None)
+
+    try:
+        agreed(shards, distributed=True)  # every rank's shards and RNG are on disk
+    except EvendpError:
+        if rank == 0:  # a failed save leaves no temporary folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def rotate() -> None:
+        if rank == 0:
+            try:
+                previous = previous_path(target)
+                if target.exists() and not keep_previous:  # corrupt: never over the good one
+                    shutil.rmtree(target)
+                if target.exists():
+                    shutil.rmtree(previous, ignore_errors=True)
+                    os.replace(target, previous)
+                os.replace(tmp, target)
+                _fsync_dir(target.parent)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise _disk_error(target, exc, "rename into") from None
+
+    agreed(rotate, distributed=True)  # nobody reads or writes the next one before the rename
+    return target
+
+
+def load_sharded_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any | None = None,
+    reseed: int | None = None,
+) -> dict[str, Any]:
+    """Restore a folder written by :func:`save_sharded_checkpoint`, on any world size.
+
+    A collective. DCP reshards the saved model and optimizer onto this run's ranks; this
+    rank's RNG states are restored from its own file, or, when the run was saved with fewer
+    ranks, reseeded with ``reseed`` and a warning. Returns ``{"step", "extra",
+    "world_size"}``.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from .._distributed._rank_errors import agreed
+
+    folder = Path(path)
+    meta = agreed(lambda: _read_state_file(folder), distributed=True)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)
+
+    failures = _dcp_failures()
+
+    def shards() -> None:
+        try:  # DCP loads in place into these (sharded) tensors, resharding to this world size
+            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+        except failures as exc:  # a missing or truncated shard, from any rank's reader
+            raise CorruptCheckpoint(
+                f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
+                f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {_fix_for(folder)}"
+            ) from None
+
+    agreed(shards, distributed=True)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    if scaler is not None and meta.get("scaler") is not None:
+        scaler.load_state_dict(meta["scaler"])
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    rank = dist.get_rank()
+    rng_file = _rng_file(folder, rank)
+    rng = agreed(lambda: _read_rng(rng_file) if rng_file.exists() else None, distributed=True)
+    if rng is not None:
+        _set_rng_state(rng["rng"])
+    else:
+        warnings.warn(
+            f"rank {rank}: the checkpoint {str(folder)!r} was saved by "
+            f"{meta.get('world_size')} rank(s) and holds no RNG state for this rank; "
+            f"{'kept the state seeded at start' if reseed is None else f'reseeded with {reseed}'}",
+            stacklevel=2,
+        )
+        if reseed is not None:
+            torch.manual_seed(reseed)
+            random.seed(reseed)
+    return {
+        "step": int(meta["step"]),
+        "extra": dict(meta.get("extra") or {}),
+        "world_size": int(meta.get("world_size", 0)),
+    }
+
+
+def _dcp_failures() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)  # DCP's is a BaseException, not an Exception
+
+
+def _dcp_cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's ``CheckpointException`` (an OSError if any)."""
+    found: list[BaseException] = []
+    for pair in getattr(exc, "failures", {}).values():
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        while inner is not None:
+            found.append(inner)
+            inner = inner.__cause__ or inner.__context__
+    return next((e for e in found if isinstance(e, OSError)), found[0] if found else exc)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """DCP reports a rank's failure as a long summary: the first line of the innermost error."""
+    text = str(exc)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(("FileNotFoundError", "RuntimeError", "OSError", "EOFError")):
+            return line
+        if "No such file" in line or "truncated" in line or "unexpected" in line:
+            return line
+    return text
+
+
+def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
+    """The saved tensors' global shapes against the model's: a changed model is bad input."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as exc:  # no .metadata, or an unreadable one
+        raise CorruptCheckpoint(
+            f"sharded checkpoint {str(folder)!r} has no readable .metadata "
+            f"({type(exc).__name__}); {_fix_for(folder)}"
+        ) from None
+    wrong = []
+    for name, tensor in model_state.items():
+        meta = saved.get(f"model.{name}")
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            wrong.append(f"{name}: checkpoint {tuple(size)} vs model {tuple(tensor.shape)}")
+    missing = sorted(n for n in model_state if f"model.{n}" not in saved)
+    if wrong or missing:
+        details = "; ".join(
+            p
+            for p in (
+                f"shape mismatches {wrong[:3]}" if wrong else "",
+                f"missing keys {missing[:3]}" if missing else "",
+            )
+            if p
+        )
+        raise CheckpointError(
+            f"sharded checkpoint {str(folder)!r} does not match the model ({details}); resume "
+            "with the same model configuration that wrote it, or use a new output directory"
+        )
+
+
+def _read_state_file(folder: Path) -> dict[str, Any]:
+    source = folder / _STATE_FILE
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:  # missing, truncated or foreign
+        raise CorruptCheckpoint(
+            f"{str(folder)!r} is not a readable evendp sharded checkpoint ({type(exc).__name__} "
+            f"reading {_STATE_FILE}); {_fix_for(folder)}"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise CorruptCheckpoint(
+            f"{str(source)!r} is not an evendp checkpoint state file; {_fix_for(folder)}"
+        )
+    _verify_digest(source, payload, _fix_for(folder))
+    return payload

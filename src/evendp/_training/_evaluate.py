@@ -1,0 +1,187 @@
+"""Evaluation over a whole dataset on uneven devices or ranks, exact as one device's.
+
+Every metric is a ``(sum, count)`` pair: each device or rank adds up its own sums and counts,
+and the metric is ``total sum / total count``: the value one device computes over the whole
+evaluation set, whatever the split. The data are covered in order, every sample exactly once
+(``UnevenBatchSampler`` without shuffling: no padding duplicates, unlike
+``DistributedSampler``), and forward runs under ``torch.no_grad`` with the model in eval mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._core._calls import model_mode
+from .._core._errors import EvendpError
+from .._core._exact import weighted_sum
+from .._parallel._scatter import batch_size, map_tensors
+
+__all__ = ["EvalFn", "evaluate_devices", "evaluate_ranks", "loss_eval_fn"]
+
+Batch = Any
+SumCount = tuple[Any, Any]
+EvalFn = Callable[[nn.Module, Batch], Mapping[str, SumCount]]
+
+
+def _count_of(batch: Batch, count_fn: Callable[[Batch], Any] | None) -> Any:
+    if count_fn is not None:
+        return count_fn(batch)
+    n = batch_size(batch)
+    return 0 if n is None else n
+
+
+def loss_eval_fn(
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+    count_fn: Callable[[Batch], Any] | None = None,
+) -> EvalFn:
+    """The default ``eval_fn``: ``{"loss": (mean loss x count, count)}``, where the count is
+    ``count_fn(batch)`` (e.g. non-ignored tokens) or the samples: the loss weighted as
+    training weights it, so the result is one device's mean over the whole set.
+
+    >>> fn = loss_eval_fn(lambda model, batch: model(batch[0]).mean())
+    >>> s, n = fn(nn.Identity(), (torch.tensor([1.0, 3.0]),))["loss"]
+    >>> float(s), n
+    (4.0, 2)
+    """
+
+    def eval_fn(model: nn.Module, batch: Batch) -> dict[str, SumCount]:
+        count = _count_of(batch, count_fn)
+        loss = loss_fn(model, batch)
+        # An empty share's mean is NaN (0/0): it counts nothing and adds exactly nothing.
+        return {"loss": (weighted_sum(loss.detach().double(), count), count)}
+
+    return eval_fn
+
+
+def _validate_metrics(value: Any) -> dict[str, tuple[float, float]]:
+    """``eval_fn``'s answer as plain float64 ``{name: (sum, count)}``."""
+    if not isinstance(value, Mapping):
+        raise EvendpError(
+            f"eval_fn must return {{name: (sum, count)}}, got {type(value).__name__}; e.g. "
+            "return {'accuracy': ((logits.argmax(-1) == y).sum(), y.numel())}"
+        )
+    out: dict[str, tuple[float, float]] = {}
+    for name, pair in value.items():
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise EvendpError(
+                f"eval_fn's metric {name!r} must be a (sum, count) pair, got {pair!r}; a mean "
+                "over the batch loses its weight: return (mean * count, count)"
+            )
+        total, count = (
+            float(v.detach().double()) if torch.is_tensor(v) else float(v) for v in pair
+        )
+        if count < 0:
+            raise EvendpError(f"eval_fn's metric {name!r} has a negative count {count}")
+        out[str(name)] = (total if count > 0 else 0.0, count)
+    return out
+
+
+def _add(into: dict[str, list[float]], metrics: Mapping[str, tuple[float, float]]) -> None:
+    for name, (total, count) in metrics.items():
+        acc = into.setdefault(name, [0.0, 0.0])
+        acc[0] += total
+        acc[1] += count
+
+
+def _means(sums: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    return {name: (s / c if c > 0 else float("nan")) for name, (s, c) in sums.items()}
+
+
+class _EvalShard(nn.Module):
+    """Runs ``eval_fn`` inside ``forward``: each device returns its own sums and counts."""
+
+    def __init__(self, model: nn.Module, eval_fn: EvalFn) -> None:
+        super().__init__()
+        self.model = model
+        self.eval_fn = eval_fn
+
+    def forward(self, *batch: Any) -> Mapping[str, SumCount]:
+        return self.eval_fn(self.model, batch)
+
+
+def evaluate_devices(
+    model: nn.Module,
+    data: Any,
+    eval_fn: EvalFn,
+    *,
+    batch_size: int,
+    device_ids: Sequence[Any] | None,
+    weights: Sequence[float] | None,
+    collate: Callable[[list[int]], Batch],
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """One process: ``batch_size`` samples per step, split over ``device_ids`` by ``weights``
+    (:class:`BalancedDataParallel` without gathering), every sample once, in order.
+
+    >>> net = nn.Linear(3, 1)
+    >>> x, y = torch.randn(7, 3), torch.randn(7, 1)
+    >>> mse = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
+    >>> got = evaluate_devices(net, list(zip(x, y)), loss_eval_fn(mse), batch_size=3,
+    ...     device_ids=["cpu"] * 3, weights=[2, 0, 1],
+    ...     collate=lambda idx: (x[idx], y[idx]))
+    >>> abs(got["loss"] - mse(net, (x, y)).item()) < 1e-6
+    True
+    """
+    from .._parallel._dp import BalancedDataParallel
+
+    shards = BalancedDataParallel(
+        _EvalShard(model, eval_fn), device_ids, weights=weights, gather_output=False
+    )
+    sums: dict[str, list[float]] = {}
+    n = len(data)
+    with model_mode(model, False), torch.no_grad():
+        for start in range(0, n, batch_size):
+            batch = collate(list(range(start, min(start + batch_size, n))))
+            with autocast():
+                out = shards(*batch) if isinstance(batch, (tuple, list)) else shards(batch)
+            for per_device in out.outputs:
+                _add(sums, _validate_metrics(per_device))
+    return _means(sums)
+
+
+def evaluate_ranks(
+    model: nn.Module,
+    data: Any,
+    eval_fn: EvalFn,
+    *,
+    batch_sizes: Sequence[int],
+    collate: Callable[[list[int]], Batch],
+    device: torch.device,
+    every_step: bool = False,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """Under ``torchrun``: rank ``r`` evaluates ``batch_sizes[r]`` samples of each step
+    (consecutive blocks, every sample once over all ranks), then the ranks add up their sums
+    and counts. ``every_step=True`` (FSDP2: its forward all-gathers) runs the forward on an
+    empty share too (on a stand-in sample), and counts nothing from it. Call it on every
+    rank."""
+    from .._distributed._sampler import UnevenBatchSampler
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = list(UnevenBatchSampler(data, batch_sizes, rank=rank, world_size=world, shuffle=False))
+    sums: dict[str, list[float]] = {}
+    with model_mode(model, False), torch.no_grad():
+        for indices in steps:
+            if not indices and not every_step:
+                continue
+            # An empty share that must still run (FSDP2) runs one real sample, as training's
+            # stand-in does (models may reject an empty batch), and counts none of it.
+            batch = map_tensors(collate(list(indices) or [0]), lambda t: t.to(device))
+            # As the Trainer calls loss_fn: the batch as a tuple of what was collated.
+            args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+            with autocast():
+                metrics = _validate_metrics(eval_fn(model, args))
+            if indices:
+                _add(sums, metrics)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, sums)  # names may differ where a rank ran nothing
+    total: dict[str, list[float]] = {}
+    for part in parts:  # rank order: the same float64 sum on every rank
+        _add(total, {k: (v[0], v[1]) for k, v in part.items()})
+    return _means(total)

@@ -1,0 +1,348 @@
+"""Surviving ``torch.OutOfMemoryError`` without changing the math: exact micro-batch re-splits.
+
+A step's share of ``n`` samples runs as micro-batches ``[start, stop)``; each micro-batch's
+loss, summed over its counted items (:func:`evendp._core._exact.weighted_sum`), is weighted by
+``weight`` (1 / global count, times the world size under DDP's averaging) before ``backward``,
+so the accumulated gradient is the gradient of the global mean however the share is cut. When
+a micro-batch runs out of memory, the step's gradients are dropped (an OOM inside ``backward``
+may already have added part of a micro-batch to some ``.grad``), the failed graph is freed,
+the CUDA cache emptied, and the whole share runs again with micro-batches half as large. The
+working size is remembered for later steps. Only when a single-sample micro-batch still does
+not fit is the step skipped, counted in :attr:`OomResplit.skipped`.
+
+With several devices in one process (:meth:`OomResplit.run_shares`) each device keeps its own
+cap: micro-step k runs the k-th piece of every device's own share together, so an OOM that
+names its device (:func:`evendp._core._oom_errors.device_index_of`, tagged by
+``BalancedDataParallel``) halves that device's pieces only, and the healthy devices keep
+running their whole shares at once.
+
+Across processes the guard is only retry arithmetic: whether every process steps or skips,
+and how many micro-steps each must run, is a :class:`StepConsensus` the caller passes (the
+Trainer's strategy). Without one, under a process group, the guard all-reduces one flag so
+every rank agrees on "step" or "skip": an OOM on one rank never leaves another blocked in a
+collective (every backward stays local; see
+:func:`evendp._distributed._group.all_reduce_gradients`).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .._core._errors import EvendpError
+from .._core._exact import weighted_sum
+from .._core._oom_errors import device_index_of, is_oom_error
+from .._core._validate import is_int, validate_int
+from .._distributed._group import all_reduce_gradients, comm_device, world_size
+
+__all__ = ["OomResplit", "StepConsensus", "all_reduce_gradients", "is_oom_error"]
+
+
+class StepConsensus(Protocol):
+    """How the processes running one step agree on it (a strategy provides one).
+
+    ``micro_steps(planned)``: how many micro-steps this process runs when its own shares need
+    ``planned`` (more when every process must run as many backward passes as the others).
+    ``agree_step(failed, total)``: called once per attempt's end on every process, whatever
+    happened: returns whether the step is skipped everywhere and the step's loss total.
+    """
+
+    def micro_steps(self, planned: int) -> int: ...
+
+    def agree_step(
+        self, failed: bool, total: torch.Tensor | None
+    ) -> tuple[bool, torch.Tensor | None]: ...
+
+
+class _GroupConsensus:
+    """The guard's own consensus: one all-reduced flag over ``group`` when there is one."""
+
+    def __init__(self, group: dist.ProcessGroup | None, catch: bool) -> None:
+        self.group, self.catch = group, catch
+
+    def micro_steps(self, planned: int) -> int:
+        return planned
+
+    def agree_step(
+        self, failed: bool, total: torch.Tensor | None
+    ) -> tuple[bool, torch.Tensor | None]:
+        # Without catching, an OOM has already propagated: the flag could only be 0.
+        if not (self.catch and world_size(self.group) > 1):
+            return failed, total
+        flag = torch.tensor(float(failed), device=comm_device(self.group))
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item()), total  # the one host sync: every rank must agree
+
+
+def _default_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _validate_micro(name: str, value: int | None) -> int | None:
+    return validate_int(name, value, minimum=1, allow_none=True, example="8")
+
+
+class OomResplit:
+    """Run shares of samples as micro-batches, re-splitting them smaller on out-of-memory.
+
+    Args:
+        micro_batch_size: the largest micro-batch to try first (``None``: the whole share).
+        min_micro_batch_size: below this the step is skipped instead of re-split.
+        group: the process group whose ranks must agree on skipping (``None``: the default
+            group when one is initialized and has more than one rank, else no agreement).
+        catch: ``False`` lets ``torch.OutOfMemoryError`` propagate (micro-batching only):
+            for strategies with collectives inside forward and backward (FSDP2), where a
+            retry on one rank would pair its collectives with the wrong ones on the others.
+        devices: how many devices share each step (:meth:`run_shares`); each keeps its own
+            micro-batch cap in :attr:`micro_batch_sizes`. :meth:`run` is the one-device case.
+
+    >>> torch.manual_seed(0) and None
+    >>> net = torch.nn.Linear(3, 1)
+    >>> x, y = torch.randn(8, 3), torch.randn(8, 1)
+    >>> def chunk_loss(start, stop):  # the mean loss of samples [start, stop)
+    ...     if stop - start > 3:  # pretend more than 3 samples do not fit
+    ...         raise torch.OutOfMemoryError("injected")
+    ...     return torch.nn.functional.mse_loss(net(x[start:stop]), y[start:stop])
+    >>> guard = OomResplit()
+    >>> loss = guard.run(8, chunk_loss, weight=1 / 8, zero_grad=net.zero_grad)
+    >>> guard.micro_batch_size, guard.resplits, guard.skipped
+    (2, 2, 0)
+    >>> exact = torch.nn.functional.mse_loss(net(x), y)
+    >>> torch.allclose(loss, exact.detach())
+    True
+    """
+
+    def __init__(
+        self,
+        micro_batch_size: int | None = None,
+        min_micro_batch_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+        catch: bool = True,
+        *,
+        devices: int = 1,
+    ) -> None:
+        validate_int("devices", devices, minimum=1, example="3")
+        self.catch = catch
+        #: Per device, the micro-batch that fits (``None``: its whole share); kept across steps.
+        self.micro_batch_sizes = [_validate_micro("micro_batch_size", micro_batch_size)] * devices
+        self.min_micro_batch_size = _validate_micro("min_micro_batch_size", min_micro_batch_size)
+        self.group = group
+        #: How many times a step was re-run with smaller micro-batches.
+        self.resplits = 0
+        #: How many steps were skipped because even the smallest micro-batch did not fit.
+        self.skipped = 0
+        #: While ``chunk_loss`` runs: the index of this micro-step and how many the attempt
+        #: runs, so a caller can sync gradients on the last one only.
+        self.micro_step = 0
+        self.micro_step_count = 0
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The smallest per-device cap (``None``: every device runs its whole share).
+
+        Assigning sets every device's cap."""
+        caps = [m for m in self.micro_batch_sizes if m is not None]
+        return min(caps) if caps else None
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int | None) -> None:
+        value = _validate_micro("micro_batch_size", value)
+        self.micro_batch_sizes = [value] * len(self.micro_batch_sizes)
+
+    def run(
+        self,
+        n: int,
+        chunk_loss: Callable[[int, int], torch.Tensor],
+        *,
+        weight: float,
+        zero_grad: Callable[[], None],
+        backward: Callable[[torch.Tensor], None] = _default_backward,
+        micro_batch_size: int | None = None,
+    ) -> torch.Tensor | None:
+        """Forward and backward ``n`` samples; return their detached weighted loss, or None.
+
+        ``chunk_loss(start, stop)`` computes the mean loss of samples ``[start, stop)`` of
+        this share. ``backward`` (default ``loss.backward()``; pass e.g.
+        ``lambda l: scaler.scale(l).backward()``) is called on ``loss * (stop-start) *
+        weight``. Gradients must be zero or ``None`` on entry: the guard owns the whole step
+        so it can drop them on an OOM. ``micro_batch_size`` caps this call's micro-batches
+        (gradient accumulation). Returns ``None`` when the step was skipped (every rank then
+        returns ``None`` and gradients are zeroed).
+        """
+        if len(self.micro_batch_sizes) != 1:
+            raise EvendpError(
+                f"run() cuts one share, but this guard has devices={len(self.micro_batch_sizes)}"
+                "; call run_shares() with one share per device"
+            )
+        return self.run_shares(
+            [n],
+            lambda spans: chunk_loss(*spans[0]),
+            weight=weight,
+            zero_grad=zero_grad,
+            backward=backward,
+            micro_batch_sizes=[micro_batch_size],
+        )
+
+    def run_shares(
+        self,
+        shares: Sequence[int],
+        chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
+        *,
+        weight: float | torch.Tensor,
+        zero_grad: Callable[[], None],
+        backward: Callable[[torch.Tensor], None] = _default_backward,
+        micro_batch_sizes: Sequence[int | None] | None = None,
+        min_micro_steps: int = 0,
+        summed: bool = False,
+        consensus: StepConsensus | None = None,
+    ) -> torch.Tensor | None:
+        """Like :meth:`run`, with one share per device, each cut by its own cap.
+
+        Micro-step k gives device i the span ``[start_i, stop_i)`` of *its own* share: the
+        k-th piece of at most ``micro_batch_sizes[i]`` samples, empty once the share is done.
+        ``chunk_loss(spans)`` returns the mean loss over all the spans' samples, and is
+        weighted by their count times ``weight``. An OOM tagged with its device (by
+        :class:`~evendp.BalancedDataParallel` for a replica's forward) halves that device's
+        cap only; any other OOM (e.g. in backward) halves every device's.
+
+        ``min_micro_steps`` pads the step with empty micro-steps (every span empty) up to that
+        many: under DDP or FSDP2 every rank must run forward and backward as often as the
+        others, even with no samples. An empty micro-step backpropagates an exact zero
+        connected to the loss (:func:`evendp._core._exact.weighted_sum`: never the NaN of a mean
+        over no samples), so DDP's and FSDP2's collectives pair up.
+
+        ``summed=True``: ``chunk_loss`` returns the loss already *summed* over its counted
+        items (and zero, never NaN, for none); it is weighted by ``weight`` alone. This is how
+        the Trainer weights by counted items (tokens) instead of samples. ``weight`` may be a
+        0-dim tensor (a global count all-reduced on the device, never read on the host).
+
+        ``consensus`` (a strategy's): how many micro-steps to run and, after them, whether
+        every process steps or skips and the step's total (:class:`StepConsensus`). A rank
+        that failed has zero gradients by then, and when any rank failed every rank zeroes
+        the gradients and skips. Default: the guard's own one-flag all-reduce under a
+        process group (nothing to agree in one process).
+
+        >>> guard = OomResplit(devices=2)
+        >>> seen = []
+        >>> def chunk_loss(spans):
+        ...     if spans[0][1] - spans[0][0] > 2:  # device 0 fits 2 samples
+        ...         error = torch.OutOfMemoryError("injected")
+        ...         error.evendp_device_index = 0
+        ...         raise error
+        ...     seen.append(spans)
+        ...     return torch.ones((), requires_grad=True)
+        >>> guard.run_shares([5, 3], chunk_loss, weight=1 / 8, zero_grad=lambda: None)
+        tensor(1.)
+        >>> guard.micro_batch_sizes, seen
+        ([2, None], [[(0, 2), (0, 3)], [(2, 4), (3, 3)], [(4, 5), (3, 3)]])
+        """
+        sizes = self._first_sizes(shares, micro_batch_sizes)
+        validate_int("min_micro_steps", min_micro_steps, minimum=0)
+        agreement = consensus or _GroupConsensus(self.group, self.catch)
+
+        def attempt() -> torch.Tensor:
+            planned = max(min_micro_steps, _micro_steps(shares, sizes))
+            steps = agreement.micro_steps(planned)
+            return self._run_micro_steps(shares, sizes, chunk_loss, weight, backward, steps, summed)
+
+        total: torch.Tensor | None = None
+        while True:
+            device: int | None = None
+            try:
+                total = attempt()
+                break
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not (self.catch and is_oom_error(error)):
+                    raise
+                device = device_index_of(error)
+            # Handled here, outside the except block, so the failed graph's frames are freed.
+            total = None
+            zero_grad()
+            _free_memory()
+            if not self._shrink(shares, sizes, device):
+                break
+            self.resplits += 1
+        failed, total = agreement.agree_step(total is None, total)
+        if failed:
+            zero_grad()
+            self.skipped += 1
+            return None
+        return total
+
+    def _first_sizes(
+        self, shares: Sequence[int], micro_batch_sizes: Sequence[int | None] | None
+    ) -> list[int]:
+        """Per device, the micro-batch to try first: the share, its cap, the caller's cap."""
+        if len(shares) != len(self.micro_batch_sizes):
+            raise EvendpError(
+                f"got {len(shares)} shares for a guard of {len(self.micro_batch_sizes)} devices;"
+                " pass one share per device (zeros allowed)"
+            )
+        for n in shares:
+            if not is_int(n) or n < 0:
+                raise EvendpError(
+                    f"n must be a non-negative int (samples in this share), got {n!r}"
+                )
+        caps = list(micro_batch_sizes or [None] * len(shares))
+        for cap in caps:
+            _validate_micro("micro_batch_size", cap)
+        return [
+            min(x for x in (n, mine, cap) if x is not None)
+            for n, mine, cap in zip(shares, self.micro_batch_sizes, caps, strict=True)
+        ]
+
+    def _shrink(self, shares: Sequence[int], sizes: list[int], device: int | None) -> bool:
+        """Halve the failing device's micro-batches (every active one's when unknown);
+        False when none can shrink below the floor: the step is skipped."""
+        floor = self.min_micro_batch_size or 1
+        active = [i for i, n in enumerate(shares) if n]
+        targets = [device] if device in active else active
+        shrink = [i for i in targets if sizes[i] > floor]
+        for i in shrink:
+            sizes[i] = self.micro_batch_sizes[i] = max(math.ceil(sizes[i] / 2), floor)
+        return bool(shrink)
+
+    def _run_micro_steps(
+        self,
+        shares: Sequence[int],
+        sizes: list[int],
+        chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
+        weight: float | torch.Tensor,
+        backward: Callable[[torch.Tensor], None],
+        steps: int,
+        summed: bool,
+    ) -> torch.Tensor:
+        self.micro_step_count = steps
+        total: torch.Tensor | None = None  # summed on the loss's device: one copy at the end
+        for k in range(steps):
+            self.micro_step = k
+            spans = [
+                (min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)
+            ]
+            loss = chunk_loss(spans)  # () mean over the micro-step's samples (or their sum)
+            if not summed:
+                loss = weighted_sum(loss, sum(b - a for a, b in spans))
+            scaled = loss * weight
+            backward(scaled)
+            part = scaled.detach().float()
+            total = part if total is None else total + part
+        # The total stays on its device: reading it is the caller's choice (when logging).
+        return torch.zeros(()) if total is None else total
+
+
+def _micro_steps(shares: Sequence[int], sizes: Sequence[int]) -> int:
+    """The micro-steps the largest share needs at its micro-batch size."""
+    return max((math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0)
+
+
+def _free_memory() -> None:
+    # The failed graph is only garbage once the exception and its frames are gone; collect
+    # cycles, then hand cached blocks back so the smaller micro-batches can use them.
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -1,0 +1,148 @@
+"""One process over several devices: :class:`BalancedDataParallel` splits each micro-step."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._core._calls import as_args
+from ..._core._errors import TrainingError
+from ..._core._exact import step_count, sum_on
+from ..._distributed._run_lock import trainer_lock
+from ..._distributed._sampler import UnevenBatchSampler
+from ..._distributed._step_cost import StepWeight
+from ..._parallel._dp import BalancedDataParallel
+from .._evaluate import EvalFn, evaluate_devices
+from ._base import Batch, Costs, Strategy, build_sampler
+
+__all__ = ["BalancedDP"]
+
+
+class BalancedDP(Strategy):
+    """One process: :class:`BalancedDataParallel` splits each micro-step over ``device_ids``.
+
+    The batch stays on the host (pinned when a device is a GPU) and each device's rows are
+    copied straight to it by the scatter: nothing is staged on ``device_ids[0]`` first. Every
+    replica returns its rows' loss summed over their counted items; the step's loss is their
+    sum (the wrapper does not gather, so nothing is averaged and multiplied back). There is
+    nothing to agree with another process: the consensus, the stop agreement and the
+    reductions are the process's own values.
+    """
+
+    name = "dp"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device_ids: list[str | int | torch.device] | None,
+        weights: list[float] | None,
+    ) -> None:
+        super().__init__(model)
+        self._device_ids = device_ids
+        self._weights = weights
+        self._dp: BalancedDataParallel | None = None
+        self.device_names = ["rank0"]
+
+    def wrap(self, loss_module: nn.Module) -> None:
+        self._dp = BalancedDataParallel(
+            loss_module, self._device_ids, weights=self._weights, gather_output=False
+        )
+        self.wrapped = self._dp
+        self.device_names = [
+            f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self._dp.device_ids)
+        ]
+
+    @property
+    def dp(self) -> BalancedDataParallel:
+        """The wrapper (after :meth:`wrap`)."""
+        if self._dp is None:
+            raise TrainingError("BalancedDP.wrap() was not called before the step")
+        return self._dp
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return list(self.dp.device_ids)
+
+    def sampler(
+        self,
+        data: Any,
+        config: Any,
+        *,
+        costs: Costs,
+        max_costs: Sequence[float] | None,
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
+        # One process draws the whole step (its devices' cost plan is device_costs'); a
+        # token budget needs the costs here too.
+        return build_sampler(
+            data, config, requested=[config.batch_size], rank=0, world=1, distributed=False,
+            costs=costs if max_tokens is not None else None, max_costs=None,
+            max_tokens=max_tokens, model=model, example=example,
+        )  # fmt: skip
+
+    def device_costs(
+        self, costs: Costs, max_costs: Sequence[float] | None
+    ) -> tuple[Costs, Sequence[float] | None]:
+        return costs, max_costs
+
+    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
+        return trainer_lock(out_dir, distributed=False)
+
+    def place(self, batch: Batch) -> Batch:
+        return batch  # the scatter copies each device's rows straight from the host
+
+    def shares(self, n: int) -> list[int]:
+        return self.dp.split(n)
+
+    def ran(self, rows: list[int]) -> list[int]:
+        return list(rows)
+
+    def count_weight(self, local: torch.Tensor) -> StepWeight:
+        total = step_count(local, device=self.dp.output_device)  # one process: no collective
+        return StepWeight.ready(self.world, torch.as_tensor(total))
+
+    def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
+        with self.dp.fixed_sizes(rows):
+            out = self.dp(*as_args(part))
+        return sum_on(out.outputs, out.output_device)
+
+    def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
+        return parts  # one process: the total is the step's
+
+    def reduce_samples(self, samples: list[int]) -> list[int]:
+        return list(samples)
+
+    def agree_stop(self) -> int | None:
+        return self._stop_source()  # one process: nothing to agree on
+
+    def interrupted(self, error: KeyboardInterrupt) -> int:
+        # The step it cut is not counted; the checkpoint is the last whole step's.
+        return int(signal.SIGINT)
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        data: Any,
+        eval_fn: EvalFn,
+        *,
+        batch_sizes: list[int],
+        collate: Callable[[list[int]], Batch],
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> dict[str, float]:
+        return evaluate_devices(
+            model, data, eval_fn, batch_size=sum(batch_sizes), device_ids=self.dp.device_ids,
+            weights=self.dp.weights, collate=collate, autocast=autocast,
+        )  # fmt: skip
+
+    def peak_memory(self) -> list[int | None]:
+        return [
+            int(torch.cuda.max_memory_allocated(d)) if d.type == "cuda" else None
+            for d in self.dp.device_ids
+        ]

@@ -1,0 +1,266 @@
+"""The contract of a strategy: every decision that differs between ways of running a step."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..._distributed._sampler import UnevenBatchSampler
+from ..._distributed._step_cost import StepWeight
+from .._evaluate import EvalFn
+from .._oom import OomResplit
+
+if TYPE_CHECKING:
+    from .._train_state import TrainState
+
+__all__ = ["Strategy", "StopSource"]
+
+Batch = Any
+Costs = Sequence[float] | Callable[[Any], float] | None
+#: This process's pending stop request: a signal number, or ``None``.
+StopSource = Callable[[], "int | None"]
+
+
+def _no_stop() -> int | None:
+    return None
+
+
+class Strategy(abc.ABC):
+    """How one training step runs: the Trainer calls these, in this order, whatever the mode.
+
+    Setup: :meth:`wrap` the loss module, build the :meth:`sampler` (and :meth:`device_costs`
+    for a cost plan inside this process), the :meth:`guard` for OOM re-splits, and
+    :meth:`check_optimizer`. Each step: :meth:`place` the batch, cut it into this process's
+    :meth:`shares`, learn the :meth:`count_weight`, then per micro-step :meth:`forward` inside
+    :meth:`sync`; the guard asks :meth:`micro_steps` and :meth:`agree_step` (the step/skip
+    consensus); then :meth:`reduce_gradients`. Losses and samples are summed over processes
+    by :meth:`reduce_losses` and :meth:`reduce_samples` when read; between steps
+    :meth:`agree_stop` is always called (nothing to agree in one process). Also evaluation
+    (:meth:`evaluate`), checkpoints (:attr:`checkpoint_name`, :meth:`save`, :meth:`resume`),
+    the report's device names and peak memory.
+
+    Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
+    one-rank-per-
+    device strategies of :class:`~evendp._training._strategies._ranks.RankStrategy`.
+    """
+
+    #: The report's ``mode``.
+    name: str
+    #: The checkpoint's name in ``out_dir``.
+    checkpoint_name = "ckpt.pt"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.device: torch.device = next(model.parameters()).device
+        self.rank, self.world = 0, 1
+        #: The module a step runs (the loss module, wrapped): set by :meth:`wrap`.
+        self.wrapped: nn.Module = model
+        self.device_names: list[str] = []
+        self._stop_source: StopSource = _no_stop
+
+    # -- setup -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def wrap(self, loss_module: nn.Module) -> None:
+        """Prepare ``loss_module`` (the model with its loss inside forward) for this strategy.
+
+        ``loss_module(*batch)`` returns the loss of its rows *summed* over their counted items.
+        """
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices this process runs on."""
+        return [self.device]
+
+    @abc.abstractmethod
+    def sampler(
+        self,
+        data: Any,
+        config: Any,
+        *,
+        costs: Costs,
+        max_costs: Sequence[float] | None,
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
+        """The sampler of this process's samples of each step (split by cost where it is),
+        and the balancer the loop calls at step boundaries (``config.balance``).
+
+        ``model()`` and ``example()`` (the loss module and one batch) are for planning
+        ``batch_sizes="auto"``; ``config`` is the :class:`~evendp.TrainConfig`.
+        """
+
+    def device_costs(
+        self, costs: Costs, max_costs: Sequence[float] | None
+    ) -> tuple[Costs, Sequence[float] | None]:
+        """The costs (and caps) that order a step's rows over this process's devices
+        (``None``: none, the sampler already split the step by cost)."""
+        return None, None
+
+    def guard(self, oom_resplit: bool) -> OomResplit:
+        """The OOM re-split of a step's shares (``oom_resplit=False``: an OOM propagates)."""
+        return OomResplit(catch=oom_resplit, devices=len(self.shares(0)))
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Refuse an optimizer this strategy cannot use (one built before sharding)."""
+        return None
+
+    @abc.abstractmethod
+    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
+        """The run's hold on ``out_dir`` for the life of ``fit`` (one writer per run folder):
+        one process always takes it; ranks join their launcher's
+        (:mod:`evendp._distributed._run_lock`)."""
+
+    def watch_stop(self, source: StopSource) -> None:
+        """Where :meth:`agree_stop` (and a consensus riding on a step) reads this process's
+        stop request: the Trainer's signal flag."""
+        self._stop_source = source
+
+    # -- one step ----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def place(self, batch: Batch) -> Batch:
+        """The batch where this strategy's forward reads it."""
+
+    @abc.abstractmethod
+    def shares(self, n: int) -> list[int]:
+        """This process's per-device shares of a step of ``n`` local samples."""
+
+    @abc.abstractmethod
+    def ran(self, rows: list[int]) -> list[int]:
+        """Per device of the report, the samples a micro-step of ``rows`` ran."""
+
+    @abc.abstractmethod
+    def count_weight(self, local: torch.Tensor) -> StepWeight:
+        """``world / the step's counted items over every process``, from this process's
+        ``count_fn`` count ``local`` (float64, 0-dim), before the first backward.
+
+        (The samples, or per-sample counts, are known everywhere: the Trainer needs no
+        strategy for those.)
+        """
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-step's forward and backward (gradient sync on ``last``)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
+        """The micro-step's loss summed over its counted items (``rows[i]`` rows on device i)."""
+
+    def micro_steps(self, planned: int) -> int:
+        """How many micro-steps this process runs when its shares need ``planned``."""
+        return planned
+
+    def agree_step(
+        self, failed: bool, total: torch.Tensor | None
+    ) -> tuple[bool, torch.Tensor | None]:
+        """After a step's micro-steps: whether every process skips it, and the step's total."""
+        return failed, total
+
+    def reduce_gradients(self) -> None:
+        """After the step's backward: make the gradients the step's (DDP/FSDP2 already did)."""
+        return None
+
+    # -- what the loop reads -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
+        """The step losses from ``parts`` ((steps,) this process's parts): one collective."""
+
+    @abc.abstractmethod
+    def reduce_samples(self, samples: list[int]) -> list[int]:
+        """Per device of the report, the samples trained, from this process's counts."""
+
+    @abc.abstractmethod
+    def agree_stop(self) -> int | None:
+        """After a step: the stop signal any process received, the same on every process."""
+
+    @abc.abstractmethod
+    def interrupted(self, error: KeyboardInterrupt) -> int:
+        """A ``KeyboardInterrupt`` that no signal flag caught: the signal to stop with, or
+        re-raise it where the other processes could not agree on it."""
+
+    @abc.abstractmethod
+    def evaluate(
+        self,
+        model: nn.Module,
+        data: Any,
+        eval_fn: EvalFn,
+        *,
+        batch_sizes: list[int],
+        collate: Callable[[list[int]], Batch],
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> dict[str, float]:
+        """Every sample of ``data`` once over all devices and processes: ``{name: value}``."""
+
+    @abc.abstractmethod
+    def peak_memory(self) -> list[int | None]:
+        """Per device of the report, the peak allocated bytes (``None``: not a GPU here)."""
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
+        """Write ``state`` and ``objects`` (model, optimizer, ...) as this step's checkpoint."""
+        return state.save(path, rank=self.rank, **objects)
+
+    def resume(
+        self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
+    ) -> bool:
+        """Load the latest good checkpoint at ``path`` into ``state`` and ``objects``."""
+        return state.resume(path, rank=self.rank, reseed=reseed, **objects)
+
+
+def build_sampler(
+    data: Any,
+    config: Any,
+    *,
+    requested: Any,
+    rank: int,
+    world: int,
+    distributed: bool,
+    costs: Costs,
+    max_costs: Sequence[float] | None,
+    max_tokens: float | None,
+    model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+) -> tuple[UnevenBatchSampler, Any]:
+    """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
+    shared body of every strategy's :meth:`Strategy.sampler`)."""
+    from ..._planning._balance import rank_batch_sizes, step_balancer
+    from .._train_inputs import validate_batch_fits, warn_unused_batch_sizes
+
+    sizes, caps = rank_batch_sizes(
+        requested, config.batch_size, world, model=model, example=example
+    )
+    sampler = UnevenBatchSampler(
+        data, sizes, rank=rank, world_size=world, seed=config.seed, costs=costs,
+        max_costs=max_costs, max_tokens=max_tokens,
+    )  # fmt: skip
+    # balance="speed": at step boundaries samples move from slow ranks to fast ones.
+    balancer = step_balancer(sampler, config.balance, distributed=distributed, caps=caps)
+    validate_batch_fits(data, sampler.batch_sizes, distributed)
+    warn_unused_batch_sizes(config, distributed)
+    return sampler, balancer
+
+
+def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
+    """``[this rank saw SIGINT, this rank saw SIGTERM]``: summed over ranks, never ambiguous."""
+    return torch.tensor(
+        [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)], device=device
+    )
+
+
+def agreed_signal(votes: torch.Tensor) -> int | None:
+    """The signal the summed ``votes`` agree on (SIGINT wins when both came)."""
+    sigint, sigterm = (float(v) for v in votes.tolist())
+    if sigint > 0:
+        return int(signal.SIGINT)
+    return int(signal.SIGTERM) if sigterm > 0 else None

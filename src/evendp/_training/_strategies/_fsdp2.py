@@ -1,0 +1,76 @@
+"""FSDP2: ``fully_shard`` per repeated block and the root; reduce-scatter on the last one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..._core._errors import EvendpError
+from ._ranks import RankStrategy
+
+if TYPE_CHECKING:
+    from .._train_state import TrainState
+
+__all__ = ["FSDP2", "refuse_prebuilt_optimizer"]
+
+
+def refuse_prebuilt_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """FSDP2 shards the parameters: an optimizer built before would update stale tensors."""
+    if optimizer is not None:
+        raise EvendpError(
+            "strategy='fsdp2' shards the parameters, so an optimizer built before would "
+            "update stale tensors; pass optimizer=None (AdamW with config.lr is built "
+            "after sharding)"
+        )
+
+
+class FSDP2(RankStrategy):
+    """``fully_shard`` per repeated block and the root; reduce-scatter after the last micro-batch.
+
+    FSDP2 all-gathers parameters inside forward and backward: a retry on one rank would pair
+    its collectives with the wrong ones, so an OOM is fatal (micro-batching still works), and
+    every rank runs as many micro-steps (and evaluation forwards) as the most any rank runs.
+    Checkpoints are ``torch.distributed.checkpoint`` folders in which each rank writes its
+    shards.
+    """
+
+    name = "fsdp2"
+    checkpoint_name = "ckpt.dcp"
+    _forward_collectives = True
+
+    def __init__(self, model: nn.Module, accum: int, blocks: Callable[[], list[nn.Module]]):
+        super().__init__(model)
+        self._accum = accum  # the most micro-steps any share is cut into
+        self._blocks = blocks
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        refuse_prebuilt_optimizer(optimizer)
+
+    def wrap(self, loss_module: nn.Module) -> None:
+        super().wrap(loss_module)
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP2 unit per repeated block (their all-gathers overlap compute), then the root.
+        for block in self._blocks():
+            fully_shard(block)
+        fully_shard(self.model)
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def micro_steps(self, planned: int) -> int:
+        return max(planned, self._accum)
+
+    def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
+        return state.save(path, rank=self.rank, sharded=True, **objects)
+
+    def resume(
+        self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
+    ) -> bool:
+        return state.resume(path, rank=self.rank, sharded=True, reseed=reseed, **objects)

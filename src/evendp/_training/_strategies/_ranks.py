@@ -1,0 +1,143 @@
+"""What every one-process-per-device strategy shares: ranks of a ``torchrun`` process group."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._core._calls import as_args
+from ..._distributed._group import comm_device
+from ..._distributed._run_lock import trainer_lock
+from ..._distributed._sampler import UnevenBatchSampler
+from ..._distributed._step_cost import StepWeight
+from ..._parallel._scatter import map_tensors, to_device
+from .._evaluate import EvalFn, evaluate_ranks
+from .._oom import OomResplit
+from ._base import Batch, Costs, Strategy, agreed_signal, build_sampler, stop_votes
+
+__all__ = ["RankStrategy"]
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks, in place, on the communication device."""
+    reduced = t.to(comm_device())
+    dist.all_reduce(reduced)
+    return reduced
+
+
+class RankStrategy(Strategy):
+    """One device per process: this rank runs its own share; collectives join the ranks.
+
+    The sampler splits each step over the ranks (by cost when costs are given); each rank's
+    loss total is its part of the step's mean, summed over ranks when read; an OOM is fatal
+    (collectives inside backward would pair wrongly after a retry) unless a subclass agrees
+    on it (:class:`~evendp._training._strategies.OomSafeDDP`).
+    """
+
+    name = "ddp"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device_names = [f"rank{r}" for r in range(self.world)]
+
+    def wrap(self, loss_module: nn.Module) -> None:
+        for t in self.model.state_dict().values():  # start from rank 0's weights, as DDP does
+            dist.broadcast(t, src=0)
+        self.wrapped = loss_module
+
+    def sampler(
+        self,
+        data: Any,
+        config: Any,
+        *,
+        costs: Costs,
+        max_costs: Sequence[float] | None,
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
+        # The ranks split each step by cost: every rank computes the same plan.
+        return build_sampler(
+            data, config, requested=config.batch_sizes, rank=self.rank, world=self.world,
+            distributed=True, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
+            model=model, example=example,
+        )  # fmt: skip
+
+    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
+        return trainer_lock(out_dir, distributed=True)
+
+    def guard(self, oom_resplit: bool) -> OomResplit:
+        # An OOM in one rank's backward would leave the others in its collectives.
+        return OomResplit(catch=False)
+
+    def place(self, batch: Batch) -> Batch:
+        """This rank's batch on its device (the copy runs ahead when the batch is pinned)."""
+        return map_tensors(batch, lambda t: to_device(t, self.device))
+
+    def shares(self, n: int) -> list[int]:
+        return [n]
+
+    def ran(self, rows: list[int]) -> list[int]:
+        return [rows[0] if r == self.rank else 0 for r in range(self.world)]
+
+    def count_weight(self, local: torch.Tensor) -> StepWeight:
+        # One all-reduce, started now and waited for after the first forward (it overlaps
+        # the forward), read on no host.
+        return StepWeight(self.world, local, self.device)
+
+    def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
+        return self.wrapped(*as_args(part))
+
+    def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
+        """Sum ``parts`` over ranks: one all-reduce for every step not read yet.
+
+        The Trainer calls it only when someone reads the losses (the progress bar every step,
+        a checkpoint, the report), so a step without logging adds no collective.
+        """
+        return _all_reduce(parts)
+
+    def reduce_samples(self, samples: list[int]) -> list[int]:
+        # Each rank counted only its own share.
+        summed = _all_reduce(torch.tensor(samples, dtype=torch.float64))
+        return [int(v) for v in summed.tolist()]
+
+    def agree_stop(self) -> int | None:
+        """One tiny all-reduce of ``[SIGINT seen, SIGTERM seen]``: every rank stops after the
+        same step (SIGINT wins when both came)."""
+        return agreed_signal(_all_reduce(stop_votes(self._stop_source(), comm_device())))
+
+    def interrupted(self, error: KeyboardInterrupt) -> int:
+        raise error  # the other ranks could not agree on it: it propagates
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        data: Any,
+        eval_fn: EvalFn,
+        *,
+        batch_sizes: list[int],
+        collate: Callable[[list[int]], Batch],
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> dict[str, float]:
+        return evaluate_ranks(
+            model, data, eval_fn, batch_sizes=batch_sizes, collate=collate,
+            device=self.device, autocast=autocast, every_step=self._forward_collectives,
+        )  # fmt: skip
+
+    #: Whether forward itself runs collectives (FSDP2's all-gathers): then evaluation runs a
+    #: rank's empty shares too.
+    _forward_collectives = False
+
+    def peak_memory(self) -> list[int | None]:
+        mine = (
+            int(torch.cuda.max_memory_allocated(self.device))
+            if self.device.type == "cuda"
+            else None
+        )
+        return [mine if r == self.rank else None for r in range(self.world)]

@@ -1,0 +1,191 @@
+"""What a :class:`~evendp.Trainer` run accepts, checked when it is built, never deep in ``fit``.
+
+``TrainConfig.__post_init__`` calls :func:`validate_config`; ``Trainer.__init__`` calls
+:func:`validate_trainer_args` (before anything is wrapped) and :func:`validate_batch_fits`
+(once the dataset and the per-rank sizes are known). In the loop, :func:`checked_loss` and
+:func:`validate_count` (from :mod:`evendp._core._validate`) check what user functions return.
+Each refusal is an :class:`EvendpError` naming the argument, what it got and what it takes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core._errors import EvendpError
+from .._core._validate import (
+    validate_bool,
+    validate_callable,
+    validate_choice,
+    validate_float,
+    validate_instance,
+    validate_int,
+    validate_numbers,
+    validate_path,
+)
+
+__all__ = [
+    "checked_loss",
+    "validate_batch_fits",
+    "validate_checkpoint_args",
+    "validate_config",
+    "validate_trainer_args",
+    "warn_unused_batch_sizes",
+]
+
+_AMP = ("none", "bf16", "fp16")
+_FLAGS = ("activation_checkpointing", "oom_resplit", "resume", "progress")
+
+
+def validate_config(config: Any) -> None:
+    """Every field of a ``TrainConfig``: types, ranges, and the fields that need each other."""
+    for name in ("steps", "batch_size", "accum"):
+        validate_int(name, getattr(config, name), minimum=1, example=f"{name}=8")
+    # "auto": planned per rank at start (evendp._planning._balance)
+    if config.batch_sizes != "auto":
+        validate_numbers(
+            "batch_sizes", config.batch_sizes, integral=True, allow_none=True,
+            example="batch_sizes=[3, 5] (one per rank)",
+        )  # fmt: skip
+    validate_float("lr", config.lr, minimum=0, example="lr=3e-4")
+    validate_float("weight_decay", config.weight_decay, minimum=0, example="weight_decay=0.1")
+    validate_float(
+        "grad_clip", config.grad_clip, positive=True, allow_none=True,
+        example="grad_clip=1.0 (None: no clipping)",
+    )  # fmt: skip
+    validate_choice("amp", config.amp, _AMP)
+    validate_choice("strategy", config.strategy, ("ddp", "fsdp2"))
+    for name in _FLAGS:
+        validate_bool(name, getattr(config, name))
+    validate_path("out_dir", config.out_dir, allow_none=True)
+    validate_int(
+        "checkpoint_every", config.checkpoint_every, minimum=0,
+        example="checkpoint_every=100 (0: only at the end)",
+    )  # fmt: skip
+    validate_int("seed", config.seed, example="seed=0")
+    validate_int("prefetch", config.prefetch, minimum=0, allow_none=True, example="prefetch=2")
+    validate_int("eval_every", config.eval_every, minimum=0, example="eval_every=100")
+    validate_int("log_every", config.log_every, minimum=1, example="log_every=10")
+    if (config.resume or config.checkpoint_every) and config.out_dir is None:
+        raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
+
+
+def validate_trainer_args(
+    model: Any,
+    data: Any,
+    config: Any,
+    config_type: type,
+    *,
+    loss_fn: Any,
+    count_fn: Any,
+    optimizer: Any,
+    scheduler: Any,
+    eval_data: Any,
+    eval_fn: Any,
+    device_ids: Any,
+    weights: Any,
+) -> None:
+    """The arguments of ``Trainer(...)`` before any of them is used."""
+    validate_instance("model", model, nn.Module, "an nn.Module (the network to train)")
+    if next(iter(model.parameters()), None) is None:
+        raise EvendpError(
+            f"model ({type(model).__name__}) has no parameters to train; pass the network "
+            "whose weights the optimizer should update"
+        )
+    if not isinstance(config, config_type):
+        hint = "; e.g. TrainConfig(**that_dict)" if isinstance(config, dict) else ""
+        raise EvendpError(f"config must be a TrainConfig, got {type(config).__name__}{hint}")
+    _validate_dataset("data", data)
+    if eval_data is not None:
+        _validate_dataset("eval_data", eval_data)
+    validate_callable("loss_fn", loss_fn, "a function (model, batch) -> mean loss")
+    validate_callable("count_fn", count_fn, "a function batch -> counted items", allow_none=True)
+    validate_callable("eval_fn", eval_fn, "a function (model, batch) -> metrics", allow_none=True)
+    validate_instance(
+        "optimizer", optimizer, torch.optim.Optimizer,
+        "a torch.optim.Optimizer built on the model's parameters (None: AdamW)", allow_none=True,
+    )  # fmt: skip
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise EvendpError(
+            f"scheduler must have a step() method (a torch.optim.lr_scheduler), got {scheduler!r}"
+        )
+    if device_ids is not None and (
+        isinstance(device_ids, str | bytes) or not isinstance(device_ids, Sequence)
+    ):
+        raise EvendpError(
+            f"device_ids must be a list of devices, got {device_ids!r}; e.g. "
+            "device_ids=['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"
+        )
+    validate_numbers("weights", weights, allow_none=True, example="weights=[2, 1]")
+
+
+def _validate_dataset(name: str, data: Any) -> None:
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")) or isinstance(
+        data, str | bytes | torch.Tensor
+    ):
+        raise EvendpError(
+            f"{name} must be a map-style dataset (len(data) and data[i]), got {type(data).__name__}"
+        )
+
+
+def validate_batch_fits(data: Any, batch_sizes: Sequence[int], distributed: bool) -> None:
+    """Refuse a step larger than the dataset: it would silently train smaller steps (every
+    step would be the whole dataset, not the batch asked for)."""
+    step = sum(batch_sizes)
+    if step > len(data):
+        name = "sum(batch_sizes)" if distributed else "batch_size"
+        raise EvendpError(
+            f"{name}={step} is larger than the dataset ({len(data)} samples): every step would "
+            f"train on {len(data)}; pass {name} <= {len(data)}"
+        )
+
+
+def warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
+    """One process splits ``batch_size`` by device weights; ``batch_sizes`` is per rank."""
+    if config.batch_sizes is not None and not distributed:
+        warnings.warn(
+            f"batch_sizes={config.batch_sizes} is ignored in one process: it sets each rank's "
+            f"share under torchrun; here batch_size={config.batch_size} is split across "
+            "device_ids by weights",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    """``loss_fn``'s answer when it is one number as a tensor (the batch's mean loss)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+        raise EvendpError(
+            f"loss_fn must return the batch's mean loss as a 0-dim tensor, got {got}; reduce "
+            "it, e.g. cross_entropy(..., reduction='mean') or loss.mean()"
+        )
+    return loss
+
+
+def validate_checkpoint_args(
+    path: Any,
+    model: Any,
+    optimizer: Any,
+    scaler: Any,
+    scheduler: Any,
+    *,
+    step: Any = 0,
+    extra: Any = None,
+    restore_rng: Any = True,
+) -> None:
+    """The arguments of ``save_checkpoint`` / ``load_checkpoint`` before any file is touched."""
+    validate_path("path", path)
+    validate_instance("model", model, nn.Module, "an nn.Module")
+    for name, value in (("optimizer", optimizer), ("scaler", scaler), ("scheduler", scheduler)):
+        if value is not None and not callable(getattr(value, "state_dict", None)):
+            raise EvendpError(
+                f"{name} must have state_dict() and load_state_dict() (or be None), got {value!r}"
+            )
+    validate_int("step", step, minimum=0, example="step=100")
+    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
+    validate_bool("restore_rng", restore_rng)

@@ -1,0 +1,824 @@
+"""The training loop that composes evendp: one readable loop in the style of nanoGPT.
+
+Each optimizer step takes one global batch (``batch_size`` samples). In one process the model
+runs under :class:`BalancedDataParallel`, which splits every (micro-)batch across the devices
+by their weights and returns the exact sample-weighted mean loss. Under ``torchrun`` each rank
+runs its own share (``batch_sizes[rank]``, from :class:`UnevenBatchSampler`) and the gradient
+is averaged over ranks with every micro-batch weighted by its samples over the global count.
+
+Gradient accumulation and the OOM re-split are the same mechanism: the step runs as
+micro-batches through :class:`OomResplit`, which halves them whenever one runs out of memory.
+The gradient is that of the global batch's mean loss however the batch is cut. In one process
+each device's share is cut by its own cap: an OOM in one replica's forward halves that
+device's micro-batches only, and the healthy devices keep running their shares in one go.
+
+How a step runs (one process, DDP, OOM-safe DDP, FSDP2) is a strategy object
+(:mod:`evendp._training._strategies`): every decision that differs between them is the strategy's,
+and
+the loop calls the same methods in every mode. Where the run stands and its checkpoints are a
+:class:`~evendp._training._train_state.TrainState`; batches are collated ahead in a thread
+(:mod:`evendp._parallel._prefetch`). The loop in :meth:`Trainer.fit` reads top to bottom.
+
+Every share's loss is summed over its counted items (samples, or what ``count_fn`` counts, e.g.
+non-ignored tokens) and scaled by one over the step's global count, learnt before the first
+backward (with ``count_fn`` under DDP/FSDP2 one all-reduce, overlapping the first forward;
+none in one process, with the samples, or with ``counts=``): the arithmetic is
+:mod:`evendp._core._exact`'s. The progress bar reads the loss every ``log_every`` steps only
+(:mod:`evendp._distributed._step_cost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from .._core._blocks import block_predicate, repeated_blocks
+from .._core._cost import split_by_cost
+from .._core._deprecation import UNSET, renamed_argument
+from .._core._errors import EvendpError
+from .._core._exact import mean_scale, weighted_sum, zero_weight
+from .._core._validate import validate_count, validate_int
+from .._distributed._interrupt import StopFlag, late_signal
+from .._distributed._sampler import EmptySafeCollate, sample_costs
+from .._distributed._step_cost import StepWeight, display_due, sample_counts
+from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
+from .._parallel._scatter import batch_size, map_tensors
+from .._planning._balance import (
+    first_batch,
+    inline_for_balance,
+    validate_balance,
+    validate_batch_sizes_option,
+)
+from ._evaluate import EvalFn, loss_eval_fn
+from ._nonfinite import NonFiniteSteps, gradient_norm
+from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
+from ._strategies import Strategy, pick_strategy
+from ._strategies._fsdp2 import refuse_prebuilt_optimizer
+from ._train_inputs import checked_loss, validate_config, validate_trainer_args
+from ._train_state import TrainState
+
+__all__ = ["TrainConfig", "Trainer", "default_loss"]
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+CountFn = Callable[[Batch], "int | torch.Tensor"]
+
+
+@dataclass
+class TrainConfig:
+    """Settings of a :class:`Trainer` run.
+
+    ``batch_size`` is the global batch per optimizer step (in one process; under ``torchrun``
+    the per-rank sizes come from ``batch_sizes``). ``accum`` splits each step into that many
+    micro-batches (gradient accumulation); the gradient is unchanged. Under ``torchrun``,
+    ``batch_sizes="auto"`` splits ``batch_size`` by each rank's memory (planned at start, the
+    same on every rank) and ``balance="speed"`` moves samples from slow ranks to fast ones at
+    step boundaries, the same samples per step (docs/balancing.md).
+
+    >>> TrainConfig(steps=10, amp="bf16").amp
+    'bf16'
+    """
+
+    steps: int = 100
+    batch_size: int = 32
+    batch_sizes: list[int] | Literal["auto"] | None = None  # per rank, torchrun; None: even
+    accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    activation_checkpointing: bool = False
+    oom_resplit: bool = True
+    strategy: Literal["ddp", "fsdp2"] = "ddp"  # under torchrun
+    out_dir: str | Path | None = None
+    checkpoint_every: int = 0  # 0: only at the end and on Ctrl-C
+    resume: bool = False
+    seed: int = 0
+    progress: bool = True
+    log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
+    prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
+    eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
+    balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
+    # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
+    max_nonfinite_steps: int = 3
+
+    def __post_init__(self) -> None:
+        validate_config(self)  # every field, at construction (evendp._training._train_inputs)
+        validate_balance(self.balance)
+        validate_batch_sizes_option(self.batch_sizes)
+        validate_int(
+            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=1,
+            example="max_nonfinite_steps=3",
+        )  # fmt: skip
+
+
+def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``model(x, y)`` when it returns a scalar loss, or the loss of ``(logits, loss)``.
+
+    >>> class NanoStyle(nn.Module):
+    ...     def forward(self, x, y):
+    ...         return x * 2, (x - y).abs().mean()
+    >>> default_loss(NanoStyle(), (torch.ones(2), torch.zeros(2)))
+    tensor(1.)
+    """
+    x, y = batch
+    out = model(x, y)
+    return out[1] if isinstance(out, tuple) else out
+
+
+class _LossModule(nn.Module):
+    """Runs ``loss_fn(model, batch)`` inside ``forward``; returns the loss *summed* over the
+    batch's counted items (``count_fn(batch)``, else its rows), exactly 0 (not NaN) with none.
+
+    So each replica, rank and micro-batch returns a sum, no logits are gathered, and the
+    step's loss is the sum of the sums over the step's global count, whatever the split.
+
+    >>> net = nn.Linear(2, 3)
+    >>> def loss_fn(model, batch):
+    ...     x, y = batch
+    ...     return nn.functional.cross_entropy(model(x), y)
+    >>> m = _LossModule(net, loss_fn, count_fn=lambda b: (b[1] != -100).sum())
+    >>> m(torch.ones(2, 2), torch.tensor([-100, -100]))  # no counted items: 0, not NaN
+    tensor(0., grad_fn=<WhereBackward0>)
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, count_fn: CountFn | None = None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.count_fn = count_fn
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        loss = checked_loss(self.loss_fn(self.model, batch))
+        count = _batch_len(batch) if self.count_fn is None else self.count_fn(batch)
+        if not isinstance(count, (int, float, torch.Tensor)):
+            count = torch.as_tensor(count)  # e.g. a NumPy integer
+        return weighted_sum(loss, count)
+
+
+def _keep_batchnorm_fp32(model: nn.Module) -> None:
+    # Autocast never casts parameters, so BatchNorm weights and running statistics stay fp32;
+    # feeding it fp32 inputs keeps its arithmetic (and the running stats' updates) in fp32 too.
+    def to_fp32(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.register_forward_pre_hook(to_fp32)
+
+
+def _apply_activation_checkpointing(model: nn.Module) -> None:
+    # Recompute each repeated block (the children of a ModuleList, e.g. transformer layers)
+    # in backward instead of keeping its activations. The wrapper keeps state_dict keys.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    if not repeated_blocks(model):
+        raise EvendpError(
+            "activation_checkpointing found no nn.ModuleList of blocks in the model; "
+            "hold the repeated layers in an nn.ModuleList or turn the option off"
+        )
+    apply_activation_checkpointing(model, check_fn=block_predicate(model))
+
+
+def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
+    """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
+
+    >>> _rows(torch.arange(6), [(0, 2), (3, 5)]), _rows(torch.arange(6), [(0, 2), (2, 4)])
+    (tensor([0, 1, 3, 4]), tensor([0, 1, 2, 3]))
+    """
+    ranges = [(a, b) for a, b in ranges if b > a]
+    if not ranges:  # an empty micro-step (a rank with no samples): zero rows, same layout
+        return map_tensors(batch, lambda t: t[:0] if t.dim() else t)
+    if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
+        start, stop = ranges[0][0], ranges[-1][1]
+        return map_tensors(batch, lambda t: t[start:stop])
+    index = torch.cat([torch.arange(a, b) for a, b in ranges])  # (samples,)
+    return map_tensors(batch, lambda t: t[index.to(t.device)])
+
+
+def _batch_len(batch: Batch) -> int:
+    n = batch_size(batch)
+    if n is None:
+        raise EvendpError(
+            f"cannot find the batch dimension of {type(batch).__name__}; return tensors with "
+            "the samples along dim 0 from the dataset (or its batch(indices) method)"
+        )
+    return n
+
+
+class Trainer:
+    """Train ``model`` on ``data`` with balanced DP (one process) or uneven DDP (torchrun).
+
+    Args:
+        model: on ``device_ids[0]`` (one process) or on this rank's device (DDP).
+        data: a map-style dataset; a ``batch(indices)`` method is used when present.
+        config: a :class:`TrainConfig`.
+        device_ids: one process: the device list for BalancedDataParallel (repeats are
+            virtual devices). DDP: ignored (the model's device is used). ``devices=`` is the
+            deprecated spelling.
+        weights: per-device weights for the split (``None``: even).
+        loss_fn: ``loss_fn(model, batch) -> mean loss``; default :func:`default_loss`.
+        count_fn: ``count_fn(batch) -> counted items`` (int or 0-dim tensor) that
+            ``loss_fn``'s mean is over, e.g. non-ignored tokens; ``None``: samples. Every
+            micro-batch and every device's share is then weighted by its count over the
+            step's global count, so the step's loss is the mean over all counted items
+            however the batch is cut; a share with no counted items adds exactly nothing.
+            ``count_fn`` must add up over rows (the count of a batch is the sum of its rows').
+        optimizer, scheduler: default AdamW(lr, weight_decay) and none.
+        costs: per-sample cost (a sequence, or a function of ``data[i]``: its length in
+            tokens) to split each step by padded cost, not by count (docs/balancing.md).
+            DDP: the sampler assigns the step's samples to ranks by cost. One process: the
+            step's rows are ordered so each device's contiguous share is its cost plan.
+            The step's samples and its gradient (weighted by ``count_fn``) are unchanged.
+        max_costs: with ``costs``, a cap per device (DDP: per rank) in cost units, e.g.
+            ``plan(..., seq_len=L).max_tokens``; a step that cannot fit raises EvendpError.
+        max_tokens: with ``costs``, each step's global batch is a token budget (fairseq's
+            ``max_tokens``): samples are taken while their summed cost fits, then split by
+            cost; ``config.batch_size``/``batch_sizes`` are then the capacities only.
+        counts: with ``count_fn``, each sample's counted items (a sequence, or a function of
+            ``data[i]``): what ``count_fn`` counts on that sample alone. The step's global
+            count is then their sum over the step's samples, known to every rank: under
+            DDP/FSDP2 no all-reduce per step (without it: one, overlapping the forward).
+        eval_data: a map-style dataset evaluated every ``config.eval_every`` steps and after
+            the last step (``eval_every=0``: only then), in order, every sample exactly once
+            over all devices and ranks, under ``torch.no_grad`` with the model in eval mode.
+            Results: ``TrainReport.eval``, the progress bar, ``report.json`` and the PNG.
+        eval_fn: ``eval_fn(model, batch) -> {name: (sum, count)}``; each metric is
+            ``total sum / total count``, exactly one device's over the whole set. Default:
+            ``{"loss": (loss_fn's mean x count, count)}``, counted by ``count_fn`` (else
+            the samples), as training weights the loss.
+        collate_fn: ``collate_fn(samples) -> batch`` for a dataset of samples that
+            ``default_collate`` cannot stack, e.g. variable-length sequences to pad;
+            default: ``data.batch(indices)`` when the dataset has it, else
+            ``default_collate``.
+
+    Batches: a dataset with a ``batch(indices) -> batch`` method builds each step's batch
+    itself from the step's sample indices (one call, no per-sample ``__getitem__``; e.g.
+    slicing a token tensor, or padding variable-length samples to the longest, as
+    :class:`evendp.examples.stdlib_text.CodeParagraphs` does). Without it, and without
+    ``collate_fn``, samples are stacked by ``default_collate``, which needs equal shapes.
+
+    With ``config.out_dir`` set, ``fit`` also writes the report there (``report.txt``,
+    ``report.json``, ``report.png``), as ``evendp train`` does.
+
+    >>> from evendp.examples.stdlib_text import CharWindows
+    >>> torch.manual_seed(0) and None
+    >>> data = CharWindows(torch.randint(0, 5, (200,)), block_size=4)
+    >>> class Bigram(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb = nn.Embedding(5, 5)
+    ...     def forward(self, x, y):
+    ...         return nn.functional.cross_entropy(self.emb(x).view(-1, 5), y.view(-1))
+    >>> cfg = TrainConfig(steps=5, batch_size=12, lr=0.1, progress=False)
+    >>> report = Trainer(Bigram(), data, cfg, device_ids=["cpu", "cpu"], weights=[2, 1]).fit()
+    >>> report.steps, [d.samples_per_step for d in report.devices]
+    (5, [8.0, 4.0])
+    >>> report.final_loss < report.first_loss
+    True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Dataset[Any],
+        config: TrainConfig,
+        *,
+        device_ids: list[str | int | torch.device] | None = None,
+        weights: list[float] | None = None,
+        loss_fn: LossFn = default_loss,
+        count_fn: CountFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        eval_data: Dataset[Any] | None = None,
+        eval_fn: EvalFn | None = None,
+        devices: Any = UNSET,
+        costs: Sequence[float] | Callable[[Any], float] | None = None,
+        collate_fn: Callable[[list[Any]], Batch] | None = None,
+        max_costs: Sequence[float] | None = None,
+        max_tokens: float | None = None,
+        counts: Sequence[float] | Callable[[Any], float] | None = None,
+    ) -> None:
+        device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
+        validate_trainer_args(
+            model, data, config, TrainConfig, loss_fn=loss_fn, count_fn=count_fn,
+            optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,
+            device_ids=device_ids, weights=weights,
+        )  # fmt: skip
+        self.config = config
+        self.model = model
+        self.data = data
+        self.count_fn = count_fn
+        if config.amp != "none":
+            _keep_batchnorm_fp32(model)
+        if config.activation_checkpointing:
+            _apply_activation_checkpointing(model)
+        self.strategy = strategy = _pick_strategy(model, config, device_ids, weights)
+        strategy.check_optimizer(optimizer)
+        self.rank, self.world = strategy.rank, strategy.world
+        self.device = strategy.device
+        # fp16 needs loss scaling so small gradients do not flush to zero; bf16 does not.
+        self.scaler = torch.amp.GradScaler(self.device.type) if config.amp == "fp16" else None
+        strategy.wrap(_LossModule(model, loss_fn, count_fn))
+        self.wrapped = strategy.wrapped
+        self.device_names = strategy.device_names
+        if max_costs is not None and costs is None:
+            raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
+        self.sampler, self.balancer = strategy.sampler(
+            data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
+            model=lambda: _LossModule(model, loss_fn, count_fn),
+            example=lambda: first_batch(data, collate_fn),
+        )  # fmt: skip
+        # The cost plan inside this process (one process: each device's contiguous share).
+        device_costs, self._max_costs = strategy.device_costs(costs, max_costs)
+        self._costs = sample_costs(data, self.sampler.num_samples, device_costs)
+        if counts is not None and count_fn is None:
+            raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
+        self._counts = sample_counts(data, self.sampler.num_samples, counts)
+        # A micro-batch cap per device, so an OOM shrinks only the failing share.
+        # oom_resplit=False: an OOM propagates, as in plain PyTorch.
+        self.guard = strategy.guard(config.oom_resplit)
+        # Built after wrapping: FSDP2 replaces the parameters with sharded ones.
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.scheduler = scheduler
+        # A dataset without batch(indices) is collated per sample; an empty share (a rank of
+        # size 0, or the short last step) gives zero-length tensors rather than an IndexError.
+        # An explicit collate_fn wins over the dataset's batch(indices).
+        batch_fn = getattr(data, "batch", None) if collate_fn is None else None
+        self._batch_fn: Callable[[list[int]], Batch] | None = (
+            batch_fn if callable(batch_fn) else None
+        )
+        self._collate = EmptySafeCollate(data, _validate_collate_fn(collate_fn))
+        self._pin = wants_pinning(self.strategy.devices)
+        # With a GPU the host is free while the device computes: collate ahead in a thread.
+        # CPU devices are the host's own cores: a thread only competes with them for the GIL
+        # (measured: +1.5 ms CPU per step on a 13 ms step), so there the loop collates inline.
+        self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
+        self._prefetch = inline_for_balance(self.balancer, config.prefetch, self._prefetch)
+        self._stand_in: Batch | None = None
+        self.state = TrainState(devices=len(self.device_names))
+        # What a resume must match: the same global batch keeps the remaining sample order.
+        global_batch = sum(self.sampler.batch_sizes)  # one process: config.batch_size
+        self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
+        out = config.out_dir
+        where = "" if out is None else f"; the last good checkpoint is in {out}"
+        self._nonfinite = NonFiniteSteps(config.max_nonfinite_steps, where)
+        #: The last step's micro-steps: per micro-step, the samples each device ran.
+        self.micro_steps: list[list[int]] = []
+        self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
+        self.eval_data = eval_data
+        self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
+        #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
+        self.evals: list[dict[str, Any]] = []
+
+    # The run's position lives in self.state; these read it under the old names.
+    step = property(lambda self: self.state.step)
+    losses = property(lambda self: self.state.losses)
+    samples = property(lambda self: self.state.samples)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """``out_dir/ckpt.pt``, or the ``out_dir/ckpt.dcp`` folder under FSDP2 (``None``: none)."""
+        out = self.config.out_dir
+        return None if out is None else Path(out) / self.strategy.checkpoint_name
+
+    def save(self) -> Path | None:
+        """Write a checkpoint now (every rank calls it); returns its path (``None`` on ranks > 0).
+
+        One process and DDP: rank 0 writes ``ckpt.pt``, the other ranks their RNG files.
+        FSDP2: every rank writes its shards into ``ckpt.dcp`` (torch.distributed.checkpoint).
+        """
+        path = self.checkpoint_path
+        if path is None:
+            return None
+        self.state.flush(self.strategy.reduce_losses)  # every rank saves: collectives pair
+        saved = self.strategy.save(self.state, path, self._checkpointed())
+        self._saved_step = self.state.step
+        return saved if self.rank == 0 else None
+
+    def resume(self) -> bool:
+        """Load the latest good checkpoint in ``out_dir``; False (a fresh start) if none.
+
+        Every rank calls it. Each rank's generators come back from its own state; a rank the
+        saved run did not have is reseeded from (seed, rank, step) with a warning.
+        """
+        path = self.checkpoint_path
+        if path is None:
+            return False
+        found = self.strategy.resume(
+            self.state, path, self._checkpointed(), reseed=self.config.seed * 1_000_003 + self.rank
+        )
+        if found:
+            self._saved_step = self.state.step
+            if self.rank == 0:
+                for note in self.state.notes:
+                    print(f"evendp: {note}", file=sys.stderr, flush=True)
+        return found
+
+    def _checkpointed(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "scheduler": self.scheduler,
+            "guard": self.guard,
+        }
+
+    # -- data --------------------------------------------------------------------------------
+
+    def collate(self, indices: list[int]) -> Batch:
+        """The batch of the samples ``indices``, as a step builds it (not yet placed)."""
+        if self._batch_fn is not None:
+            return self._batch_fn(indices)
+        return self._collate([self.data[i] for i in indices])
+
+    _collate_indices = collate  # the old internal name (evendp train's demo calls it)
+
+    def _prepare(self, epoch: int, skip: int) -> Iterator[Prepared]:
+        """Every step's batch from ``(epoch, skip)`` on, collated (and pinned) in order."""
+        # The sampler is deterministic in (seed, epoch): skipping the batches already trained
+        # puts a resumed run exactly where it stopped.
+        while True:
+            self.sampler.set_epoch(epoch)
+            for i, indices in enumerate(self.sampler):
+                if i < skip:
+                    continue
+                indices, shares = self._by_cost(list(indices))
+                batch = self.collate(indices)
+                if self._pin:
+                    batch = pin(batch)
+                # Every rank knows every rank's share: the global count needs no all-reduce.
+                counted = None
+                if self._counts is not None:  # per-sample counts: the same on every rank
+                    counted = sum(self._counts[j] for j in self.sampler.step_indices)
+                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares, counted)
+            epoch, skip = epoch + 1, 0
+
+    def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
+        """The step's indices ordered device by device as the cost plan assigns them, and
+        each device's rows (``None`` without costs: the strategy splits by weights)."""
+        capacities = self.strategy.shares(len(indices))
+        # One device has nothing to balance, but its cap (max_costs) is still checked.
+        if self._costs is None or (len(capacities) < 2 and self._max_costs is None):
+            return indices, None
+        try:
+            plan = split_by_cost(
+                [self._costs[i] for i in indices], capacities, max_costs=self._max_costs
+            )
+        except EvendpError as err:
+            raise EvendpError(f"a step of {len(indices)} samples: {err}") from None
+        return [indices[j] for share in plan for j in share], [len(share) for share in plan]
+
+    def _stand_in_for_empty(self) -> Batch:
+        """One real sample for a rank with no rows: models may reject an empty batch."""
+        if self._stand_in is None:
+            self._stand_in = self.strategy.place(self.collate([0]))
+        return self._stand_in
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def _evaluate(self) -> dict[str, float] | None:
+        """Evaluate ``eval_data`` now (on every rank: the sums meet in one gather); record it."""
+        data = self.eval_data
+        if data is None:
+            return None
+        batch_fn = getattr(data, "batch", None)
+        empty_safe = EmptySafeCollate(data)
+
+        def collate(indices: list[int]) -> Batch:
+            return (
+                batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
+            )
+
+        metrics = self.strategy.evaluate(
+            self.model, data, self.eval_fn, batch_sizes=list(self.sampler.batch_sizes),
+            collate=collate, autocast=self._autocast,
+        )  # fmt: skip
+        self.evals.append({"step": self.step, "metrics": metrics})
+        return metrics
+
+    def _eval_due(self) -> bool:
+        every, step = self.config.eval_every, self.step
+        return self.eval_data is not None and (
+            step == self.config.steps or bool(every and step % every == 0)
+        )
+
+    def _eval_text(self) -> str:
+        if not self.evals:
+            return ""
+        return "".join(f" val {k} {v:.4f}" for k, v in self.evals[-1]["metrics"].items())
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.amp == "none":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _step_weight(
+        self, batch: Batch, samples: int, counted: float | None = None
+    ) -> float | StepWeight:
+        """``world / the step's counted items over all processes``, before the first backward.
+
+        The samples, or per-sample ``counts=``, are known to every process (no collective);
+        a ``count_fn`` count is the strategy's to sum (:meth:`Strategy.count_weight`).
+        """
+        if counted is not None:  # from Trainer(counts=): every rank knows it
+            return float(mean_scale(counted, numerator=self.world))
+        if self.count_fn is None:
+            return float(mean_scale(samples, numerator=self.world))
+        local = torch.as_tensor(self._checked_count(self.count_fn, batch), dtype=torch.float64)
+        return self.strategy.count_weight(local.reshape(()))
+
+    def _checked_count(self, count_fn: CountFn, batch: Batch) -> int | torch.Tensor:
+        """``count_fn(batch)``, refused unless a whole number >= 0. Its value is read on the
+        CPU every step, on a GPU at the first step only (each read waits for the device)."""
+        count = count_fn(batch)
+        on_cpu = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
+        validate_count("count_fn(batch)", count, check_values=on_cpu or self.state.step == 0)
+        return count
+
+    def batch_loss(self, batch: Batch) -> torch.Tensor:
+        """The mean loss of this process's ``batch`` over its counted items, split over the
+        devices as a step splits it (forward only; ``backward()`` gives its gradient).
+
+        >>> from evendp.examples.stdlib_text import CharWindows
+        >>> data = CharWindows(torch.randint(0, 5, (50,)), block_size=4)
+        >>> bigram = lambda m, b: nn.functional.cross_entropy(m(b[0]).view(-1, 5), b[1].view(-1))
+        >>> t = Trainer(nn.Embedding(5, 5), data, TrainConfig(progress=False),
+        ...             device_ids=["cpu"] * 2, loss_fn=bigram)
+        >>> batch = t.collate([0, 1, 2])
+        >>> torch.allclose(t.batch_loss(batch), bigram(t.model, batch))
+        True
+        """
+        batch = self.strategy.place(batch)
+        n = _batch_len(batch)
+        weight = self._step_weight(batch, n)
+        with self._autocast():
+            total = self.strategy.forward(batch, self.strategy.shares(n))
+        scale = weight.wait() if isinstance(weight, StepWeight) else weight
+        return total * scale / self.world
+
+    def _train_step(
+        self,
+        batch: Batch,
+        samples: int,
+        planned: list[int] | None = None,
+        counted: float | None = None,
+    ) -> torch.Tensor | None:
+        """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
+
+        Returns the global batch's mean loss (on the device), or ``None`` when skipped (OOM).
+        """
+        strategy, guard = self.strategy, self.guard
+        n = _batch_len(batch)
+        batch = strategy.place(batch)
+        # Each device's share of this batch: consecutive samples starting at offsets[i].
+        shares = strategy.shares(n) if planned is None else planned  # planned: by cost
+        offsets = [sum(shares[:i]) for i in range(len(shares))]
+        accum = [math.ceil(s / self.config.accum) if s else None for s in shares]
+        attempt: list[list[int]] = []  # per micro-step, the samples each device ran
+
+        def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
+            """The loss summed over the counted items of this micro-step's rows."""
+            rows = [b - a for a, b in spans]
+            if guard.micro_step == 0:
+                attempt.clear()  # an OOM restarts the step from sample 0: count the last try
+            attempt.append(strategy.ran(rows))
+            last = guard.micro_step == guard.micro_step_count - 1
+            measured = self.balancer.measure(sum(rows))
+            if sum(rows) == 0:  # a rank with nothing left still runs: one stand-in sample
+                with strategy.sync(last), self._autocast(), measured:
+                    stand_in = strategy.forward(self._stand_in_for_empty(), strategy.shares(1))
+                summed = zero_weight(stand_in)  # joins backward and collectives with weight 0
+            else:
+                mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
+                with strategy.sync(last), self._autocast(), measured:
+                    summed = strategy.forward(_rows(batch, mine), rows).float()
+            if isinstance(weight, StepWeight):
+                weight.wait()  # the count's all-reduce ran during this forward
+            return summed
+
+        def backward(loss: torch.Tensor) -> None:
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+        weight = self._step_weight(batch, samples, counted)  # world / the global count
+        self.optimizer.zero_grad(set_to_none=True)
+        total = guard.run_shares(
+            shares,
+            chunk_loss,
+            weight=weight.value if isinstance(weight, StepWeight) else weight,
+            zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+            backward=backward,
+            micro_batch_sizes=accum,
+            summed=True,
+            consensus=strategy,
+        )
+        self.micro_steps = attempt
+        if total is None:
+            return None
+        strategy.reduce_gradients()
+        if not self._optimizer_step():  # a NaN/inf gradient: skipped, as GradScaler does
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.skipped += 1
+            return None
+        # The step's mean, or this rank's part of it (the strategy sums the parts when read).
+        return total / self.world
+
+    def _optimizer_step(self) -> bool:
+        """Clip and step; ``False`` (nothing updated) when the gradient is not finite."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
+        norm = gradient_norm(self.model, self.config.grad_clip)
+        # GradScaler has its own policy for inf gradients (it lowers the scale and skips).
+        if self.scaler is None and not self._nonfinite.ok(norm, self.state.step + 1):
+            return False
+        stepped = True
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # GradScaler skips the optimizer step on inf/NaN gradients and lowers its scale:
+            # then the learning-rate schedule must not advance either.
+            stepped = self.scaler.get_scale() >= scale
+        if self.scheduler is not None and stepped:
+            self.scheduler.step()
+        return True
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _samples_ran(self, stepped: bool) -> list[int]:
+        """Per device, the samples the last step trained (none when it was skipped)."""
+        if not stepped or not self.micro_steps:
+            return [0] * len(self.device_names)
+        return [sum(c) for c in zip(*self.micro_steps, strict=True)]
+
+    def _memory_text(self) -> str:
+        peaks = dict.fromkeys(
+            p for p in self.strategy.peak_memory() if p is not None
+        )  # virtual devices share one GPU: show it once
+        return " ".join(format_bytes(p) for p in peaks) if peaks else "-"
+
+    def _micro_text(self) -> str:
+        # Shown only once an OOM (or a resumed run) capped some device's micro-batches.
+        caps = self.guard.micro_batch_sizes
+        if all(c is None for c in caps):
+            return ""
+        return " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
+
+    def fit(self) -> TrainReport:
+        """Run until ``config.steps`` optimizer steps are done; return the report.
+
+        SIGINT or SIGTERM stops the run after the step in progress (under DDP/FSDP2 every rank
+        after the same step: the ranks agree on the flag each step), saves a checkpoint (when
+        ``out_dir`` is set) and returns the report so far with ``interrupted=True`` and the
+        signal's number in ``signal``. The previous signal handlers are back afterwards.
+        """
+        with self.strategy.run_lock(self.config.out_dir), StopFlag() as stop:
+            self.strategy.watch_stop(lambda: stop.signum)
+            return self._fit(stop)
+
+    def _fit(self, stop: StopFlag) -> TrainReport:
+        cfg, state = self.config, self.state
+        torch.manual_seed(cfg.seed + self.rank)
+        if cfg.resume:
+            self.resume()
+        start_step = state.step
+        # What ran before this call (a resumed checkpoint's counts) stays out of its report.
+        before = (list(state.samples), self.guard.skipped)
+        self.model.train()
+        # A signal during start-up (caught by the command line's flag) stops before step one.
+        signum: int | None = self.strategy.agree_stop()
+        show = cfg.progress and self.rank == 0
+        shown: float | None = None  # the loss on the bar, read on display steps only
+        started = time.perf_counter()
+        prepared = Prefetcher(
+            lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
+        )
+        bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
+        try:
+            with prepared as batches, bar:
+                while state.step < cfg.steps and signum is None:
+                    item = next(batches)
+                    state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
+                    loss = self._train_step(item.batch, item.samples, item.shares, item.counted)
+                    self.balancer.step()  # every rank alike: maybe a new split from next step
+                    state.step += 1
+                    # The loss is this process's part: reduce_losses makes it the step's.
+                    state.record(loss, self._samples_ran(loss is not None), local=True)
+                    # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
+                    # steps, the same on every rank; the report still gets every step's.
+                    due = cfg.progress and display_due(
+                        state.step, start_step, cfg.steps, cfg.log_every
+                    )
+                    if due:
+                        state.flush(self.strategy.reduce_losses)
+                        if show and loss is not None:
+                            shown = state.last_loss
+                    if self._eval_due():
+                        self._evaluate()
+                    text = self._memory_text() + self._micro_text() if show else ""
+                    bar.update(
+                        state.step,
+                        None if loss is None else shown,
+                        item.samples,
+                        text + self._eval_text(),
+                    )
+                    if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                        self.save()
+                    # Between steps, on every rank alike: the step is whole, the ranks agree.
+                    signum = self.strategy.agree_stop()
+        except KeyboardInterrupt as error:
+            # Not from a signal while the flag is active (those only set it): raised by the
+            # program itself or outside the main thread. One process stops with SIGINT (the
+            # step it cut is not counted); across ranks it propagates.
+            signum = self.strategy.interrupted(error)
+        elapsed = time.perf_counter() - started
+        signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
+        if state.step != self._saved_step:  # never a second save of the same step
+            self.save()
+        report = self._report(state.step - start_step, elapsed, signum, before)
+        # The same files evendp train writes; a resumed run that had nothing left to do
+        # leaves the report it finished with untouched.
+        if cfg.out_dir is not None and self.rank == 0 and state.step != start_step:
+            write_report(report, cfg.out_dir)
+        return report
+
+    def _report(
+        self, steps_run: int, elapsed: float, signum: int | None, before: tuple[list[int], int]
+    ) -> TrainReport:
+        """This call's figures: samples per device per step, throughput and time count only
+        the steps it ran (``before``: the samples and skipped steps it started from)."""
+        self.state.flush(self.strategy.reduce_losses)
+        samples = [a - b for a, b in zip(self.state.samples, before[0], strict=True)]
+        samples = self.strategy.reduce_samples(samples)  # each rank counted only its own
+        # Skipped steps trained no samples.
+        done = max(steps_run - (self.guard.skipped - before[1]), 1)
+        peaks = self.strategy.peak_memory()
+        stats = [
+            DeviceStat(name, samples[i] / done, peaks[i])
+            for i, name in enumerate(self.device_names)
+        ]
+        per_step = sum(s.samples_per_step for s in stats)
+        return TrainReport(
+            devices=stats,
+            losses=self.state.losses,
+            steps=self.state.step,
+            steps_run=steps_run,
+            global_batch=round(per_step),
+            samples_per_s=sum(samples) / max(elapsed, 1e-9),
+            elapsed_s=elapsed,
+            resplits=self.guard.resplits,
+            skipped_steps=self.guard.skipped,
+            micro_batch_size=self.guard.micro_batch_size,
+            interrupted=signum is not None,
+            mode=self.strategy.name,
+            amp=self.config.amp,
+            signal=signum,
+            eval=list(self.evals),
+        )
+
+
+def _validate_collate_fn(collate_fn: Any) -> Any:
+    if collate_fn is not None and not callable(collate_fn):
+        raise EvendpError(
+            f"collate_fn must be a function samples -> batch, got {collate_fn!r}; e.g. "
+            "collate_fn=CodeParagraphs.collate of a padded dataset"
+        )
+    return collate_fn
+
+
+def _pick_strategy(
+    model: nn.Module,
+    config: TrainConfig,
+    device_ids: list[str | int | torch.device] | None,
+    weights: list[float] | None,
+) -> Strategy:
+    """The one place that maps the configuration to a way of running a step."""
+    return pick_strategy(
+        model, strategy=config.strategy, oom_resplit=config.oom_resplit, accum=config.accum,
+        blocks=lambda: repeated_blocks(model), device_ids=device_ids, weights=weights,
+    )  # fmt: skip
+
+
+_validate_fsdp2 = refuse_prebuilt_optimizer  # the old internal name

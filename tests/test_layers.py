@@ -1,0 +1,116 @@
+"""The package's layers: every module imports only the layers below it (docs/architecture.md).
+
+The layers, bottom up, are the subpackages of ``evendp``; a module may import its own
+subpackage and any lower layer, never a higher one, and never a sibling layer of the same
+rank. Lazy imports inside functions count too: a deferred import is still a dependency.
+Imports under ``if TYPE_CHECKING:`` count as well, so type hints cannot hide a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import evendp
+
+SRC = Path(evendp.__file__).parent
+
+# rank of each top-level part of the package, bottom up
+LAYERS: dict[str, int] = {
+    "_core": 0,  # errors, validation, sizes, the exactness core
+    "examples": 1,  # the demo models the CLI trains (import _core only)
+    "_distributed": 1,  # process group, counts across ranks, sampler, stop agreement
+    "_planning": 2,  # devices, memory, planner, speed, launch plans
+    "_parallel": 3,  # one process: scatter, replicas, BalancedDataParallel, predict
+    "_training": 4,  # strategies, Trainer, OOM, checkpoints, state, report
+    "__init__": 5,  # the public face, evendp/__init__.py
+    "__main__": 8,  # python -m evendp
+    "integrations": 6,  # adapters over the public face
+    "cli": 7,  # the command line
+}
+
+
+def part_of(module: str) -> str:
+    """The layer key of a dotted module name inside evendp (``evendp`` alone is the face)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """``(line, dotted module)`` of every evendp import in ``path``, relative ones resolved."""
+    me = module_name(path, root)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "evendp"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "evendp":
+                found.append((node.lineno, target))
+    return found
+
+
+# The one allowed exception: the face's first line answers `evendp --version` and `--help`
+# before torch is imported (evendp.cli._fast needs only the standard library).
+ALLOWED = {("evendp", "evendp.cli._fast")}
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Every import in the tree under ``root`` that reaches a higher or sibling layer."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        me = module_name(path, root)
+        mine = part_of(me)
+        for line, target in imported_modules(path, root):
+            theirs = part_of(target)
+            if theirs == mine or (me, target) in ALLOWED:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                bad.append(f"{path.relative_to(root.parent)}:{line} ({mine}) imports {target}")
+    return bad
+
+
+def test_every_module_has_a_layer() -> None:
+    tops = {p.stem if p.is_file() else p.name for p in SRC.iterdir()}
+    tops = {t for t in tops if t.endswith((".py",)) or not t.startswith(("py.", "__pycache__"))}
+    missing = {t for t in tops if t not in LAYERS and t not in {"py", "__pycache__"}}
+    assert not missing, f"modules outside every layer: {sorted(missing)}"
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    assert upward_imports(SRC) == []
+
+
+def test_the_check_fails_on_an_upward_import(tmp_path: Path) -> None:
+    """The checker itself: a core module importing training code is reported."""
+    root = tmp_path / "evendp"
+    for pkg in ("_core", "_training"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "_training" / "_trainer.py").write_text("from .._core._split import split_sizes\n")
+    (root / "_core" / "_split.py").write_text("def f():\n    from .._training import _trainer\n")
+    assert upward_imports(root) == ["evendp/_core/_split.py:2 (_core) imports evendp._training"]
+
+
+@pytest.mark.parametrize("name", evendp.__all__)
+def test_public_names_keep_reporting_the_package(name: str) -> None:
+    obj = getattr(evendp, name)
+    if isinstance(obj, type) or callable(obj):
+        assert obj.__module__ == "evendp"
