@@ -177,10 +177,11 @@ def test_token_budget_steps_equal_one_process(ranks: list[dict[str, Any]]) -> No
 
 def test_one_process_and_bad_options() -> None:
     sampler = evendp.UnevenBatchSampler(8, [8], rank=0)
-    assert isinstance(
-        evendp.Trainer(Net(), _data(8), _config(balance="speed"), device_ids=["cpu"]).balancer,
-        NoBalance,
-    )  # one process: no ranks to balance
+    with pytest.warns(UserWarning, match="balance='speed' is ignored in one process"):
+        trainer = evendp.Trainer(
+            Net(), _data(8), _config(balance="speed", batch_size=8), device_ids=["cpu"]
+        )
+    assert isinstance(trainer.balancer, NoBalance)  # one process: no ranks to balance
     assert rank_batch_sizes(None, 9, 2, model=Net, example=list) == ([5, 4], None)
     assert sampler.batch_sizes == [8]
     with pytest.raises(evendp.EvendpError, match="balance='fast' is not a balance"):

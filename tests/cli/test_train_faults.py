@@ -22,7 +22,7 @@ import torch
 
 from evendp.cli import main
 
-STEPS, EVERY = 80, 2
+STEPS, EVERY = 300, 2  # long enough that no segment ends before its signal lands
 ARGS = [
     "--mode", "ddp", "--devices", "cpu,cpu", "--batch", "8", "--steps", str(STEPS),
     "--checkpoint-every", str(EVERY), "--no-progress", "--n-layer", "1", "--n-embd", "16",

@@ -80,8 +80,9 @@ def validate_batch_sizes_option(batch_sizes: object, name: str = "batch_sizes") 
     """
     if isinstance(batch_sizes, str) and batch_sizes != "auto":
         raise EvendpError(
-            f"{name}={batch_sizes!r}: expected 'auto' (planned from each rank's memory), a list "
-            "of per-rank sizes like [3, 5], or None (an even split)"
+            f"{name} must be a list of ints >= 0 or None, got {batch_sizes!r}; expected 'auto' "
+            "(planned from each rank's memory), a list of per-rank sizes like [3, 5], or None "
+            "(an even split)"
         )
 
 

@@ -4,8 +4,10 @@ As ``torch.amp.GradScaler`` does for inf/NaN gradients, the optimizer does not s
 gradient's norm is not finite (NaN or inf in the loss or in any gradient), so the weights stay
 those of the last good step. A run whose gradient stays non-finite for ``limit`` steps in a row
 is not going to recover: it stops with :class:`TrainingError` (exit 1) and one line, never
-"exit 0 with NaN weights". The norm is the one gradient clipping computes anyway; it is equal
-on every rank once the gradients are reduced, so every rank takes the same decision.
+"exit 0 with NaN weights". The norm is the one gradient clipping computes (computed for this
+check alone without clipping); reading it costs one host sync per step, which
+``TrainConfig(max_nonfinite_steps=0)`` turns off. It is equal on every rank once the
+gradients are reduced, so every rank takes the same decision.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class NonFiniteSteps:
 
     def ok(self, norm: torch.Tensor | float, step: int) -> bool:
         """Whether the step with this gradient ``norm`` may update the weights."""
-        if math.isfinite(float(norm)):  # one host sync: the norm clipping computed anyway
+        if math.isfinite(float(norm)):  # one host sync per step
             self.in_a_row = 0
             return True
         self.in_a_row += 1

@@ -145,12 +145,20 @@ def validate_batch_fits(data: Any, batch_sizes: Sequence[int], distributed: bool
 
 
 def warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
-    """One process splits ``batch_size`` by device weights; ``batch_sizes`` is per rank."""
+    """One process splits ``batch_size`` by device weights; ``batch_sizes`` and ``balance``
+    are per rank (torchrun): a warning says so when they are set in one process."""
     if config.batch_sizes is not None and not distributed:
         warnings.warn(
             f"batch_sizes={config.batch_sizes} is ignored in one process: it sets each rank's "
             f"share under torchrun; here batch_size={config.batch_size} is split across "
             "device_ids by weights",
+            UserWarning,
+            stacklevel=3,
+        )
+    if config.balance != "none" and not distributed:
+        warnings.warn(
+            f"balance={config.balance!r} is ignored in one process: it moves samples between "
+            "ranks under torchrun; here the split across device_ids is set by weights",
             UserWarning,
             stacklevel=3,
         )

@@ -111,15 +111,16 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
     balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
     # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
+    # The check reads the gradient norm on the host once per step; 0 turns it off.
     max_nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
+        validate_batch_sizes_option(self.batch_sizes)  # a string other than "auto"
         validate_config(self)  # every field, at construction (evendp._training._train_inputs)
         validate_balance(self.balance)
-        validate_batch_sizes_option(self.batch_sizes)
         validate_int(
-            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=1,
-            example="max_nonfinite_steps=3",
+            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=0,
+            example="max_nonfinite_steps=3 (0: no check, no host sync per step)",
         )  # fmt: skip
 
 
@@ -647,10 +648,13 @@ class Trainer:
         """Clip and step; ``False`` (nothing updated) when the gradient is not finite."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
-        norm = gradient_norm(self.model, self.config.grad_clip)
         # GradScaler has its own policy for inf gradients (it lowers the scale and skips).
-        if self.scaler is None and not self._nonfinite.ok(norm, self.state.step + 1):
-            return False
+        if self.scaler is None and self.config.max_nonfinite_steps:
+            norm = gradient_norm(self.model, self.config.grad_clip)
+            if not self._nonfinite.ok(norm, self.state.step + 1):
+                return False
+        elif self.config.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         stepped = True
         if self.scaler is None:
             self.optimizer.step()

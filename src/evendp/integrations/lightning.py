@@ -183,9 +183,12 @@ class UnevenGradient(pl.Callback):
         weight: int | torch.Tensor = self._batch if self.reduction == "mean" else 1
         if isinstance(self._batch, int) and self._batch == 0:
             weight = 0  # a stand-in (or empty) share: weight exactly 0
+        # torch.where, not a product: a NaN mean of a share with no counted item times 0 is NaN.
+        counted = torch.as_tensor(weight, device=loss.device) > 0
         with torch.no_grad():
-            self._sum = self._sum + loss.detach().double() * unscale * weight
-        loss.mul_(weight)
+            part = loss.detach().double() * unscale * weight
+            self._sum = self._sum + torch.where(counted, part, torch.zeros_like(part))
+        loss.copy_(torch.where(counted, loss * weight, torch.zeros_like(loss)))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
