@@ -98,7 +98,7 @@ def step_env(dry: bool) -> dict[str, Any]:
 
 def step_gpu_tests(dry: bool) -> dict[str, Any]:
     # Dry: the same selection, where every gpu-marked test skips; proves the marker collects.
-    paths = ["tests/test_dp.py", "tests/test_trainer.py"] if dry else ["tests"]
+    paths = ["tests/parallel/test_dp.py", "tests/training/test_trainer.py"] if dry else ["tests"]
     out = _run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *paths], 240
     )

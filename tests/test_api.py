@@ -137,7 +137,7 @@ def test_select_devices_old_ids_keyword_warns() -> None:
     if torch.cuda.is_initialized():
         pytest.skip("select_devices refuses once CUDA runs")
     saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
-    from tests.test_devices import FakeGpu, FakeNvml, GiB
+    from tests.planning.test_devices import FakeGpu, FakeNvml, GiB
 
     nvml = FakeNvml([FakeGpu("A", 16 * GiB, 1 * GiB), FakeGpu("B", 16 * GiB, 2 * GiB)])
     try:

@@ -27,7 +27,7 @@ from torch import nn
 
 import evendp
 from evendp import EvendpError
-from tests.test_devices import FakeGpu, FakeNvml, GiB
+from tests.planning.test_devices import FakeGpu, FakeNvml, GiB
 
 # The usual mistakes; some are valid for some arguments (then the call must simply work).
 JUNK: list[Any] = [

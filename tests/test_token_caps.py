@@ -16,7 +16,7 @@ from evendp import EvendpError, TrainConfig, Trainer, UnevenBatchSampler, plan
 from evendp._core._cost import padded_cost
 from evendp._planning._measure import at_width, profile_step
 from evendp._planning._solve import _Curve, _Model, _solve, _token_fit
-from tests.test_trainer_cost import Lines, TokenLM, tokens
+from tests.training.test_trainer_cost import Lines, TokenLM, tokens
 
 GiB = 2**30
 L = 64  # the longest row: the width the caps are planned at

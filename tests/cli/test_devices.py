@@ -8,7 +8,7 @@ import pytest
 
 import evendp._planning._devices as devices_mod
 from evendp.cli import main
-from tests.test_devices import FakeNvml, mixed_gpus
+from tests.planning.test_devices import FakeNvml, mixed_gpus
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, stub: FakeNvml) -> None:

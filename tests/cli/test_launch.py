@@ -18,7 +18,7 @@ from torch import nn
 import evendp._planning._devices as devices_mod
 from evendp._distributed._sampler import UnevenBatchSampler
 from evendp.cli import main
-from tests.test_devices import FakeNvml
+from tests.planning.test_devices import FakeNvml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_uneven.py"

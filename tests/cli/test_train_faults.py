@@ -233,7 +233,7 @@ def test_the_interrupt_sweep_at_the_edges(
 def test_a_run_into_a_live_runs_folder_refuses_naming_the_holder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.test_run_lock import _holder
+    from tests.distributed.test_run_lock import _holder
 
     live = _holder(tmp_path)
     try:

@@ -13,7 +13,7 @@ from torch import nn
 
 from evendp._training._checkpoint import _set_rng_state, load_checkpoint
 from evendp._training._trainer import TrainConfig, Trainer
-from tests.test_trainer import TinyLM, _data
+from tests.training.test_trainer import TinyLM, _data
 
 
 def _trainer(out: Path, devices: int, steps: int, **kw: Any) -> Trainer:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from evendp import TrainConfig, Trainer
 from evendp._distributed._step_cost import StepWeight, display_due
 from tests._helpers import run_ranks
-from tests.test_trainer_cost import Lines, TokenLM, tokens
+from tests.training.test_trainer_cost import Lines, TokenLM, tokens
 
 STEPS, LOG_EVERY = 12, 5
 SIZES = [3, 5]

@@ -21,7 +21,7 @@ from evendp._core._errors import PlanError
 from evendp._core._split import split_sizes
 from evendp._planning import _planner
 from evendp._planning._solve import _capped_even_split, _largest, _Model, _solve
-from tests.test_plan_solve import KiB, _model
+from tests.planning.test_plan_solve import KiB, _model
 
 
 def _reference(model: _Model, budgets: list[int], batch: int | None) -> dict[str, list[int]]:

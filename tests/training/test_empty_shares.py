@@ -3,7 +3,7 @@
 A device whose share has no rows (weight 0) and a device whose rows count no label both add
 exactly nothing: the gradient through BalancedDataParallel, ParallelCriterion and the Trainer
 equals one device's on the whole batch (rel 1e-5). The ranks' side (DDP, FSDP2) is in
-tests/test_strategy.py's shared gloo spawn.
+tests/training/test_strategy.py's shared gloo spawn.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from evendp._distributed._group import finish_distributed, init_distributed
 from evendp._training._trainer import TrainConfig, Trainer
-from tests.test_trainer import TinyLM, _data
+from tests.training.test_trainer import TinyLM, _data
 
 
 def test_a_ddp_run_warns_nothing_from_torch() -> None:

@@ -18,7 +18,7 @@ from evendp._core._errors import EvendpError, PlanError
 from evendp._distributed._sampler import UnevenBatchSampler, batch_sizes_from_env
 from evendp._planning._launch import launch, plan_launch, torchrun_command
 from evendp._planning._speed import SpeedBalancer
-from tests.test_devices import FakeGpu, FakeNvml, GiB
+from tests.planning.test_devices import FakeGpu, FakeNvml, GiB
 
 
 def gpus() -> FakeNvml:

@@ -1,6 +1,6 @@
 """``evendp.predict`` in one process: a tiny BERT's features over 53 padded samples on three
 uneven virtual devices equal one device's, in dataset order (the gloo ranks' version runs in
-tests/test_eval_gloo.py, sharing one spawn with the evaluation checks)."""
+tests/training/test_eval_gloo.py, sharing one spawn with the evaluation checks)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_the_processes_a_run_starts_join_its_lock_and_a_resume_waits_for_them(
 
 
 def test_the_trainer_refuses_a_folder_another_run_writes_to(tmp_path: Path) -> None:
-    from tests.test_nonfinite import _trainer
+    from tests.training.test_nonfinite import _trainer
 
     proc = _holder(tmp_path)
     try:

@@ -3,7 +3,7 @@ talks.
 
 Without a GPU, the NCCL paths are checked with a backend reported as "nccl" and collectives
 patched to record where their tensors live; the multi-process (gloo) checks of exact
-gradients live in tests/test_distributed_gloo.py.
+gradients live in tests/distributed/test_distributed_gloo.py.
 """
 
 from __future__ import annotations

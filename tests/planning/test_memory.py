@@ -17,7 +17,7 @@ from evendp._planning._memory import DeviceMemory, live_memory, parse_memory
 from evendp._planning._plan import auto_weights, plan, profile_step
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.lm_head import LMHead, lm_loss
-from tests.test_devices import FakeGpu, FakeNvml, GiB
+from tests.planning.test_devices import FakeGpu, FakeNvml, GiB
 
 
 def test_parse_memory_entries() -> None:

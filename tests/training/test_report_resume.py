@@ -16,7 +16,7 @@ from evendp._core._split import split_sizes
 from evendp._training._report import TrainReport
 from evendp._training._trainer import TrainConfig, Trainer
 from tests._helpers import run_ranks
-from tests.test_trainer import TinyLM, _data
+from tests.training.test_trainer import TinyLM, _data
 
 BATCH = 12
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from evendp import TrainConfig, Trainer, UnevenBatchSampler, predict
 from tests._helpers import run_ranks
-from tests.test_eval import (
+from tests.training.test_eval import (
     N_EVAL,
     lm_count,
     lm_loss,
@@ -33,7 +33,7 @@ from tests.test_eval import (
     one_device,
     tiny_gpt2,
 )
-from tests.test_predict import one_device_features, padded_samples, tiny_bert
+from tests.parallel.test_predict import one_device_features, padded_samples, tiny_bert
 
 pytestmark = pytest.mark.multiprocess
 

@@ -2,7 +2,7 @@
 count) over 101 samples on three uneven virtual devices equals one device's over all 101.
 
 The same checks on three gloo ranks (and the padded ``DistributedSampler`` they must beat)
-run in tests/test_eval_gloo.py; the shared workload lives here.
+run in tests/training/test_eval_gloo.py; the shared workload lives here.
 """
 
 from __future__ import annotations
