@@ -1,7 +1,7 @@
 """UnevenBatchSampler, batch-size parsing and EmptySafeCollate (evendp._distributed._sampler).
 
-The loss helpers and starting a rank are tests/distributed/test_distributed.py; the multi-process (gloo)
-checks of exact gradients live in tests/distributed/test_distributed_gloo.py.
+The loss helpers and starting a rank are tests/distributed/test_distributed.py; the
+multi-process (gloo) checks of exact gradients live in tests/distributed/test_distributed_gloo.py.
 """
 
 from __future__ import annotations

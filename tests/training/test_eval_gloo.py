@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from evendp import TrainConfig, Trainer, UnevenBatchSampler, predict
 from tests._helpers import run_ranks
+from tests.parallel.test_predict import one_device_features, padded_samples, tiny_bert
 from tests.training.test_eval import (
     N_EVAL,
     lm_count,
@@ -33,7 +34,6 @@ from tests.training.test_eval import (
     one_device,
     tiny_gpt2,
 )
-from tests.parallel.test_predict import one_device_features, padded_samples, tiny_bert
 
 pytestmark = pytest.mark.multiprocess
 
