@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evendp._training._oom import OomResplit, is_oom_error
+from evendp._core._oom_errors import is_oom_error
+from evendp._training._oom import OomResplit
 
 # Messages as torch, cuBLAS, cuDNN, cuFFT, the CUDA runtime and NCCL word them.
 OOM_MESSAGES = [

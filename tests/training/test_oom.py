@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from evendp._core._errors import EvendpError
+from evendp._distributed._group import all_reduce_gradients
 from evendp._parallel._dp import BalancedDataParallel
-from evendp._training._oom import OomResplit, all_reduce_gradients
+from evendp._training._oom import OomResplit
 from tests._helpers import OomInBackward, run_ranks
 
 N = 12

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evendp._training._oom import all_reduce_gradients
+from evendp._distributed._group import all_reduce_gradients
 from evendp._training._trainer import TrainConfig, Trainer
 from tests._helpers import run_ranks, tiny_gpt2_config
 

@@ -253,6 +253,11 @@ class BalancedDataParallel(nn.Module):
         """
         self._replica_context = _validate_callable("hook", hook)
 
+    @property
+    def replica_context(self) -> Callable[[int], contextlib.AbstractContextManager[Any]] | None:
+        """The hook each replica's forward runs inside (:meth:`set_replica_context`)."""
+        return self._replica_context
+
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
         return split_sizes(total, self._weights or [1.0] * len(self.device_ids))

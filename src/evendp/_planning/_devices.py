@@ -29,7 +29,6 @@ __all__ = [
     "NvmlUnavailableError",
     "choose_devices",
     "list_devices",
-    "parse_bytes",
     "select_devices",
 ]
 

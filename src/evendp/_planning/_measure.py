@@ -94,9 +94,6 @@ class _Handoff(torch.autograd.Function):
         return tuple(torch.ones(shape, dtype=dtype) for shape, dtype in ctx.meta)
 
 
-_call = call  # the old internal name (the CLI's --model check calls it)
-
-
 def _loss_of(output: Any) -> torch.Tensor:
     """The loss a model computed in ``forward`` (its first floating scalar), else a stand-in
     (mean of every floating output) whose backward allocates the same gradients."""

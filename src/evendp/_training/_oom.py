@@ -38,9 +38,9 @@ from .._core._errors import EvendpError
 from .._core._exact import weighted_sum
 from .._core._oom_errors import device_index_of, is_oom_error
 from .._core._validate import is_int, validate_int
-from .._distributed._group import all_reduce_gradients, comm_device, world_size
+from .._distributed._group import comm_device, world_size
 
-__all__ = ["OomResplit", "StepConsensus", "all_reduce_gradients", "is_oom_error"]
+__all__ = ["OomResplit", "StepConsensus"]
 
 
 class StepConsensus(Protocol):

@@ -450,8 +450,6 @@ class Trainer:
             return self._batch_fn(indices)
         return self._collate([self.data[i] for i in indices])
 
-    _collate_indices = collate  # the old internal name (evendp train's demo calls it)
-
     def _prepare(self, epoch: int, skip: int) -> Iterator[Prepared]:
         """Every step's batch from ``(epoch, skip)`` on, collated (and pinned) in order."""
         # The sampler is deterministic in (seed, epoch): skipping the batches already trained

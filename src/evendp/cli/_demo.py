@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._core._errors import EvendpError
-from .._training._oom import is_oom_error
+from .._core._oom_errors import is_oom_error
 
 __all__: list[str] = []
 
@@ -122,7 +122,7 @@ def _first_batch(trainer: Any) -> Any:
     sampler = trainer.sampler
     sampler.set_epoch(0)
     indices = list(next(iter(sampler)))
-    return trainer._collate_indices(indices)
+    return trainer.collate(indices)
 
 
 def _print_exactness_check(trainer: Any, batch: Any) -> None:
@@ -167,11 +167,12 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
 
     # The Trainer's own split loss: the mean over every real character of the batch.
     # A check of the arithmetic, not of memory: the budgets (if any) stay out of it.
-    hook, trainer.wrapped._replica_context = trainer.wrapped._replica_context, None
+    hook = trainer.wrapped.replica_context
+    trainer.wrapped.set_replica_context(None)
     try:
         balanced = gradient(lambda: trainer.batch_loss(batch))
     finally:
-        trainer.wrapped._replica_context = hook
+        trainer.wrapped.set_replica_context(hook)
     one_device = gradient(lambda: trainer.model(*batch)[1])
     for p in params:
         p.grad = None

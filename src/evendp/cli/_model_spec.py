@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .._core._errors import EvendpError
-from .._planning._devices import parse_bytes
+from .._core._units import parse_bytes
 from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
 from ._args import bounded_float, bounded_int
 
@@ -253,7 +253,7 @@ def _probe_call(
     that disagree get one line saying what was called with what, not a deep TypeError."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .._planning._measure import _call
+    from .._core._calls import call as _call
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         try:

@@ -195,8 +195,8 @@ def _no_gpus(gpu_ids: list[int] | None) -> bool:
 
 def _validate_texts(args: argparse.Namespace) -> None:
     """Free-text options, read now so a bad one is named by its flag even where unused."""
+    from .._core._units import parse_bytes
     from .._distributed._sampler import parse_batch_sizes
-    from .._planning._devices import parse_bytes
     from .._planning._memory import parse_memory
 
     checks: list[tuple[str, str | None, Callable[[str], object], str]] = [

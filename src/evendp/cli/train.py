@@ -65,7 +65,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     from evendp._core._errors import EvendpError
-    from evendp._training._oom import is_oom_error
+    from evendp._core._oom_errors import is_oom_error
     from evendp.cli._train_args import (
         _is_launched_rank,
         _resume_check,
