@@ -59,3 +59,36 @@ def test_the_light_help_matches_the_subcommands() -> None:
         return {c.dest: c.help for c in sub._choices_actions}
 
     assert helps(build_parser(light=True)) == helps(build_parser()) == _HELP
+
+
+def test_a_signal_while_torch_loads_is_kept_for_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`evendp train`: SIGINT during the package's imports is caught (no KeyboardInterrupt
+    traceback) and handed to the command line's stop flag, which stops the run at once."""
+    import signal
+
+    from evendp._distributed._interrupt import StopFlag
+    from evendp.cli import _fast
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(sys, "argv", ["evendp", "train", "--steps", "3"])
+    try:
+        _fast.answer_without_torch()  # what the face's first line does for this command
+        early = signal.getsignal(signal.SIGINT)
+        assert isinstance(getattr(early, "__self__", None), _fast.EarlyStop)
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt without it
+        with StopFlag() as flag:
+            assert flag.signum == signal.SIGINT and flag.is_set
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_program_importing_evendp_keeps_its_own_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from evendp.cli import _fast
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(sys, "argv", ["my_script.py", "train"])
+    _fast.answer_without_torch()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -9,10 +9,13 @@ evendp``) and exits; every other import, and every other command line, goes on a
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
-__all__ = ["answer_without_torch", "is_light"]
+__all__ = ["EarlyStop", "answer_without_torch", "is_light"]
 
 #: Command lines that need neither torch nor a subcommand's module.
 LIGHT: tuple[list[str], ...] = (["--version"], ["--help"], ["-h"])
@@ -35,10 +38,35 @@ def _is_evendp_command() -> bool:
     return Path(sys.argv[0]).name in ("evendp", "evendp.exe")
 
 
-def answer_without_torch() -> None:
-    """Answer ``evendp --version`` / ``--help`` and exit; return at once otherwise."""
-    if not (is_light(sys.argv[1:]) and _is_evendp_command()):
-        return
-    from . import main
+#: The commands that run training: a signal while torch loads must stop them cleanly too.
+RUNS = ("train", "launch")
 
-    sys.exit(main(sys.argv[1:]))
+
+class EarlyStop:
+    """SIGINT/SIGTERM caught while the package loads (torch takes seconds): kept, not a
+    KeyboardInterrupt traceback. The command line's stop flag takes the signal over when it
+    starts (it reads ``signum`` of the handler it replaces), and the run stops at once."""
+
+    signum: int | None = None
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = self.signum or signum
+
+
+def answer_without_torch() -> None:
+    """Answer ``evendp --version`` / ``--help`` and exit; for ``evendp train`` and ``evendp
+    launch``, catch SIGINT/SIGTERM from now on; return at once for everything else."""
+    if not _is_evendp_command():
+        return
+    if is_light(sys.argv[1:]):
+        from . import main
+
+        sys.exit(main(sys.argv[1:]))
+    if (
+        sys.argv[1:2]
+        and sys.argv[1] in RUNS
+        and threading.current_thread() is threading.main_thread()
+    ):
+        early = EarlyStop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, early.handle)
