@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._deprecation import REMOVAL, UNSET
+from .._core._exact import weighted_sum
 from .._distributed._group import comm_device
 from .._planning._balance import NoBalance, step_balancer
 from ._epoch import RelayedBatchSampler
@@ -183,12 +184,10 @@ class UnevenGradient(pl.Callback):
         weight: int | torch.Tensor = self._batch if self.reduction == "mean" else 1
         if isinstance(self._batch, int) and self._batch == 0:
             weight = 0  # a stand-in (or empty) share: weight exactly 0
-        # torch.where, not a product: a NaN mean of a share with no counted item times 0 is NaN.
-        counted = torch.as_tensor(weight, device=loss.device) > 0
+        # The exact core's weighting: a share with no counted item adds 0, never NaN x 0.
         with torch.no_grad():
-            part = loss.detach().double() * unscale * weight
-            self._sum = self._sum + torch.where(counted, part, torch.zeros_like(part))
-        loss.copy_(torch.where(counted, loss * weight, torch.zeros_like(loss)))
+            self._sum = self._sum + weighted_sum(loss.detach().double() * unscale, weight)
+        loss.copy_(weighted_sum(loss, weight))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
