@@ -10,6 +10,7 @@ exact loss: equal to one process on the same global batches.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -68,6 +69,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         "counts": _fit_recording(Path(out) / "counts", progress=True, rank=rank, counts=LENGTHS),
     }
     torch.save(found, Path(out) / f"rank{rank}.pt")
+    # The trainers' DDP wrappers hold the group (reference cycles keep them until a collection):
+    # free them while the group is alive, so gloo's threads never end in a late teardown.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
