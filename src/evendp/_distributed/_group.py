@@ -14,6 +14,7 @@ the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean i
 
 from __future__ import annotations
 
+import gc
 import numbers
 import os
 import time
@@ -349,6 +350,9 @@ def finish_distributed() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return  # nothing to end: safe in a `finally` whether or not the start succeeded
+    # DDP wrappers no longer referenced but kept by reference cycles hold the group: free
+    # them now, while it is alive, not in a late teardown where gloo's threads abort.
+    gc.collect()
     dist.barrier()
     time.sleep(_WORKER_GRACE_S)
     dist.destroy_process_group()

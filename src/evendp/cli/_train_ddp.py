@@ -256,6 +256,7 @@ def run_rank(args: argparse.Namespace) -> int:
     report.model = _model_name(args)
     report.devices = _with_budgets(report.devices, args.memory)
     rank = dist.get_rank()
+    del trainer, model  # their DDP wrapper holds the group: freed before the group ends
     finish_distributed()
     if rank == 0:
         paths = write_report(report, args.out)
