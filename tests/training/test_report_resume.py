@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from evendp._core._split import split_sizes
+from evendp._distributed._group import finish_distributed
 from evendp._training._report import TrainReport
 from evendp._training._trainer import TrainConfig, Trainer
 from tests._helpers import run_ranks
@@ -61,7 +62,7 @@ def _rank_worker(rank: int, port: int, out: str) -> None:
         resume=phase["resume"], progress=False, checkpoint_every=0,
     )  # fmt: skip
     report = Trainer(TinyLM(), _data(), cfg).fit()
-    dist.destroy_process_group()
+    finish_distributed()  # frees the Trainer's DDP wrapper while the group is alive, then ends it
     torch.save(report, Path(out) / f"rank{rank}.pt")
 
 
