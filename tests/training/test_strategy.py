@@ -222,6 +222,26 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_worker, 2, out, 240, "strategy workers")
 
 
+def _assert_one_device(
+    r0: dict[str, Any], r1: dict[str, Any], steps: list[list[int]], data: Any,
+    build: Any, loss_fn: Any,
+) -> None:  # fmt: skip
+    """Both ranks' last-step gradient and rank 0's losses equal one device's on each step."""
+    torch.manual_seed(0)
+    ref = build()
+    losses = []
+    for indices in steps:  # lr=0: every step at the initial weights
+        ref.zero_grad()
+        loss = loss_fn(ref, torch.utils.data.default_collate([data[i] for i in indices]))
+        loss.backward()
+        losses.append(float(loss.detach()))
+    expected = _grads(ref)  # the short last step's gradient
+    for r in (r0, r1):
+        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
+    for got, want in zip(r0["losses"], losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", MODES)
 def test_an_empty_share_never_calls_bert_on_zero_rows_and_stays_exact(
@@ -231,20 +251,7 @@ def test_an_empty_share_never_calls_bert_on_zero_rows_and_stays_exact(
     steps = [a + b for a, b in zip(r0["indices"][0], r0["indices"][1], strict=True)]
     assert len(steps) == 6 and len(steps[-1]) == 1  # the short last step: one rank is empty
     assert not r0["indices"][0][-1] or not r0["indices"][1][-1]
-    data = _Sentences()
-    torch.manual_seed(0)
-    ref = _bert()
-    losses = []
-    for indices in steps:  # lr=0: every step at the initial weights
-        ref.zero_grad()
-        loss = _bert_loss(ref, torch.utils.data.default_collate([data[i] for i in indices]))
-        loss.backward()
-        losses.append(float(loss.detach()))
-    expected = _grads(ref)  # the short last step's gradient
-    for r in (r0, r1):
-        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
-    for got, want in zip(r0["losses"], losses, strict=True):
-        assert abs(got - want) <= 1e-5 * abs(want)
+    _assert_one_device(r0, r1, steps, _Sentences(), _bert, _bert_loss)
 
 
 @pytest.mark.multiprocess
@@ -255,20 +262,7 @@ def test_an_empty_share_of_gpt2_with_padding_labels_stays_exact(
     r0, r1 = (r[f"gpt2-{mode}"] for r in results)
     steps = [a + b for a, b in zip(r0["indices"][0], r0["indices"][1], strict=True)]
     assert not r0["indices"][0][-1] or not r0["indices"][1][-1]  # the last step: one empty
-    data = _Texts()
-    torch.manual_seed(0)
-    ref = _gpt2()
-    losses = []
-    for indices in steps:  # lr=0: every step at the initial weights
-        ref.zero_grad()
-        loss = _gpt2_loss(ref, torch.utils.data.default_collate([data[i] for i in indices]))
-        loss.backward()
-        losses.append(float(loss.detach()))
-    expected = _grads(ref)  # the short last step's gradient
-    for r in (r0, r1):
-        assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
-    for got, want in zip(r0["losses"], losses, strict=True):
-        assert abs(got - want) <= 1e-5 * abs(want)
+    _assert_one_device(r0, r1, steps, _Texts(), _gpt2, _gpt2_loss)
 
 
 @pytest.mark.multiprocess
