@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
+import evendp
 from evendp import EmptySafeCollate, StepMean, UnevenBatchSampler, batch_sizes_from_env
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import stdlib_dataset
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         raw = model.module if ddp else model
         torch.save(raw.state_dict(), cli.out / f"nanogpt{rank}.pt")
     if owns_group:
-        dist.destroy_process_group()
+        evendp.finish_distributed()  # destroy_process_group, gloo's workers idle first
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from evendp._distributed._group import ddp_loss, global_count, global_mean
+from evendp._distributed._group import ddp_loss, finish_distributed, global_count, global_mean
 from evendp._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
 from tests._helpers import free_port
 
@@ -276,7 +276,7 @@ def _worker(rank: int, port: int, cases: dict[str, Any], out_dir: str) -> None:
         res["sampler"] = {"rank": sampler.rank, "batches": list(sampler)}
     finally:
         torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+    finish_distributed()  # reached on success only: a failed rank meets no barrier
 
 
 # --- the tests -------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ exact loss: equal to one process on the same global batches.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from evendp import TrainConfig, Trainer
+from evendp._distributed._group import finish_distributed
 from evendp._distributed._step_cost import StepWeight, display_due
 from tests._helpers import run_ranks
 from tests.training.test_trainer_cost import Lines, TokenLM, tokens
@@ -70,10 +70,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     }
     torch.save(found, Path(out) / f"rank{rank}.pt")
     # The trainers' DDP wrappers hold the group (reference cycles keep them until a collection):
-    # free them while the group is alive, so gloo's threads never end in a late teardown.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    # finish_distributed frees them while the group is alive (no late teardown in gloo).
+    finish_distributed()
 
 
 @pytest.fixture(scope="module")

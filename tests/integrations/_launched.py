@@ -1,12 +1,13 @@
 """The one ``evendp launch`` the integration tests share (2 gloo ranks, ``--batch-sizes 1,3``).
 
-Usage: evendp launch --nproc 2 --batch-sizes 1,3 tests/integrations/_launched.py OUT_DIR
+Usage: evendp launch --nproc 2 --batch-sizes 1,3 tests/integrations/_launched.py OUT_DIR HANG_S
 One gloo group for everything (the frameworks find it started): the Lightning checks of
 _lightning_script.py, then the four ports of examples/ (_ports_script.py).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import evendp
 from tests.integrations import _lightning_script, _ports_script
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)  # a hang: stacks, exit 1
     out = Path(sys.argv[1])
     evendp.init_distributed("gloo")
     _lightning_script.main(out)

@@ -11,6 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: A rank still running after this long is hung: it prints every thread's stack and exits 1
+#: (the whole launch takes about 16 s with both ranks on one core).
+HANG_S = 150
+
 
 @pytest.fixture(scope="session")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -21,7 +25,16 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "1,3"]
-    command += [str(ROOT / "tests/integrations/_launched.py"), str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    command += [str(ROOT / "tests/integrations/_launched.py"), str(out), str(HANG_S)]
+    # Both ranks on one core: the ends of the frameworks' runs (Accelerate's end_training,
+    # gloo's teardown) race their worker threads for the GIL, which a shared core makes
+    # likely; a rank that hangs dumps its stacks and exits (_launched.py's faulthandler).
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=HANG_S + 120, preexec_fn=_one_core
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
+
+
+def _one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evendp._core._errors import EvendpError
-from evendp._distributed._group import ddp_loss
+from evendp._distributed._group import ddp_loss, finish_distributed
 from evendp._distributed._sampler import UnevenBatchSampler
 from evendp._planning._speed import SpeedBalancer, balance_sizes
 from tests._helpers import free_port
@@ -253,7 +253,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         Path(out).write_text(
             json.dumps({"sizes": sizes, "errors": errors, "history": balancer.history})
         )
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from evendp import TrainConfig, Trainer, UnevenBatchSampler, predict
+from evendp._distributed._group import finish_distributed
 from tests._helpers import run_ranks
 from tests.parallel.test_predict import one_device_features, padded_samples, tiny_bert
 from tests.training.test_eval import (
@@ -126,7 +127,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         }
     finally:
         torch.save(results, Path(out) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+    finish_distributed()  # reached on success only: a failed rank meets no barrier
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from evendp._distributed._group import finish_distributed
 from evendp._training._checkpoint import load_checkpoint, previous_path
 from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
@@ -107,7 +108,7 @@ def _pair_worker(rank: int, port: int, out: str) -> None:
     results["fsdp_resumed"] = resumed.losses
     results.update(_fault_scenarios(rank, root, fsdp, ddp))
     torch.save(results, root / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def _outcome(action: Any) -> tuple[str, str]:
@@ -217,7 +218,7 @@ def _trio_worker(rank: int, port: int, out: str) -> None:
             batch_sizes=[3, 3, 2],
         )  # fmt: skip
     torch.save({"fsdp_resumed": report.losses}, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 class _nothing:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from evendp._core._errors import EvendpError
-from evendp._distributed._group import all_reduce_gradients
+from evendp._distributed._group import all_reduce_gradients, finish_distributed
 from evendp._parallel._dp import BalancedDataParallel
 from evendp._training._oom import OomResplit
 from tests._helpers import OomInBackward, run_ranks
@@ -302,7 +302,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.all_reduce(t)
     results["after"] = float(t.item())
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from evendp._core._errors import EvendpError
+from evendp._distributed._group import finish_distributed
 from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
@@ -397,7 +398,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
                 "shown": list(shown),
             }
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 class _NoBatch(torch.utils.data.Dataset[Any]):

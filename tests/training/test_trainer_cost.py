@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from evendp import TrainConfig, Trainer, UnevenBatchSampler, split_by_cost
+from evendp._distributed._group import finish_distributed
 from tests._helpers import run_ranks
 
 V = 11
@@ -143,7 +144,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     trainer.fit()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
     torch.save({"indices": mine, "grads": grads}, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 @pytest.mark.multiprocess

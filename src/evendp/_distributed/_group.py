@@ -39,6 +39,7 @@ __all__ = [
     "global_mean",
     "init_distributed",
     "rank_cuda_device",
+    "settle_group",
     "world_size",
 ]
 
@@ -350,12 +351,23 @@ def finish_distributed() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return  # nothing to end: safe in a `finally` whether or not the start succeeded
+    settle_group()
+    dist.destroy_process_group()
+
+
+def settle_group() -> None:
+    """Make the default group safe to destroy: every rank done, gloo's workers idle.
+
+    The part of :func:`finish_distributed` before the destroy, for code whose own teardown
+    destroys the group (Accelerate's ``end_training``). A DDP wrapper still referenced
+    afterwards (a local of the user's ``main``) frees the group later, from Python with the
+    GIL held; that is safe only once the workers hold no collective. Call it on every rank.
+    """
     # DDP wrappers no longer referenced but kept by reference cycles hold the group: free
     # them now, while it is alive, not in a late teardown where gloo's threads abort.
     gc.collect()
     dist.barrier()
-    time.sleep(_WORKER_GRACE_S)
-    dist.destroy_process_group()
+    time.sleep(_WORKER_GRACE_S)  # GIL released: the workers drop the barrier's tensors
 
 
 # ---------------------------------------------------------------------------------------------

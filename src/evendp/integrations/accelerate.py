@@ -30,12 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 import evendp
 
 from .._core._exact import weighted_sum
+from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
 from ._epoch import EpochRelay
 
@@ -181,6 +183,20 @@ class UnevenAccelerator(Accelerator):
         prepared = super().prepare_scheduler(scheduler)
         prepared.split_batches = True  # one scheduler step per call, not num_processes
         return prepared
+
+    def end_training(self) -> None:
+        """``Accelerator.end_training``, with the process group settled before it is destroyed.
+
+        Accelerate destroys the group while the user's prepared DDP model is still alive; when
+        that model goes (the end of ``main``), it frees the group from Python. Under gloo a
+        worker thread still dropping the last collective then waits for the GIL that the
+        freeing thread holds while it joins that worker: the rank hangs after training (seen
+        with two ranks on one core). So, as :func:`evendp.finish_distributed` does: a barrier
+        and a pause with the GIL released first. Call it on every process, as Accelerate asks.
+        """
+        if dist.is_available() and dist.is_initialized() and not self.state.fork_launched:
+            settle_group()
+        super().end_training()
 
 
 def _validate_accelerator(accelerator: object, batch_sizes: list[int]) -> Accelerator:
