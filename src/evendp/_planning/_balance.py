@@ -297,7 +297,7 @@ def rank_batch_sizes(
     >>> rank_batch_sizes(None, 10, 3, model=nn.Identity, example=list)
     ([4, 3, 3], None)
     """
-    from .._core._split import split_sizes
+    from .._core._split import split_even
 
     validate_batch_sizes_option(batch_sizes)
     if batch_sizes == "auto":
@@ -305,7 +305,7 @@ def rank_batch_sizes(
         return sizes, caps
     if batch_sizes:
         return [int(b) for b in batch_sizes], None
-    return split_sizes(global_batch, [1] * world_size), None
+    return split_even(global_batch, world_size), None
 
 
 def inline_for_balance(balancer: SpeedBalancer | NoBalance, asked: int | None, depth: int) -> int:

@@ -382,17 +382,23 @@ def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = N
     if unreadable is not None:  # never reseed over a garbled file silently
         raise unreadable
     why = "is missing" if found is None else f"holds step {found}"
+    _without_saved_rng(
+        f"its RNG file {str(source)!r} for the checkpoint at step {step} {why}", rank, reseed
+    )
+    return False
+
+
+def _without_saved_rng(why: str, rank: int, reseed: int | None) -> None:
+    """No saved generator state for this rank: say so, and seed with ``reseed`` if given."""
     what = "kept the state seeded at start" if reseed is None else f"reseeded with {reseed}"
     warnings.warn(
-        f"rank {rank}: its RNG file {str(source)!r} for the checkpoint at step {step} {why}; "
-        f"{what}: dropout and other random draws on this rank will differ from an "
-        "uninterrupted run's",
-        stacklevel=2,
+        f"rank {rank}: {why}; {what}: dropout and other random draws on this rank will differ "
+        "from an uninterrupted run's",
+        stacklevel=3,
     )
     if reseed is not None:
         torch.manual_seed(reseed)
         random.seed(reseed)
-    return False
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -410,34 +416,60 @@ def _read(path: Path) -> dict[str, Any]:
     fix = _fix_for(path)
     if not path.is_file():
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (PermissionError, IsADirectoryError) as exc:  # unreadable for the OS, not corrupt
-        raise CheckpointError(
-            f"cannot read the checkpoint {str(path)!r}: {exc.strerror or exc} (errno "
-            f"{exc.errno}); fix its permissions, or pass another --out"
-        ) from None
-    except Exception as exc:  # torch raises several types for a truncated or foreign file
+    payload = _load_tagged(path, "checkpoint", _FORMAT, fix)
+    if not isinstance(payload.get("model"), dict):
         raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); it may be truncated or not an evendp checkpoint; "
-            f"{fix}"
-        ) from exc
-    if (
-        not isinstance(payload, dict)
-        or payload.get("format") != _FORMAT
-        or not isinstance(payload.get("model"), dict)
-    ):
-        raise CorruptCheckpoint(
-            f"{str(path)!r} is not an evendp checkpoint (no {_FORMAT!r} marker or model state); "
-            f"{fix}"
+            f"{str(path)!r} is not an evendp checkpoint (no model state); {fix}"
         )
     if payload.get("version") != _VERSION:
         raise CheckpointError(
             f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
             f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
         )
-    _verify_digest(path, payload, fix)
+    _verify_digest(path, payload, "checkpoint", fix)
+    return payload
+
+
+def _read_rng(path: Path) -> dict[str, Any]:
+    fix = (
+        "delete it to resume with the checkpoint writer's generator states on this rank "
+        "(random draws there then differ from an uninterrupted run's)"
+    )
+    payload = _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix)
+    _verify_digest(path, payload, "rank RNG file", fix)
+    return payload
+
+
+def _read_state_file(folder: Path) -> dict[str, Any]:
+    source, fix = folder / _STATE_FILE, _fix_for(folder)
+    payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix)
+    _verify_digest(source, payload, "sharded checkpoint state file", fix)
+    return payload
+
+
+def _load_tagged(path: Path, what: str, marker: str, fix: str) -> dict[str, Any]:
+    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``.
+
+    A file the OS will not open (permissions, a folder) is a :class:`CheckpointError`: the
+    previous checkpoint would be refused the same way. A truncated, garbled or foreign one is a
+    :class:`CorruptCheckpoint`, from which a resume falls back; both messages end with ``fix``.
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (PermissionError, IsADirectoryError) as exc:  # unreadable for the OS, not corrupt
+        raise CheckpointError(
+            f"cannot read the {what} {str(path)!r}: {exc.strerror or exc} (errno "
+            f"{exc.errno}); fix its permissions, or pass another --out"
+        ) from None
+    except Exception as exc:  # torch raises several types for a missing, truncated or foreign file
+        raise CorruptCheckpoint(
+            f"{what} {str(path)!r} is unreadable ({type(exc).__name__}: "
+            f"{_first_sentence(str(exc))}); it may be truncated or not an evendp {what}; {fix}"
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != marker:
+        raise CorruptCheckpoint(
+            f"{str(path)!r} is not an evendp {what} (no {marker!r} marker); {fix}"
+        )
     return payload
 
 
@@ -445,34 +477,16 @@ def _read(path: Path) -> dict[str, Any]:
 UNVERIFIED: set[str] = set()
 
 
-def _verify_digest(path: Path, payload: Mapping[str, Any], fix: str) -> None:
+def _verify_digest(path: Path, payload: Mapping[str, Any], what: str, fix: str) -> None:
     saved = payload.get("sha256")
     if saved is None:  # an older evendp's file: accepted, and said once
         UNVERIFIED.add(str(path))
         return
     if content_digest(payload) != saved:
         raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is corrupt: its contents do not match the sha256 "
+            f"{what} {str(path)!r} is corrupt: its contents do not match the sha256 "
             f"saved with them (garbled tensor data); {fix}"
         )
-
-
-def _read_rng(path: Path) -> dict[str, Any]:
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for a truncated or foreign file
-        payload = exc
-    fix = (
-        "delete it to resume with the checkpoint writer's generator states on this rank "
-        "(random draws there then differ from an uninterrupted run's)"
-    )
-    if not isinstance(payload, dict) or payload.get("format") != f"{_FORMAT}-rng":
-        raise CorruptCheckpoint(f"{str(path)!r} is not a readable evendp rank RNG file; {fix}")
-    if payload.get("sha256") is not None and content_digest(payload) != payload["sha256"]:
-        raise CorruptCheckpoint(
-            f"{str(path)!r} is corrupt: its contents do not match the sha256 saved with them; {fix}"
-        )
-    return payload
 
 
 def _first_sentence(text: str) -> str:
@@ -726,15 +740,9 @@ def load_sharded_checkpoint(
     if rng is not None:
         _set_rng_state(rng["rng"])
     else:
-        warnings.warn(
-            f"rank {rank}: the checkpoint {str(folder)!r} was saved by "
-            f"{meta.get('world_size')} rank(s) and holds no RNG state for this rank; "
-            f"{'kept the state seeded at start' if reseed is None else f'reseeded with {reseed}'}",
-            stacklevel=2,
-        )
-        if reseed is not None:
-            torch.manual_seed(reseed)
-            random.seed(reseed)
+        saved_by = f"{meta.get('world_size')} rank(s)"
+        why = f"the checkpoint {str(folder)!r} was saved by {saved_by} and holds no RNG state"
+        _without_saved_rng(f"{why} for this rank", rank, reseed)
     return {
         "step": int(meta["step"]),
         "extra": dict(meta.get("extra") or {}),
@@ -802,20 +810,3 @@ def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
             f"sharded checkpoint {str(folder)!r} does not match the model ({details}); resume "
             "with the same model configuration that wrote it, or use a new output directory"
         )
-
-
-def _read_state_file(folder: Path) -> dict[str, Any]:
-    source = folder / _STATE_FILE
-    try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as exc:  # missing, truncated or foreign
-        raise CorruptCheckpoint(
-            f"{str(folder)!r} is not a readable evendp sharded checkpoint ({type(exc).__name__} "
-            f"reading {_STATE_FILE}); {_fix_for(folder)}"
-        ) from None
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise CorruptCheckpoint(
-            f"{str(source)!r} is not an evendp checkpoint state file; {_fix_for(folder)}"
-        )
-    _verify_digest(source, payload, _fix_for(folder))
-    return payload

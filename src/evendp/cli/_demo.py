@@ -16,6 +16,7 @@ import torch
 
 from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error
+from .._core._split import split_even
 
 __all__: list[str] = []
 
@@ -95,12 +96,11 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     shares here may come from ``--weights``; ``profile_step`` prices any share (at the full
     ``block_size``: the longest a padded batch gets).
     """
-    from .._core._split import split_sizes
     from .._planning._plan import profile_step
     from ..examples.gpt import GPT
     from ._model_spec import _AMP, gpt_batch
 
-    even = split_sizes(args.batch, [1] * len(ours))
+    even = split_even(args.batch, len(ours))
     sizes = sorted({n for n in [*ours, *even] if n > 0})
     prof = profile_step(
         lambda: GPT(config),
@@ -186,12 +186,6 @@ _BUDGET_NOTE = (
     "engine's thread and are not counted (measured = forward peak; planned = the planner's "
     "forward+backward peak)."
 )
-
-
-def split_even(total: int, count: int) -> list[int]:
-    from .._core._split import split_sizes
-
-    return split_sizes(total, [1] * count)
 
 
 def _fmt(memory: list[int]) -> str:

@@ -217,7 +217,7 @@ def _restart_store() -> dict[str, Any]:
 def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .._core._split import split_sizes
+    from .._core._split import split_even
     from .._distributed._group import finish_distributed, init_distributed
     from .._distributed._interrupt import die_with_parent, exit_code
     from .._distributed._sampler import batch_sizes_from_env
@@ -231,7 +231,7 @@ def run_rank(args: argparse.Namespace) -> int:
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
     # barrier, and torchrun stops every rank once one fails.
     world = dist.get_world_size()
-    sizes = batch_sizes_from_env(world, default=split_sizes(args.batch, [1] * world))
+    sizes = batch_sizes_from_env(world, default=split_even(args.batch, world))
     model, data, _config = _build(args)
     model = model.to(device)
     cfg = TrainConfig(
