@@ -387,6 +387,7 @@ _WORKER = textwrap.dedent(
     if sys.argv[2] == "handler":
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+    (out / f"outcome{rank}").write_text(os.environ.get("EVENDP_OUTCOME", ""))
     (out / f"pid{rank}").write_text(str(os.getpid()))
     while True:
         time.sleep(0.05)
@@ -443,6 +444,13 @@ def test_a_killed_launcher_stops_torchrun_and_every_rank(tmp_path: Path) -> None
     proc.wait()
     # torchrun receives SIGTERM when its parent dies and stops its workers: nobody trains on.
     assert _gone(pids, 40), [p for p in pids if _alive(p)]
+    # ... and says so in one line, no traceback; the dead launcher's outcome folder goes too.
+    output = proc.stdout.read()  # to its end: torchrun, the last writer, has exited
+    assert "torchrun got SIGTERM (its launcher died) and stopped every rank" in output, output
+    assert "Traceback" not in output and "SignalException" not in output, output
+    outcome = Path((tmp_path / "outcome0").read_text())
+    assert outcome.parent.name.startswith("evendp-outcome-")
+    assert not outcome.parent.exists()
 
 
 @pytest.mark.multiprocess
@@ -457,3 +465,14 @@ def test_a_hang_up_or_ctrl_c_reaches_the_ranks_not_torchrun(tmp_path: Path) -> N
     # Each rank got SIGTERM itself and stopped cleanly: torchrun printed no SignalException.
     assert [(tmp_path / f"stopped{r}").read_text() for r in (0, 1)] == ["15", "15"]
     assert "Traceback" not in output and "SignalException" not in output, output
+
+
+def test_the_quiet_torchrun_reads_the_launchers_outcome_variable() -> None:
+    # __main__.py imports nothing of evendp, so it spells the variable itself.
+    import runpy
+
+    from evendp._distributed._torchrun import QUIET_TORCHRUN
+    from evendp._planning._launch import ENV_OUTCOME
+
+    spelled = runpy.run_path(str(QUIET_TORCHRUN / "__main__.py"), run_name="probe")
+    assert spelled["ENV_OUTCOME"] == ENV_OUTCOME

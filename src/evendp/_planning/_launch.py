@@ -4,8 +4,11 @@ The launcher decides what every rank gets and passes it through the environment:
 (``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), how many samples each rank takes per step
 (``EVENDP_BATCH_SIZES``, one int per global rank, read by ``UnevenBatchSampler``) and, when a
 model is planned, the most samples each rank's memory holds (``EVENDP_BATCH_CAPS``, read by
-``SpeedBalancer``). Everything else is ``torch.distributed.run`` (torchrun) itself, started as
-``python -m torch.distributed.run`` so its own options behave exactly as documented.
+``SpeedBalancer``). Everything else is ``torch.distributed.run`` (torchrun) itself, with its own
+options exactly as documented: ``--dry-run`` prints the ``python -m torch.distributed.run``
+command, and the launcher runs torchrun's ``main`` on the same arguments through
+:data:`~evendp._distributed._torchrun.QUIET_TORCHRUN`, which ends on a signal in one line
+instead of torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
 from .._core._validate import validate_int
 from .._distributed._sampler import ENV_BATCH_SIZES, parse_batch_sizes
+from .._distributed._torchrun import QUIET_TORCHRUN
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 from ._speed import ENV_BATCH_CAPS
@@ -350,6 +354,9 @@ def _free_port() -> int:
             return port
 
 
+_TORCHRUN_MODULE = ("-m", "torch.distributed.run")
+
+
 def torchrun_command(
     plan: LaunchPlan,
     script: str,
@@ -380,13 +387,7 @@ def torchrun_command(
     if single_node and "rdzv_endpoint" not in given:
         given.setdefault("master_addr", "127.0.0.1")
         given.setdefault("master_port", _free_port())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(plan.nproc_per_node),
-    ]
+    cmd = [sys.executable, *_TORCHRUN_MODULE, "--nproc-per-node", str(plan.nproc_per_node)]
     for key in PASSTHROUGH_OPTIONS:
         if key in given:
             cmd += ["--" + key.replace("_", "-"), str(given[key])]
@@ -422,7 +423,8 @@ def launch(
 
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
-    cmd = torchrun_command(plan, script, script_args, passthrough)
+    torchrun = torchrun_command(plan, script, script_args, passthrough)
+    cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
     with contextlib.ExitStack() as stack:
         if run_dir is not None:
             lock = stack.enter_context(hold_run_dir(run_dir))

@@ -1,0 +1,10 @@
+"""torchrun as ``evendp launch`` runs it; the code is in ``__main__.py`` (run as a folder)."""
+
+from pathlib import Path
+
+__all__ = ["QUIET_TORCHRUN"]
+
+#: ``python QUIET_TORCHRUN ARGS`` is ``python -m torch.distributed.run ARGS`` with a quiet end
+#: on a signal. A folder holding only this package, so running it puts nothing of evendp on
+#: the path of torchrun and its ranks.
+QUIET_TORCHRUN = Path(__file__).resolve().parent
