@@ -394,6 +394,32 @@ def torchrun_command(
     return [*cmd, script, *script_args]
 
 
+_LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_env(torchrun: Sequence[str]) -> dict[str, str]:
+    """The variables that keep the ranks' own sockets on loopback, for a torchrun command whose
+    rendezvous is at a loopback address (a one-machine run): gloo and NCCL listen on the
+    interface these name instead of the one the host name resolves to.
+
+    >>> loopback_env(["python", "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"])
+    {'GLOO_SOCKET_IFNAME': 'lo', 'NCCL_SOCKET_IFNAME': 'lo'}
+    >>> loopback_env(["python", "-m", "torch.distributed.run", "--master-addr", "10.0.0.1"])
+    {}
+    """
+    args = list(torchrun)
+    hosts = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--master-addr"]
+    hosts += [
+        args[i + 1].rsplit(":", 1)[0].strip("[]")  # HOST:PORT, [::1]:PORT
+        for i, a in enumerate(args[:-1])
+        if a == "--rdzv-endpoint"
+    ]
+    if not hosts or not all(h in _LOOPBACK_ADDRESSES for h in hosts):
+        return {}
+    name = "lo0" if sys.platform == "darwin" else "lo"
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+
+
 def launch(
     script: str,
     script_args: Sequence[str] = (),
@@ -424,6 +450,8 @@ def launch(
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
     torchrun = torchrun_command(plan, script, script_args, passthrough)
+    for key, value in loopback_env(torchrun).items():
+        child_env.setdefault(key, value)  # the user's own choice of interface stays
     cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
     with contextlib.ExitStack() as stack:
         if run_dir is not None:

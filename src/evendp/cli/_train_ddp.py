@@ -151,20 +151,17 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
 
 
 def _restarts(args: argparse.Namespace) -> dict[str, Any]:
-    """torchrun's --max-restarts only when asked (its default, 0, otherwise), with its c10d
-    rendezvous (what --standalone uses): each restart is a fresh rendezvous round."""
+    """torchrun's --max-restarts only when asked (its default, 0, otherwise).
+
+    The rendezvous stays torchrun's static one at evendp's loopback address and free port (as
+    without restarts): its store listens on 127.0.0.1 only and each restart round reuses it
+    (the ranks take a key prefix of their round's own, :func:`_restart_store`). Not the c10d
+    rendezvous: its store listens on every interface, and its agent unpickles what the store
+    holds, so anyone who reaches the port runs code in the launcher.
+    """
     if not args.max_restarts:
         return {}
-    from .._planning._launch import _free_port
-
-    endpoint = f"127.0.0.1:{_free_port()}"
-    return {
-        "passthrough": {
-            "max_restarts": args.max_restarts,
-            "rdzv_backend": "c10d",
-            "rdzv_endpoint": endpoint,
-        }
-    }
+    return {"passthrough": {"max_restarts": args.max_restarts}}
 
 
 def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:

@@ -8,16 +8,25 @@ even after a SIGKILL) or on a second Ctrl-C. By the time the exception reaches h
 stopped its ranks; what is left is one line, exit 128 + the signal's number, and, when the
 launcher is gone, its outcome folder removed (nobody is left to read it).
 
+A store that torchrun serves at a loopback address (``--master-addr 127.0.0.1``, evendp's
+single-node default) listens on that address only (:func:`serve_loopback_on_loopback`): torch's
+``TCPStore`` binds every interface whatever its host name, and it has no authentication.
+
 Only the standard library and torch are imported: nothing of evendp is on this process's path.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import ipaddress
 import os
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 #: The launcher's outcome file (``evendp._planning._launch.ENV_OUTCOME``; a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
@@ -26,6 +35,7 @@ OUTCOME_PREFIX = "evendp-outcome-"
 
 def main(argv: list[str]) -> int:
     """Run torchrun on ``argv``; a signal that stopped it gives one line and ``128 + N``."""
+    serve_loopback_on_loopback()  # before torchrun's modules take their own TCPStore name
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
@@ -42,6 +52,97 @@ def main(argv: list[str]) -> int:
         print(f"evendp launch: torchrun got {name} ({why}) and stopped every rank", file=sys.stderr)
         return 128 + signum
     return 0
+
+
+def _loopback(host: str) -> str | None:
+    """The loopback address ``host`` names (``localhost``: 127.0.0.1), else ``None``.
+
+    >>> _loopback("127.0.0.1"), _loopback("localhost"), _loopback("::1"), _loopback("10.0.0.1")
+    ('127.0.0.1', '127.0.0.1', '::1', None)
+    """
+    text = "127.0.0.1" if host == "localhost" else host
+    try:
+        return text if ipaddress.ip_address(text).is_loopback else None
+    except ValueError:  # a host name: it may resolve to any interface
+        return None
+
+
+def serve_loopback_on_loopback() -> None:
+    """Make every ``TCPStore`` server this process starts at a loopback address listen on it
+    alone (in this process: torchrun's, for its static rendezvous and the ranks' store).
+
+    Why: torch's ``TCPStore`` server listens on every interface (``::``) whatever host name it
+    is given, and anyone who reaches it can write its keys: on a one-machine run with
+    ``--master-addr 127.0.0.1`` nobody outside the machine needs to, so the listening socket
+    is bound here, to the loopback address, and handed over (``master_listen_fd``). A store at
+    any other address is left as torch makes it.
+    """
+    import torch.distributed as dist
+
+    if getattr(dist.TCPStore, "_evendp_loopback", False):
+        return
+    store = loopback_store_class(dist.TCPStore)
+    dist.TCPStore = store  # type: ignore[misc]
+    for name in (
+        "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+        "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    ):
+        module: Any = sys.modules.get(name)
+        if module is not None:  # imported already: its own name for the class too
+            module.TCPStore = store
+
+
+def loopback_store_class(base: Any) -> Any:
+    """``base`` (torch's ``TCPStore``) whose server at a loopback address listens there only.
+
+    >>> import torch.distributed as dist
+    >>> Store = loopback_store_class(dist.TCPStore)
+    >>> server = Store("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    >>> server.set("k", "v"); server.get("k"), isinstance(server, dist.TCPStore)
+    (b'v', True)
+    """
+
+    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
+        _evendp_loopback = True
+
+        def __init__(
+            self,
+            host_name: str,
+            port: int,
+            world_size: int | None = None,
+            is_master: bool = False,
+            timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+            wait_for_workers: bool = True,
+            multi_tenant: bool = False,
+            master_listen_fd: int | None = None,
+            use_libuv: bool = True,
+        ) -> None:
+            address = _loopback(host_name)
+            if is_master and master_listen_fd is None and address is not None:
+                master_listen_fd = _listen(address, port)
+            super().__init__(
+                host_name, port, world_size, is_master, timeout, wait_for_workers,
+                multi_tenant, master_listen_fd, use_libuv,
+            )  # fmt: skip
+
+    LoopbackTCPStore.__name__ = LoopbackTCPStore.__qualname__ = "TCPStore"
+    return LoopbackTCPStore
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only; the store takes its descriptor over."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:  # in torch's words: torchrun retries another port
+            raise RuntimeError("Address already in use") from None
+        raise
+    return sock.detach()
 
 
 def remove_outcome_folder(outcome: str | None) -> None:
