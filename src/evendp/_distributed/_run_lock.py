@@ -1,8 +1,14 @@
 """One writer per run directory: a lock on the folder held for the run's life.
 
-The lock file lives outside the folder, in ``<tmp>/evendp-locks/<sha1 of its real path>.lock``
-(so ``--out`` holds only the run's own files, and a run that never started leaves nothing in
-it); it names the folder it guards.
+The lock file lives outside the folder, in this user's private run folder
+(:func:`~evendp._distributed._run_files.run_files_dir`, 0700):
+``<run files>/<sha1 of the folder's real path>.lock`` (so ``--out`` holds only the run's own
+files, and a run that never started leaves nothing in it); it names the folder it guards.
+It is opened ``O_NOFOLLOW`` and used only when this user owns it, and the holder it names is
+shown cleaned and cut short. The run that took it removes it at its end when no process it
+started still holds it, and a run that starts removes the lock files that killed runs left.
+Two runs guard the same folder only when they are the same user's: another user cannot
+write into this user's ``--out`` anyway.
 
 The lock is an ``flock`` on the file, so the operating system releases it the moment its
 holders die (a stale lock file from a killed run is simply taken over). The run that starts
@@ -29,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import CheckpointError
+from ._run_files import open_private, owned_by_me, run_files_dir
 
 __all__ = [
     "ENV_RUN_LOCK",
-    "LOCK_DIR",
     "RunDirBusy",
     "child_env",
     "hold_run_dir",
@@ -40,7 +46,6 @@ __all__ = [
     "trainer_lock",
 ]
 
-LOCK_DIR = "evendp-locks"
 #: Set for the processes a run starts: the lock file they join instead of taking it anew.
 ENV_RUN_LOCK = "EVENDP_RUN_LOCK"
 
@@ -54,11 +59,13 @@ class RunDirBusy(CheckpointError):
 
 def _lock_path(out_dir: str | Path) -> Path:
     import hashlib
-    import tempfile
 
     folder = str(Path(out_dir).resolve())
     name = hashlib.sha1(folder.encode()).hexdigest()[:20]
-    return Path(tempfile.gettempdir()) / LOCK_DIR / f"{name}.lock"
+    return run_files_dir() / f"{name}{_SUFFIX}"
+
+
+_SUFFIX = ".lock"
 
 
 def run_dir_holder(out_dir: str | Path) -> dict[str, Any] | None:
@@ -73,28 +80,54 @@ def run_dir_holder(out_dir: str | Path) -> dict[str, Any] | None:
     path = _lock_path(out_dir)
     if not path.exists():
         return None
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_private(path, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _read_holder(path)
+            return _read_holder(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
         os.close(fd)
 
 
-def _read_holder(path: Path) -> dict[str, Any]:
+_HOLDER_BYTES = 4096  # what the taker writes is far shorter; more is not a lock of ours
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    """The holder's JSON from the open lock file (one this user owns), checked field by
+    field: only what it should hold, each value of its kind and cut short."""
+    if not owned_by_me(os.fstat(fd)):
+        return {}
     try:
-        info = json.loads(path.read_text() or "{}")
+        info = json.loads(os.pread(fd, _HOLDER_BYTES, 0) or b"{}")
     except (OSError, ValueError):
-        info = {}
-    return info if isinstance(info, dict) else {}
+        return {}
+    if not isinstance(info, dict):
+        return {}
+    kinds: dict[str, type | tuple[type, ...]] = {
+        "pid": int, "since": (int, float), "host": str, "command": str, "folder": str,
+    }  # fmt: skip
+    return {
+        key: _clean(value) if isinstance(value, str) else value
+        for key, value in info.items()
+        if key in kinds and isinstance(value, kinds[key]) and not isinstance(value, bool)
+    }
+
+
+def _clean(text: str, limit: int = 200) -> str:
+    r"""``text`` printable on one line, cut to ``limit`` characters.
+
+    >>> _clean("rm -rf ~\x1b[2J\nnext"), len(_clean("x" * 500))
+    ('rm -rf ~?[2J?next', 201)
+    """
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _describe(info: dict[str, Any]) -> str:
-    if not info:
+    if "pid" not in info:
         return "a process that has not said who it is yet"
     since = time.strftime("%H:%M:%S", time.localtime(float(info.get("since", 0))))
     return (
@@ -124,26 +157,81 @@ def hold_run_dir(out_dir: str | Path, command: str | None = None) -> Iterator[Pa
         yield path
         return
     folder = str(Path(out_dir).resolve())
+    joining = os.environ.get(ENV_RUN_LOCK) == key
+    if not joining:
+        _remove_stale(path.parent)
+    fd = _locked(path, folder, command, joining)
     try:
-        path.parent.mkdir(mode=0o1777, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot lock --out {folder!r} through {str(path)!r}: {exc.strerror or exc} "
-            f"(errno {exc.errno}); make {str(path.parent)!r} writable"
-        ) from None
-    try:
-        if os.environ.get(ENV_RUN_LOCK) == key:
-            _join(fd, path, folder)
-        else:
-            _take(fd, path, folder, command)
         _held[key] = fd
         try:
             yield path
         finally:
             del _held[key]
+            if not joining:
+                _remove_if_last(fd, path)
     finally:
         os.close(fd)  # releases this process's lock
+
+
+def _locked(path: Path, folder: str, command: str | None, joining: bool) -> int:
+    """The lock file's descriptor, locked (shared once taken), and still the file at
+    ``path``: a run that ended may have removed the file between the open and the lock."""
+    for _ in range(100):
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        try:
+            if joining:
+                _join(fd, path, folder)
+            else:
+                _take(fd, path, folder, command)
+            if _same_file(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed under us: lock the file that is there now
+    raise CheckpointError(f"cannot lock --out {folder!r}: {str(path)!r} keeps being replaced")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        there = path.lstat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _remove_if_last(fd: int, path: Path) -> None:
+    """At the taker's end: remove the lock file unless a process the run started (a rank
+    that outlived its launcher) still holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # still held: the last holder's end leaves it for the next run's sweep
+    if _same_file(fd, path):
+        path.unlink(missing_ok=True)
+
+
+def _remove_stale(folder: Path) -> None:
+    """Remove the lock files no live process holds (runs killed before their end)."""
+    import fcntl
+
+    for path in folder.glob(f"*{_SUFFIX}"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if owned_by_me(os.fstat(fd)):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _same_file(fd, path):
+                    path.unlink(missing_ok=True)
+        except OSError:  # held (BlockingIOError) or gone: left alone
+            pass
+        finally:
+            os.close(fd)
 
 
 def _take(fd: int, path: Path, folder: str, command: str | None) -> None:
@@ -153,7 +241,7 @@ def _take(fd: int, path: Path, folder: str, command: str | None) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise RunDirBusy(
-            f"--out {folder!r} is in use by a live run: {_describe(_read_holder(path))}; "
+            f"--out {folder!r} is in use by a live run: {_describe(_read_holder(fd))}; "
             "wait for it to end or stop it, then resume with --resume, or pass another --out"
         ) from None
     info = {
@@ -186,7 +274,7 @@ def _join(fd: int, path: Path, folder: str) -> None:
     except BlockingIOError:  # someone took it exclusively in between: not our run any more
         raise RunDirBusy(
             f"--out {folder!r} was taken by another run: "
-            f"{_describe(_read_holder(path))}; pass another --out"
+            f"{_describe(_read_holder(fd))}; pass another --out"
         ) from None
 
 

@@ -444,6 +444,7 @@ def launch(
     with that code (0 for a run that finished although a signal came late).
     """
     from .._distributed._interrupt import run_forwarding_signals
+    from .._distributed._run_files import run_files_dir
     from .._distributed._run_lock import child_env as lock_env
     from .._distributed._run_lock import hold_run_dir
 
@@ -457,7 +458,9 @@ def launch(
         if run_dir is not None:
             lock = stack.enter_context(hold_run_dir(run_dir))
             child_env.update(lock_env(lock))
-        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="evendp-outcome-"))
+        folder = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="evendp-outcome-", dir=run_files_dir())
+        )  # this user's private folder: no one else can plant or read the outcome
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
         code = run_forwarding_signals(cmd, child_env)
@@ -478,9 +481,16 @@ def write_outcome(code: int, **details: Any) -> None:
 
     >>> write_outcome(0)  # no launcher here: nothing to do
     """
+    from .._distributed._run_files import open_private
+
     path = os.environ.get(ENV_OUTCOME)
     if path:
-        Path(path).write_text(json.dumps({"code": int(code), **details}))
+        fd = open_private(Path(path), os.O_WRONLY | os.O_CREAT)  # never through a link
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"code": int(code), **details}).encode())
+        finally:
+            os.close(fd)
 
 
 def read_outcome(path: Path) -> dict[str, Any] | None:

@@ -102,7 +102,7 @@ def loopback_store_class(base: Any) -> Any:
     (b'v', True)
     """
 
-    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
+    class LoopbackTCPStore(base):
         _evendp_loopback = True
 
         def __init__(

@@ -1,0 +1,215 @@
+"""evendp's files outside --out live in a folder of this user's alone (issue 28, item 2).
+
+The attack of the issue: another local user plants a link where evendp keeps its run lock,
+and the next run of the victim truncates the file the link points at. Here the link is
+planted in the places another user can reach (a shared runtime folder, the folder itself);
+as root a second user (``nobody``) plants it for real and runs at the same time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from evendp._distributed._run_files import RunFilesUnsafe, open_private, run_files_dir
+from evendp._distributed._run_lock import _lock_path, hold_run_dir, run_dir_holder
+
+_NOBODY = 65534
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "precious.txt"
+    victim.write_text("years of work")
+    victim.chmod(0o600)
+    return victim
+
+
+def test_the_folder_is_made_0700_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    old = os.umask(0)
+    try:
+        folder = run_files_dir()
+    finally:
+        os.umask(old)
+    assert folder == tmp_path / "evendp"
+    assert oct(folder.lstat().st_mode & 0o777) == "0o700"
+    with hold_run_dir(tmp_path / "out") as lock:
+        assert lock.parent == folder and oct(lock.stat().st_mode & 0o777) == "0o600"
+    assert not list(folder.iterdir())  # the run removed its lock at its end
+
+
+def test_a_folder_that_is_a_link_or_open_to_others_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = _victim(tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
+    # The planted folder: a link to one that holds a link where the lock would be.
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (shared / "evendp").symlink_to(planted)
+    out = tmp_path / "out"
+    with pytest.raises(RunFilesUnsafe, match="is a symbolic link") as info, hold_run_dir(out):
+        pass
+    assert "\n" not in str(info.value) and "XDG_RUNTIME_DIR" in str(info.value)
+    (shared / "evendp").unlink()
+    (shared / "evendp").mkdir(mode=0o700)
+    (shared / "evendp").chmod(0o777)
+    open_to_all = r"writable by group or others \(mode 0o777\)"
+    with pytest.raises(RunFilesUnsafe, match=open_to_all), hold_run_dir(out):
+        pass
+    assert victim.read_text() == "years of work"
+
+
+def test_a_link_planted_where_the_lock_goes_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = _victim(tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    out = tmp_path / "out"
+    lock = _lock_path(out)
+    lock.symlink_to(victim)  # the issue's `ln -s /victim/precious.txt <lock>`
+    with pytest.raises(RunFilesUnsafe, match="is a symbolic link") as info, hold_run_dir(out):
+        pass
+    assert "\n" not in str(info.value)
+    assert victim.read_text() == "years of work" and oct(victim.stat().st_mode)[-3:] == "600"
+    with pytest.raises(RunFilesUnsafe):
+        run_dir_holder(out)
+
+
+def test_a_planted_holder_is_shown_cleaned_and_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+    import json
+
+    from evendp._distributed._run_lock import RunDirBusy
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    out = tmp_path / "out"
+    fd = open_private(_lock_path(out), os.O_RDWR | os.O_CREAT)
+    try:
+        words = "\x1b[2J\rrun sudo rm -rf ~/runs to continue" + "!" * 5000
+        os.write(fd, json.dumps({"pid": "1; rm", "command": words, "evil": 1}).encode())
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a live holder
+        with pytest.raises(RunDirBusy) as info, hold_run_dir(out):
+            pass
+    finally:
+        os.close(fd)
+    said = str(info.value)
+    assert "\x1b" not in said and "\r" not in said and "\n" not in said
+    assert "has not said who it is" in said  # no pid of the right kind: not believed
+    assert len(said) < 600
+
+
+def test_stale_locks_of_killed_runs_are_removed_a_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.distributed.test_run_lock import _holder
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    folder = run_files_dir()
+    for i in range(5):  # left by runs that were SIGKILLed: nobody holds them
+        (folder / f"{i:020d}.lock").write_text("{}")
+    live = _holder(tmp_path / "live")
+    try:
+        with hold_run_dir(tmp_path / "next"):
+            names = sorted(p.name for p in folder.iterdir())
+        assert names == sorted(
+            [_lock_path(tmp_path / "live").name, _lock_path(tmp_path / "next").name]
+        )
+        assert run_dir_holder(tmp_path / "live") is not None
+    finally:
+        live.kill()
+        live.wait()
+
+
+_OTHER_USER = """
+import os, sys
+from pathlib import Path
+shared, victim = Path(sys.argv[1]), sys.argv[2]
+# The attack: the folder evendp would use in a shared runtime folder, with a link inside.
+(shared / "evendp").mkdir(mode=0o755)
+(shared / "evendp" / sys.argv[3]).symlink_to(victim)
+try:  # and straight into the victim's own private folder
+    (Path(sys.argv[4]) / "x.lock").symlink_to(victim)
+    print("planted in the private folder", flush=True)
+except PermissionError:
+    print("private folder closed", flush=True)
+from evendp._distributed._run_lock import hold_run_dir
+with hold_run_dir(sys.argv[5], "nobody's run"):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+    reason="needs root (to run a second user, nobody) and /usr/bin/python3 (the venv's "
+    "interpreter may sit in root's home, closed to nobody)",
+)
+def test_another_user_cannot_plant_a_link_and_both_users_run_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = _victim(tmp_path)
+    # Folders nobody can reach: not under pytest's tmp_path, which is root's alone.
+    shared = Path(tempfile.mkdtemp(prefix="evendp-test-shared-"))
+    theirs = Path(tempfile.mkdtemp(prefix="evendp-test-nobody-"))
+    try:
+        shared.chmod(0o1777)
+        os.chown(theirs, _NOBODY, _NOBODY)
+        mine = tmp_path / "private"
+        mine.mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(mine))
+        out = tmp_path / "out"
+        lock_name = _lock_path(out).name
+        with hold_run_dir(out, "root's run"):
+            proc = _as_nobody(shared, victim, lock_name, mine, theirs)
+            try:
+                assert proc.stdout is not None
+                assert proc.stdout.readline() == "private folder closed\n"
+                assert proc.stdout.readline() == "held\n"  # two users, two runs at once
+                assert run_dir_holder(out)["command"] == "root's run"  # type: ignore[index]
+            finally:
+                proc.communicate("")
+        assert proc.returncode == 0
+        # The victim pointed at the shared runtime folder: the planted folder is refused.
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
+        theirs_now = f"belongs to uid {_NOBODY}, not to you"
+        with pytest.raises(RunFilesUnsafe, match=theirs_now), hold_run_dir(out):
+            pass
+        assert victim.read_text() == "years of work"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(theirs, ignore_errors=True)
+
+
+def _as_nobody(
+    shared: Path, victim: Path, lock_name: str, mine: Path, theirs: Path
+) -> subprocess.Popen[str]:
+    import torch
+
+    site = str(Path(torch.__file__).parents[1])  # torch and the rest, readable by all
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {
+        "PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "TMPDIR": str(theirs),
+        "PYTHONPATH": os.pathsep.join([src, site]), "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    args = [str(shared), str(victim), lock_name, str(mine), str(theirs / "out")]
+
+    def become_nobody() -> None:
+        os.setgid(_NOBODY)
+        os.setuid(_NOBODY)
+
+    return subprocess.Popen(
+        ["/usr/bin/python3", "-c", _OTHER_USER, *args], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, env=env, cwd=str(theirs), preexec_fn=become_nobody,
+    )  # fmt: skip
