@@ -21,7 +21,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._stalled import StallWatch
 
 __all__ = [
     "StopFlag",
@@ -33,6 +36,9 @@ __all__ = [
 ]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long ranks may take to stop after a signal before torchrun is told (it then escalates
+# to SIGKILL): past the collective timeout, by when a hung rank has ended the others.
+_ESCALATE_S = 660.0
 
 
 def _pending(handler: Any) -> int | None:
@@ -144,7 +150,13 @@ def late_signal(signum: int | None, finished: bool, rank: int = 0) -> int | None
     return None
 
 
-def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+def run_forwarding_signals(
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    watch: StallWatch | None = None,
+    escalate_s: float = _ESCALATE_S,
+) -> int:
     """Run ``cmd`` (torchrun), pass SIGINT/SIGTERM/SIGHUP on to its ranks, wait for it.
 
     torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches only this
@@ -156,6 +168,11 @@ def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
 
     torchrun gets ``PR_SET_PDEATHSIG`` (Linux): when this process dies, even by SIGKILL,
     torchrun receives SIGTERM and stops its workers, so no rank trains on unsupervised.
+
+    Ranks still there ``escalate_s`` after a signal (a rank that ignores it, or hangs) get it
+    through torchrun, which sends SIGTERM and, 30 s later, SIGKILL. ``watch``
+    (:class:`~evendp._distributed._stalled.StallWatch`) ends a run whose ranks reported a
+    peer that stopped answering.
 
     Returns 128 + the signal's number when one came, else the command's exit code.
     """
@@ -174,14 +191,19 @@ def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     if pending is not None:  # came while this command started up: pass it on now
         received.append(pending)
     try:
-        code = _wait_forwarding(process, received)
+        code = _wait_forwarding(process, received, watch, escalate_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return exit_code(received[0]) if received else code
 
 
-def _wait_forwarding(process: subprocess.Popen[bytes], received: list[int]) -> int:
+def _wait_forwarding(
+    process: subprocess.Popen[bytes],
+    received: list[int],
+    watch: StallWatch | None,
+    escalate_s: float,
+) -> int:
     sent: set[int] = set()
     to_torchrun = False
     since: float | None = None
@@ -190,6 +212,8 @@ def _wait_forwarding(process: subprocess.Popen[bytes], received: list[int]) -> i
             return process.wait(timeout=0.05)
         except subprocess.TimeoutExpired:
             pass
+        if watch is not None:
+            watch.poll(process.pid, _children(process.pid))
         if not received:
             continue
         signum = signal.SIGTERM if received[0] == signal.SIGHUP else received[0]
@@ -203,6 +227,7 @@ def _wait_forwarding(process: subprocess.Popen[bytes], received: list[int]) -> i
                     os.kill(pid, signum)
         waited = time.monotonic() - since
         impatient = len(received) > 1 or (not sent and waited > _GRACE_S) or workers is None
+        impatient = impatient or (bool(workers) and waited > escalate_s)  # ignored: escalate
         if impatient and not to_torchrun:
             to_torchrun = True
             with contextlib.suppress(ProcessLookupError):

@@ -41,6 +41,7 @@ __all__ = [
     "ENV_OUTCOME",
     "LaunchPlan",
     "launch",
+    "launch_with_outcome",
     "plan_launch",
     "read_outcome",
     "torchrun_command",
@@ -434,19 +435,40 @@ def launch(
     The plan's variables are added to ``env`` (default: this process's environment), so the
     launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM/SIGHUP
     are passed on to the ranks (:func:`evendp._distributed._interrupt.run_forwarding_signals`);
-    the code
-    is then 130/143, and torchrun stops its ranks if this process dies.
+    the code is then 130/143, and torchrun stops its ranks if this process dies.
 
     ``run_dir``: the run's output folder, locked for the run's life (the ranks join the lock;
-    :class:`evendp._distributed._run_lock.RunDirBusy` when another live run holds it). The ranks'
-    rank 0
-    may leave its exit code and message with :func:`write_outcome`; the launcher then exits
-    with that code (0 for a run that finished although a signal came late).
+    :class:`evendp._distributed._run_lock.RunDirBusy` when another live run holds it). The
+    ranks' rank 0 may leave its exit code and message with :func:`write_outcome`; the
+    launcher then exits with that code (0 for a run that finished although a signal came
+    late). Ranks that report a peer that stopped answering
+    (:mod:`evendp._distributed._stalled`) end the run: one line names the silent rank, exit 1.
     """
-    from .._distributed._interrupt import run_forwarding_signals
+    return launch_with_outcome(
+        script, script_args, plan=plan, passthrough=passthrough, env=env, run_dir=run_dir
+    )[0]
+
+
+def launch_with_outcome(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    plan: LaunchPlan,
+    passthrough: Mapping[str, str | int | None] | None = None,
+    env: Mapping[str, str] | None = None,
+    run_dir: str | Path | None = None,
+    comm_timeout: float | None = None,
+) -> tuple[int, dict[str, Any] | None]:
+    """:func:`launch`, also returning what rank 0 left (``None``: nothing, e.g. no save).
+
+    ``comm_timeout``: the ranks' collective timeout, when known: a signal they have not
+    acted on a minute past it goes to torchrun, which escalates to SIGKILL.
+    """
+    from .._distributed._interrupt import _ESCALATE_S, run_forwarding_signals
     from .._distributed._run_files import run_files_dir
     from .._distributed._run_lock import child_env as lock_env
     from .._distributed._run_lock import hold_run_dir
+    from .._distributed._stalled import StallWatch
 
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
@@ -454,6 +476,7 @@ def launch(
     for key, value in loopback_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
+    escalate = _ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
     with contextlib.ExitStack() as stack:
         if run_dir is not None:
             lock = stack.enter_context(hold_run_dir(run_dir))
@@ -463,9 +486,13 @@ def launch(
         )  # this user's private folder: no one else can plant or read the outcome
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
-        code = run_forwarding_signals(cmd, child_env)
+        watch = StallWatch(Path(folder))
+        code = run_forwarding_signals(cmd, child_env, watch=watch, escalate_s=escalate)
+        if watch.fired:
+            print(f"evendp: error: {watch.line(comm_timeout)}", file=sys.stderr, flush=True)
+            return 1, None
         said = read_outcome(outcome)
-        return code if said is None else int(said["code"])
+        return (code if said is None else int(said["code"])), said
 
 
 #: Where rank 0 leaves the run's exit code for the launcher (a private temporary file).

@@ -48,9 +48,15 @@ from .._core._cost import split_by_cost
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._exact import mean_scale, weighted_sum, zero_weight
-from .._core._validate import validate_count, validate_int
+from .._core._validate import validate_count, validate_float, validate_int
 from .._distributed._interrupt import StopFlag, late_signal
 from .._distributed._sampler import EmptySafeCollate, sample_costs
+from .._distributed._stalled import (
+    DEFAULT_COMM_TIMEOUT_S,
+    RankStalled,
+    is_comm_failure,
+    set_comm_timeout,
+)
 from .._distributed._step_cost import StepWeight, display_due, sample_counts
 from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from .._parallel._scatter import batch_size, map_tensors
@@ -113,6 +119,9 @@ class TrainConfig:
     # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
     # The check reads the gradient norm on the host once per step; 0 turns it off.
     max_nonfinite_steps: int = 3
+    # Under torchrun: seconds a collective waits for the other ranks, from the first step on;
+    # past it the run stops (RankStalled, exit 1) instead of hanging. None: the group's own.
+    comm_timeout: float | None = DEFAULT_COMM_TIMEOUT_S
 
     def __post_init__(self) -> None:
         validate_batch_sizes_option(self.batch_sizes)  # a string other than "auto"
@@ -121,6 +130,10 @@ class TrainConfig:
         validate_int(
             "max_nonfinite_steps", self.max_nonfinite_steps, minimum=0,
             example="max_nonfinite_steps=3 (0: no check, no host sync per step)",
+        )  # fmt: skip
+        validate_float(
+            "comm_timeout", self.comm_timeout, positive=True, allow_none=True,
+            example="comm_timeout=600 (seconds; None: the process group's own)",
         )  # fmt: skip
 
 
@@ -698,7 +711,22 @@ class Trainer:
         """
         with self.strategy.run_lock(self.config.out_dir), StopFlag() as stop:
             self.strategy.watch_stop(lambda: stop.signum)
-            return self._fit(stop)
+            try:
+                return self._fit(stop)
+            except RuntimeError as error:
+                if self.world == 1 or not is_comm_failure(error):
+                    raise
+                raise RankStalled(self._stalled_text(error)) from None
+
+    def _stalled_text(self, error: RuntimeError) -> str:
+        """What a rank says when a collective waited past ``comm_timeout`` (or lost its peer)."""
+        said = str(error).strip().splitlines()[-1][-160:] if str(error).strip() else ""
+        out = self.config.out_dir
+        where = f"; the last good checkpoint is in {str(out)!r}" if out is not None else ""
+        return (
+            f"rank {self.rank}: another rank stopped answering (a collective waited past "
+            f"comm_timeout={self.config.comm_timeout}: {said}); stopped without saving{where}"
+        )
 
     def _fit(self, stop: StopFlag) -> TrainReport:
         cfg, state = self.config, self.state
@@ -711,6 +739,9 @@ class Trainer:
         self.model.train()
         # A signal during start-up (caught by the command line's flag) stops before step one.
         signum: int | None = self.strategy.agree_stop()
+        if self.world > 1 and cfg.comm_timeout is not None:
+            # Every rank is here (start-up skew is over): a rank silent for longer ends the run.
+            set_comm_timeout(cfg.comm_timeout)
         show = cfg.progress and self.rank == 0
         shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()

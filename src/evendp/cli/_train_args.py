@@ -23,6 +23,10 @@ __all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
 OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
 
 _DEFAULT_OUT = "runs/demo"
+# evendp._distributed._stalled's DEFAULT_COMM_TIMEOUT_S and MIN_COMM_TIMEOUT_S, without
+# importing torch to declare the options (a test keeps them equal).
+_COMM_TIMEOUT = 600.0
+_MIN_COMM_TIMEOUT = 5.0
 _DEFAULT_STEPS = 100
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
 _DEMO_MEMORY = "48MiB,48MiB,24MiB"
@@ -102,6 +106,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=0,
         help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
         "the last checkpoint (default 0)",
+    )
+    p.add_argument(
+        "--comm-timeout",
+        type=bounded_float("--comm-timeout", _MIN_COMM_TIMEOUT, 86_400, "600", low_inclusive=True),
+        default=_COMM_TIMEOUT,
+        metavar="SECONDS",
+        help="ddp/fsdp2: how long a rank waits for the others in a collective once training "
+        "runs; a rank silent for longer (hung, stopped) ends the run, naming it, exit 1 "
+        f"(at least {_MIN_COMM_TIMEOUT:g}; default {_COMM_TIMEOUT:g})",
     )
     p.add_argument(
         "--checkpoint-every",

@@ -26,25 +26,31 @@ def report_error(exc: EvendpError) -> int:
     """One line for ``exc``: under torchrun only rank 0 prints it and leaves its exit code for
     the launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
     would fail again); elsewhere it is printed and its exit code returned."""
+    from .._distributed._stalled import RankStalled, report_stalled
     from .._planning._launch import ENV_OUTCOME, write_outcome
 
     rank = os.environ.get("RANK")
     if rank is None or not os.environ.get(ENV_OUTCOME):
         print(f"evendp train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if isinstance(exc, RankStalled):  # every answering rank reports; the launcher says it
+        report_stalled(os.environ.get(ENV_OUTCOME), int(rank))
+        return 0
     if rank == "0":
         print(f"evendp train: error: {exc}", file=sys.stderr, flush=True)
         write_outcome(exc.exit_code, message=str(exc))
     return 0
 
 
-def say_how_to_resume(code: int, argv: list[str] | None = None) -> int:
-    """After a run stopped by a signal: one line with the exact command that continues it."""
+def say_how_to_resume(code: int, argv: list[str] | None = None, saved: bool = True) -> int:
+    """After a run stopped by a signal: one line with the exact command that continues it
+    (``saved``: whether the ranks said they saved on the way out)."""
     from .._distributed._interrupt import resume_command
 
     if code in (130, 143):
         command = resume_command(argv if argv is not None else sys.argv[1:])
-        print(f"evendp train: stopped and saved; resume with: {command}", file=sys.stderr)
+        how = "stopped and saved" if saved else "stopped before saving (the last checkpoint stays)"
+        print(f"evendp train: {how}; resume with: {command}", file=sys.stderr)
     return code
 
 
@@ -52,15 +58,18 @@ def launch_ranks(args: argparse.Namespace) -> int:
     """Plan the ranks, start them under torchrun and wait; the exit code (130/143 after a
     signal)."""
     from .._distributed._run_lock import child_env, hold_run_dir
-    from .._planning._launch import launch
+    from .._planning._launch import launch_with_outcome
 
     plan, argv = plan_ranks(args)
     print(plan.describe(), file=sys.stderr, flush=True)
     script = str(Path(__file__).with_name("train.py").resolve())
     with hold_run_dir(args.out) as lock:  # held for the run's life; the ranks join it
         plan.env.update(child_env(lock))
-        code = launch(script, argv, plan=plan, **_restarts(args))  # rank 0 leaves the code
-    return say_how_to_resume(code, args.argv)
+        code, said = launch_with_outcome(  # rank 0 leaves the code, once it saved
+            script, argv, plan=plan, comm_timeout=args.comm_timeout, **_restarts(args)
+        )
+    saved = said is not None and bool(said.get("interrupted"))
+    return say_how_to_resume(code, args.argv, saved)
 
 
 def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
@@ -237,7 +246,7 @@ def run_rank(args: argparse.Namespace) -> int:
         strategy="fsdp2" if args.mode == "fsdp2" else "ddp", out_dir=args.out,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
-        progress=not args.no_progress, balance=args.balance,
+        progress=not args.no_progress, balance=args.balance, comm_timeout=args.comm_timeout,
     )  # fmt: skip
     from ..examples.stdlib_text import CodeParagraphs
 

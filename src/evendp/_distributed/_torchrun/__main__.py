@@ -31,6 +31,8 @@ from typing import Any
 #: The launcher's outcome file (``evendp._planning._launch.ENV_OUTCOME``; a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
 OUTCOME_PREFIX = "evendp-outcome-"
+#: The ranks' reports of a peer that stopped answering (``evendp._distributed._stalled``).
+STALLED_PREFIX = "stalled."
 
 
 def main(argv: list[str]) -> int:
@@ -47,6 +49,8 @@ def main(argv: list[str]) -> int:
         orphaned = os.getppid() != launcher  # reparented: the launcher died
         if orphaned:
             remove_outcome_folder(os.environ.get(ENV_OUTCOME))
+        elif _stalled(os.environ.get(ENV_OUTCOME)):
+            return 128 + signum  # the launcher ends a stalled run and says so itself
         why = "its launcher died" if orphaned else "passed on by the launcher"
         name = signal.Signals(signum).name
         print(f"evendp launch: torchrun got {name} ({why}) and stopped every rank", file=sys.stderr)
@@ -143,6 +147,11 @@ def _listen(address: str, port: int) -> int:
             raise RuntimeError("Address already in use") from None
         raise
     return sock.detach()
+
+
+def _stalled(outcome: str | None) -> bool:
+    """Whether a rank reported a peer that stopped answering (in the outcome's folder)."""
+    return bool(outcome) and any(Path(str(outcome)).parent.glob(STALLED_PREFIX + "*"))
 
 
 def remove_outcome_folder(outcome: str | None) -> None:

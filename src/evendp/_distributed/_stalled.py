@@ -1,0 +1,189 @@
+"""A rank that stops answering ends the run: the collectives' timeout, and what follows.
+
+Without a timeout a rank that hangs (stopped with ``kill -STOP``, stuck in a driver, its
+machine paused) keeps every other rank waiting in a collective for gloo's default 30
+minutes, silently. So the Trainer gives the process group a timeout once every rank has
+arrived at the training loop (``TrainConfig.comm_timeout``, ``evendp train --comm-timeout``,
+600 s; at start-up the group keeps its own, since ranks start seconds apart). When it fires:
+
+- each rank still answering raises :class:`RankStalled` (a :class:`TrainingError`, exit 1)
+  without another collective or a save: the last good checkpoint stays as it was;
+- under ``evendp train --mode ddp|fsdp2`` each of them leaves a report in the launcher's
+  private outcome folder (:func:`report_stalled`) and exits;
+- the launcher (:class:`StallWatch`, polled while it waits for torchrun) gives the other
+  ranks a few seconds to report too, then stops torchrun (no restart of a run that stalled),
+  ends the ranks that did not report (SIGTERM, SIGKILL after a grace period: a stopped
+  process ignores everything else) and says in one line which rank stopped answering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .._core._errors import TrainingError
+
+__all__ = [
+    "DEFAULT_COMM_TIMEOUT_S",
+    "MIN_COMM_TIMEOUT_S",
+    "RankStalled",
+    "StallWatch",
+    "is_comm_failure",
+    "report_stalled",
+    "set_comm_timeout",
+]
+
+#: The default collective timeout, in seconds (NCCL's own default; gloo's is 30 minutes).
+DEFAULT_COMM_TIMEOUT_S = 600.0
+#: The shortest one the command line takes: shorter ones fire on a slow checkpoint save.
+MIN_COMM_TIMEOUT_S = 5.0
+#: The reports' names in the outcome folder (``evendp._distributed._torchrun`` reads them).
+REPORT_PREFIX = "stalled."
+_REPORT_GRACE_S = 5.0  # after the first report: the other answering ranks report too
+_KILL_GRACE_S = 5.0  # between the SIGTERM and the SIGKILL of a rank that did not report
+
+
+class RankStalled(TrainingError):
+    """A collective waited past the timeout: another rank stopped answering (exit 1)."""
+
+
+# What gloo (and NCCL's watchdog) say when a collective's peer stopped answering, or left.
+_FAILURES = (
+    "timed out waiting",
+    "timeout caused pair closure",
+    "watchdog caught collective operation timeout",
+    "connection closed by peer",
+    "connection reset by peer",
+)
+
+
+def is_comm_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost its peer (gloo, NCCL).
+
+    >>> is_comm_failure(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 20000ms for "
+    ...                              "recv operation to complete"))
+    True
+    >>> is_comm_failure(RuntimeError("CUDA error: out of memory"))
+    False
+    """
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(f in text for f in _FAILURES)
+
+
+def set_comm_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
+    """Give ``group`` (the default group when ``None``) a collective timeout of ``seconds``.
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> set_comm_timeout(30)
+    >>> dist.destroy_process_group()
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def report_stalled(outcome: str | None, rank: int) -> bool:
+    """Under a launcher (``outcome``: its outcome file): leave this rank's report that it
+    saw another rank stop answering; False (nothing written) outside one.
+
+    >>> report_stalled(None, 0)
+    False
+    """
+    from ._run_files import open_private
+
+    if not outcome:
+        return False
+    path = Path(outcome).parent / f"{REPORT_PREFIX}{int(rank)}"
+    os.close(open_private(path, os.O_WRONLY | os.O_CREAT))
+    return True
+
+
+def _reported(folder: Path) -> set[int]:
+    found = set()
+    for path in folder.glob(f"{REPORT_PREFIX}*"):
+        with contextlib.suppress(ValueError):
+            found.add(int(path.name[len(REPORT_PREFIX) :]))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    """The ``RANK`` torchrun gave worker ``pid`` (Linux ``/proc``; ``None``: unknown)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"RANK="):
+            with contextlib.suppress(ValueError):
+                return int(entry[5:])
+    return None
+
+
+class StallWatch:
+    """The launcher's side: polled while it waits for torchrun (``pid``) and its workers.
+
+    :meth:`poll` returns nothing useful; once ranks reported a stalled peer it ends the run
+    in steps, and :attr:`line` says which rank stopped answering.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.first: float | None = None  # when the first report came
+        self.stopped: float | None = None  # when torchrun and the silent ranks got SIGTERM
+        self.killed = False
+        self.silent: list[int] = []  # the ranks that did not report
+        self.reported: set[int] = set()
+
+    @property
+    def fired(self) -> bool:
+        """Whether a rank reported a peer that stopped answering."""
+        return self.first is not None
+
+    def poll(self, torchrun: int, workers: list[int] | None) -> None:
+        """One look at the reports; act on them when their time has come."""
+        now = time.monotonic()
+        if self.first is None:
+            self.reported = _reported(self.folder)
+            if self.reported:
+                self.first = now
+            return
+        if self.stopped is None and now - self.first >= _REPORT_GRACE_S:
+            self.reported = _reported(self.folder)
+            ranks = {pid: _rank_of(pid) for pid in workers or []}
+            silent = {pid: r for pid, r in ranks.items() if r not in self.reported}
+            self.silent = sorted(r for r in silent.values() if r is not None)
+            self._signal(torchrun, signal.SIGTERM)  # stops its ranks; no restart of this run
+            for pid in silent:
+                self._signal(pid, signal.SIGTERM)
+            self.stopped = now
+        elif self.stopped is not None and not self.killed and now - self.stopped >= _KILL_GRACE_S:
+            for pid in workers or []:  # still there: stopped, or ignoring SIGTERM
+                self._signal(pid, signal.SIGKILL)
+            self.killed = True
+
+    @staticmethod
+    def _signal(pid: int, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+    def line(self, timeout: float | None = None) -> str:
+        """The one line the launcher prints after a stall."""
+        who = (
+            "rank " + ", ".join(map(str, self.silent))
+            if self.silent
+            else "a rank on another node (or one that left no trace)"
+        )
+        waited = f" for {timeout:g} s" if timeout is not None else ""
+        heard = ", ".join(map(str, sorted(self.reported)))
+        return (
+            f"{who} stopped answering: rank {heard} waited{waited} in a collective "
+            "(--comm-timeout); every rank was stopped without saving, the last good "
+            "checkpoint is intact"
+        )
