@@ -7,6 +7,7 @@ rank 1 killed (SIGKILL) on the way; its final weights must equal an uninterrupte
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -294,3 +295,98 @@ def test_ctrl_c_in_one_process_prints_the_command_that_resumes(tmp_path: Path) -
         [*command[1:-1], "--steps", str((_step(tmp_path / "ckpt.pt") or 0) + 2), "--resume"]
     )
     assert resumed == 0
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
+def _address(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    raw = bytes.fromhex(hex_ip)  # /proc/net/tcp*: 32-bit words in host (little-endian) order
+    ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(ordered)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """Every TCP socket the processes under ``pid`` listen on: (address, port)."""
+    inodes = set()
+    for proc in _tree(pid):
+        for fd in Path(f"/proc/{proc}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ip, port = fields[1].split(":")
+                found.add((str(_address(ip)), int(port, 16)))
+    return found
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _watch_sockets(proc: subprocess.Popen[str], out: Path, goal: int) -> set[tuple[str, int]]:
+    """The sockets the run listens on, gathered until its checkpoint reaches ``goal``."""
+    seen: set[tuple[str, int]] = set()
+
+    def progressed() -> bool:
+        seen.update(_listening(proc.pid))
+        return (_step(out / "ckpt.pt") or 0) >= goal
+
+    _wait_for(progressed, 300, f"a checkpoint at {goal}")
+    return seen
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="lists sockets through /proc")
+def test_a_stalled_rank_ends_the_run_naming_it_and_every_listener_is_loopback(
+    tmp_path: Path,
+) -> None:
+    """Issue 28: `kill -STOP` of rank 1 (--comm-timeout 10): every process exits in 60 s,
+    one line names rank 1, exit 1, the previous checkpoint resumes. Both runs (with and
+    without --max-restarts) listen on loopback only: torchrun's store, gloo."""
+    out = tmp_path
+    proc = _start(out, "--comm-timeout", "10", "--max-restarts", "1")
+    seen = _watch_sockets(proc, out, 2 * EVERY)
+    workers = _workers(out)
+    assert len(workers) == 2 and len(seen) >= 3, (workers, seen)  # store + a gloo per rank
+    os.kill(workers[1], signal.SIGSTOP)
+    try:
+        output, _ = proc.communicate(timeout=60)
+        gone = _wait_for(lambda: not _workers(out) or None, 10, "every rank to exit")
+    finally:
+        for pid in _workers(out).values():
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1 and gone, output[-3000:]
+    said = [line for line in output.splitlines() if "stopped answering" in line]
+    assert said and said[0].startswith("evendp: error: rank 1 stopped answering"), output[-3000:]
+    assert len(said) == 1 and "Traceback" not in output, output[-3000:]
+    assert "torchrun got" not in output and "stopped and saved" not in output, output[-3000:]
+    step = _step(out / "ckpt.pt")
+    assert step is not None and step >= 2 * EVERY and step % EVERY == 0
+    assert all(_loopback(ip) for ip, _ in seen), seen
+    # The last good checkpoint resumes (no --max-restarts: torchrun's plain static store).
+    resumed = _start(out, "--resume", "--comm-timeout", "10", "--steps", str(step + 2 * EVERY))
+    seen = _watch_sockets(resumed, out, step + EVERY)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    assert f"evendp: resumed from {out / 'ckpt.pt'} at step {step}" in output, output[-3000:]
+    assert seen and all(_loopback(ip) for ip, _ in seen), seen
