@@ -7,6 +7,7 @@ rank 1 killed (SIGKILL) on the way; its final weights must equal an uninterrupte
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -304,10 +305,8 @@ def _tree(pid: int) -> list[int]:
         current = todo.pop()
         found.append(current)
         for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
+            with contextlib.suppress(OSError):  # gone meanwhile
                 todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
     return found
 
 
