@@ -20,6 +20,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -28,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .._core._errors import EvendpError
 from .._core._exact import mean_scale, step_count
-from .._core._validate import validate_count, validate_device
+from .._core._validate import validate_count, validate_device, validate_float
 
 __all__ = [
     "all_reduce_gradients",
@@ -274,7 +275,10 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     keeps CPU ranks on a GPU machine. Under NCCL the rank's GPU (``cuda:LOCAL_RANK``, or
     ``cuda:0`` when it sees one) becomes the current device and is passed as ``device_id``,
     which binds the group to it. Other keyword arguments go to
-    ``torch.distributed.init_process_group``.
+    ``torch.distributed.init_process_group``; ``timeout`` (its collective timeout) may also be
+    given in seconds, e.g. ``timeout=600``: without one a rank that hangs keeps the others
+    waiting for gloo's default 30 minutes (the Trainer sets ``TrainConfig.comm_timeout`` on
+    the group once training runs).
 
     End the run with :func:`finish_distributed`. Why not call ``init_process_group``
     directly: importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
@@ -285,13 +289,16 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     2.13). Importing it first, before the group exists, avoids that.
 
     >>> import torch.distributed as dist
-    >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=600)
     device(type='cpu')
     >>> dist.get_backend()
     'gloo'
     >>> dist.destroy_process_group()
     """
     _validate_backend(backend)
+    if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
+        seconds = validate_float("timeout", kwargs["timeout"], positive=True, example="600")
+        kwargs["timeout"] = timedelta(seconds=seconds)
     import torch.distributed.fsdp  # before the group exists: see above
 
     if backend is None:
