@@ -18,6 +18,7 @@ from ._core._errors import (
     PlanError,
     TrainingError,
 )
+from ._core._counting import count_tokens
 from ._core._exact import is_stand_in
 from ._core._split import split_sizes
 from ._distributed._group import (
@@ -52,6 +53,7 @@ __all__ = [
     "Scattered",
     "gather",
     "split_sizes",
+    "count_tokens",
     # cost (variable-length samples)
     "padded_cost",
     "split_by_cost",
