@@ -537,7 +537,7 @@ class ParallelCriterion(nn.Module):
         if not self._count_checked:
             self._count_checked = True
             if holds_ignored((targets, kwargs)):
-                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=6)
+                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=5)
 
     def _criteria(self, devices: list[torch.device]) -> list[nn.Module]:
         criterion = self.criterion
