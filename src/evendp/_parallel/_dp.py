@@ -116,7 +116,7 @@ class BalancedDataParallel(nn.Module):
             ``labels``). Default: a Hugging Face model whose class names its task
             (``GPT2LMHeadModel``, ``*ForCausalLM``, ``*ForMaskedLM``, ...) called with
             ``labels=`` counts its non-ignored labels, shifted where its loss shifts them;
-            anything else counts samples, and warns once when a scalar output comes with
+            anything else counts samples, and warns once when it gathers a scalar output of
             inputs holding ``-100`` labels (docs/exactness.md).
         chunk_sizes: deprecated alias of ``weights``.
         gather: deprecated alias of ``gather_output``.
@@ -322,10 +322,11 @@ class BalancedDataParallel(nn.Module):
         replicas = self._replicas(devices, include_home=active[0] == 0)
         outputs = self._run_replicas(replicas, shards, devices, active, total)
         counts = self._checked_counts(raw_counts, active, sizes)
-        if self.count_fn is None and self._label_count is None and len(self.device_ids) > 1:
-            self._check_uncounted(outputs[0], inputs, kwargs)
         if not self.gather_output:
             return Scattered(outputs, sizes, devices, self.dim, self.output_device, counts)
+        # Where evendp itself combines the means (not for a Scattered: its reader does).
+        if self.count_fn is None and self._label_count is None and len(self.device_ids) > 1:
+            self._check_uncounted(outputs[0], inputs, kwargs)
         if len(devices) == 1 and devices[0] == self.output_device and counts[0] > 0:
             return outputs[0]  # as nn.DataParallel on one device: the module's own output
         return gather_outputs(outputs, sizes, self.output_device, self.dim, counts)

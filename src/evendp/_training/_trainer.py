@@ -234,18 +234,26 @@ def _apply_activation_checkpointing(model: nn.Module) -> None:
 
 def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
+    Per-row lists (strings, ids: one entry per row) are cut with their rows.
 
     >>> _rows(torch.arange(6), [(0, 2), (3, 5)]), _rows(torch.arange(6), [(0, 2), (2, 4)])
     (tensor([0, 1, 3, 4]), tensor([0, 1, 2, 3]))
+    >>> _rows({"x": torch.arange(3), "text": ["a", "b", "c"]}, [(1, 3)])["text"]
+    ['b', 'c']
     """
+    total = batch_size(batch)
     ranges = [(a, b) for a, b in ranges if b > a]
+
+    def rows_of(values: list[Any]) -> list[Any]:
+        return [value for a, b in ranges for value in values[a:b]]
+
     if not ranges:  # an empty micro-step (a rank with no samples): zero rows, same layout
-        return map_tensors(batch, lambda t: t[:0] if t.dim() else t)
+        return map_tensors(batch, lambda t: t[:0] if t.dim() else t, rows=total, row_fn=rows_of)
     if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
         start, stop = ranges[0][0], ranges[-1][1]
-        return map_tensors(batch, lambda t: t[start:stop])
+        return map_tensors(batch, lambda t: t[start:stop], rows=total, row_fn=rows_of)
     index = torch.cat([torch.arange(a, b) for a, b in ranges])  # (samples,)
-    return map_tensors(batch, lambda t: t[index.to(t.device)])
+    return map_tensors(batch, lambda t: t[index.to(t.device)], rows=total, row_fn=rows_of)
 
 
 def _batch_len(batch: Batch) -> int:
