@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evendp import BalancedDataParallel, count_tokens
 from tests._helpers import requires_cuda, tiny_gpt2_config
@@ -184,5 +186,30 @@ def test_gpt2_on_cuda_virtual_devices_with_the_hf_count_fn(gpt2: torch.nn.Module
         out = wrapped(**batch)
     out.loss.backward()
     reference, ref_loss = one_device(copy.deepcopy(gpt2).cuda(), batch)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, SEQ_LEN), min_size=1, max_size=7),
+    cuts=st.lists(st.integers(0, 7), min_size=2, max_size=2),
+)
+def test_gpt2_without_count_fn_is_exact_on_any_split_with_zeros(
+    gpt2: torch.nn.Module, lengths: list[int], cuts: list[int]
+) -> None:
+    """Property: any lengths (1 = no label after the shift), any split, empty shares too."""
+    n = len(lengths)
+    a, b = sorted(min(c, n) for c in cuts)
+    sizes = [a, b - a, n - b]
+    batch = padded_batch(lengths)
+    if int(hf_count(**batch)) == 0:
+        return  # no label anywhere: one device's mean is NaN too, nothing to compare
+    model = copy.deepcopy(gpt2)
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3)
+    with wrapped.fixed_sizes(sizes):
+        out = wrapped(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
     assert gradient_error(model, reference) <= 1e-5
