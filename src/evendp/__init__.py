@@ -10,6 +10,7 @@ from .cli._fast import answer_without_torch as _answer_without_torch
 _answer_without_torch()
 
 from ._core._cost import padded_cost, split_by_cost
+from ._core._counting import count_tokens
 from ._core._errors import (
     CheckpointError,
     EvendpError,
@@ -18,7 +19,6 @@ from ._core._errors import (
     PlanError,
     TrainingError,
 )
-from ._core._counting import count_tokens
 from ._core._exact import is_stand_in
 from ._core._split import split_sizes
 from ._distributed._group import (

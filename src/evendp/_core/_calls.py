@@ -42,7 +42,7 @@ def as_args(batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
-class DictBatch(dict):  # type: ignore[type-arg]
+class DictBatch(dict[str, Any]):
     """A dict batch as ``loss_fn`` and ``count_fn`` get it: the dict itself.
 
     Up to evendp 0.1 the Trainer handed them ``(batch,)``, a one-tuple around the dict; code

@@ -127,9 +127,7 @@ def count_tokens(
             "by one) or False (labels compared where they stand)"
         )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise EvendpError(
-            f"count_tokens(ignore_index={ignore_index!r}) must be an int, e.g. -100"
-        )
+        raise EvendpError(f"count_tokens(ignore_index={ignore_index!r}) must be an int, e.g. -100")
     if not isinstance(key, str):
         raise EvendpError(f"count_tokens(key={key!r}) must be a string, e.g. 'labels'")
     return TokenCount(shift=shift, ignore_index=ignore_index, key=key, keyed_only=False)

@@ -13,6 +13,7 @@ is never read back, only looked for.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -31,11 +32,10 @@ def note_sizes_read() -> None:
     outcome = os.environ.get(ENV_OUTCOME)
     if not outcome:
         return
-    try:
-        # O_EXCL-free create: several ranks may mark at once; any one mark is enough.
+    # Several ranks may mark at once: any one mark is enough. An OSError: the launcher (or
+    # its folder) is gone, and nobody is left to warn.
+    with contextlib.suppress(OSError):
         (Path(outcome).parent / _MARK).touch(exist_ok=True)
-    except OSError:  # the launcher is gone, or its folder: nobody is left to warn
-        pass
 
 
 def sizes_were_read(outcome: Path) -> bool:

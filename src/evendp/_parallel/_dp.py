@@ -446,8 +446,9 @@ class ParallelCriterion(nn.Module):
     whose own denominator is used (targets not equal to ``ignore_index``, weighted by
     ``weight``); any other criterion whose targets hold ``-100`` (ignored labels) is
     weighted by samples with a warning, once, naming ``count_fn``
-    (:func:`evendp.count_tokens`). A device whose count is 0 contributes nothing (never its NaN). With
-    ``reduction="sum"`` (the criterion returns a per-device sum) the result is the plain sum.
+    (:func:`evendp.count_tokens`). A device whose count is 0 contributes nothing (never its
+    NaN). With ``reduction="sum"`` (the criterion returns a per-device sum) the result is the
+    plain sum.
 
     Language-model logits (N, L, V) with -100 on padding, split [2, 1] over two devices:
 

@@ -233,7 +233,9 @@ def _gather(
         )
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         names = [f.name for f in dataclasses.fields(first) if f.init]
-        values = {n: _gather([getattr(o, n) for o in outputs], counts, device, dim, sizes) for n in names}
+        values = {
+            n: _gather([getattr(o, n) for o in outputs], counts, device, dim, sizes) for n in names
+        }
         return dataclasses.replace(first, **values)
     if all(o == first for o in outputs[1:]):
         return first

@@ -456,8 +456,6 @@ def _warn_sizes_unread(sizes: list[int]) -> None:
     )
 
 
-
-
 def write_outcome(code: int, **details: Any) -> None:
     """Under ``evendp launch``: leave this run's exit code (and details) for the launcher.
 

@@ -45,8 +45,8 @@ from torch.utils.data import Dataset
 
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
-from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._cost import split_by_cost
+from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._exact import mean_scale, weighted_sum, zero_weight
@@ -163,11 +163,11 @@ def _loss_of(out: Any, *, loss_first: bool) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, Mapping) and "loss" in out:
-        return out["loss"]  # type: ignore[no-any-return]
+        return out["loss"]
     if isinstance(getattr(out, "loss", None), torch.Tensor):
-        return out.loss  # type: ignore[no-any-return]
+        return out.loss
     if isinstance(out, tuple) and len(out) > 1:
-        return out[0] if loss_first else out[1]  # type: ignore[no-any-return]
+        return out[0] if loss_first else out[1]
     raise EvendpError(
         f"the default loss_fn found no loss in the model's output ({type(out).__name__}); "
         "return the loss (a tensor, .loss, or (logits, loss)), or pass loss_fn="
