@@ -33,6 +33,7 @@ EXPECTED_ALL = {
     "UnevenBatchSampler",
     "balance_sizes",
     "batch_sizes_from_env",
+    "count_tokens",
     "ddp_loss",
     "finish_distributed",
     "gather",

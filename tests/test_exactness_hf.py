@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from evendp import BalancedDataParallel
+from evendp import BalancedDataParallel, count_tokens
 from tests._helpers import requires_cuda, tiny_gpt2_config
 
 transformers = pytest.importorskip("transformers")
@@ -79,11 +82,68 @@ def test_gpt2_labels_with_the_hf_count_fn_equal_one_device(gpt2: torch.nn.Module
 def test_gpt2_weighted_by_samples_is_not_exact(gpt2: torch.nn.Module) -> None:
     model = copy.deepcopy(gpt2)
     batch = padded_batch(EVEN)
-    out = BalancedDataParallel(model, ["cpu"] * 3, weights=[2, 1, 1])(**batch)
+    rows = BalancedDataParallel(
+        model, ["cpu"] * 3, weights=[2, 1, 1], count_fn=lambda **kw: kw["labels"].shape[0]
+    )
+    out = rows(**batch)
     out.loss.backward()
     reference, ref_loss = one_device(gpt2, batch)
     assert abs(out.loss.item() - ref_loss.item()) > 1e-4
     assert gradient_error(model, reference) > 1e-2
+
+
+def test_gpt2_without_count_fn_counts_its_shifted_labels_and_is_exact(
+    gpt2: torch.nn.Module,
+) -> None:
+    """The first-day call: no count_fn. GPT2LMHeadModel is a causal LM: shifted labels."""
+    model = copy.deepcopy(gpt2)
+    batch = padded_batch(EVEN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exact by itself: nothing to warn about
+        out = BalancedDataParallel(model, ["cpu"] * 3, weights=[2, 1, 1])(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+def test_gpt2_count_tokens_matches_the_hand_written_count(gpt2: torch.nn.Module) -> None:
+    batch = padded_batch(LENGTHS)
+    assert int(count_tokens(shift=True)(**batch)) == int(hf_count(**batch))
+    model = copy.deepcopy(gpt2)
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, count_fn=count_tokens(shift=True))
+    with wrapped.fixed_sizes([4, 2, 2]):  # device 2: no label after the shift
+        wrapped(**batch).loss.backward()
+    reference, _ = one_device(gpt2, batch)
+    assert gradient_error(model, reference) <= 1e-5
+
+
+class _OwnLM(torch.nn.Module):
+    """Not a Hugging Face class: evendp cannot tell whether its loss shifts the labels."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self.inner(**batch).loss
+
+
+def test_an_unknown_model_with_ignored_labels_warns_once_naming_count_fn(
+    gpt2: torch.nn.Module,
+) -> None:
+    wrapped = BalancedDataParallel(_OwnLM(copy.deepcopy(gpt2)), ["cpu"] * 3, weights=[2, 1, 1])
+    with pytest.warns(UserWarning, match=r"count_fn=evendp.count_tokens\(shift=True\)"):
+        wrapped(**padded_batch(EVEN))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(**padded_batch(EVEN))  # once
+    counted = BalancedDataParallel(
+        _OwnLM(copy.deepcopy(gpt2)), ["cpu"] * 3, count_fn=count_tokens(shift=True)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counted(**padded_batch(EVEN))  # told: no warning
 
 
 def test_gpt2_share_with_no_label_adds_nothing_and_no_nan(gpt2: torch.nn.Module) -> None:
@@ -126,5 +186,30 @@ def test_gpt2_on_cuda_virtual_devices_with_the_hf_count_fn(gpt2: torch.nn.Module
         out = wrapped(**batch)
     out.loss.backward()
     reference, ref_loss = one_device(copy.deepcopy(gpt2).cuda(), batch)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert gradient_error(model, reference) <= 1e-5
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, SEQ_LEN), min_size=1, max_size=7),
+    cuts=st.lists(st.integers(0, 7), min_size=2, max_size=2),
+)
+def test_gpt2_without_count_fn_is_exact_on_any_split_with_zeros(
+    gpt2: torch.nn.Module, lengths: list[int], cuts: list[int]
+) -> None:
+    """Property: any lengths (1 = no label after the shift), any split, empty shares too."""
+    n = len(lengths)
+    a, b = sorted(min(c, n) for c in cuts)
+    sizes = [a, b - a, n - b]
+    batch = padded_batch(lengths)
+    if int(hf_count(**batch)) == 0:
+        return  # no label anywhere: one device's mean is NaN too, nothing to compare
+    model = copy.deepcopy(gpt2)
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3)
+    with wrapped.fixed_sizes(sizes):
+        out = wrapped(**batch)
+    out.loss.backward()
+    reference, ref_loss = one_device(gpt2, batch)
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
     assert gradient_error(model, reference) <= 1e-5

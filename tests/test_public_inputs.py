@@ -112,6 +112,11 @@ def _cases() -> dict[str, Callable[[], Case]]:
         ),
         "gather": lambda: (evendp.gather, [None], {}),
         "split_sizes": lambda: (evendp.split_sizes, [10, [1, 2]], {}),
+        "count_tokens": lambda: (
+            evendp.count_tokens,
+            [],
+            {"shift": True, "ignore_index": -100, "key": "labels"},
+        ),
         "padded_cost": lambda: (evendp.padded_cost, [[3, 5]], {"padded": True}),
         "split_by_cost": lambda: (
             evendp.split_by_cost,

@@ -10,6 +10,7 @@ from .cli._fast import answer_without_torch as _answer_without_torch
 _answer_without_torch()
 
 from ._core._cost import padded_cost, split_by_cost
+from ._core._counting import count_tokens
 from ._core._errors import (
     CheckpointError,
     EvendpError,
@@ -52,6 +53,7 @@ __all__ = [
     "Scattered",
     "gather",
     "split_sizes",
+    "count_tokens",
     # cost (variable-length samples)
     "padded_cost",
     "split_by_cost",

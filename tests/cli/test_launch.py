@@ -172,6 +172,20 @@ def test_launch_ddp_uneven_reports_exact_global_losses() -> None:
         assert abs(g - w) <= 1e-5 * max(1.0, abs(w))  # printed with 6 decimals
 
 
+@pytest.mark.multiprocess
+def test_an_unported_script_that_ignores_the_sizes_gets_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    script = tmp_path / "unported.py"
+    script.write_text("print('training with my own batch of 4')\n")  # never reads the sizes
+    assert main(["launch", "--nproc", "2", "--batch-sizes", "1,3", str(script)]) == 0
+    err = capsys.readouterr().err
+    assert "batch sizes [1, 3]" in err  # what the launcher printed ...
+    assert "warning: no rank read the batch sizes [1, 3] set in EVENDP_BATCH_SIZES" in err
+    assert "evendp.batch_sizes_from_env()" in err  # ... and the fix
+
+
 def test_old_devices_flag_is_hidden_but_still_accepted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -6,6 +6,8 @@ backward) runs in tests/integrations/test_ports.py (examples/nanogpt_loop.py).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,3 +56,23 @@ def test_a_count_of_zero_gives_zero_not_nan_and_tokens_count() -> None:
 def test_bad_losses_are_named() -> None:
     with pytest.raises(evendp.EvendpError, match="0-dim tensor"):
         evendp.StepMean().weigh(torch.ones(3), torch.ones(3))
+
+
+def test_count_tokens_over_ignored_labels_is_exact_and_rows_warn_once() -> None:
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+    y[[1, 2, 3]] = -100  # the first micro-batch has 1 counted label of 3 rows
+    full = _model()
+    F.cross_entropy(full(x), y).backward()
+    model, step = _model(), evendp.StepMean(evendp.count_tokens(shift=False))
+    for xb, yb in [(x[:3], y[:3]), (x[3:], y[3:])]:
+        step.weigh(F.cross_entropy(model(xb), yb), yb).backward()
+    step.finish(model)
+    for got, exp in zip(_grads(model), _grads(full), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-7)
+    rows = evendp.StepMean()
+    with pytest.warns(UserWarning, match=r"count_fn=evendp.count_tokens"):
+        rows.weigh(F.cross_entropy(model(x[:3]), y[:3]), y[:3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows.weigh(F.cross_entropy(model(x[3:]), y[3:]), y[3:])  # once

@@ -772,3 +772,42 @@ def test_scattered_keeps_the_counts_and_gather_combines_by_them() -> None:
     parts = wrapped(idx, mask)
     assert parts.counts == [6.0, 1.0]
     torch.testing.assert_close(gather(parts), model(idx, mask))
+
+
+def test_a_criterion_over_ignored_labels_warns_once_unless_it_is_counted() -> None:
+    import evendp
+
+    _, parts, _, labels = _lm_scattered([2, 1])
+    criterion = ParallelCriterion(_flat_ce)
+    with pytest.warns(UserWarning, match=r"ParallelCriterion \(function\).*count_tokens"):
+        criterion(parts, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        criterion(parts, labels)  # once
+        counted = ParallelCriterion(_flat_ce, count_fn=evendp.count_tokens(shift=False))
+        exact = counted(parts, labels)
+        ParallelCriterion(FlatCE())  # built only
+    want = _flat_ce(torch.cat([o for o in parts.outputs]), labels)
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-7)
+
+
+class _Echo(nn.Module):
+    """Returns its rows' names and a mean: strings go in and come back per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, names: list[str]) -> tuple[list[str], torch.Tensor]:
+        assert names == [f"n{int(v)}" for v in x[:, 0]]
+        return [n.upper() for n in names], self.lin(x).mean()
+
+
+def test_per_row_strings_go_to_their_replica_and_come_back_in_row_order() -> None:
+    model = _Echo()
+    x = torch.arange(6.0)[:, None]
+    names, loss = BalancedDataParallel(model, ["cpu"] * 3, weights=[3, 0, 2])(
+        x, [f"n{i}" for i in range(6)]
+    )
+    assert names == [f"N{i}" for i in range(6)]
+    torch.testing.assert_close(loss, model.lin(x).mean())

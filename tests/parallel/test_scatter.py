@@ -122,3 +122,21 @@ def test_a_left_out_share_sends_no_nan_into_the_gradient() -> None:
     gather_outputs([kept, empty], [2, 1], CPU, counts=[2, 0]).backward()
     assert w.grad is not None
     torch.testing.assert_close(w.grad, torch.tensor([0.5, 0.5, 0.0]))
+
+
+def test_per_row_lists_are_cut_with_their_rows_and_other_values_go_whole() -> None:
+    batch = {
+        "x": torch.arange(5)[:, None],
+        "text": [f"t{i}" for i in range(5)],  # one per row: cut
+        "ids": [[i, i] for i in range(5)],  # nested, no tensor: one per row, cut
+        "pair": ("a", "b", "c", "d", "e"),  # a tuple: whole, whatever its length
+        "tags": ["p", "q"],  # another length: whole
+        "mixed": [torch.tensor(1.0)] * 5,  # holds tensors: a container, not a per-row list
+    }
+    parts = scatter(batch, [2, 0, 3], [torch.device("cpu")] * 3)
+    assert [p["text"] for p in parts] == [["t0", "t1"], [], ["t2", "t3", "t4"]]
+    assert parts[2]["ids"] == [[2, 2], [3, 3], [4, 4]]
+    assert all(p["pair"] == batch["pair"] and p["tags"] == ["p", "q"] for p in parts)
+    assert all(len(p["mixed"]) == 5 for p in parts)
+    joined = gather_outputs([p["text"] for p in parts if p["text"]], [2, 3], torch.device("cpu"))
+    assert joined == batch["text"]

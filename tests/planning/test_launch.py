@@ -476,3 +476,41 @@ def test_the_quiet_torchrun_reads_the_launchers_outcome_variable() -> None:
 
     spelled = runpy.run_path(str(QUIET_TORCHRUN / "__main__.py"), run_name="probe")
     assert spelled["ENV_OUTCOME"] == ENV_OUTCOME
+
+
+@pytest.mark.multiprocess
+def test_a_script_that_reads_the_sizes_gets_no_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "ported.py"
+    script.write_text(
+        "import sys, evendp\n"
+        "from evendp import UnevenBatchSampler\n"
+        "sizes = [int(v) for v in sys.argv[1].split(',')]  # parsed by hand, then used\n"
+        "UnevenBatchSampler(range(8), sizes, rank=0)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "EVENDP_BATCH_SIZES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    plan = plan_launch(nproc=1, batch_sizes="3", nvml=False)
+    assert launch(str(script), ["3"], plan=plan, env=env) == 0
+    assert "no rank read" not in capsys.readouterr().err
+
+
+def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evendp import UnevenBatchSampler, batch_sizes_from_env
+    from evendp._distributed._launch_notes import sizes_were_read
+
+    outcome = tmp_path / "outcome.json"
+    monkeypatch.setenv("EVENDP_OUTCOME", str(outcome))
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "1,3")
+    UnevenBatchSampler(8, [4, 4], rank=0)  # its own sizes: not the launcher's
+    batch_sizes_from_env(environ={"EVENDP_BATCH_SIZES": "1,3"})  # not the process's env
+    assert not sizes_were_read(outcome)
+    batch_sizes_from_env()
+    assert sizes_were_read(outcome)
+    (tmp_path / "sizes-read").unlink()
+    UnevenBatchSampler(8, [1, 3], rank=1)
+    assert sizes_were_read(outcome)

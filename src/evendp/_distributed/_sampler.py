@@ -30,6 +30,7 @@ from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
 from .._core._split import split_sizes
 from .._core._validate import is_int, validate_bool, validate_instance, validate_int
+from ._launch_notes import note_sizes_read
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -289,9 +290,12 @@ def batch_sizes_from_env(
             f"yourself to one batch size per rank (e.g. {var}=3,5), or pass the sizes directly"
         )
     try:
-        return parse_batch_sizes(text, world_size)
+        sizes = parse_batch_sizes(text, world_size)
     except EvendpError as err:
         raise EvendpError(f"{var}={text!r} is invalid: {err}") from None
+    if environ is None and var == ENV_BATCH_SIZES:
+        note_sizes_read()  # evendp launch warns when no rank read the sizes it set
+    return sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,6 +315,20 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
             )
         rank = dist.get_rank()
     return rank, world_size
+
+
+def _note_if_launched(sizes: list[int]) -> None:
+    """A sampler built with the sizes ``evendp launch`` set has read them, however the
+    script parsed them (``evendp launch`` warns when no rank did)."""
+    text = os.environ.get(ENV_BATCH_SIZES)
+    if not text:
+        return
+    try:
+        launched = parse_batch_sizes(text)
+    except EvendpError:
+        return  # not ours to judge here: batch_sizes_from_env names a bad value
+    if launched == sizes:
+        note_sizes_read()
 
 
 def _steps(remaining: int, global_batch: int, drop_last: bool) -> int:
@@ -400,6 +418,7 @@ class UnevenBatchSampler:
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._set_sizes(sizes)
+        _note_if_launched(sizes)
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0

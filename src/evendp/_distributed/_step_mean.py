@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core._counting import holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._exact import is_stand_in, weighted_sum
 from .._core._validate import validate_callable
@@ -60,8 +61,10 @@ class StepMean:
     """Per-rank mean losses in, the gradient and loss of the global-batch mean out.
 
     ``count_fn(batch)`` is the number of items the model's loss is a mean over (default
-    :func:`count_rows`: samples; for tokens, e.g. ``lambda y: (y != -1).sum()``). A stand-in
-    batch counts 0 whatever ``count_fn`` says.
+    :func:`count_rows`: samples, with a warning, once, when the batch holds ``-100`` labels;
+    for tokens :func:`evendp.count_tokens`, e.g. ``count_tokens(shift=True)`` for a causal
+    LM's labels, or ``lambda y: (y != -1).sum()``). A stand-in batch counts 0 whatever
+    ``count_fn`` says.
 
     >>> model = torch.nn.Linear(2, 1, bias=False)
     >>> step = StepMean()
@@ -85,6 +88,8 @@ class StepMean:
                 f"got {group!r}"
             )
         self.count_fn = count_rows if count_fn is None else count_fn
+        # Counting rows of a batch with ignored labels is the usual mistake: warned once.
+        self._count_checked = count_fn is not None
         self.group = group
         self.loss: torch.Tensor | None = None  # the last finished step's global mean loss
         self._reset()
@@ -102,6 +107,10 @@ class StepMean:
             raise EvendpError(
                 f"loss must be a 0-dim tensor (this micro-batch's mean loss), got {loss!r}"
             )
+        if not self._count_checked and self.count_fn is count_rows:
+            self._count_checked = True  # once: reads the batch on the host
+            if holds_ignored(batch):
+                uncounted_warning("StepMean(count_fn=None)", stacklevel=2)
         count = 0 if is_stand_in(batch) else self.count_fn(batch)
         self._count = self._count + (count.detach() if isinstance(count, torch.Tensor) else count)
         local_sum = weighted_sum(loss, count)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument, warn_renamed
 from .._core._errors import EvendpError
 from .._core._exact import combine_means
@@ -37,7 +38,7 @@ from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
 from .._core._split import _validate_weights, split_sizes
 from .._core._validate import is_int, validate_int
 from ._replicate import parallel_apply, replicate
-from ._scatter import batch_size, batch_size_and_devices, gather_outputs, scatter
+from ._scatter import batch_size, batch_size_and_devices, gather_outputs, map_tensors, scatter
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
 
@@ -110,9 +111,13 @@ class BalancedDataParallel(nn.Module):
         gather_output: ``False`` returns a :class:`Scattered` instead of gathered outputs.
         count_fn: ``count_fn(*inputs, **kwargs)`` is called on each replica's share of the
             inputs (the signature of ``forward``) and returns the number of items that
-            replica's scalar output is a mean over, as an int or a 0-dim tensor (for a
-            Hugging Face causal LM: ``lambda *a, **kw: (kw["labels"][..., 1:] != -100).sum()``,
-            since the causal shift drops label position 0). Default: the samples.
+            replica's scalar output is a mean over, as an int or a 0-dim tensor, e.g.
+            :func:`evendp.count_tokens` (``count_tokens(shift=True)`` for a causal LM's
+            ``labels``). Default: a Hugging Face model whose class names its task
+            (``GPT2LMHeadModel``, ``*ForCausalLM``, ``*ForMaskedLM``, ...) called with
+            ``labels=`` counts its non-ignored labels, shifted where its loss shifts them;
+            anything else counts samples, and warns once when it gathers a scalar output of
+            inputs holding ``-100`` labels (docs/exactness.md).
         chunk_sizes: deprecated alias of ``weights``.
         gather: deprecated alias of ``gather_output``.
 
@@ -184,6 +189,10 @@ class BalancedDataParallel(nn.Module):
         self.weights = weights
         self.gather_output = _validate_flag("gather_output", gather_output)
         self.count_fn = _validate_callable("count_fn", count_fn)
+        # Without count_fn: the labels of a recognised Hugging Face model, else the samples
+        # (checked once for ignored labels, see _check_uncounted).
+        self._label_count = auto_count(module)
+        self._count_checked = False
         # Exact per-device counts for the next forwards, in place of the weights' split: set
         # by fixed_sizes() (None: split by weights).
         self._sizes: list[int] | None = None
@@ -315,6 +324,9 @@ class BalancedDataParallel(nn.Module):
         counts = self._checked_counts(raw_counts, active, sizes)
         if not self.gather_output:
             return Scattered(outputs, sizes, devices, self.dim, self.output_device, counts)
+        # Where evendp itself combines the means (not for a Scattered: its reader does).
+        if self.count_fn is None and self._label_count is None and len(self.device_ids) > 1:
+            self._check_uncounted(outputs[0], inputs, kwargs)
         if len(devices) == 1 and devices[0] == self.output_device and counts[0] > 0:
             return outputs[0]  # as nn.DataParallel on one device: the module's own output
         return gather_outputs(outputs, sizes, self.output_device, self.dim, counts)
@@ -328,10 +340,24 @@ class BalancedDataParallel(nn.Module):
         return self.split(total)
 
     def _raw_counts(self, shards: list[Any]) -> list[Any] | None:
-        if self.count_fn is None:
+        count_fn = self.count_fn or self._label_count
+        if count_fn is None:
             return None
         with torch.no_grad():
-            return [self.count_fn(*args, **kwargs) for args, kwargs in shards]
+            return [count_fn(*args, **kwargs) for args, kwargs in shards]
+
+    def _check_uncounted(self, output: Any, inputs: Any, kwargs: Any) -> None:
+        """Once, at the first forward that returns a mean: warn when the inputs hold
+        ignored labels, which a count by samples weighs wrongly (a host read, once)."""
+        if self._count_checked:
+            return
+        scalars: list[torch.Tensor] = []
+        map_tensors(output, lambda t: scalars.append(t) if t.dim() == 0 else None)
+        if not any(t.is_floating_point() for t in scalars):
+            return
+        self._count_checked = True
+        if holds_ignored((inputs, kwargs)):
+            uncounted_warning("BalancedDataParallel", self.module, stacklevel=5)
 
     def _checked_counts(
         self, raw: list[Any] | None, active: list[int], sizes: list[int]
@@ -418,8 +444,11 @@ class ParallelCriterion(nn.Module):
     **kwargs_i)`` is the number of items device ``i``'s mean is over. Default count: the
     samples, except for ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` with ``reduction="mean"``,
     whose own denominator is used (targets not equal to ``ignore_index``, weighted by
-    ``weight``). A device whose count is 0 contributes nothing (never its NaN). With
-    ``reduction="sum"`` (the criterion returns a per-device sum) the result is the plain sum.
+    ``weight``); any other criterion whose targets hold ``-100`` (ignored labels) is
+    weighted by samples with a warning, once, naming ``count_fn``
+    (:func:`evendp.count_tokens`). A device whose count is 0 contributes nothing (never its
+    NaN). With ``reduction="sum"`` (the criterion returns a per-device sum) the result is the
+    plain sum.
 
     Language-model logits (N, L, V) with -100 on padding, split [2, 1] over two devices:
 
@@ -452,6 +481,7 @@ class ParallelCriterion(nn.Module):
         self.criterion = _validate_callable("criterion", criterion)
         self.reduction = reduction
         self.count_fn = _validate_callable("count_fn", count_fn)
+        self._count_checked = False  # targets with ignored labels and no count: warned once
         if count_fn is not None and reduction == "sum":
             raise EvendpError(
                 "count_fn weights per-device means, but reduction='sum' adds per-device sums; "
@@ -478,6 +508,8 @@ class ParallelCriterion(nn.Module):
             )
         ]
         count_fn = self.count_fn or _builtin_count_fn(self.criterion)
+        if count_fn is None and self.reduction == "mean" and len(scattered.sizes) > 1:
+            self._check_uncounted(targets, kwargs)
         with torch.no_grad():
             raw_counts = None if count_fn is None else [count_fn(*a, **kw) for a, kw in shards]
         losses = parallel_apply(self._criteria(scattered.devices), shards, scattered.devices)
@@ -500,6 +532,14 @@ class ParallelCriterion(nn.Module):
                 )
             ]
         return combine_means(losses, counts, scattered.output_device)
+
+    def _check_uncounted(self, targets: Any, kwargs: Any) -> None:
+        """Once: warn when targets hold ignored labels that a count by samples weighs
+        wrongly (a host read, once)."""
+        if not self._count_checked:
+            self._count_checked = True
+            if holds_ignored((targets, kwargs)):
+                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=5)
 
     def _criteria(self, devices: list[torch.device]) -> list[nn.Module]:
         criterion = self.criterion

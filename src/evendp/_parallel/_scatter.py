@@ -1,9 +1,12 @@
 """Splitting nested inputs by per-device sizes along ``dim``, and gathering outputs back.
 
 A *batch tensor* is any tensor with more than ``dim`` dimensions; all of them must agree on
-their size along ``dim``. Everything else (0-dim tensors, numbers, strings, ``None``) is
-passed whole to every device. Containers are rebuilt with their own type: tuples, lists,
-dicts, namedtuples and dataclasses.
+their size along ``dim``. A *per-row list* is a list with no tensor inside and exactly one
+entry per row of the batch (strings, ids: what ``default_collate`` makes of a string field):
+it is cut with its rows. Everything else (0-dim tensors, numbers, strings, ``None``, a list
+of another length, any tuple) is passed whole to every device: to send every device the same
+list whatever its length, make it a tuple. Containers are rebuilt with their own type:
+tuples, lists, dicts, namedtuples and dataclasses.
 
 Every move is a differentiable ``narrow`` + ``to``, so gradients flow back to the original
 tensors whatever the devices are.
@@ -25,6 +28,7 @@ __all__ = [
     "batch_size_and_devices",
     "gather_outputs",
     "map_tensors",
+    "per_row",
     "scatter",
     "to_device",
 ]
@@ -39,24 +43,59 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=device.type == "cuda")
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(
+    obj: Any,
+    fn: Callable[[torch.Tensor], Any],
+    *,
+    rows: int | None = None,
+    row_fn: Callable[[list[Any]], Any] | None = None,
+) -> Any:
     """Rebuild ``obj`` with ``fn`` applied to every tensor inside it (containers keep their type).
+
+    With ``rows`` and ``row_fn``, a per-row list (:func:`per_row`) becomes ``row_fn(list)``.
 
     >>> map_tensors({"x": torch.ones(2), "k": 3}, lambda t: t * 2)
     {'x': tensor([2., 2.]), 'k': 3}
+    >>> map_tensors([torch.ones(2), ["a", "b"]], lambda t: t[:1], rows=2, row_fn=lambda v: v[:1])
+    [tensor([1.]), ['a']]
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if row_fn is not None and per_row(obj, rows):
+        return row_fn(obj)
+
+    def again(value: Any) -> Any:
+        return map_tensors(value, fn, rows=rows, row_fn=row_fn)
+
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
+        return type(obj)(*(again(v) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(again(v) for v in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+        return type(obj)((k, again(v)) for k, v in obj.items())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = [f.name for f in dataclasses.fields(obj) if f.init]
-        return dataclasses.replace(obj, **{n: map_tensors(getattr(obj, n), fn) for n in fields})
+        return dataclasses.replace(obj, **{n: again(getattr(obj, n)) for n in fields})
     return obj
+
+
+def per_row(obj: Any, rows: int | None) -> bool:
+    """Whether ``obj`` is a per-row list: a ``list`` of ``rows`` entries with no tensor inside.
+
+    >>> per_row(["a", "b", "c"], 3), per_row(["a", "b"], 3), per_row(("a", "b"), 2)
+    (True, False, False)
+    """
+    return isinstance(obj, list) and len(obj) == rows and not _holds_tensor(obj)
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    return False
 
 
 def _is_batch_tensor(t: torch.Tensor, dim: int) -> bool:
@@ -111,13 +150,26 @@ def scatter(
     >>> parts = scatter(torch.arange(5), [3, 2], [torch.device("cpu")] * 2)
     >>> [p.tolist() for p in parts]
     [[0, 1, 2], [3, 4]]
+    >>> batch = {"x": torch.zeros(3, 2), "text": ["a", "b", "c"], "tag": ["every", "device"]}
+    >>> [(p["text"], p["tag"]) for p in scatter(batch, [2, 1], [torch.device("cpu")] * 2)]
+    [(['a', 'b'], ['every', 'device']), (['c'], ['every', 'device'])]
     """
     shards = []
     start = 0
+    total = sum(sizes)
     for size, device in zip(sizes, devices, strict=True):
-        shards.append(map_tensors(obj, _chunk_mover(start, size, device, dim)))
+        cut = _chunk_mover(start, size, device, dim)
+        rows = _row_slicer(start, size)
+        shards.append(map_tensors(obj, cut, rows=total, row_fn=rows))
         start += size
     return shards
+
+
+def _row_slicer(start: int, size: int) -> Callable[[list[Any]], list[Any]]:
+    def cut(values: list[Any]) -> list[Any]:
+        return values[start : start + size]
+
+    return cut
 
 
 def _chunk_mover(
@@ -146,8 +198,9 @@ def gather_outputs(
     with ``C = sum_i c_i``, which equals the mean over every item of the batch; ``c_i`` is
     ``counts[i]``, by default the samples ``sizes[i]``. A device with ``c_i = 0`` contributes
     nothing (its mean over no items is NaN, and 0 * NaN is NaN); when every count is zero the
-    result is a zero. An integer 0-dim tensor (a count) is summed. Other values are returned
-    once when every device agrees, else as a list.
+    result is a zero. An integer 0-dim tensor (a count) is summed. Per-row lists (one entry
+    per row of each device's share, no tensor inside) are joined in row order. Other values
+    are returned once when every device agrees, else as a list.
 
     >>> gather_outputs([torch.tensor(0.25), torch.tensor(0.8)], [2, 1], torch.device("cpu"))
     tensor(0.4333)
@@ -159,24 +212,30 @@ def gather_outputs(
     if len(outputs) == 1 and weights[0] > 0:
         # One device did the whole batch: its output is the answer.
         return map_tensors(outputs[0], lambda t: t.to(device))
-    return _gather(list(outputs), weights, device, dim)
+    return _gather(list(outputs), weights, device, dim, list(sizes))
 
 
-def _gather(outputs: list[Any], counts: list[float], device: torch.device, dim: int) -> Any:
+def _gather(
+    outputs: list[Any], counts: list[float], device: torch.device, dim: int, sizes: list[int]
+) -> Any:
     first = outputs[0]
+    if all(per_row(o, n) for o, n in zip(outputs, sizes, strict=True)):
+        return [value for o in outputs for value in o]  # one entry per row: rows in order
     if isinstance(first, torch.Tensor):
         return _gather_tensors(outputs, counts, device, dim)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*_gather_each(outputs, counts, device, dim))
+        return type(first)(*_gather_each(outputs, counts, device, dim, sizes))
     if isinstance(first, (list, tuple)):
-        return type(first)(_gather_each(outputs, counts, device, dim))
+        return type(first)(_gather_each(outputs, counts, device, dim, sizes))
     if isinstance(first, dict):
         return type(first)(
-            (k, _gather([o[k] for o in outputs], counts, device, dim)) for k in first
+            (k, _gather([o[k] for o in outputs], counts, device, dim, sizes)) for k in first
         )
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         names = [f.name for f in dataclasses.fields(first) if f.init]
-        values = {n: _gather([getattr(o, n) for o in outputs], counts, device, dim) for n in names}
+        values = {
+            n: _gather([getattr(o, n) for o in outputs], counts, device, dim, sizes) for n in names
+        }
         return dataclasses.replace(first, **values)
     if all(o == first for o in outputs[1:]):
         return first
@@ -184,9 +243,11 @@ def _gather(outputs: list[Any], counts: list[float], device: torch.device, dim: 
 
 
 def _gather_each(
-    outputs: list[Any], counts: list[float], device: torch.device, dim: int
+    outputs: list[Any], counts: list[float], device: torch.device, dim: int, sizes: list[int]
 ) -> list[Any]:
-    return [_gather(list(items), counts, device, dim) for items in zip(*outputs, strict=True)]
+    return [
+        _gather(list(items), counts, device, dim, sizes) for items in zip(*outputs, strict=True)
+    ]
 
 
 def _gather_tensors(

@@ -28,6 +28,7 @@ from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
 from .._core._validate import validate_int
+from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read
 from .._distributed._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from .._distributed._torchrun import QUIET_TORCHRUN
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
@@ -443,6 +444,8 @@ def launch(
     launcher then exits with that code (0 for a run that finished although a signal came
     late). Ranks that report a peer that stopped answering
     (:mod:`evendp._distributed._stalled`) end the run: one line names the silent rank, exit 1.
+    A run that finished with 0 although no rank read the plan's batch sizes (they leave a mark
+    when they do: :mod:`evendp._distributed._launch_notes`) gets a warning on stderr.
     """
     return launch_with_outcome(
         script, script_args, plan=plan, passthrough=passthrough, env=env, run_dir=run_dir
@@ -492,11 +495,23 @@ def launch_with_outcome(
             print(f"evendp: error: {watch.line(comm_timeout)}", file=sys.stderr, flush=True)
             return 1, None
         said = read_outcome(outcome)
-        return (code if said is None else int(said["code"])), said
+        code = code if said is None else int(said["code"])
+        if code == 0 and plan.batch_sizes is not None and not sizes_were_read(outcome):
+            _warn_sizes_unread(plan.batch_sizes)
+        return code, said
 
 
-#: Where rank 0 leaves the run's exit code for the launcher (a private temporary file).
-ENV_OUTCOME = "EVENDP_OUTCOME"
+def _warn_sizes_unread(sizes: list[int]) -> None:
+    """The run finished, but no rank read the sizes the launcher printed: say so."""
+    print(
+        f"evendp launch: warning: no rank read the batch sizes {sizes} set in "
+        f"{ENV_BATCH_SIZES}, so the script ran with batch sizes of its own, not these. Read "
+        "them in the script: evendp.batch_sizes_from_env() (e.g. "
+        "UnevenBatchSampler(data, evendp.batch_sizes_from_env()), or "
+        "TrainConfig(batch_sizes=evendp.batch_sizes_from_env()))",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def write_outcome(code: int, **details: Any) -> None:

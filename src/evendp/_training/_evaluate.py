@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._core._calls import model_mode
+from .._core._calls import as_args, as_batch, model_mode
 from .._core._errors import EvendpError
 from .._core._exact import weighted_sum
 from .._parallel._scatter import batch_size, map_tensors
@@ -101,8 +101,8 @@ class _EvalShard(nn.Module):
         self.model = model
         self.eval_fn = eval_fn
 
-    def forward(self, *batch: Any) -> Mapping[str, SumCount]:
-        return self.eval_fn(self.model, batch)
+    def forward(self, *args: Any, **kwargs: Any) -> Mapping[str, SumCount]:
+        return self.eval_fn(self.model, as_batch(args, kwargs))  # as the Trainer's loss_fn
 
 
 def evaluate_devices(
@@ -174,7 +174,7 @@ def evaluate_ranks(
             # stand-in does (models may reject an empty batch), and counts none of it.
             batch = map_tensors(collate(list(indices) or [0]), lambda t: t.to(device))
             # As the Trainer calls loss_fn: the batch as a tuple of what was collated.
-            args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+            args = as_batch(as_args(batch), {})
             with autocast():
                 metrics = _validate_metrics(eval_fn(model, args))
             if indices:

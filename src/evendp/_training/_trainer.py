@@ -34,7 +34,7 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +44,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .._core._blocks import block_predicate, repeated_blocks
+from .._core._calls import as_args, as_batch
 from .._core._cost import split_by_cost
+from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._exact import mean_scale, weighted_sum, zero_weight
@@ -138,17 +140,51 @@ class TrainConfig:
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """``model(x, y)`` when it returns a scalar loss, or the loss of ``(logits, loss)``.
+    """The model's own loss: ``model(**batch)`` for a dict batch, ``model(x, y)`` for an
+    ``(inputs, targets)`` tuple.
+
+    The loss is the output itself when it is a tensor; its ``loss`` (a Hugging Face
+    ``ModelOutput``, a dict); else the loss of a tuple: ``(logits, loss)`` after ``(x, y)``
+    (nanoGPT's shape), ``(loss, logits, ...)`` after a dict (Hugging Face's
+    ``return_dict=False``).
 
     >>> class NanoStyle(nn.Module):
     ...     def forward(self, x, y):
     ...         return x * 2, (x - y).abs().mean()
     >>> default_loss(NanoStyle(), (torch.ones(2), torch.zeros(2)))
     tensor(1.)
+    >>> class HFStyle(nn.Module):
+    ...     def forward(self, input_ids, labels):
+    ...         return {"loss": (input_ids - labels).abs().mean(), "logits": input_ids}
+    >>> default_loss(HFStyle(), {"input_ids": torch.ones(2), "labels": torch.zeros(2)})
+    tensor(1.)
     """
+    if isinstance(batch, Mapping):
+        return _loss_of(model(**batch), loss_first=True)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = f"a batch of {len(batch)} items" if isinstance(batch, (tuple, list)) else "it"
+        raise EvendpError(
+            f"the default loss_fn calls model(**batch) on a dict batch or model(x, y) on an "
+            f"(inputs, targets) batch, but got {got}; return one of those from the dataset, "
+            "or pass loss_fn=lambda model, batch: ... (the batch's mean loss)"
+        )
     x, y = batch
-    out = model(x, y)
-    return out[1] if isinstance(out, tuple) else out
+    return _loss_of(model(x, y), loss_first=False)
+
+
+def _loss_of(out: Any, *, loss_first: bool) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and "loss" in out:
+        return out["loss"]
+    if isinstance(getattr(out, "loss", None), torch.Tensor):
+        return out.loss
+    if isinstance(out, tuple) and len(out) > 1:
+        return out[0] if loss_first else out[1]
+    raise EvendpError(
+        f"the default loss_fn found no loss in the model's output ({type(out).__name__}); "
+        "return the loss (a tensor, .loss, or (logits, loss)), or pass loss_fn="
+    )
 
 
 class _LossModule(nn.Module):
@@ -173,7 +209,9 @@ class _LossModule(nn.Module):
         self.loss_fn = loss_fn
         self.count_fn = count_fn
 
-    def forward(self, *batch: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # A dict batch arrives as its one argument (or, from the planner, as keywords).
+        batch = as_batch(args, kwargs)
         loss = checked_loss(self.loss_fn(self.model, batch))
         count = _batch_len(batch) if self.count_fn is None else self.count_fn(batch)
         if not isinstance(count, (int, float, torch.Tensor)):
@@ -209,18 +247,26 @@ def _apply_activation_checkpointing(model: nn.Module) -> None:
 
 def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
+    Per-row lists (strings, ids: one entry per row) are cut with their rows.
 
     >>> _rows(torch.arange(6), [(0, 2), (3, 5)]), _rows(torch.arange(6), [(0, 2), (2, 4)])
     (tensor([0, 1, 3, 4]), tensor([0, 1, 2, 3]))
+    >>> _rows({"x": torch.arange(3), "text": ["a", "b", "c"]}, [(1, 3)])["text"]
+    ['b', 'c']
     """
+    total = batch_size(batch)
     ranges = [(a, b) for a, b in ranges if b > a]
+
+    def rows_of(values: list[Any]) -> list[Any]:
+        return [value for a, b in ranges for value in values[a:b]]
+
     if not ranges:  # an empty micro-step (a rank with no samples): zero rows, same layout
-        return map_tensors(batch, lambda t: t[:0] if t.dim() else t)
+        return map_tensors(batch, lambda t: t[:0] if t.dim() else t, rows=total, row_fn=rows_of)
     if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
         start, stop = ranges[0][0], ranges[-1][1]
-        return map_tensors(batch, lambda t: t[start:stop])
+        return map_tensors(batch, lambda t: t[start:stop], rows=total, row_fn=rows_of)
     index = torch.cat([torch.arange(a, b) for a, b in ranges])  # (samples,)
-    return map_tensors(batch, lambda t: t[index.to(t.device)])
+    return map_tensors(batch, lambda t: t[index.to(t.device)], rows=total, row_fn=rows_of)
 
 
 def _batch_len(batch: Batch) -> int:
@@ -245,8 +291,15 @@ class Trainer:
             deprecated spelling.
         weights: per-device weights for the split (``None``: even).
         loss_fn: ``loss_fn(model, batch) -> mean loss``; default :func:`default_loss`.
+            The batch is what the dataset's collate made: a dict as the dict itself (the old
+            ``(dict,)`` form answers ``batch[0]`` with a DeprecationWarning), a tuple as the
+            tuple, a lone tensor as ``(tensor,)``. ``count_fn`` gets the same batch.
         count_fn: ``count_fn(batch) -> counted items`` (int or 0-dim tensor) that
-            ``loss_fn``'s mean is over, e.g. non-ignored tokens; ``None``: samples. Every
+            ``loss_fn``'s mean is over, e.g. non-ignored tokens (:func:`evendp.count_tokens`);
+            ``None``: samples, except that the default loss of a Hugging Face model whose
+            class names its task (``*ForCausalLM``, ``*ForMaskedLM``, ...) counts the
+            batch's non-ignored ``labels``, shifted for a causal LM; a batch holding ``-100``
+            labels with neither warns once, naming ``count_fn``. Every
             micro-batch and every device's share is then weighted by its count over the
             step's global count, so the step's loss is the mean over all counted items
             however the batch is cut; a share with no counted items adds exactly nothing.
@@ -335,7 +388,12 @@ class Trainer:
         self.config = config
         self.model = model
         self.data = data
+        if count_fn is None and loss_fn is default_loss:
+            # The model's own loss of a recognised Hugging Face model: a mean over its labels
+            # (shifted for a causal LM). Read from the model's class, the same on every rank.
+            count_fn = auto_count(model)
         self.count_fn = count_fn
+        self._count_checked = count_fn is not None  # else: warned once on ignored labels
         if config.amp != "none":
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
@@ -557,7 +615,10 @@ class Trainer:
             return float(mean_scale(counted, numerator=self.world))
         if self.count_fn is None:
             return float(mean_scale(samples, numerator=self.world))
-        local = torch.as_tensor(self._checked_count(self.count_fn, batch), dtype=torch.float64)
+        # count_fn sees the batch as loss_fn does (a dict batch as the dict itself).
+        local = torch.as_tensor(
+            self._checked_count(self.count_fn, as_batch(as_args(batch), {})), dtype=torch.float64
+        )
         return self.strategy.count_weight(local.reshape(()))
 
     def _checked_count(self, count_fn: CountFn, batch: Batch) -> int | torch.Tensor:
@@ -602,6 +663,10 @@ class Trainer:
         """
         strategy, guard = self.strategy, self.guard
         n = _batch_len(batch)
+        if not self._count_checked:
+            self._count_checked = True  # once: a host read of the batch's labels
+            if holds_ignored(batch):
+                uncounted_warning("Trainer(count_fn=None)", self.model, stacklevel=4)
         batch = strategy.place(batch)
         # Each device's share of this batch: consecutive samples starting at offsets[i].
         shares = strategy.shares(n) if planned is None else planned  # planned: by cost

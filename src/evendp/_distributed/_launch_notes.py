@@ -1,0 +1,49 @@
+"""What the ranks tell ``evendp launch`` besides their outcome: that they read its batch sizes.
+
+``evendp launch --batch-sizes 1,3`` prints the sizes and exports ``EVENDP_BATCH_SIZES``; a
+script that never reads them (not ported, or reading its own ``--batch``) runs its own sizes
+while the log says otherwise. So whatever reads them on a rank (:func:`batch_sizes_from_env`,
+an :class:`UnevenBatchSampler` built with those sizes) leaves a mark in the launcher's private
+outcome folder (the folder of ``EVENDP_OUTCOME``, wherever the launcher made it), and the
+launcher warns when a run ended with no mark (:func:`sizes_were_read`).
+
+Outside a launcher (no ``EVENDP_OUTCOME``) nothing is written. The mark is an empty file: it
+is never read back, only looked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+__all__ = ["ENV_OUTCOME", "note_sizes_read", "sizes_were_read"]
+
+#: The launcher's outcome file (``evendp._planning._launch.ENV_OUTCOME``; a test keeps them equal).
+ENV_OUTCOME = "EVENDP_OUTCOME"
+_MARK = "sizes-read"
+
+
+def note_sizes_read() -> None:
+    """On a rank under ``evendp launch``: say that this run read the launcher's sizes.
+
+    >>> note_sizes_read()  # no launcher here: nothing to do
+    """
+    outcome = os.environ.get(ENV_OUTCOME)
+    if not outcome:
+        return
+    # Several ranks may mark at once: any one mark is enough. An OSError: the launcher (or
+    # its folder) is gone, and nobody is left to warn.
+    with contextlib.suppress(OSError):
+        (Path(outcome).parent / _MARK).touch(exist_ok=True)
+
+
+def sizes_were_read(outcome: Path) -> bool:
+    """On the launcher: whether any rank marked the folder of ``outcome``.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> sizes_were_read(folder / "outcome.json")
+    False
+    """
+    return (outcome.parent / _MARK).exists()
