@@ -25,7 +25,7 @@ def make() -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-        eos_token_id=0, loss_type="ForCausalLM",
+        eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     config._attn_implementation = "eager"  # attention probabilities kept: a memory-bound model

@@ -68,6 +68,8 @@ class CSVLogger(MetricLogger):
 
     A metric that appears later (a validation loss) adds a column: the file is rewritten with
     the wider header, earlier rows left empty there. Training metrics keep their bare names.
+    A file already there (a resumed run's) keeps its rows before the first step written now;
+    its rows from that step on (steps the resume trains again) are replaced.
 
     >>> import tempfile, pathlib
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.csv"
@@ -86,6 +88,9 @@ class CSVLogger(MetricLogger):
         self._columns: list[str] = ["step"]
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self._rows and self.path.is_file():
+            self._keep_earlier(step)
+        metrics = {k: _plain(v) for k, v in metrics.items()}
         if self._rows and self._rows[-1]["step"] == step:
             self._rows[-1].update(metrics)  # an evaluation at a logged step: the same row
         else:
@@ -97,7 +102,18 @@ class CSVLogger(MetricLogger):
 
     def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         if trainer.rank == 0:
-            self.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+            self.log_metrics(dict(metrics), step)
+
+    def _keep_earlier(self, step: int) -> None:
+        """The rows of a file already there that come before ``step`` (a resumed run's)."""
+        with self.path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames or reader.fieldnames[0] != "step":
+                return  # not a metrics file of ours: overwritten
+            rows = [r for r in reader if (r.get("step") or "").isdigit()]
+            self._columns = list(reader.fieldnames)
+        self._rows = [{**r, "step": int(r["step"])} for r in rows if int(r["step"]) < step]
+        self._write(whole=True)
 
     def _write(self, whole: bool) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +125,12 @@ class CSVLogger(MetricLogger):
                 writer.writerows(self._rows)
             else:
                 writer.writerow(self._rows[-1])
+
+
+def _plain(value: float) -> float | int:
+    """A whole number (bytes) as an int in the file, anything else as the float it is."""
+    value = float(value)
+    return int(value) if value.is_integer() and abs(value) >= 1 else value
 
 
 class TensorBoardLogger(MetricLogger):
@@ -163,7 +185,10 @@ class MLflowLogger(MetricLogger):
     """
 
     def __init__(
-        self, tracking_uri: str | None = None, experiment: str = "evendp", run_name: str | None = None
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "evendp",
+        run_name: str | None = None,
     ) -> None:
         tracking = _needs("mlflow.tracking", "MLflowLogger", "mlflow")
         self.client = tracking.MlflowClient(tracking_uri)

@@ -52,7 +52,9 @@ def attach_budgets(trainer: Any, memory: Sequence[int]) -> MemoryBudgets:
     return budgets
 
 
-def probe_even_split(trainer: Any, budgets: MemoryBudgets, batch: Any) -> tuple[list[EvenShare], str]:
+def probe_even_split(
+    trainer: Any, budgets: MemoryBudgets, batch: Any
+) -> tuple[list[EvenShare], str]:
     """One forward of ``batch`` split evenly, as ``nn.DataParallel`` would: does it fit?
 
     It runs in the precision that trains (``config.amp``). Returns per device ``(even share,
@@ -75,7 +77,8 @@ def probe_even_split(trainer: Any, budgets: MemoryBudgets, batch: Any) -> tuple[
         if not is_oom_error(exc):
             raise
         failed = getattr(exc, "evendp_device_index", None)
-        line = f"the even split {even} (what nn.DataParallel runs) fails: {str(exc).splitlines()[0]}"
+        first = str(exc).splitlines()[0]
+        line = f"the even split {even} (what nn.DataParallel runs) fails: {first}"
     else:
         line = f"the even split {even} fits these budgets too"
     out = [(n, budgets.peaks[i], i == failed) for i, n in enumerate(even)]
@@ -141,7 +144,8 @@ def rehearse(
         memory: each device's budget: ``"24MiB,12MiB"``, ``"2x12MiB"`` or a list of sizes.
         scale: every budget is multiplied by it (``1/1024``: GiB read as MiB).
         weights: ``"auto"``, per-device weights, or ``None`` (even).
-        say: where the progress lines go (``None``: nowhere).
+        say: where the two lines before training go (the split, the even split's outcome);
+            ``None``: nowhere.
         trainer_args: the other :class:`evendp.Trainer` arguments (``loss_fn``,
             ``count_fn``, ``collate_fn``, ``callbacks``, ...).
 
@@ -158,8 +162,8 @@ def rehearse(
     >>> cfg = TrainConfig(steps=2, batch_size=64, progress=False)
     >>> report = rehearse(net, data, cfg, memory="256GiB,64GiB", scale=2**-20, weights=[3, 1],
     ...                   loss_fn=loss)  # doctest: +ELLIPSIS
-    rehearse: 2 virtual devices ['cpu:0', 'cpu:1'] with budgets 256.0KiB,64.0KiB, ...
-    rehearse: the even split [32, 32] (what nn.DataParallel runs) fails: virtual device cpu:1 ...
+    2 virtual devices ['cpu:0', 'cpu:1'] with budgets 256.0KiB,64.0KiB, ...
+    the even split [32, 32] (what nn.DataParallel runs) fails: virtual device cpu:1 ...
     >>> [d.even_oom for d in report.devices], [d.samples_per_step for d in report.devices]
     ([False, True], [48.0, 16.0])
     >>> all(d.forward_peak_bytes <= d.budget_bytes for d in report.devices)
@@ -201,7 +205,7 @@ def rehearse(
 
 def _say(say: Callable[[str], None] | None, line: str) -> None:
     if say is not None:
-        say(f"rehearse: {line}")
+        say(line)
 
 
 def _budgets(memory: str | Sequence[int | str], scale: float) -> list[int]:
