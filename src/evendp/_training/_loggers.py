@@ -90,7 +90,7 @@ class CSVLogger(MetricLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self._rows and self.path.is_file():
             self._keep_earlier(step)
-        metrics = {k: _plain(v) for k, v in metrics.items()}
+        metrics = {k: int(v) if k.startswith("memory/") else float(v) for k, v in metrics.items()}
         if self._rows and self._rows[-1]["step"] == step:
             self._rows[-1].update(metrics)  # an evaluation at a logged step: the same row
         else:
@@ -125,12 +125,6 @@ class CSVLogger(MetricLogger):
                 writer.writerows(self._rows)
             else:
                 writer.writerow(self._rows[-1])
-
-
-def _plain(value: float) -> float | int:
-    """A whole number (bytes) as an int in the file, anything else as the float it is."""
-    value = float(value)
-    return int(value) if value.is_integer() and abs(value) >= 1 else value
 
 
 class TensorBoardLogger(MetricLogger):
