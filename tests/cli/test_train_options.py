@@ -32,6 +32,7 @@ SAMPLES = {
     "--max-restarts": "2",
     "--checkpoint-every": "3",
     "--lr": "0.01",
+    "--model": "tests.training._rehearse_model:make",
     "--seed": "5",
     "--n-layer": "2",
     "--n-embd": "48",
@@ -44,6 +45,8 @@ REFUSED = {
     ("fsdp2", "--memory"): "FSDP2",
     ("fsdp2", "--log-to=tensorboard"): "tensorboard",
     ("ddp", "--log-to=tensorboard"): "tensorboard",
+    ("fsdp2", "--model"): "use --mode dp",
+    ("ddp", "--model"): "use --mode dp",
 }
 
 
