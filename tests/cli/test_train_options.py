@@ -43,11 +43,15 @@ SAMPLES = {
 # Refused under a mode, with the words its one line must carry.
 REFUSED = {
     ("fsdp2", "--memory"): "FSDP2",
-    ("fsdp2", "--log-to=tensorboard"): "tensorboard",
-    ("ddp", "--log-to=tensorboard"): "tensorboard",
     ("fsdp2", "--model"): "use --mode dp",
     ("ddp", "--model"): "use --mode dp",
 }
+try:  # --log-to tensorboard is refused only where the package is missing
+    import torch.utils.tensorboard  # noqa: F401
+except ImportError:
+    REFUSED[("fsdp2", "--log-to=tensorboard")] = REFUSED[("ddp", "--log-to=tensorboard")] = (
+        "tensorboard"
+    )
 
 
 def _train_actions() -> list[argparse.Action]:

@@ -199,10 +199,11 @@ class MLflowLogger(MetricLogger):
         return self.run_id
 
     def on_fit_start(self, trainer: Any) -> None:
-        if trainer.rank == 0 and dataclasses.is_dataclass(trainer.config):
+        config = trainer.config
+        if trainer.rank == 0 and dataclasses.is_dataclass(config) and not isinstance(config, type):
             from mlflow.entities import Param
 
-            params = [Param(k, str(v)) for k, v in dataclasses.asdict(trainer.config).items()]
+            params = [Param(k, str(v)) for k, v in dataclasses.asdict(config).items()]
             self.client.log_batch(self._start(), params=params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -242,9 +243,11 @@ class WandbLogger(MetricLogger):
         self._run: Any = None
 
     def on_fit_start(self, trainer: Any) -> None:
-        if trainer.rank == 0 and dataclasses.is_dataclass(trainer.config):
-            config = {k: str(v) for k, v in dataclasses.asdict(trainer.config).items()}
-            self.init.setdefault("config", config)
+        config = trainer.config
+        if trainer.rank == 0 and dataclasses.is_dataclass(config) and not isinstance(config, type):
+            self.init.setdefault(
+                "config", {k: str(v) for k, v in dataclasses.asdict(config).items()}
+            )
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._run is None:

@@ -179,17 +179,23 @@ def rehearse(
                 f"(got {trainer_args[name]!r}) and give memory= one budget per device"
             )
     devices: list[str | int | torch.device] = ["cpu"] * len(budgets)
-    fixed = None if weights == "auto" else weights
+    if isinstance(weights, str) and weights != "auto":
+        raise EvendpError(
+            f"weights={weights!r}: give 'auto' (the planner's split), per-device weights such "
+            "as [3, 1], or None (the even split)"
+        )
+    fixed = None if weights is None or isinstance(weights, str) else [float(w) for w in weights]
     trainer = Trainer(model, data, config, device_ids=devices, weights=fixed, **trainer_args)
+    dp: Any = trainer.wrapped  # BalancedDataParallel: one process
     planned = None
     if weights == "auto":
         planned = plan_for(trainer, budgets, config.batch_size)
-        trainer.wrapped.weights = [float(n) for n in planned.split]
+        dp.weights = [float(n) for n in planned.split]
     budget = attach_budgets(trainer, budgets)
     shown = ",".join(format_bytes(b).replace(" ", "") for b in budgets)
     source = "the planner's split" if planned is not None else "weights " + str(weights)
     _say(say, f"{len(budgets)} virtual devices {trainer.device_names} with budgets {shown}, "
-              f"global batch {config.batch_size}: {trainer.wrapped.split(config.batch_size)} "
+              f"global batch {config.batch_size}: {dp.split(config.batch_size)} "
               f"({source})")  # fmt: skip
     sampler = trainer.sampler
     sampler.set_epoch(0)
