@@ -10,6 +10,12 @@ import evendp
 
 EXPECTED_ALL = {
     "BalancedDataParallel",
+    "CSVLogger",
+    "Callback",
+    "MLflowLogger",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "rehearse",
     "DeviceInfo",
     "DeviceMemory",
     "DevicePlan",

@@ -85,7 +85,7 @@ def test_metrics_csv_has_one_row_per_step(demo: tuple[Path, str]) -> None:
     out, _ = demo
     rows = (out / "metrics.csv").read_text().splitlines()
     losses = json.loads((out / "report.json").read_text())["losses"]
-    assert rows[0] == "step,loss" and len(rows) == 61
+    assert rows[0].startswith("step,loss,lr") and len(rows) == 61
     assert [float(r.split(",")[1]) for r in rows[1:]] == pytest.approx(losses)
 
 

@@ -35,7 +35,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,6 +68,7 @@ from .._planning._balance import (
     validate_balance,
     validate_batch_sizes_option,
 )
+from ._callbacks import Callbacks
 from ._evaluate import EvalFn, loss_eval_fn
 from ._nonfinite import NonFiniteSteps, gradient_norm
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
@@ -331,6 +332,11 @@ class Trainer:
             ``default_collate`` cannot stack, e.g. variable-length sequences to pad;
             default: ``data.batch(indices)`` when the dataset has it, else
             ``default_collate``.
+        callbacks: objects with optional hooks ``on_fit_start``, ``on_step_end``, ``on_log``,
+            ``on_eval``, ``on_save``, ``on_fit_end`` (:class:`evendp.Callback`), e.g. the
+            shipped loggers :class:`evendp.TensorBoardLogger`, :class:`evendp.CSVLogger`,
+            :class:`evendp.MLflowLogger`, :class:`evendp.WandbLogger`. ``on_log`` gets the
+            loss every ``config.log_every`` steps. Under torchrun give every rank the same.
 
     Batches: a dataset with a ``batch(indices) -> batch`` method builds each step's batch
     itself from the step's sample indices (one call, no per-sample ``__getitem__``; e.g.
@@ -378,6 +384,7 @@ class Trainer:
         max_costs: Sequence[float] | None = None,
         max_tokens: float | None = None,
         counts: Sequence[float] | Callable[[Any], float] | None = None,
+        callbacks: Sequence[Any] | None = None,
     ) -> None:
         device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         validate_trainer_args(
@@ -457,6 +464,10 @@ class Trainer:
         self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
         #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
         self.evals: list[dict[str, Any]] = []
+        self.callbacks = Callbacks(callbacks)
+        #: A :class:`~evendp._training._budget.MemoryBudgets` enforced on the virtual devices
+        #: (set by :func:`evendp.rehearse`): its measured peaks join the bar and the report.
+        self.memory_budgets: Any = None
 
     # The run's position lives in self.state; these read it under the old names.
     step = property(lambda self: self.state.step)
@@ -483,7 +494,9 @@ class Trainer:
         self.state.flush(self.strategy.reduce_losses)  # every rank saves: collectives pair
         saved = self.strategy.save(self.state, path, self._checkpointed())
         self._saved_step = self.state.step
-        return saved if self.rank == 0 else None
+        saved = saved if self.rank == 0 else None
+        self.callbacks.call("on_save", self, self.state.step, saved)
+        return saved
 
     def resume(self) -> bool:
         """Load the latest good checkpoint in ``out_dir``; False (a fresh start) if none.
@@ -582,6 +595,7 @@ class Trainer:
             collate=collate, autocast=self._autocast,
         )  # fmt: skip
         self.evals.append({"step": self.step, "metrics": metrics})
+        self.callbacks.call("on_eval", self, self.step, dict(metrics))
         return metrics
 
     def _eval_due(self) -> bool:
@@ -753,11 +767,32 @@ class Trainer:
             return [0] * len(self.device_names)
         return [sum(c) for c in zip(*self.micro_steps, strict=True)]
 
+    def _peaks(self) -> list[int | None]:
+        """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
+        peaks = self.strategy.peak_memory()
+        budgets = self.memory_budgets
+        if budgets is None:
+            return peaks
+        return [p if p is not None else b for p, b in zip(peaks, budgets.peaks, strict=True)]
+
     def _memory_text(self) -> str:
+        if self.memory_budgets is not None:  # virtual CPU devices: one measured peak each
+            return "/".join("-" if p is None else format_bytes(p) for p in self._peaks())
         peaks = dict.fromkeys(
             p for p in self.strategy.peak_memory() if p is not None
         )  # virtual devices share one GPU: show it once
         return " ".join(format_bytes(p) for p in peaks) if peaks else "-"
+
+    def _log_metrics(self, loss: torch.Tensor | None) -> dict[str, float]:
+        """What ``on_log`` gets: the step's loss (read already), the lr, measured peaks."""
+        metrics: dict[str, float] = {}
+        if loss is not None:
+            metrics["loss"] = self.state.last_loss
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        for name, peak in zip(self.device_names, self._peaks(), strict=True):
+            if peak is not None:
+                metrics[f"memory/{name}"] = float(peak)
+        return metrics
 
     def _micro_text(self) -> str:
         # Shown only once an OOM (or a resumed run) capped some device's micro-batches.
@@ -814,6 +849,7 @@ class Trainer:
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
         )
         bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
+        self.callbacks.call("on_fit_start", self)
         try:
             with prepared as batches, bar:
                 while state.step < cfg.steps and signum is None:
@@ -826,13 +862,16 @@ class Trainer:
                     state.record(loss, self._samples_ran(loss is not None), local=True)
                     # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
                     # steps, the same on every rank; the report still gets every step's.
-                    due = cfg.progress and display_due(
+                    # Callbacks' on_log reads it then too (every rank has the same callbacks).
+                    due = (cfg.progress or bool(self.callbacks)) and display_due(
                         state.step, start_step, cfg.steps, cfg.log_every
                     )
                     if due:
                         state.flush(self.strategy.reduce_losses)
                         if show and loss is not None:
                             shown = state.last_loss
+                        self.callbacks.call("on_log", self, state.step, self._log_metrics(loss))
+                    self.callbacks.call("on_step_end", self, state.step)
                     if self._eval_due():
                         self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
@@ -860,6 +899,7 @@ class Trainer:
         # leaves the report it finished with untouched.
         if cfg.out_dir is not None and self.rank == 0 and state.step != start_step:
             write_report(report, cfg.out_dir)
+        self.callbacks.call("on_fit_end", self, report)
         return report
 
     def _report(
@@ -877,6 +917,12 @@ class Trainer:
             DeviceStat(name, samples[i] / done, peaks[i])
             for i, name in enumerate(self.device_names)
         ]
+        budgets = self.memory_budgets
+        if budgets is not None:  # virtual devices: the budget and its enforced forward peak
+            stats = [
+                replace(s, budget_bytes=b, forward_peak_bytes=p)
+                for s, b, p in zip(stats, budgets.budgets, budgets.peaks, strict=True)
+            ]
         per_step = sum(s.samples_per_step for s in stats)
         return TrainReport(
             devices=stats,

@@ -30,7 +30,7 @@ def run_checks(args: argparse.Namespace, trainer: Any, budgets: Any) -> Any:
     the budgets' peaks are reset afterwards, so the probes are not part of training.
     """
     first = _first_batch(trainer)
-    even = None if budgets is None else _even_split_probe(trainer, budgets, first, args.amp)
+    even = None if budgets is None else _even_split_probe(trainer, budgets, first)
     if args.amp == "none" and not (args.resume or args.resume_or_start):
         _print_exactness_check(trainer, first)
     if budgets is not None:
@@ -195,55 +195,17 @@ def _fmt(memory: list[int]) -> str:
 
 
 def _attach_budgets(trainer: Any, memory: list[int]) -> Any:
-    """Make the virtual devices enforce ``memory``: resident bytes read live at every forward."""
-    from .._training._budget import MemoryBudgets, tensor_bytes
+    """Make the virtual devices enforce ``memory`` (as :func:`evendp.rehearse` does)."""
+    from .._training._rehearse import attach_budgets
 
-    params = tensor_bytes(list(trainer.model.parameters()))
-
-    def resident(i: int) -> int:
-        if i:  # a replica: its copy of the parameters
-            return params
-        grads = [p.grad for p in trainer.model.parameters()]
-        return params + tensor_bytes(grads) + tensor_bytes(list(trainer.optimizer.state.values()))
-
-    return MemoryBudgets(memory, resident, names=trainer.device_names).attach(trainer.wrapped)
+    return attach_budgets(trainer, memory)
 
 
-def _even_split_probe(
-    trainer: Any, budgets: Any, batch: Any, amp: str
-) -> list[tuple[int, int | None, bool]]:
-    """One forward of ``batch`` split evenly, as nn.DataParallel would: does it fit?
+def _even_split_probe(trainer: Any, budgets: Any, batch: Any) -> list[Any]:
+    """One forward of ``batch`` split evenly (what nn.DataParallel runs): print whether it
+    fits; per device ``(even share, measured forward peak, ran out)``."""
+    from .._training._rehearse import probe_even_split
 
-    It runs in the precision that trains (``amp``: bf16 / fp16 activations are half fp32's),
-    so its verdict is about the run the report shows. Returns per device ``(even share,
-    measured forward peak, ran out)``; prints the outcome.
-    """
-    import contextlib
-
-    from .._parallel._scatter import map_tensors
-    from ._model_spec import _AMP
-
-    dp = trainer.wrapped
-    even = split_even(len(batch[0]), len(dp.device_ids))
-    batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
-    budgets.reset_peaks()
-    failed: int | None = None
-    dtype = _AMP[amp]
-    kind = torch.device(trainer.device).type  # the replicas' threads inherit the autocast state
-    precision = contextlib.nullcontext() if dtype is None else torch.autocast(kind, dtype=dtype)
-    try:
-        with precision, dp.fixed_sizes(even):
-            dp(*batch)
-    except (RuntimeError, ValueError) as exc:
-        if not is_oom_error(exc):
-            raise
-        failed = getattr(exc, "evendp_device_index", None)
-        first_line = str(exc).splitlines()[0]
-        print(
-            f"evendp train: the even split {even} (what nn.DataParallel runs) fails: {first_line}"
-        )
-    else:
-        print(f"evendp train: the even split {even} fits these budgets too")
-    out = [(n, budgets.peaks[i], i == failed) for i, n in enumerate(even)]
-    budgets.reset_peaks()
-    return out
+    even, line = probe_even_split(trainer, budgets, batch)
+    print(f"evendp train: {line}")
+    return even

@@ -173,6 +173,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="--mode ddp/fsdp2: 'speed' moves samples from slow ranks to fast ones at step "
         "boundaries, the same samples per step and the same gradient (default none)",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="train your own model instead of the char GPT: 'package.module:factory' (or "
+        "'path/file.py:factory') where factory() returns (model, dataset) or (model, dataset, "
+        "loss_fn); a rehearsal on CPU virtual devices that enforce --memory as budgets, e.g. "
+        "--memory 24MiB,12MiB (evendp.rehearse; --mode dp; the GPT's size options are unused)",
+    )
     p.add_argument("--no-plan", action="store_true", help="skip the planned-memory figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -192,6 +200,11 @@ def _validate_args(args: argparse.Namespace) -> None:
                 "--log-to tensorboard needs the tensorboard package, which is not installed; "
                 "pip install tensorboard, or use --log-to csv"
             ) from None
+    if args.model is not None and args.mode != "dp":
+        raise EvendpError(
+            f"--model {args.model!r} rehearses on CPU virtual devices in one process; use "
+            "--mode dp (the default), or evendp.Trainer under torchrun for ranks"
+        )
     if args.balance != "none" and args.mode == "dp":
         raise EvendpError(
             f"--balance {args.balance} balances ranks; use it with --mode ddp or fsdp2 (one "

@@ -54,25 +54,16 @@ def _print_report(report: Any, paths: dict[str, Path]) -> None:
     console.print("report: " + ", ".join(str(p) for p in paths.values()))
 
 
-def _log_metrics(report: Any, args: argparse.Namespace) -> Path:
-    """One row per step (step, loss) to OUT/metrics.csv or a TensorBoard event file."""
+def metric_logger(args: argparse.Namespace) -> tuple[Any, Path] | None:
+    """``--log-to``: the shipped logger (a Trainer callback) and where it writes, or ``None``.
+
+    The Trainer calls it on every step (``log_every=1`` with ``--log-to``): one row per step.
+    """
+    from .._training._loggers import CSVLogger, TensorBoardLogger
+
     out = Path(args.out)
-    start = report.steps - len(report.losses) + 1
     if args.log_to == "csv":
-        import csv
-
-        path = out / "metrics.csv"
-        with path.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["step", "loss"])
-            for step, loss in enumerate(report.losses, start):
-                writer.writerow([step, loss])
-        return path
-    from torch.utils.tensorboard import SummaryWriter
-
-    path = out / "tensorboard"
-    board = SummaryWriter(str(path))
-    for step, loss in enumerate(report.losses, start):
-        board.add_scalar("train/loss", loss, step)
-    board.close()
-    return path
+        return CSVLogger(out / "metrics.csv"), out / "metrics.csv"
+    if args.log_to == "tensorboard":
+        return TensorBoardLogger(out / "tensorboard"), out / "tensorboard"
+    return None

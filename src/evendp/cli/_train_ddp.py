@@ -17,7 +17,7 @@ import torch
 
 from .._core._errors import EvendpError
 from ._train_args import OPTIONS_ENV, _parse_devices, _restarted, _weights_list, options_json
-from ._train_common import _build, _log_metrics, _model_name, _print_report
+from ._train_common import _build, _model_name, _print_report, metric_logger
 
 __all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to_resume"]
 
@@ -240,6 +240,7 @@ def run_rank(args: argparse.Namespace) -> int:
     sizes = batch_sizes_from_env(world, default=split_even(args.batch, world))
     model, data, _config = _build(args)
     model = model.to(device)
+    logger = metric_logger(args)  # every rank has it (on_log is collective); rank 0 writes
     cfg = TrainConfig(
         steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
         lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
@@ -247,6 +248,7 @@ def run_rank(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
         progress=not args.no_progress, balance=args.balance, comm_timeout=args.comm_timeout,
+        log_every=1 if logger is not None else 10,
     )  # fmt: skip
     from ..examples.stdlib_text import CodeParagraphs
 
@@ -256,7 +258,7 @@ def run_rank(args: argparse.Namespace) -> int:
     # also each paragraph's real targets (counts=): no all-reduce of the step's token count.
     trainer = Trainer(
         model, data, cfg, count_fn=CodeParagraphs.count_tokens, costs=data.lengths,
-        counts=data.lengths,
+        counts=data.lengths, callbacks=None if logger is None else [logger[0]],
     )  # fmt: skip
     report = trainer.fit()
     report.model = _model_name(args)
@@ -266,8 +268,8 @@ def run_rank(args: argparse.Namespace) -> int:
     finish_distributed()
     if rank == 0:
         paths = write_report(report, args.out)
-        if args.log_to is not None:
-            paths["metrics"] = _log_metrics(report, args)
+        if logger is not None:
+            paths["metrics"] = logger[1]
         _print_report(report, paths)
         write_outcome(exit_code(report.signal), interrupted=report.interrupted)
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group

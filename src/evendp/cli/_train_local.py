@@ -11,7 +11,7 @@ import torch
 from .._core._errors import EvendpError
 from ._demo import _BUDGET_NOTE, _attach_budgets, _fmt, run_checks, with_figures
 from ._train_args import _DEMO_MEMORY, _all_cpu, _memory, _parse_devices, _parse_weights
-from ._train_common import _build, _log_metrics, _model_name, _print_report
+from ._train_common import _build, _model_name, _print_report, metric_logger
 
 __all__ = ["run_local"]
 
@@ -21,13 +21,18 @@ def run_local(args: argparse.Namespace) -> int:
     from .._distributed._interrupt import exit_code
     from .._training._report import write_report
 
+    if args.model is not None:  # the user's own model: a rehearsal on budgeted CPU devices
+        from ._train_user import run_user_model
+
+        return run_user_model(args)
     devices = _parse_devices(args.devices)
     memory = _memory(args, devices)
     weights = _parse_weights(args.weights, devices)
     _share_cpu_threads(devices)
     model, data, config = _build(args)
     planned, weights = _split(args, config, devices, memory, weights)
-    trainer = _trainer(args, model, data, devices, weights)
+    logger = metric_logger(args)
+    trainer = _trainer(args, model, data, devices, weights, logger)
     budgets = _attach_budgets(trainer, memory) if memory is not None and _all_cpu(devices) else None
     _print_start(args, trainer, devices, memory, planned)
     even = run_checks(args, trainer, budgets)
@@ -35,8 +40,8 @@ def run_local(args: argparse.Namespace) -> int:
     report.model = _model_name(args)
     report.devices = with_figures(args, config, report.devices, memory, budgets, even, planned)
     paths = write_report(report, args.out)
-    if args.log_to is not None:
-        paths["metrics"] = _log_metrics(report, args)
+    if logger is not None:
+        paths["metrics"] = logger[1]
     _print_report(report, paths)
     if budgets is not None:
         print(_BUDGET_NOTE)
@@ -80,6 +85,7 @@ def _trainer(
     data: Any,
     devices: list[str | int],
     weights: list[float] | None,
+    logger: tuple[Any, Any] | None = None,
 ) -> Any:
     from .._training._trainer import TrainConfig, Trainer
     from ..examples.stdlib_text import CodeParagraphs
@@ -91,10 +97,11 @@ def _trainer(
         activation_checkpointing=args.checkpointing, out_dir=args.out,
         checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
         seed=args.seed, progress=not args.no_progress,
+        log_every=1 if logger is not None else 10,  # --log-to: one row per step
     )  # fmt: skip
     return Trainer(
         model, data, cfg, device_ids=list(devices), weights=weights,
-        count_fn=CodeParagraphs.count_tokens,
+        count_fn=CodeParagraphs.count_tokens, callbacks=None if logger is None else [logger[0]],
     )  # fmt: skip
 
 

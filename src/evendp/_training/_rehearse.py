@@ -1,0 +1,245 @@
+"""Rehearse a run on CPU virtual devices that enforce stated memory budgets.
+
+What ``evendp train`` with no arguments shows on the built-in GPT, for any model: the planner
+splits the batch to fit the budgets, an even split (what ``nn.DataParallel`` runs) is tried
+once on the first batch and runs out where it does not fit, and training runs the planned
+split with every replica's forward held to its budget (:mod:`evendp._training._budget`: what
+is counted, and what is not). The report carries each device's budget, its measured forward
+peak, the planner's peaks and the even split's outcome, as the demo's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .._core._calls import as_args
+from .._core._errors import EvendpError, PlanError
+from .._core._oom_errors import is_oom_error
+from .._core._split import split_even
+from .._core._validate import validate_float
+from .._parallel._scatter import batch_size, map_tensors
+from .._planning._memory import parse_memory
+from ._budget import MemoryBudgets, tensor_bytes
+from ._report import TrainReport, format_bytes, write_report
+
+__all__ = ["EvenShare", "attach_budgets", "plan_for", "probe_even_split", "rehearse"]
+
+#: Per device, an even split's ``(share, measured forward peak, ran out of its budget)``.
+EvenShare = tuple[int, int | None, bool]
+
+
+def attach_budgets(trainer: Any, memory: Sequence[int]) -> MemoryBudgets:
+    """Make ``trainer``'s virtual devices enforce ``memory`` (bytes each); resident bytes are
+    read live at every forward: each device's parameters, and on the first device also the
+    gradients and the optimizer state (so their appearance after step one counts)."""
+    params = tensor_bytes(list(trainer.model.parameters()))
+
+    def resident(i: int) -> int:
+        if i:  # a replica: its copy of the parameters
+            return params
+        grads = [p.grad for p in trainer.model.parameters()]
+        return params + tensor_bytes(grads) + tensor_bytes(list(trainer.optimizer.state.values()))
+
+    budgets = MemoryBudgets(list(memory), resident, names=trainer.device_names)
+    trainer.memory_budgets = budgets.attach(trainer.wrapped)
+    return budgets
+
+
+def probe_even_split(
+    trainer: Any, budgets: MemoryBudgets, batch: Any
+) -> tuple[list[EvenShare], str]:
+    """One forward of ``batch`` split evenly, as ``nn.DataParallel`` would: does it fit?
+
+    It runs in the precision that trains (``config.amp``). Returns per device ``(even share,
+    measured forward peak, ran out)`` and one line saying the outcome; the budgets' peaks are
+    reset before and after, so the probe is not part of training.
+    """
+    dp = trainer.wrapped
+    even = split_even(int(batch_size(batch) or 0), len(dp.device_ids))
+    batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
+    budgets.reset_peaks()
+    failed: int | None = None
+    amp = trainer.config.amp
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    kind = torch.device(trainer.device).type  # the replicas' threads inherit the autocast state
+    precision = contextlib.nullcontext() if dtype is None else torch.autocast(kind, dtype=dtype)
+    try:
+        with precision, dp.fixed_sizes(even):
+            dp(*as_args(batch))
+    except (RuntimeError, ValueError) as exc:
+        if not is_oom_error(exc):
+            raise
+        failed = getattr(exc, "evendp_device_index", None)
+        first = str(exc).splitlines()[0]
+        line = f"the even split {even} (what nn.DataParallel runs) fails: {first}"
+    else:
+        line = f"the even split {even} fits these budgets too"
+    out = [(n, budgets.peaks[i], i == failed) for i, n in enumerate(even)]
+    budgets.reset_peaks()
+    return out, line
+
+
+def plan_for(trainer: Any, memory: Sequence[int], batch: int) -> Any:
+    """The planner's :class:`~evendp.Plan` of ``batch`` samples of ``trainer``'s data and loss
+    over ``memory`` (bytes per device; no CUDA context: CPU devices have none).
+
+    Each measured batch is the collated first samples of the data (repeated as needed).
+    """
+    from .._planning._plan import plan
+
+    data = trainer.data
+    count = len(data)
+
+    def example(n: int) -> Any:
+        return as_args(trainer.collate([i % count for i in range(n)]))
+
+    loss_module = copy.deepcopy(trainer.wrapped.module).cpu()
+    try:
+        return plan(
+            loss_module, example, list(memory), mode="dp", batch_size=batch,
+            amp=trainer.config.amp, cuda_context=0,
+        )  # fmt: skip
+    except PlanError as exc:
+        shown = ",".join(format_bytes(m).replace(" ", "") for m in memory)
+        raise EvendpError(
+            f"a global batch of {batch} does not fit memory {shown} ({exc}); lower "
+            "batch_size, raise the budgets, or shrink the model"
+        ) from None
+
+
+def rehearse(
+    model: torch.nn.Module,
+    data: Any,
+    config: Any,
+    *,
+    memory: str | Sequence[int | str],
+    scale: float = 1.0,
+    weights: Literal["auto"] | Sequence[float] | None = "auto",
+    say: Callable[[str], None] | None = print,
+    **trainer_args: Any,
+) -> TrainReport:
+    """Train ``model`` on CPU virtual devices that enforce the memory ``memory`` states.
+
+    A dress rehearsal of a run on GPUs of unequal memory, on a laptop: one virtual device
+    per entry of ``memory`` (``"24MiB,12MiB"``, or ``"24GiB,12GiB"`` with
+    ``scale=1/1024`` for 24 MiB and 12 MiB), each replica's forward held to its budget (a
+    forward that would pass it raises ``torch.OutOfMemoryError`` there, as a full GPU
+    would). Before training, an even split of the first batch (what ``nn.DataParallel``
+    runs) is tried once; where it does not fit, ``say`` prints which device ran out and the
+    report marks it ``OOM``. Training then runs ``weights``: ``"auto"`` the planner's split
+    for the budgets (:func:`evendp.plan`; an :class:`EvendpError` when the batch cannot
+    fit), a list of weights, or ``None`` for the even split (whose out-of-memory shares the
+    Trainer re-splits into micro-batches, the gradient unchanged).
+
+    Args:
+        model, data, config: as for :class:`evendp.Trainer` (``config.batch_size`` is the
+            global batch).
+        memory: each device's budget: ``"24MiB,12MiB"``, ``"2x12MiB"`` or a list of sizes.
+        scale: every budget is multiplied by it (``1/1024``: GiB read as MiB).
+        weights: ``"auto"``, per-device weights, or ``None`` (even).
+        say: where the two lines before training go (the split, the even split's outcome);
+            ``None``: nowhere.
+        trainer_args: the other :class:`evendp.Trainer` arguments (``loss_fn``,
+            ``count_fn``, ``collate_fn``, ``callbacks``, ...).
+
+    Returns the :class:`TrainReport` (written to ``config.out_dir`` when set), with each
+    device's budget, measured forward peak (``forward_peak_bytes``), the planner's peaks and
+    the even split's share, measured forward and ``even_oom``.
+
+    >>> from evendp import TrainConfig
+    >>> torch.manual_seed(0) and None
+    >>> data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(),
+    ...                           torch.nn.Linear(256, 2))
+    >>> loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    >>> cfg = TrainConfig(steps=2, batch_size=64, progress=False)
+    >>> report = rehearse(net, data, cfg, memory="256GiB,64GiB", scale=2**-20, weights=[3, 1],
+    ...                   loss_fn=loss)  # doctest: +ELLIPSIS
+    2 virtual devices ['cpu:0', 'cpu:1'] with budgets 256.0KiB,64.0KiB, ...
+    the even split [32, 32] (what nn.DataParallel runs) fails: virtual device cpu:1 ...
+    >>> [d.even_oom for d in report.devices], [d.samples_per_step for d in report.devices]
+    ([False, True], [48.0, 16.0])
+    >>> all(d.forward_peak_bytes <= d.budget_bytes for d in report.devices)
+    True
+    """
+    from ._trainer import Trainer
+
+    budgets = _budgets(memory, scale)
+    for name in ("device_ids", "devices"):
+        if name in trainer_args:
+            raise EvendpError(
+                f"rehearse makes one CPU virtual device per memory entry; drop {name}= "
+                f"(got {trainer_args[name]!r}) and give memory= one budget per device"
+            )
+    devices: list[str | int | torch.device] = ["cpu"] * len(budgets)
+    if isinstance(weights, str) and weights != "auto":
+        raise EvendpError(
+            f"weights={weights!r}: give 'auto' (the planner's split), per-device weights such "
+            "as [3, 1], or None (the even split)"
+        )
+    fixed = None if weights is None or isinstance(weights, str) else [float(w) for w in weights]
+    trainer = Trainer(model, data, config, device_ids=devices, weights=fixed, **trainer_args)
+    dp: Any = trainer.wrapped  # BalancedDataParallel: one process
+    planned = None
+    if weights == "auto":
+        planned = plan_for(trainer, budgets, config.batch_size)
+        dp.weights = [float(n) for n in planned.split]
+    budget = attach_budgets(trainer, budgets)
+    shown = ",".join(format_bytes(b).replace(" ", "") for b in budgets)
+    source = "the planner's split" if planned is not None else "weights " + str(weights)
+    _say(say, f"{len(budgets)} virtual devices {trainer.device_names} with budgets {shown}, "
+              f"global batch {config.batch_size}: {dp.split(config.batch_size)} "
+              f"({source})")  # fmt: skip
+    sampler = trainer.sampler
+    sampler.set_epoch(0)
+    first = trainer.collate(list(next(iter(sampler))))  # the batch fit trains first
+    even, line = probe_even_split(trainer, budget, first)
+    _say(say, line)
+    report = trainer.fit()
+    report.devices = _with_figures(report.devices, even, planned)
+    if config.out_dir is not None and trainer.rank == 0:
+        write_report(report, Path(config.out_dir))
+    return report
+
+
+def _say(say: Callable[[str], None] | None, line: str) -> None:
+    if say is not None:
+        say(line)
+
+
+def _budgets(memory: str | Sequence[int | str], scale: float) -> list[int]:
+    validate_float("scale", scale, positive=True, example="scale=1/1024 (GiB read as MiB)")
+    if not isinstance(memory, (str, list, tuple)) or not memory:
+        raise EvendpError(
+            f"memory must be the devices' budgets, got {memory!r}; e.g. memory='24MiB,12MiB'"
+        )
+    try:
+        declared = [m.free for m in parse_memory(memory)]
+    except EvendpError as exc:
+        raise EvendpError(f"memory={memory!r}: {exc}") from None
+    budgets = [int(m * scale) for m in declared]
+    if min(budgets) < 1:
+        raise EvendpError(
+            f"memory={memory!r} times scale={scale!r} leaves a budget under 1 byte; raise "
+            "scale or the budgets"
+        )
+    return budgets
+
+
+def _with_figures(devices: list[Any], even: list[EvenShare], planned: Any) -> list[Any]:
+    out = []
+    for i, d in enumerate(devices):
+        share, peak, oom = even[i]
+        d = replace(d, even_samples=share, even_forward_peak_bytes=peak, even_oom=oom)
+        if planned is not None:
+            p = planned.devices[i]
+            d = replace(d, planned_bytes=p.peak, even_planned_bytes=p.even_peak)
+        out.append(d)
+    return out

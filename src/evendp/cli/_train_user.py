@@ -1,0 +1,159 @@
+"""``evendp train --model module:factory --memory ...``: the user's own model, rehearsed on
+CPU virtual devices that enforce the memory as budgets (:func:`evendp.rehearse`).
+
+The factory returns ``(model, dataset)`` or ``(model, dataset, loss_fn)``: the dataset is a
+map-style dataset whose samples ``default_collate`` stacks (or with a ``batch(indices)``
+method), the loss as for :class:`evendp.Trainer` (default: ``model(*batch)``'s loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .._core._errors import EvendpError
+from ._demo import _BUDGET_NOTE
+from ._train_args import _parse_devices, _parse_weights
+from ._train_common import _print_report, metric_logger
+
+__all__ = ["load_training_factory", "run_user_model"]
+
+
+def run_user_model(args: argparse.Namespace) -> int:
+    """Rehearse the user's model and write the report; the exit code."""
+    from .._distributed._interrupt import exit_code
+    from .._planning._memory import parse_memory
+    from .._training._rehearse import rehearse
+    from .._training._trainer import TrainConfig, default_loss
+    from ._train_ddp import say_how_to_resume
+    from ._train_local import _share_cpu_threads
+
+    if args.memory is None:
+        raise EvendpError(
+            f"--model {args.model!r} rehearses on CPU virtual devices with memory budgets; "
+            "give one per device, e.g. --memory 24MiB,12MiB"
+        )
+    try:
+        memory = [m.free for m in parse_memory(args.memory)]
+    except EvendpError as exc:
+        raise EvendpError(f"--memory {args.memory!r}: {exc}") from None
+    devices = _devices(args, len(memory))
+    weights = _parse_weights(args.weights, devices)
+    _share_cpu_threads(devices)
+    model, data, loss_fn = load_training_factory(args.model)
+    if args.batch > len(data):
+        raise EvendpError(
+            f"--batch {args.batch} is more than the {len(data)} samples of --model "
+            f"{args.model!r}'s dataset; lower --batch"
+        )
+    logger = metric_logger(args)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
+        activation_checkpointing=args.checkpointing, out_dir=args.out,
+        checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
+        seed=args.seed, progress=not args.no_progress, log_every=1 if logger else 10,
+    )  # fmt: skip
+    report = rehearse(
+        model, data, cfg, memory=memory, weights="auto" if weights is None else weights,
+        loss_fn=loss_fn or default_loss, callbacks=None if logger is None else [logger[0]],
+        say=lambda line: print(f"evendp train: {line}", flush=True),
+    )  # fmt: skip
+    report.model = args.model
+    from .._training._report import write_report
+
+    paths = write_report(report, args.out)  # with the model's name in the title
+    if logger is not None:
+        paths["metrics"] = logger[1]
+    _print_report(report, paths)
+    print(_BUDGET_NOTE)
+    return say_how_to_resume(exit_code(report.signal), args.argv)
+
+
+def _devices(args: argparse.Namespace, count: int) -> list[str | int]:
+    """One CPU virtual device per --memory entry, or --devices (all cpu, one per entry)."""
+    if args.devices is None:
+        return ["cpu"] * count
+    devices = _parse_devices(args.devices, check_gpus=False)
+    if any(d != "cpu" for d in devices):
+        raise EvendpError(
+            f"--model rehearses on CPU virtual devices, but --devices {args.devices!r} names "
+            "a GPU; drop --devices (one cpu per --memory entry), or train on GPUs with "
+            "evendp.Trainer(device_ids=...) in Python"
+        )
+    if len(devices) != count:
+        raise EvendpError(
+            f"--devices {args.devices!r} has {len(devices)} devices but --memory "
+            f"{args.memory!r} {count} budgets; give one budget per device"
+        )
+    return devices
+
+
+def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
+    """``(model, dataset, loss_fn or None)`` from ``module:factory`` or ``file.py:factory``.
+
+    >>> load_training_factory("nonsense")
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: --model 'nonsense' is not 'package.module:factory' or ...
+    """
+    import torch
+
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise EvendpError(
+            f"--model {spec!r} is not 'package.module:factory' or 'path/file.py:factory'; "
+            "e.g. --model mymodels:make, where make() returns (model, dataset)"
+        )
+    factory = getattr(_import(spec, target), attr, None)
+    if not callable(factory):
+        raise EvendpError(f"--model {spec!r}: {target} has no function {attr!r}; check the name")
+    try:
+        made = factory()
+    except Exception as exc:  # the user's factory can raise anything
+        raise EvendpError(
+            f"--model {spec!r}: {attr}() failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    ok = (
+        isinstance(made, tuple)
+        and len(made) in (2, 3)
+        and isinstance(made[0], torch.nn.Module)
+        and hasattr(made[1], "__len__")
+        and hasattr(made[1], "__getitem__")
+        and (len(made) == 2 or callable(made[2]))
+    )
+    if not ok:
+        got = type(made).__name__ + (f" of {len(made)}" if isinstance(made, tuple) else "")
+        raise EvendpError(
+            f"--model {spec!r}: {attr}() returned a {got}; evendp train needs (model, dataset) "
+            "or (model, dataset, loss_fn), the dataset map-style (len and [i])"
+        )
+    return made[0], made[1], made[2] if len(made) == 3 else None
+
+
+def _import(spec: str, target: str) -> Any:
+    """The module ``target`` names: a dotted module (the current folder importable, as under
+    ``python -m``) or a ``.py`` file's path."""
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ImportError(f"no file {target}")
+            found = importlib.util.spec_from_file_location(path.stem, path)
+            if found is None or found.loader is None:
+                raise ImportError(f"cannot load {target}")
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+            return module
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise EvendpError(
+            f"cannot load --model {spec!r}: {exc}; give an importable module (package.module, "
+            "run from the folder that holds it) or a path ending in .py"
+        ) from None
