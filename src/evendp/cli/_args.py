@@ -54,7 +54,8 @@ class CleanParser(argparse.ArgumentParser):
         """The subcommand's parser that parsed ``parsed`` (this one when there is none)."""
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                chosen = action.choices.get(getattr(parsed, action.dest or "", None))
+                name = str(getattr(parsed, action.dest or "", None))
+                chosen = action.choices.get(name)
                 if isinstance(chosen, CleanParser):
                     return chosen._chosen(parsed)
         return self
