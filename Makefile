@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The tested CPU build of torch; pyproject.toml declares only the range torch>=2.11.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint types unit clean
+.PHONY: demo test lint types unit docs clean
 
 # The dev extras (transformers, accelerate, lightning) install with torch pinned as a
 # constraint, so no dependency can pull in another, multi-GB CUDA build of torch.
@@ -31,7 +31,12 @@ types: $(VENV)/.installed
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-test: lint types unit
+# The API reference and the topic pages as a site in build/site (git-ignored): --strict fails
+# on a broken link or anchor, a missing object or a docstring griffe cannot read.
+docs: $(VENV)/.installed
+	PYTHONPATH=src $(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint types unit docs
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .mypy_cache .ruff_cache .hypothesis

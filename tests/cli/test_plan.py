@@ -141,3 +141,29 @@ def test_no_grad_plans_the_builtin_gpt_forward_only(capsys: pytest.CaptureFixtur
     assert data["no_grad"] is True and sum(data["split"]) == data["global_batch"]
     # Without gradients, optimizer state or saved activations each device holds far more.
     assert data["global_batch"] >= 1.5 * data["training"]["global_batch"]
+
+
+MODELS_PY = """
+import torch
+
+def make_model():
+    return torch.nn.Linear(8, 2), lambda n: torch.randn(n, 8)
+"""
+
+
+def test_model_from_a_python_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "my_models.py").write_text(MODELS_PY)
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "--memory", "1GiB", "--batch", "16", "--json", "--model"]
+    assert main([*argv, "lib/my_models.py:make_model"]) == 0
+    assert sum(json.loads(capsys.readouterr().out)["split"]) == 16
+    # A name the file does not define: the ones it does, and the closest as the fix.
+    assert main([*argv, "lib/my_models.py:make_modle"]) == 2
+    err = capsys.readouterr().err
+    assert "lib/my_models.py has no 'make_modle' (it defines: make_model)" in err
+    assert "did you mean --model lib/my_models.py:make_model?" in err
+    assert main([*argv, "nowhere.py:make_model"]) == 2
+    assert "no file" in capsys.readouterr().err

@@ -29,6 +29,10 @@ KINDS: tuple[str, ...] = (
     "cuda_context",
 )
 
+#: How the table and the chart name a kind, where its key alone would mislead: the rows are
+#: what is live at the peak moment, and few gradients exist yet then (JSON keeps the keys).
+KIND_LABELS: dict[str, str] = {"grads": "grads at peak"}
+
 
 @dataclass(frozen=True)
 class DevicePlan:
@@ -226,33 +230,49 @@ class Plan:
         }
 
     def _title(self) -> str:
+        # Two short lines: rich wraps a title to the table's width, and a plan of one or
+        # three devices is narrower than one long line (it came out as a ragged column).
         title = (
-            f"evendp plan ({self.mode}, {self.step}): global batch {self.global_batch} "
-            f"(eta_mem {self.eta_mem:.3f}) vs even {self.even_global_batch} "
-            f"(eta_mem {self.even_eta_mem:.3f})"
+            f"evendp plan ({self.mode}, {self.step})\n"
+            f"global batch {self.global_batch} (eta_mem {self.eta_mem:.3f}), "
+            f"even split {self.even_global_batch} (eta_mem {self.even_eta_mem:.3f})"
         )
         if self.no_grad:
             trained = "nothing fits" if self.training is None else self.training.global_batch
-            title += f"; training: {trained}"
+            title += f"\ntraining: {trained}"
         return title
 
+    def _caption(self) -> str:
+        # Short lines: a terminal is often 80 columns, and rich wraps a caption to the table.
+        lines = ["rows: what each device holds at its predicted peak"]
+        if any(d.breakdown.get("grads", 0) for _, d, _ in self.columns()):
+            lines.append("grads at peak: the gradients that exist then (few early in backward)")
+        lines.append(
+            f"budget = free x (1 - {self.safety_margin:g}); "
+            f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
+        )
+        if self.extrapolated:
+            lines += [
+                "extrapolated: a recommended size lies beyond the largest measured one,",
+                "where the predicted peak is a lower bound",
+            ]
+        return "\n".join(lines)
+
     def table(self) -> Any:
-        """A ``rich.table.Table``: one column per device, one row per kind of memory (each
-        figure in a readable binary unit: ``48.0 MiB``, ``24.00 GiB``); ``print`` shows it."""
+        """A ``rich.table.Table``: one column per device, one row per kind of memory live at
+        the device's predicted peak (each figure in a readable binary unit: ``48.0 MiB``,
+        ``24.00 GiB``); ``print`` shows it.
+
+        The ``grads`` row is labelled "grads at peak": when a device peaks early in the
+        backward, few gradients exist yet, and the row is far below the parameters' size.
+        """
         from .._core._table import PrintableTable as Table
         from .._core._table import format_bytes as gib
 
-        table = Table(
-            title=self._title(),
-            caption=f"budget = free x (1 - {self.safety_margin:g}); "
-            f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
-            + (
-                "\nextrapolated: a recommended size lies beyond the largest measured one, "
-                "where the predicted peak is a lower bound"
-                if self.extrapolated
-                else ""
-            ),
-        )
+        title, caption = self._title(), self._caption()
+        lines = [*title.splitlines(), *caption.splitlines()]
+        # Wide enough that the title and caption lines never wrap (up to 80 columns).
+        table = Table(title=title, caption=caption, min_width=min(80, max(map(len, lines))))
         columns = self.columns()
         shown = [d for _, d, _ in columns]
         table.add_column("")
@@ -261,7 +281,8 @@ class Plan:
         table.add_row("samples", *[str(d.samples) for d in shown], style="bold")
         for kind in KINDS:
             if any(d.breakdown.get(kind, 0) for d in shown):
-                table.add_row(kind, *[gib(d.breakdown.get(kind, 0)) for d in shown])
+                label = KIND_LABELS.get(kind, kind)
+                table.add_row(label, *[gib(d.breakdown.get(kind, 0)) for d in shown])
         table.add_row("predicted peak", *[gib(d.peak) for d in shown], style="bold")
         table.add_row("budget", *[gib(d.budget) for d in shown])
         table.add_row("max batch alone", *[str(d.max_batch_alone) for d in shown])
@@ -302,6 +323,10 @@ class Plan:
 
     def plot(self, path: str) -> None:
         """Write a stacked bar chart (PNG): each device's memory by kind, ours beside even."""
+        self._figure().savefig(path, dpi=110)
+
+    def _figure(self) -> Any:
+        """The chart as a matplotlib ``Figure`` (drawn on an Agg canvas)."""
         # The object API with an Agg canvas: no pyplot, no global backend switch, no display.
         from matplotlib import colormaps
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -313,10 +338,19 @@ class Plan:
         ax = fig.subplots()
         width = 0.38
         colors = [colormaps["tab10"](c) for c in range(10)]
+        top = (
+            max(
+                max(sum(d.breakdown.values()), sum(d.even_breakdown.values()), d.budget)
+                for _, d, _ in columns
+            )
+            / 2**30
+        )
         for j, (_, d, _) in enumerate(columns):
-            for offset, parts, label in (
-                (-width / 2, d.breakdown, f"{d.samples}"),
-                (width / 2, d.even_breakdown, f"{d.even_samples}"),
+            budget = d.budget / 2**30
+            ax.hlines(budget, j - width, j + width, colors="black", linestyles="--")
+            for offset, parts, count in (
+                (-width / 2, d.breakdown, d.samples),
+                (width / 2, d.even_breakdown, d.even_samples),
             ):
                 bottom = 0.0
                 for c, kind in enumerate(KINDS):
@@ -328,20 +362,33 @@ class Plan:
                             width,
                             bottom=bottom,
                             color=colors[c % 10],
-                            label=kind if j == 0 and offset < 0 else None,
+                            label=KIND_LABELS.get(kind, kind) if j == 0 and offset < 0 else None,
                             hatch="//" if offset > 0 else None,
                             edgecolor="white",
                         )
                         bottom += h
-                ax.text(j + offset, bottom, label, ha="center", va="bottom", fontsize=8)
-            ax.hlines(d.budget / 2**30, j - width, j + width, colors="black", linestyles="--")
+                # A bar that ends just under the dashed budget line gets its count above
+                # the line, not struck through by it; any other bar, right above its top.
+                near = 0 <= budget - bottom < 0.06 * top
+                ax.annotate(
+                    str(count),
+                    (j + offset, budget if near else bottom),
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_ylim(0, top * 1.25 if top else 1)  # room for the counts and the legend
         ax.set_xticks(range(len(columns)), [label for label, _, _ in columns])
         ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
         ax.set_title(
             f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} "
             f"(eta {self.eta_mem:.2f}) vs even "
-            f"{self.even_global_batch} (eta {self.even_eta_mem:.2f})"
+            f"{self.even_global_batch} (eta {self.even_eta_mem:.2f}); "
+            "numbers: samples per device",
+            fontsize=10,
         )
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper right", ncols=2)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        return fig

@@ -305,7 +305,8 @@ class Trainer:
             step's global count, so the step's loss is the mean over all counted items
             however the batch is cut; a share with no counted items adds exactly nothing.
             ``count_fn`` must add up over rows (the count of a batch is the sum of its rows').
-        optimizer, scheduler: default AdamW(lr, weight_decay) and none.
+        optimizer: default AdamW(lr, weight_decay).
+        scheduler: default none.
         costs: per-sample cost (a sequence, or a function of ``data[i]``: its length in
             tokens) to split each step by padded cost, not by count (docs/balancing.md).
             DDP: the sampler assigns the step's samples to ranks by cost. One process: the

@@ -8,34 +8,167 @@ reads as one line (``evendp train: error: --lr must be a number > 0, got '-1'; e
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-__all__ = ["CleanParser", "bounded_float", "bounded_int", "plain_text", "say_units"]
+__all__ = [
+    "CleanParser",
+    "bounded_float",
+    "bounded_int",
+    "memory_text",
+    "plain_text",
+    "say_units",
+    "suggest",
+]
 
 
 class CleanParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2.
 
     argparse's own form (usage block, then ``error: argument --x: ...``) becomes
-    ``PROG: error: MESSAGE; see 'PROG --help'``.
+    ``PROG: error: MESSAGE; see 'PROG --help'``. A mistyped option or choice (a subcommand
+    too) gets the closest valid one, as click and git do: ``evendp train: error: unknown
+    option --batch-size (did you mean --batch?); see 'evendp train --help'``.
     """
 
     def format_help(self) -> str:
         """The help page without reStructuredText markup (module docstrings are reused)."""
         return plain_text(super().format_help())
 
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> argparse.Namespace:
+        # argparse collects a subcommand's unknown options up here, where it would name the
+        # top-level parser and its options; answer from the subcommand's parser instead.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen(parsed)
+            parser.error(parser._unknown(extras))
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> CleanParser:
+        """The subcommand's parser that parsed ``parsed`` (this one when there is none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                name = str(getattr(parsed, action.dest or "", None))
+                chosen = action.choices.get(name)
+                if isinstance(chosen, CleanParser):
+                    return chosen._chosen(parsed)
+        return self
+
+    def _unknown(self, extras: list[str]) -> str:
+        """``unknown option --x (did you mean --y?)``, or argparse's words for extras that
+        are not options (a stray positional value)."""
+        options = [word for word in extras if word.startswith("-") and len(word) > 1]
+        if not options:
+            return f"unrecognized arguments: {' '.join(extras)}"
+        valid = [o for o in self._option_string_actions if o.startswith("--")]
+        named = []
+        for word in options:
+            flag = word.split("=", 1)[0]
+            close = suggest(flag, valid)
+            named.append(flag + (f" (did you mean {close}?)" if close else ""))
+        plural = "s" if len(named) > 1 else ""
+        return f"unknown option{plural} {', '.join(named)}"
+
     def error(self, message: str) -> NoReturn:
-        message = message.removeprefix("argument ")
+        message = _with_choice_hint(message.removeprefix("argument "))
         # "--steps: --steps must be ..." -> one mention of the flag is enough.
         flag, _, rest = message.partition(": ")
         if rest.startswith(flag.split("/")[-1].strip()):
             message = rest
         print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
+
+
+def suggest(word: str, candidates: Sequence[str]) -> str | None:
+    """The candidate closest to a mistyped ``word`` (``None`` when nothing is close).
+
+    A candidate that ``word`` starts with, or that starts with ``word``, comes first (the
+    habits of other tools: ``--batch-size`` for ``--batch``, ``--nprocs`` for ``--nproc``);
+    otherwise the closest spelling (difflib).
+
+    >>> suggest("--batch-size", ["--block-size", "--batch", "--steps"])
+    '--batch'
+    >>> suggest("--nprocs", ["--nproc", "--nnodes"]), suggest("--zzz", ["--batch"])
+    ('--nproc', None)
+    >>> suggest("--setps", ["--steps", "--seed"])
+    '--steps'
+    """
+    stem = word.rstrip("s")
+    prefixed = [c for c in candidates if len(c) > 3 and (word.startswith(c) or c.startswith(stem))]
+    pool = prefixed or list(candidates)
+    close = difflib.get_close_matches(word, pool, n=1, cutoff=0.0 if prefixed else 0.6)
+    return close[0] if close else None
+
+
+# argparse's words for a value outside `choices` (a subcommand, --mode, --amp ...).
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+
+
+def _with_choice_hint(message: str) -> str:
+    """argparse's "invalid choice" message with the closest choice added.
+
+    >>> _with_choice_hint("COMMAND: invalid choice: 'tarin' (choose from 'plan', 'train')")
+    "COMMAND: invalid choice: 'tarin' (did you mean 'train'? choose from 'plan', 'train')"
+    """
+    match = _INVALID_CHOICE.search(message)
+    if match is None:
+        return message
+    close = suggest(match.group(1), re.findall(r"'([^']*)'", match.group(2)))
+    if close is None:
+        return message
+    head = message[: match.start()]
+    hint = f"did you mean {close!r}? choose from {match.group(2)}"
+    return f"{head}invalid choice: {match.group(1)!r} ({hint})"
+
+
+def memory_text(flag: str) -> Callable[[str], str]:
+    """An argparse ``type`` for a memory spec on the command line: every size needs a unit.
+
+    The library reads a bare number as bytes, but on the command line ``--memory 24,12``
+    is a mistake for 24 and 12 GiB (it would plan 24 bytes): refused, with the units named.
+
+    >>> memory_text("--memory")("24GiB,2x12GiB-1GiB")
+    '24GiB,2x12GiB-1GiB'
+    >>> memory_text("--memory")("24,12")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: --memory '24,12': a memory spec needs units, e.g. ...
+    """
+
+    def convert(text: str) -> str:
+        fixed = ",".join(_with_units(entry) for entry in text.split(","))
+        if fixed != text:
+            raise argparse.ArgumentTypeError(
+                f"{flag} {text!r}: a memory spec needs units, e.g. {flag} {fixed} (KiB, MiB, "
+                "GiB, TiB are powers of 1024; KB, MB, GB of 1000)"
+            )
+        return text
+
+    convert.__name__ = "memory spec"
+    return convert
+
+
+# One entry of a memory spec: an optional count prefix "Nx", then sizes joined by "-".
+_COUNT = re.compile(r"\s*\d+\s*x\s*(?=[0-9.])")
+_BARE = re.compile(r"\s*[0-9]*\.?[0-9]+\s*")
+
+
+def _with_units(entry: str) -> str:
+    """``entry`` with GiB after each bare number (unchanged when every size has a unit).
+
+    >>> _with_units("2x24-10"), _with_units("2x24GiB-10GiB"), _with_units("auto")
+    ('2x24GiB-10GiB', '2x24GiB-10GiB', 'auto')
+    """
+    count = _COUNT.match(entry)
+    head = count.group(0) if count else ""
+    sizes = entry[len(head) :].split("-")
+    return head + "-".join(s.strip() + "GiB" if _BARE.fullmatch(s) else s for s in sizes)
 
 
 def plain_text(text: str) -> str:

@@ -1,20 +1,24 @@
 """Model specs on the command line, shared by ``evendp plan`` and ``evendp launch``.
 
 ``--model gpt`` (the demo char GPT), ``--model lm-head`` (a language-model head with
-``--vocab``/``--seq-len``) or ``--model package.module:factory``, plus the planner's options
-(optimizer, AMP, checkpointing, bucket view, margin, CUDA context), turned into what
-:func:`evendp.plan` takes. Not a subcommand: ``cli/__init__.py`` lists those by name.
+``--vocab``/``--seq-len``), ``--model package.module:factory`` or ``--model
+path/to/file.py:factory``, plus the planner's options (optimizer, AMP, checkpointing,
+bucket view, margin, CUDA context), turned into what :func:`evendp.plan` takes. Not a
+subcommand: ``cli/__init__.py`` lists those by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.nn as nn
@@ -22,7 +26,7 @@ import torch.nn as nn
 from .._core._errors import EvendpError
 from .._core._units import parse_bytes
 from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
-from ._args import bounded_float, bounded_int
+from ._args import bounded_float, bounded_int, suggest
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -74,7 +78,8 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
     parser.add_argument(
         "--model",
         default=default,
-        help="'gpt' (the demo char GPT), 'lm-head', or 'package.module:factory' where "
+        help="'gpt' (the demo char GPT), 'lm-head', 'package.module:factory' or "
+        "'path/to/file.py:factory', where "
         "factory() returns (model, batch_fn) or (model, batch_fn, criterion), or a model "
         f"with an example_batch(n) method (default: {default or 'none'})",
     )
@@ -159,7 +164,8 @@ def memory_specs(text: str | None) -> list[DeviceMemory]:
 
 
 def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None) -> ModelSpec:
-    """A built-in model by name (``gpt``, ``lm-head``) or a user's ``package.module:factory``.
+    """A built-in model by name (``gpt``, ``lm-head``) or a user's ``package.module:factory``
+    or ``path/to/file.py:factory``.
 
     Raises :class:`EvendpError` (exit code 2 on the command line) when the spec is malformed,
     the module or factory cannot be loaded, the factory fails, or it returns something else.
@@ -167,7 +173,7 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
     >>> resolve_model("nonsense")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head' or ...
+    evendp.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head', ...
     """
     if spec in BUILTIN_MODELS:
         return _builtin(spec, vocab, seq_len)
@@ -203,20 +209,27 @@ def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
 
 
 def _user(spec: str) -> ModelSpec:
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise EvendpError(
-            f"--model {spec!r} is not 'gpt', 'lm-head' or 'package.module:factory'; "
-            "e.g. --model mypkg.models:make_model"
+            f"--model {spec!r} is not 'gpt', 'lm-head', 'package.module:factory' or "
+            "'path/to/file.py:factory'; e.g. --model mypkg.models:make_model"
         )
     # As `python -m` does: modules in the current directory import (the console script's
     # sys.path[0] is its own bin/ folder).
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        module = _load_module(spec, module_name)
+        factory = getattr(module, attr) if hasattr(module, attr) else _no_factory(spec, module)
+    except EvendpError:
+        raise
     except (ImportError, AttributeError) as exc:
         raise EvendpError(f"cannot load --model {spec!r}: {exc}") from exc
+    except Exception as exc:  # the user's module runs on import and can raise anything
+        raise EvendpError(
+            f"cannot load --model {spec!r}: importing it raised {type(exc).__name__}: {exc}"
+        ) from exc
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
@@ -244,6 +257,50 @@ def _user(spec: str) -> ModelSpec:
         f"{spec!r} returned {type(made).__name__}; expected an nn.Module with example_batch(n), "
         "(model, batch_fn) or (model, batch_fn, criterion)"
     )
+
+
+def _no_factory(spec: str, module: Any) -> NoReturn:
+    """Refuse a factory name the module does not define, naming the functions it does."""
+    where, _, attr = spec.rpartition(":")
+    names = sorted(
+        name
+        for name, value in vars(module).items()
+        if callable(value) and not name.startswith("_") and value.__module__ == module.__name__
+    )
+    defined = ", ".join(names) or "no function or class"
+    close = suggest(attr, names) or (names[0] if len(names) == 1 else None)
+    fix = f"; did you mean --model {where}:{close}?" if close else ""
+    raise EvendpError(f"--model {spec!r}: {where} has no {attr!r} (it defines: {defined}){fix}")
+
+
+def _load_module(spec: str, name: str) -> Any:
+    """The module ``name`` names: a dotted module, or a Python file (``models.py``,
+    ``../lib/models.py``), loaded as ``python models.py`` would find its own imports: its
+    folder first on ``sys.path``. The file is the user's own code, named on the command line.
+    """
+    if not (name.endswith(".py") or os.sep in name or "/" in name):
+        return importlib.import_module(name)
+    path = Path(name).expanduser().resolve()
+    if not path.is_file():
+        raise EvendpError(
+            f"--model {spec!r}: no file {str(path)!r}; give a Python file and the factory in "
+            "it, e.g. --model models.py:make_model, or a module: --model mypkg.models:make_model"
+        )
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    # A stable, file-specific module name: pickling and dataclasses look modules up by name.
+    module_name = f"evendp_user_model_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
+    loaded = importlib.util.spec_from_file_location(module_name, path)
+    if loaded is None or loaded.loader is None:
+        raise EvendpError(f"--model {spec!r}: {str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[module_name] = module
+    try:
+        loaded.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
 
 
 def _probe_call(

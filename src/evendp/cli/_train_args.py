@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .._core._errors import EvendpError
-from ._args import bounded_float, bounded_int
+from ._args import bounded_float, bounded_int, memory_text
 
 __all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
 
@@ -55,6 +55,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory",
         default=None,
+        type=memory_text("--memory"),
         help="each device's memory, e.g. '48MiB,48MiB,24MiB': the planner splits the batch to "
         "fit it; on CPU devices it is a budget the device enforces (default: the GPUs' free "
         "memory; " + _DEMO_MEMORY + " for the CPU demo)",

@@ -10,7 +10,7 @@ from pathlib import Path
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._planning._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
-from ._args import bounded_int, say_units
+from ._args import bounded_int, memory_text, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
@@ -78,6 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--min-free", help="skip GPUs with less free memory, e.g. 8GiB")
     parser.add_argument(
         "--memory",
+        type=memory_text("--memory"),
         help="each rank's memory instead of the GPUs' live free memory, e.g. "
         "'24GiB,24GiB-10GiB,12GiB' (one entry per rank; needed for --model on CPU)",
     )

@@ -15,7 +15,7 @@ from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import validate_int
 from .._planning._plan import plan
-from ._args import bounded_int, say_units
+from ._args import bounded_int, memory_text, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
@@ -31,11 +31,18 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--memory",
         default=None,
+        type=memory_text("--memory"),
         help="free memory per device, e.g. '24GiB,24GiB-10GiB,2x12GiB' (TOTAL-USED means "
         "another job holds USED); default: the live GPUs",
     )
     # The old spelling: accepted (with a warning) until 0.3.0, no longer advertised.
-    p.add_argument("--devices", dest="old_devices", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--devices",
+        dest="old_devices",
+        default=None,
+        type=memory_text("--devices"),
+        help=argparse.SUPPRESS,
+    )
     p.add_argument(
         "--mode",
         choices=("dp", "ddp"),
