@@ -58,6 +58,7 @@ def test_nothing_close_is_not_guessed(capsys: pytest.CaptureFixture[str]) -> Non
         (["plan", "--memory", "24,12"], "--memory 24GiB,12GiB"),
         (["plan", "--memory", "2x24-10,12GiB"], "--memory 2x24GiB-10GiB,12GiB"),
         (["train", "--memory", "48,48,24"], "--memory 48GiB,48GiB,24GiB"),
+        (["train", "--memory", "48MiB,48,24MiB"], "--memory 48MiB,48MiB,24MiB"),
         (["launch", "--memory", "24,12", "--dry-run", "t.py"], "--memory 24GiB,12GiB"),
     ],
 )

@@ -167,3 +167,7 @@ def test_model_from_a_python_file(
     assert "did you mean --model lib/my_models.py:make_model?" in err
     assert main([*argv, "nowhere.py:make_model"]) == 2
     assert "no file" in capsys.readouterr().err
+    assert main([*argv, "lib/my_models.py"]) == 2
+    assert "add it after a colon, e.g. --model lib/my_models.py:make_model" in (
+        capsys.readouterr().err
+    )

@@ -142,7 +142,10 @@ def memory_text(flag: str) -> Callable[[str], str]:
     """
 
     def convert(text: str) -> str:
-        fixed = ",".join(_with_units(entry) for entry in text.split(","))
+        # The unit the user wrote elsewhere in the spec (48MiB,48,24MiB), else GiB.
+        written = re.search(r"[0-9.]\s*([KMGT]i?B)\b", text, flags=re.IGNORECASE)
+        unit = written.group(1) if written else "GiB"
+        fixed = ",".join(_with_units(entry, unit) for entry in text.split(","))
         if fixed != text:
             raise argparse.ArgumentTypeError(
                 f"{flag} {text!r}: a memory spec needs units, e.g. {flag} {fixed} (KiB, MiB, "
@@ -159,16 +162,16 @@ _COUNT = re.compile(r"\s*\d+\s*x\s*(?=[0-9.])")
 _BARE = re.compile(r"\s*[0-9]*\.?[0-9]+\s*")
 
 
-def _with_units(entry: str) -> str:
-    """``entry`` with GiB after each bare number (unchanged when every size has a unit).
+def _with_units(entry: str, unit: str = "GiB") -> str:
+    """``entry`` with ``unit`` after each bare number (unchanged when every size has one).
 
-    >>> _with_units("2x24-10"), _with_units("2x24GiB-10GiB"), _with_units("auto")
-    ('2x24GiB-10GiB', '2x24GiB-10GiB', 'auto')
+    >>> _with_units("2x24-10"), _with_units("2x24GiB-10GiB"), _with_units("48", "MiB")
+    ('2x24GiB-10GiB', '2x24GiB-10GiB', '48MiB')
     """
     count = _COUNT.match(entry)
     head = count.group(0) if count else ""
     sizes = entry[len(head) :].split("-")
-    return head + "-".join(s.strip() + "GiB" if _BARE.fullmatch(s) else s for s in sizes)
+    return head + "-".join(s.strip() + unit if _BARE.fullmatch(s) else s for s in sizes)
 
 
 def plain_text(text: str) -> str:

@@ -210,6 +210,11 @@ def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
 
 def _user(spec: str) -> ModelSpec:
     module_name, _, attr = spec.rpartition(":")
+    if spec.endswith(".py") and not module_name:
+        raise EvendpError(
+            f"--model {spec!r} names a file but not the factory in it; add it after a colon, "
+            f"e.g. --model {spec}:make_model"
+        )
     if not module_name or not attr:
         raise EvendpError(
             f"--model {spec!r} is not 'gpt', 'lm-head', 'package.module:factory' or "
