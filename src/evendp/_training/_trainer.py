@@ -719,7 +719,7 @@ class Trainer:
                 raise RankStalled(self._stalled_text(error)) from None
 
     def _stalled_text(self, error: RuntimeError) -> str:
-        """What a rank says when a collective waited past ``comm_timeout`` (or lost its peer)."""
+        """What a rank says when a collective waited past ``comm_timeout``."""
         said = str(error).strip().splitlines()[-1][-160:] if str(error).strip() else ""
         out = self.config.out_dir
         where = f"; the last good checkpoint is in {str(out)!r}" if out is not None else ""
