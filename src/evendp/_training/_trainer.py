@@ -705,6 +705,12 @@ class Trainer:
         )  # virtual devices share one GPU: show it once
         return " ".join(format_bytes(p) for p in peaks) if peaks else "-"
 
+    def _callbacks_anywhere(self) -> bool:
+        """Whether any rank has callbacks: under torchrun one all-reduce at the start, so a
+        logger on rank 0 alone still has every rank join the loss reads of its ``on_log``."""
+        mine = int(bool(self.callbacks))
+        return (mine if self.world == 1 else sum(self.strategy.reduce_samples([mine]))) > 0
+
     def _log_metrics(self, loss: torch.Tensor | None) -> dict[str, float]:
         """What ``on_log`` gets: the step's loss (read already), the lr, measured peaks."""
         metrics: dict[str, float] = {}
@@ -753,6 +759,7 @@ class Trainer:
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
         )
         bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
+        reads = self._callbacks_anywhere() or cfg.progress  # the ranks agree: the reads pair
         self.callbacks.call("on_fit_start", self)
         try:
             with prepared as batches, bar:
@@ -766,10 +773,8 @@ class Trainer:
                     state.record(loss, self._samples_ran(loss is not None), local=True)
                     # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
                     # steps, the same on every rank; the report still gets every step's.
-                    # Callbacks' on_log reads it then too (every rank has the same callbacks).
-                    due = (cfg.progress or bool(self.callbacks)) and display_due(
-                        state.step, start_step, cfg.steps, cfg.log_every
-                    )
+                    # Callbacks' on_log reads it then too (when any rank has callbacks).
+                    due = reads and display_due(state.step, start_step, cfg.steps, cfg.log_every)
                     if due:
                         state.flush(self.strategy.reduce_losses)
                         if show and loss is not None:
