@@ -270,7 +270,8 @@ class Trainer:
             ``on_eval``, ``on_save``, ``on_fit_end`` (:class:`evendp.Callback`), e.g. the
             shipped loggers :class:`evendp.TensorBoardLogger`, :class:`evendp.CSVLogger`,
             :class:`evendp.MLflowLogger`, :class:`evendp.WandbLogger`. ``on_log`` gets the
-            loss every ``config.log_every`` steps. Under torchrun give every rank the same.
+            loss every ``config.log_every`` steps (under torchrun every rank joins those reads
+            when any rank has callbacks).
 
     Batches: a dataset with a ``batch(indices) -> batch`` method builds each step's batch
     itself from the step's sample indices (one call, no per-sample ``__getitem__``; e.g.
