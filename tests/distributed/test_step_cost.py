@@ -58,6 +58,14 @@ def _fit_recording(out: Path, progress: bool, rank: int, **kw: Any) -> list[tupl
     return calls
 
 
+class _StepsLogged:
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(step)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -68,6 +76,14 @@ def _worker(rank: int, port: int, out: str) -> None:
         # Each row's count of real targets is its length: the global count needs no comm.
         "counts": _fit_recording(Path(out) / "counts", progress=True, rank=rank, counts=LENGTHS),
     }
+    # A logger on rank 0 alone: the ranks agree at the start that the loss is read on the
+    # logged steps, so rank 1 joins every read (without it: rank 0 waits there forever).
+    logged: list[int] = []
+    hooks = [_StepsLogged(logged)] if rank == 0 else None
+    found["rank0_logs"] = _fit_recording(
+        Path(out) / "rank0_logs", progress=False, rank=rank, callbacks=hooks
+    )
+    found["logged"] = logged
     torch.save(found, Path(out) / f"rank{rank}.pt")
     # The trainers' DDP wrappers hold the group (reference cycles keep them until a collection):
     # finish_distributed frees them while the group is alive (no late teardown in gloo).
@@ -92,6 +108,17 @@ def test_progress_reads_the_loss_only_on_display_steps(
         # display step. Before: once per step, 11 more collectives than with the bar off.
         extra = len(r["on"]) - len(r["off"])
         assert extra == len(shown) - 1
+
+
+@pytest.mark.multiprocess
+def test_callbacks_on_one_rank_read_the_loss_on_every_rank(
+    ranks: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = ranks
+    shown = [s for s in range(1, STEPS + 1) if display_due(s, 0, STEPS, LOG_EVERY)]
+    assert results[0]["logged"] == shown and results[1]["logged"] == []
+    assert len(results[0]["rank0_logs"]) == len(results[1]["rank0_logs"])
+    assert len(results[0]["rank0_logs"]) == len(results[0]["on"])
 
 
 @pytest.mark.multiprocess

@@ -6,6 +6,8 @@
 - Training (issue 10): the first step's gradient of the token-mean loss of a real GPT-2 with
   padding and ``-100`` labels, under 3-rank DDP and FSDP2 with uneven sizes, equals one
   device's on the step's global batch.
+- The same step with dict samples, the default loss and no ``count_fn`` (issue 27): the
+  model's class says its labels are counted shifted, on every rank alike.
 - ``predict`` over 53 padded samples: each rank's rows, gathered and put in index order,
   equal one device's features.
 """
@@ -115,6 +117,13 @@ def _worker(rank: int, port: int, out: str) -> None:
                 full.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
                 results["fsdp2_one_device"] = one_device(full, val)
         results["one_device_grads"] = _one_device_grads(train)
+        # Issue 27: dict samples, the default loss, no count_fn: GPT-2's shifted labels are
+        # counted from its class, the same decision on every rank (one all-reduce per step).
+        auto = _no_dropout(tiny_gpt2())
+        as_dicts = [{"input_ids": ids, "labels": labels} for ids, labels in train]
+        cfg = TrainConfig(steps=1, batch_sizes=SIZES, grad_clip=None, progress=False)
+        Trainer(auto, as_dicts, cfg).fit()
+        results["auto_grads"] = _grads(auto)
         bert, samples = tiny_bert(), padded_samples()
         pred = predict(bert, samples, weights=SIZES, batch_size=7)
         parts: list[Any] = [None] * WORLD
@@ -158,6 +167,15 @@ def test_gpt2_token_gradient_on_uneven_ranks_equals_one_device(
         assert sorted(got) == sorted(expected)
         for name, grad in expected.items():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_dict_batches_without_count_fn_count_gpt2s_labels_on_uneven_ranks(
+    ranks: list[dict[str, Any]],
+) -> None:
+    expected = ranks[0]["one_device_grads"]
+    for r in ranks:
+        for name, grad in expected.items():
+            torch.testing.assert_close(r["auto_grads"][name], grad, rtol=1e-5, atol=1e-7)
 
 
 def test_a_padded_distributed_sampler_differs(ranks: list[dict[str, Any]]) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 __all__ = ["ENV_OUTCOME", "note_sizes_read", "sizes_were_read"]
 
-#: The launcher's outcome file (``evendp._planning._launch.ENV_OUTCOME``; a test keeps them equal).
+#: Where rank 0 leaves the run's exit code for the launcher (a file in the launcher's private
+#: folder). ``_torchrun/__main__.py`` spells it itself (a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
 _MARK = "sizes-read"
 

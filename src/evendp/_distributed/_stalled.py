@@ -53,23 +53,25 @@ class RankStalled(TrainingError):
     """A collective waited past the timeout: another rank stopped answering (exit 1)."""
 
 
-# What gloo (and NCCL's watchdog) say when a collective's peer stopped answering, or left.
+# What gloo (and NCCL's watchdog) say when a collective waited past its timeout. Not a peer
+# that died ("Connection reset by peer"): torchrun sees that one itself, and restarts the
+# ranks under --max-restarts, which a stall report would cut short.
 _FAILURES = (
     "timed out waiting",
     "timeout caused pair closure",
     "watchdog caught collective operation timeout",
-    "connection closed by peer",
-    "connection reset by peer",
 )
 
 
 def is_comm_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a collective that timed out or lost its peer (gloo, NCCL).
+    """Whether ``error`` is a collective that waited past its timeout (gloo, NCCL).
 
     >>> is_comm_failure(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 20000ms for "
     ...                              "recv operation to complete"))
     True
     >>> is_comm_failure(RuntimeError("CUDA error: out of memory"))
+    False
+    >>> is_comm_failure(RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:1"))
     False
     """
     text = str(error).lower()

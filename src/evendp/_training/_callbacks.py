@@ -15,9 +15,9 @@ Hugging Face's callback designs):
 - ``on_save(trainer, step, path)``: after each checkpoint (``path`` is ``None`` on ranks > 0);
 - ``on_fit_end(trainer, report)``: after the last step, with the :class:`TrainReport`.
 
-Under ``torchrun`` every rank runs the hooks: give every rank the same callbacks (reading the
-loss for ``on_log`` is a collective every rank must join); the shipped loggers write on rank 0
-only.
+Under ``torchrun`` every rank runs its own callbacks' hooks. Reading the loss for ``on_log`` is
+a collective: the ranks agree at the start of ``fit`` whether any has callbacks, so callbacks
+on rank 0 alone are fine. The shipped loggers write on rank 0 only.
 """
 
 from __future__ import annotations

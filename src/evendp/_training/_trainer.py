@@ -337,7 +337,8 @@ class Trainer:
             ``on_eval``, ``on_save``, ``on_fit_end`` (:class:`evendp.Callback`), e.g. the
             shipped loggers :class:`evendp.TensorBoardLogger`, :class:`evendp.CSVLogger`,
             :class:`evendp.MLflowLogger`, :class:`evendp.WandbLogger`. ``on_log`` gets the
-            loss every ``config.log_every`` steps. Under torchrun give every rank the same.
+            loss every ``config.log_every`` steps (under torchrun every rank joins those reads
+            when any rank has callbacks).
 
     Batches: a dataset with a ``batch(indices) -> batch`` method builds each step's batch
     itself from the step's sample indices (one call, no per-sample ``__getitem__``; e.g.
@@ -784,6 +785,12 @@ class Trainer:
         )  # virtual devices share one GPU: show it once
         return " ".join(format_bytes(p) for p in peaks) if peaks else "-"
 
+    def _callbacks_anywhere(self) -> bool:
+        """Whether any rank has callbacks: under torchrun one all-reduce at the start, so a
+        logger on rank 0 alone still has every rank join the loss reads of its ``on_log``."""
+        mine = int(bool(self.callbacks))
+        return (mine if self.world == 1 else sum(self.strategy.reduce_samples([mine]))) > 0
+
     def _log_metrics(self, loss: torch.Tensor | None) -> dict[str, float]:
         """What ``on_log`` gets: the step's loss (read already), the lr, measured peaks."""
         metrics: dict[str, float] = {}
@@ -820,7 +827,7 @@ class Trainer:
                 raise RankStalled(self._stalled_text(error)) from None
 
     def _stalled_text(self, error: RuntimeError) -> str:
-        """What a rank says when a collective waited past ``comm_timeout`` (or lost its peer)."""
+        """What a rank says when a collective waited past ``comm_timeout``."""
         said = str(error).strip().splitlines()[-1][-160:] if str(error).strip() else ""
         out = self.config.out_dir
         where = f"; the last good checkpoint is in {str(out)!r}" if out is not None else ""
@@ -850,6 +857,7 @@ class Trainer:
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
         )
         bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
+        reads = self._callbacks_anywhere() or cfg.progress  # the ranks agree: the reads pair
         self.callbacks.call("on_fit_start", self)
         try:
             with prepared as batches, bar:
@@ -863,10 +871,8 @@ class Trainer:
                     state.record(loss, self._samples_ran(loss is not None), local=True)
                     # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
                     # steps, the same on every rank; the report still gets every step's.
-                    # Callbacks' on_log reads it then too (every rank has the same callbacks).
-                    due = (cfg.progress or bool(self.callbacks)) and display_due(
-                        state.step, start_step, cfg.steps, cfg.log_every
-                    )
+                    # Callbacks' on_log reads it then too (when any rank has callbacks).
+                    due = reads and display_due(state.step, start_step, cfg.steps, cfg.log_every)
                     if due:
                         state.flush(self.strategy.reduce_losses)
                         if show and loss is not None:
