@@ -30,6 +30,7 @@ SAMPLES = {
     "--accum": "2",
     "--out": "runs/walked",
     "--max-restarts": "2",
+    "--comm-timeout": "90",
     "--checkpoint-every": "3",
     "--lr": "0.01",
     "--model": "tests.training._rehearse_model:make",
