@@ -14,6 +14,7 @@ EXPECTED_ALL = {
     "DeviceMemory",
     "DevicePlan",
     "EmptySafeCollate",
+    "EngineMean",
     "CheckpointError",
     "EvendpError",
     "LiveMemoryError",
