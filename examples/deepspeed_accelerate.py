@@ -7,8 +7,8 @@ Run (CPU ranks use gloo; GPUs NCCL):
 
 The port of examples/plain/deepspeed_accelerate.py (the changed lines: docs/integrations.md),
 kohya sd-scripts' shape: the loss is the usual mean, accelerator.accumulate and
-accelerator.backward are as they were, and DeepSpeed steps the warm-up schedule once per
-optimizer step as in one process. Each optimizer step's gradient is the mean over all its
+accelerator.backward are as they were, and the warm-up schedule steps once per optimizer
+step as in one process. Each optimizer step's gradient is the mean over all its
 samples on all ranks, exactly, for ZeRO stages 1, 2 and 3.
 """
 

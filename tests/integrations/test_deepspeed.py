@@ -65,6 +65,12 @@ def _error(got: dict, want: dict, start: dict) -> float:
     return num / den
 
 
+def _ranks(run: str) -> tuple[int, ...]:
+    """The ranks holding the whole parameters: under ZeRO-3 the frameworks' get_state_dict
+    gathers them on rank 0 only (rank 1 saved None)."""
+    return (0,) if run.endswith("z3") or run == "resumed" else (0, 1)
+
+
 def _example(name: str) -> dict:
     return runpy.run_path(str(ROOT / f"examples/{name}.py"), run_name="x")
 
@@ -76,7 +82,7 @@ def test_trainer_with_deepspeed_zero2_zero3_and_a_resumed_checkpoint_equal_one_p
     want = _one_process_port("hf_trainer", tmp_path, monkeypatch)
     start = _example("hf_trainer")["make_model"]().state_dict()
     for run in ("trainer_z2", "trainer_z3", "resumed"):
-        for rank in (0, 1):
+        for rank in _ranks(run):
             got = torch.load(launched / run / f"ds_trainer{rank}.pt")
             assert _error(got, want, start) < TOL, (run, rank)
 
@@ -90,7 +96,7 @@ def test_accelerate_with_a_deepspeed_plugin_equals_one_process(
     monkeypatch.setattr(ports, "PORTS", {**ports.PORTS, "accelerate_loop": ["--epochs", "0"]})
     start = _one_process_port("accelerate_loop", tmp_path / "start", monkeypatch)
     for run in ("accelerate_z2", "accelerate_z3"):
-        for rank in (0, 1):
+        for rank in _ranks(run):
             got = torch.load(launched / run / f"ds_accelerate{rank}.pt")
             assert _error(got, want, start) < TOL, (run, rank)
 

@@ -74,6 +74,11 @@ class EngineMean:
                 "engine.module"
             )
         validate_callable("count_fn", count_fn, "a function batch -> items", allow_none=True)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise EvendpError(
+                f"group must be a torch.distributed ProcessGroup or None (the default group), "
+                f"got {group!r}"
+            )
         self.engine = engine
         self.count_fn = count_rows if count_fn is None else count_fn
         self.group = group

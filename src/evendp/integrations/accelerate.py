@@ -190,6 +190,18 @@ class UnevenAccelerator(Accelerator):
         prepared.split_batches = True  # one scheduler step per call, not num_processes
         return prepared
 
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call.
+
+        Accelerate's DeepSpeed path wraps a torch scheduler itself, not through
+        :meth:`prepare_scheduler`.
+        """
+        prepared = super().prepare(*args, **kwargs)
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            for scheduler in self._schedulers:
+                scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
+        return prepared
+
     def end_training(self) -> None:
         """``Accelerator.end_training``, with the process group settled before it is destroyed.
 
