@@ -255,30 +255,29 @@ def uneven_dataloader(
 ) -> DataLoader:
     """A dataloader already passed through ``accelerator.prepare``, ``batch_sizes[rank]`` a batch.
 
-        Every rank yields the same number of batches; over all ranks each sample comes once per
-        epoch (``drop_last=False``), in one permutation seeded by ``seed + epoch`` (Accelerate's
-        ``DataLoaderShard`` sets the epoch when it starts iterating). ``batch_sizes`` defaults to
-        ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to ``batch_size`` on every rank. A
-        rank may get an empty batch in the short last step (always when its size is 0):
-        ``collate_fn`` is wrapped in :class:`evendp.EmptySafeCollate`; with an
-        :class:`UnevenAccelerator` it is a stand-in (one real sample, weight exactly 0 in its
-        ``backward``), else a real, zero-length batch (the ``ddp_loss`` recipe counts its 0
-        samples); ``stand_in`` chooses (``None``: a stand-in with an ``UnevenAccelerator``).
-        Preparing the returned loader again returns it unchanged (Accelerate marks it prepared).
-        Other keyword arguments (``num_workers``, ``pin_memory``, ...) go to
-        ``torch.utils.data.DataLoader``.
-        ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
-        samples to ranks by padded cost and ``max_tokens`` makes the step a token budget, as
-        :class:`evendp.UnevenBatchSampler` does; :func:`speed_balancer` moves samples between
-        ranks by measured speed.
+    Every rank yields the same number of batches; over all ranks each sample comes once per
+    epoch (``drop_last=False``), in one permutation seeded by ``seed + epoch`` (Accelerate's
+    ``DataLoaderShard`` sets the epoch when it starts iterating). ``batch_sizes`` defaults to
+    ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to ``batch_size`` on every rank. A
+    rank may get an empty batch in the short last step (always when its size is 0):
+    ``collate_fn`` is wrapped in :class:`evendp.EmptySafeCollate`; with an
+    :class:`UnevenAccelerator` it is a stand-in (one real sample, weight exactly 0 in its
+    ``backward``), else a real, zero-length batch (the ``ddp_loss`` recipe counts its 0
+    samples); ``stand_in`` chooses (``None``: a stand-in with an ``UnevenAccelerator``).
+    Preparing the returned loader again returns it unchanged (Accelerate marks it prepared).
+    Other keyword arguments (``num_workers``, ``pin_memory``, ...) go to
+    ``torch.utils.data.DataLoader``.
+    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
+    samples to ranks by padded cost and ``max_tokens`` makes the step a token budget, as
+    :class:`evendp.UnevenBatchSampler` does; :func:`speed_balancer` moves samples between
+    ranks by measured speed.
 
-        >>> import torch
-        >>> from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-        >>> data = torch.utils.data.TensorDataset(torch.arange(10.0))
-        >>> loader = uneven_dataloader(Accelerator(cpu=True), data, [4], shuffle=False)
-        >>> [batch[0].tolist() for batch in loader]
-        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    >>> loader = uneven_dataloader(Accelerator(cpu=True), data, [4], shuffle=False)
+    >>> [batch[0].tolist() for batch in loader]
+    [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
     if batch_sizes is None and isinstance(accelerator, Accelerator):
         world = accelerator.num_processes
@@ -314,20 +313,19 @@ def uneven_dataloader(
 def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
     """A :class:`evendp.SpeedBalancer` that re-splits ``loader``'s steps by measured speed.
 
-        ``loader`` comes from :func:`uneven_dataloader`. Time each forward pass with
-        ``with balancer.measure(len(batch)):`` (the forward and the loss, not
-        ``accelerator.backward``, which waits for the slowest rank) and call
-        ``balancer.step()`` after every optimizer step on every rank: samples then move from
-        slow ranks to fast ones; each step's samples, and the gradient, stay those of one
-        process. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+    ``loader`` comes from :func:`uneven_dataloader`. Time each forward pass with
+    ``with balancer.measure(len(batch)):`` (the forward and the loss, not
+    ``accelerator.backward``, which waits for the slowest rank) and call
+    ``balancer.step()`` after every optimizer step on every rank: samples then move from
+    slow ranks to fast ones; each step's samples, and the gradient, stay those of one
+    process. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
 
-        >>> import torch
-        >>> from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-        >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
-        >>> balancer = speed_balancer(uneven_dataloader(Accelerator(cpu=True), data, [4]))
-        >>> balancer.sampler.batch_sizes
-        [4]
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    >>> balancer = speed_balancer(uneven_dataloader(Accelerator(cpu=True), data, [4]))
+    >>> balancer.sampler.batch_sizes
+    [4]
     """
     sampler: Any = loader
     for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> ours
