@@ -20,6 +20,7 @@ EXPECTED_ALL = {
     "DeviceMemory",
     "DevicePlan",
     "EmptySafeCollate",
+    "EngineMean",
     "CheckpointError",
     "EvendpError",
     "LiveMemoryError",

@@ -253,6 +253,7 @@ def _cases() -> dict[str, Callable[[], Case]]:
             },
         ),
         "StepMean": lambda: (evendp.StepMean, [], {"count_fn": None, "group": None}),
+        "EngineMean": lambda: (evendp.EngineMean, [_Engine()], {"count_fn": None, "group": None}),
         "is_stand_in": lambda: (evendp.is_stand_in, [torch.ones(2)], {}),
         "load_checkpoint": lambda: (
             evendp.load_checkpoint,
@@ -260,6 +261,16 @@ def _cases() -> dict[str, Callable[[], Case]]:
             {"model": nn.Linear(2, 2), "optimizer": None, "scheduler": None, "restore_rng": True},
         ),
     }
+
+
+class _Engine:
+    """What EngineMean reads of a DeepSpeed engine."""
+
+    def gradient_accumulation_steps(self) -> int:
+        return 1
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        pass
 
 
 def _saved() -> Path:

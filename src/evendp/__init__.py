@@ -21,6 +21,7 @@ from ._core._errors import (
 )
 from ._core._exact import is_stand_in
 from ._core._split import split_sizes
+from ._distributed._engine_mean import EngineMean
 from ._distributed._group import (
     ddp_loss,
     finish_distributed,
@@ -64,6 +65,7 @@ __all__ = [
     "Predictions",
     "predict",
     # many processes
+    "EngineMean",
     "EmptySafeCollate",
     "UnevenBatchSampler",
     "batch_sizes_from_env",

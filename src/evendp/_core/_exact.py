@@ -12,6 +12,8 @@ Every path of the package calls these functions instead of writing the rule agai
 - :func:`sum_on`: per-share sums -> the sum over all their items;
 - :func:`step_count`: the step's global count (the samples need no communication);
 - :func:`mean_scale`: ``numerator / global count``, 0 for no items anywhere;
+- :func:`averaged_scale`: the same for a framework that averages gradients over ranks and
+  divides the loss by its accumulation steps itself (DeepSpeed's ``engine.backward``);
 - :func:`stand_in_batch` / :func:`is_stand_in`: the one-real-sample batch that runs an empty
   share (see "The stand-in batch" below).
 
@@ -34,6 +36,7 @@ import torch
 __all__ = [
     "Count",
     "StandInTensor",
+    "averaged_scale",
     "combine_means",
     "is_stand_in",
     "mean_scale",
@@ -193,6 +196,27 @@ def mean_scale(
     if isinstance(count, bool) or not isinstance(count, numbers.Real):
         raise TypeError(f"count must be a number or a tensor, got {count!r}")
     return numerator / count if count > 0 else 0.0
+
+
+def averaged_scale(
+    count: Count, *, ranks: int, divided_by: int = 1, dtype: torch.dtype = torch.float32
+) -> float | torch.Tensor:
+    """The weight of a rank's summed loss when the framework averages and divides by itself.
+
+    DDP, FSDP and DeepSpeed ZeRO (1, 2 and 3: ZeRO-3 pre-divides in its reduce-scatter, the
+    same mean) average the ranks' gradients, a division by ``ranks``; DeepSpeed's
+    ``engine.backward(loss)`` also divides the loss by its accumulation steps
+    (``divided_by``; 1 with ``scale_wrt_gas=False``). A rank's summed loss times this weight
+    is the loss whose gradient, after both divisions, is the one of the mean over the step's
+    ``count`` items on all ranks and micro-batches: ``ranks * divided_by / count``, 0 for no
+    items (see :func:`mean_scale`).
+
+    >>> averaged_scale(8, ranks=2, divided_by=2)  # 2 ranks, 2 micro-batches, 8 items
+    0.5
+    >>> averaged_scale(torch.tensor(0), ranks=2)
+    tensor(2.)
+    """
+    return mean_scale(count, numerator=ranks * divided_by, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
   dataloader giving rank ``r`` batches of ``batch_sizes[r]`` samples (``evendp[hf]``).
 * :mod:`evendp.integrations.lightning`: ``UnevenGradient``, a Lightning callback that makes
   the accumulated, DDP-averaged gradient the global-batch mean (``evendp[lightning]``).
+* :mod:`evendp.integrations.deepspeed`: DeepSpeed ZeRO 1-3 on each of those paths and in a
+  ``deepspeed.initialize`` loop (:class:`evendp.EngineMean`) (``evendp[deepspeed]``).
 
 Importing this package imports none of those libraries; each submodule imports its own.
 """

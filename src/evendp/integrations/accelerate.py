@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 import evendp
@@ -40,6 +41,7 @@ from .._core._exact import weighted_sum
 from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
 from ._epoch import EpochRelay
+from .deepspeed import fill_auto_micro_batch
 
 __all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
 
@@ -174,14 +176,30 @@ class UnevenAccelerator(Accelerator):
                 "...) loader yielded last, but no such loader is being iterated; build the "
                 "training loader with uneven_dataloader, or use accelerate.Accelerator"
             )
-        # Accelerator.backward divides by the accumulation steps: undone here.
-        scale = weight * self.gradient_accumulation_steps
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            # The weight spans the step already: DeepSpeed's engine must not divide again.
+            kwargs.setdefault("scale_wrt_gas", False)
+            scale = weight
+        else:  # Accelerator.backward divides by the accumulation steps: undone here.
+            scale = weight * self.gradient_accumulation_steps
         super().backward(weighted_sum(loss, scale), **kwargs)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""
         prepared = super().prepare_scheduler(scheduler)
         prepared.split_batches = True  # one scheduler step per call, not num_processes
+        return prepared
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call.
+
+        Accelerate's DeepSpeed path wraps a torch scheduler itself, not through
+        :meth:`prepare_scheduler`.
+        """
+        prepared = super().prepare(*args, **kwargs)
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            for scheduler in self._schedulers:
+                scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
         return prepared
 
     def end_training(self) -> None:
@@ -285,6 +303,7 @@ def uneven_dataloader(
         ),
         **loader_kwargs,
     )
+    fill_auto_micro_batch(accelerator, sizes)  # DeepSpeed reads it from batch_size: None here
     prepared: DataLoader = accelerator.prepare(loader)
     if weighing:
         return _WeighingLoader(prepared, sampler, accelerator)  # type: ignore[return-value]

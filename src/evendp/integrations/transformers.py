@@ -27,8 +27,9 @@ What changes against ``transformers.Trainer``, through its documented overridabl
 A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
 ``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
 ``model.accepts_loss_kwargs = False`` (the Trainer's own switch) so its loss is weighted by
-samples. Refused: ``auto_find_batch_size``, DeepSpeed, one process driving several GPUs
-(``nn.DataParallel``), ``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
+samples. DeepSpeed ZeRO (``deepspeed=``) works as it is (:mod:`evendp.integrations.deepspeed`).
+Refused: ``auto_find_batch_size``, one process driving several GPUs (``nn.DataParallel``),
+``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
 """
 
 from __future__ import annotations
@@ -125,11 +126,6 @@ def _validate_args(args: transformers.TrainingArguments) -> None:
             "auto_find_batch_size=True is not supported by UnevenTrainer: it changes one batch "
             "size for all ranks after an out-of-memory error. Set auto_find_batch_size=False "
             "and pass batch_sizes=[...] (e.g. from `evendp plan --mode ddp`)"
-        )
-    if args.deepspeed:
-        raise evendp.EvendpError(
-            "UnevenTrainer does not support DeepSpeed (deepspeed=...); use DDP or FSDP, or "
-            "transformers.Trainer with DeepSpeed and even batches"
         )
     if args.n_gpu > 1:
         raise evendp.EvendpError(

@@ -1,0 +1,135 @@
+"""``EngineMean``: a hand-written DeepSpeed engine loop whose model returns a per-rank mean.
+
+A ``deepspeed.initialize`` loop runs ``loss = engine(batch)``, ``engine.backward(loss)`` and
+``engine.step()`` for every micro-batch. Under ZeRO the gradients never sit in ``param.grad``
+where :class:`evendp.StepMean` could rescale them after backward (ZeRO-2 keeps them in
+partitioned buffers, ZeRO-3 reduce-scatters them during backward), so the loss itself must
+carry the weight before ``engine.backward``: this micro-batch's sum over its counted items,
+times ``world_size * accumulation / count of the whole step`` (``_exact.averaged_scale``:
+DeepSpeed averages over the ranks and divides by its accumulation steps). The step's count is
+therefore known first: :meth:`EngineMean.steps` takes the step's micro-batches from the loader,
+counts them on every rank (one all-reduce per optimizer step), and sets the engine's
+accumulation boundary on the step's last micro-batch, so the short last step of an epoch is a
+step of its own and never borrows micro-batches of the next epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._core._errors import EvendpError
+from .._core._exact import averaged_scale, is_stand_in, weighted_sum
+from .._core._validate import validate_callable
+from ._group import global_count, world_size
+from ._step_mean import count_rows
+
+__all__ = ["EngineMean"]
+
+
+class EngineMean:
+    """Per-micro-batch mean losses in, the loss for DeepSpeed's ``engine.backward`` out.
+
+    ``engine`` is what ``deepspeed.initialize`` returned (any ZeRO stage; read:
+    ``gradient_accumulation_steps()``, ``set_gradient_accumulation_boundary``).
+    ``count_fn(batch)`` is the number of items the model's loss is a mean over (default:
+    the batch's rows; for tokens e.g. ``lambda b: (b["labels"] != -100).sum()``); a
+    stand-in batch (an empty share, :class:`evendp.EmptySafeCollate` with ``stand_in=True``)
+    counts 0. The ranks must each yield the same number of batches
+    (:class:`evendp.UnevenBatchSampler` does).
+
+    ``for batches in mean.steps(loader)`` yields one optimizer step's micro-batches; for each,
+    ``engine.backward(mean.weigh(loss, batch))`` then ``engine.step()``, as in any DeepSpeed
+    loop. Gradient clipping (``gradient_clipping`` in the config) then clips the gradient of
+    the mean over the step's samples on all ranks, as one process would.
+
+    >>> class Engine:  # what the helper reads of a DeepSpeed engine: one process here
+    ...     def gradient_accumulation_steps(self): return 2
+    ...     def set_gradient_accumulation_boundary(self, is_boundary): self.boundary = is_boundary
+    >>> engine, w = Engine(), torch.tensor(1.0, requires_grad=True)
+    >>> mean = EngineMean(engine)
+    >>> for batches in mean.steps([torch.ones(1), torch.ones(3)]):  # micro-batches of 1 and 3
+    ...     for x in batches:
+    ...         loss = mean.weigh((w * x).mean(), x)  # engine.backward divides it by 2
+    ...         print(float(loss) / 2, engine.boundary)
+    0.25 False
+    0.75 True
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        count_fn: Callable[[Any], int | float | torch.Tensor] | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not callable(getattr(engine, "gradient_accumulation_steps", None)):
+            raise EvendpError(
+                f"engine must be the DeepSpeed engine deepspeed.initialize returned, got "
+                f"{type(engine).__name__} (no gradient_accumulation_steps()); pass engine, not "
+                "engine.module"
+            )
+        validate_callable("count_fn", count_fn, "a function batch -> items", allow_none=True)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise EvendpError(
+                f"group must be a torch.distributed ProcessGroup or None (the default group), "
+                f"got {group!r}"
+            )
+        self.engine = engine
+        self.count_fn = count_rows if count_fn is None else count_fn
+        self.group = group
+        self._total: torch.Tensor | None = None  # the current step's count over all ranks
+        self._left = 0  # micro-batches of the current step not weighed yet
+
+    def _count(self, batch: Any) -> int | float | torch.Tensor:
+        return 0 if is_stand_in(batch) else self.count_fn(batch)
+
+    def steps(self, loader: Iterable[Any]) -> Iterator[list[Any]]:
+        """``loader``'s batches, one optimizer step's micro-batches at a time, counted.
+
+        Each step is ``gradient_accumulation_steps()`` micro-batches (the last one of the
+        loader fewer); the count of all of them on all ranks is one all-reduce.
+        """
+        accumulation = int(self.engine.gradient_accumulation_steps())
+        batches = iter(loader)
+        while window := list(itertools.islice(batches, accumulation)):
+            local = sum((self._count(batch) for batch in window), start=0)
+            self._total = global_count(local, group=self.group)
+            self._left = len(window)
+            yield window
+        self._total = None
+
+    def weigh(self, loss: torch.Tensor, batch: Any) -> torch.Tensor:
+        """``loss`` (a mean over ``count_fn(batch)`` items) as the tensor for ``engine.backward``.
+
+        Its gradient, once DeepSpeed has divided it by the accumulation steps and averaged
+        it over the ranks, is this micro-batch's share of the step's global mean. A stand-in
+        batch or a count of 0 gives a connected zero (never NaN). Call it once per
+        micro-batch of :meth:`steps`, in order: the last one marks the step's boundary.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise EvendpError(
+                f"loss must be a 0-dim tensor (this micro-batch's mean loss), got {loss!r}"
+            )
+        if self._total is None or self._left <= 0:
+            raise EvendpError(
+                "EngineMean.weigh weighs a micro-batch of the step that "
+                "`for batches in mean.steps(loader)` yielded, once each; call it inside that "
+                "loop, for every micro-batch of the step"
+            )
+        self._left -= 1
+        # DeepSpeed steps on the boundary: the last micro-batch of this step, short or not.
+        self.engine.set_gradient_accumulation_boundary(self._left == 0)
+        local_sum = weighted_sum(loss, self._count(batch))
+        ranks = world_size(self.group)
+        scale = averaged_scale(
+            self._total,
+            ranks=ranks,
+            divided_by=int(self.engine.gradient_accumulation_steps()),
+            dtype=local_sum.dtype,
+        )
+        return local_sum * scale.to(local_sum.device)  # type: ignore[union-attr]
