@@ -34,10 +34,12 @@ samples. Refused: ``auto_find_batch_size``, DeepSpeed, one process driving sever
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from accelerate.utils import send_to_device
 from torch import nn
@@ -46,6 +48,7 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._exact import is_stand_in, weighted_sum, zero_weight
+from .._distributed._group import comm_device
 from .._planning._balance import (
     NoBalance,
     auto_batch_sizes,
@@ -324,8 +327,8 @@ class UnevenTrainer(transformers.Trainer):
         A stand-in batch counts no item (its labels read as ignored for the token count).
         """
         batches = list(itertools.islice(epoch_iterator, num_batches))
-        if self._probe_pending and batches:
-            self._probe_loss_kwargs(batches[0])
+        if self._probe_pending and batches:  # the same on every rank: so is this collective
+            self._probe_loss_kwargs(batches)
         views = iter([_uncounted(batch) for batch in batches])
         _, num_items = super().get_batch_samples(views, num_batches, device)
         self._step_count = None
@@ -335,18 +338,55 @@ class UnevenTrainer(transformers.Trainer):
             self._step_count = evendp.global_count(local)
         return batches, num_items
 
-    def _probe_loss_kwargs(self, batch: Mapping[str, Any]) -> None:
-        """Whether the model's loss uses ``num_items_in_batch``, tried on one batch (no grad).
+    def _probe_loss_kwargs(self, batches: list[Any]) -> None:
+        """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
 
         Its ``forward`` takes ``**kwargs`` (so the Trainer passes the count), but many losses
         ignore it (``BertForSequenceClassification``, ``GPT2ForSequenceClassification``,
         ``BertForTokenClassification`` return a per-batch mean). Twice the count must halve a
         loss that uses it and leave one that ignores it unchanged; such a loss is then
         weighted by its labels here. Anything else stops the run, naming the switch.
+
+        Why agreed: the verdict decides which collectives the step runs (the Trainer's token
+        all-gather, or evendp's count all-reduce), so every rank must reach the same one. Each
+        rank tries the first of its micro-batches with a counted item; one all-reduce sums
+        the ranks' verdicts. A rank with nothing counted (a 1-token sequence, all-padding
+        rows, a stand-in) is inconclusive and abstains; when every rank abstains, the probe
+        is tried again on the next step.
         """
-        self._probe_pending = False
-        if "labels" not in batch or self.compute_loss_func is not None:
+        if self.compute_loss_func is not None or not any("labels" in b for b in batches):
+            self._probe_pending = False  # the same on every rank: the collator's keys
             return
+        verdicts = torch.zeros(len(_VERDICTS), dtype=torch.int64, device=comm_device())
+        verdicts[_VERDICTS.index(self._local_verdict(batches))] = 1
+        if max(1, self.args.world_size) > 1:
+            dist.all_reduce(verdicts)  # (uses, ignores, odd, inconclusive) over ranks
+        uses, ignores, odd, _ = verdicts.tolist()
+        if odd or (uses and ignores):
+            model = self.accelerator.unwrap_model(self.model)
+            raise evendp.EvendpError(
+                f"{type(model).__name__}'s loss takes num_items_in_batch but is neither a sum "
+                f"over it nor independent of it ({self._probe_note}); set "
+                "model.accepts_loss_kwargs = True if its loss is a sum divided by "
+                "num_items_in_batch, or False if it is a per-batch mean (weighted by count_fn)"
+            )
+        if uses or ignores:
+            self._probe_pending = False
+            if ignores:
+                self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
+
+    def _local_verdict(self, batches: list[Any]) -> str:
+        """This rank's verdict: its first micro-batch whose loss counted something decides."""
+        self._probe_note = "no counted label on this rank"
+        for batch in batches:
+            if _has_labels(batch):
+                verdict = self._probe_batch(batch)
+                if verdict != "inconclusive":
+                    return verdict
+        return "inconclusive"
+
+    def _probe_batch(self, batch: Mapping[str, Any]) -> str:
+        """One batch's verdict: the loss with counts 1 and 2 (a stand-in too: a real sample)."""
         model = self.accelerator.unwrap_model(self.model)
         device = self.args.device
         inputs = send_to_device(dict(batch), device)
@@ -362,15 +402,13 @@ class UnevenTrainer(transformers.Trainer):
         finally:
             model.train(was_training)
             self.balancer = balancer
+        self._probe_note = f"count 1 gave {one:.6g}, count 2 gave {two:.6g}"
+        # Nothing counted after all (a causal shift of a 1-token row): a sum gives 0, a mean NaN.
+        if not (math.isfinite(one) and math.isfinite(two)) or one == 0.0:
+            return "inconclusive"
         if abs(one - two) <= 1e-6 * abs(one):
-            self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
-        elif abs(one - 2 * two) > 1e-4 * abs(one):
-            raise evendp.EvendpError(
-                f"{type(model).__name__}'s loss takes num_items_in_batch but is neither a sum "
-                f"over it (count 1 gave {one:.6g}, count 2 gave {two:.6g}) nor independent of "
-                "it; set model.accepts_loss_kwargs = True if its loss is a sum divided by "
-                "num_items_in_batch, or False if it is a per-batch mean (weighted by count_fn)"
-            )
+            return "ignores"
+        return "odd" if abs(one - 2 * two) > 1e-4 * abs(one) else "uses"
 
     def compute_loss(
         self,
@@ -422,6 +460,16 @@ class UnevenTrainer(transformers.Trainer):
             total = self.accelerator.gather(self._loss_sum.reshape(1)).mean()
             logs["train_loss"] = float(total) / self._steps
         super().log(logs, *args, **kwargs)
+
+
+#: The probe's possible verdicts, in the order of the all-reduced tally.
+_VERDICTS = ("uses", "ignores", "odd", "inconclusive")
+
+
+def _has_labels(batch: Mapping[str, Any]) -> bool:
+    """Whether a batch has a label that is not ``-100`` (a stand-in's real sample too)."""
+    labels = batch.get("labels")
+    return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
 
 
 def _loss_of(outputs: Any) -> float:
