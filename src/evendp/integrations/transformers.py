@@ -424,12 +424,14 @@ class UnevenTrainer(transformers.Trainer):
         step_count = self._step_count if model.training else None
         stand_in = is_stand_in(inputs)
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        # return_outputs as asked: some subclasses (TRL's) run an extra forward for outputs.
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
         if step_count is not None:
             loss = evendp.ddp_loss(weighted_sum(loss, count), count, step_count)
         elif stand_in and model.training:
             loss = zero_weight(loss)
-        return (loss, outputs) if return_outputs else loss
+        return (loss, result[1]) if isinstance(result, tuple) else loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The Trainer's step; its loss also summed here for the global ``train_loss``."""
@@ -440,8 +442,9 @@ class UnevenTrainer(transformers.Trainer):
     def train(self, *args: Any, **kwargs: Any) -> transformers.trainer_utils.TrainOutput:
         """The Trainer's ``train``; its ``train_loss`` is the global batch's, on every rank.
 
-        Afterwards the process group is freed at exit, before Python finalizes (where gloo's
-        threads would abort a finished run: see ``_teardown``).
+        Afterwards no DDP wrapper holds the process group, so however the run ends
+        (``trainer.end()``, ``destroy_process_group()``, or the exit) it ends without a
+        deadlock (see ``_teardown``).
         """
         self._loss_sum = torch.zeros((), device=self.args.device)
         self._steps = 0
