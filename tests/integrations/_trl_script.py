@@ -1,7 +1,7 @@
 """TRL's trainers and ``Seq2SeqTrainer`` composed with ``UnevenTrainer``, on tiny local assets.
 
 Usage (the launch of test_trl.py): evendp launch --nproc 2 --batch-sizes 1,3
-    tests/integrations/_trl_script.py ASSETS OUT [port-only]
+    tests/integrations/_trl_script.py ASSETS OUT HANG_S [port-only]
 Each composed trainer (``class X(UnevenTrainer, SFTTrainer): pass``) trains for two epochs of 9
 samples (micro-steps 4, 4, 1: the last leaves rank 0 empty) and saves its parameters to
 OUT/<case><rank>.pt; then TRL's own script, ported (examples/trl_sft.py), runs last: it ends
@@ -12,6 +12,7 @@ process with ``EVENDP_BATCH_SIZES=4`` (the same global batches).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -206,9 +207,10 @@ CASES = {
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)  # a hang: stacks, exit 1
     assets, out = Path(sys.argv[1]), Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
-    if sys.argv[3:] != ["port-only"]:
+    if sys.argv[4:] != ["port-only"]:
         for name, case in CASES.items():
             torch.save(case(assets, out / f"{name}{rank}"), out / f"{name}{rank}.pt")
     run_port(assets, out / f"port{rank}")

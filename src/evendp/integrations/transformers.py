@@ -33,6 +33,7 @@ samples. Refused: ``auto_find_batch_size``, DeepSpeed, one process driving sever
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -153,6 +154,93 @@ def _validate_args(args: transformers.TrainingArguments) -> None:
         )
 
 
+#: Methods UnevenTrainer overrides: a subclass of it must call ``super()`` in its own.
+_EXTENDED = (
+    "get_train_dataloader",
+    "get_batch_samples",
+    "get_total_train_batch_size",
+    "compute_loss",
+    "training_step",
+    "train",
+    "log",
+)
+#: What a Trainer subclass composed after UnevenTrainer must leave to the Trainer: the loader
+#: (UnevenTrainer builds its own, so another one would be bypassed) and the count of items.
+_REPLACED = ("get_train_dataloader", "get_batch_samples", "_get_num_items_in_batch")
+
+
+def _calls_super(cls: type, name: str) -> bool:
+    """Whether ``cls.name`` calls ``super().name`` (read from its code: no call is made)."""
+    code = getattr(inspect.unwrap(vars(cls)[name]), "__code__", None)
+    return code is not None and "super" in code.co_names and name in code.co_names
+
+
+def _validate_composition(cls: type) -> None:
+    """Refuse a Trainer subclass that overrides what UnevenTrainer relies on, naming it.
+
+    ``class X(UnevenTrainer, SFTTrainer): pass`` works: UnevenTrainer's methods run first and
+    reach SFTTrainer's through ``super()``. Refused: a Trainer subclass before UnevenTrainer
+    in the method order (its methods would hide evendp's), one after it that brings its own
+    training loader or item count, or a ``training_step``/override that never calls
+    ``super()`` (the Trainer's loss scaling and backward, or evendp's, would not run).
+    """
+    mro = cls.__mro__
+    here = mro.index(UnevenTrainer)
+    for owner in mro[:here]:
+        if not issubclass(owner, UnevenTrainer):
+            raise evendp.EvendpError(
+                f"{cls.__name__} puts {owner.__name__} before UnevenTrainer, so its methods "
+                f"hide evendp's; write class {cls.__name__}(UnevenTrainer, {owner.__name__})"
+            )
+        for name in _EXTENDED:
+            if name in vars(owner) and not _calls_super(owner, name):
+                raise evendp.EvendpError(
+                    f"{owner.__name__}.{name} does not call super().{name}(...), which "
+                    f"UnevenTrainer needs for uneven batches; call it, or subclass "
+                    "transformers.Trainer instead"
+                )
+    for owner in mro[here + 1 : mro.index(transformers.Trainer)]:
+        for name in _REPLACED:
+            if name in vars(owner):
+                raise evendp.EvendpError(
+                    f"{owner.__name__} overrides {name}, which UnevenTrainer replaces (each "
+                    "rank's own batches and their count); it cannot be composed with "
+                    "UnevenTrainer"
+                )
+        if "training_step" in vars(owner) and not _calls_super(owner, "training_step"):
+            raise evendp.EvendpError(
+                f"{owner.__name__}.training_step does not call super().training_step(...): "
+                "the Trainer's loss scaling, which UnevenTrainer's exact gradient relies on, "
+                "would not run; it cannot be composed with UnevenTrainer"
+            )
+
+
+class _RowsGather:
+    """``accelerator.gather`` for tensors whose first dimension differs by rank.
+
+    Accelerate's ``gather`` needs one shape on every rank; a Trainer subclass that gathers
+    per-sample values (TRL's ``DPOTrainer``: its rewards) meets batches of ``batch_sizes[r]``
+    rows. Every call gathers the row counts first (so every rank runs the same collectives),
+    then pads to the longest, gathers, and keeps each rank's real rows.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.gather = type(accelerator).gather.__get__(accelerator)
+
+    def __call__(self, tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return self.gather(tensor)
+        if self.accelerator.num_processes == 1:
+            return self.gather(tensor)
+        rows = self.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        if len(set(rows)) == 1:
+            return self.gather(tensor)
+        padded = self.accelerator.pad_across_processes(tensor, dim=0)
+        gathered, longest = self.gather(padded), max(rows)
+        return torch.cat([gathered[r * longest : r * longest + n] for r, n in enumerate(rows)])
+
+
 def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
     """``EVENDP_BATCH_SIZES`` when set, else ``per_device_train_batch_size`` on every rank."""
     world = max(1, args.world_size)
@@ -244,6 +332,9 @@ class UnevenTrainer(transformers.Trainer):
             time_forward(self.model, _BalancerRelay(self))
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
+        _validate_composition(type(self))
+        # Subclasses gather per-sample metrics (DPO's rewards): rows differ by rank now.
+        self.accelerator.gather = _RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
         validate_batch_sizes_option(batch_sizes)
