@@ -118,7 +118,9 @@ def run_dpo(assets: Path, out: Path) -> dict[str, torch.Tensor]:
     model, tokenizer = _load(assets)
     data = load_dataset("json", data_files=str(assets / "pairs.jsonl"), split="train")
     args = DPOConfig(str(out / "dpo"), max_length=16, **COMMON)
-    trainer = UnevenDPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = UnevenDPOTrainer(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer
+    )
     trainer.train()
     return _params(model)
 

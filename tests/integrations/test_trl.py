@@ -132,9 +132,9 @@ class _OwnLoader(transformers.Trainer):
 def test_a_subclass_overriding_what_evendp_relies_on_is_refused(
     tmp_path: Path, bases: str, body: dict[str, Any], message: str
 ) -> None:
-    import evendp
     from trl import SFTTrainer
 
+    import evendp
     from evendp.integrations.transformers import UnevenTrainer
 
     order = {
