@@ -130,7 +130,7 @@ class _OwnLoader(transformers.Trainer):
     ],
 )
 def test_a_subclass_overriding_what_evendp_relies_on_is_refused(
-    tmp_path: Path, bases: str, body: dict[str, Any], message: str
+    bases: str, body: dict[str, Any], message: str
 ) -> None:
     from trl import SFTTrainer
 
@@ -142,8 +142,5 @@ def test_a_subclass_overriding_what_evendp_relies_on_is_refused(
         "own_loader": (UnevenTrainer, _OwnLoader),
         "own_step": (UnevenTrainer,),
     }[bases]
-    composed = type("Composed", order, body)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))
-    args = transformers.TrainingArguments(str(tmp_path), report_to="none", use_cpu=True)
-    with pytest.raises(evendp.EvendpError, match=message):
-        composed(model=model, args=args)
+    with pytest.raises(evendp.EvendpError, match=message):  # where the class is written
+        type("Composed", order, body)

@@ -313,6 +313,12 @@ class UnevenTrainer(transformers.Trainer):
     # compute_loss returns the loss already normalized over the whole optimizer step.
     loss_is_scaled_for_ga = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Checked where the class is written (class X(UnevenTrainer, SFTTrainer)), before any
+        # other Trainer's __init__ could fail first on something unrelated.
+        super().__init_subclass__(**kwargs)
+        _validate_composition(cls)
+
     def __init__(
         self,
         *args: Any,
@@ -332,7 +338,6 @@ class UnevenTrainer(transformers.Trainer):
             time_forward(self.model, _BalancerRelay(self))
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
-        _validate_composition(type(self))
         # Subclasses gather per-sample metrics (DPO's rewards): rows differ by rank now.
         self.accelerator.gather = _RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
