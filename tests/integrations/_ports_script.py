@@ -1,4 +1,4 @@
-"""Run by test_ports.py under ``evendp launch``: the four ports of examples/ in one launch.
+"""Run by test_ports.py under ``evendp launch``: the ports of examples/ in one launch.
 
 Usage: evendp launch --nproc 2 --batch-sizes 1,3 tests/integrations/_ports_script.py OUT_DIR
 The ranks share one gloo group (the frameworks find it started); each port saves its final
@@ -21,6 +21,8 @@ PORTS = {
     "hf_trainer": ["--samples", "17"],
     "lightning_module": ["--samples", "17", "--epochs", "2"],
     "nanogpt_loop": ["--samples", "17", "--iters", "4"],
+    # [0, 4]: rank 0 is empty at every step (a real empty batch: BatchNorm, accuracy()).
+    "imagenet_loop": ["--samples", "17", "--epochs", "2", "--batch-sizes", "0,4"],
     "accelerate_loop": ["--samples", "17", "--epochs", "2"],
 }
 

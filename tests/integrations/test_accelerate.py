@@ -73,6 +73,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         "seen": seen,
         "params": params,
         "standard": {"ranks": _standard_loop(list(SIZES)), "zero": _standard_loop([0, 4])},
+        "plain_lrs": _plain_scheduler_lrs(),
     }
     torch.save(result, Path(out) / f"rank{rank}.pt")
     evendp.finish_distributed()
@@ -107,6 +108,34 @@ def _standard_loop(sizes: list[int]) -> dict[str, Any]:
                 optimizer.zero_grad()
     params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
     return {"seen": seen, "params": params, "lrs": lrs}
+
+
+def _plain_scheduler_lrs() -> list[float]:
+    """A plain Accelerator, the ddp_loss recipe and a warm-up scheduler prepared after the
+    uneven loader, stepped after every optimizer step: each optimizer step's rate."""
+    from accelerate import Accelerator
+
+    from evendp.integrations.accelerate import uneven_dataloader
+
+    accelerator = Accelerator(cpu=True)
+    loader = uneven_dataloader(accelerator, Data(), SIZES, seed=SEED)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    lrs: list[float] = []
+    for _epoch in range(EPOCHS):
+        batches = iter(loader)
+        while window := list(itertools.islice(batches, ACCUM)):
+            total = evendp.global_count(sum(len(y) for _, y, _ in window))
+            for x, y, _ in window:
+                local_sum = F.cross_entropy(model(x), y, reduction="sum")
+                accelerator.backward(evendp.ddp_loss(local_sum, len(y), total))
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return lrs
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +185,16 @@ def test_a_standard_loop_with_a_scheduler_equals_one_process(
         num = sum(float((g - w).norm() ** 2) for g, w in zip(got["params"], want, strict=True))
         den = sum(float((w - s).norm() ** 2) for w, s in zip(want, start, strict=True))
         assert (num / den) ** 0.5 < TOL
+
+
+def test_a_plain_accelerators_scheduler_steps_once_per_optimizer_step(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Accelerate alone would step it num_processes times per call on the per-rank loader."""
+    lrs: list[float] = []
+    reference_run([r["seen"] for r in ranks], lrs=lrs)
+    for result in ranks:
+        assert result["plain_lrs"] == pytest.approx(lrs, rel=1e-12)
 
 
 def test_refuses_sizes_that_do_not_match_the_processes() -> None:

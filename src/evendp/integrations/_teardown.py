@@ -1,64 +1,68 @@
-"""The process group of a finished Hugging Face run, freed while the interpreter is still whole.
+"""A finished Hugging Face run leaves nothing that can deadlock the process group's end.
 
-Why: ``TrainingArguments`` (through Accelerate) starts the default process group and nothing
-ever ends it; the ``DistributedDataParallel`` wrapper the Trainer keeps (``model_wrapped``,
-and the accelerator's ``_models``) holds it in its ``process_group`` attribute, so even
-``destroy_process_group()`` cannot free it. It is then freed during interpreter finalization,
-when the Python objects go. Gloo's worker threads drop the last collective's tensors there,
-which needs the GIL; a thread that asks for the GIL while Python finalizes is ended with
-``pthread_exit``, whose unwinding through C++ aborts the process ("terminate called without an
-active exception", exit -6) after a run that trained all its steps. A race, so rare on an idle
-machine and frequent on a loaded one.
+Why: the ``DistributedDataParallel`` wrapper the Trainer keeps (``model_wrapped``, and the
+accelerator's ``_models``) holds the default group. Whoever ends the run (``trainer.end()``,
+which TRL's scripts call, ``accelerator.end_training()``, the user's
+``destroy_process_group()``, or nobody) then only unregisters the group: it is freed later,
+when the wrapper goes, from Python with the GIL held. Gloo's destructor joins its worker
+threads there, and a worker still dropping a collective's tensors waits for that GIL: the rank
+hangs after a run that trained all its steps (or, during interpreter finalization, aborts with
+"terminate called without an active exception"). A race, rare on an idle machine and frequent
+on a loaded one; one patch per framework's ending would only move it.
 
-So after a successful ``train()`` an exit hook (``atexit`` runs before finalization) drops the
-trainer's wrappers and ends the group as :func:`evendp.finish_distributed` does (every rank
-done, gloo's workers idle, then the destroy), and collects it: the group is gone before
-finalization starts. A process that is exiting on an uncaught exception skips the barrier (its
-peers may never reach it); the run failed anyway.
+The root: no wrapper may outlive the run while holding the group. So at the end of every
+successful ``train()``, on every rank (they all reach it together), :func:`release_wrappers`
+drops the trainer's DDP wrappers and settles the group while it is alive (reference cycles
+collected, a barrier, a pause with the GIL released so the workers drop what they hold). From
+then on the group is held by its registry alone, and any ending frees it where ending it is
+safe. An exit hook ends a group that nobody ended, as :func:`evendp.finish_distributed` does,
+before finalization starts; it never touches a group someone else destroyed. A process
+exiting on an uncaught exception skips the hook's barrier (its peers may never reach it).
 """
 
 from __future__ import annotations
 
 import atexit
-import gc
 import sys
 import weakref
 from typing import Any
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from .._distributed._group import finish_distributed
+from .._distributed._group import finish_distributed, settle_group
 
-__all__ = ["release_at_exit", "release_process_group"]
+__all__ = ["release_at_exit", "release_wrappers"]
 
 _REGISTERED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def release_process_group(trainer: Any) -> None:
-    """Drop ``trainer``'s wrappers of the model, end the default group and free it now.
+def release_wrappers(trainer: Any) -> None:
+    """Drop ``trainer``'s DDP wrappers of its model and settle the live group (every rank).
 
-    Safe to call twice and without a group (then only the wrappers go).
+    The Trainer wraps the model again when it next trains. Safe to call twice and without
+    a group (then only the wrappers go).
     """
-    trainer.model_wrapped = trainer.model  # the DDP wrapper holds the group
+    if isinstance(trainer.model_wrapped, DistributedDataParallel):
+        trainer.model_wrapped = trainer.model
     accelerator = getattr(trainer, "accelerator", None)
-    if accelerator is not None:
-        accelerator.free_memory()  # its prepared models (the same wrapper), optimizers, loaders
+    if accelerator is not None:  # its prepared models: the same wrapper
+        accelerator._models = [
+            m for m in accelerator._models if not isinstance(m, DistributedDataParallel)
+        ]
     if dist.is_available() and dist.is_initialized():
-        finish_distributed()
-    gc.collect()  # wrapper cycles (DDP hooks) go now, with the group they hold
+        settle_group()  # collects the dropped wrapper's cycles while the group is alive
 
 
-def _at_exit(ref: weakref.ref[Any]) -> None:
-    trainer = ref()
+def _at_exit() -> None:
     failing = getattr(sys, "last_value", None) is not None  # an uncaught exception: no barrier
-    if trainer is None or failing:
-        return
-    release_process_group(trainer)
+    if not failing and dist.is_available() and dist.is_initialized():
+        finish_distributed()
 
 
 def release_at_exit(trainer: Any) -> None:
-    """Free the process group ``trainer`` holds before interpreter finalization (once each)."""
-    if trainer in _REGISTERED:
-        return
+    """:func:`release_wrappers` now; at exit, end the group if nobody ended it (once)."""
+    release_wrappers(trainer)
+    if not _REGISTERED:
+        atexit.register(_at_exit)
     _REGISTERED.add(trainer)
-    atexit.register(_at_exit, weakref.ref(trainer))

@@ -21,11 +21,15 @@ schedulers step once per optimizer step: the loader is already per rank, so Acce
 ``num_processes`` times too fast.
 
 With a plain ``Accelerator`` the loss is the user's (the recipe: sum the loss, count every
-micro-batch of the optimizer step, one :func:`evendp.global_count`, :func:`evendp.ddp_loss`).
+micro-batch of the optimizer step, one :func:`evendp.global_count`, :func:`evendp.ddp_loss`);
+its prepared LR schedulers, too, step once per optimizer step from the uneven loader's first
+epoch on (a schedule whose steps are scaled by ``num_processes``, as Accelerate's examples do
+for even loaders, would then run that many times too slowly).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -89,8 +93,12 @@ class _InterleavedBatchSampler:
             sampler.set_batch_sizes(batch_sizes)
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.on_epoch()
         for step in zip(*self.ranks, strict=True):
             yield from step
+
+    def on_epoch(self) -> None:
+        """Set by :func:`uneven_dataloader`: run as each epoch's iteration starts."""
 
     def __len__(self) -> int:
         return len(self.ranks[0]) * len(self.ranks)
@@ -100,6 +108,24 @@ class _InterleavedBatchSampler:
         first = self.ranks[0]
         full = first.global_batch_size
         return full if step < len(first) - 1 or self.drop_last else first.num_samples - full * step
+
+
+class _OneStepSchedulers:
+    """Make ``accelerator``'s prepared LR schedulers step once per optimizer step.
+
+    Accelerate's prepared scheduler steps ``num_processes`` times per call, meant for a loader
+    it shards itself (each rank ``1 / num_processes`` of the batches). The uneven loader is
+    already per rank: the schedule would run ``num_processes`` times too fast, in silence.
+    Schedulers are prepared before or after the loader, but before an epoch starts: set then.
+    """
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = weakref.ref(accelerator)
+
+    def __call__(self) -> None:
+        accelerator = self.accelerator()
+        for scheduler in accelerator._schedulers if accelerator is not None else []:
+            scheduler.split_batches = True  # one scheduler step per call
 
 
 class _BatchWeights:
@@ -305,6 +331,7 @@ def uneven_dataloader(
     )
     fill_auto_micro_batch(accelerator, sizes)  # DeepSpeed reads it from batch_size: None here
     prepared: DataLoader = accelerator.prepare(loader)
+    sampler.on_epoch = _OneStepSchedulers(accelerator)  # type: ignore[method-assign]
     if weighing:
         return _WeighingLoader(prepared, sampler, accelerator)  # type: ignore[return-value]
     return prepared

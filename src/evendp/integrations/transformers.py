@@ -34,11 +34,14 @@ Refused: ``auto_find_batch_size``, one process driving several GPUs (``nn.DataPa
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from accelerate.utils import send_to_device
 from torch import nn
@@ -47,6 +50,7 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._exact import is_stand_in, weighted_sum, zero_weight
+from .._distributed._group import comm_device
 from .._planning._balance import (
     NoBalance,
     auto_batch_sizes,
@@ -146,6 +150,93 @@ def _validate_args(args: transformers.TrainingArguments) -> None:
         )
 
 
+#: Methods UnevenTrainer overrides: a subclass of it must call ``super()`` in its own.
+_EXTENDED = (
+    "get_train_dataloader",
+    "get_batch_samples",
+    "get_total_train_batch_size",
+    "compute_loss",
+    "training_step",
+    "train",
+    "log",
+)
+#: What a Trainer subclass composed after UnevenTrainer must leave to the Trainer: the loader
+#: (UnevenTrainer builds its own, so another one would be bypassed) and the count of items.
+_REPLACED = ("get_train_dataloader", "get_batch_samples", "_get_num_items_in_batch")
+
+
+def _calls_super(cls: type, name: str) -> bool:
+    """Whether ``cls.name`` calls ``super().name`` (read from its code: no call is made)."""
+    code = getattr(inspect.unwrap(vars(cls)[name]), "__code__", None)
+    return code is not None and "super" in code.co_names and name in code.co_names
+
+
+def _validate_composition(cls: type) -> None:
+    """Refuse a Trainer subclass that overrides what UnevenTrainer relies on, naming it.
+
+    ``class X(UnevenTrainer, SFTTrainer): pass`` works: UnevenTrainer's methods run first and
+    reach SFTTrainer's through ``super()``. Refused: a Trainer subclass before UnevenTrainer
+    in the method order (its methods would hide evendp's), one after it that brings its own
+    training loader or item count, or a ``training_step``/override that never calls
+    ``super()`` (the Trainer's loss scaling and backward, or evendp's, would not run).
+    """
+    mro = cls.__mro__
+    here = mro.index(UnevenTrainer)
+    for owner in mro[:here]:
+        if not issubclass(owner, UnevenTrainer):
+            raise evendp.EvendpError(
+                f"{cls.__name__} puts {owner.__name__} before UnevenTrainer, so its methods "
+                f"hide evendp's; write class {cls.__name__}(UnevenTrainer, {owner.__name__})"
+            )
+        for name in _EXTENDED:
+            if name in vars(owner) and not _calls_super(owner, name):
+                raise evendp.EvendpError(
+                    f"{owner.__name__}.{name} does not call super().{name}(...), which "
+                    f"UnevenTrainer needs for uneven batches; call it, or subclass "
+                    "transformers.Trainer instead"
+                )
+    for owner in mro[here + 1 : mro.index(transformers.Trainer)]:
+        for name in _REPLACED:
+            if name in vars(owner):
+                raise evendp.EvendpError(
+                    f"{owner.__name__} overrides {name}, which UnevenTrainer replaces (each "
+                    "rank's own batches and their count); it cannot be composed with "
+                    "UnevenTrainer"
+                )
+        if "training_step" in vars(owner) and not _calls_super(owner, "training_step"):
+            raise evendp.EvendpError(
+                f"{owner.__name__}.training_step does not call super().training_step(...): "
+                "the Trainer's loss scaling, which UnevenTrainer's exact gradient relies on, "
+                "would not run; it cannot be composed with UnevenTrainer"
+            )
+
+
+class _RowsGather:
+    """``accelerator.gather`` for tensors whose first dimension differs by rank.
+
+    Accelerate's ``gather`` needs one shape on every rank; a Trainer subclass that gathers
+    per-sample values (TRL's ``DPOTrainer``: its rewards) meets batches of ``batch_sizes[r]``
+    rows. Every call gathers the row counts first (so every rank runs the same collectives),
+    then pads to the longest, gathers, and keeps each rank's real rows.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.gather = type(accelerator).gather.__get__(accelerator)
+
+    def __call__(self, tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return self.gather(tensor)
+        if self.accelerator.num_processes == 1:
+            return self.gather(tensor)
+        rows = self.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        if len(set(rows)) == 1:
+            return self.gather(tensor)
+        padded = self.accelerator.pad_across_processes(tensor, dim=0)
+        gathered, longest = self.gather(padded), max(rows)
+        return torch.cat([gathered[r * longest : r * longest + n] for r, n in enumerate(rows)])
+
+
 def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
     """``EVENDP_BATCH_SIZES`` when set, else ``per_device_train_batch_size`` on every rank."""
     world = max(1, args.world_size)
@@ -218,6 +309,12 @@ class UnevenTrainer(transformers.Trainer):
     # compute_loss returns the loss already normalized over the whole optimizer step.
     loss_is_scaled_for_ga = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Checked where the class is written (class X(UnevenTrainer, SFTTrainer)), before any
+        # other Trainer's __init__ could fail first on something unrelated.
+        super().__init_subclass__(**kwargs)
+        _validate_composition(cls)
+
     def __init__(
         self,
         *args: Any,
@@ -237,6 +334,8 @@ class UnevenTrainer(transformers.Trainer):
             time_forward(self.model, _BalancerRelay(self))
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
+        # Subclasses gather per-sample metrics (DPO's rewards): rows differ by rank now.
+        self.accelerator.gather = _RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
         validate_batch_sizes_option(batch_sizes)
@@ -320,8 +419,8 @@ class UnevenTrainer(transformers.Trainer):
         A stand-in batch counts no item (its labels read as ignored for the token count).
         """
         batches = list(itertools.islice(epoch_iterator, num_batches))
-        if self._probe_pending and batches:
-            self._probe_loss_kwargs(batches[0])
+        if self._probe_pending and batches:  # the same on every rank: so is this collective
+            self._probe_loss_kwargs(batches)
         views = iter([_uncounted(batch) for batch in batches])
         _, num_items = super().get_batch_samples(views, num_batches, device)
         self._step_count = None
@@ -331,18 +430,55 @@ class UnevenTrainer(transformers.Trainer):
             self._step_count = evendp.global_count(local)
         return batches, num_items
 
-    def _probe_loss_kwargs(self, batch: Mapping[str, Any]) -> None:
-        """Whether the model's loss uses ``num_items_in_batch``, tried on one batch (no grad).
+    def _probe_loss_kwargs(self, batches: list[Any]) -> None:
+        """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
 
         Its ``forward`` takes ``**kwargs`` (so the Trainer passes the count), but many losses
         ignore it (``BertForSequenceClassification``, ``GPT2ForSequenceClassification``,
         ``BertForTokenClassification`` return a per-batch mean). Twice the count must halve a
         loss that uses it and leave one that ignores it unchanged; such a loss is then
         weighted by its labels here. Anything else stops the run, naming the switch.
+
+        Why agreed: the verdict decides which collectives the step runs (the Trainer's token
+        all-gather, or evendp's count all-reduce), so every rank must reach the same one. Each
+        rank tries the first of its micro-batches with a counted item; one all-reduce sums
+        the ranks' verdicts. A rank with nothing counted (a 1-token sequence, all-padding
+        rows, a stand-in) is inconclusive and abstains; when every rank abstains, the probe
+        is tried again on the next step.
         """
-        self._probe_pending = False
-        if "labels" not in batch or self.compute_loss_func is not None:
+        if self.compute_loss_func is not None or not any("labels" in b for b in batches):
+            self._probe_pending = False  # the same on every rank: the collator's keys
             return
+        verdicts = torch.zeros(len(_VERDICTS), dtype=torch.int64, device=comm_device())
+        verdicts[_VERDICTS.index(self._local_verdict(batches))] = 1
+        if max(1, self.args.world_size) > 1:
+            dist.all_reduce(verdicts)  # (uses, ignores, odd, inconclusive) over ranks
+        uses, ignores, odd, _ = verdicts.tolist()
+        if odd or (uses and ignores):
+            model = self.accelerator.unwrap_model(self.model)
+            raise evendp.EvendpError(
+                f"{type(model).__name__}'s loss takes num_items_in_batch but is neither a sum "
+                f"over it nor independent of it ({self._probe_note}); set "
+                "model.accepts_loss_kwargs = True if its loss is a sum divided by "
+                "num_items_in_batch, or False if it is a per-batch mean (weighted by count_fn)"
+            )
+        if uses or ignores:
+            self._probe_pending = False
+            if ignores:
+                self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
+
+    def _local_verdict(self, batches: list[Any]) -> str:
+        """This rank's verdict: its first micro-batch whose loss counted something decides."""
+        self._probe_note = "no counted label on this rank"
+        for batch in batches:
+            if _has_labels(batch):
+                verdict = self._probe_batch(batch)
+                if verdict != "inconclusive":
+                    return verdict
+        return "inconclusive"
+
+    def _probe_batch(self, batch: Mapping[str, Any]) -> str:
+        """One batch's verdict: the loss with counts 1 and 2 (a stand-in too: a real sample)."""
         model = self.accelerator.unwrap_model(self.model)
         device = self.args.device
         inputs = send_to_device(dict(batch), device)
@@ -358,15 +494,13 @@ class UnevenTrainer(transformers.Trainer):
         finally:
             model.train(was_training)
             self.balancer = balancer
+        self._probe_note = f"count 1 gave {one:.6g}, count 2 gave {two:.6g}"
+        # Nothing counted after all (a causal shift of a 1-token row): a sum gives 0, a mean NaN.
+        if not (math.isfinite(one) and math.isfinite(two)) or one == 0.0:
+            return "inconclusive"
         if abs(one - two) <= 1e-6 * abs(one):
-            self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
-        elif abs(one - 2 * two) > 1e-4 * abs(one):
-            raise evendp.EvendpError(
-                f"{type(model).__name__}'s loss takes num_items_in_batch but is neither a sum "
-                f"over it (count 1 gave {one:.6g}, count 2 gave {two:.6g}) nor independent of "
-                "it; set model.accepts_loss_kwargs = True if its loss is a sum divided by "
-                "num_items_in_batch, or False if it is a per-batch mean (weighted by count_fn)"
-            )
+            return "ignores"
+        return "odd" if abs(one - 2 * two) > 1e-4 * abs(one) else "uses"
 
     def compute_loss(
         self,
@@ -382,12 +516,14 @@ class UnevenTrainer(transformers.Trainer):
         step_count = self._step_count if model.training else None
         stand_in = is_stand_in(inputs)
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        # return_outputs as asked: some subclasses (TRL's) run an extra forward for outputs.
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
         if step_count is not None:
             loss = evendp.ddp_loss(weighted_sum(loss, count), count, step_count)
         elif stand_in and model.training:
             loss = zero_weight(loss)
-        return (loss, outputs) if return_outputs else loss
+        return (loss, result[1]) if isinstance(result, tuple) else loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The Trainer's step; its loss also summed here for the global ``train_loss``."""
@@ -398,8 +534,9 @@ class UnevenTrainer(transformers.Trainer):
     def train(self, *args: Any, **kwargs: Any) -> transformers.trainer_utils.TrainOutput:
         """The Trainer's ``train``; its ``train_loss`` is the global batch's, on every rank.
 
-        Afterwards the process group is freed at exit, before Python finalizes (where gloo's
-        threads would abort a finished run: see ``_teardown``).
+        Afterwards no DDP wrapper holds the process group, so however the run ends
+        (``trainer.end()``, ``destroy_process_group()``, or the exit) it ends without a
+        deadlock (see ``_teardown``).
         """
         self._loss_sum = torch.zeros((), device=self.args.device)
         self._steps = 0
@@ -418,6 +555,16 @@ class UnevenTrainer(transformers.Trainer):
             total = self.accelerator.gather(self._loss_sum.reshape(1)).mean()
             logs["train_loss"] = float(total) / self._steps
         super().log(logs, *args, **kwargs)
+
+
+#: The probe's possible verdicts, in the order of the all-reduced tally.
+_VERDICTS = ("uses", "ignores", "odd", "inconclusive")
+
+
+def _has_labels(batch: Mapping[str, Any]) -> bool:
+    """Whether a batch has a label that is not ``-100`` (a stand-in's real sample too)."""
+    labels = batch.get("labels")
+    return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
 
 
 def _loss_of(outputs: Any) -> float:
