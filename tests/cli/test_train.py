@@ -208,10 +208,11 @@ def test_planner_split_favours_the_device_with_more_memory() -> None:
     ],
 )
 def test_ddp_devices_reach_the_launch_plan(
-    monkeypatch: pytest.MonkeyPatch, devices: str, expected: dict[str, object]
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, devices: str, expected: dict[str, object]
 ) -> None:
     import evendp._planning._launch
 
+    monkeypatch.chdir(tmp_path)  # the default --out: nothing lands in the checkout
     seen: dict[str, object] = {}
     real = evendp._planning._launch.plan_launch
 
@@ -219,12 +220,12 @@ def test_ddp_devices_reach_the_launch_plan(
         seen.update(kwargs)
         return real(nproc=kwargs["nproc"], batch=8, nvml=False)
 
-    def fake_launch(script: str, argv: list[str], plan: object) -> int:
+    def fake_launch(script: str, argv: list[str], plan: object, **_: object) -> tuple[int, None]:
         seen["argv"] = argv
-        return 0
+        return 0, None
 
     monkeypatch.setattr(evendp._planning._launch, "plan_launch", fake_plan_launch)
-    monkeypatch.setattr(evendp._planning._launch, "launch", fake_launch)
+    monkeypatch.setattr(evendp._planning._launch, "launch_with_outcome", fake_launch)
     assert main(["train", "--mode", "ddp", "--devices", devices, "--batch", "8"]) == 0
     for key, value in expected.items():
         assert seen[key] == value
@@ -234,7 +235,10 @@ def test_ddp_devices_reach_the_launch_plan(
     assert ("--devices" in argv) == ("nvml" in expected)
 
 
-def test_ddp_rejects_mixed_devices(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ddp_rejects_mixed_devices(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
     assert main(["train", "--mode", "ddp", "--devices", "cpu,1"]) == 2
     assert "cpu,cpu for CPU ranks" in capsys.readouterr().err
 
