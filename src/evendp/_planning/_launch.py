@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
-from .._core._validate import validate_int
+from .._core._validate import shown, validate_int
 from .._distributed._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from .._distributed._torchrun import QUIET_TORCHRUN
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
@@ -108,9 +108,9 @@ def _fixed_nnodes(nnodes: str | int | None) -> int | None:
     try:
         value = int(text)
     except ValueError:
-        raise EvendpError(f"--nnodes {nnodes!r} is not an int or MIN:MAX range") from None
+        raise EvendpError(f"--nnodes {shown(nnodes)} is not an int or MIN:MAX range") from None
     if value < 1:
-        raise EvendpError(f"--nnodes must be >= 1, got {nnodes!r}")
+        raise EvendpError(f"--nnodes must be >= 1, got {shown(nnodes)}")
     return value
 
 
@@ -121,9 +121,9 @@ def _validate_nproc(nproc: int | str | None) -> int | None:
     try:
         value = int(nproc)
     except (TypeError, ValueError):
-        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}") from None
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {shown(nproc)}") from None
     if value < 1:
-        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}")
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {shown(nproc)}")
     return value
 
 

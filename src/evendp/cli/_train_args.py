@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .._core._errors import EvendpError
+from .._core._validate import shown
 from ._args import bounded_float, bounded_int
 
 __all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
@@ -216,13 +217,14 @@ def _validate_rank_options(args: argparse.Namespace) -> None:
     """Options that mean nothing, or two things, with one process per device."""
     if args.mode == "fsdp2" and args.memory is not None:
         raise EvendpError(
-            f"--memory {args.memory!r} plans DDP ranks' batch sizes, but the planner has no "
+            f"--memory {shown(args.memory)} plans DDP ranks' batch sizes, but the planner has no "
             "memory model of FSDP2's sharded ranks; use --mode ddp, or --weights to fix "
             "each rank's share"
         )
     if args.mode == "ddp" and args.memory is not None and args.weights is not None:
         raise EvendpError(
-            f"--memory {args.memory!r} and --weights {args.weights!r} both set the ranks' "
+            f"--memory {shown(args.memory)} and --weights {shown(args.weights)} both set the "
+            "ranks' "
             "batch sizes under --mode ddp (the planner's split for the memory, or the "
             "weights'); give one"
         )
@@ -252,7 +254,7 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     if resumable is None:
         if args.resume and not args.resume_or_start:
             raise EvendpError(
-                f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
+                f"--resume: no checkpoint in {shown(args.out)} ({_checkpoint_in(args).name} or its "
                 "previous copy); check --out and --mode, or pass --resume-or-start to start "
                 "fresh when there is none"
             )
@@ -263,14 +265,15 @@ def _resume_check(args: argparse.Namespace) -> int | None:
         from evendp._core._errors import CheckpointError
 
         raise CheckpointError(
-            f"checkpoint {str(found)!r} was trained with a global batch of {saved_batch}, this "
+            f"checkpoint {shown(str(found))} was trained with a global batch of {saved_batch}, "
+            "this "
             f"run has {args.batch}: resuming would change the order of the remaining samples; "
             f"resume with --batch {saved_batch}, or start fresh with another --out"
         )
     if step >= args.steps:
         if os.environ.get("RANK", "0") == "0":
             print(
-                f"evendp train: the checkpoint {str(found)!r} is at step {step}, at or past "
+                f"evendp train: the checkpoint {shown(str(found))} is at step {step}, at or past "
                 f"--steps {args.steps}: nothing to train; raise --steps to continue (nothing "
                 "was changed)",
                 file=sys.stderr,
@@ -304,7 +307,8 @@ def fresh_start_check(args: argparse.Namespace) -> None:
         return
     if not args.overwrite:
         raise EvendpError(
-            f"--out {args.out!r} holds another run's checkpoint ({found[0].name}); continue it "
+            f"--out {shown(args.out)} holds another run's checkpoint ({found[0].name}); "
+            "continue it "
             "with --resume (or --resume-or-start), train into a fresh --out, or pass "
             "--overwrite to delete it and start over"
         )
@@ -315,7 +319,9 @@ def fresh_start_check(args: argparse.Namespace) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-    print(f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in {args.out!r}")
+    print(
+        f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in {shown(args.out)}"
+    )
 
 
 def _is_launched_rank() -> bool:
@@ -339,7 +345,7 @@ def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]
     for part in text.split(","):
         part = part.strip()
         if not part:
-            raise EvendpError(f"--devices {text!r} has an empty entry; e.g. --devices cpu,cpu")
+            raise EvendpError(f"--devices {shown(text)} has an empty entry; e.g. --devices cpu,cpu")
         index = part.removeprefix("cuda:") if part.startswith("cuda:") else part
         if part == "cpu":
             out.append("cpu")
@@ -347,7 +353,7 @@ def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]
             out.append(_validate_gpu(text, int(index)) if check_gpus else int(index))
         else:
             raise EvendpError(
-                f"--devices {text!r}: {part!r} is not a device; write cpu, a GPU index "
+                f"--devices {shown(text)}: {shown(part)} is not a device; write cpu, a GPU index "
                 "(0) or cuda:0, e.g. --devices cpu,cpu,cpu"
             )
     return out
@@ -358,13 +364,13 @@ def _validate_gpu(text: str, index: int) -> int:
 
     if not torch.cuda.is_available():
         raise EvendpError(
-            f"--devices {text!r} names a GPU, but torch sees none here (no CUDA build or no "
+            f"--devices {shown(text)} names a GPU, but torch sees none here (no CUDA build or no "
             "driver); train on CPU virtual devices, e.g. --devices cpu,cpu,cpu"
         )
     count = torch.cuda.device_count()
     if index >= count:
         raise EvendpError(
-            f"--devices {text!r}: GPU {index} does not exist, torch sees {count} "
+            f"--devices {shown(text)}: GPU {index} does not exist, torch sees {count} "
             f"(0..{count - 1}); e.g. --devices 0"
         )
     return index
@@ -382,10 +388,10 @@ def _memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | N
     try:
         memory = [m.free for m in parse_memory(text)]
     except EvendpError as exc:
-        raise EvendpError(f"--memory {text!r}: {exc}") from None
+        raise EvendpError(f"--memory {shown(text)}: {exc}") from None
     if len(memory) != len(devices):
         raise EvendpError(
-            f"--memory {text!r} has {len(memory)} entries for {len(devices)} devices; give "
+            f"--memory {shown(text)} has {len(memory)} entries for {len(devices)} devices; give "
             f"one each, e.g. --memory {','.join(['48MiB'] * len(devices))}"
         )
     return memory
@@ -407,14 +413,14 @@ def _weights_list(text: str, count: int) -> list[float]:
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
-        raise EvendpError(f"--weights {text!r} is not a list of numbers; e.g. 2,1,1") from None
+        raise EvendpError(f"--weights {shown(text)} is not a list of numbers; e.g. 2,1,1") from None
     if len(weights) != count:
         raise EvendpError(
             f"--weights has {len(weights)} numbers for {count} devices; give one each"
         )
     if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
         raise EvendpError(
-            f"--weights {text!r} must be numbers >= 0, not all 0; e.g. --weights 2,1,1"
+            f"--weights {shown(text)} must be numbers >= 0, not all 0; e.g. --weights 2,1,1"
         )
     return weights
 
