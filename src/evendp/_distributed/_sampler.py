@@ -47,6 +47,12 @@ ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
 # Validation at the boundary
 
 
+#: The most samples one rank takes per step, and the most ranks: past them a size is a typo
+#: (``10**26``), and sums, lists and memory built from it would exhaust the machine.
+MAX_BATCH = 1_000_000_000
+MAX_RANKS = 1_000_000
+
+
 def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) -> list[int]:
     """Return ``batch_sizes`` as a list of ints, or raise naming the bad value and the fix."""
     validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
@@ -58,7 +64,17 @@ def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) ->
     sizes = list(batch_sizes)
     if not sizes:
         raise EvendpError("batch_sizes is empty; pass one non-negative int per rank, e.g. [3, 5]")
+    if len(sizes) > MAX_RANKS:
+        raise EvendpError(
+            f"got {len(sizes)} batch sizes, more ranks than the {MAX_RANKS} evendp plans for; "
+            "pass one batch size per rank, e.g. [3, 5]"
+        )
     for i, b in enumerate(sizes):
+        if is_int(b) and b > MAX_BATCH:
+            raise EvendpError(
+                f"batch size {shown(b)} for rank {i} is more than {MAX_BATCH} samples per step; "
+                "pass the samples this rank takes per step, e.g. [3, 5]"
+            )
         if not is_int(b) or b < 0:
             raise EvendpError(
                 f"batch size {shown(b)} for rank {i} in {shown(sizes)} is not a non-negative int; "

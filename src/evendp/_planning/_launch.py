@@ -109,9 +109,14 @@ def _fixed_nnodes(nnodes: str | int | None) -> int | None:
         value = int(text)
     except ValueError:
         raise EvendpError(f"--nnodes {shown(nnodes)} is not an int or MIN:MAX range") from None
-    if value < 1:
-        raise EvendpError(f"--nnodes must be >= 1, got {shown(nnodes)}")
+    if not 1 <= value <= 100_000:
+        raise EvendpError(f"--nnodes must be an int in [1, 100000], got {shown(nnodes)}")
     return value
+
+
+#: The most ranks one node starts: each is a process (and a GPU); more is a typo, and a plan for
+#: a million ranks would build a million of everything before torchrun refused it.
+MAX_NPROC = 1024
 
 
 def _validate_nproc(nproc: int | str | None) -> int | None:
@@ -122,8 +127,11 @@ def _validate_nproc(nproc: int | str | None) -> int | None:
         value = int(nproc)
     except (TypeError, ValueError):
         raise EvendpError(f"--nproc must be a positive int or 'auto', got {shown(nproc)}") from None
-    if value < 1:
-        raise EvendpError(f"--nproc must be a positive int or 'auto', got {shown(nproc)}")
+    if not 1 <= value <= MAX_NPROC:
+        raise EvendpError(
+            f"--nproc must be an int in [1, {MAX_NPROC}] or 'auto', got {shown(nproc)}; "
+            "e.g. --nproc 8 (one rank per GPU)"
+        )
     return value
 
 

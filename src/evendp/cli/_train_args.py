@@ -458,4 +458,69 @@ def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
     text = os.environ.get(OPTIONS_ENV)
     if text is None or "RANK" not in os.environ:
         return args
-    return argparse.Namespace(**{**vars(args), **json.loads(text)})
+    return argparse.Namespace(**{**vars(args), **_checked_options(text)})
+
+
+# What options_json adds beside the options: the subcommand and the command line as typed.
+_CONTEXT_KEYS = {"command": str, "argv": list}
+_MAX_OPTIONS_CHARS = 1_000_000
+
+
+def _checked_options(text: str) -> dict[str, object]:
+    """``EVENDP_TRAIN_OPTIONS`` checked as the command line checks its options: known names
+    only, each value of its option's kind and range (the same argparse types and choices),
+    so a variable set by hand cannot pass what ``--n-layer 300`` would not.
+
+    >>> _checked_options('{"n_layer": 300}')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: EVENDP_TRAIN_OPTIONS: --n-layer must be an int in [1, 64], got '300'; ...
+    """
+    fix = (
+        "it carries evendp train's options to its ranks: start the run with evendp train "
+        f"--mode ddp|fsdp2, or unset {OPTIONS_ENV}"
+    )
+    if len(text) > _MAX_OPTIONS_CHARS:
+        raise EvendpError(f"{OPTIONS_ENV} holds {len(text)} characters, not options; {fix}")
+    try:
+        given = json.loads(text)
+    except ValueError as exc:
+        raise EvendpError(f"{OPTIONS_ENV}={shown(text)} is not JSON ({exc}); {fix}") from None
+    if not isinstance(given, dict):
+        raise EvendpError(f"{OPTIONS_ENV}={shown(text)} is not a JSON object; {fix}")
+    parser = argparse.ArgumentParser(add_help=False)
+    add_options(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in given.items():
+        action = actions.get(key)
+        if action is None:
+            kind = _CONTEXT_KEYS.get(key)
+            if kind is None or not isinstance(value, kind):
+                raise EvendpError(f"{OPTIONS_ENV} names an unknown option {shown(key)}; {fix}")
+            continue
+        problem = _option_problem(action, value)
+        if problem is not None:
+            raise EvendpError(f"{OPTIONS_ENV}: {problem}; {fix}")
+    return given
+
+
+def _option_problem(action: argparse.Action, value: object) -> str | None:
+    """Why ``value`` is not what ``action``'s option takes on the command line, or ``None``."""
+    flag = action.option_strings[0]
+    if action.nargs == 0:  # a flag: store_true
+        return None if isinstance(value, bool) else f"{flag} must be true or false"
+    if value is None and action.default is None:
+        return None
+    if action.type is not None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{flag} must be a number, got {shown(value)}"
+        try:
+            action.type(str(value))  # type: ignore[operator]
+        except argparse.ArgumentTypeError as exc:
+            return str(exc)
+        return None
+    if not isinstance(value, str) or len(value) > 4096:
+        return f"{flag} must be text, got {shown(value)}"
+    if action.choices is not None and value not in action.choices:
+        return f"{flag} must be one of {tuple(action.choices)}, got {shown(value)}"
+    return None
