@@ -282,17 +282,10 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     return None
 
 
-def _checkpoints_in(out: str) -> list[Path]:
-    """Every checkpoint file or folder in ``out`` (any mode's, previous copies included)."""
-    folder = Path(out)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.name.startswith("ckpt.") and p.exists())
-
-
 def fresh_start_check(args: argparse.Namespace) -> None:
-    """Before any work, for a run that starts fresh: ``--out`` is a writable folder and holds
-    no other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently).
+    """Before any work, for a run that starts fresh: ``--out`` is a writable folder, holds no
+    other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently) and
+    nothing that is not a run's (:mod:`evendp.cli._run_folder`).
 
     The launcher of ``--mode ddp|fsdp2`` checks once; its ranks do not (rank 0's first save
     would look like another run to a rank that starts late).
@@ -302,26 +295,14 @@ def fresh_start_check(args: argparse.Namespace) -> None:
     check_out_dir("--out", args.out)
     if args.resume or args.resume_or_start or _restarted() or _is_launched_rank():
         return
-    found = _checkpoints_in(args.out)
-    if not found:
-        return
-    if not args.overwrite:
-        raise EvendpError(
-            f"--out {shown(args.out)} holds another run's checkpoint ({found[0].name}); "
-            "continue it "
-            "with --resume (or --resume-or-start), train into a fresh --out, or pass "
-            "--overwrite to delete it and start over"
-        )
-    for path in found:
-        if path.is_dir():
-            import shutil
+    from ._run_folder import claim_out_dir
 
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    print(
-        f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in {shown(args.out)}"
-    )
+    found = claim_out_dir(args.out, overwrite=args.overwrite)
+    if found:
+        print(
+            f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in "
+            f"{shown(args.out)}: {', '.join(p.name for p in found)}"
+        )
 
 
 def _is_launched_rank() -> bool:
