@@ -900,8 +900,7 @@ def load_sharded_checkpoint(
             refused = _refusal(exc)
             if refused is not None:
                 raise CorruptCheckpoint(
-                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; "
-                    f"{_fix_for(folder)}"
+                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; {_fix_for(folder)}"
                 ) from None
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "

@@ -192,7 +192,7 @@ def safe_dcp() -> tuple[type, type]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    class SafeReader(FileSystemReader):  # type: ignore[misc]
+    class SafeReader(FileSystemReader):
         """DCP's file reader with :func:`read_dcp_metadata` and each item's archive checked
         (:func:`check_archive`) before ``torch.load`` reads it."""
 
@@ -217,7 +217,7 @@ def safe_dcp() -> tuple[type, type]:
                         raise Refused(f"{item.storage_index.fqn}: {exc}") from None
             return super().read_data(plan, planner)
 
-    class SafeLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc]
+    class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's default load planner, but byte items load with ``weights_only=True`` and must be of
         the kind the value they replace is (:func:`check_kind`)."""
 
