@@ -129,8 +129,8 @@ def _validate_nproc(nproc: int | str | None) -> int | None:
         raise EvendpError(f"--nproc must be a positive int or 'auto', got {shown(nproc)}") from None
     if not 1 <= value <= MAX_NPROC:
         raise EvendpError(
-            f"--nproc must be an int in [1, {MAX_NPROC}] or 'auto', got {shown(nproc)}; "
-            "e.g. --nproc 8 (one rank per GPU)"
+            f"--nproc must be a positive int or 'auto' (at most {MAX_NPROC} ranks per node), "
+            f"got {shown(nproc)}; e.g. --nproc 8 (one rank per GPU)"
         )
     return value
 

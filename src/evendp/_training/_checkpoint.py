@@ -138,13 +138,21 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
     """
     p = Path(path)
     candidates = [c for c in (p, previous_path(p)) if c.exists()]
+    skipped: list[str] = []
     for candidate in candidates:
         try:
             payload = _read_state_file(candidate) if candidate.is_dir() else _read(candidate)
             return candidate, int(payload["step"]), dict(payload.get("extra") or {})
-        except CorruptCheckpoint:
-            if candidate == candidates[-1]:
+        except CorruptCheckpoint as exc:
+            if candidate == candidates[-1] and not skipped:
                 raise
+            if candidate == candidates[-1]:  # both bad: one line naming both
+                said = " and ".join([*skipped, str(exc).split(";")[0]])
+                raise CorruptCheckpoint(
+                    f"{said}; neither can be resumed: start fresh with another --out, or "
+                    "--overwrite to delete them"
+                ) from None
+            skipped.append(str(exc).split(";")[0])
     return None
 
 
