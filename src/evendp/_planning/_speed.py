@@ -74,7 +74,8 @@ def batch_caps_from_env(
             value = -1
         if not 0 <= value <= MAX_BATCH:
             raise EvendpError(
-                f"{var}={shown(text)}: {shown(part.strip())} is not an int in [0, {MAX_BATCH}]; "
+                f"{var}={shown(text)}: {shown(part.strip())} is not a non-negative int (at most "
+                f"{MAX_BATCH}); "
                 "expected one memory cap (max samples) per rank, comma-separated, e.g. "
                 "'48,48,24'"
             ) from None
