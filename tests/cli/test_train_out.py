@@ -93,3 +93,41 @@ def test_contradictory_options_are_refused(
 ) -> None:
     assert main(["train", *TINY, *extra, "--out", str(tmp_path)]) == 2
     assert words in _one_line(capsys)
+
+
+def test_overwrite_deletes_only_evendps_own_checkpoint_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *TINY, "--steps", "2", "--out", str(tmp_path)]) == 0
+    (tmp_path / "ckpt.backups").mkdir()
+    (tmp_path / "ckpt.backups" / "best.pt").write_bytes(b"the user's best weights")
+    (tmp_path / "ckpt.notes.txt").write_text("the user's notes")
+    capsys.readouterr()
+    assert main(["train", *TINY, "--overwrite", "--out", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert "deleted 1 checkpoint file(s)" in said and "ckpt.pt" in said
+    assert (tmp_path / "ckpt.backups" / "best.pt").read_bytes() == b"the user's best weights"
+    assert (tmp_path / "ckpt.notes.txt").read_text() == "the user's notes"
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
+
+
+def test_an_out_holding_files_that_are_not_a_runs_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "report.json").write_text('{"mine": true}')
+    (tmp_path / "thesis.tex").write_text("chapter 1")
+    assert main(["train", *TINY, "--out", str(tmp_path)]) == 2
+    err = _one_line(capsys)
+    assert "not an evendp run's ('thesis.tex')" in err and "empty or new folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "thesis.tex"]
+    assert (tmp_path / "report.json").read_text() == '{"mine": true}'
+
+
+def test_an_out_at_a_dangling_link_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "gone")
+    assert main(["train", *TINY, "--out", str(link)]) == 2
+    assert "does not exist" in _one_line(capsys)
+    assert not (tmp_path / "gone").exists()

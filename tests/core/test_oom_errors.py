@@ -1,4 +1,5 @@
-"""Out-of-memory as real GPUs report it: by type, and as RuntimeErrors from CUDA libraries."""
+"""Out-of-memory as real devices report it: by type, and as RuntimeErrors from CUDA libraries
+and torch's CPU allocator."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ checkpoint on three ranks with other per-rank batch sizes (the same global batch
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 from functools import partial
@@ -139,6 +140,19 @@ def _break(folder: Path, fault: str) -> None:
         shards[0].write_bytes(data[: len(data) // 3])
     elif fault == "missing-metadata":
         (folder / ".metadata").unlink()
+    elif fault == "hostile-metadata":  # a pickle that would run code on every rank (issue 28)
+        with (folder / ".metadata").open("wb") as f:
+            pickle.dump(_Touch(folder.parent / "marker"), f)
+
+
+class _Touch:
+    """Unpickles into ``os.system("touch MARKER")``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
 
 
 def _fill(path: Path) -> None:
@@ -158,7 +172,7 @@ def _fill(path: Path) -> None:
 def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, Any]:
     """Every fault one line, the same on both ranks, the previous checkpoint used or intact."""
     results: dict[str, Any] = {}
-    faults = ("missing-shard", "truncated-shard", "missing-metadata")
+    faults = ("missing-shard", "truncated-shard", "missing-metadata", "hostile-metadata")
     for fault in (*faults, "both-bad"):
         where = root / f"fault-{fault}"
         if rank == 0:
@@ -168,6 +182,7 @@ def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, 
                 _break(where / "ckpt.prev.dcp", "missing-metadata")
         dist.barrier()
         results[f"fsdp_{fault}"] = _outcome(partial(_resume, _gpt(0.0), where, 14, "fsdp2"))
+        results[f"fsdp_{fault}_marker"] = (where / "marker").exists()
     where = root / "fault-wider"
     if rank == 0:
         shutil.copytree(fsdp, where)
@@ -306,11 +321,13 @@ def test_fsdp2_shard_faults_fall_back_to_the_previous_checkpoint_in_one_line(
     pair: tuple[Path, list[Any]],
 ) -> None:
     _, (r0, r1) = pair
-    for fault in ("missing-shard", "truncated-shard", "missing-metadata"):
+    for fault in ("missing-shard", "truncated-shard", "missing-metadata", "hostile-metadata"):
         kind, notes = r0[f"fsdp_{fault}"]
         assert kind == "ok", (fault, notes)
         assert "ckpt.dcp" in notes and "fell back" in notes and "ckpt.prev.dcp at step 6" in notes
         assert r1[f"fsdp_{fault}"][0] == "ok"
+        assert not r0[f"fsdp_{fault}_marker"] and not r1[f"fsdp_{fault}_marker"]  # ran nothing
+    assert "refused: .metadata: it names 'posix.system'" in r0["fsdp_hostile-metadata"][1]
     kind, message = r0["fsdp_both-bad"]
     assert kind == "CorruptCheckpoint" and r1["fsdp_both-bad"] == r0["fsdp_both-bad"]
     assert "ckpt.dcp" in message and "ckpt.prev.dcp" in message and "\n" not in message

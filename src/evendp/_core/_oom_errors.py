@@ -18,8 +18,11 @@ __all__ = ["device_index_of", "is_oom_error", "replica_of", "tag_device_index", 
 # Out-of-memory reported as a plain RuntimeError by libraries that allocate on their own:
 # cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE workspaces ("CUBLAS_STATUS_ALLOC_FAILED",
 # "CUDNN_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED"), the CUDA runtime ("CUDA error: out of
-# memory") and NCCL ("Cuda failure 'out of memory'").
-_OOM_MESSAGE = re.compile(r"_ALLOC_FAILED|out of memory", re.IGNORECASE)
+# memory") and NCCL ("Cuda failure 'out of memory'"); and the host: torch's CPU allocator raises
+# a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ...").
+_OOM_MESSAGE = re.compile(
+    r"_ALLOC_FAILED|out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE
+)
 
 # The entry of the replica list that raised (set by parallel_apply), and the entry of
 # BalancedDataParallel's device_ids it ran on (what a caller shrinks).
@@ -33,6 +36,8 @@ def is_oom_error(error: BaseException) -> bool:
     >>> is_oom_error(torch.OutOfMemoryError("CUDA out of memory"))
     True
     >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
+    True
+    >>> is_oom_error(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))
     True
     >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     False

@@ -6,10 +6,13 @@ CUDA context allowance, ``--min-free``).
 
 from __future__ import annotations
 
-import math
 import re
 
 from ._errors import EvendpError
+from ._validate import shown
+
+#: The largest memory size evendp reads (1 EiB): past it a size is a typo, not a device.
+MAX_BYTES = 1 << 60
 
 __all__ = ["parse_bytes"]
 
@@ -43,17 +46,23 @@ def parse_bytes(value: int | float | str) -> int:
     4096
     """
     if isinstance(value, bool):
-        raise EvendpError(f"memory size must be a number of bytes or e.g. '8GiB', got {value!r}")
+        raise EvendpError(
+            f"memory size must be a number of bytes or e.g. '8GiB', got {shown(value)}"
+        )
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        text = str(value)
+        pattern = r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*"
+        match = None if len(text) > 100 else re.fullmatch(pattern, text)
         if match is None or match.group(2).lower() not in _UNITS:
             raise EvendpError(
-                f"cannot read memory size {value!r}; write bytes or a number with a unit, "
+                f"cannot read memory size {shown(value)}; write bytes or a number with a unit, "
                 "e.g. '8GiB', '500MB', '1.5GB'"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
-    if not 0 <= number < math.inf:  # also NaN
-        raise EvendpError(f"memory size must be a finite number >= 0, got {value!r}")
+    if not 0 <= number * _UNITS[unit] <= MAX_BYTES:  # also NaN and inf
+        raise EvendpError(
+            f"memory size must be a number of bytes in [0, 1 EiB], got {shown(value)}; e.g. '8GiB'"
+        )
     return int(number * _UNITS[unit])

@@ -19,6 +19,7 @@ from ._errors import EvendpError
 
 __all__ = [
     "is_int",
+    "shown",
     "validate_bool",
     "validate_callable",
     "validate_choice",
@@ -40,6 +41,25 @@ def is_int(value: Any) -> bool:
     (True, False, False)
     """
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: How much of a bad value an error message echoes: a 400 KB value must not fill the terminal.
+SHOWN_CHARS = 100
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)``, cut to about ``limit`` characters with the full length said.
+
+    >>> shown("24GiB")
+    "'24GiB'"
+    >>> shown("x" * 400_000, limit=20)
+    "'xxxxxxxx...' (400000 characters)"
+    """
+    text = value if isinstance(value, str) else None
+    if text is not None and len(text) > limit:
+        return f"{text[: limit - 12]!r}"[:-1] + f"...' ({len(text)} characters)"
+    full = repr(value)
+    return full if len(full) <= limit else f"{full[: limit - 3]}... ({len(full)} characters)"
 
 
 def _kind(minimum: int | None) -> str:

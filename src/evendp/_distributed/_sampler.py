@@ -29,7 +29,7 @@ from .._core._cost import _validate_caps, _validate_costs, split_by_cost
 from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
 from .._core._split import split_sizes
-from .._core._validate import is_int, validate_bool, validate_instance, validate_int
+from .._core._validate import is_int, shown, validate_bool, validate_instance, validate_int
 from ._launch_notes import note_sizes_read
 
 __all__ = [
@@ -48,30 +48,47 @@ ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
 # Validation at the boundary
 
 
+#: The most samples one rank takes per step, and the most ranks: past them a size is a typo
+#: (``10**26``), and sums, lists and memory built from it would exhaust the machine.
+MAX_BATCH = 1_000_000_000
+MAX_RANKS = 1_000_000
+
+
 def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) -> list[int]:
     """Return ``batch_sizes`` as a list of ints, or raise naming the bad value and the fix."""
     validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
         raise EvendpError(
             f"batch_sizes must be a sequence of non-negative ints (one per rank), got "
-            f"{batch_sizes!r}; pass e.g. [3, 5], or parse_batch_sizes('3,5')"
+            f"{shown(batch_sizes)}; pass e.g. [3, 5], or parse_batch_sizes('3,5')"
         )
     sizes = list(batch_sizes)
     if not sizes:
         raise EvendpError("batch_sizes is empty; pass one non-negative int per rank, e.g. [3, 5]")
+    if len(sizes) > MAX_RANKS:
+        raise EvendpError(
+            f"got {len(sizes)} batch sizes, more ranks than the {MAX_RANKS} evendp plans for; "
+            "pass one batch size per rank, e.g. [3, 5]"
+        )
     for i, b in enumerate(sizes):
+        if is_int(b) and b > MAX_BATCH:
+            raise EvendpError(
+                f"batch size {shown(b)} for rank {i} is more than {MAX_BATCH} samples per step; "
+                "pass the samples this rank takes per step, e.g. [3, 5]"
+            )
         if not is_int(b) or b < 0:
             raise EvendpError(
-                f"batch size {b!r} for rank {i} in {sizes!r} is not a non-negative int; "
+                f"batch size {shown(b)} for rank {i} in {shown(sizes)} is not a non-negative int; "
                 "use 0 for a rank that should get no samples"
             )
     if sum(sizes) == 0:
         raise EvendpError(
-            f"all batch sizes are zero ({sizes!r}); at least one rank needs a positive batch size"
+            f"all batch sizes are zero ({shown(sizes)}); at least one rank needs a positive "
+            "batch size"
         )
     if world_size is not None and len(sizes) != world_size:
         raise EvendpError(
-            f"got {len(sizes)} batch sizes {sizes!r} for world_size={world_size}; "
+            f"got {len(sizes)} batch sizes {shown(sizes)} for world_size={world_size}; "
             f"pass exactly one batch size per rank ({world_size} numbers)"
         )
     return sizes
@@ -223,7 +240,7 @@ def _validate_coverage(length: int, sizes: list[int], drop_last: bool) -> None:
     if drop_last and length < sum(sizes):
         raise EvendpError(
             f"drop_last=True with {length} samples and a global batch of {sum(sizes)} "
-            f"(batch_sizes={sizes!r}) leaves no step at all; use drop_last=False or smaller "
+            f"(batch_sizes={shown(sizes)}) leaves no step at all; use drop_last=False or smaller "
             "batch sizes"
         )
 
@@ -243,7 +260,7 @@ def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
     evendp.EvendpError: batch sizes '3,x': 'x' is not an int; expected ...
     """
     if not isinstance(text, str):
-        raise EvendpError(f"batch sizes must be a string like '3,5', got {text!r}")
+        raise EvendpError(f"batch sizes must be a string like '3,5', got {shown(text)}")
     parts = [p.strip() for p in text.split(",")]
     sizes: list[int] = []
     for part in parts:
@@ -251,7 +268,7 @@ def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
             sizes.append(int(part))
         except ValueError:
             raise EvendpError(
-                f"batch sizes {text!r}: {part!r} is not an int; expected comma-separated "
+                f"batch sizes {shown(text)}: {shown(part)} is not an int; expected comma-separated "
                 "non-negative ints, one per rank, e.g. '3,5'"
             ) from None
     return _validate_batch_sizes(sizes, world_size)
@@ -292,7 +309,7 @@ def batch_sizes_from_env(
     try:
         sizes = parse_batch_sizes(text, world_size)
     except EvendpError as err:
-        raise EvendpError(f"{var}={text!r} is invalid: {err}") from None
+        raise EvendpError(f"{var}={shown(text)} is invalid: {err}") from None
     if environ is None and var == ENV_BATCH_SIZES:
         note_sizes_read()  # evendp launch warns when no rank read the sizes it set
     return sizes

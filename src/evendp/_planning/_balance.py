@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core._errors import EvendpError, PlanError
+from .._core._validate import shown
 from .._distributed._group import comm_device
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._speed import SpeedBalancer, balance_sizes
@@ -67,7 +68,7 @@ def validate_balance(balance: object, name: str = "balance") -> Balance:
         return "none"
     if balance not in BALANCES:
         raise EvendpError(
-            f"{name}={balance!r} is not a balance; expected one of {BALANCES} ('speed' moves "
+            f"{name}={shown(balance)} is not a balance; expected one of {BALANCES} ('speed' moves "
             "samples from slow ranks to fast ones at step boundaries)"
         )
     return balance  # type: ignore[return-value]
@@ -80,7 +81,8 @@ def validate_batch_sizes_option(batch_sizes: object, name: str = "batch_sizes") 
     """
     if isinstance(batch_sizes, str) and batch_sizes != "auto":
         raise EvendpError(
-            f"{name} must be a list of ints >= 0 or None, got {batch_sizes!r}; expected 'auto' "
+            f"{name} must be a list of ints >= 0 or None, got {shown(batch_sizes)}; expected "
+            "'auto' "
             "(planned from each rank's memory), a list of per-rank sizes like [3, 5], or None "
             "(an even split)"
         )
@@ -166,7 +168,8 @@ def rank_memory(
         return devices[0]
     if len(devices) != world_size:
         raise EvendpError(
-            f"memory spec {spec!r} has {len(devices)} entries for {world_size} ranks; give one "
+            f"memory spec {shown(spec)} has {len(devices)} entries for {world_size} ranks; give "
+            "one "
             f"per rank (or one for all), e.g. {ENV_MEMORY}=24GiB,12GiB"
         )
     return devices[rank]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
-from .._core._validate import validate_int
+from .._core._validate import shown, validate_int
 from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read
 from .._distributed._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from .._distributed._torchrun import QUIET_TORCHRUN
@@ -110,10 +110,15 @@ def _fixed_nnodes(nnodes: str | int | None) -> int | None:
     try:
         value = int(text)
     except ValueError:
-        raise EvendpError(f"--nnodes {nnodes!r} is not an int or MIN:MAX range") from None
-    if value < 1:
-        raise EvendpError(f"--nnodes must be >= 1, got {nnodes!r}")
+        raise EvendpError(f"--nnodes {shown(nnodes)} is not an int or MIN:MAX range") from None
+    if not 1 <= value <= 100_000:
+        raise EvendpError(f"--nnodes must be an int in [1, 100000], got {shown(nnodes)}")
     return value
+
+
+#: The most ranks one node starts: each is a process (and a GPU); more is a typo, and a plan for
+#: a million ranks would build a million of everything before torchrun refused it.
+MAX_NPROC = 1024
 
 
 def _validate_nproc(nproc: int | str | None) -> int | None:
@@ -123,9 +128,12 @@ def _validate_nproc(nproc: int | str | None) -> int | None:
     try:
         value = int(nproc)
     except (TypeError, ValueError):
-        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}") from None
-    if value < 1:
-        raise EvendpError(f"--nproc must be a positive int or 'auto', got {nproc!r}")
+        raise EvendpError(f"--nproc must be a positive int or 'auto', got {shown(nproc)}") from None
+    if not 1 <= value <= MAX_NPROC:
+        raise EvendpError(
+            f"--nproc must be a positive int or 'auto' (at most {MAX_NPROC} ranks per node), "
+            f"got {shown(nproc)}; e.g. --nproc 8 (one rank per GPU)"
+        )
     return value
 
 

@@ -16,10 +16,22 @@ from typing import Any
 
 from .._core._errors import EvendpError, LiveMemoryError
 from .._core._units import parse_bytes
-from .._core._validate import validate_sequence
+from .._core._validate import shown, validate_sequence
 from ._devices import NvmlUnavailableError, list_devices
 
-__all__ = ["DeviceMemory", "LiveMemoryError", "live_memory", "memory_runs", "parse_memory"]
+__all__ = [
+    "MAX_DEVICES",
+    "DeviceMemory",
+    "LiveMemoryError",
+    "live_memory",
+    "memory_runs",
+    "parse_memory",
+]
+
+#: The most devices a spec may declare in all (``Nx`` repeats summed): the planner handles a
+#: million alike devices as one entry, but ``1000000000x24GiB`` would be built device by device
+#: by :func:`parse_memory` (minutes, then MemoryError), so it is refused before any work.
+MAX_DEVICES = 1_000_000
 
 _SPEC_HELP = (
     "write one entry per device, separated by commas: a size ('24GiB', '12GB', bytes), "
@@ -51,20 +63,26 @@ class DeviceMemory:
 
 def _parse_entry(entry: str, spec: str) -> tuple[int, int, int | None]:
     """``"[Nx]SIZE[-USED]"`` -> (count, free bytes, total bytes or None)."""
-    match = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?([^-]+?)\s*(?:-\s*(.+?))?\s*", entry)
+    # An entry is a few words: a long one is a typo (and the regex would take quadratic time).
+    pattern = r"\s*(?:(\d{1,18})\s*[xX*]\s*)?([^-]+?)\s*(?:-\s*(.+?))?\s*"
+    match = None if len(entry) > 100 else re.fullmatch(pattern, entry)
+    unreadable = f"cannot read device entry {shown(entry)} in {shown(spec)}; {_SPEC_HELP}"
     if match is None or not match.group(2):
-        raise EvendpError(f"cannot read device entry {entry!r} in {spec!r}; {_SPEC_HELP}")
+        raise EvendpError(unreadable)
     count = 1 if match.group(1) is None else int(match.group(1))
-    if count < 1:
-        raise EvendpError(f"device entry {entry!r} repeats a device {count} times; use N >= 1")
+    if not 1 <= count <= MAX_DEVICES:
+        raise EvendpError(
+            f"device entry {shown(entry)} repeats a device {count} times; use N in "
+            f"[1, {MAX_DEVICES}], e.g. 8x24GiB"
+        )
     try:
         size = parse_bytes(match.group(2))
         used = 0 if match.group(3) is None else parse_bytes(match.group(3))
     except EvendpError as exc:
-        raise EvendpError(f"cannot read device entry {entry!r} in {spec!r}; {_SPEC_HELP}") from exc
+        raise EvendpError(unreadable) from exc
     if used > size:
         raise EvendpError(
-            f"device entry {entry!r} uses more ({used} bytes) than the device has ({size} "
+            f"device entry {shown(entry)} uses more ({used} bytes) than the device has ({size} "
             "bytes); write TOTAL-USED with USED <= TOTAL"
         )
     total = None if match.group(3) is None else size
@@ -110,10 +128,27 @@ def memory_runs(spec: str | Sequence[int | str]) -> list[tuple[int, int, int | N
         entries = [str(e) for e in spec]
         text = repr(list(spec))
     else:
-        raise EvendpError(f"memory must be a string like '24GiB,12GiB' or a list, got {spec!r}")
+        raise EvendpError(
+            f"memory must be a string like '24GiB,12GiB' or a list, got {shown(spec)}"
+        )
+    if len(entries) > MAX_DEVICES:
+        raise EvendpError(
+            f"device spec {shown(text)} has {len(entries)} entries, more than the {MAX_DEVICES} "
+            "devices evendp plans for; write alike devices once with a count, e.g. 8x24GiB"
+        )
     if not entries or any(not e.strip() for e in entries):
-        raise EvendpError(f"device spec {text!r} has an empty entry; {_SPEC_HELP}")
-    return [_parse_entry(entry, text) for entry in entries]
+        raise EvendpError(f"device spec {shown(text)} has an empty entry; {_SPEC_HELP}")
+    runs, total = [], 0
+    for entry in entries:
+        runs.append(_parse_entry(entry, text))
+        total += runs[-1][0]
+        if total > MAX_DEVICES:  # before anything is built for them
+            raise EvendpError(
+                f"device spec {shown(text)} declares {total}+ devices, more than the "
+                f"{MAX_DEVICES} evendp plans for; declare the devices one job uses, e.g. "
+                "8x24GiB"
+            )
+    return runs
 
 
 class _AllGpus:

@@ -26,8 +26,15 @@ import torch
 import torch.distributed as dist
 
 from .._core._errors import EvendpError
-from .._core._validate import validate_float, validate_int, validate_numbers, validate_sequence
+from .._core._validate import (
+    shown,
+    validate_float,
+    validate_int,
+    validate_numbers,
+    validate_sequence,
+)
 from .._distributed._group import comm_device, rank_cuda_device, world_size
+from .._distributed._sampler import MAX_BATCH, MAX_RANKS
 
 __all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
 
@@ -57,20 +64,25 @@ def batch_caps_from_env(
     if not text.strip():
         return None
     caps: list[int] = []
-    for part in text.split(","):
+    parts = text.split(",")
+    if len(parts) > MAX_RANKS:
+        raise EvendpError(f"{var} has {len(parts)} caps, more than {MAX_RANKS} ranks; unset it")
+    for part in parts:
         try:
             value = int(part.strip())
-        except ValueError:
+        except ValueError:  # also a 5000-digit number (Python refuses to parse it)
             value = -1
-        if value < 0:
+        if not 0 <= value <= MAX_BATCH:
             raise EvendpError(
-                f"{var}={text!r}: {part.strip()!r} is not a non-negative int; expected one "
-                "memory cap (max samples) per rank, comma-separated, e.g. '48,48,24'"
+                f"{var}={shown(text)}: {shown(part.strip())} is not a non-negative int (at most "
+                f"{MAX_BATCH}); "
+                "expected one memory cap (max samples) per rank, comma-separated, e.g. "
+                "'48,48,24'"
             ) from None
         caps.append(value)
     if world_size is not None and len(caps) != world_size:
         raise EvendpError(
-            f"{var}={text!r} has {len(caps)} caps for {world_size} ranks; give one per rank "
+            f"{var}={shown(text)} has {len(caps)} caps for {world_size} ranks; give one per rank "
             f"or unset {var}"
         )
     return caps

@@ -31,6 +31,8 @@ import torch
 
 from .._core._digest import content_digest, first_non_finite
 from .._core._errors import CheckpointError, EvendpError, TrainingError
+from .._core._validate import is_int, shown
+from ._safe_read import Refused, check_archive, check_kind, read_dcp_metadata, safe_dcp
 from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
@@ -136,13 +138,21 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
     """
     p = Path(path)
     candidates = [c for c in (p, previous_path(p)) if c.exists()]
+    skipped: list[str] = []
     for candidate in candidates:
         try:
             payload = _read_state_file(candidate) if candidate.is_dir() else _read(candidate)
             return candidate, int(payload["step"]), dict(payload.get("extra") or {})
-        except CorruptCheckpoint:
-            if candidate == candidates[-1]:
+        except CorruptCheckpoint as exc:
+            if candidate == candidates[-1] and not skipped:
                 raise
+            if candidate == candidates[-1]:  # both bad: one line naming both
+                said = " and ".join([*skipped, str(exc).split(";")[0]])
+                raise CorruptCheckpoint(
+                    f"{said}; neither can be resumed: start fresh with another --out, or "
+                    "--overwrite to delete them"
+                ) from None
+            skipped.append(str(exc).split(";")[0])
     return None
 
 
@@ -260,10 +270,30 @@ def _kept(target: Path) -> str:
 
 
 def _mkdir(folder: Path) -> None:
+    """Create ``folder`` and its missing parents 0700, whatever the umask: a run's files are
+    its owner's (folders that exist already keep their mode)."""
+    missing = []
+    here = folder.absolute()
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        for part in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another rank made it meanwhile
+                part.mkdir(mode=0o700)
+                os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not
     except OSError as exc:
         raise _disk_error(folder, exc, "create the folder") from None
+
+
+def _private(folder: Path) -> None:
+    """Every file DCP wrote in ``folder`` 0600 and the folder 0700 (DCP opens its files with the
+    umask's mode, 0644 under the usual 022)."""
+    os.chmod(folder, 0o700)
+    for entry in folder.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            with contextlib.suppress(FileNotFoundError):  # another rank's temporary, renamed
+                os.chmod(entry, 0o600)
 
 
 def _disk_error(where: Path, exc: OSError, doing: str) -> TrainingError:
@@ -412,11 +442,11 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path, limit: int | None = None) -> dict[str, Any]:
     fix = _fix_for(path)
     if not path.is_file():
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
-    payload = _load_tagged(path, "checkpoint", _FORMAT, fix)
+    payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit)
     if not isinstance(payload.get("model"), dict):
         raise CorruptCheckpoint(
             f"{str(path)!r} is not an evendp checkpoint (no model state); {fix}"
@@ -447,7 +477,9 @@ def _read_state_file(folder: Path) -> dict[str, Any]:
     return payload
 
 
-def _load_tagged(path: Path, what: str, marker: str, fix: str) -> dict[str, Any]:
+def _load_tagged(
+    path: Path, what: str, marker: str, fix: str, limit: int | None = None
+) -> dict[str, Any]:
     """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``.
 
     A file the OS will not open (permissions, a folder) is a :class:`CheckpointError`: the
@@ -455,7 +487,15 @@ def _load_tagged(path: Path, what: str, marker: str, fix: str) -> dict[str, Any]
     :class:`CorruptCheckpoint`, from which a resume falls back; both messages end with ``fix``.
     """
     try:
+        check_archive(path, limit)  # before torch.load: no zip bomb, no legacy format
         payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Refused as exc:
+        if "not a torch.save zip" in str(exc):
+            raise CorruptCheckpoint(
+                f"{what} {str(path)!r} is unreadable (not a torch.save zip archive); it may be "
+                f"truncated or not an evendp {what}; {fix}"
+            ) from None
+        raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: {exc}; {fix}") from None
     except (PermissionError, IsADirectoryError) as exc:  # unreadable for the OS, not corrupt
         raise CheckpointError(
             f"cannot read the {what} {str(path)!r}: {exc.strerror or exc} (errno "
@@ -470,7 +510,83 @@ def _load_tagged(path: Path, what: str, marker: str, fix: str) -> dict[str, Any]
         raise CorruptCheckpoint(
             f"{str(path)!r} is not an evendp {what} (no {marker!r} marker); {fix}"
         )
+    try:
+        _check_fields(payload)
+    except Refused as exc:
+        raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: field {exc}; {fix}") from None
     return payload
+
+
+_MAX_COUNT = 10**12  # steps, epochs, batches: past this a count is not a run's
+
+
+def _count(field: str, value: Any, minimum: int = 0) -> None:
+    if not (is_int(value) and minimum <= value <= _MAX_COUNT):
+        raise Refused(f"{field}: must be an int in [{minimum}, {_MAX_COUNT}], got {shown(value)}")
+
+
+def _int_list(field: str, value: Any, minimum: int, none: bool = False) -> None:
+    if not isinstance(value, list) or len(value) > 1_000_000:
+        raise Refused(f"{field}: must be a list of ints, got {shown(value)}")
+    for i, item in enumerate(value):
+        if not (none and item is None):
+            _count(f"{field}.{i}", item, minimum)
+
+
+def _check_fields(payload: Mapping[str, Any]) -> None:
+    """The fields every evendp file shares, checked for kind and range before anything uses
+    them (a digest proves a file whole, not sane: whoever wrote it recomputed it)."""
+    _count("step", payload.get("step"))
+    if "world_size" in payload:
+        _count("world_size", payload["world_size"], 1)
+    extra = payload.get("extra", {})
+    if not isinstance(extra, dict):
+        raise Refused(f"extra: must be a dict, got {shown(extra)}")
+    for key in ("epoch", "batch_in_epoch", "resplits", "skipped"):
+        if key in extra:
+            _count(f"extra.{key}", extra[key])
+    if extra.get("global_batch") is not None:
+        _count("extra.global_batch", extra["global_batch"], 1)
+    if "samples" in extra:
+        _int_list("extra.samples", extra["samples"], 0)
+    if "micro_batch_sizes" in extra:
+        _int_list("extra.micro_batch_sizes", extra["micro_batch_sizes"], 1, none=True)
+    losses = extra.get("losses", [])
+    if not isinstance(losses, list) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in losses
+    ):
+        raise Refused(f"extra.losses: must be a list of numbers, got {shown(losses)}")
+    if "rng" in payload:
+        _check_rng(payload["rng"])
+
+
+def _check_rng(rng: Any) -> None:
+    """The generator states, of the kinds ``_set_rng_state`` hands to torch and ``random``."""
+    if not isinstance(rng, dict):
+        raise Refused(f"rng: must be a dict, got {shown(rng)}")
+    ours = torch.get_rng_state()
+    state = rng.get("torch")
+    kind = (state.dtype, state.shape) if isinstance(state, torch.Tensor) else None
+    if kind != (ours.dtype, ours.shape):
+        raise Refused(f"rng.torch: must be a uint8 tensor of shape {tuple(ours.shape)}")
+    check_kind("rng.python", random.getstate(), _python_rng(rng.get("python")))
+    cuda = rng.get("cuda", [])
+    if not isinstance(cuda, list) or not all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda
+    ):
+        raise Refused("rng.cuda: must be a list of uint8 tensors")
+    if "numpy" in rng:
+        numpy = rng["numpy"]
+        ok = isinstance(numpy, list) and len(numpy) == 5 and isinstance(numpy[1], list)
+        if not ok or len(numpy[1]) != 624:
+            raise Refused("rng.numpy: must be numpy's [kind, 624 keys, pos, has_gauss, gauss]")
+
+
+def _python_rng(value: Any) -> Any:
+    """``random``'s state as saved (lists after a round trip) in the shape ``getstate`` has."""
+    if isinstance(value, list | tuple) and len(value) == 3 and isinstance(value[1], list | tuple):
+        return (value[0], tuple(value[1]), value[2])
+    return value
 
 
 #: Checkpoints read without a digest to verify (written before evendp kept one), by path.
@@ -539,14 +655,65 @@ def _validate_optimizer_state(
             f"checkpoint {str(path)!r} has no optimizer state but an optimizer was given; "
             "load it without optimizer= or resume from a full training checkpoint"
         )
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise CorruptCheckpoint(
+            f"checkpoint {str(path)!r} is refused: field optimizer.param_groups is not a list "
+            f"of parameter groups; {_fix_for(path)}"
+        )
     ours = [len(g["params"]) for g in optimizer.param_groups]
-    theirs = [len(g["params"]) for g in state.get("param_groups", [])]
+    theirs = [len(g["params"]) for g in groups]
     if ours != theirs:
         raise CheckpointError(
             f"checkpoint {str(path)!r} optimizer has parameter groups of sizes {theirs}, "
             f"the optimizer here has {ours}; build the optimizer the same way as the run "
             "that wrote it"
         )
+    try:
+        _check_optimizer_fields(optimizer, groups, state.get("state"))
+    except Refused as exc:
+        raise CorruptCheckpoint(
+            f"checkpoint {str(path)!r} is refused: field {exc}; {_fix_for(path)}"
+        ) from None
+
+
+def _check_optimizer_fields(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], state: Any
+) -> None:
+    """Each group's settings of the kind ours are (``lr`` a finite number, ``betas`` two), and
+    each parameter's state tensors of its parameter's shape (or scalars, like Adam's step)."""
+    shapes: dict[Any, torch.Size] = {}
+    for i, (mine, saved) in enumerate(zip(optimizer.param_groups, groups, strict=True)):
+        settings = {k: v for k, v in mine.items() if k != "params"}
+        check_kind(f"optimizer.param_groups.{i}", settings, saved)
+        for key, param in zip(saved["params"], mine["params"], strict=True):
+            shapes[key] = param.shape
+    if not isinstance(state, dict):
+        raise Refused(f"optimizer.state: must be a dict, got {shown(state)}")
+    for key, entries in state.items():
+        if key not in shapes or not isinstance(entries, dict):
+            raise Refused(f"optimizer.state.{shown(key)}: not a parameter of the optimizer")
+        for name, value in entries.items():
+            where = f"optimizer.state.{key}.{name}"
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1 and value.shape != shapes[key]:
+                    raise Refused(
+                        f"{where}: must have the parameter's shape {tuple(shapes[key])}, got "
+                        f"{tuple(value.shape)}"
+                    )
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise Refused(f"{where}: holds NaN or inf")
+            elif not isinstance(value, int | float | bool | None):
+                raise Refused(f"{where}: must be a tensor or a number, got {shown(value)}")
+
+
+def _state_limit(model: torch.nn.Module) -> int:
+    """The most bytes a checkpoint of ``model`` unpacks to: its state, an optimizer's few
+    copies of it (AdamW keeps two), generator states and the loss history, with room."""
+    own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return 8 * own + (64 << 20)
 
 
 def load_checkpoint(
@@ -569,12 +736,20 @@ def load_checkpoint(
     """
     validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
     p = Path(path)
-    payload = _read(p)
+    payload = _read(p, limit=_state_limit(model))
     if verify is not None:
         verify(p, dict(payload.get("extra") or {}))
     _validate_model_state(p, model, payload["model"])
     if optimizer is not None:
         _validate_optimizer_state(p, optimizer, payload.get("optimizer"))
+    try:
+        for name, ours in (("scaler", scaler), ("scheduler", scheduler)):
+            if ours is not None and payload.get(name) is not None:
+                check_kind(name, ours.state_dict(), payload[name])
+    except Refused as exc:
+        raise CorruptCheckpoint(
+            f"checkpoint {str(p)!r} is refused: field {exc}; {_fix_for(p)}"
+        ) from None
     model.load_state_dict(payload["model"])
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])
@@ -648,6 +823,7 @@ def save_sharded_checkpoint(
             if not isinstance(cause, OSError):
                 cause = OSError(0, _first_sentence(str(cause)))
             raise _disk_error(target, cause, "write") from None
+        _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
         rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
         rng["sha256"] = content_digest(rng)
         _atomic_save(rng, _rng_file(tmp, rank), previous=None)
@@ -719,10 +895,21 @@ def load_sharded_checkpoint(
 
     failures = _dcp_failures()
 
+    reader, planner = safe_dcp()
+
     def shards() -> None:
         try:  # DCP loads in place into these (sharded) tensors, resharding to this world size
-            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+            dcp.load(
+                {"model": model_state, "optimizer": optim_state},
+                storage_reader=reader(str(folder)),
+                planner=planner(),
+            )
         except failures as exc:  # a missing or truncated shard, from any rank's reader
+            refused = _refusal(exc)
+            if refused is not None:
+                raise CorruptCheckpoint(
+                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; {_fix_for(folder)}"
+                ) from None
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
                 f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {_fix_for(folder)}"
@@ -767,6 +954,23 @@ def _dcp_cause(exc: BaseException) -> BaseException:
     return next((e for e in found if isinstance(e, OSError)), found[0] if found else exc)
 
 
+def _refusal(exc: BaseException) -> Refused | None:
+    """The :class:`Refused` inside DCP's exception (any rank's), if a check refused an item."""
+    seen: list[BaseException] = [exc]
+    for pair in getattr(exc, "failures", {}).values():
+        seen.append(pair[0] if isinstance(pair, tuple) else pair)
+    visited: set[int] = set()
+    while seen:
+        inner = seen.pop()
+        if id(inner) in visited:
+            continue
+        visited.add(id(inner))
+        if isinstance(inner, Refused):
+            return inner
+        seen += [e for e in (inner.__cause__, inner.__context__) if e is not None]
+    return None
+
+
 def _root_cause(exc: BaseException) -> str:
     """DCP reports a rank's failure as a long summary: the first line of the innermost error."""
     text = str(exc)
@@ -781,11 +985,13 @@ def _root_cause(exc: BaseException) -> str:
 
 def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
     """The saved tensors' global shapes against the model's: a changed model is bad input."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    except Exception as exc:  # no .metadata, or an unreadable one
+    try:  # DCP's own reader unpickles whatever .metadata holds: this one admits only DCP's
+        saved = read_dcp_metadata(folder / ".metadata").state_dict_metadata
+    except Refused as exc:
+        raise CorruptCheckpoint(
+            f"sharded checkpoint {str(folder)!r} is refused: {exc}; {_fix_for(folder)}"
+        ) from None
+    except OSError as exc:  # no .metadata
         raise CorruptCheckpoint(
             f"sharded checkpoint {str(folder)!r} has no readable .metadata "
             f"({type(exc).__name__}); {_fix_for(folder)}"

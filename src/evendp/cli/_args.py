@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .._core._validate import shown
+
 __all__ = [
     "CleanParser",
     "bounded_float",
@@ -205,7 +207,7 @@ def bounded_int(
         except ValueError:
             value = None
         if value is None or value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"{flag} must be {expect}, got {text!r}; {hint}")
+            raise argparse.ArgumentTypeError(f"{flag} must be {expect}, got {shown(text)}; {hint}")
         return value
 
     convert.__name__ = "int"
@@ -236,7 +238,7 @@ def bounded_float(
         above = value >= low if low_inclusive else value > low
         if not (math.isfinite(value) and above and value <= high):
             raise argparse.ArgumentTypeError(
-                f"{flag} must be {expect}, got {text!r}; e.g. {flag} {example}"
+                f"{flag} must be {expect}, got {shown(text)}; e.g. {flag} {example}"
             )
         return value
 
@@ -245,7 +247,11 @@ def bounded_float(
 
 
 # A size with a decimal unit: k, M, G, T, alone or with B (KiB/MiB/GiB/TiB are binary).
-_DECIMAL = re.compile(r"([0-9]*\.?[0-9]+)\s*([kmgt]b?)(?![a-z])", re.IGNORECASE)
+# The look-behind starts a match only at a number's first character and the number's pattern is
+# unambiguous: otherwise a long run of digits is rescanned (quadratic time on a 100 KB value).
+_DECIMAL = re.compile(
+    r"(?<![0-9.])([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([kmgt]b?)(?![a-z])", re.IGNORECASE
+)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
@@ -255,10 +261,12 @@ def decimal_sizes(text: str) -> list[tuple[str, int]]:
     >>> decimal_sizes("24G,24GiB,1.5gb")
     [('24G', 24000000000), ('1.5gb', 1500000000)]
     """
-    return [
-        (m.group(0), int(float(m.group(1)) * 1000 ** _POWERS[m.group(2)[0].lower()]))
-        for m in _DECIMAL.finditer(text)
-    ]
+    found = []
+    for m in _DECIMAL.finditer(text):
+        number = float(m.group(1)) * 1000 ** _POWERS[m.group(2)[0].lower()]
+        if math.isfinite(number):  # a 400-digit size is refused later, not said here
+            found.append((m.group(0), int(number)))
+    return found
 
 
 def say_units(command: str, flag: str, text: str | None) -> None:
@@ -274,7 +282,7 @@ def say_units(command: str, flag: str, text: str | None) -> None:
 
     read = ", ".join(f"{word} = {format_bytes(n)}" for word, n in found)
     print(
-        f"{command}: {flag} {text!r}: decimal units, read as {read} (k, M, G, KB, MB, GB are "
+        f"{command}: {flag} {shown(text)}: decimal units, read as {read} (k, M, G, KB, MB, GB are "
         "powers of 1000; write KiB, MiB, GiB for powers of 1024, nvidia-smi's units)",
         file=sys.stderr,
     )

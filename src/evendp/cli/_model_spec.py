@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .._core._errors import EvendpError
 from .._core._units import parse_bytes
+from .._core._validate import shown
 from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
 from ._args import bounded_float, bounded_int, suggest
 
@@ -125,12 +126,14 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     argument it becomes (``safety_margin``).
     """
     if not 0.0 <= args.margin < 1.0:
-        raise EvendpError(f"--margin must be in [0, 1), got {args.margin!r}; e.g. --margin 0.05")
+        raise EvendpError(
+            f"--margin must be in [0, 1), got {shown(args.margin)}; e.g. --margin 0.05"
+        )
     try:
         parse_bytes(args.context)
     except EvendpError:
         raise EvendpError(
-            f"--context {args.context!r} is not a size; e.g. --context 512MiB"
+            f"--context {shown(args.context)} is not a size; e.g. --context 512MiB"
         ) from None
     return {
         "optimizer": _OPTIMIZERS[args.optimizer],
@@ -154,7 +157,7 @@ def memory_specs(text: str | None) -> list[DeviceMemory]:
         try:
             return parse_memory(text)
         except EvendpError as exc:
-            raise EvendpError(f"--memory {text!r}: {exc}") from None
+            raise EvendpError(f"--memory {shown(text)}: {exc}") from None
     try:
         return live_memory()
     except LiveMemoryError as exc:
@@ -217,7 +220,7 @@ def _user(spec: str) -> ModelSpec:
         )
     if not module_name or not attr:
         raise EvendpError(
-            f"--model {spec!r} is not 'gpt', 'lm-head', 'package.module:factory' or "
+            f"--model {shown(spec)} is not 'gpt', 'lm-head', 'package.module:factory' or "
             "'path/to/file.py:factory'; e.g. --model mypkg.models:make_model"
         )
     # As `python -m` does: modules in the current directory import (the console script's
@@ -230,10 +233,10 @@ def _user(spec: str) -> ModelSpec:
     except EvendpError:
         raise
     except (ImportError, AttributeError) as exc:
-        raise EvendpError(f"cannot load --model {spec!r}: {exc}") from exc
+        raise EvendpError(f"cannot load --model {shown(spec)}: {exc}") from exc
     except Exception as exc:  # the user's module runs on import and can raise anything
         raise EvendpError(
-            f"cannot load --model {spec!r}: importing it raised {type(exc).__name__}: {exc}"
+            f"cannot load --model {shown(spec)}: importing it raised {type(exc).__name__}: {exc}"
         ) from exc
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -242,12 +245,12 @@ def _user(spec: str) -> ModelSpec:
             made = factory()
     except Exception as exc:  # the user's factory can raise anything
         raise EvendpError(
-            f"the model factory {spec!r} failed: {type(exc).__name__}: {exc}"
+            f"the model factory {shown(spec)} failed: {type(exc).__name__}: {exc}"
         ) from exc
     if isinstance(made, nn.Module):
         if not hasattr(made, "example_batch"):
             raise EvendpError(
-                f"{spec!r} returned a model without example_batch(n); return "
+                f"{shown(spec)} returned a model without example_batch(n); return "
                 "(model, batch_fn) or (model, batch_fn, criterion) instead"
             )
         # The probe's method: one model, not one built per batch request.
@@ -259,7 +262,8 @@ def _user(spec: str) -> ModelSpec:
         _probe_call(spec, made[0], made[1], criterion)
         return ModelSpec(lambda: factory()[0], made[1], criterion)
     raise EvendpError(
-        f"{spec!r} returned {type(made).__name__}; expected an nn.Module with example_batch(n), "
+        f"{shown(spec)} returned {type(made).__name__}; expected an nn.Module with "
+        "example_batch(n), "
         "(model, batch_fn) or (model, batch_fn, criterion)"
     )
 
@@ -322,7 +326,7 @@ def _probe_call(
             batch = batch_fn(1)
         except Exception as exc:  # the user's batch_fn can raise anything
             raise EvendpError(
-                f"--model {spec!r}: batch_fn(1) failed: {type(exc).__name__}: {exc}"
+                f"--model {shown(spec)}: batch_fn(1) failed: {type(exc).__name__}: {exc}"
             ) from None
         inputs = batch[0] if criterion is not None and isinstance(batch, (tuple, list)) else batch
         try:
@@ -334,7 +338,7 @@ def _probe_call(
             elif isinstance(inputs, (tuple, list)):
                 call = "model(*batch)"
             raise EvendpError(
-                f"--model {spec!r}: {type(model).__name__} was called as {call} with "
+                f"--model {shown(spec)}: {type(model).__name__} was called as {call} with "
                 f"{_describe(inputs)} from batch_fn(n) and raised TypeError: {exc}; batch_fn "
                 "returns the model's inputs (a tensor: model(x); a tuple: model(*batch); a "
                 "dict: model(**batch)); for targets, return (model, batch_fn, criterion) with "

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .._core._errors import EvendpError
+from .._core._validate import shown
 
 __all__ = ["check_out_dir", "check_out_file"]
 
@@ -28,7 +29,7 @@ def check_out_dir(flag: str, path: str) -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise EvendpError(
-            f"{flag} {path!r} is a file, not a folder; give a folder (created if missing), "
+            f"{flag} {shown(path)} is a file, not a folder; give a folder (created if missing), "
             f"e.g. {flag} runs/x"
         )
     _check_writable(flag, path, _nearest_existing(target))
@@ -45,13 +46,14 @@ def check_out_file(flag: str, path: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise EvendpError(
-            f"{flag} {path!r} is a folder; give a file name, e.g. {flag} {target / 'plan.png'}"
+            f"{flag} {shown(path)} is a folder; give a file name, e.g. {flag} {target / 'plan.png'}"
         )
     parent = target.parent
     if not parent.is_dir():
         what = "is a file, not a folder" if parent.exists() else "does not exist"
         raise EvendpError(
-            f"{flag} {path!r}: the folder {str(parent)!r} {what}; create it first or give a "
+            f"{flag} {shown(path)}: the folder {shown(str(parent))} {what}; create it first or "
+            "give a "
             f"path in an existing folder, e.g. {flag} {target.name}"
         )
     _check_writable(flag, path, parent)
@@ -68,14 +70,15 @@ def _nearest_existing(path: Path) -> Path:
 def _check_writable(flag: str, path: str, folder: Path) -> None:
     if not folder.is_dir():
         raise EvendpError(
-            f"{flag} {path!r}: {str(folder)!r} is a file, so the folder cannot be created "
+            f"{flag} {shown(path)}: {shown(str(folder))} is a file, so the folder cannot be "
+            "created "
             "there; choose another path"
         )
     try:
         fd, probe = tempfile.mkstemp(prefix=".evendp-probe-", dir=folder)
     except OSError as exc:
         raise EvendpError(
-            f"{flag} {path!r}: cannot write in {str(folder)!r} ({exc.strerror or exc}); "
+            f"{flag} {shown(path)}: cannot write in {shown(str(folder))} ({exc.strerror or exc}); "
             "choose a folder you can write to"
         ) from None
     os.close(fd)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .._core._errors import EvendpError
+from .._core._validate import shown
 from ._args import bounded_float, bounded_int, memory_text
 
 __all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
@@ -243,13 +244,14 @@ def _validate_rank_options(args: argparse.Namespace) -> None:
     """Options that mean nothing, or two things, with one process per device."""
     if args.mode == "fsdp2" and args.memory is not None:
         raise EvendpError(
-            f"--memory {args.memory!r} plans DDP ranks' batch sizes, but the planner has no "
+            f"--memory {shown(args.memory)} plans DDP ranks' batch sizes, but the planner has no "
             "memory model of FSDP2's sharded ranks; use --mode ddp, or --weights to fix "
             "each rank's share"
         )
     if args.mode == "ddp" and args.memory is not None and args.weights is not None:
         raise EvendpError(
-            f"--memory {args.memory!r} and --weights {args.weights!r} both set the ranks' "
+            f"--memory {shown(args.memory)} and --weights {shown(args.weights)} both set the "
+            "ranks' "
             "batch sizes under --mode ddp (the planner's split for the memory, or the "
             "weights'); give one"
         )
@@ -279,7 +281,7 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     if resumable is None:
         if args.resume and not args.resume_or_start:
             raise EvendpError(
-                f"--resume: no checkpoint in {args.out!r} ({_checkpoint_in(args).name} or its "
+                f"--resume: no checkpoint in {shown(args.out)} ({_checkpoint_in(args).name} or its "
                 "previous copy); check --out and --mode, or pass --resume-or-start to start "
                 "fresh when there is none"
             )
@@ -290,14 +292,15 @@ def _resume_check(args: argparse.Namespace) -> int | None:
         from evendp._core._errors import CheckpointError
 
         raise CheckpointError(
-            f"checkpoint {str(found)!r} was trained with a global batch of {saved_batch}, this "
+            f"checkpoint {shown(str(found))} was trained with a global batch of {saved_batch}, "
+            "this "
             f"run has {args.batch}: resuming would change the order of the remaining samples; "
             f"resume with --batch {saved_batch}, or start fresh with another --out"
         )
     if step >= args.steps:
         if os.environ.get("RANK", "0") == "0":
             print(
-                f"evendp train: the checkpoint {str(found)!r} is at step {step}, at or past "
+                f"evendp train: the checkpoint {shown(str(found))} is at step {step}, at or past "
                 f"--steps {args.steps}: nothing to train; raise --steps to continue (nothing "
                 "was changed)",
                 file=sys.stderr,
@@ -306,17 +309,10 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     return None
 
 
-def _checkpoints_in(out: str) -> list[Path]:
-    """Every checkpoint file or folder in ``out`` (any mode's, previous copies included)."""
-    folder = Path(out)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.name.startswith("ckpt.") and p.exists())
-
-
 def fresh_start_check(args: argparse.Namespace) -> None:
-    """Before any work, for a run that starts fresh: ``--out`` is a writable folder and holds
-    no other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently).
+    """Before any work, for a run that starts fresh: ``--out`` is a writable folder, holds no
+    other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently) and
+    nothing that is not a run's (:mod:`evendp.cli._run_folder`).
 
     The launcher of ``--mode ddp|fsdp2`` checks once; its ranks do not (rank 0's first save
     would look like another run to a rank that starts late).
@@ -326,23 +322,14 @@ def fresh_start_check(args: argparse.Namespace) -> None:
     check_out_dir("--out", args.out)
     if args.resume or args.resume_or_start or _restarted() or _is_launched_rank():
         return
-    found = _checkpoints_in(args.out)
-    if not found:
-        return
-    if not args.overwrite:
-        raise EvendpError(
-            f"--out {args.out!r} holds another run's checkpoint ({found[0].name}); continue it "
-            "with --resume (or --resume-or-start), train into a fresh --out, or pass "
-            "--overwrite to delete it and start over"
-        )
-    for path in found:
-        if path.is_dir():
-            import shutil
+    from ._run_folder import claim_out_dir
 
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    print(f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in {args.out!r}")
+    found = claim_out_dir(args.out, overwrite=args.overwrite)
+    if found:
+        print(
+            f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in "
+            f"{shown(args.out)}: {', '.join(p.name for p in found)}"
+        )
 
 
 def _is_launched_rank() -> bool:
@@ -366,7 +353,7 @@ def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]
     for part in text.split(","):
         part = part.strip()
         if not part:
-            raise EvendpError(f"--devices {text!r} has an empty entry; e.g. --devices cpu,cpu")
+            raise EvendpError(f"--devices {shown(text)} has an empty entry; e.g. --devices cpu,cpu")
         index = part.removeprefix("cuda:") if part.startswith("cuda:") else part
         if part == "cpu":
             out.append("cpu")
@@ -374,7 +361,7 @@ def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]
             out.append(_validate_gpu(text, int(index)) if check_gpus else int(index))
         else:
             raise EvendpError(
-                f"--devices {text!r}: {part!r} is not a device; write cpu, a GPU index "
+                f"--devices {shown(text)}: {shown(part)} is not a device; write cpu, a GPU index "
                 "(0) or cuda:0, e.g. --devices cpu,cpu,cpu"
             )
     return out
@@ -385,13 +372,13 @@ def _validate_gpu(text: str, index: int) -> int:
 
     if not torch.cuda.is_available():
         raise EvendpError(
-            f"--devices {text!r} names a GPU, but torch sees none here (no CUDA build or no "
+            f"--devices {shown(text)} names a GPU, but torch sees none here (no CUDA build or no "
             "driver); train on CPU virtual devices, e.g. --devices cpu,cpu,cpu"
         )
     count = torch.cuda.device_count()
     if index >= count:
         raise EvendpError(
-            f"--devices {text!r}: GPU {index} does not exist, torch sees {count} "
+            f"--devices {shown(text)}: GPU {index} does not exist, torch sees {count} "
             f"(0..{count - 1}); e.g. --devices 0"
         )
     return index
@@ -409,10 +396,10 @@ def _memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | N
     try:
         memory = [m.free for m in parse_memory(text)]
     except EvendpError as exc:
-        raise EvendpError(f"--memory {text!r}: {exc}") from None
+        raise EvendpError(f"--memory {shown(text)}: {exc}") from None
     if len(memory) != len(devices):
         raise EvendpError(
-            f"--memory {text!r} has {len(memory)} entries for {len(devices)} devices; give "
+            f"--memory {shown(text)} has {len(memory)} entries for {len(devices)} devices; give "
             f"one each, e.g. --memory {','.join(['48MiB'] * len(devices))}"
         )
     return memory
@@ -434,14 +421,14 @@ def _weights_list(text: str, count: int) -> list[float]:
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
-        raise EvendpError(f"--weights {text!r} is not a list of numbers; e.g. 2,1,1") from None
+        raise EvendpError(f"--weights {shown(text)} is not a list of numbers; e.g. 2,1,1") from None
     if len(weights) != count:
         raise EvendpError(
             f"--weights has {len(weights)} numbers for {count} devices; give one each"
         )
     if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
         raise EvendpError(
-            f"--weights {text!r} must be numbers >= 0, not all 0; e.g. --weights 2,1,1"
+            f"--weights {shown(text)} must be numbers >= 0, not all 0; e.g. --weights 2,1,1"
         )
     return weights
 
@@ -479,4 +466,69 @@ def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
     text = os.environ.get(OPTIONS_ENV)
     if text is None or "RANK" not in os.environ:
         return args
-    return argparse.Namespace(**{**vars(args), **json.loads(text)})
+    return argparse.Namespace(**{**vars(args), **_checked_options(text)})
+
+
+# What options_json adds beside the options: the subcommand and the command line as typed.
+_CONTEXT_KEYS = {"command": str, "argv": list}
+_MAX_OPTIONS_CHARS = 1_000_000
+
+
+def _checked_options(text: str) -> dict[str, object]:
+    """``EVENDP_TRAIN_OPTIONS`` checked as the command line checks its options: known names
+    only, each value of its option's kind and range (the same argparse types and choices),
+    so a variable set by hand cannot pass what ``--n-layer 300`` would not.
+
+    >>> _checked_options('{"n_layer": 300}')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.EvendpError: EVENDP_TRAIN_OPTIONS: --n-layer must be an int in [1, 64], got '300'; ...
+    """
+    fix = (
+        "it carries evendp train's options to its ranks: start the run with evendp train "
+        f"--mode ddp|fsdp2, or unset {OPTIONS_ENV}"
+    )
+    if len(text) > _MAX_OPTIONS_CHARS:
+        raise EvendpError(f"{OPTIONS_ENV} holds {len(text)} characters, not options; {fix}")
+    try:
+        given = json.loads(text)
+    except ValueError as exc:
+        raise EvendpError(f"{OPTIONS_ENV}={shown(text)} is not JSON ({exc}); {fix}") from None
+    if not isinstance(given, dict):
+        raise EvendpError(f"{OPTIONS_ENV}={shown(text)} is not a JSON object; {fix}")
+    parser = argparse.ArgumentParser(add_help=False)
+    add_options(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in given.items():
+        action = actions.get(key)
+        if action is None:
+            kind = _CONTEXT_KEYS.get(key)
+            if kind is None or not isinstance(value, kind):
+                raise EvendpError(f"{OPTIONS_ENV} names an unknown option {shown(key)}; {fix}")
+            continue
+        problem = _option_problem(action, value)
+        if problem is not None:
+            raise EvendpError(f"{OPTIONS_ENV}: {problem}; {fix}")
+    return given
+
+
+def _option_problem(action: argparse.Action, value: object) -> str | None:
+    """Why ``value`` is not what ``action``'s option takes on the command line, or ``None``."""
+    flag = action.option_strings[0]
+    if action.nargs == 0:  # a flag: store_true
+        return None if isinstance(value, bool) else f"{flag} must be true or false"
+    if value is None and action.default is None:
+        return None
+    if action.type is not None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{flag} must be a number, got {shown(value)}"
+        try:
+            action.type(str(value))  # type: ignore[operator]
+        except argparse.ArgumentTypeError as exc:
+            return str(exc)
+        return None
+    if not isinstance(value, str) or len(value) > 4096:
+        return f"{flag} must be text, got {shown(value)}"
+    if action.choices is not None and value not in action.choices:
+        return f"{flag} must be one of {tuple(action.choices)}, got {shown(value)}"
+    return None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .._core._errors import EvendpError
+from .._core._validate import shown
 from ._train_args import OPTIONS_ENV, _parse_devices, _restarted, _weights_list, options_json
 from ._train_common import _build, _model_name, _print_report, metric_logger
 
@@ -90,7 +91,7 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
     except EvendpError:
         if gpus and not _nvidia_driver():  # the launcher's words name its own --gpus
             raise EvendpError(
-                f"--devices {args.devices!r} names GPUs, but no NVIDIA driver was found here; "
+                f"--devices {shown(args.devices)} names GPUs, but no NVIDIA driver was found here; "
                 "train on CPU ranks with --devices cpu,cpu"
             ) from None
         raise
@@ -142,8 +143,9 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
     entries = len(args.memory.split(","))
     if nproc != "auto" and entries != nproc:
         raise EvendpError(
-            f"--memory {args.memory!r} has {entries} entries for {nproc} ranks (--devices "
-            f"{args.devices!r}); give one each, e.g. --memory " + ",".join(["48MiB"] * int(nproc))
+            f"--memory {shown(args.memory)} has {entries} entries for {nproc} ranks (--devices "
+            f"{shown(args.devices)}); give one each, e.g. --memory "
+            + ",".join(["48MiB"] * int(nproc))
         )
     _model, _data, config = _build(args)
     # CPU ranks have no CUDA context to allow for.
@@ -189,7 +191,7 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
         index = d if isinstance(d, int) else str(d).removeprefix("cuda:")
         if isinstance(index, str) and not index.isdigit():
             raise EvendpError(
-                f"--devices {text!r} mixes or misnames devices for --mode ddp; give GPU "
+                f"--devices {shown(text)} mixes or misnames devices for --mode ddp; give GPU "
                 "indices (e.g. 0,1 or cuda:0,cuda:1), one per rank, or cpu,cpu for CPU ranks"
             )
         gpus.append(int(index))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
+from .._core._validate import shown
 from .._planning._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
 from ._args import bounded_int, memory_text, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
@@ -24,7 +25,7 @@ def _gpu_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--gpus {text!r}: write physical GPU ids separated by commas, e.g. 2,3"
+            f"--gpus {shown(text)}: write physical GPU ids separated by commas, e.g. 2,3"
         ) from None
 
 
@@ -161,7 +162,7 @@ def _validate_script(script: str, passthrough: dict[str, object]) -> None:
         return  # SCRIPT is a module name or a program: torchrun resolves it
     if not Path(script).is_file():
         raise EvendpError(
-            f"script {script!r} does not exist (looked in {str(Path.cwd())!r}); give the path "
+            f"script {shown(script)} does not exist (looked in {str(Path.cwd())!r}); give the path "
             "of a Python file, e.g. evendp launch --nproc 2 examples/ddp_uneven.py"
         )
     _validate_python(script)
@@ -176,7 +177,7 @@ def _validate_python(script: str) -> None:
     except (SyntaxError, ValueError) as exc:
         where = f" (line {exc.lineno}: {exc.msg})" if isinstance(exc, SyntaxError) else ""
         raise EvendpError(
-            f"script {script!r} is not a Python file{where}; give the training script, e.g. "
+            f"script {shown(script)} is not a Python file{where}; give the training script, e.g. "
             "evendp launch --nproc 2 examples/ddp_uneven.py (a program that is not Python: "
             "--no-python)"
         ) from None
@@ -212,4 +213,4 @@ def _validate_texts(args: argparse.Namespace) -> None:
         try:
             parse(text)
         except EvendpError as exc:
-            raise EvendpError(f"{flag} {text!r}: {exc}; e.g. {flag} {example}") from None
+            raise EvendpError(f"{flag} {shown(text)}: {exc}; e.g. {flag} {example}") from None

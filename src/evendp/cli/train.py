@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         options_from_env,
     )
 
-    args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
     try:
+        args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
         _validate_args(args)
         done = _resume_check(args)
         if done is not None:

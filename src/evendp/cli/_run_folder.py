@@ -1,0 +1,116 @@
+"""What in ``--out`` is evendp's: a fresh run never deletes or replaces what is not.
+
+A folder evendp trains into carries a small marker, ``.evendp-run.json``, written when a run
+starts there. ``--out`` is accepted when it is missing, empty, marked, or holds only files
+evendp writes (a run folder from before the marker); a folder with other files and no marker
+(a home folder, a project) is refused before any work: ``report.json`` or ``metrics.csv`` there
+would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files, by their exact
+names (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``...), a ``ckpt.dcp``
+folder only when everything in it is DCP's or evendp's, and never follows a link: a user's
+``ckpt.backups/`` or ``ckpt.notes.txt`` stays. An ``--out`` that is a dangling link is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .._core._errors import EvendpError
+from .._core._validate import shown
+
+__all__ = ["MARKER", "claim_out_dir", "evendp_checkpoints", "foreign_entries"]
+
+MARKER = ".evendp-run.json"
+
+# Checkpoint files and folders evendp writes (a crashed save's temporary ones included).
+_CHECKPOINT = re.compile(r"ckpt(\.prev)?(\.rng\d+)?\.pt|ckpt(\.prev)?\.dcp|\.ckpt\..+\.tmp")
+# Everything else a run writes in --out.
+_OUTPUTS = {"report.json", "report.txt", "report.png", "metrics.csv", "tensorboard", MARKER}
+# What a DCP folder of evendp's holds.
+_DCP_ENTRY = re.compile(r"\.metadata|__\d+_\d+\.distcp|state\.pt|rng\d+\.pt|\..+\.tmp")
+
+
+def _is_ours(entry: Path) -> bool:
+    return entry.name in _OUTPUTS or _CHECKPOINT.fullmatch(entry.name) is not None
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """The names in ``out`` that no evendp run writes (none when ``out`` carries the marker).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "ckpt.pt").write_bytes(b""); foreign_entries(d)
+    []
+    >>> _ = (d / "notes.txt").write_text("mine"); foreign_entries(d)
+    ['notes.txt']
+    """
+    if not out.is_dir() or (out / MARKER).is_file():
+        return []
+    return sorted(p.name for p in out.iterdir() if not _is_ours(p))
+
+
+def evendp_checkpoints(out: Path) -> list[Path]:
+    """evendp's own checkpoint files and folders in ``out`` (any mode's, previous included):
+    exact names, no links, and a folder only when all it holds is DCP's or evendp's."""
+    if not out.is_dir():
+        return []
+    found = []
+    for entry in sorted(out.iterdir()):
+        if entry.is_symlink() or not _CHECKPOINT.fullmatch(entry.name):
+            continue
+        if entry.is_dir():
+            inside = list(entry.iterdir())
+            if any(p.is_dir() or not _DCP_ENTRY.fullmatch(p.name) for p in inside):
+                continue  # not a folder evendp wrote: left alone
+        elif not entry.is_file():
+            continue
+        found.append(entry)
+    return found
+
+
+def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
+    """Before a fresh run's first work: refuse an ``out`` that is a dangling link or holds
+    files that are not a run's; with ``overwrite``, delete evendp's checkpoints there (returned),
+    else refuse when there are any. Then mark ``out`` as a run folder."""
+    folder = Path(out)
+    if folder.is_symlink() and not folder.exists():
+        raise EvendpError(
+            f"--out {shown(out)} is a link to {shown(os.readlink(folder))}, which does not "
+            "exist; create its target, or give another --out"
+        )
+    foreign = foreign_entries(folder)
+    if foreign:
+        listed = ", ".join(shown(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise EvendpError(
+            f"--out {shown(out)} holds files that are not an evendp run's ({listed}); its "
+            "report and checkpoint files would replace same-named ones; give an empty or new "
+            "folder, e.g. --out runs/x"
+        )
+    found = evendp_checkpoints(folder)
+    if found and not overwrite:
+        raise EvendpError(
+            f"--out {shown(out)} holds another run's checkpoint ({found[0].name}); continue it "
+            "with --resume (or --resume-or-start), train into a fresh --out, or pass "
+            "--overwrite to delete it and start over"
+        )
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    _mark(folder)
+    return found
+
+
+def _mark(folder: Path) -> None:
+    from .._training._checkpoint import _mkdir
+
+    _mkdir(folder)  # 0700 when it is new
+    marker = folder / MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": "evendp-run", "written_by": "evendp train"}, f)
