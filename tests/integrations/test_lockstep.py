@@ -1,12 +1,15 @@
 """Ranks never fall out of step on degenerate batches (issue 25): every rank runs the same
 collectives, so a run ends, and its parameters equal one process on the same global batches.
 
-One spawn of 2 gloo ranks drives ``UnevenTrainer`` on causal-LM batches whose counted tokens
-vary by rank: 1-token sequences (nothing left after the causal shift), all-padding rows
-(every label -100), a rank whose first batch counts nothing, and an empty share (a stand-in).
-The loss-kwargs probe must reach one verdict on every rank; decided locally, rank 0 would
-enter evendp's all-reduce and rank 1 the Trainer's all-gather (a deadlock: here a gloo
-timeout, so the test fails instead of hanging).
+One spawn of 2 gloo ranks drives every DDP surface in turn on causal-LM batches whose
+counted tokens vary by rank: 1-token sequences (nothing left after the causal shift),
+all-padding rows (every label -100), a rank whose first batch counts nothing, and an empty
+share (a stand-in). The surfaces: ``UnevenTrainer``, evendp's own ``Trainer`` (token
+``count_fn``), Lightning's ``UnevenGradient`` (token ``count_fn``) and ``UnevenAccelerator``
+(its weights count samples, so its loss is a per-sample mean); DeepSpeed's run in
+test_deepspeed.py. The loss-kwargs probe must reach one verdict on every rank; decided
+locally, rank 0 would enter evendp's all-reduce and rank 1 the Trainer's all-gather (a
+deadlock: here a gloo timeout, so the test fails instead of hanging).
 """
 
 from __future__ import annotations
@@ -125,7 +128,8 @@ def _evendp_trainer(case: str) -> dict[str, Any]:
     import evendp
 
     _, _, sizes, accum = CASES[case]
-    model, seen = _model(), []
+    model = _model()
+    seen: list[list[int]] = []
 
     def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         batch = _pad(features)
@@ -157,7 +161,8 @@ def _lightning(case: str) -> dict[str, Any]:
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net, self.seen = model, []
+            self.net = model
+            self.seen: list[list[int]] = []
 
         def training_step(self, batch: dict[str, torch.Tensor], idx: int) -> torch.Tensor:
             self.seen.append(_lengths(batch))
@@ -211,7 +216,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     # Before any framework starts it: the group times out a deadlocked collective.
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     evendp.init_distributed("gloo", timeout=timeout)
-    result: dict[str, Any] = {}
+    result: dict[Any, Any] = {}  # case, or (surface, case)
     with tempfile.TemporaryDirectory() as tmp:
         for case in CASES:
             result[case] = _uneven_trainer(case, tmp)
@@ -223,7 +228,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     out = tmp_path_factory.mktemp("lockstep")
     return run_ranks(_worker, 2, out, 4 * COLLECTIVE_TIMEOUT_S, "the lockstep ranks")
 
@@ -242,7 +247,7 @@ def _reference(case: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_uneven_trainer_on_degenerate_batches_ends_and_equals_one_process(
-    ranks: list[dict[str, Any]], case: str
+    ranks: list[dict[Any, Any]], case: str
 ) -> None:
     start, want = _params(_model()), _reference(case)
     num_den = [0.0, 0.0]
@@ -275,7 +280,7 @@ SURFACES = {"evendp": "tokens", "lightning": "tokens", "accelerate": "samples"}
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("surface", list(SURFACES))
 def test_every_surface_on_degenerate_batches_ends_and_equals_one_process(
-    ranks: list[dict[str, Any]], surface: str, case: str
+    ranks: list[dict[Any, Any]], surface: str, case: str
 ) -> None:
     start, want = _params(_model()), _one_process(case, SURFACES[surface])
     moved = sum(float((want[k] - start[k]).norm() ** 2) for k in want) ** 0.5
