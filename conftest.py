@@ -4,12 +4,17 @@ doctests of public objects collected where they are defined."""
 from __future__ import annotations
 
 import doctest
+import importlib.util
 import inspect
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from tests._markdown import markdown_sybil
 
 collect_ignore = ["src/evendp/__main__.py"]
+_INTEGRATIONS = "src/evendp/integrations"
 
 # Every code block of README.md and docs/*.md runs (or is checked) as a test: tests/_markdown.py.
 pytest_collect_file = markdown_sybil.pytest()
@@ -44,3 +49,16 @@ def _from_defining_module(self: Any, module: Any, obj: Any) -> bool:
 
 
 doctest.DocTestFinder._from_module = _from_defining_module  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_imported_before_integration_doctests(request: Any) -> Iterator[None]:
+    # Accelerate imports DeepSpeed, when installed, inside the Trainer's constructor; on its
+    # first import DeepSpeed logs "Setting accelerator to CPU" to the stdout of that moment,
+    # which a doctest would read as its example's output (only when it runs first). Importing
+    # it here, outside any example, makes the integrations' doctests independent of order.
+    node = request.node
+    integration = isinstance(node, pytest.DoctestItem) and _INTEGRATIONS in node.path.as_posix()
+    if integration and importlib.util.find_spec("deepspeed") is not None:
+        import deepspeed  # noqa: F401
+    yield

@@ -85,10 +85,7 @@ def degenerate(out: Path, deepspeed: dict[str, Any] | None, batch_sizes: list[in
         use_cpu=True,
         deepspeed=deepspeed,
     )
-    model = port["make_model"]()
-    # Declared (GPT-2's loss is a sum over num_items_in_batch): the Trainer's loss-kwargs probe,
-    # which on this data decides per rank (issue 25, item 3), stays out of this DeepSpeed check.
-    model.accepts_loss_kwargs = True
+    model = port["make_model"]()  # undeclared: the loss-kwargs probe is agreed across ranks
     trainer = UnevenTrainer(
         model, args, train_dataset=data, data_collator=port["pad"], batch_sizes=batch_sizes
     )

@@ -59,7 +59,7 @@ class _Data(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self.items[i]
-        if self.task in ("lm", "gpt2-lm"):
+        if self.task in ("lm", "gpt2-lm", "lm-mean"):
             label = item["input_ids"]
         elif self.task == "bert-tok":  # a tag per token, padding -100 (pad_collate)
             label = item["input_ids"] % 3
@@ -103,6 +103,10 @@ def _model(task: str) -> torch.nn.Module:
         return transformers.GPT2ForSequenceClassification(config)
     if task == "lm":
         return transformers.GPT2LMHeadModel(config)
+    if task == "lm-mean":  # declared a per-batch mean: weighted by its shifted labels' count
+        lm = transformers.GPT2LMHeadModel(config)
+        lm.accepts_loss_kwargs = False
+        return lm
     model = transformers.GPT2ForSequenceClassification(config)
     # Its forward takes **kwargs but its loss is a per-batch mean: the Trainer's own switch.
     model.accepts_loss_kwargs = False
@@ -141,7 +145,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for task in ("lm", "cls"):
+        for task in ("lm", "lm-mean", "cls"):
             args = _args(tmp, batch=2, accum=ACCUM, ddp_backend="gloo")
             model = _model(task)
             trainer = UnevenTrainer(
@@ -223,7 +227,7 @@ def _relative_update_error(got: dict, want: dict, start: dict) -> float:
     return num / den
 
 
-@pytest.mark.parametrize("task", ["lm", "cls"])
+@pytest.mark.parametrize("task", ["lm", "lm-mean", "cls"])
 def test_parameters_equal_one_process_on_the_whole_batch(
     ranks: list[dict[str, Any]], task: str
 ) -> None:

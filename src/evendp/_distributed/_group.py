@@ -15,8 +15,10 @@ the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean i
 from __future__ import annotations
 
 import gc
+import inspect
 import numbers
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -370,11 +372,38 @@ def settle_group() -> None:
     afterwards (a local of the user's ``main``) frees the group later, from Python with the
     GIL held; that is safe only once the workers hold no collective. Call it on every rank.
     """
+    _unbind_early_defaults()
     # DDP wrappers no longer referenced but kept by reference cycles hold the group: free
     # them now, while it is alive, not in a late teardown where gloo's threads abort.
     gc.collect()
     dist.barrier()
     time.sleep(_WORKER_GRACE_S)  # GIL released: the workers drop the barrier's tensors
+
+
+# Methods whose ``group=GroupMember.WORLD`` default captures the default group at import:
+# DeepSpeed's, imported by Accelerate (``unwrap_model``) once the Trainer's group exists, even
+# in runs that never use DeepSpeed. Their bodies read ``None`` as the current world.
+_EARLY_BOUND = (("deepspeed.comm.torch", "TorchBackend", ("barrier", "monitored_barrier")),)
+
+
+def _unbind_early_defaults() -> None:
+    """Turn a process group captured in a default argument back into ``None`` (late bound).
+
+    Why: a default argument holds the group for good, so ``destroy_process_group`` only
+    unregisters it and gloo's threads are torn down during interpreter exit, which aborts the
+    process. Only modules already imported are touched; behaviour is unchanged, since those
+    methods treat ``None`` as the current default group.
+    """
+    for module, owner, names in _EARLY_BOUND:
+        cls = getattr(sys.modules.get(module), owner, None)
+        for name in names:
+            method = getattr(cls, name, None)
+            if method is None:
+                continue
+            fn = inspect.unwrap(method)  # under a compiler.disable wrapper on older torch
+            defaults = getattr(fn, "__defaults__", None)
+            if defaults and isinstance(defaults[0], dist.ProcessGroup):
+                fn.__defaults__ = (None, *defaults[1:])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ on a loaded one; one patch per framework's ending would only move it.
 The root: no wrapper may outlive the run while holding the group. So at the end of every
 successful ``train()``, on every rank (they all reach it together), :func:`release_wrappers`
 drops the trainer's DDP wrappers and settles the group while it is alive (reference cycles
-collected, a barrier, a pause with the GIL released so the workers drop what they hold). From
+collected, a barrier, a pause with the GIL released so the workers drop what they hold, and the
+group unbound from DeepSpeed's method defaults, which capture it when Accelerate's
+``unwrap_model`` first imports DeepSpeed, installed even if unused, inside the Trainer). From
 then on the group is held by its registry alone, and any ending frees it where ending it is
 safe. An exit hook ends a group that nobody ended, as :func:`evendp.finish_distributed` does,
 before finalization starts; it never touches a group someone else destroyed. A process

@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader
 
 import evendp
 
+from .._core._counting import label_shift
 from .._core._exact import is_stand_in, weighted_sum, zero_weight
 from .._distributed._group import comm_device
 from .._planning._balance import (
@@ -277,7 +278,8 @@ class UnevenTrainer(transformers.Trainer):
 
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
     ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
-    non-token loss averaged over (default :func:`count_labels`). ``balance="speed"`` times
+    non-token loss averaged over (default :func:`count_labels`, shifted for a causal LM as
+    its loss is: :func:`evendp.count_tokens`). ``balance="speed"`` times
     each rank's forward passes and, at optimizer-step boundaries, moves samples from slow
     ranks to fast ones (:class:`evendp.SpeedBalancer`): each step's samples, the total batch
     and the gradient stay those of one process. ``costs`` (each training sample's length, or
@@ -409,7 +411,10 @@ class UnevenTrainer(transformers.Trainer):
         )
 
     def _count_labels(self, inputs: Mapping[str, Any]) -> int | torch.Tensor:
-        return count_labels(inputs, shift=bool(getattr(self, "_loss_shifts_labels", False)))
+        # A causal LM's mean skips each row's first label: count as its loss does (the model
+        # read now: model_init may replace it).
+        model = self.accelerator.unwrap_model(self.model)
+        return count_labels(inputs, shift=bool(label_shift(model)))
 
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
