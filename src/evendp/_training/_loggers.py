@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
+from .._core._validate import validate_instance, validate_path
 from ._callbacks import Callback
 
 __all__ = ["CSVLogger", "MLflowLogger", "MetricLogger", "TensorBoardLogger", "WandbLogger"]
@@ -83,7 +84,7 @@ class CSVLogger(MetricLogger):
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Path(validate_path("path", path))
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = ["step"]
 
@@ -139,8 +140,8 @@ class TensorBoardLogger(MetricLogger):
     """
 
     def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(validate_path("log_dir", log_dir))
         _needs("tensorboard", "TensorBoardLogger", "tensorboard")
-        self.log_dir = Path(log_dir)
         self._writer: Any = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -184,8 +185,19 @@ class MLflowLogger(MetricLogger):
         experiment: str = "evendp",
         run_name: str | None = None,
     ) -> None:
+        validate_instance("tracking_uri", tracking_uri, str, "a str", allow_none=True)
+        validate_instance("experiment", experiment, str, "a str")
+        validate_instance("run_name", run_name, str, "a str", allow_none=True)
         tracking = _needs("mlflow.tracking", "MLflowLogger", "mlflow")
-        self.client = tracking.MlflowClient(tracking_uri)
+        try:
+            self.client = tracking.MlflowClient(tracking_uri)
+        except Exception as exc:  # mlflow's own refusal (an unsupported store, say)
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise EvendpError(
+                f"MLflowLogger: mlflow cannot use tracking_uri={tracking_uri!r} "
+                f"({type(exc).__name__}: {first}); pass the URI of your tracking server, or a "
+                "local 'file:' folder with MLFLOW_ALLOW_FILE_STORE=true"
+            ) from exc
         self.experiment, self.run_name = experiment, run_name
         self.run_id: str | None = None  # the run written to last (kept after close)
         self._open = False

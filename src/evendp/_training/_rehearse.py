@@ -23,7 +23,8 @@ from .._core._calls import as_args
 from .._core._errors import EvendpError, PlanError
 from .._core._oom_errors import is_oom_error
 from .._core._split import split_even
-from .._core._validate import validate_float
+from .._core._validate import shown as shown_value
+from .._core._validate import validate_callable, validate_float
 from .._parallel._scatter import batch_size, map_tensors
 from .._planning._memory import parse_memory
 from ._budget import MemoryBudgets, tensor_bytes
@@ -114,6 +115,14 @@ def plan_for(trainer: Any, memory: Sequence[int], batch: int) -> Any:
         ) from None
 
 
+def _is_weight_list(weights: Any) -> bool:
+    """Per-device weights: a list or tuple of real numbers (BalancedDataParallel checks the
+    values)."""
+    return isinstance(weights, list | tuple) and all(
+        isinstance(w, int | float) and not isinstance(w, bool) for w in weights
+    )
+
+
 def rehearse(
     model: torch.nn.Module,
     data: Any,
@@ -179,11 +188,12 @@ def rehearse(
                 f"(got {trainer_args[name]!r}) and give memory= one budget per device"
             )
     devices: list[str | int | torch.device] = ["cpu"] * len(budgets)
-    if isinstance(weights, str) and weights != "auto":
+    if weights is not None and weights != "auto" and not _is_weight_list(weights):
         raise EvendpError(
-            f"weights={weights!r}: give 'auto' (the planner's split), per-device weights such "
-            "as [3, 1], or None (the even split)"
+            f"weights={shown_value(weights)}: give 'auto' (the planner's split), per-device "
+            "weights such as [3, 1], or None (the even split)"
         )
+    validate_callable("say", say, "a function of one str such as print", allow_none=True)
     fixed = None if weights is None or isinstance(weights, str) else [float(w) for w in weights]
     trainer = Trainer(model, data, config, device_ids=devices, weights=fixed, **trainer_args)
     dp: Any = trainer.wrapped  # BalancedDataParallel: one process
