@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ._errors import EvendpError
+from ._shown import SHOWN_CHARS, shown
 
 __all__ = [
+    "SHOWN_CHARS",
     "is_int",
     "shown",
     "validate_bool",
@@ -41,25 +43,6 @@ def is_int(value: Any) -> bool:
     (True, False, False)
     """
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-#: How much of a bad value an error message echoes: a 400 KB value must not fill the terminal.
-SHOWN_CHARS = 100
-
-
-def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """``repr(value)``, cut to about ``limit`` characters with the full length said.
-
-    >>> shown("24GiB")
-    "'24GiB'"
-    >>> shown("x" * 400_000, limit=20)
-    "'xxxxxxxx...' (400000 characters)"
-    """
-    text = value if isinstance(value, str) else None
-    if text is not None and len(text) > limit:
-        return f"{text[: limit - 12]!r}"[:-1] + f"...' ({len(text)} characters)"
-    full = repr(value)
-    return full if len(full) <= limit else f"{full[: limit - 3]}... ({len(full)} characters)"
 
 
 def _kind(minimum: int | None) -> str:

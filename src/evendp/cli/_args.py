@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .._core._validate import shown
+from .._core._shown import shown
 
 __all__ = [
     "CleanParser",
@@ -149,9 +149,10 @@ def memory_text(flag: str) -> Callable[[str], str]:
         unit = written.group(1) if written else "GiB"
         fixed = ",".join(_with_units(entry, unit) for entry in text.split(","))
         if fixed != text:
+            example = fixed if len(fixed) <= 60 else "24GiB,12GiB"  # a long value: a short fix
             raise argparse.ArgumentTypeError(
-                f"{flag} {text!r}: a memory spec needs units, e.g. {flag} {fixed} (KiB, MiB, "
-                "GiB, TiB are powers of 1024; KB, MB, GB of 1000)"
+                f"{flag} {shown(text)}: a memory spec needs units, e.g. {flag} {example} (KiB, "
+                "MiB, GiB, TiB are powers of 1024; KB, MB, GB of 1000)"
             )
         return text
 
