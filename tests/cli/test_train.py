@@ -31,7 +31,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     ``--devices cpu,cpu,cpu`` (the default only where CUDA is absent) keeps it on the CPU on
     a GPU host too, where the default would be every GPU."""
     out = tmp_path_factory.mktemp("demo")
-    capture = out / "stdout.txt"
+    capture = tmp_path_factory.mktemp("demo-stdout") / "stdout.txt"  # --out holds the run alone
     import contextlib
 
     with capture.open("w") as f, contextlib.redirect_stdout(f):
