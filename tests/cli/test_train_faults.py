@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from evendp.cli import main
+from evendp.cli._run_folder import MARKER
 
 STEPS, EVERY = 300, 2  # long enough that no segment ends before its signal lands
 ARGS = [
@@ -291,7 +292,8 @@ def test_ctrl_c_in_one_process_prints_the_command_that_resumes(tmp_path: Path) -
     command = shlex.split(line.split("resume with: ", 1)[1])
     assert command[:2] == ["evendp", "train"] and command[-1] == "--resume"
     assert json.loads((tmp_path / "report.json").read_text())["interrupted"] is True
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert hidden == [MARKER]  # no temporary file left behind, only the run's own marker
     resumed = main(
         [*command[1:-1], "--steps", str((_step(tmp_path / "ckpt.pt") or 0) + 2), "--resume"]
     )
