@@ -80,7 +80,7 @@ def test_environment_variables_get_the_same_limits(
         ('{"n_layer": 300}', "--n-layer must be an int in [1, 64], got '300'"),
         ("not json", "is not JSON"),
         ('["steps"]', "not a JSON object"),
-        ('{"lr": "fast"}', "--lr must be a number, got 'fast'"),
+        ('{"lr": "fast"}', "--lr must be a number in (0, 10], got 'fast'"),
         ('{"batch": 1e26}', "--batch must be an int in [1, 1000000]"),
         ('{"mode": "tpu"}', "--mode must be one of"),
         ('{"resume": "yes"}', "--resume must be true or false"),

@@ -520,12 +520,17 @@ def _option_problem(action: argparse.Action, value: object) -> str | None:
     if value is None and action.default is None:
         return None
     if action.type is not None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        # The value as the launcher wrote it: a number for a numeric option, the text itself
+        # for a text-typed one (--memory), which its type returns unchanged.
+        text = isinstance(value, str) and len(value) <= 4096
+        if isinstance(value, bool) or not (text or isinstance(value, int | float)):
             return f"{flag} must be a number, got {shown(value)}"
         try:
-            action.type(str(value))  # type: ignore[operator]
+            converted = action.type(value if text else str(value))  # type: ignore[operator]
         except argparse.ArgumentTypeError as exc:
             return str(exc)
+        if text and converted != value:
+            return f"{flag} must be a number, got {shown(value)}"
         return None
     if not isinstance(value, str) or len(value) > 4096:
         return f"{flag} must be text, got {shown(value)}"
