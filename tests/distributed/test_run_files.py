@@ -159,6 +159,7 @@ with hold_run_dir(sys.argv[5], "nobody's run"):
 def test_another_user_cannot_plant_a_link_and_both_users_run_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _nobody_paths()  # before anything is made: skipped where nobody cannot import evendp
     victim = _victim(tmp_path)
     # Folders nobody can reach: not under pytest's tmp_path, which is root's alone.
     shared = Path(tempfile.mkdtemp(prefix="evendp-test-shared-"))
@@ -192,13 +193,37 @@ def test_another_user_cannot_plant_a_link_and_both_users_run_at_once(
         shutil.rmtree(theirs, ignore_errors=True)
 
 
+def _open_to_all(path: Path) -> bool:
+    """Whether another user can reach ``path``: every folder on the way searchable by others
+    and ``path`` readable by them (a clone in a 0700 temporary folder is not)."""
+    import stat
+
+    folders = [path, *path.parents] if path.is_dir() else list(path.parents)
+    searchable = all(os.stat(p).st_mode & stat.S_IXOTH for p in folders)
+    return searchable and bool(os.stat(path).st_mode & stat.S_IROTH)
+
+
+def _nobody_paths() -> tuple[str, str]:
+    """The source tree and torch's site-packages, for nobody's interpreter (or a skip)."""
+    import torch
+
+    site = Path(torch.__file__).parents[1]  # torch and the rest
+    src = Path(__file__).resolve().parents[2] / "src"
+    if not (_open_to_all(site) and _open_to_all(src / "evendp" / "__init__.py")):
+        pytest.skip(f"nobody cannot read {src} or {site} (a checkout in a private folder)")
+    version = subprocess.run(
+        ["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    if version != str(sys.version_info[:2]):
+        pytest.skip(f"/usr/bin/python3 is {version}, not this venv's {sys.version_info[:2]}")
+    return str(src), str(site)
+
+
 def _as_nobody(
     shared: Path, victim: Path, lock_name: str, mine: Path, theirs: Path
 ) -> subprocess.Popen[str]:
-    import torch
-
-    site = str(Path(torch.__file__).parents[1])  # torch and the rest, readable by all
-    src = str(Path(__file__).resolve().parents[2] / "src")
+    src, site = _nobody_paths()
     env = {
         "PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "TMPDIR": str(theirs),
         "PYTHONPATH": os.pathsep.join([src, site]), "OMP_NUM_THREADS": "1",
