@@ -525,8 +525,9 @@ def _option_problem(action: argparse.Action, value: object) -> str | None:
         text = isinstance(value, str) and len(value) <= 4096
         if isinstance(value, bool) or not (text or isinstance(value, int | float)):
             return f"{flag} must be a number, got {shown(value)}"
+        written = value if isinstance(value, str) else str(value)
         try:
-            converted = action.type(value if text else str(value))  # type: ignore[operator]
+            converted = action.type(written)  # type: ignore[operator]
         except argparse.ArgumentTypeError as exc:
             return str(exc)
         if text and converted != value:
