@@ -55,11 +55,24 @@ class StepWeight:
         # Started now, waited for after the forward: the collective overlaps it.
         total = step_count(local, device=comm_device(), all_reduce=self._start)
         self._total = torch.as_tensor(total)
-        self.value = torch.empty((), device=device)
+        self.value: torch.Tensor | float = torch.empty((), device=device)
 
     def _start(self, total: torch.Tensor) -> torch.Tensor:
         self._work = dist.all_reduce(total, async_op=True)
         return total
+
+    @classmethod
+    def known(cls, world: int, count: float) -> StepWeight:
+        """A weight whose global count every process knows already (the samples, or
+        ``Trainer(counts=)``): no collective, and its value a Python number.
+
+        >>> StepWeight.known(2, 8).wait()
+        0.25
+        """
+        weight = cls.__new__(cls)
+        weight._world, weight._total, weight._work = world, torch.as_tensor(float(count)), None
+        weight.value = float(mean_scale(count, numerator=world))
+        return weight
 
     @classmethod
     def ready(cls, world: int, total: torch.Tensor) -> StepWeight:
@@ -69,9 +82,9 @@ class StepWeight:
         weight.value = torch.as_tensor(mean_scale(total, numerator=world))
         return weight
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | float:
         """The weight, once the all-reduce is done (NCCL: the stream waits, not the host)."""
-        if self._work is not None:
+        if self._work is not None and isinstance(self.value, torch.Tensor):
             self._work.wait()
             self._work = None
             total = self._total.to(self.value.device)

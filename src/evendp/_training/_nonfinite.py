@@ -5,20 +5,26 @@ gradient's norm is not finite (NaN or inf in the loss or in any gradient), so th
 those of the last good step. A run whose gradient stays non-finite for ``limit`` steps in a row
 is not going to recover: it stops with :class:`TrainingError` (exit 1) and one line, never
 "exit 0 with NaN weights". The norm is the one gradient clipping computes (computed for this
-check alone without clipping); reading it costs one host sync per step, which
-``TrainConfig(max_nonfinite_steps=0)`` turns off. It is equal on every rank once the
-gradients are reduced, so every rank takes the same decision.
+check alone without clipping); it is equal on every rank once the gradients are reduced, so
+every rank takes the same decision.
+
+The decision is made **on the device**, as ``GradScaler``'s ``found_inf`` is: :meth:`NonFiniteGate.found`
+turns the norm into a 0/1 flag, counts the steps in a row in device tensors, and an optimizer
+that takes ``found_inf`` (the fused Adam, AdamW and SGD: the Trainer's default AdamW is fused)
+skips its update on the device. Nothing is read by the host until :meth:`NonFiniteGate.check`,
+which the Trainer calls where it reads anyway (log steps, checkpoints, the end): a run that
+reached ``limit`` skips every later step until then, so its weights are still those of the
+last good step when it stops. An optimizer without ``found_inf`` gets the flag read on the
+host each step (:meth:`NonFiniteGate.ok`), as before.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from .._core._errors import TrainingError
 
-__all__ = ["NonFiniteSteps", "gradient_norm"]
+__all__ = ["NonFiniteGate", "gradient_norm"]
 
 
 def gradient_norm(model: torch.nn.Module, clip: float | None) -> torch.Tensor:
@@ -40,37 +46,84 @@ def gradient_norm(model: torch.nn.Module, clip: float | None) -> torch.Tensor:
     return full() if callable(full) else norm
 
 
-class NonFiniteSteps:
-    """Counts consecutive steps with a non-finite gradient norm; raises at ``limit``.
+class NonFiniteGate:
+    """Skips steps whose gradient norm is not finite; ``limit`` in a row stop the run.
 
-    >>> steps = NonFiniteSteps(limit=2)
-    >>> steps.ok(torch.tensor(1.0), step=1), steps.ok(torch.tensor(float("nan")), step=2)
+    >>> gate = NonFiniteGate(limit=2)
+    >>> gate.ok(torch.tensor(1.0), step=1), gate.ok(torch.tensor(float("nan")), step=2)
     (True, False)
-    >>> steps.ok(torch.tensor(float("inf")), step=3)  # doctest: +ELLIPSIS
+    >>> gate.ok(torch.tensor(float("inf")), step=3)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     evendp.TrainingError: the gradient was NaN or inf in 2 steps in a row (steps 2-3); ...
+
+    On the device, read later: the flags of steps 1 and 2, then one host read.
+
+    >>> gate = NonFiniteGate(limit=3)
+    >>> [float(gate.found(torch.tensor(v), step=s)) for s, v in [(1, 1.0), (2, float("nan"))]]
+    [0.0, 1.0]
+    >>> gate.check(), gate.skipped
+    (None, 1)
     """
 
     def __init__(self, limit: int, where: str = "") -> None:
         self.limit = limit
         self.where = where  # the last good checkpoint, for the message
-        self.in_a_row = 0
-        self.skipped = 0
+        # On the norm's device, created at the first step: never read but by check().
+        self._in_a_row: torch.Tensor | None = None
+        self._tripped_at: torch.Tensor | None = None  # the step the limit was reached; 0: not
+        self._skipped: torch.Tensor | None = None
+        self._carried = (0, 0)  # (in a row, skipped) restored from a checkpoint
+
+    def found(self, norm: torch.Tensor, step: int) -> torch.Tensor:
+        """The 0/1 ``found_inf`` flag of ``step`` (1: skip it), decided on ``norm``'s device.
+
+        Once the limit was reached every later step is skipped too, so the weights stay those
+        of the last good step until :meth:`check` stops the run."""
+        if self._in_a_row is None:
+            in_a_row, skipped = self._carried
+            self._in_a_row = torch.full((), float(in_a_row), device=norm.device)
+            self._tripped_at = torch.zeros((), device=norm.device)
+            self._skipped = torch.full((), float(skipped), device=norm.device)
+        assert self._tripped_at is not None and self._skipped is not None
+        bad = torch.maximum((~torch.isfinite(norm)).float(), (self._tripped_at > 0).float())
+        self._in_a_row = (self._in_a_row + 1) * bad  # back to 0 on a good step
+        reached = (self._tripped_at == 0) & (self._in_a_row >= self.limit)
+        self._tripped_at = torch.where(reached, torch.full_like(bad, step), self._tripped_at)
+        self._skipped = self._skipped + bad
+        return bad
 
     def ok(self, norm: torch.Tensor | float, step: int) -> bool:
-        """Whether the step with this gradient ``norm`` may update the weights."""
-        if math.isfinite(float(norm)):  # one host sync per step
-            self.in_a_row = 0
-            return True
-        self.in_a_row += 1
-        self.skipped += 1
-        if self.in_a_row >= self.limit:
-            first = step - self.in_a_row + 1
+        """:meth:`found` read now (one host read): whether ``step`` may update the weights."""
+        bad = self.found(torch.as_tensor(norm, dtype=torch.float32), step)
+        self.check()
+        return not bool(bad)
+
+    def check(self) -> None:
+        """Raise :class:`TrainingError` when ``limit`` steps in a row were non-finite (a host
+        read: the Trainer calls it where it reads anyway)."""
+        if self._tripped_at is None:
+            return
+        last = int(self._tripped_at)
+        if last:
+            first = last - self.limit + 1
             raise TrainingError(
-                f"the gradient was NaN or inf in {self.in_a_row} steps in a row (steps "
-                f"{first}-{step}); each was skipped, the weights are those of step "
+                f"the gradient was NaN or inf in {self.limit} steps in a row (steps "
+                f"{first}-{last}); each was skipped, the weights are those of step "
                 f"{first - 1}; nothing was saved from them{self.where}; lower the learning "
                 "rate, check the data for NaN, or use amp='bf16'/'none', then resume"
             )
-        return False
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped so far (a host read)."""
+        return self._carried[1] if self._skipped is None else int(self._skipped)
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters a resumed run continues from (a host read)."""
+        in_a_row = self._carried[0] if self._in_a_row is None else int(self._in_a_row)
+        return {"in_a_row": in_a_row, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._carried = (int(state.get("in_a_row", 0)), int(state.get("skipped", 0)))
+        self._in_a_row = self._tripped_at = self._skipped = None

@@ -40,7 +40,7 @@ from .._core._oom_errors import device_index_of, is_oom_error
 from .._core._validate import is_int, validate_int
 from .._distributed._group import comm_device, world_size
 
-__all__ = ["OomResplit", "StepConsensus"]
+__all__ = ["OomResplit", "StepConsensus", "free_memory", "pad_plan"]
 
 
 class StepConsensus(Protocol):
@@ -140,6 +140,7 @@ class OomResplit:
         #: runs, so a caller can sync gradients on the last one only.
         self.micro_step = 0
         self.micro_step_count = 0
+        self._sizes: list[int] = []  # the last plan's micro-batch per device
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -241,38 +242,63 @@ class OomResplit:
         >>> guard.micro_batch_sizes, seen
         ([2, None], [[(0, 2), (0, 3)], [(2, 4), (3, 3)], [(4, 5), (3, 3)]])
         """
-        sizes = self._first_sizes(shares, micro_batch_sizes)
         validate_int("min_micro_steps", min_micro_steps, minimum=0)
         agreement = consensus or _GroupConsensus(self.group, self.catch)
-
-        def attempt() -> torch.Tensor:
-            planned = max(min_micro_steps, _micro_steps(shares, sizes))
-            steps = agreement.micro_steps(planned)
-            return self._run_micro_steps(shares, sizes, chunk_loss, weight, backward, steps, summed)
-
         total: torch.Tensor | None = None
         while True:
-            device: int | None = None
+            plan = self.plan(shares, micro_batch_sizes)
+            plan = pad_plan(plan, shares, agreement.micro_steps(max(min_micro_steps, len(plan))))
             try:
-                total = attempt()
+                total = self._run_plan(plan, chunk_loss, weight, backward, summed)
                 break
             except RuntimeError as error:  # torch.OutOfMemoryError is one
-                if not (self.catch and is_oom_error(error)):
-                    raise
-                device = device_index_of(error)
+                retry = self.after_oom(error, shares)
             # Handled here, outside the except block, so the failed graph's frames are freed.
             total = None
             zero_grad()
-            _free_memory()
-            if not self._shrink(shares, sizes, device):
+            free_memory()
+            if not retry:
                 break
-            self.resplits += 1
         failed, total = agreement.agree_step(total is None, total)
         if failed:
             zero_grad()
             self.skipped += 1
             return None
         return total
+
+    # -- the planner the Trainer consults ----------------------------------------------------
+
+    def plan(
+        self, shares: Sequence[int], micro_batch_sizes: Sequence[int | None] | None = None
+    ) -> list[list[tuple[int, int]]]:
+        """The micro-steps of a step: per micro-step, each device's span ``[start, stop)`` of
+        its own share, at most its micro-batch (the smallest of its share, its OOM cap and
+        ``micro_batch_sizes[i]``, the accumulation's cap). An empty share gives empty spans.
+
+        >>> OomResplit(devices=2).plan([3, 1], [2, None])
+        [[(0, 2), (0, 1)], [(2, 3), (1, 1)]]
+        """
+        self._sizes = sizes = self._first_sizes(shares, micro_batch_sizes)
+        return [
+            [(min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)]
+            for k in range(_micro_steps(shares, sizes))
+        ]
+
+    def after_oom(self, error: RuntimeError, shares: Sequence[int]) -> bool:
+        """After ``error`` ended an attempt at the last :meth:`plan` of ``shares``: ``True``
+        when the micro-batches were halved and the step may run again (plan it again),
+        ``False`` when none can shrink (skip the step). Re-raises ``error`` when it is not an
+        OOM, or when this guard does not catch (``catch=False``).
+
+        The caller zeroes the gradients and calls :func:`free_memory` before the next attempt,
+        outside its ``except`` block, so the failed graph can be collected.
+        """
+        if not (self.catch and is_oom_error(error)):
+            raise error
+        if not self._shrink(shares, self._sizes, device_index_of(error)):
+            return False
+        self.resplits += 1
+        return True
 
     def _first_sizes(
         self, shares: Sequence[int], micro_batch_sizes: Sequence[int | None] | None
@@ -307,23 +333,18 @@ class OomResplit:
             sizes[i] = self.micro_batch_sizes[i] = max(math.ceil(sizes[i] / 2), floor)
         return bool(shrink)
 
-    def _run_micro_steps(
+    def _run_plan(
         self,
-        shares: Sequence[int],
-        sizes: list[int],
+        plan: list[list[tuple[int, int]]],
         chunk_loss: Callable[[list[tuple[int, int]]], torch.Tensor],
         weight: float | torch.Tensor,
         backward: Callable[[torch.Tensor], None],
-        steps: int,
         summed: bool,
     ) -> torch.Tensor:
-        self.micro_step_count = steps
+        self.micro_step_count = len(plan)
         total: torch.Tensor | None = None  # summed on the loss's device: one copy at the end
-        for k in range(steps):
+        for k, spans in enumerate(plan):
             self.micro_step = k
-            spans = [
-                (min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)
-            ]
             loss = chunk_loss(spans)  # () mean over the micro-step's samples (or their sum)
             if not summed:
                 loss = weighted_sum(loss, sum(b - a for a, b in spans))
@@ -335,12 +356,25 @@ class OomResplit:
         return torch.zeros(()) if total is None else total
 
 
+def pad_plan(
+    plan: list[list[tuple[int, int]]], shares: Sequence[int], steps: int
+) -> list[list[tuple[int, int]]]:
+    """``plan`` with empty micro-steps (every span empty) appended up to ``steps``: under DDP
+    or FSDP2 every rank runs as many forward and backward passes as the others.
+
+    >>> pad_plan([[(0, 2)]], [2], 3)
+    [[(0, 2)], [(2, 2)], [(2, 2)]]
+    """
+    return plan + [[(n, n) for n in shares] for _ in range(steps - len(plan))]
+
+
 def _micro_steps(shares: Sequence[int], sizes: Sequence[int]) -> int:
     """The micro-steps the largest share needs at its micro-batch size."""
     return max((math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0)
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
+    """Collect a failed attempt's graph and hand cached blocks back to the device."""
     # The failed graph is only garbage once the exception and its frames are gone; collect
     # cycles, then hand cached blocks back so the smaller micro-batches can use them.
     gc.collect()

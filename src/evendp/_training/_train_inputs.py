@@ -9,6 +9,7 @@ Each refusal is an :class:`EvendpError` naming the argument, what it got and wha
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,10 +59,18 @@ def validate_config(config: Any) -> None:
         example="grad_clip=1.0 (None: no clipping)",
     )  # fmt: skip
     validate_choice("amp", config.amp, _AMP)
-    validate_choice("strategy", config.strategy, ("ddp", "fsdp2"))
+    from ._strategies import rank_strategy_names  # the registry: the one list of names
+
+    validate_choice("strategy", config.strategy, rank_strategy_names())
     for name in _FLAGS:
         validate_bool(name, getattr(config, name))
     validate_path("out_dir", config.out_dir, allow_none=True)
+    if not isinstance(config.strategy_config, (Mapping, str, os.PathLike, type(None))):
+        raise EvendpError(
+            f"strategy_config must be a dict or a JSON file's path, got "
+            f"{type(config.strategy_config).__name__}; e.g. strategy='deepspeed', "
+            'strategy_config={"zero_optimization": {"stage": 2}}'
+        )
     validate_int(
         "checkpoint_every", config.checkpoint_every, minimum=0,
         example="checkpoint_every=100 (0: only at the end)",

@@ -66,6 +66,8 @@ class TrainState:
     samples: list[int] = field(default_factory=list)
     _losses: list[float | torch.Tensor] = field(default_factory=list)
     _parts: list[torch.Tensor] = field(default_factory=list)
+    # Per pending part: the samples each device ran and the step's skip flag (device, unread).
+    _pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     #: What the last :meth:`resume` restored and what it could not (for the user to read).
     notes: list[str] = field(default_factory=list)
     #: What must match on resume: ``{"global_batch": int, "mode": str}`` (set by the Trainer).
@@ -85,31 +87,48 @@ class TrainState:
         return list(self._losses)  # type: ignore[arg-type]
 
     def record(
-        self, loss: torch.Tensor | float | None, ran: list[int], local: bool = False
+        self,
+        loss: torch.Tensor | float | None,
+        ran: list[int],
+        local: bool = False,
+        skipped: torch.Tensor | bool = False,
     ) -> None:
         """One step done: its loss (``None``: skipped, not recorded) and each device's samples.
 
         ``local``: the loss is this rank's part only; :meth:`flush` sums the parts over ranks.
+        ``skipped``: the non-finite gate's flag, a device tensor read only at :meth:`flush`;
+        a skipped step's loss and samples are then dropped.
         """
-        if loss is not None:
-            value = loss.detach() if isinstance(loss, torch.Tensor) else loss
-            if local:
-                self._parts.append(torch.as_tensor(value).float())
-            else:
-                self._flush_order_check()
-                self._losses.append(value)
-        self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+        if loss is None or (isinstance(skipped, bool) and skipped):
+            # Skipped on the host's knowledge: no loss, no samples (ran is zeros then).
+            self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+            return
+        value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if not local:
+            self._flush_order_check()
+            self._losses.append(value)
+            self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+            return
+        flag = skipped if isinstance(skipped, torch.Tensor) else torch.zeros(())
+        self._parts.append(torch.as_tensor(value).float())
+        self._pending.append((ran, flag))
 
     def _flush_order_check(self) -> None:
         if self._parts:  # a global loss after local parts: the parts must be summed first
             raise TrainingError("TrainState.flush() was not called before a global loss")
 
     def flush(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective)."""
-        if self._parts:
-            summed = reduce(torch.stack(self._parts))  # (pending steps,)
-            self._losses.extend(summed.unbind())
-            self._parts = []
+        """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective),
+        and read their skip flags (one host read): a skipped step keeps no loss or samples."""
+        if not self._parts:
+            return
+        summed = reduce(torch.stack(self._parts))  # (pending steps,)
+        flags = torch.stack([f.to(summed.device).float() for _, f in self._pending]).tolist()
+        for loss, (ran, _), skipped in zip(summed.unbind(), self._pending, flags, strict=True):
+            if not skipped:
+                self._losses.append(loss)
+                self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+        self._parts, self._pending = [], []
 
     @property
     def last_loss(self) -> float:

@@ -49,7 +49,7 @@ from .._core._cost import split_by_cost
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
-from .._core._exact import mean_scale, weighted_sum, zero_weight
+from .._core._exact import weighted_sum, zero_weight
 from .._core._validate import validate_count, validate_float, validate_int
 from .._distributed._interrupt import StopFlag, late_signal
 from .._distributed._sampler import EmptySafeCollate, sample_costs
@@ -70,10 +70,9 @@ from .._planning._balance import (
 )
 from ._callbacks import Callbacks
 from ._evaluate import EvalFn, loss_eval_fn
-from ._nonfinite import NonFiniteSteps, gradient_norm
+from ._oom import free_memory, pad_plan
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
-from ._strategies import Strategy, pick_strategy
-from ._strategies._fsdp2 import refuse_prebuilt_optimizer
+from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 from ._train_state import TrainState
 
@@ -109,7 +108,11 @@ class TrainConfig:
     amp: Literal["none", "bf16", "fp16"] = "none"
     activation_checkpointing: bool = False
     oom_resplit: bool = True
-    strategy: Literal["ddp", "fsdp2"] = "ddp"  # under torchrun
+    # Under torchrun, a name of the strategy registry: "ddp", "fsdp2" (one process: "dp").
+    strategy: str = "ddp"
+    # The strategy's own settings, for a strategy that reads some (a dict, or a JSON file's
+    # path); None: its defaults.
+    strategy_config: dict[str, Any] | str | Path | None = None
     out_dir: str | Path | None = None
     checkpoint_every: int = 0  # 0: only at the end and on Ctrl-C
     resume: bool = False
@@ -120,7 +123,8 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations of eval_data; 0: only after the last step
     balance: Literal["none", "speed"] = "none"  # "speed": move samples to fast ranks (torchrun)
     # Steps with a NaN/inf gradient are skipped; this many in a row stop the run (TrainingError).
-    # The check reads the gradient norm on the host once per step; 0 turns it off.
+    # Decided on the device with the default (fused) AdamW, read at log steps; other
+    # optimizers read the gradient norm on the host each step. 0 turns it off.
     max_nonfinite_steps: int = 3
     # Under torchrun: seconds a collective waits for the other ranks, from the first step on;
     # past it the run stops (RankStalled, exit 1) instead of hanging. None: the group's own.
@@ -132,7 +136,7 @@ class TrainConfig:
         validate_balance(self.balance)
         validate_int(
             "max_nonfinite_steps", self.max_nonfinite_steps, minimum=0,
-            example="max_nonfinite_steps=3 (0: no check, no host sync per step)",
+            example="max_nonfinite_steps=3 (0: no check)",
         )  # fmt: skip
         validate_float(
             "comm_timeout", self.comm_timeout, positive=True, allow_none=True,
@@ -407,12 +411,10 @@ class Trainer:
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
             _apply_activation_checkpointing(model)
-        self.strategy = strategy = _pick_strategy(model, config, device_ids, weights)
+        self.strategy = strategy = pick_strategy(model, config, device_ids, weights)
         strategy.check_optimizer(optimizer)
         self.rank, self.world = strategy.rank, strategy.world
         self.device = strategy.device
-        # fp16 needs loss scaling so small gradients do not flush to zero; bf16 does not.
-        self.scaler = torch.amp.GradScaler(self.device.type) if config.amp == "fp16" else None
         strategy.wrap(_LossModule(model, loss_fn, count_fn))
         self.wrapped = strategy.wrapped
         self.device_names = strategy.device_names
@@ -432,11 +434,10 @@ class Trainer:
         # A micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
         self.guard = strategy.guard(config.oom_resplit)
+        out = config.out_dir
+        where = "" if out is None else f"; the last good checkpoint is in {out}"
         # Built after wrapping: FSDP2 replaces the parameters with sharded ones.
-        self.optimizer = optimizer or torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-        )
-        self.scheduler = scheduler
+        strategy.build_optimizer(optimizer, scheduler, config, where=where)
         # A dataset without batch(indices) is collated per sample; an empty share (a rank of
         # size 0, or the short last step) gives zero-length tensors rather than an IndexError.
         # An explicit collate_fn wins over the dataset's batch(indices).
@@ -456,9 +457,6 @@ class Trainer:
         # What a resume must match: the same global batch keeps the remaining sample order.
         global_batch = sum(self.sampler.batch_sizes)  # one process: config.batch_size
         self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
-        out = config.out_dir
-        where = "" if out is None else f"; the last good checkpoint is in {out}"
-        self._nonfinite = NonFiniteSteps(config.max_nonfinite_steps, where)
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
         self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
@@ -475,6 +473,10 @@ class Trainer:
     step = property(lambda self: self.state.step)
     losses = property(lambda self: self.state.losses)
     samples = property(lambda self: self.state.samples)
+    # The optimizer's part of the step is the strategy's (built after wrapping).
+    optimizer = property(lambda self: self.strategy.optimizer)
+    scheduler = property(lambda self: self.strategy.scheduler)
+    scaler = property(lambda self: self.strategy.scaler)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -493,7 +495,7 @@ class Trainer:
         path = self.checkpoint_path
         if path is None:
             return None
-        self.state.flush(self.strategy.reduce_losses)  # every rank saves: collectives pair
+        self._read_pending()  # every rank saves: the collectives pair
         saved = self.strategy.save(self.state, path, self._checkpointed())
         self._saved_step = self.state.step
         saved = saved if self.rank == 0 else None
@@ -619,18 +621,16 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _step_weight(
-        self, batch: Batch, samples: int, counted: float | None = None
-    ) -> float | StepWeight:
+    def _step_weight(self, batch: Batch, samples: int, counted: float | None = None) -> StepWeight:
         """``world / the step's counted items over all processes``, before the first backward.
 
         The samples, or per-sample ``counts=``, are known to every process (no collective);
         a ``count_fn`` count is the strategy's to sum (:meth:`Strategy.count_weight`).
         """
         if counted is not None:  # from Trainer(counts=): every rank knows it
-            return float(mean_scale(counted, numerator=self.world))
+            return StepWeight.known(self.world, counted)
         if self.count_fn is None:
-            return float(mean_scale(samples, numerator=self.world))
+            return StepWeight.known(self.world, samples)
         # count_fn sees the batch as loss_fn does (a dict batch as the dict itself).
         local = torch.as_tensor(
             self._checked_count(self.count_fn, as_batch(as_args(batch), {})), dtype=torch.float64
@@ -663,8 +663,7 @@ class Trainer:
         weight = self._step_weight(batch, n)
         with self._autocast():
             total = self.strategy.forward(batch, self.strategy.shares(n))
-        scale = weight.wait() if isinstance(weight, StepWeight) else weight
-        return total * scale / self.world
+        return total * weight.wait() / self.world
 
     def _train_step(
         self,
@@ -672,96 +671,101 @@ class Trainer:
         samples: int,
         planned: list[int] | None = None,
         counted: float | None = None,
-    ) -> torch.Tensor | None:
-        """One optimizer step on this rank's ``batch``; ``samples`` in the step over ranks.
+    ) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
+        """One optimizer step on this process's ``batch``; ``samples`` in the step over ranks.
 
-        Returns the global batch's mean loss (on the device), or ``None`` when skipped (OOM).
+        Returns this process's part of the global batch's mean loss (on the device; ``None``
+        when an OOM skipped the step everywhere) and the step's skip flag (the non-finite
+        gate's, on the device: read with the losses, at log steps).
         """
-        strategy, guard = self.strategy, self.guard
+        strategy = self.strategy
+        self._warn_uncounted_once(batch)
         n = _batch_len(batch)
-        if not self._count_checked:
-            self._count_checked = True  # once: a host read of the batch's labels
-            if holds_ignored(batch):
-                uncounted_warning("Trainer(count_fn=None)", self.model, stacklevel=4)
         batch = strategy.place(batch)
-        # Each device's share of this batch: consecutive samples starting at offsets[i].
         shares = strategy.shares(n) if planned is None else planned  # planned: by cost
-        offsets = [sum(shares[:i]) for i in range(len(shares))]
-        accum = [math.ceil(s / self.config.accum) if s else None for s in shares]
-        attempt: list[list[int]] = []  # per micro-step, the samples each device ran
-
-        def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
-            """The loss summed over the counted items of this micro-step's rows."""
-            rows = [b - a for a, b in spans]
-            if guard.micro_step == 0:
-                attempt.clear()  # an OOM restarts the step from sample 0: count the last try
-            attempt.append(strategy.ran(rows))
-            last = guard.micro_step == guard.micro_step_count - 1
-            measured = self.balancer.measure(sum(rows))
-            if sum(rows) == 0:  # a rank with nothing left still runs: one stand-in sample
-                with strategy.sync(last), self._autocast(), measured:
-                    stand_in = strategy.forward(self._stand_in_for_empty(), strategy.shares(1))
-                summed = zero_weight(stand_in)  # joins backward and collectives with weight 0
-            else:
-                mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
-                with strategy.sync(last), self._autocast(), measured:
-                    summed = strategy.forward(_rows(batch, mine), rows).float()
-            if isinstance(weight, StepWeight):
-                weight.wait()  # the count's all-reduce ran during this forward
-            return summed
-
-        def backward(loss: torch.Tensor) -> None:
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
         weight = self._step_weight(batch, samples, counted)  # world / the global count
-        self.optimizer.zero_grad(set_to_none=True)
-        total = guard.run_shares(
-            shares,
-            chunk_loss,
-            weight=weight.value if isinstance(weight, StepWeight) else weight,
-            zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
-            backward=backward,
-            micro_batch_sizes=accum,
-            summed=True,
-            consensus=strategy,
-        )
-        self.micro_steps = attempt
-        if total is None:
-            return None
-        strategy.reduce_gradients()
-        if not self._optimizer_step():  # a NaN/inf gradient: skipped, as GradScaler does
-            self.optimizer.zero_grad(set_to_none=True)
+        strategy.zero_grad()
+        total = self._accumulate(batch, shares, weight)  # None: an OOM left nothing to run
+        failed, total = strategy.agree_step(total is None, total)
+        if failed:  # an OOM on some process: every process skips the step
+            strategy.zero_grad()
             self.guard.skipped += 1
-            return None
+            return None, True
+        skipped = strategy.optimizer_step(self.state.step + 1)
         # The step's mean, or this rank's part of it (the strategy sums the parts when read).
-        return total / self.world
+        return total / self.world, skipped
 
-    def _optimizer_step(self) -> bool:
-        """Clip and step; ``False`` (nothing updated) when the gradient is not finite."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
-        # GradScaler has its own policy for inf gradients (it lowers the scale and skips).
-        if self.scaler is None and self.config.max_nonfinite_steps:
-            norm = gradient_norm(self.model, self.config.grad_clip)
-            if not self._nonfinite.ok(norm, self.state.step + 1):
-                return False
-        elif self.config.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        stepped = True
-        if self.scaler is None:
-            self.optimizer.step()
-        else:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            # GradScaler skips the optimizer step on inf/NaN gradients and lowers its scale:
-            # then the learning-rate schedule must not advance either.
-            stepped = self.scaler.get_scale() >= scale
-        if self.scheduler is not None and stepped:
-            self.scheduler.step()
-        return True
+    def _warn_uncounted_once(self, batch: Batch) -> None:
+        """Once per run without ``count_fn``: warn when the batch holds ``-100`` labels that a
+        mean by samples would count (a host read of the labels, at the first step only)."""
+        if self._count_checked:
+            return
+        self._count_checked = True
+        if holds_ignored(batch):
+            uncounted_warning("Trainer(count_fn=None)", self.model, stacklevel=5)
+
+    def _accumulate(
+        self, batch: Batch, shares: list[int], weight: StepWeight
+    ) -> torch.Tensor | None:
+        """Forward and backward every micro-step of the step: the gradient of the step's
+        mean loss, and its total (detached). After an OOM the guard halves the failing
+        device's micro-batches and the step runs again from its first sample; ``None`` when
+        nothing smaller is left to try."""
+        caps = [math.ceil(s / self.config.accum) if s else None for s in shares]
+        while True:
+            plan = self.guard.plan(shares, caps)
+            plan = pad_plan(plan, shares, self.strategy.micro_steps(len(plan)))
+            try:
+                return self._run_micro_steps(batch, shares, plan, weight)
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                retry = self.guard.after_oom(error, shares)  # re-raises anything else
+            # Outside the except block, so the failed graph's frames can be freed.
+            self.strategy.zero_grad()
+            free_memory()
+            if not retry:
+                return None
+
+    def _run_micro_steps(
+        self,
+        batch: Batch,
+        shares: list[int],
+        plan: list[list[tuple[int, int]]],
+        weight: StepWeight,
+    ) -> torch.Tensor:
+        """The step as nanoGPT writes it: per micro-step, forward (each device its span of
+        its own share), the loss weighted by the step's weight, backward."""
+        strategy = self.strategy
+        offsets = [sum(shares[:i]) for i in range(len(shares))]  # each device's first row
+        self.micro_steps = []  # per micro-step, the samples each device ran
+        total = torch.zeros((), device=self.device)
+        for k, spans in enumerate(plan):
+            rows = [b - a for a, b in spans]
+            self.micro_steps.append(strategy.ran(rows))
+            last = k == len(plan) - 1  # gradients sync on the last micro-step only
+            with strategy.sync(last), self._autocast(), self.balancer.measure(sum(rows)):
+                if sum(rows):
+                    mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
+                    summed = strategy.forward(_rows(batch, mine), rows).float()
+                else:  # a rank with nothing left still runs: one stand-in sample, weight 0
+                    stand_in = self._stand_in_for_empty()
+                    summed = zero_weight(strategy.forward(stand_in, strategy.shares(1)))
+            loss = summed * weight.wait()  # the count's all-reduce ran during the forward
+            strategy.backward(loss)
+            total = total + loss.detach()
+        return total
 
     # -- the loop ----------------------------------------------------------------------------
+
+    def _read_pending(self) -> None:
+        """Where the host reads (log steps, checkpoints, the report): the steps' losses and
+        skip flags, summed over processes in one collective, and what the optimizer step left
+        pending (the schedule; the non-finite gate's verdict, which may stop the run)."""
+        self.strategy.settle()
+        self.state.flush(self.strategy.reduce_losses)
+
+    def _skipped_steps(self) -> int:
+        """Steps skipped so far: by an OOM everywhere, or by the non-finite gate (a read)."""
+        return self.guard.skipped + self.strategy.skipped_steps()
 
     def _samples_ran(self, stepped: bool) -> list[int]:
         """Per device, the samples the last step trained (none when it was skipped)."""
@@ -843,7 +847,7 @@ class Trainer:
             self.resume()
         start_step = state.step
         # What ran before this call (a resumed checkpoint's counts) stays out of its report.
-        before = (list(state.samples), self.guard.skipped)
+        before = (list(state.samples), self._skipped_steps())
         self.model.train()
         # A signal during start-up (caught by the command line's flag) stops before step one.
         signum: int | None = self.strategy.agree_stop()
@@ -864,17 +868,25 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss = self._train_step(item.batch, item.samples, item.shares, item.counted)
+                    loss, skipped = self._train_step(
+                        item.batch, item.samples, item.shares, item.counted
+                    )
                     self.balancer.step()  # every rank alike: maybe a new split from next step
                     state.step += 1
-                    # The loss is this process's part: reduce_losses makes it the step's.
-                    state.record(loss, self._samples_ran(loss is not None), local=True)
+                    # The loss is this process's part: reduce_losses makes it the step's. A
+                    # step the gate skipped on the device is dropped when the flags are read.
+                    state.record(
+                        loss, self._samples_ran(loss is not None), local=True, skipped=skipped
+                    )
                     # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
                     # steps, the same on every rank; the report still gets every step's.
                     # Callbacks' on_log reads it then too (when any rank has callbacks).
-                    due = reads and display_due(state.step, start_step, cfg.steps, cfg.log_every)
+                    due = display_due(state.step, start_step, cfg.steps, cfg.log_every)
+                    if due:  # the gate's verdict is read here even with nothing to show
+                        self.strategy.settle()
+                    due = due and reads
                     if due:
-                        state.flush(self.strategy.reduce_losses)
+                        self._read_pending()
                         if show and loss is not None:
                             shown = state.last_loss
                         self.callbacks.call("on_log", self, state.step, self._log_metrics(loss))
@@ -891,7 +903,7 @@ class Trainer:
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
-                    signum = self.strategy.agree_stop()
+                    signum = self.strategy.agree_stop(state.step)
         except KeyboardInterrupt as error:
             # Not from a signal while the flag is active (those only set it): raised by the
             # program itself or outside the main thread. One process stops with SIGINT (the
@@ -914,11 +926,11 @@ class Trainer:
     ) -> TrainReport:
         """This call's figures: samples per device per step, throughput and time count only
         the steps it ran (``before``: the samples and skipped steps it started from)."""
-        self.state.flush(self.strategy.reduce_losses)
+        self._read_pending()
         samples = [a - b for a, b in zip(self.state.samples, before[0], strict=True)]
         samples = self.strategy.reduce_samples(samples)  # each rank counted only its own
         # Skipped steps trained no samples.
-        done = max(steps_run - (self.guard.skipped - before[1]), 1)
+        done = max(steps_run - (self._skipped_steps() - before[1]), 1)
         peaks = self.strategy.peak_memory()
         stats = [
             DeviceStat(name, samples[i] / done, peaks[i])
@@ -940,7 +952,7 @@ class Trainer:
             samples_per_s=sum(samples) / max(elapsed, 1e-9),
             elapsed_s=elapsed,
             resplits=self.guard.resplits,
-            skipped_steps=self.guard.skipped,
+            skipped_steps=self._skipped_steps(),
             micro_batch_size=self.guard.micro_batch_size,
             interrupted=signum is not None,
             mode=self.strategy.name,
@@ -957,19 +969,3 @@ def _validate_collate_fn(collate_fn: Any) -> Any:
             "collate_fn=CodeParagraphs.collate of a padded dataset"
         )
     return collate_fn
-
-
-def _pick_strategy(
-    model: nn.Module,
-    config: TrainConfig,
-    device_ids: list[str | int | torch.device] | None,
-    weights: list[float] | None,
-) -> Strategy:
-    """The one place that maps the configuration to a way of running a step."""
-    return pick_strategy(
-        model, strategy=config.strategy, oom_resplit=config.oom_resplit, accum=config.accum,
-        blocks=lambda: repeated_blocks(model), device_ids=device_ids, weights=weights,
-    )  # fmt: skip
-
-
-_validate_fsdp2 = refuse_prebuilt_optimizer  # the old internal name

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .._core._errors import EvendpError
 from .._core._validate import shown
+from .._training._strategies import STRATEGIES
 from ._args import bounded_float, bounded_int, memory_text
 
 __all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
@@ -68,10 +69,17 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--mode",
-        choices=("dp", "ddp", "fsdp2"),
+        choices=tuple(STRATEGIES),
         default="dp",
-        help="dp: one process, BalancedDataParallel; ddp / fsdp2: one process per device under "
-        "torchrun (fsdp2 checkpoints are sharded, in OUT/ckpt.dcp) (default dp)",
+        help="; ".join(f"{e.name}: {e.summary}" for e in STRATEGIES.values())
+        + " (default dp; every mode but dp runs under torchrun)",
+    )
+    p.add_argument(
+        "--strategy-config",
+        default=None,
+        metavar="JSON",
+        help="the --mode's own settings as a JSON file, for a mode that reads some "
+        "(TrainConfig.strategy_config)",
     )
     p.add_argument(
         "--amp",
@@ -216,6 +224,16 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise EvendpError(
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
         )
+    if args.strategy_config is not None and args.mode == "dp":
+        raise EvendpError(
+            f"--strategy-config {shown(args.strategy_config)} configures a --mode run under "
+            "torchrun; use it with --mode " + "/".join(n for n in STRATEGIES if n != "dp")
+        )
+    if args.strategy_config is not None and not Path(args.strategy_config).is_file():
+        raise EvendpError(
+            f"--strategy-config {shown(args.strategy_config)} is not a file; pass the path "
+            "of a JSON file with the mode's settings"
+        )
     _validate_rank_options(args)
     _validate_pairs(args)
 
@@ -258,7 +276,7 @@ def _validate_rank_options(args: argparse.Namespace) -> None:
 
 
 def _checkpoint_in(args: argparse.Namespace) -> Path:
-    return Path(args.out) / ("ckpt.dcp" if args.mode == "fsdp2" else "ckpt.pt")
+    return Path(args.out) / STRATEGIES[args.mode].checkpoint_name
 
 
 def _restarted() -> bool:

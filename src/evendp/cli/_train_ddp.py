@@ -246,7 +246,7 @@ def run_rank(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
         lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
-        strategy="fsdp2" if args.mode == "fsdp2" else "ddp", out_dir=args.out,
+        strategy=args.mode, strategy_config=args.strategy_config, out_dir=args.out,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
         progress=not args.no_progress, balance=args.balance, comm_timeout=args.comm_timeout,

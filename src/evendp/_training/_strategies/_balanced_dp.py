@@ -20,7 +20,7 @@ from ..._parallel._dp import BalancedDataParallel
 from .._evaluate import EvalFn, evaluate_devices
 from ._base import Batch, Costs, Strategy, build_sampler
 
-__all__ = ["BalancedDP"]
+__all__ = ["BalancedDP", "build"]
 
 
 class BalancedDP(Strategy):
@@ -119,7 +119,7 @@ class BalancedDP(Strategy):
     def reduce_samples(self, samples: list[int]) -> list[int]:
         return list(samples)
 
-    def agree_stop(self) -> int | None:
+    def agree_stop(self, step: int | None = None) -> int | None:
         return self._stop_source()  # one process: nothing to agree on
 
     def interrupted(self, error: KeyboardInterrupt) -> int:
@@ -146,3 +146,13 @@ class BalancedDP(Strategy):
             int(torch.cuda.max_memory_allocated(d)) if d.type == "cuda" else None
             for d in self.dp.device_ids
         ]
+
+
+def build(
+    model: nn.Module,
+    config: Any,
+    device_ids: list[str | int | torch.device] | None,
+    weights: list[float] | None,
+) -> BalancedDP:
+    """The registry's ``"dp"``: one process over ``device_ids``."""
+    return BalancedDP(model, device_ids, weights)

@@ -1,4 +1,5 @@
-"""The contract of a strategy: every decision that differs between ways of running a step."""
+"""The contract of a strategy: every decision that differs between ways of running a step,
+from wrapping the model to backward and the optimizer step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_cost import StepWeight
 from .._evaluate import EvalFn
 from .._oom import OomResplit
+from .._optimizer_step import OptimizerStep, default_optimizer
 
 if TYPE_CHECKING:
     from .._train_state import TrainState
@@ -36,25 +38,38 @@ class Strategy(abc.ABC):
     """How one training step runs: the Trainer calls these, in this order, whatever the mode.
 
     Setup: :meth:`wrap` the loss module, build the :meth:`sampler` (and :meth:`device_costs`
-    for a cost plan inside this process), the :meth:`guard` for OOM re-splits, and
-    :meth:`check_optimizer`. Each step: :meth:`place` the batch, cut it into this process's
-    :meth:`shares`, learn the :meth:`count_weight`, then per micro-step :meth:`forward` inside
-    :meth:`sync`; the guard asks :meth:`micro_steps` and :meth:`agree_step` (the step/skip
-    consensus); then :meth:`reduce_gradients`. Losses and samples are summed over processes
-    by :meth:`reduce_losses` and :meth:`reduce_samples` when read; between steps
-    :meth:`agree_stop` is always called (nothing to agree in one process). Also evaluation
-    (:meth:`evaluate`), checkpoints (:attr:`checkpoint_name`, :meth:`save`, :meth:`resume`),
-    the report's device names and peak memory.
+    for a cost plan inside this process), the :meth:`guard` for OOM re-splits,
+    :meth:`check_optimizer` and :meth:`build_optimizer`. Each step (the Trainer's loop)::
+
+        batch = strategy.place(batch); shares = strategy.shares(n)
+        weight = strategy.count_weight(count)          # or known: samples, counts=
+        strategy.zero_grad()
+        for k, spans in enumerate(plan):               # guard.plan + micro_steps padding
+            with strategy.sync(last=k == len(plan) - 1):
+                summed = strategy.forward(rows, sizes)
+            strategy.backward(summed * weight)
+        failed, total = strategy.agree_step(failed, total)   # step or skip everywhere
+        skipped = strategy.optimizer_step(step)        # reduce, unscale, clip, gate, step
+        ... strategy.agree_stop(step)                  # between steps
+
+    Losses and samples are summed over processes by :meth:`reduce_losses` and
+    :meth:`reduce_samples` when read, where :meth:`settle` also resolves what the optimizer
+    step left on the device. Also evaluation (:meth:`evaluate`), checkpoints
+    (:attr:`checkpoint_name`, :meth:`save`, :meth:`resume`), the report's device names and
+    peak memory.
 
     Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
-    one-rank-per-
-    device strategies of :class:`~evendp._training._strategies._ranks.RankStrategy`.
+    one-rank-per-device strategies of
+    :class:`~evendp._training._strategies._ranks.RankStrategy`; the registry
+    (``_registry.py``) names them.
     """
 
     #: The report's ``mode``.
     name: str
     #: The checkpoint's name in ``out_dir``.
     checkpoint_name = "ckpt.pt"
+    #: The optimizer step (:meth:`build_optimizer`).
+    stepper: OptimizerStep
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -113,6 +128,29 @@ class Strategy(abc.ABC):
         """Refuse an optimizer this strategy cannot use (one built before sharding)."""
         return None
 
+    def build_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any | None,
+        config: Any,
+        *,
+        where: str = "",
+    ) -> OptimizerStep:
+        """The run's optimizer step (after :meth:`wrap`: FSDP2's parameters are sharded by
+        then): ``optimizer``, else AdamW with ``config.lr`` and ``config.weight_decay``;
+        fp16 loss scaling, clipping, the non-finite gate and the schedule
+        (:class:`~evendp._training._optimizer_step.OptimizerStep`). ``where`` names the last
+        good checkpoint for the gate's message."""
+        built = optimizer or default_optimizer(
+            self.model.parameters(), config.lr, config.weight_decay
+        )
+        self.stepper = OptimizerStep(
+            self.model, built, scheduler, amp=config.amp, grad_clip=config.grad_clip,
+            max_nonfinite_steps=config.max_nonfinite_steps, where=where,
+            device_type=self.device.type,
+        )  # fmt: skip
+        return self.stepper
+
     @abc.abstractmethod
     def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
         """The run's hold on ``out_dir`` for the life of ``fit`` (one writer per run folder):
@@ -165,9 +203,46 @@ class Strategy(abc.ABC):
         """After a step's micro-steps: whether every process skips it, and the step's total."""
         return failed, total
 
+    def zero_grad(self) -> None:
+        """Drop the gradients (before a step, and after an attempt an OOM ended)."""
+        self.stepper.zero_grad()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-step's loss, already weighted by the step's weight."""
+        self.stepper.backward(loss)
+
     def reduce_gradients(self) -> None:
         """After the step's backward: make the gradients the step's (DDP/FSDP2 already did)."""
         return None
+
+    def optimizer_step(self, step: int) -> torch.Tensor | bool:
+        """Make the gradients the step's and update the weights for step ``step`` (1-based):
+        the 0/1 flag of a step the non-finite gate skipped (a device tensor, not read)."""
+        self.reduce_gradients()
+        return self.stepper.step(step)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer :meth:`build_optimizer` built or took."""
+        return self.stepper.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        return self.stepper.scheduler
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's loss scaler (``None`` otherwise)."""
+        return self.stepper.scaler
+
+    def skipped_steps(self) -> int:
+        """Steps the non-finite gate skipped so far (a host read)."""
+        return self.stepper.gate.skipped
+
+    def settle(self) -> None:
+        """Where the Trainer reads the host anyway (log steps, checkpoints, the end): what the
+        optimizer step left pending (the schedule, the non-finite gate's verdict)."""
+        self.stepper.settle()
 
     # -- what the loop reads -----------------------------------------------------------------
 
@@ -180,8 +255,9 @@ class Strategy(abc.ABC):
         """Per device of the report, the samples trained, from this process's counts."""
 
     @abc.abstractmethod
-    def agree_stop(self) -> int | None:
-        """After a step: the stop signal any process received, the same on every process."""
+    def agree_stop(self, step: int | None = None) -> int | None:
+        """The stop signal every process stops with, the same on every process, or ``None``:
+        after ``step`` steps done (``None``: before the first step, by a collective)."""
 
     @abc.abstractmethod
     def interrupted(self, error: KeyboardInterrupt) -> int:

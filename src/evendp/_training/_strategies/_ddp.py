@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ._ranks import RankStrategy
 
-__all__ = ["DDP"]
+if TYPE_CHECKING:
+    from ._oom_safe_ddp import OomSafeDDP
+
+__all__ = ["DDP", "build"]
 
 
 class DDP(RankStrategy):
@@ -41,3 +44,10 @@ def _no_buffer_sync() -> dict[str, Any]:
     if "forward_sync_buffers" in params:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> DDP | OomSafeDDP:
+    """The registry's ``"ddp"``: OOM-safe unless ``config.oom_resplit`` is off."""
+    from ._oom_safe_ddp import OomSafeDDP
+
+    return OomSafeDDP(model) if config.oom_resplit else DDP(model)

@@ -16,7 +16,7 @@ from ._ranks import RankStrategy
 if TYPE_CHECKING:
     from .._train_state import TrainState
 
-__all__ = ["FSDP2", "refuse_prebuilt_optimizer"]
+__all__ = ["FSDP2", "build", "refuse_prebuilt_optimizer"]
 
 
 def refuse_prebuilt_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
@@ -74,3 +74,10 @@ class FSDP2(RankStrategy):
         self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
     ) -> bool:
         return state.resume(path, rank=self.rank, sharded=True, reseed=reseed, **objects)
+
+
+def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> FSDP2:
+    """The registry's ``"fsdp2"``: one FSDP2 unit per repeated block, then the root."""
+    from ..._core._blocks import repeated_blocks
+
+    return FSDP2(model, config.accum, lambda: repeated_blocks(model))

@@ -45,16 +45,20 @@ class OomSafeDDP(RankStrategy):
         fused = torch.stack([torch.tensor(float(failed), device=where), mine])
         fused = torch.cat([fused, stop_votes(self._stop_source(), where)])
         all_reduce_gradients(self.model.parameters(), extra=fused)
-        self._votes = fused[2:]
-        if bool(fused[0].item()):  # the one host sync: every rank must agree
+        # The one host read of a step, the OOM flag and the stop votes together: whether a
+        # rank failed decides the retry arithmetic's next plan and the skipped count, which
+        # the host keeps (a skip on the device alone would still need the host to know it).
+        failed_anywhere, _, sigint, sigterm = fused.tolist()
+        self._votes = torch.tensor([sigint, sigterm])
+        if failed_anywhere:
             return True, None
         return False, fused[1]  # the step's total over every rank
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         return parts  # already summed over ranks in the step's own all-reduce
 
-    def agree_stop(self) -> int | None:
+    def agree_stop(self, step: int | None = None) -> int | None:
         votes, self._votes = self._votes, None
         if votes is None:  # no step agreed since the last call: a collective of its own
-            return super().agree_stop()
+            return super().agree_stop(None)
         return agreed_signal(votes)

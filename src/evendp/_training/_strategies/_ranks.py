@@ -15,10 +15,11 @@ from ..._distributed._group import comm_device
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_cost import StepWeight
+from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks
 from .._oom import OomResplit
-from ._base import Batch, Costs, Strategy, agreed_signal, build_sampler, stop_votes
+from ._base import Batch, Costs, StopSource, Strategy, agreed_signal, build_sampler, stop_votes
 
 __all__ = ["RankStrategy"]
 
@@ -45,6 +46,7 @@ class RankStrategy(Strategy):
         super().__init__(model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device_names = [f"rank{r}" for r in range(self.world)]
+        self._notice: StopNotice | None = None
 
     def wrap(self, loss_module: nn.Module) -> None:
         for t in self.model.state_dict().values():  # start from rank 0's weights, as DDP does
@@ -107,10 +109,21 @@ class RankStrategy(Strategy):
         summed = _all_reduce(torch.tensor(samples, dtype=torch.float64))
         return [int(v) for v in summed.tolist()]
 
-    def agree_stop(self) -> int | None:
-        """One tiny all-reduce of ``[SIGINT seen, SIGTERM seen]``: every rank stops after the
-        same step (SIGINT wins when both came)."""
-        return agreed_signal(_all_reduce(stop_votes(self._stop_source(), comm_device())))
+    def watch_stop(self, source: StopSource) -> None:
+        super().watch_stop(source)
+        self._notice = StopNotice(group_store())  # one per fit: the same key on every rank
+
+    def agree_stop(self, step: int | None = None) -> int | None:
+        """Before the first step (``step=None``): one tiny all-reduce of ``[SIGINT seen,
+        SIGTERM seen]`` (SIGINT wins when both came). After a step: the store's stop notice,
+        no collective and no read of a tensor (:class:`StopNotice`): every rank stops after
+        the same step, the one after the first request's."""
+        if step is None or self._notice is None:
+            return agreed_signal(_all_reduce(stop_votes(self._stop_source(), comm_device())))
+        mine = self._stop_source()
+        if mine is not None:
+            self._notice.post(mine, step)
+        return self._notice.due(step)
 
     def interrupted(self, error: KeyboardInterrupt) -> int:
         raise error  # the other ranks could not agree on it: it propagates

@@ -1,0 +1,88 @@
+"""The one list of ways to run a step: names -> strategies, read by TrainConfig, the CLI, the docs.
+
+Each entry names a module and a builder, imported only when a run picks it, so listing the
+names (``TrainConfig``'s check, ``evendp train --mode``'s choices) imports no optional package.
+A new strategy is one file in this folder plus one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._base import Strategy
+
+__all__ = ["STRATEGIES", "StrategyEntry", "pick_strategy", "rank_strategy_names"]
+
+DeviceIds = list[str | int | torch.device] | None
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One way to run a step: ``build(model, config, device_ids, weights)`` in ``module``."""
+
+    name: str
+    module: str  # relative to this package
+    builder: str  # a function (model, config, device_ids, weights) -> Strategy
+    summary: str  # one line for --help and the docs
+    ranks: bool = True  # one process per device under torchrun
+    checkpoint_name: str = "ckpt.pt"  # in out_dir
+
+    def build(
+        self, model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
+    ) -> Strategy:
+        module = importlib.import_module(self.module, __package__)
+        built: Strategy = getattr(module, self.builder)(model, config, device_ids, weights)
+        return built
+
+
+STRATEGIES: dict[str, StrategyEntry] = {
+    entry.name: entry
+    for entry in (
+        StrategyEntry(
+            "dp",
+            "._balanced_dp",
+            "build",
+            "one process, BalancedDataParallel over its devices",
+            ranks=False,
+        ),  # fmt: skip
+        StrategyEntry(
+            "ddp",
+            "._ddp",
+            "build",
+            "one process per device; oom_resplit=True (the default): "
+            "OOM-safe local backward, then a bucketed all-reduce; False: torch's DDP",
+        ),  # fmt: skip
+        StrategyEntry(
+            "fsdp2",
+            "._fsdp2",
+            "build",
+            "one process per device, fully_shard per repeated "
+            "block; sharded checkpoints in OUT/ckpt.dcp",
+            checkpoint_name="ckpt.dcp",
+        ),  # fmt: skip
+    )
+}
+
+
+def rank_strategy_names() -> tuple[str, ...]:
+    """The strategies for ranks under torchrun: ``TrainConfig.strategy``'s choices.
+
+    >>> rank_strategy_names()[:2]
+    ('ddp', 'fsdp2')
+    """
+    return tuple(name for name, entry in STRATEGIES.items() if entry.ranks)
+
+
+def pick_strategy(
+    model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
+) -> Strategy:
+    """The way of running a step for this process: no process group means one process
+    (``"dp"``), else ``config.strategy``."""
+    ranks = dist.is_available() and dist.is_initialized()
+    return STRATEGIES[config.strategy if ranks else "dp"].build(model, config, device_ids, weights)
