@@ -1,15 +1,16 @@
 """Every rank stops after the same step, agreed through the process group's store, not a tensor.
 
-A rank that received SIGINT or SIGTERM posts "stop after step ``k + 1``" in the store that
+A rank that received SIGINT or SIGTERM posts "stop after step ``s``" in the store that
 torchrun's ranks already share (the key is set once: the first poster wins, so every rank reads
 the same step and signal). Every rank looks for the notice after each step, a host-side store
 lookup that never waits for the device.
 
-Why ``k + 1`` is late enough: the poster writes before it starts step ``k + 1``, and no rank can
-finish step ``k + 1`` before the poster joins that step's gradient collective (every strategy
-runs at least one per step, empty shares included). So every rank has seen the notice by the
-end of step ``k + 1``, and none has passed it: they stop after the same step. A rank that is
-behind sees it earlier and waits for that step.
+Which ``s``: the step in progress when the request is seen before one of the step's backward
+passes, else (seen after the step's last backward) the next one. Why every rank sees it in
+time: the poster writes before it joins step ``s``'s last gradient collective (every strategy
+runs at least one per step, empty shares included), and no rank can finish step ``s`` before
+that. So every rank has seen the notice by the end of step ``s``, and none has passed it: they
+stop after the same step.
 
 Each ``fit`` gets its own key (every rank counts its fits alike), so a notice from an
 interrupted run never stops the next one in the same process group.
@@ -18,7 +19,6 @@ interrupted run never stops the next one in the same process group.
 from __future__ import annotations
 
 import itertools
-import signal
 
 import torch.distributed as dist
 
@@ -31,6 +31,7 @@ _FITS = itertools.count(1)
 class StopNotice:
     """The stop request of one ``fit`` across ranks, in the process group's ``store``.
 
+    >>> import signal
     >>> notice = StopNotice(dist.HashStore())
     >>> notice.due(step=3) is None
     True

@@ -8,14 +8,14 @@ is not going to recover: it stops with :class:`TrainingError` (exit 1) and one l
 check alone without clipping); it is equal on every rank once the gradients are reduced, so
 every rank takes the same decision.
 
-The decision is made **on the device**, as ``GradScaler``'s ``found_inf`` is: :meth:`NonFiniteGate.found`
-turns the norm into a 0/1 flag, counts the steps in a row in device tensors, and an optimizer
-that takes ``found_inf`` (the fused Adam, AdamW and SGD: the Trainer's default AdamW is fused)
-skips its update on the device. Nothing is read by the host until :meth:`NonFiniteGate.check`,
-which the Trainer calls where it reads anyway (log steps, checkpoints, the end): a run that
-reached ``limit`` skips every later step until then, so its weights are still those of the
-last good step when it stops. An optimizer without ``found_inf`` gets the flag read on the
-host each step (:meth:`NonFiniteGate.ok`), as before.
+The decision is made **on the device**, as ``GradScaler``'s ``found_inf`` is:
+:meth:`NonFiniteGate.found` turns the norm into a 0/1 flag and counts the steps in a row in
+device tensors, and an optimizer that takes ``found_inf`` (the fused Adam, AdamW and SGD; the
+Trainer's default AdamW is fused) skips its update on the device. The host reads nothing until
+:meth:`NonFiniteGate.check`, which the Trainer calls where it reads anyway (log steps,
+checkpoints, the end): a run that reached ``limit`` skips every later step until then, so its
+weights are still those of the last good step when it stops. With an optimizer that has no
+``found_inf`` the flag is read on the host each step (:meth:`NonFiniteGate.ok`), as before.
 """
 
 from __future__ import annotations

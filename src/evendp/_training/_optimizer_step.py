@@ -1,4 +1,4 @@
-"""The optimizer's part of a step: backward, then unscale, clip, the non-finite gate, step, schedule.
+"""The optimizer's part of a step: backward, unscale, clip, the non-finite gate, step, schedule.
 
 One object per run, built by the strategy (:meth:`Strategy.build_optimizer`) after it wrapped
 the model, so FSDP2's sharded parameters are the ones optimized. The default optimizer is

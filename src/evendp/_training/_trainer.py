@@ -687,7 +687,7 @@ class Trainer:
         strategy.zero_grad()
         total = self._accumulate(batch, shares, weight)  # None: an OOM left nothing to run
         failed, total = strategy.agree_step(total is None, total)
-        if failed:  # an OOM on some process: every process skips the step
+        if failed or total is None:  # an OOM on some process: every process skips the step
             strategy.zero_grad()
             self.guard.skipped += 1
             return None, True
@@ -850,7 +850,7 @@ class Trainer:
         before = (list(state.samples), self._skipped_steps())
         self.model.train()
         # A signal during start-up (caught by the command line's flag) stops before step one.
-        signum: int | None = self.strategy.agree_stop()
+        signum: int | None = self.strategy.agree_stop(state.step, starting=True)
         if self.world > 1 and cfg.comm_timeout is not None:
             # Every rank is here (start-up skew is over): a rank silent for longer ends the run.
             set_comm_timeout(cfg.comm_timeout)

@@ -119,7 +119,7 @@ class BalancedDP(Strategy):
     def reduce_samples(self, samples: list[int]) -> list[int]:
         return list(samples)
 
-    def agree_stop(self, step: int | None = None) -> int | None:
+    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
         return self._stop_source()  # one process: nothing to agree on
 
     def interrupted(self, error: KeyboardInterrupt) -> int:

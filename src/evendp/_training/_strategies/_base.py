@@ -255,9 +255,9 @@ class Strategy(abc.ABC):
         """Per device of the report, the samples trained, from this process's counts."""
 
     @abc.abstractmethod
-    def agree_stop(self, step: int | None = None) -> int | None:
-        """The stop signal every process stops with, the same on every process, or ``None``:
-        after ``step`` steps done (``None``: before the first step, by a collective)."""
+    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
+        """The stop signal every process stops with, the same on every process, or ``None``,
+        with ``step`` steps done (``starting``: before this run's first step)."""
 
     @abc.abstractmethod
     def interrupted(self, error: KeyboardInterrupt) -> int:

@@ -57,8 +57,8 @@ class OomSafeDDP(RankStrategy):
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         return parts  # already summed over ranks in the step's own all-reduce
 
-    def agree_stop(self, step: int | None = None) -> int | None:
+    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
         votes, self._votes = self._votes, None
         if votes is None:  # no step agreed since the last call: a collective of its own
-            return super().agree_stop(None)
+            return super().agree_stop(step, starting=True)
         return agreed_signal(votes)

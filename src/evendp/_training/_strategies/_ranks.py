@@ -47,6 +47,7 @@ class RankStrategy(Strategy):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device_names = [f"rank{r}" for r in range(self.world)]
         self._notice: StopNotice | None = None
+        self._done = 0  # steps done, as of the last agree_stop
 
     def wrap(self, loss_module: nn.Module) -> None:
         for t in self.model.state_dict().values():  # start from rank 0's weights, as DDP does
@@ -113,17 +114,28 @@ class RankStrategy(Strategy):
         super().watch_stop(source)
         self._notice = StopNotice(group_store())  # one per fit: the same key on every rank
 
-    def agree_stop(self, step: int | None = None) -> int | None:
-        """Before the first step (``step=None``): one tiny all-reduce of ``[SIGINT seen,
+    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
+        """Before the first step (``starting``): one tiny all-reduce of ``[SIGINT seen,
         SIGTERM seen]`` (SIGINT wins when both came). After a step: the store's stop notice,
         no collective and no read of a tensor (:class:`StopNotice`): every rank stops after
-        the same step, the one after the first request's."""
-        if step is None or self._notice is None:
+        the same step."""
+        self._done = step
+        if starting or self._notice is None:
             return agreed_signal(_all_reduce(stop_votes(self._stop_source(), comm_device())))
-        mine = self._stop_source()
-        if mine is not None:
-            self._notice.post(mine, step)
+        self._post_stop()  # received after the step's last backward: stop after the next one
         return self._notice.due(step)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # A request received before this backward stops every rank after this very step: no
+        # rank can finish the step before this rank joins the step's last gradient
+        # collective, which comes after the notice.
+        self._post_stop()
+        super().backward(loss)
+
+    def _post_stop(self) -> None:
+        mine = self._stop_source()
+        if mine is not None and self._notice is not None:
+            self._notice.post(mine, self._done)  # stop after the step following _done
 
     def interrupted(self, error: KeyboardInterrupt) -> int:
         raise error  # the other ranks could not agree on it: it propagates

@@ -50,14 +50,14 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "build",
             "one process, BalancedDataParallel over its devices",
             ranks=False,
-        ),  # fmt: skip
+        ),
         StrategyEntry(
             "ddp",
             "._ddp",
             "build",
             "one process per device; oom_resplit=True (the default): "
             "OOM-safe local backward, then a bucketed all-reduce; False: torch's DDP",
-        ),  # fmt: skip
+        ),
         StrategyEntry(
             "fsdp2",
             "._fsdp2",
@@ -65,7 +65,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "one process per device, fully_shard per repeated "
             "block; sharded checkpoints in OUT/ckpt.dcp",
             checkpoint_name="ckpt.dcp",
-        ),  # fmt: skip
+        ),
     )
 }
 
