@@ -39,6 +39,7 @@ SAMPLES = {
     "--n-embd": "48",
     "--block-size": "40",
     "--max-chars": "700000",
+    "--strategy-config": "pyproject.toml",
 }
 
 # Refused under a mode, with the words its one line must carry.
@@ -46,6 +47,8 @@ REFUSED = {
     ("fsdp2", "--memory"): "FSDP2",
     ("fsdp2", "--model"): "use --mode dp",
     ("ddp", "--model"): "use --mode dp",
+    ("ddp", "--strategy-config"): "reads no --strategy-config",
+    ("fsdp2", "--strategy-config"): "reads no --strategy-config",
 }
 try:  # --log-to tensorboard is refused only where the package is missing
     import torch.utils.tensorboard  # noqa: F401

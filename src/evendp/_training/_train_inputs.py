@@ -65,12 +65,7 @@ def validate_config(config: Any) -> None:
     for name in _FLAGS:
         validate_bool(name, getattr(config, name))
     validate_path("out_dir", config.out_dir, allow_none=True)
-    if not isinstance(config.strategy_config, (Mapping, str, os.PathLike, type(None))):
-        raise EvendpError(
-            f"strategy_config must be a dict or a JSON file's path, got "
-            f"{type(config.strategy_config).__name__}; e.g. strategy='deepspeed', "
-            'strategy_config={"zero_optimization": {"stage": 2}}'
-        )
+    _validate_strategy_config(config)
     validate_int(
         "checkpoint_every", config.checkpoint_every, minimum=0,
         example="checkpoint_every=100 (0: only at the end)",
@@ -81,6 +76,23 @@ def validate_config(config: Any) -> None:
     validate_int("log_every", config.log_every, minimum=1, example="log_every=10")
     if (config.resume or config.checkpoint_every) and config.out_dir is None:
         raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
+
+
+def _validate_strategy_config(config: Any) -> None:
+    from ._strategies import STRATEGIES
+
+    if config.strategy_config is not None and not STRATEGIES[config.strategy].takes_config:
+        raise EvendpError(
+            f"strategy={config.strategy!r} reads no strategy_config; pass strategy_config=None"
+            ", or a strategy that reads one: "
+            + (", ".join(repr(n) for n, e in STRATEGIES.items() if e.takes_config) or "none yet")
+        )
+    if not isinstance(config.strategy_config, (Mapping, str, os.PathLike, type(None))):
+        raise EvendpError(
+            f"strategy_config must be a dict or a JSON file's path, got "
+            f"{type(config.strategy_config).__name__}; e.g. strategy='deepspeed', "
+            'strategy_config={"zero_optimization": {"stage": 2}}'
+        )
 
 
 def validate_trainer_args(

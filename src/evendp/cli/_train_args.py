@@ -224,10 +224,12 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise EvendpError(
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
         )
-    if args.strategy_config is not None and args.mode == "dp":
+    if args.strategy_config is not None and not STRATEGIES[args.mode].takes_config:
+        takers = [n for n, e in STRATEGIES.items() if e.takes_config]
         raise EvendpError(
-            f"--strategy-config {shown(args.strategy_config)} configures a --mode run under "
-            "torchrun; use it with --mode " + "/".join(n for n in STRATEGIES if n != "dp")
+            f"--mode {args.mode} reads no --strategy-config (got "
+            f"{shown(args.strategy_config)}); drop it"
+            + (f", or use --mode {'/'.join(takers)}" if takers else "")
         )
     if args.strategy_config is not None and not Path(args.strategy_config).is_file():
         raise EvendpError(

@@ -32,6 +32,7 @@ class StrategyEntry:
     summary: str  # one line for --help and the docs
     ranks: bool = True  # one process per device under torchrun
     checkpoint_name: str = "ckpt.pt"  # in out_dir
+    takes_config: bool = False  # reads TrainConfig.strategy_config
 
     def build(
         self, model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
