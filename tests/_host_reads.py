@@ -121,9 +121,10 @@ def _read_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str 
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
             return f"{name}[bool mask]"
-    if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) > 1:
-        if isinstance(args[1], torch.Tensor) and args[1].numel() > 1:
-            return "repeat_interleave"
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+    unsized = name == "repeat_interleave" and kwargs.get("output_size") is None
+    if unsized and isinstance(repeats, torch.Tensor) and repeats.numel() > 1:
+        return "repeat_interleave"
     return None
 
 
@@ -265,7 +266,9 @@ class HostReads:
 
     def describe(self, reads: list[HostRead] | None = None) -> str:
         """One line per distinct read (kind, site, culprit) with how often it happened."""
-        counted = Counter((r.kind, r.site, r.culprit) for r in (self.reads if reads is None else reads))
+        counted = Counter(
+            (r.kind, r.site, r.culprit) for r in (self.reads if reads is None else reads)
+        )
         return "\n".join(
             f"{n} x {kind} at {site} (evendp: {culprit})"
             for (kind, site, culprit), n in counted.most_common()

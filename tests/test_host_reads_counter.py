@@ -60,7 +60,9 @@ def test_pure_tensor_ops_do_not_count() -> None:
     opt = torch.optim.AdamW(net.parameters())
     with HostReads(ignore=optimizer_steps(lambda: opt)) as reads:
         for _ in range(2):
-            loss = torch.nn.functional.cross_entropy(net(torch.randn(4, 3)), torch.tensor([0, 1, 1, 0]))
+            loss = torch.nn.functional.cross_entropy(
+                net(torch.randn(4, 3)), torch.tensor([0, 1, 1, 0])
+            )
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             ok = torch.isfinite(norm).all()
@@ -84,7 +86,7 @@ def test_names_the_evendp_frame() -> None:
     # A function compiled as if it lived in evendp's package: the culprit is its frame.
     where = str(Path(evendp.__file__).resolve().parent / "_fake_module.py")
     space: dict[str, Any] = {}
-    exec(compile("def read_it(t):\n    return float(t)\n", where, "exec"), space)  # noqa: S102
+    exec(compile("def read_it(t):\n    return float(t)\n", where, "exec"), space)
     with HostReads(key=lambda: "k") as reads:
         space["read_it"](torch.tensor(1.0))
         float(torch.tensor(2.0))  # this test's own frame: not evendp

@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from evendp import EvendpError, TrainConfig, Trainer
 from evendp._distributed._group import finish_distributed
+from evendp.examples.gpt import GPT, GPTConfig
 from tests._helpers import run_ranks
 from tests._host_reads import HostRead, HostReads, culprits, optimizer_steps
-from evendp.examples.gpt import GPT, GPTConfig
 from tests.training.test_eval import IGNORE, lm_count, lm_loss, lm_samples, tiny_gpt2
 
 STEPS = 5
@@ -75,6 +75,11 @@ def _gpt(seed: int = 0) -> torch.nn.Module:
     """The demo GPT, tiny: the spawned ranks need not import transformers (4 s of CPU each)."""
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+
+
+def _samples() -> Any:
+    """64 right-padded windows: 12 steps of 5 fit in one epoch (no epoch turn measured)."""
+    return lm_samples(64, seed=1)
 
 
 def _gpt_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -132,7 +137,7 @@ def _one_process(**kw: Any) -> Trainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     return Trainer(
-        model, lm_samples(64, seed=1), _config(batch_size=5, **kw), device_ids=["cpu"] * 2,
+        model, _samples(), _config(batch_size=5, **kw), device_ids=["cpu"] * 2,
         loss_fn=loss_fn, count_fn=count_fn, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
 
@@ -179,7 +184,7 @@ def _rank_case(kw: dict[str, Any]) -> Any:
         cfg = _config(batch_sizes=SIZES, **kw)
     except (EvendpError, ValueError) as error:  # a strategy TrainConfig does not accept yet
         return f"TrainConfig refuses {kw}: {error}"
-    trainer = Trainer(_gpt(), lm_samples(64, seed=1), cfg, loss_fn=_gpt_loss, count_fn=count_fn)
+    trainer = Trainer(_gpt(), _samples(), cfg, loss_fn=_gpt_loss, count_fn=count_fn)
     return _summary(_fit_counting(trainer))
 
 
@@ -219,11 +224,10 @@ def test_two_ranks(case: str, two_ranks: list[dict[str, Any]]) -> None:
 def test_check_fails_on_a_read() -> None:
     """The check itself: a read in a steady-state window fails it, naming the culprit."""
     read = HostRead("__float__", "evendp/x.py:f:1", "evendp/x.py:f:1", 2)
-    with pytest.raises(pytest.fail.Exception, match="1 host read.*evendp/x.py:f"):
+    with pytest.raises(pytest.fail.Exception, match=r"1 host read.*evendp/x\.py:f"):
         _check("balanced dp", {2: [read]})
     allowed = ALLOWED["oom-safe ddp"][1]
     flag = HostRead("item", f"{allowed}:9", f"{allowed}:9", 2)
     _check("oom-safe ddp", {2: [flag]})
     with pytest.raises(pytest.fail.Exception, match="2 host read"):
         _check("oom-safe ddp", {2: [flag, flag]})
-
