@@ -638,11 +638,12 @@ class Trainer:
         return self.strategy.count_weight(local.reshape(()))
 
     def _checked_count(self, count_fn: CountFn, batch: Batch) -> int | torch.Tensor:
-        """``count_fn(batch)``, refused unless a whole number >= 0. Its value is read on the
-        CPU every step, on a GPU at the first step only (each read waits for the device)."""
+        """``count_fn(batch)``, refused unless a whole number >= 0. A tensor's value is read
+        at the first step only, on every device alike: each read waits for the device, so
+        later steps trust it (a Python number is checked every step, reading nothing)."""
         count = count_fn(batch)
-        on_cpu = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
-        validate_count("count_fn(batch)", count, check_values=on_cpu or self.state.step == 0)
+        first = self.state.step == 0 or not isinstance(count, torch.Tensor)
+        validate_count("count_fn(batch)", count, check_values=first)
         return count
 
     def batch_loss(self, batch: Batch) -> torch.Tensor:
@@ -878,28 +879,15 @@ class Trainer:
                     state.record(
                         loss, self._samples_ran(loss is not None), local=True, skipped=skipped
                     )
-                    # Read the loss (a host sync; DDP/FSDP2: a collective) only on display
-                    # steps, the same on every rank; the report still gets every step's.
-                    # Callbacks' on_log reads it then too (when any rank has callbacks).
-                    due = display_due(state.step, start_step, cfg.steps, cfg.log_every)
-                    if due:  # the gate's verdict is read here even with nothing to show
-                        self.strategy.settle()
-                    due = due and reads
-                    if due:
-                        self._read_pending()
-                        if show and loss is not None:
-                            shown = state.last_loss
-                        self.callbacks.call("on_log", self, state.step, self._log_metrics(loss))
+                    shown = self._log(loss, start_step, reads, shown)
                     self.callbacks.call("on_step_end", self, state.step)
                     if self._eval_due():
                         self._evaluate()
                     text = self._memory_text() + self._micro_text() if show else ""
                     bar.update(
-                        state.step,
-                        None if loss is None else shown,
-                        item.samples,
+                        state.step, None if loss is None else shown, item.samples,
                         text + self._eval_text(),
-                    )
+                    )  # fmt: skip
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
@@ -920,6 +908,24 @@ class Trainer:
             write_report(report, cfg.out_dir)
         self.callbacks.call("on_fit_end", self, report)
         return report
+
+    def _log(
+        self, loss: torch.Tensor | None, start_step: int, reads: bool, shown: float | None
+    ) -> float | None:
+        """On display steps (the same on every rank), read: the non-finite gate's verdict
+        always; with a bar or callbacks (``reads``, agreed by the ranks) the losses, summed
+        over ranks in one collective, and callbacks' ``on_log``. The loss the bar shows."""
+        cfg, state = self.config, self.state
+        if not display_due(state.step, start_step, cfg.steps, cfg.log_every):
+            return shown  # no host read, no collective: the report still gets every loss
+        self.strategy.settle()
+        if not reads:
+            return shown
+        self._read_pending()
+        if cfg.progress and self.rank == 0 and loss is not None:
+            shown = state.last_loss
+        self.callbacks.call("on_log", self, state.step, self._log_metrics(loss))
+        return shown
 
     def _report(
         self, steps_run: int, elapsed: float, signum: int | None, before: tuple[list[int], int]
