@@ -66,6 +66,11 @@ ALLOWED: dict[str, tuple[int, str, str]] = {
         "evendp/_training/_strategies/_oom_safe_ddp.py:agree_step",
         "the ranks' OOM flag decides which collectives run next",
     ),
+    "balanced dp, scheduler": (
+        1,
+        "evendp/_training/_optimizer_step.py:_schedule_late",
+        "the schedule holds on a skipped step: the previous step's flag, read a step late",
+    ),
 }
 
 Windows = dict[int, list[HostRead]]
@@ -134,7 +139,9 @@ def _one_process(**kw: Any) -> Trainer:
     optimizer = scheduler = None
     if scheduled:  # the default optimizer's settings, built here to hang a schedule on it
         cfg = _config(batch_size=5, **kw)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     return Trainer(
         model, _samples(), _config(batch_size=5, **kw), device_ids=["cpu"] * 2,

@@ -336,7 +336,15 @@ def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
 
 def agreed_signal(votes: torch.Tensor) -> int | None:
     """The signal the summed ``votes`` agree on (SIGINT wins when both came)."""
-    sigint, sigterm = (float(v) for v in votes.tolist())
+    return signal_of(*(float(v) for v in votes.tolist()))
+
+
+def signal_of(sigint: float, sigterm: float) -> int | None:
+    """The signal of summed votes already read (SIGINT wins when both came).
+
+    >>> signal_of(0.0, 2.0) == signal.SIGTERM, signal_of(0.0, 0.0)
+    (True, None)
+    """
     if sigint > 0:
         return int(signal.SIGINT)
     return int(signal.SIGTERM) if sigterm > 0 else None

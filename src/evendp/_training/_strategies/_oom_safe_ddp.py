@@ -16,7 +16,7 @@ import torch
 
 from ..._distributed._group import all_reduce_gradients, comm_device
 from .._oom import OomResplit
-from ._base import agreed_signal, stop_votes
+from ._base import signal_of, stop_votes
 from ._ranks import RankStrategy
 
 __all__ = ["OomSafeDDP"]
@@ -30,7 +30,7 @@ class OomSafeDDP(RankStrategy):
     (the flag) per step. A rank that failed sends zeros; when any rank failed, all zero the
     result and skip: the reduction was wasted, never wrong."""
 
-    _votes: torch.Tensor | None = None
+    _votes: tuple[float, float] | None = None  # the last step's summed stop votes, read
 
     def guard(self, oom_resplit: bool) -> OomResplit:
         return OomResplit(catch=oom_resplit)
@@ -49,7 +49,7 @@ class OomSafeDDP(RankStrategy):
         # rank failed decides the retry arithmetic's next plan and the skipped count, which
         # the host keeps (a skip on the device alone would still need the host to know it).
         failed_anywhere, _, sigint, sigterm = fused.tolist()
-        self._votes = torch.tensor([sigint, sigterm])
+        self._votes = (sigint, sigterm)
         if failed_anywhere:
             return True, None
         return False, fused[1]  # the step's total over every rank
@@ -61,4 +61,4 @@ class OomSafeDDP(RankStrategy):
         votes, self._votes = self._votes, None
         if votes is None:  # no step agreed since the last call: a collective of its own
             return super().agree_stop(step, starting=True)
-        return agreed_signal(votes)
+        return signal_of(*votes)
