@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from .._core._cost import _validate_caps, _validate_costs, split_by_cost
+from .._core._cost import split_by_cost, validate_caps, validate_costs
 from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
 from .._core._split import split_sizes
@@ -127,12 +127,12 @@ def sample_costs(data: object, length: int, costs: object) -> list[float] | None
         for i in range(length):
             values.append(costs(data[i]))
         try:
-            return _validate_costs(values)
+            return validate_costs(values)
         except EvendpError as err:
             raise EvendpError(
                 f"costs({type(data).__name__}[i]) returned a bad value: {err}"
             ) from None
-    checked = _validate_costs(costs)
+    checked = validate_costs(costs)
     if len(checked) != length:
         raise EvendpError(
             f"costs has {len(checked)} values for {length} samples; pass one cost per sample "
@@ -166,7 +166,7 @@ def _validate_max_costs(
             f"max_costs={max_costs!r} caps each rank's padded cost, but no costs were given; "
             "pass costs= (e.g. each sample's length) or leave max_costs=None"
         )
-    return _validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
+    return validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
 
 
 def _validate_max_tokens(

@@ -35,7 +35,7 @@ from .._core._deprecation import UNSET, renamed_argument, warn_renamed
 from .._core._errors import EvendpError
 from .._core._exact import combine_means
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
-from .._core._split import _validate_weights, split_sizes
+from .._core._split import split_sizes, validate_weights
 from .._core._validate import is_int, validate_int
 from ._replicate import parallel_apply, replicate
 from ._scatter import batch_size, batch_size_and_devices, gather_outputs, map_tensors, scatter
@@ -649,7 +649,7 @@ def _validate_auto(value: str) -> None:
 def _validate_weight_list(value: Sequence[float] | None, num_devices: int) -> list[float] | None:
     if value is None:
         return None
-    return _validate_weights(value, expected_len=num_devices)
+    return validate_weights(value, expected_len=num_devices)
 
 
 def _validate_placement(*groups: Iterable[torch.Tensor | None], home: torch.device) -> None:

@@ -26,10 +26,10 @@ from .._distributed._rank_errors import agreed
 from ._checkpoint import (
     UNVERIFIED,
     CorruptCheckpoint,
-    _read_state_file,
     load_checkpoint,
     load_rank_rng,
     load_sharded_checkpoint,
+    read_state_file,
     save_checkpoint,
     save_rank_rng,
     save_sharded_checkpoint,
@@ -205,7 +205,7 @@ class TrainState:
 
         def load(found: Path) -> dict[str, Any]:
             if sharded:
-                meta = agreed(lambda: _read_state_file(found), True)
+                meta = agreed(lambda: read_state_file(found), True)
                 agreed(lambda: self._check_run_config(found, meta.get("extra") or {}), True)
                 return load_sharded_checkpoint(found, **states, reseed=reseed)
             info = agreed(lambda: self._load_one(found, states), distributed)

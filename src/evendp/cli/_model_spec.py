@@ -30,6 +30,7 @@ from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, pars
 from ._args import bounded_float, bounded_int, suggest
 
 __all__ = [
+    "AMP_DTYPES",
     "BUILTIN_MODELS",
     "ModelSpec",
     "add_model_arguments",
@@ -41,7 +42,7 @@ __all__ = [
 
 BUILTIN_MODELS: tuple[str, ...] = ("gpt", "lm-head")
 
-_AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer] | None] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
@@ -104,7 +105,7 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
     )
     parser.add_argument(
         "--amp",
-        choices=sorted(_AMP),
+        choices=sorted(AMP_DTYPES),
         default="none",
         help="plan under autocast to bf16 / fp16 (default none: fp32)",
     )
@@ -137,7 +138,7 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         ) from None
     return {
         "optimizer": _OPTIMIZERS[args.optimizer],
-        "amp": _AMP[args.amp],
+        "amp": AMP_DTYPES[args.amp],
         "checkpointing": args.checkpointing,
         "gradient_as_bucket_view": args.bucket_view,
         "safety_margin": args.margin,

@@ -67,21 +67,21 @@ def run(args: argparse.Namespace) -> int:
     from evendp._core._errors import EvendpError
     from evendp._core._oom_errors import is_oom_error
     from evendp.cli._train_args import (
-        _is_launched_rank,
-        _resume_check,
-        _validate_args,
         fresh_start_check,
+        is_launched_rank,
         options_from_env,
+        resume_check,
+        validate_args,
     )
 
     try:
         args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
-        _validate_args(args)
-        done = _resume_check(args)
+        validate_args(args)
+        done = resume_check(args)
         if done is not None:
             return done
         fresh_start_check(args)
-        if not _is_launched_rank():  # the launcher said it once
+        if not is_launched_rank():  # the launcher said it once
             say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:

@@ -20,7 +20,7 @@ from .._oom import OomResplit
 if TYPE_CHECKING:
     from .._train_state import TrainState
 
-__all__ = ["Strategy", "StopSource"]
+__all__ = ["StopSource", "Strategy"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None
