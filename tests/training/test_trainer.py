@@ -497,11 +497,11 @@ def test_a_rank_with_no_samples_neither_hangs_nor_changes_the_gradient(
 
 
 def test_fsdp2_refuses_a_prebuilt_optimizer() -> None:
-    from evendp._training._trainer import _validate_fsdp2
+    from evendp._training._strategies._fsdp2 import refuse_prebuilt_optimizer
 
     model = TinyLM()
     with pytest.raises(EvendpError, match="optimizer=None"):
-        _validate_fsdp2(torch.optim.SGD(model.parameters(), 0.1))
+        refuse_prebuilt_optimizer(torch.optim.SGD(model.parameters(), 0.1))
 
 
 # --- the devices= spelling, fp16's skipped steps, count-weighted (token) losses -------------

@@ -73,7 +73,6 @@ from ._evaluate import EvalFn, loss_eval_fn
 from ._nonfinite import NonFiniteSteps, gradient_norm
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._strategies import Strategy, pick_strategy
-from ._strategies._fsdp2 import refuse_prebuilt_optimizer
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 from ._train_state import TrainState
 
@@ -970,6 +969,3 @@ def _pick_strategy(
         model, strategy=config.strategy, oom_resplit=config.oom_resplit, accum=config.accum,
         blocks=lambda: repeated_blocks(model), device_ids=device_ids, weights=weights,
     )  # fmt: skip
-
-
-_validate_fsdp2 = refuse_prebuilt_optimizer  # the old internal name
