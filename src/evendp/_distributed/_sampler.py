@@ -468,12 +468,21 @@ class UnevenBatchSampler:
 
     @property
     def batch_size(self) -> int:
-        """This rank's batch size for full steps."""
+        """This rank's share of a full step, ``batch_sizes[rank]``: the size of the batches this
+        rank's iterator yields, as torch's ``BatchSampler.batch_size`` means (Accelerate and
+        Lightning read it so). Not the global batch: that is :attr:`global_batch_size`, what
+        ``TrainConfig.batch_size`` and ``evendp train --batch`` set. The short last step of an
+        epoch (``drop_last=False``) and a step cut by costs may hold fewer.
+
+        >>> sampler = UnevenBatchSampler(100, [3, 5], rank=1, world_size=2)
+        >>> sampler.batch_size, sampler.global_batch_size
+        (5, 8)
+        """
         return self._sizes[self.rank]
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per full step over all ranks, ``sum(batch_sizes)``."""
+        """Samples per full step over all ranks, ``sum(batch_sizes)``: the global batch."""
         return self._global
 
     def set_epoch(self, epoch: int) -> None:

@@ -38,7 +38,7 @@ from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
 from .._core._split import split_sizes, validate_weights
 from .._core._validate import is_int, validate_int
 from ._replicate import parallel_apply, replicate
-from ._scatter import batch_size, batch_size_and_devices, gather_outputs, map_tensors, scatter
+from ._scatter import gather_outputs, map_tensors, row_count, row_count_and_devices, scatter
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
 
@@ -302,7 +302,7 @@ class BalancedDataParallel(nn.Module):
         if self._sentinel is not None:
             owner, name = self._sentinel
             _validate_placement([owner._parameters[name]], home=self.device_ids[0])
-        total, where = batch_size_and_devices((inputs, kwargs), self.dim)
+        total, where = row_count_and_devices((inputs, kwargs), self.dim)
         if total is None:
             raise EvendpError(
                 "BalancedDataParallel got no tensor with a batch dimension "
@@ -491,7 +491,7 @@ class ParallelCriterion(nn.Module):
 
     def forward(self, scattered: Scattered, *targets: Any, **kwargs: Any) -> torch.Tensor:
         _validate_scattered(scattered)
-        target_total = batch_size((targets, kwargs), scattered.dim)
+        target_total = row_count((targets, kwargs), scattered.dim)
         if target_total is not None and target_total != scattered.batch_size:
             raise EvendpError(
                 f"targets have {target_total} samples along dim={scattered.dim} but the "

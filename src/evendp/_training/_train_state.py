@@ -8,7 +8,7 @@ Step losses stay on their device until someone reads them (:attr:`TrainState.los
 loop never waits for the device just to record a number. Under DDP/FSDP2 each rank records
 its own part of a step's loss, and :meth:`TrainState.flush` sums all pending parts over ranks
 in one collective when the losses are needed (the progress bar's display steps, see
-:func:`evendp._distributed._step_cost.display_due`; a checkpoint; the report).
+:func:`evendp._distributed._step_count.display_due`; a checkpoint; the report).
 """
 
 from __future__ import annotations

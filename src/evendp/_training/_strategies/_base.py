@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..._distributed._sampler import UnevenBatchSampler
-from ..._distributed._step_cost import StepWeight
+from ..._distributed._step_count import StepWeight
 from .._evaluate import EvalFn
 from .._oom import OomResplit
 
