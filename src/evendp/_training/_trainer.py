@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
@@ -583,8 +583,10 @@ class Trainer:
         data = self.eval_data
         if data is None:
             return None
-        batch_fn = getattr(data, "batch", None)
-        empty_safe = EmptySafeCollate(data)
+        # Collated as training is: an explicit collate_fn wins over eval_data's batch(indices).
+        collate_fn = self._collate.collate_fn  # the user's, else default_collate
+        batch_fn = getattr(data, "batch", None) if collate_fn is default_collate else None
+        empty_safe = EmptySafeCollate(data, collate_fn)
 
         def collate(indices: list[int]) -> Batch:
             return (
