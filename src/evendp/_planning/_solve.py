@@ -1,4 +1,4 @@
-"""The solver: pure arithmetic over measured cost curves (no model runs here).
+"""The solver: pure arithmetic over measured memory curves (no model runs here).
 
 Peak memory as a function of the batch size is the maximum over moments of an affine
 function of it, so it is convex. Between two measured sizes the chord never under-predicts;

@@ -1,4 +1,5 @@
-"""Model specs on the command line, shared by ``evendp plan`` and ``evendp launch``.
+"""Model specs on the command line, shared by ``evendp plan`` and ``evendp launch`` (and the
+AMP dtypes and demo batches ``evendp train`` reuses).
 
 ``--model gpt`` (the demo char GPT), ``--model lm-head`` (a language-model head with
 ``--vocab``/``--seq-len``), ``--model package.module:factory`` or ``--model

@@ -1,4 +1,5 @@
-"""``evendp train``: train the built-in char-level GPT on the Python standard library's source.
+"""``evendp train``: train the built-in char-level GPT on the Python standard library's source
+(the demo), or rehearse the user's own model (``--model module:factory``) on CPU devices.
 
 The data is variable-length: one paragraph of stdlib code per sample, padded to the longest in
 the batch with -100 labels on the padding, and the loss is the exact mean over real
@@ -12,8 +13,9 @@ device, and the report (table, JSON, PNG in runs/demo) shows both against the bu
 A budget counts each replica's forward allocations plus its parameters (and, on the first
 device, gradients and optimizer state); backward's transient allocations are not counted.
 
---mode ddp starts one process per device under torchrun (through evendp launch's planning).
-Exit code 2 on bad input, 130 after SIGINT (Ctrl-C) and 143 after SIGTERM: the step in
+--mode ddp|fsdp2 starts one process per device under torchrun (through evendp launch's
+planning). Exit code 2 on bad input, 1 when a run fails (a NaN loss that stays, a full disk,
+a stalled rank), 130 after SIGINT (Ctrl-C) and 143 after SIGTERM: the step in
 progress finishes on every rank, a checkpoint is saved, and --resume continues.
 --max-restarts N (ddp/fsdp2) lets torchrun restart the ranks after one dies; the restarted
 ranks resume from the last checkpoint.
