@@ -2,7 +2,7 @@
 
 Each row plans the same model for N copies of one card (``"Nx1GiB"``) and for a mix of three
 cards in thirds (``1GiB``, ``512MiB``, ``256MiB``), DP and DDP, and reports the wall time of
-``evendp.plan``, the solver's calls of the cost model (``_Model.peak``) and the model runs
+``evendp.plan``, the solver's calls of the cost model (``MemoryModel.peak``) and the model runs
 on fake tensors (``measure_replica``). Work is per distinct device (budget and role), so the
 calls stay flat in N; the time left growing with N is building the per-device ``split`` lists.
 The first row (``A/A``) plans 8 devices twice: the spread of two equal runs on this machine.
@@ -24,7 +24,7 @@ from torch import nn
 
 from evendp import plan
 from evendp._planning import _planner
-from evendp._planning._solve import _Model
+from evendp._planning._solve import MemoryModel
 
 COUNTS = (8, 1_000, 1_000_000)
 
@@ -48,15 +48,15 @@ def _counted(fn: Any, calls: list[int]) -> Any:
 def run(n: int, mix: bool, mode: str) -> dict[str, Any]:
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     peaks, measures = [0], [0]
-    peak, measure = _Model.peak, _planner.measure_replica
-    _Model.peak = _counted(peak, peaks)  # type: ignore[method-assign]
+    peak, measure = MemoryModel.peak, _planner.measure_replica
+    MemoryModel.peak = _counted(peak, peaks)  # type: ignore[method-assign]
     _planner.measure_replica = _counted(measure, measures)
     try:
         start = time.perf_counter()
         result = plan(net, torch.randn(1, 64), _spec(n, mix), mode=mode, cuda_context=0)  # type: ignore[arg-type]
         seconds = time.perf_counter() - start
     finally:
-        _Model.peak = peak  # type: ignore[method-assign]
+        MemoryModel.peak = peak  # type: ignore[method-assign]
         _planner.measure_replica = measure
     return {
         "devices": n,

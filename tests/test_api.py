@@ -23,6 +23,7 @@ EXPECTED_ALL = {
     "EngineMean",
     "CheckpointError",
     "EvendpError",
+    "InputError",
     "LiveMemoryError",
     "NvmlUnavailableError",
     "OomResplit",
@@ -112,7 +113,7 @@ def test_errors_show_their_public_name() -> None:
         evendp.parse_memory("24 furlongs")
     except evendp.EvendpError as exc:
         shown = "".join(traceback.format_exception_only(type(exc), exc))
-    assert shown.startswith("evendp.EvendpError: cannot read device entry")
+    assert shown.startswith("evendp.InputError: cannot read device entry")
     assert repr(evendp.PlanError) == "<class 'evendp.PlanError'>"
 
 

@@ -4,6 +4,10 @@ The layers, bottom up, are the subpackages of ``evendp``; a module may import it
 subpackage and any lower layer, never a higher one, and never a sibling layer of the same
 rank. Lazy imports inside functions count too: a deferred import is still a dependency.
 Imports under ``if TYPE_CHECKING:`` count as well, so type hints cannot hide a cycle.
+
+What crosses a module's edge is public within the package: a module may live under an
+underscore path (``evendp._core._exact``), but a name another module imports from it has no
+leading underscore and sits in that module's ``__all__``.
 """
 
 from __future__ import annotations
@@ -46,24 +50,35 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
-    """``(line, dotted module)`` of every evendp import in ``path``, relative ones resolved."""
+def _from_imports(path: Path, root: Path) -> list[tuple[ast.ImportFrom, str]]:
+    """Every ``from ... import`` in ``path`` with its dotted module, relative ones resolved."""
     me = module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "evendp"]
-        elif isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
                 base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] == "evendp":
-                found.append((node.lineno, target))
+            found.append((node, target))
     return found
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """``(line, dotted module)`` of every evendp import in ``path``, relative ones resolved."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "evendp"]
+    found += [
+        (node.lineno, target)
+        for node, target in _from_imports(path, root)
+        if target.split(".")[0] == "evendp"
+    ]
+    return sorted(found)
 
 
 # The one allowed exception: the face's first line answers `evendp --version` and `--help`
@@ -84,6 +99,36 @@ def upward_imports(root: Path) -> list[str]:
             if LAYERS[theirs] >= LAYERS[mine]:
                 bad.append(f"{path.relative_to(root.parent)}:{line} ({mine}) imports {target}")
     return bad
+
+
+def is_module(dotted: str, root: Path) -> bool:
+    """Whether ``dotted`` (``evendp.x.y``) names a module or package in the tree at ``root``."""
+    where = root.parent.joinpath(*dotted.split("."))
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+
+def private_name_imports(root: Path) -> tuple[list[str], list[str]]:
+    """Imports of an underscore name from another module: ``(across layers, within one)``.
+
+    ``from .._core._exact import weighted_sum`` is fine (the module path is private, the
+    name is not); ``from .._training._checkpoint import _read_state_file`` is not. Importing
+    a private *module* (``from . import _oom``) is fine too: the module is the unit.
+    """
+    across, within = [], []
+    for path in sorted(root.rglob("*.py")):
+        me = module_name(path, root)
+        for node, target in _from_imports(path, root):
+            if target.split(".")[0] != "evendp" or target == me:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if not name.startswith("_") or name.startswith("__"):
+                    continue
+                if is_module(f"{target}.{name}", root):
+                    continue
+                where = f"{path.relative_to(root.parent)}:{node.lineno} imports {target}.{name}"
+                (across if part_of(target) != part_of(me) else within).append(where)
+    return across, within
 
 
 def test_every_module_has_a_layer() -> None:
@@ -107,6 +152,39 @@ def test_the_check_fails_on_an_upward_import(tmp_path: Path) -> None:
     (root / "_training" / "_trainer.py").write_text("from .._core._split import split_sizes\n")
     (root / "_core" / "_split.py").write_text("def f():\n    from .._training import _trainer\n")
     assert upward_imports(root) == ["evendp/_core/_split.py:2 (_core) imports evendp._training"]
+
+
+def test_no_module_imports_a_private_name_of_another_layer() -> None:
+    across, _ = private_name_imports(SRC)
+    assert across == [], "give the name a public spelling in its module's __all__"
+
+
+def test_no_module_imports_a_private_name_of_a_sibling() -> None:
+    _, within = private_name_imports(SRC)
+    assert within == [], "give the name a public spelling in its module's __all__"
+
+
+def test_the_check_fails_on_a_private_name_import(tmp_path: Path) -> None:
+    """The checker itself: an underscore name imported across a layer or from a sibling
+    module is reported; a private module path or a private module itself is not."""
+    root = tmp_path / "evendp"
+    for pkg in ("_core", "_training"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "_core" / "_split.py").write_text("def _check(): ...\ndef split(): ...\n")
+    (root / "_training" / "_checkpoint.py").write_text("def _read(): ...\n")
+    (root / "_training" / "_trainer.py").write_text(
+        "from .._core._split import _check, split\n"
+        "from .._core import _split\n"
+        "from ._checkpoint import _read\n"
+        "from . import _checkpoint\n"
+        "from .._core._split import __doc__\n"
+    )
+    assert private_name_imports(root) == (
+        ["evendp/_training/_trainer.py:1 imports evendp._core._split._check"],
+        ["evendp/_training/_trainer.py:3 imports evendp._training._checkpoint._read"],
+    )
 
 
 @pytest.mark.parametrize("name", evendp.__all__)

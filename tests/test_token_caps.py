@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from evendp import EvendpError, TrainConfig, Trainer, UnevenBatchSampler, plan
 from evendp._core._cost import padded_cost
 from evendp._planning._measure import at_width, profile_step
-from evendp._planning._solve import _Curve, _Model, _solve, _token_fit
+from evendp._planning._solve import Curve, MemoryModel, _solve, token_fit
 from tests.training.test_trainer_cost import Lines, TokenLM, tokens
 
 GiB = 2**30
@@ -26,18 +26,18 @@ def synthetic_caps(budgets: list[int]) -> list[int]:
     """Per-device token caps from the solver on a synthetic DDP curve at width ``L``:
     1 KiB of activations per token, 1 MiB of parameters and gradients, no optimizer."""
     per_sample = 1024.0 * L
-    replica = _Curve({n: {"params": 2**19, "grads": 2**19, "act": n * per_sample} for n in (2, 4)})
+    replica = Curve({n: {"params": 2**19, "grads": 2**19, "act": n * per_sample} for n in (2, 4)})
     static = {"params": 2.0**19, "grads": 2.0**19, "optimizer": 0.0, "optimizer_extra": 0.0}
-    model = _Model("ddp", 0, static, replica, replica, _Curve({2: {}}), None, None, 0, 0)
+    model = MemoryModel("ddp", 0, static, replica, replica, Curve({2: {}}), None, None, 0, 0)
     sol = _solve(model, budgets, 48)
     return [c * L for c in sol.caps]
 
 
 def test_token_fit_recovers_a_quadratic_and_a_linear_cost() -> None:
     attention = {(n, w): 5e5 + n * (300 * w + 2 * w * w) for n, w in [(2, 64), (4, 64), (4, 32)]}
-    assert _token_fit(attention) == pytest.approx((5e5, 300.0, 2.0))
+    assert token_fit(attention) == pytest.approx((5e5, 300.0, 2.0))
     linear = {(n, w): 1e3 + n * 40.0 * w for n, w in [(2, 64), (4, 64), (4, 32)]}
-    assert _token_fit(linear) == pytest.approx((1e3, 40.0, 0.0), abs=1e-9)
+    assert token_fit(linear) == pytest.approx((1e3, 40.0, 0.0), abs=1e-9)
 
 
 def test_long_step_gives_the_small_device_fewer_samples_within_its_token_cap() -> None:

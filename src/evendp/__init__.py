@@ -14,6 +14,7 @@ from ._core._counting import count_tokens
 from ._core._errors import (
     CheckpointError,
     EvendpError,
+    InputError,
     LiveMemoryError,
     NvmlUnavailableError,
     PlanError,
@@ -107,6 +108,7 @@ __all__ = [
     # errors
     "CheckpointError",
     "EvendpError",
+    "InputError",
     "LiveMemoryError",
     "NvmlUnavailableError",
     "PlanError",

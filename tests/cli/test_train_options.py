@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from evendp.cli import build_parser, main
-from evendp.cli._train_args import OPTIONS_ENV, _validate_args, options_from_env
+from evendp.cli._train_args import OPTIONS_ENV, options_from_env, validate_args
 from evendp.cli._train_ddp import plan_ranks
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "600000"]
@@ -114,7 +114,7 @@ def test_every_option_reaches_the_ranks_or_is_refused(
         assert err.count("\n") == 0 and REFUSED[(mode, label)] in err, err
         return
     args = build_parser().parse_args(full)
-    _validate_args(args)
+    validate_args(args)
     plan, _ = plan_ranks(args)
     rank = _rank_options(plan, monkeypatch)
     default = build_parser().parse_args(["train"])

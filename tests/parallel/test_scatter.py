@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evendp import EvendpError
-from evendp._parallel._scatter import batch_size, gather_outputs, map_tensors, scatter
+from evendp._parallel._scatter import gather_outputs, map_tensors, row_count, scatter
 
 CPU = torch.device("cpu")
 
@@ -66,9 +66,9 @@ def test_scatter_along_dim_one_and_non_batch_tensors_go_whole() -> None:
 
 
 def test_batch_size_names_the_disagreeing_shapes() -> None:
-    assert batch_size(("no tensors", 3)) is None
+    assert row_count(("no tensors", 3)) is None
     with pytest.raises(EvendpError, match=r"\[3, 2\].*\[4\]"):
-        batch_size((torch.zeros(3, 2), torch.zeros(4)))
+        row_count((torch.zeros(3, 2), torch.zeros(4)))
 
 
 def test_gather_weights_float_scalars_and_sums_counts() -> None:

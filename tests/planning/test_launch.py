@@ -235,10 +235,9 @@ def test_speed_balancer_reads_caps_from_launch_env(
     def balancer() -> SpeedBalancer:
         sizes = batch_sizes_from_env()
         sampler = UnevenBatchSampler(range(4 * batch), sizes, rank=0, world_size=3)
-        b = SpeedBalancer(sampler, warmup=2)
         # Rank 2 (the small-memory one) is ten times faster than the others.
-        b._set_timings([[1.0, sizes[0]], [1.0, sizes[1]], [0.1, sizes[2]]])
-        return b
+        timings = [(1.0, sizes[0]), (1.0, sizes[1]), (0.1, sizes[2])]
+        return SpeedBalancer(sampler, warmup=2, gather=lambda mine: timings)
 
     capped = balancer()
     assert capped.caps == caps

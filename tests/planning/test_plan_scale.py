@@ -20,11 +20,32 @@ import evendp
 from evendp._core._errors import PlanError
 from evendp._core._split import split_sizes
 from evendp._planning import _planner
-from evendp._planning._solve import _capped_even_split, _largest, _Model, _solve
+from evendp._planning._solve import MemoryModel, _largest, _solve
 from tests.planning.test_plan_solve import KiB, _model
 
 
-def _reference(model: _Model, budgets: list[int], batch: int | None) -> dict[str, list[int]]:
+def _capped_even_split(caps: list[int], total: int) -> list[int]:
+    """Split ``total`` as evenly as the caps allow: ``min(cap_i, level)`` for the lowest level.
+
+    For equally fast devices the step takes as long as the largest share, so the best split
+    that fits is the even one, with a device that cannot hold its even share kept at its cap
+    and the rest spread evenly over the others (speed differences are the speed balancer's
+    job, at run time). The caller guarantees ``sum(caps) >= total``.
+
+    >>> _capped_even_split([100, 5, 100], 30)
+    [13, 5, 12]
+    """
+    level = _largest(lambda lv: sum(min(c, lv) for c in caps) < total, 1) + 1
+    sizes = [min(c, level) for c in caps]
+    excess = sum(sizes) - total
+    for i in reversed(range(len(sizes))):  # take the excess back from the uncapped, last first
+        if excess and sizes[i] == level:
+            sizes[i] -= 1
+            excess -= 1
+    return sizes
+
+
+def _reference(model: MemoryModel, budgets: list[int], batch: int | None) -> dict[str, list[int]]:
     """One cap search per device: the answer the grouped solver must reproduce."""
     k = len(budgets)
 
@@ -96,9 +117,9 @@ def test_grouped_solver_equals_the_per_device_answer(
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Record every cost-model evaluation (device index) and every model run on fake tensors."""
     seen: dict[str, list[Any]] = {"peak": [], "measure": []}
-    peak, measure = _Model.peak, _planner.measure_replica
+    peak, measure = MemoryModel.peak, _planner.measure_replica
 
-    def counted_peak(self: _Model, i: int, n: int, total: int) -> float:
+    def counted_peak(self: MemoryModel, i: int, n: int, total: int) -> float:
         seen["peak"].append(i)
         return peak(self, i, n, total)
 
@@ -106,7 +127,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["measure"].append(args[1:])
         return measure(*args, **kwargs)
 
-    monkeypatch.setattr(_Model, "peak", counted_peak)
+    monkeypatch.setattr(MemoryModel, "peak", counted_peak)
     monkeypatch.setattr(_planner, "measure_replica", counted_measure)
     return seen
 

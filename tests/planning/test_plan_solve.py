@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evendp._core._errors import PlanError
-from evendp._planning._solve import Mode, _Curve, _Model, _solve
+from evendp._planning._solve import Curve, MemoryModel, Mode, _solve
 
 KiB = 1024.0
 
@@ -17,7 +17,7 @@ def _model(
     mode: Mode = "ddp",
     convex: float = 0.0,
     gathered_per_sample: float | None = None,
-) -> _Model:
+) -> MemoryModel:
     """Peak(n) = fixed + per_sample * n + convex * n^2, measured at n = 1, 2, 4, 8."""
     acts = {
         n: {"params": fixed, "activations": per_sample * n + convex * n * n} for n in (1, 2, 4, 8)
@@ -26,14 +26,14 @@ def _model(
     gathered = held = None
     if gathered_per_sample is not None:
         per_total = {t: {"gathered_grad": gathered_per_sample * t} for t in (1, 2, 4, 8)}
-        gathered, held = _Curve(per_total), _Curve(per_total)
-    return _Model(
+        gathered, held = Curve(per_total), Curve(per_total)
+    return MemoryModel(
         mode=mode,
         output_device=0,
         static=static,
-        replica=_Curve(acts),
-        forward_end=_Curve({n: {"params": fixed} for n in acts}),
-        outputs=_Curve({n: {"bytes": 0.0} for n in acts}),
+        replica=Curve(acts),
+        forward_end=Curve({n: {"params": fixed} for n in acts}),
+        outputs=Curve({n: {"bytes": 0.0} for n in acts}),
         gathered=gathered,
         gathered_held=held,
         buckets=0,
@@ -80,7 +80,7 @@ def test_convex_curves_interpolate_above_and_extrapolate_below() -> None:
     def true(n: float) -> float:
         return 50 * n * n + 50 * n
 
-    curve = _Curve({n: {"b": true(n)} for n in (1, 2, 4)})
+    curve = Curve({n: {"b": true(n)} for n in (1, 2, 4)})
     # Between measured sizes the chord over-predicts a convex peak (safe) ...
     assert curve.at(3)["b"] >= true(3)
     # ... beyond the largest it under-predicts: extrapolation is a lower bound.

@@ -89,14 +89,29 @@ def test_balance_errors(args: tuple[Any, ...], message: str) -> None:
 # SpeedBalancer decisions with fixed timings (no process group)
 
 
+class Timings:
+    """Every rank's ``(seconds, samples)`` for the next exchange: a balancer's ``gather=``."""
+
+    def __init__(self) -> None:
+        self.per_rank: list[tuple[float, float]] = []
+        self.calls = 0  # exchanges so far
+
+    def __call__(self, mine: tuple[float, float]) -> list[tuple[float, float]]:
+        self.calls += 1
+        return self.per_rank
+
+
 def balancer_with(sizes: list[int], **kwargs: Any) -> tuple[UnevenBatchSampler, SpeedBalancer]:
     sampler = UnevenBatchSampler(10_000, sizes, rank=0, world_size=len(sizes))
+    kwargs.setdefault("gather", Timings())  # gather=None: this one process's own timings
     return sampler, SpeedBalancer(sampler, **kwargs)
 
 
 def feed(b: SpeedBalancer, sampler: UnevenBatchSampler, per_sample: list[float]) -> bool:
     """One step in which rank i takes per_sample[i] seconds per sample."""
-    b._set_timings([[t * n, n] for t, n in zip(per_sample, sampler.batch_sizes, strict=True)])
+    b.gather.per_rank = [  # type: ignore[union-attr]
+        (t * n, n) for t, n in zip(per_sample, sampler.batch_sizes, strict=True)
+    ]
     return b.step()
 
 
@@ -110,7 +125,7 @@ def test_waits_for_warmup_then_moves_to_fast_rank() -> None:
 
 def test_first_step_is_ignored() -> None:
     sampler, b = balancer_with([8, 8], warmup=2)
-    b._set_timings([[100.0, 8], [0.1, 8]])  # a huge one-off cost on rank 0
+    b.gather.per_rank = [(100.0, 8), (0.1, 8)]  # type: ignore[union-attr]  # a one-off cost
     b.step()
     assert b.seconds_per_sample == [None, None]
     feed(b, sampler, [0.01, 0.01])
@@ -161,24 +176,15 @@ def test_adapts_when_a_rank_slows_mid_run() -> None:
 
 def test_every_k_steps_exchanges_less_often() -> None:
     sampler, b = balancer_with([8, 8], warmup=2, every=3)
-    calls = 0
-    original = b._exchange
-
-    def counting() -> list[tuple[float, float]]:
-        nonlocal calls
-        calls += 1
-        return original()
-
-    b._exchange = counting  # type: ignore[method-assign]
     for _ in range(9):
         feed(b, sampler, [0.01, 0.03])
-    assert calls == 3
+    assert isinstance(b.gather, Timings) and b.gather.calls == 3
     assert sampler.batch_sizes == [12, 4]
 
 
 def test_first_step_is_dropped_when_exchanging_every_k_steps() -> None:
     # With every=2 the first exchange is at step 2; step 1's one-off cost must not be in it.
-    _, b = balancer_with([8], warmup=2, every=2)
+    _, b = balancer_with([8], warmup=2, every=2, gather=None)
     b.record(100.0, 8)
     assert b.step() is False
     b.record(0.08, 8)
@@ -194,6 +200,7 @@ def test_balancer_argument_errors() -> None:
         ({"window": 0}, "window"),
         ({"tolerance": 1.0}, "tolerance"),
         ({"caps": [3, 3]}, "fewer than the global batch"),
+        ({"gather": [(1.0, 4), (1.0, 4)]}, "gather must be a function"),
     ]:
         with pytest.raises(EvendpError, match=message):
             SpeedBalancer(sampler, **kwargs)

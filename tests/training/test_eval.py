@@ -112,6 +112,35 @@ def test_eval_over_uneven_virtual_devices_equals_one_device(
     assert (tmp_path / "report.png").stat().st_size > 0
 
 
+def ragged_samples(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`lm_samples` unpadded: token windows of 2 to 10 tokens, which need a collate_fn."""
+    return [(ids[labels != IGNORE], labels[labels != IGNORE]) for ids, labels in
+            lm_samples(n, seed=seed)]  # fmt: skip
+
+
+def pad(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a ragged batch: ids with 0, labels with -100 (a causal LM's left context and
+    absolute positions are unchanged, so each token's loss is the one unpadded)."""
+    ids = nn.utils.rnn.pad_sequence([i for i, _ in samples], batch_first=True)
+    labels = nn.utils.rnn.pad_sequence([y for _, y in samples], batch_first=True,
+                                       padding_value=IGNORE)  # fmt: skip
+    return ids, labels
+
+
+def test_eval_data_is_collated_with_the_users_collate_fn() -> None:
+    """Ragged samples that train only through collate_fn= evaluate through it too (before the
+    fix, evaluation stacked them with default_collate and fit() failed at the first eval)."""
+    model = tiny_gpt2()
+    train, val = ragged_samples(48, seed=1), ragged_samples(N_EVAL, seed=2)
+    cfg = TrainConfig(steps=2, batch_size=8, lr=1e-3, eval_every=1, progress=False)
+    trainer = Trainer(model, train, cfg, device_ids=["cpu"] * 2, weights=[3, 1], loss_fn=lm_loss,
+                      count_fn=lm_count, collate_fn=pad, eval_data=val)  # fmt: skip
+    report = trainer.fit()
+    expected = one_device(model, lm_samples(N_EVAL, seed=2))["loss"]  # padded to 10 at once
+    assert [e["step"] for e in report.eval] == [1, 2]
+    assert report.eval[-1]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_the_mean_of_batch_means_would_be_caught() -> None:
     # Averaging each batch's (or device's) mean, the usual shortcut, weights the short last
     # batch and the short sequences wrongly: it differs, so the check above can fail.

@@ -32,10 +32,15 @@ import math
 from collections.abc import Sequence
 
 from ._errors import EvendpError
-from ._split import _validate_weights, split_sizes
+from ._split import split_sizes, validate_weights
 from ._validate import validate_bool
 
-__all__ = ["padded_cost", "split_by_cost"]
+__all__ = [
+    "padded_cost",
+    "split_by_cost",
+    "validate_caps",
+    "validate_costs",
+]
 
 # Orders of the devices tried: every permutation up to this many devices, else a few.
 _ALL_ORDERS_UP_TO = 4
@@ -44,7 +49,7 @@ _RELATIVE_TOL = 1e-9
 _MAX_BISECTIONS = 100
 
 
-def _validate_costs(costs: object) -> list[float]:
+def validate_costs(costs: object) -> list[float]:
     """Return ``costs`` as floats, or raise naming the bad value and the fix."""
     tolist = getattr(costs, "tolist", None)  # a 1-D tensor or NumPy array of lengths
     if callable(tolist) and getattr(costs, "ndim", None) == 1:
@@ -69,7 +74,7 @@ def _validate_costs(costs: object) -> list[float]:
     return values
 
 
-def _validate_caps(caps: Sequence[float] | None, devices: int, name: str) -> list[float]:
+def validate_caps(caps: Sequence[float] | None, devices: int, name: str) -> list[float]:
     """Per-device upper bounds (``inf`` when ``None``)."""
     if caps is None:
         return [math.inf] * devices
@@ -99,7 +104,7 @@ def padded_cost(costs: Sequence[float], padded: bool = True) -> float:
     >>> padded_cost([])
     0.0
     """
-    values = _validate_costs(costs)
+    values = validate_costs(costs)
     validate_bool("padded", padded)
     if not values:
         return 0.0
@@ -211,17 +216,17 @@ def split_by_cost(
     >>> split_by_cost([4, 4, 4, 4, 4, 4], [2, 1, 0])
     [[0, 1, 2, 3], [4, 5], []]
     """
-    values = _validate_costs(costs)
+    values = validate_costs(costs)
     validate_bool("padded", padded)
-    weights = _validate_weights(capacities)
+    weights = validate_weights(capacities)
     devices = len(weights)
     largest = max(weights)
     weights = [w / largest for w in weights]  # relative to the largest, as split_sizes does
     sizes_cap = [
         int(c) if math.isfinite(c) else len(values)
-        for c in _validate_caps(max_sizes, devices, "max_sizes")
+        for c in validate_caps(max_sizes, devices, "max_sizes")
     ]
-    costs_cap = _validate_caps(max_costs, devices, "max_costs")
+    costs_cap = validate_caps(max_costs, devices, "max_costs")
     order_by_cost = sorted(range(len(values)), key=lambda j: (values[j], j))
     runs = _Runs([values[j] for j in order_by_cost], padded)
     if not values:

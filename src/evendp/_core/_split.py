@@ -14,10 +14,14 @@ from collections.abc import Sequence
 from ._errors import EvendpError
 from ._validate import validate_int
 
-__all__ = ["split_even", "split_sizes"]
+__all__ = [
+    "split_even",
+    "split_sizes",
+    "validate_weights",
+]
 
 
-def _validate_weights(weights: Sequence[float], expected_len: int | None = None) -> list[float]:
+def validate_weights(weights: Sequence[float], expected_len: int | None = None) -> list[float]:
     """Return ``weights`` as floats, or raise naming what is wrong and how to fix it."""
     if (
         isinstance(weights, (str, bytes))
@@ -62,7 +66,7 @@ def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
     [2, 0, 1]
     """
     validate_int("total", total, minimum=0, example="32")
-    values = _validate_weights(weights)
+    values = validate_weights(weights)
     # Relative to the largest weight first: tiny (subnormal) or huge weights would make
     # total / sum overflow to infinity.
     largest = max(values)

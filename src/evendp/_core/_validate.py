@@ -73,7 +73,7 @@ def validate_int(
     >>> validate_int("batch_size", True, minimum=1, example="batch_size=64")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: batch_size must be a positive int, got True; e.g. batch_size=64
+    evendp.InputError: batch_size must be a positive int, got True; e.g. batch_size=64
     """
     if value is None and allow_none:
         return None
@@ -108,7 +108,7 @@ def validate_float(
     >>> validate_float("grad_clip", float("nan"), positive=True, example="grad_clip=1.0")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: grad_clip must be a finite number > 0, got nan; e.g. grad_clip=1.0
+    evendp.InputError: grad_clip must be a finite number > 0, got nan; e.g. grad_clip=1.0
     """
     if value is None and allow_none:
         return None
@@ -132,7 +132,7 @@ def validate_bool(name: str, value: Any) -> bool:
     >>> validate_bool("resume", "no")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: resume must be True or False, got 'no'
+    evendp.InputError: resume must be True or False, got 'no'
     """
     if not isinstance(value, bool):
         raise _fail(name, "True or False", value, None)
@@ -145,7 +145,7 @@ def validate_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
     >>> validate_choice("amp", "fp8", ("none", "bf16", "fp16"))
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: amp must be one of ('none', 'bf16', 'fp16'), got 'fp8'
+    evendp.InputError: amp must be one of ('none', 'bf16', 'fp16'), got 'fp8'
     """
     if not isinstance(value, Hashable) or value not in choices:
         raise _fail(name, f"one of {choices}", value, None)
@@ -158,7 +158,7 @@ def validate_callable(name: str, value: Any, what: str, *, allow_none: bool = Fa
     >>> validate_callable("loss_fn", "mse", "a function (model, batch) -> loss")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: loss_fn must be a function (model, batch) -> loss, got 'mse'
+    evendp.InputError: loss_fn must be a function (model, batch) -> loss, got 'mse'
     """
     if value is None and allow_none:
         return None
@@ -175,7 +175,7 @@ def validate_instance(
     >>> validate_instance("model", None, torch.nn.Module, "an nn.Module")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: model must be an nn.Module, got None
+    evendp.InputError: model must be an nn.Module, got None
     """
     if value is None and allow_none:
         return None
@@ -190,7 +190,7 @@ def validate_path(name: str, value: Any, *, allow_none: bool = False) -> Any:
     >>> validate_path("out_dir", 123)
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: out_dir must be a path (str or pathlib.Path), got 123
+    evendp.InputError: out_dir must be a path (str or pathlib.Path), got 123
     """
     if value is None and allow_none:
         return None
@@ -217,7 +217,7 @@ def validate_numbers(
     >>> validate_numbers("batch_sizes", "3,5", integral=True, example="batch_sizes=[3, 5]")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: batch_sizes must be a list of ints >= 0, got '3,5'; e.g. batch_sizes=[3, 5]
+    evendp.InputError: batch_sizes must be a list of ints >= 0, got '3,5'; e.g. batch_sizes=[3, 5]
     """
     if value is None and allow_none:
         return None
@@ -242,7 +242,7 @@ def validate_sequence(
     >>> validate_sequence("seconds_per_sample", 0.5, example="[0.5]")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: seconds_per_sample must be a list of numbers, got 0.5; e.g. [0.5]
+    evendp.InputError: seconds_per_sample must be a list of numbers, got 0.5; e.g. [0.5]
     """
     kind = numbers.Integral if integral else numbers.Real
     if (
@@ -267,7 +267,7 @@ def validate_count(
     >>> validate_count("count_fn(batch)", -1)
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: count_fn(batch) must be a whole number >= 0 (items counted), got -1
+    evendp.InputError: count_fn(batch) must be a whole number >= 0 (items counted), got -1
     """
     expected = ("a whole number" if integral else "a finite number") + " >= 0 (items counted)"
     if isinstance(value, torch.Tensor):
@@ -294,7 +294,7 @@ def validate_device(name: str, value: Any) -> torch.device:
     >>> validate_device("device", "gpu0")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: device must be a torch.device, a name like 'cuda:0' ..., got 'gpu0'
+    evendp.InputError: device must be a torch.device, a name like 'cuda:0' ..., got 'gpu0'
     """
     try:
         if isinstance(value, bool) or not isinstance(value, str | int | torch.device):

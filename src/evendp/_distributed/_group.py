@@ -35,6 +35,7 @@ from .._core._validate import validate_count, validate_device, validate_float
 
 __all__ = [
     "all_reduce_gradients",
+    "all_reduce_sum",
     "comm_device",
     "ddp_loss",
     "finish_distributed",
@@ -114,7 +115,7 @@ def _reduce_device(group: dist.ProcessGroup | None, device: torch.device) -> tor
     return device
 
 
-def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``t`` summed over ranks, reduced where the backend can and returned on ``t``'s device."""
     where = _reduce_device(group, t.device)
     moved = t.to(where)
@@ -165,7 +166,7 @@ def global_count(
     tensor(7)
     """
     where = comm_device(group) if device is None else validate_device("device", device)
-    reduce = (lambda t: _all_reduce_sum(t, group)) if world_size(group) > 1 else None
+    reduce = (lambda t: all_reduce_sum(t, group)) if world_size(group) > 1 else None
     # A count was given: the result is a tensor, never the samples shortcut.
     return cast(torch.Tensor, step_count(_count_tensor(local_count, where), all_reduce=reduce))
 
@@ -252,7 +253,7 @@ def global_mean(
         ]
     )  # (2,): sum, count
     if world_size(group) > 1:
-        pair = _all_reduce_sum(pair, group)
+        pair = all_reduce_sum(pair, group)
     return (pair[0] / pair[1]).to(local_sum.dtype)
 
 

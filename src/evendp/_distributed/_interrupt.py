@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ._stalled import StallWatch
 
 __all__ = [
+    "ESCALATE_S",
     "StopFlag",
     "die_with_parent",
     "exit_code",
@@ -38,7 +39,7 @@ __all__ = [
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How long ranks may take to stop after a signal before torchrun is told (it then escalates
 # to SIGKILL): past the collective timeout, by when a hung rank has ended the others.
-_ESCALATE_S = 660.0
+ESCALATE_S = 660.0
 
 
 def _pending(handler: Any) -> int | None:
@@ -155,7 +156,7 @@ def run_forwarding_signals(
     env: Mapping[str, str],
     *,
     watch: StallWatch | None = None,
-    escalate_s: float = _ESCALATE_S,
+    escalate_s: float = ESCALATE_S,
 ) -> int:
     """Run ``cmd`` (torchrun), pass SIGINT/SIGTERM/SIGHUP on to its ranks, wait for it.
 

@@ -20,14 +20,14 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .._core._errors import EvendpError
+from .._core._errors import InputError
 
 __all__ = ["RunFilesUnsafe", "open_private", "owned_by_me", "run_files_dir"]
 
 _NAME = "evendp"
 
 
-class RunFilesUnsafe(EvendpError):
+class RunFilesUnsafe(InputError):
     """evendp's private folder (or a file in it) is not this user's alone (exit 2)."""
 
 

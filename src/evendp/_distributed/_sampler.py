@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from .._core._cost import _validate_caps, _validate_costs, split_by_cost
+from .._core._cost import split_by_cost, validate_caps, validate_costs
 from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
 from .._core._split import split_sizes
@@ -127,12 +127,12 @@ def sample_costs(data: object, length: int, costs: object) -> list[float] | None
         for i in range(length):
             values.append(costs(data[i]))
         try:
-            return _validate_costs(values)
+            return validate_costs(values)
         except EvendpError as err:
             raise EvendpError(
                 f"costs({type(data).__name__}[i]) returned a bad value: {err}"
             ) from None
-    checked = _validate_costs(costs)
+    checked = validate_costs(costs)
     if len(checked) != length:
         raise EvendpError(
             f"costs has {len(checked)} values for {length} samples; pass one cost per sample "
@@ -166,7 +166,7 @@ def _validate_max_costs(
             f"max_costs={max_costs!r} caps each rank's padded cost, but no costs were given; "
             "pass costs= (e.g. each sample's length) or leave max_costs=None"
         )
-    return _validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
+    return validate_caps(max_costs, world_size, "max_costs")  # one per rank, each >= 0
 
 
 def _validate_max_tokens(
@@ -257,7 +257,7 @@ def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
     >>> parse_batch_sizes("3,x")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: batch sizes '3,x': 'x' is not an int; expected ...
+    evendp.InputError: batch sizes '3,x': 'x' is not an int; expected ...
     """
     if not isinstance(text, str):
         raise EvendpError(f"batch sizes must be a string like '3,5', got {shown(text)}")
@@ -468,12 +468,21 @@ class UnevenBatchSampler:
 
     @property
     def batch_size(self) -> int:
-        """This rank's batch size for full steps."""
+        """This rank's share of a full step, ``batch_sizes[rank]``: the size of the batches this
+        rank's iterator yields, as torch's ``BatchSampler.batch_size`` means (Accelerate and
+        Lightning read it so). Not the global batch: that is :attr:`global_batch_size`, what
+        ``TrainConfig.batch_size`` and ``evendp train --batch`` set. The short last step of an
+        epoch (``drop_last=False``) and a step cut by costs may hold fewer.
+
+        >>> sampler = UnevenBatchSampler(100, [3, 5], rank=1, world_size=2)
+        >>> sampler.batch_size, sampler.global_batch_size
+        (5, 8)
+        """
         return self._sizes[self.rank]
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per full step over all ranks, ``sum(batch_sizes)``."""
+        """Samples per full step over all ranks, ``sum(batch_sizes)``: the global batch."""
         return self._global
 
     def set_epoch(self, epoch: int) -> None:

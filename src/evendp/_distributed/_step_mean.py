@@ -28,7 +28,7 @@ from .._core._counting import holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._exact import is_stand_in, weighted_sum
 from .._core._validate import validate_callable
-from ._group import _all_reduce_sum, comm_device, world_size
+from ._group import all_reduce_sum, comm_device, world_size
 
 __all__ = ["StepMean"]
 
@@ -130,7 +130,7 @@ class StepMean:
         )  # (2,): count, loss sum
         world = world_size(self.group)
         if world > 1:
-            pair = _all_reduce_sum(pair, self.group)
+            pair = all_reduce_sum(pair, self.group)
         self._reset()
         count, total = pair[0], pair[1]
         # DDP/FSDP2 averaged the summed gradients over the ranks: times world / count.

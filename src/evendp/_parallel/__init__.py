@@ -1,3 +1,4 @@
-"""Layer 3, one process: scatter and gather, replicas, BalancedDataParallel, prediction.
+"""Layer 3, one process: scatter and gather, replicas, BalancedDataParallel, prediction,
+batches collated ahead (prefetch).
 
 Imports only the layers below it."""

@@ -35,10 +35,10 @@ from .._core._deprecation import UNSET, renamed_argument, warn_renamed
 from .._core._errors import EvendpError
 from .._core._exact import combine_means
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
-from .._core._split import _validate_weights, split_sizes
+from .._core._split import split_sizes, validate_weights
 from .._core._validate import is_int, validate_int
 from ._replicate import parallel_apply, replicate
-from ._scatter import batch_size, batch_size_and_devices, gather_outputs, map_tensors, scatter
+from ._scatter import gather_outputs, map_tensors, row_count, row_count_and_devices, scatter
 
 __all__ = ["BalancedDataParallel", "ParallelCriterion", "Scattered", "gather"]
 
@@ -288,7 +288,7 @@ class BalancedDataParallel(nn.Module):
         ...     model(torch.randn(4, 2))
         Traceback (most recent call last):
         ...
-        evendp...EvendpError: fixed_sizes([2, 2, 2]) add up to 6, but the batch has 4 ...
+        evendp...InputError: fixed_sizes([2, 2, 2]) add up to 6, but the batch has 4 ...
         """
         checked = _validate_fixed_sizes(sizes, len(self.device_ids))
         outer = self._sizes
@@ -302,7 +302,7 @@ class BalancedDataParallel(nn.Module):
         if self._sentinel is not None:
             owner, name = self._sentinel
             _validate_placement([owner._parameters[name]], home=self.device_ids[0])
-        total, where = batch_size_and_devices((inputs, kwargs), self.dim)
+        total, where = row_count_and_devices((inputs, kwargs), self.dim)
         if total is None:
             raise EvendpError(
                 "BalancedDataParallel got no tensor with a batch dimension "
@@ -491,7 +491,7 @@ class ParallelCriterion(nn.Module):
 
     def forward(self, scattered: Scattered, *targets: Any, **kwargs: Any) -> torch.Tensor:
         _validate_scattered(scattered)
-        target_total = batch_size((targets, kwargs), scattered.dim)
+        target_total = row_count((targets, kwargs), scattered.dim)
         if target_total is not None and target_total != scattered.batch_size:
             raise EvendpError(
                 f"targets have {target_total} samples along dim={scattered.dim} but the "
@@ -649,7 +649,7 @@ def _validate_auto(value: str) -> None:
 def _validate_weight_list(value: Sequence[float] | None, num_devices: int) -> list[float] | None:
     if value is None:
         return None
-    return _validate_weights(value, expected_len=num_devices)
+    return validate_weights(value, expected_len=num_devices)
 
 
 def _validate_placement(*groups: Iterable[torch.Tensor | None], home: torch.device) -> None:

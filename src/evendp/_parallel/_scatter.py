@@ -24,8 +24,8 @@ from .._core._errors import EvendpError
 from .._core._exact import combine_means
 
 __all__ = [
-    "batch_size",
-    "batch_size_and_devices",
+    "row_count",
+    "row_count_and_devices",
     "gather_outputs",
     "map_tensors",
     "per_row",
@@ -102,19 +102,19 @@ def _is_batch_tensor(t: torch.Tensor, dim: int) -> bool:
     return t.dim() > dim
 
 
-def batch_size(obj: Any, dim: int = 0) -> int | None:
+def row_count(obj: Any, dim: int = 0) -> int | None:
     """The common size along ``dim`` of every batch tensor in ``obj`` (None when there is none).
 
-    >>> batch_size(((torch.zeros(5, 2),), {"mask": torch.ones(5)}))
+    >>> row_count(((torch.zeros(5, 2),), {"mask": torch.ones(5)}))
     5
     """
-    return batch_size_and_devices(obj, dim)[0]
+    return row_count_and_devices(obj, dim)[0]
 
 
-def batch_size_and_devices(obj: Any, dim: int = 0) -> tuple[int | None, set[torch.device]]:
-    """:func:`batch_size`, and the devices of every tensor in ``obj``, in one walk.
+def row_count_and_devices(obj: Any, dim: int = 0) -> tuple[int | None, set[torch.device]]:
+    """:func:`row_count`, and the devices of every tensor in ``obj``, in one walk.
 
-    >>> batch_size_and_devices([torch.zeros(3), torch.tensor(1.0)])
+    >>> row_count_and_devices([torch.zeros(3), torch.tensor(1.0)])
     (3, {device(type='cpu')})
     """
     found: list[tuple[int, tuple[int, ...]]] = []

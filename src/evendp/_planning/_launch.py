@@ -475,7 +475,7 @@ def launch_with_outcome(
     ``comm_timeout``: the ranks' collective timeout, when known: a signal they have not
     acted on a minute past it goes to torchrun, which escalates to SIGKILL.
     """
-    from .._distributed._interrupt import _ESCALATE_S, run_forwarding_signals
+    from .._distributed._interrupt import ESCALATE_S, run_forwarding_signals
     from .._distributed._run_files import run_files_dir
     from .._distributed._run_lock import child_env as lock_env
     from .._distributed._run_lock import hold_run_dir
@@ -487,7 +487,7 @@ def launch_with_outcome(
     for key, value in loopback_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
-    escalate = _ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
+    escalate = ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
     with contextlib.ExitStack() as stack:
         if run_dir is not None:
             lock = stack.enter_context(hold_run_dir(run_dir))

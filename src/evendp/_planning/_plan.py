@@ -4,7 +4,7 @@ Three parts, each usable on its own:
 
 - :mod:`._measure`: one training step on fake tensors (``FakeTensorMode`` + ``MemTracker``),
   memory by kind at a few batch sizes; no real memory is touched.
-- :mod:`._solve`: pure arithmetic over the measured cost curves: the per-device caps, the
+- :mod:`._solve`: pure arithmetic over the measured memory curves: the per-device caps, the
   largest global batch, the split that fills the devices, the even split to compare with.
 - :mod:`._result`: :class:`Plan` and :class:`DevicePlan`, as a table, JSON or a chart.
 

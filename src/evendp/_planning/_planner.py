@@ -30,7 +30,7 @@ from ._measure import (
 )
 from ._memory import DeviceMemory, live_memory, memory_runs
 from ._result import DevicePlan, DeviceRows, Plan
-from ._solve import Mode, _Curve, _Model, _Segment, _solve_spans, _spans, _token_fit, expand
+from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
 __all__ = ["auto_weights", "plan"]
 
@@ -285,14 +285,14 @@ def _plan_step(
             for n in (2, 4):
                 crit[n] = measure_gathered(setup, sample, 2, n)
 
-    def solve() -> tuple[_Model, list[_Segment]]:
+    def solve() -> tuple[MemoryModel, list[Segment]]:
         mdl = _build_model(
             mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
         )
-        # Per distinct device (budget and role), not per device: see _solve_spans.
-        return mdl, _solve_spans(mdl, _spans(mdl, budgets), batch_size)
+        # Per distinct device (budget and role), not per device: see solve_spans.
+        return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch_size)
 
-    def beyond_measured(sol: list[_Segment]) -> tuple[set[int], set[int]]:
+    def beyond_measured(sol: list[Segment]) -> tuple[set[int], set[int]]:
         """Recommended sizes past the largest measured one: replica sizes, global batches."""
         sizes = {n for seg in sol for n in (seg.split, seg.alone, seg.even)}
         if seq_len is not None:  # token caps rest on them
@@ -350,12 +350,12 @@ def _plan_step(
     return _with_token_caps(result, sol, seq_len, replica, shorter)
 
 
-def _sum(segments: list[_Segment], name: str) -> int:
+def _sum(segments: list[Segment], name: str) -> int:
     return sum(getattr(seg, name) * seg.count for seg in segments)
 
 
 def _with_token_caps(
-    result: Plan, sol: list[_Segment], seq_len: int, replica: dict[int, Point], shorter: Point
+    result: Plan, sol: list[Segment], seq_len: int, replica: dict[int, Point], shorter: Point
 ) -> Plan:
     """``result`` with each device's cap in padded tokens and the fitted token cost.
 
@@ -367,7 +367,7 @@ def _with_token_caps(
     """
     points = {(n, seq_len): sum(replica[n].fwbw.values()) for n in sorted(replica)[:2]}
     points[(shorter.n, seq_len // 2)] = sum(shorter.fwbw.values())
-    fixed, per_token, per_token_width = _token_fit(points)
+    fixed, per_token, per_token_width = token_fit(points)
     tokens = [c * seq_len for c in expand(sol, "cap")]
     rows = cast(DeviceRows, result.devices)  # _to_plan makes one run per segment
     devices = DeviceRows(
@@ -389,27 +389,27 @@ def _build_model(
     bucket_view: bool,
     context: int,
     needs_crit: bool,
-) -> _Model:
+) -> MemoryModel:
     first = replica[min(replica)]
     static = {key: float(v) for key, v in first.static.items()}
-    return _Model(
+    return MemoryModel(
         mode=mode,
         output_device=output_device,
         static=static,
-        replica=_Curve({n: p.fwbw for n, p in replica.items()}),
-        forward_end=_Curve({n: p.forward_end for n, p in replica.items()}),
-        outputs=_Curve({n: {"bytes": float(p.output_bytes)} for n, p in replica.items()}),
-        gathered=_Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
-        gathered_held=_Curve({n: p.forward_end for n, p in crit.items()}) if needs_crit else None,
+        replica=Curve({n: p.fwbw for n, p in replica.items()}),
+        forward_end=Curve({n: p.forward_end for n, p in replica.items()}),
+        outputs=Curve({n: {"bytes": float(p.output_bytes)} for n, p in replica.items()}),
+        gathered=Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
+        gathered_held=Curve({n: p.forward_end for n, p in crit.items()}) if needs_crit else None,
         buckets=0 if (mode == "dp" or bucket_view) else int(static["grads"]),
         context=context,
     )
 
 
 def _to_plan(
-    mdl: _Model,
+    mdl: MemoryModel,
     mems: _Fleet,
-    sol: list[_Segment],
+    sol: list[Segment],
     replica: dict[int, Point],
     mode: Mode,
     margin: float,
@@ -440,8 +440,8 @@ def _to_plan(
     devices = DeviceRows(runs, mems.name)
     reach = max(1, _sum(sol, "alone"))
     sizes = sorted(replica)
-    fe = _Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
-    out = _Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
+    fe = Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
+    out = Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
     return Plan(
         mode=mode,
         devices=devices,

@@ -1,4 +1,4 @@
-"""The solver: pure arithmetic over measured cost curves (no model runs here).
+"""The solver: pure arithmetic over measured memory curves (no model runs here).
 
 Peak memory as a function of the batch size is the maximum over moments of an affine
 function of it, so it is convex. Between two measured sizes the chord never under-predicts;
@@ -23,24 +23,20 @@ from typing import Any, Literal
 from .._core._errors import PlanError
 
 __all__ = [
+    "Curve",
+    "MemoryModel",
     "Mode",
-    "_Curve",
-    "_Model",
-    "_Segment",
-    "_Solution",
-    "_Span",
-    "_capped_even_split",
-    "_solve",
-    "_solve_spans",
-    "_spans",
+    "Segment",
+    "cut_spans",
     "expand",
-    "_token_fit",
+    "solve_spans",
+    "token_fit",
 ]
 
 Mode = Literal["dp", "ddp"]
 
 
-class _Curve:
+class Curve:
     """Bytes by kind as a function of batch size: piecewise linear through measured points,
     extended beyond them along the outermost segment.
 
@@ -49,7 +45,7 @@ class _Curve:
     measures any size it is about to recommend beyond the range, and flags a plan that
     still rests on extrapolation.
 
-    >>> c = _Curve({2: {"act": 20.0}, 4: {"act": 40.0}})
+    >>> c = Curve({2: {"act": 20.0}, 4: {"act": 40.0}})
     >>> c.at(3)["act"], c.at(8)["act"], c.slope()
     (30.0, 80.0, 10.0)
     """
@@ -79,17 +75,17 @@ class _Curve:
 
 
 @dataclass
-class _Model:
+class MemoryModel:
     """Per-device memory as a function of its own samples ``n`` and the global batch ``N``."""
 
     mode: Mode
     output_device: int
     static: dict[str, float]
-    replica: _Curve
-    forward_end: _Curve
-    outputs: _Curve  # bytes of one replica's outputs
-    gathered: _Curve | None  # output device, at N (None: no criterion there)
-    gathered_held: _Curve | None
+    replica: Curve
+    forward_end: Curve
+    outputs: Curve  # bytes of one replica's outputs
+    gathered: Curve | None  # output device, at N (None: no criterion there)
+    gathered_held: Curve | None
     buckets: int
     context: int
 
@@ -160,27 +156,6 @@ def _largest(fits: Callable[[int], bool], hi_hint: int = 1) -> int:
     return lo
 
 
-def _capped_even_split(caps: list[int], total: int) -> list[int]:
-    """Split ``total`` as evenly as the caps allow: ``min(cap_i, level)`` for the lowest level.
-
-    For equally fast devices the step takes as long as the largest share, so the best split
-    that fits is the even one, with a device that cannot hold its even share kept at its cap
-    and the rest spread evenly over the others (speed differences are the speed balancer's
-    job, at run time). The caller guarantees ``sum(caps) >= total``.
-
-    >>> _capped_even_split([100, 5, 100], 30)
-    [13, 5, 12]
-    """
-    level = _largest(lambda lv: sum(min(c, lv) for c in caps) < total, 1) + 1
-    sizes = [min(c, level) for c in caps]
-    excess = sum(sizes) - total
-    for i in reversed(range(len(sizes))):  # take the excess back from the uncapped, last first
-        if excess and sizes[i] == level:
-            sizes[i] -= 1
-            excess -= 1
-    return sizes
-
-
 @dataclass
 class _Solution:
     """Per-device samples: the chosen split, each device's most alone, the even split."""
@@ -202,7 +177,7 @@ class _Span:
 
 
 @dataclass(frozen=True)
-class _Segment:
+class Segment:
     """``count`` consecutive devices from ``start`` with one answer each: a span, cut where
     the split or the even split changes value."""
 
@@ -215,7 +190,7 @@ class _Segment:
     cap: int
 
 
-def _spans(model: _Model, budgets: list[tuple[int, int]]) -> list[_Span]:
+def cut_spans(model: MemoryModel, budgets: list[tuple[int, int]]) -> list[_Span]:
     """Spans from runs of ``(budget, count)``, cut so DP's device 0 and output device stand
     alone (their peaks differ from the other replicas')."""
     special = {0, model.output_device} if model.mode == "dp" else set()
@@ -234,13 +209,13 @@ def _runs(values: list[int]) -> list[tuple[int, int]]:
     return [(v, len(list(g))) for v, g in itertools.groupby(values)]
 
 
-def _solve(model: _Model, budgets: list[int], batch: int | None) -> _Solution:
-    """The plan for one budget per device (see :func:`_solve_spans`), as per-device lists."""
-    segments = _solve_spans(model, _spans(model, _runs(budgets)), batch)
+def _solve(model: MemoryModel, budgets: list[int], batch: int | None) -> _Solution:
+    """The plan for one budget per device (see :func:`solve_spans`), as per-device lists."""
+    segments = solve_spans(model, cut_spans(model, _runs(budgets)), batch)
     return _Solution(*(expand(segments, f) for f in ("split", "alone", "even", "cap")))
 
 
-def expand(segments: list[_Segment], name: str) -> list[int]:
+def expand(segments: list[Segment], name: str) -> list[int]:
     """One field of every segment, one entry per device."""
     out: list[int] = []
     for seg in segments:
@@ -248,7 +223,7 @@ def expand(segments: list[_Segment], name: str) -> list[int]:
     return out
 
 
-def _solve_spans(model: _Model, spans: list[_Span], batch: int | None) -> list[_Segment]:
+def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> list[Segment]:
     """The largest global batch, its split, each device's most alone and the even split.
 
     The work is per distinct device (budget and role), not per device: a million copies of
@@ -315,7 +290,7 @@ def _solve_spans(model: _Model, spans: list[_Span], batch: int | None) -> list[_
     for seg in _even_segments(spans, even_total, k, None, key):
         span_index = _span_of(spans, seg.start)
         segments.append(
-            _Segment(seg.start, seg.count, seg.budget, 0, alone[span_index], seg.even,
+            Segment(seg.start, seg.count, seg.budget, 0, alone[span_index], seg.even,
                      step_caps[span_index])
         )  # fmt: skip
     return _with_split(segments, split)
@@ -327,7 +302,7 @@ def _even_sizes(total: int, k: int) -> tuple[int, int]:
     return q, r
 
 
-def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) -> list[_Segment]:
+def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) -> list[Segment]:
     """The spans cut where the even split of ``total`` drops from ``q + 1`` to ``q``."""
     q, r = _even_sizes(total, k)
     out = []
@@ -335,9 +310,9 @@ def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) 
         end = s.start + s.count
         for a, b, size in ((s.start, min(end, r), q + 1), (max(s.start, r), end, q)):
             if b > a:
-                out.append(_Segment(a, b - a, s.budget, 0, 0, size, 0))
+                out.append(Segment(a, b - a, s.budget, 0, 0, size, 0))
     if memo is not None:  # even_fits: one check per distinct device and size
-        seen: dict[tuple[Any, ...], _Segment] = {}
+        seen: dict[tuple[Any, ...], Segment] = {}
         for seg in out:
             span = _Span(seg.start, seg.count, seg.budget)
             seen.setdefault((key(span), seg.even), seg)
@@ -354,7 +329,14 @@ def _span_of(spans: list[_Span], index: int) -> int:
 
 
 def _capped_even_runs(caps: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
-    """:func:`_capped_even_split` over runs of ``(cap, count)``: runs of ``(size, count)``."""
+    """Split ``total`` as evenly as the caps allow, over runs of ``(cap, count)``: runs of
+    ``(size, count)``, each ``min(cap, level)`` for the lowest level that holds ``total``.
+
+    For equally fast devices the step takes as long as the largest share, so the best split
+    that fits is the even one, with a device that cannot hold its even share kept at its cap
+    and the rest spread evenly over the others (speed differences are the speed balancer's
+    job, at run time). The caller guarantees the caps hold ``total``.
+    """
     level = _largest(lambda lv: sum(min(c, lv) * n for c, n in caps) < total, 1) + 1
     sizes = [(min(c, level), n) for c, n in caps]
     excess = sum(v * n for v, n in sizes) - total
@@ -366,9 +348,9 @@ def _capped_even_runs(caps: list[tuple[int, int]], total: int) -> list[tuple[int
     return [(v, n) for v, n in reversed(out) if n]
 
 
-def _with_split(segments: list[_Segment], split: list[tuple[int, int]]) -> list[_Segment]:
+def _with_split(segments: list[Segment], split: list[tuple[int, int]]) -> list[Segment]:
     """``segments`` cut where the split's runs change value, each with its split size."""
-    out: list[_Segment] = []
+    out: list[Segment] = []
     runs = iter(split)
     size, left = next(runs, (0, 0))
     for seg in segments:
@@ -382,7 +364,7 @@ def _with_split(segments: list[_Segment], split: list[tuple[int, int]]) -> list[
     return out
 
 
-def _token_fit(
+def token_fit(
     peak_at: dict[tuple[int, int], float],
 ) -> tuple[float, float, float]:
     """Fit a replica's step bytes ``fixed + n * (per_token * w + per_token_width * w**2)``
@@ -391,7 +373,7 @@ def _token_fit(
     model linear in the width. Returns ``(fixed, per_token, per_token_width)``.
 
     >>> truth = lambda n, w: 100 + n * (8 * w + 0.5 * w * w)
-    >>> _token_fit({(n, w): truth(n, w) for n, w in [(2, 16), (4, 16), (4, 8)]})
+    >>> token_fit({(n, w): truth(n, w) for n, w in [(2, 16), (4, 16), (4, 8)]})
     (100.0, 8.0, 0.5)
     """
     (n0, w0), (n1, w1), (n2, w2) = sorted(peak_at, key=lambda nw: (-nw[1], nw[0]))

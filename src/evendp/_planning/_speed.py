@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -215,12 +215,15 @@ class SpeedBalancer:
     ``caps``: the most samples each rank's memory holds (from ``evendp.plan`` or measured).
     ``None`` reads them from ``EVENDP_BATCH_CAPS``, which ``evendp launch --model`` sets, so
     speed never moves a rank past its memory; with that variable unset there is no limit.
-    ``min_size`` keeps every rank busy enough to be measured.
+    ``min_size`` keeps every rank busy enough to be measured. ``gather``: how the timings
+    are exchanged when not by one ``all_gather`` over ``group``: a function from this rank's
+    ``(seconds, samples)`` to every rank's, in rank order (a framework's own gather, or
+    timings measured elsewhere).
 
     >>> from evendp._distributed._sampler import UnevenBatchSampler
     >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
-    >>> balancer = SpeedBalancer(sampler, warmup=2)
-    >>> balancer._set_timings([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
+    >>> slow_rank_1 = lambda mine: [(0.4, 4), (1.2, 4)]  # rank 1 three times slower
+    >>> balancer = SpeedBalancer(sampler, warmup=2, gather=slow_rank_1)
     >>> [balancer.step() for _ in range(3)]  # step 1 dropped, 2 re-splits, 3 keeps it
     [False, True, False]
     >>> sampler.batch_sizes
@@ -241,8 +244,14 @@ class SpeedBalancer:
         tolerance: float = 0.05,
         min_size: int = 1,
         group: Any = None,
+        gather: Callable[[tuple[float, float]], Sequence[tuple[float, float]]] | None = None,
     ) -> None:
         _validate_knobs(warmup, every, window, tolerance)
+        if gather is not None and not callable(gather):
+            raise EvendpError(
+                f"gather must be a function (seconds, samples) -> every rank's pairs, or None "
+                f"(one all_gather over group), got {gather!r}"
+            )
         self.sampler = sampler
         if not callable(getattr(sampler, "set_batch_sizes", None)):
             raise EvendpError(
@@ -264,7 +273,7 @@ class SpeedBalancer:
         self.caps = None if caps is None else [int(c) for c in caps]
         self.warmup, self.every = warmup, every
         self.window, self.tolerance, self.min_size = window, tolerance, min_size
-        self.group = group
+        self.group, self.gather = group, gather
         self.seconds_per_sample: list[float | None] = [None] * self.world_size
         self._recent: list[deque[float]] = [deque(maxlen=window) for _ in range(self.world_size)]
         self.steps = 0
@@ -272,7 +281,6 @@ class SpeedBalancer:
         self._seconds = 0.0
         self._samples = 0
         self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events, GPU only
-        self._fake: list[list[float]] | None = None
 
     @contextmanager
     def measure(self, samples: int) -> Iterator[None]:
@@ -310,10 +318,6 @@ class SpeedBalancer:
         self._seconds += float(seconds)
         self._samples += int(samples)
 
-    def _set_timings(self, per_rank: list[list[float]]) -> None:
-        """Use fixed ``[seconds, samples]`` per rank instead of a real exchange (tests)."""
-        self._fake = per_rank
-
     def _read_events(self) -> None:
         """Add the GPU time of the blocks timed since the last exchange (GPU only)."""
         for begin, end in self._events:
@@ -323,13 +327,14 @@ class SpeedBalancer:
 
     def _exchange(self) -> list[tuple[float, float]]:
         """Every rank's ``(seconds, samples)`` since the last exchange."""
-        if self._fake is not None:
-            return [(float(s), float(n)) for s, n in self._fake]
+        mine = (self._seconds, float(self._samples))
+        if self.gather is not None:
+            return [(float(s), float(n)) for s, n in self.gather(mine)]
         world = world_size(self.group)
         if world == 1:
-            return [(self._seconds, float(self._samples))]
+            return [mine]
         local = torch.tensor(
-            [self._seconds, float(self._samples)],
+            list(mine),
             dtype=torch.float64,
             device=comm_device(self.group),
         )

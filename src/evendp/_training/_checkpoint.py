@@ -37,13 +37,14 @@ from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
     "CorruptCheckpoint",
-    "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
     "load_rank_rng",
     "load_sharded_checkpoint",
+    "make_private_dir",
     "previous_path",
     "rank_rng_path",
+    "read_state_file",
     "resumable_checkpoint",
     "save_checkpoint",
     "save_rank_rng",
@@ -115,19 +116,6 @@ def latest_checkpoint(path: str | Path) -> Path | None:
     return prev if prev.exists() else None
 
 
-def checkpoint_step(path: str | Path) -> int:
-    """The step a checkpoint (``ckpt.pt`` file or ``ckpt.dcp`` folder) was saved at.
-
-    >>> import tempfile
-    >>> d = tempfile.mkdtemp()
-    >>> checkpoint_step(save_checkpoint(f"{d}/ckpt.pt", model=torch.nn.Linear(1, 1), step=4))
-    4
-    """
-    p = Path(path)
-    payload = _read_state_file(p) if p.is_dir() else _read(p)
-    return int(payload["step"])
-
-
 def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
     """The checkpoint a resume will use, its step and its ``extra`` (the run's configuration
     among it): ``path`` when it reads back whole, else its previous copy (``None``: neither
@@ -141,7 +129,7 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
     skipped: list[str] = []
     for candidate in candidates:
         try:
-            payload = _read_state_file(candidate) if candidate.is_dir() else _read(candidate)
+            payload = read_state_file(candidate) if candidate.is_dir() else _read(candidate)
             return candidate, int(payload["step"]), dict(payload.get("extra") or {})
         except CorruptCheckpoint as exc:
             if candidate == candidates[-1] and not skipped:
@@ -231,7 +219,7 @@ def save_checkpoint(
     """
     validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     target = Path(path)
-    _mkdir(target.parent)
+    make_private_dir(target.parent)
     _refuse_non_finite(target, step, model.state_dict(), optimizer)
     payload = {
         "format": _FORMAT,
@@ -269,7 +257,7 @@ def _kept(target: Path) -> str:
     return ", ".join(here) if here else "none yet"
 
 
-def _mkdir(folder: Path) -> None:
+def make_private_dir(folder: Path) -> None:
     """Create ``folder`` and its missing parents 0700, whatever the umask: a run's files are
     its owner's (folders that exist already keep their mode)."""
     missing = []
@@ -363,7 +351,7 @@ def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
     the checkpoint, so a resume from the previous checkpoint finds this rank's state too.
     """
     target = rank_rng_path(path, rank)
-    _mkdir(target.parent)
+    make_private_dir(target.parent)
     payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
     payload["sha256"] = content_digest(payload)
     return _atomic_save(payload, target, previous=rank_rng_path(previous_path(path), rank))
@@ -470,7 +458,7 @@ def _read_rng(path: Path) -> dict[str, Any]:
     return payload
 
 
-def _read_state_file(folder: Path) -> dict[str, Any]:
+def read_state_file(folder: Path) -> dict[str, Any]:
     source, fix = folder / _STATE_FILE, _fix_for(folder)
     payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix)
     _verify_digest(source, payload, "sharded checkpoint state file", fix)
@@ -805,9 +793,9 @@ def save_sharded_checkpoint(
 
     def write() -> None:
         if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint
-            _mkdir(target.parent)
+            make_private_dir(target.parent)
             shutil.rmtree(tmp, ignore_errors=True)
-            _mkdir(tmp)
+            make_private_dir(tmp)
 
     agreed(write, distributed=True)
 
@@ -889,7 +877,7 @@ def load_sharded_checkpoint(
     from .._distributed._rank_errors import agreed
 
     folder = Path(path)
-    meta = agreed(lambda: _read_state_file(folder), distributed=True)
+    meta = agreed(lambda: read_state_file(folder), distributed=True)
     model_state, optim_state = get_state_dict(model, optimizer)
     agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from .._core._calls import as_args, as_batch, model_mode
 from .._core._errors import EvendpError
 from .._core._exact import weighted_sum
-from .._parallel._scatter import batch_size, map_tensors
+from .._parallel._scatter import map_tensors, row_count
 
 __all__ = ["EvalFn", "evaluate_devices", "evaluate_ranks", "loss_eval_fn"]
 
@@ -32,7 +32,7 @@ EvalFn = Callable[[nn.Module, Batch], Mapping[str, SumCount]]
 def _count_of(batch: Batch, count_fn: Callable[[Batch], Any] | None) -> Any:
     if count_fn is not None:
         return count_fn(batch)
-    n = batch_size(batch)
+    n = row_count(batch)
     return 0 if n is None else n
 
 

@@ -25,7 +25,7 @@ from .._core._oom_errors import is_oom_error
 from .._core._split import split_even
 from .._core._validate import shown as shown_value
 from .._core._validate import validate_callable, validate_float
-from .._parallel._scatter import batch_size, map_tensors
+from .._parallel._scatter import map_tensors, row_count
 from .._planning._memory import parse_memory
 from ._budget import MemoryBudgets, tensor_bytes
 from ._report import TrainReport, format_bytes, write_report
@@ -63,7 +63,7 @@ def probe_even_split(
     reset before and after, so the probe is not part of training.
     """
     dp = trainer.wrapped
-    even = split_even(int(batch_size(batch) or 0), len(dp.device_ids))
+    even = split_even(int(row_count(batch) or 0), len(dp.device_ids))
     batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
     budgets.reset_peaks()
     failed: int | None = None

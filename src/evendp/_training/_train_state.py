@@ -8,7 +8,7 @@ Step losses stay on their device until someone reads them (:attr:`TrainState.los
 loop never waits for the device just to record a number. Under DDP/FSDP2 each rank records
 its own part of a step's loss, and :meth:`TrainState.flush` sums all pending parts over ranks
 in one collective when the losses are needed (the progress bar's display steps, see
-:func:`evendp._distributed._step_cost.display_due`; a checkpoint; the report).
+:func:`evendp._distributed._step_count.display_due`; a checkpoint; the report).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from .._distributed._rank_errors import agreed
 from ._checkpoint import (
     UNVERIFIED,
     CorruptCheckpoint,
-    _read_state_file,
     load_checkpoint,
     load_rank_rng,
     load_sharded_checkpoint,
+    read_state_file,
     save_checkpoint,
     save_rank_rng,
     save_sharded_checkpoint,
@@ -224,7 +224,7 @@ class TrainState:
 
         def load(found: Path) -> dict[str, Any]:
             if sharded:
-                meta = agreed(lambda: _read_state_file(found), True)
+                meta = agreed(lambda: read_state_file(found), True)
                 agreed(lambda: self._check_run_config(found, meta.get("extra") or {}), True)
                 return load_sharded_checkpoint(found, **states, reseed=reseed)
             info = agreed(lambda: self._load_one(found, states), distributed)

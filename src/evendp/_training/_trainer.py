@@ -24,7 +24,7 @@ non-ignored tokens) and scaled by one over the step's global count, learnt befor
 backward (with ``count_fn`` under DDP/FSDP2 one all-reduce, overlapping the first forward;
 none in one process, with the samples, or with ``counts=``): the arithmetic is
 :mod:`evendp._core._exact`'s. The progress bar reads the loss every ``log_every`` steps only
-(:mod:`evendp._distributed._step_cost`).
+(:mod:`evendp._distributed._step_count`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
@@ -59,9 +59,9 @@ from .._distributed._stalled import (
     is_comm_failure,
     set_comm_timeout,
 )
-from .._distributed._step_cost import StepWeight, display_due, sample_counts
+from .._distributed._step_count import StepWeight, display_due, sample_counts
 from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
-from .._parallel._scatter import batch_size, map_tensors
+from .._parallel._scatter import map_tensors, row_count
 from .._planning._balance import (
     first_batch,
     inline_for_balance,
@@ -259,7 +259,7 @@ def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
     >>> _rows({"x": torch.arange(3), "text": ["a", "b", "c"]}, [(1, 3)])["text"]
     ['b', 'c']
     """
-    total = batch_size(batch)
+    total = row_count(batch)
     ranges = [(a, b) for a, b in ranges if b > a]
 
     def rows_of(values: list[Any]) -> list[Any]:
@@ -275,7 +275,7 @@ def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
 
 
 def _batch_len(batch: Batch) -> int:
-    n = batch_size(batch)
+    n = row_count(batch)
     if n is None:
         raise EvendpError(
             f"cannot find the batch dimension of {type(batch).__name__}; return tensors with "
@@ -586,8 +586,10 @@ class Trainer:
         data = self.eval_data
         if data is None:
             return None
-        batch_fn = getattr(data, "batch", None)
-        empty_safe = EmptySafeCollate(data)
+        # Collated as training is: an explicit collate_fn wins over eval_data's batch(indices).
+        collate_fn = self._collate.collate_fn  # the user's, else default_collate
+        batch_fn = getattr(data, "batch", None) if collate_fn is default_collate else None
+        empty_safe = EmptySafeCollate(data, collate_fn)
 
         def collate(indices: list[int]) -> Batch:
             return (

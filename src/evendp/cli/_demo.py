@@ -18,7 +18,7 @@ from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error
 from .._core._split import split_even
 
-__all__: list[str] = []
+__all__ = ["BUDGET_NOTE", "format_memory", "run_checks", "with_figures"]
 
 Figures = dict[str, Any]  # DeviceStat fields by name
 
@@ -98,7 +98,7 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     """
     from .._planning._plan import profile_step
     from ..examples.gpt import GPT
-    from ._model_spec import _AMP, gpt_batch
+    from ._model_spec import AMP_DTYPES, gpt_batch
 
     even = split_even(args.batch, len(ours))
     sizes = sorted({n for n in [*ours, *even] if n > 0})
@@ -106,7 +106,7 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
         lambda: GPT(config),
         gpt_batch(config),
         sizes,
-        amp=_AMP[args.amp],
+        amp=AMP_DTYPES[args.amp],
         checkpointing=args.checkpointing,
     )
     peak = dict(zip(prof["sizes"], prof["peak_bytes"], strict=True))
@@ -179,7 +179,7 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
     return float((balanced - one_device).norm() / one_device.norm()), count
 
 
-_BUDGET_NOTE = (
+BUDGET_NOTE = (
     "Budgets on CPU virtual devices count each replica's forward allocations (activations "
     "kept for backward, temporaries, outputs) plus its parameters, and on the first device "
     "the gradients and optimizer state; backward's transient allocations run in the autograd "
@@ -188,17 +188,10 @@ _BUDGET_NOTE = (
 )
 
 
-def _fmt(memory: list[int]) -> str:
+def format_memory(memory: list[int]) -> str:
     from .._training._report import format_bytes
 
     return ",".join(format_bytes(m).replace(" ", "") for m in memory)
-
-
-def _attach_budgets(trainer: Any, memory: list[int]) -> Any:
-    """Make the virtual devices enforce ``memory`` (as :func:`evendp.rehearse` does)."""
-    from .._training._rehearse import attach_budgets
-
-    return attach_budgets(trainer, memory)
 
 
 def _even_split_probe(trainer: Any, budgets: Any, batch: Any) -> list[Any]:

@@ -1,4 +1,5 @@
-"""Model specs on the command line, shared by ``evendp plan`` and ``evendp launch``.
+"""Model specs on the command line, shared by ``evendp plan`` and ``evendp launch`` (and the
+AMP dtypes and demo batches ``evendp train`` reuses).
 
 ``--model gpt`` (the demo char GPT), ``--model lm-head`` (a language-model head with
 ``--vocab``/``--seq-len``), ``--model package.module:factory`` or ``--model
@@ -30,6 +31,7 @@ from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, pars
 from ._args import bounded_float, bounded_int, suggest
 
 __all__ = [
+    "AMP_DTYPES",
     "BUILTIN_MODELS",
     "ModelSpec",
     "add_model_arguments",
@@ -41,7 +43,7 @@ __all__ = [
 
 BUILTIN_MODELS: tuple[str, ...] = ("gpt", "lm-head")
 
-_AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer] | None] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
@@ -104,7 +106,7 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
     )
     parser.add_argument(
         "--amp",
-        choices=sorted(_AMP),
+        choices=sorted(AMP_DTYPES),
         default="none",
         help="plan under autocast to bf16 / fp16 (default none: fp32)",
     )
@@ -137,7 +139,7 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         ) from None
     return {
         "optimizer": _OPTIMIZERS[args.optimizer],
-        "amp": _AMP[args.amp],
+        "amp": AMP_DTYPES[args.amp],
         "checkpointing": args.checkpointing,
         "gradient_as_bucket_view": args.bucket_view,
         "safety_margin": args.margin,
@@ -176,7 +178,7 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
     >>> resolve_model("nonsense")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: --model 'nonsense' is not 'gpt', 'lm-head', ...
+    evendp.InputError: --model 'nonsense' is not 'gpt', 'lm-head', ...
     """
     if spec in BUILTIN_MODELS:
         return _builtin(spec, vocab, seq_len)

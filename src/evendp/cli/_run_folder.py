@@ -105,9 +105,9 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
 
 
 def _mark(folder: Path) -> None:
-    from .._training._checkpoint import _mkdir
+    from .._training._checkpoint import make_private_dir
 
-    _mkdir(folder)  # 0700 when it is new
+    make_private_dir(folder)  # 0700 when it is new
     marker = folder / MARKER
     if marker.is_file() and not marker.is_symlink():
         return

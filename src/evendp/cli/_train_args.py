@@ -19,7 +19,22 @@ from .._core._validate import shown
 from .._training._strategies import STRATEGIES
 from ._args import bounded_float, bounded_int, memory_text
 
-__all__ = ["OPTIONS_ENV", "add_options", "options_from_env", "options_json"]
+__all__ = [
+    "DEMO_MEMORY",
+    "OPTIONS_ENV",
+    "add_options",
+    "all_cpu",
+    "device_memory",
+    "is_launched_rank",
+    "options_from_env",
+    "options_json",
+    "parse_devices",
+    "parse_weights",
+    "resume_check",
+    "torchrun_restarted",
+    "validate_args",
+    "weights_list",
+]
 
 #: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
 OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
@@ -31,7 +46,7 @@ _COMM_TIMEOUT = 600.0
 _MIN_COMM_TIMEOUT = 5.0
 _DEFAULT_STEPS = 100
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
-_DEMO_MEMORY = "48MiB,48MiB,24MiB"
+DEMO_MEMORY = "48MiB,48MiB,24MiB"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -52,7 +67,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--devices",
         default=None,
         help="comma-separated devices, repeats are virtual devices, e.g. 'cpu,cpu,cpu' or "
-        "'0,1' (default: all GPUs, else cpu,cpu,cpu with --memory " + _DEMO_MEMORY + ")",
+        "'0,1' (default: all GPUs, else cpu,cpu,cpu with --memory " + DEMO_MEMORY + ")",
     )
     p.add_argument(
         "--memory",
@@ -60,7 +75,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         type=memory_text("--memory"),
         help="each device's memory, e.g. '48MiB,48MiB,24MiB': the planner splits the batch to "
         "fit it; on CPU devices it is a budget the device enforces (default: the GPUs' free "
-        "memory; " + _DEMO_MEMORY + " for the CPU demo)",
+        "memory; " + DEMO_MEMORY + " for the CPU demo)",
     )
     p.add_argument(
         "--weights",
@@ -195,7 +210,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _validate_args(args: argparse.Namespace) -> None:
+def validate_args(args: argparse.Namespace) -> None:
     """Checks across options (each option's own range is checked by its type)."""
     if args.n_embd % 4:
         raise EvendpError(
@@ -281,12 +296,12 @@ def _checkpoint_in(args: argparse.Namespace) -> Path:
     return Path(args.out) / STRATEGIES[args.mode].checkpoint_name
 
 
-def _restarted() -> bool:
+def torchrun_restarted() -> bool:
     """Whether torchrun restarted this rank after a failure (then it resumes implicitly)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def _resume_check(args: argparse.Namespace) -> int | None:
+def resume_check(args: argparse.Namespace) -> int | None:
     """Before any work: an exit code when there is nothing to do, else ``None``.
 
     ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
@@ -294,7 +309,7 @@ def _resume_check(args: argparse.Namespace) -> int | None:
     """
     from evendp._training._checkpoint import resumable_checkpoint
 
-    if not (args.resume or args.resume_or_start or _restarted()):
+    if not (args.resume or args.resume_or_start or torchrun_restarted()):
         return None
     # The checkpoint the resume will take: a corrupt latest one falls back to the previous.
     resumable = resumable_checkpoint(_checkpoint_in(args))
@@ -340,7 +355,7 @@ def fresh_start_check(args: argparse.Namespace) -> None:
     from ._paths import check_out_dir
 
     check_out_dir("--out", args.out)
-    if args.resume or args.resume_or_start or _restarted() or _is_launched_rank():
+    if args.resume or args.resume_or_start or torchrun_restarted() or is_launched_rank():
         return
     from ._run_folder import claim_out_dir
 
@@ -352,15 +367,15 @@ def fresh_start_check(args: argparse.Namespace) -> None:
         )
 
 
-def _is_launched_rank() -> bool:
+def is_launched_rank() -> bool:
     return OPTIONS_ENV in os.environ and "RANK" in os.environ
 
 
-def _parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
+def parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
     """``--devices`` as BalancedDataParallel device ids; GPUs named only where CUDA is
     (``check_gpus=False``: physical ids for the launcher, which asks NVML itself).
 
-    >>> _parse_devices("cpu, cpu")
+    >>> parse_devices("cpu, cpu")
     ['cpu', 'cpu']
     """
     if text is None:
@@ -404,13 +419,13 @@ def _validate_gpu(text: str, index: int) -> int:
     return index
 
 
-def _memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | None:
+def device_memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | None:
     """Each device's memory in bytes (``None``: not declared, use weights or free memory)."""
     from evendp._planning._memory import parse_memory
 
     text = args.memory
-    if text is None and args.devices is None and args.weights is None and _all_cpu(devices):
-        text = _DEMO_MEMORY  # the default demo: three virtual devices, one small
+    if text is None and args.devices is None and args.weights is None and all_cpu(devices):
+        text = DEMO_MEMORY  # the default demo: three virtual devices, one small
     if text is None:
         return None
     try:
@@ -425,19 +440,19 @@ def _memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | N
     return memory
 
 
-def _all_cpu(devices: list[str | int]) -> bool:
+def all_cpu(devices: list[str | int]) -> bool:
     return all(str(d).startswith("cpu") for d in devices)
 
 
-def _parse_weights(text: str | None, devices: list[str | int]) -> list[float] | None:
+def parse_weights(text: str | None, devices: list[str | int]) -> list[float] | None:
     if text is None:
         if devices and all(isinstance(d, int) for d in devices):
             return _free_memory_weights([int(d) for d in devices])
         return None
-    return _weights_list(text, len(devices))
+    return weights_list(text, len(devices))
 
 
-def _weights_list(text: str, count: int) -> list[float]:
+def weights_list(text: str, count: int) -> list[float]:
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
@@ -502,7 +517,7 @@ def _checked_options(text: str) -> dict[str, object]:
     >>> _checked_options('{"n_layer": 300}')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: EVENDP_TRAIN_OPTIONS: --n-layer must be an int in [1, 64], got '300'; ...
+    evendp.InputError: EVENDP_TRAIN_OPTIONS: --n-layer must be an int in [1, 64], got '300'; ...
     """
     fix = (
         "it carries evendp train's options to its ranks: start the run with evendp train "

@@ -11,10 +11,10 @@ import torch
 
 from .._core._errors import EvendpError
 
-__all__: list[str] = []
+__all__ = ["build_demo", "demo_model_name", "metric_logger", "print_report"]
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """The model, the variable-length training paragraphs and the GPT config."""
     from ..examples.gpt import GPT, GPTConfig
     from ..examples.stdlib_text import stdlib_paragraphs
@@ -36,14 +36,14 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return GPT(config), train, config
 
 
-def _model_name(args: argparse.Namespace) -> str:
+def demo_model_name(args: argparse.Namespace) -> str:
     return (
         f"char GPT {args.n_layer}x{args.n_embd} on stdlib paragraphs (<= {args.block_size} "
         "chars, padded)"
     )
 
 
-def _print_report(report: Any, paths: dict[str, Path]) -> None:
+def print_report(report: Any, paths: dict[str, Path]) -> None:
     from rich.console import Console
 
     console = Console()

@@ -17,8 +17,8 @@ import torch
 
 from .._core._errors import EvendpError
 from .._core._validate import shown
-from ._train_args import OPTIONS_ENV, _parse_devices, _restarted, _weights_list, options_json
-from ._train_common import _build, _model_name, _print_report, metric_logger
+from ._train_args import OPTIONS_ENV, options_json, parse_devices, torchrun_restarted, weights_list
+from ._train_common import build_demo, demo_model_name, metric_logger, print_report
 
 __all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to_resume"]
 
@@ -128,7 +128,7 @@ def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[s
 
         if nproc == "auto":
             raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
-        weights = _weights_list(args.weights, int(nproc))
+        weights = weights_list(args.weights, int(nproc))
         return {"batch_sizes": split_sizes(args.batch, weights)}
     if args.memory is None:
         return {"batch": args.batch}
@@ -138,7 +138,7 @@ def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[s
 def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[str, Any]:
     """The planner's DDP split of --batch over each rank's --memory (its budget)."""
     from ..examples.gpt import GPT
-    from ._model_spec import _AMP, gpt_batch
+    from ._model_spec import AMP_DTYPES, gpt_batch
 
     entries = len(args.memory.split(","))
     if nproc != "auto" and entries != nproc:
@@ -147,9 +147,9 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
             f"{shown(args.devices)}); give one each, e.g. --memory "
             + ",".join(["48MiB"] * int(nproc))
         )
-    _model, _data, config = _build(args)
+    _model, _data, config = build_demo(args)
     # CPU ranks have no CUDA context to allow for.
-    options = {"amp": _AMP[args.amp], "checkpointing": args.checkpointing}
+    options = {"amp": AMP_DTYPES[args.amp], "checkpointing": args.checkpointing}
     if cpu or not torch.cuda.is_available():
         options["cuda_context"] = 0
     return {
@@ -183,7 +183,7 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
     """
     if text is None:
         return None, False
-    entries = _parse_devices(text, check_gpus=False)
+    entries = parse_devices(text, check_gpus=False)
     if all(str(d).startswith("cpu") for d in entries):
         return None, True
     gpus = []
@@ -240,7 +240,7 @@ def run_rank(args: argparse.Namespace) -> int:
     # barrier, and torchrun stops every rank once one fails.
     world = dist.get_world_size()
     sizes = batch_sizes_from_env(world, default=split_even(args.batch, world))
-    model, data, _config = _build(args)
+    model, data, _config = build_demo(args)
     model = model.to(device)
     logger = metric_logger(args)  # every rank has it (on_log is collective); rank 0 writes
     cfg = TrainConfig(
@@ -248,7 +248,7 @@ def run_rank(args: argparse.Namespace) -> int:
         lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
         strategy=args.mode, strategy_config=args.strategy_config, out_dir=args.out,
         checkpoint_every=args.checkpoint_every,
-        resume=args.resume or args.resume_or_start or _restarted(), seed=args.seed,
+        resume=args.resume or args.resume_or_start or torchrun_restarted(), seed=args.seed,
         progress=not args.no_progress, balance=args.balance, comm_timeout=args.comm_timeout,
         log_every=1 if logger is not None else 10,
     )  # fmt: skip
@@ -263,7 +263,7 @@ def run_rank(args: argparse.Namespace) -> int:
         counts=data.lengths, callbacks=None if logger is None else [logger[0]],
     )  # fmt: skip
     report = trainer.fit()
-    report.model = _model_name(args)
+    report.model = demo_model_name(args)
     report.devices = _with_budgets(report.devices, args.memory)
     rank = dist.get_rank()
     del trainer, model  # their DDP wrapper holds the group: freed before the group ends
@@ -272,7 +272,7 @@ def run_rank(args: argparse.Namespace) -> int:
         paths = write_report(report, args.out)
         if logger is not None:
             paths["metrics"] = logger[1]
-        _print_report(report, paths)
+        print_report(report, paths)
         write_outcome(exit_code(report.signal), interrupted=report.interrupted)
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group
     # (--max-restarts); the launcher exits with the code rank 0 left (130/143).

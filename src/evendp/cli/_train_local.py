@@ -9,49 +9,53 @@ from typing import Any
 import torch
 
 from .._core._errors import EvendpError
-from ._demo import _BUDGET_NOTE, _attach_budgets, _fmt, run_checks, with_figures
-from ._train_args import _DEMO_MEMORY, _all_cpu, _memory, _parse_devices, _parse_weights
-from ._train_common import _build, _model_name, _print_report, metric_logger
+from ._demo import BUDGET_NOTE, format_memory, run_checks, with_figures
+from ._train_args import DEMO_MEMORY, all_cpu, device_memory, parse_devices, parse_weights
+from ._train_common import build_demo, demo_model_name, metric_logger, print_report
 
-__all__ = ["run_local"]
+__all__ = [
+    "run_local",
+    "share_cpu_threads",
+]
 
 
 def run_local(args: argparse.Namespace) -> int:
     """Train in this process and write the report; the exit code (130/143 after a signal)."""
     from .._distributed._interrupt import exit_code
+    from .._training._rehearse import attach_budgets
     from .._training._report import write_report
 
     if args.model is not None:  # the user's own model: a rehearsal on budgeted CPU devices
         from ._train_user import run_user_model
 
         return run_user_model(args)
-    devices = _parse_devices(args.devices)
-    memory = _memory(args, devices)
-    weights = _parse_weights(args.weights, devices)
-    _share_cpu_threads(devices)
-    model, data, config = _build(args)
+    devices = parse_devices(args.devices)
+    memory = device_memory(args, devices)
+    weights = parse_weights(args.weights, devices)
+    share_cpu_threads(devices)
+    model, data, config = build_demo(args)
     planned, weights = _split(args, config, devices, memory, weights)
     logger = metric_logger(args)
     trainer = _trainer(args, model, data, devices, weights, logger)
-    budgets = _attach_budgets(trainer, memory) if memory is not None and _all_cpu(devices) else None
+    budgets = attach_budgets(trainer, memory) if memory is not None and all_cpu(devices) else None
     _print_start(args, trainer, devices, memory, planned)
     even = run_checks(args, trainer, budgets)
     report = trainer.fit()
-    report.model = _model_name(args)
+    report.model = demo_model_name(args)
     report.devices = with_figures(args, config, report.devices, memory, budgets, even, planned)
     paths = write_report(report, args.out)
     if logger is not None:
         paths["metrics"] = logger[1]
-    _print_report(report, paths)
+    print_report(report, paths)
     if budgets is not None:
-        print(_BUDGET_NOTE)
+        print(BUDGET_NOTE)
     from ._train_ddp import say_how_to_resume
 
     return say_how_to_resume(exit_code(report.signal), args.argv)
 
 
-def _share_cpu_threads(devices: list[str | int]) -> None:
-    if _all_cpu(devices) and len(devices) > 1:
+def share_cpu_threads(devices: list[str | int]) -> None:
+    if all_cpu(devices) and len(devices) > 1:
         # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
 
@@ -66,7 +70,7 @@ def _split(
     """(the plan when the planner chose the split, else ``None``; the split weights)."""
     if args.weights is None and memory is not None:
         # The split that fits the memory; a CPU has no CUDA context to allow for.
-        planned = _planner_weights(config, args, memory, cpu=_all_cpu(devices))
+        planned = _planner_weights(config, args, memory, cpu=all_cpu(devices))
         return planned, [float(n) for n in planned.split]
     on_gpus = all(isinstance(d, int) for d in devices)
     if args.devices is None and args.weights is None and len(devices) > 1 and on_gpus:
@@ -128,7 +132,7 @@ def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: A
     >>> _split_source(ns, [2**20, 2**20], None)
     ' (--weights 3,1, on budgets of 1.0MiB,1.0MiB)'
     """
-    budgets = "" if memory is None else _fmt(memory)
+    budgets = "" if memory is None else format_memory(memory)
     given = f"the demo's budgets {budgets}" if args.memory is None else f"--memory {args.memory}"
     if args.weights is not None:
         on = "" if memory is None else f", on budgets of {budgets}"
@@ -148,18 +152,18 @@ def _planner_weights(
     from .._core._errors import PlanError
     from .._planning._plan import plan
     from ..examples.gpt import GPT
-    from ._model_spec import _AMP, gpt_batch
+    from ._model_spec import AMP_DTYPES, gpt_batch
 
     options: dict[str, Any] = {"cuda_context": 0} if cpu else {}
     try:
         p = plan(
             lambda: GPT(config), gpt_batch(config), spec, mode="dp", batch_size=args.batch,
-            amp=_AMP[args.amp], checkpointing=args.checkpointing, **options,
+            amp=AMP_DTYPES[args.amp], checkpointing=args.checkpointing, **options,
         )  # fmt: skip
     except PlanError as exc:
         if not isinstance(spec, list):
             raise
-        given = f"--memory {args.memory or _DEMO_MEMORY}"
+        given = f"--memory {args.memory or DEMO_MEMORY}"
         given += "" if args.memory else " (the demo's budgets)"
         raise EvendpError(
             f"--batch {args.batch} does not fit {given} ({exc}); lower --batch, shrink the "

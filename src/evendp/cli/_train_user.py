@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
-from ._demo import _BUDGET_NOTE
-from ._train_args import _parse_devices, _parse_weights
-from ._train_common import _print_report, metric_logger
+from ._demo import BUDGET_NOTE
+from ._train_args import parse_devices, parse_weights
+from ._train_common import metric_logger, print_report
 
 __all__ = ["load_training_factory", "run_user_model"]
 
@@ -31,7 +31,7 @@ def run_user_model(args: argparse.Namespace) -> int:
     from .._training._rehearse import rehearse
     from .._training._trainer import TrainConfig, default_loss
     from ._train_ddp import say_how_to_resume
-    from ._train_local import _share_cpu_threads
+    from ._train_local import share_cpu_threads
 
     if args.memory is None:
         raise EvendpError(
@@ -43,8 +43,8 @@ def run_user_model(args: argparse.Namespace) -> int:
     except EvendpError as exc:
         raise EvendpError(f"--memory {args.memory!r}: {exc}") from None
     devices = _devices(args, len(memory))
-    weights = _parse_weights(args.weights, devices)
-    _share_cpu_threads(devices)
+    weights = parse_weights(args.weights, devices)
+    share_cpu_threads(devices)
     model, data, loss_fn = load_training_factory(args.model)
     if args.batch > len(data):
         raise EvendpError(
@@ -69,8 +69,8 @@ def run_user_model(args: argparse.Namespace) -> int:
     paths = write_report(report, args.out)  # with the model's name in the title
     if logger is not None:
         paths["metrics"] = logger[1]
-    _print_report(report, paths)
-    print(_BUDGET_NOTE)
+    print_report(report, paths)
+    print(BUDGET_NOTE)
     return say_how_to_resume(exit_code(report.signal), args.argv)
 
 
@@ -78,7 +78,7 @@ def _devices(args: argparse.Namespace, count: int) -> list[str | int]:
     """One CPU virtual device per --memory entry, or --devices (all cpu, one per entry)."""
     if args.devices is None:
         return ["cpu"] * count
-    devices = _parse_devices(args.devices, check_gpus=False)
+    devices = parse_devices(args.devices, check_gpus=False)
     if any(d != "cpu" for d in devices):
         raise EvendpError(
             f"--model rehearses on CPU virtual devices, but --devices {args.devices!r} names "
@@ -99,7 +99,7 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
     >>> load_training_factory("nonsense")
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: --model 'nonsense' is not 'package.module:factory' or ...
+    evendp.InputError: --model 'nonsense' is not 'package.module:factory' or ...
     """
     import torch
 

@@ -1,4 +1,5 @@
-"""``evendp train``: train the built-in char-level GPT on the Python standard library's source.
+"""``evendp train``: train the built-in char-level GPT on the Python standard library's source
+(the demo), or rehearse the user's own model (``--model module:factory``) on CPU devices.
 
 The data is variable-length: one paragraph of stdlib code per sample, padded to the longest in
 the batch with -100 labels on the padding, and the loss is the exact mean over real
@@ -12,8 +13,9 @@ device, and the report (table, JSON, PNG in runs/demo) shows both against the bu
 A budget counts each replica's forward allocations plus its parameters (and, on the first
 device, gradients and optimizer state); backward's transient allocations are not counted.
 
---mode ddp starts one process per device under torchrun (through evendp launch's planning).
-Exit code 2 on bad input, 130 after SIGINT (Ctrl-C) and 143 after SIGTERM: the step in
+--mode ddp|fsdp2 starts one process per device under torchrun (through evendp launch's
+planning). Exit code 2 on bad input, 1 when a run fails (a NaN loss that stays, a full disk,
+a stalled rank), 130 after SIGINT (Ctrl-C) and 143 after SIGTERM: the step in
 progress finishes on every rank, a checkpoint is saved, and --resume continues.
 --max-restarts N (ddp/fsdp2) lets torchrun restart the ranks after one dies; the restarted
 ranks resume from the last checkpoint.
@@ -67,21 +69,21 @@ def run(args: argparse.Namespace) -> int:
     from evendp._core._errors import EvendpError
     from evendp._core._oom_errors import is_oom_error
     from evendp.cli._train_args import (
-        _is_launched_rank,
-        _resume_check,
-        _validate_args,
         fresh_start_check,
+        is_launched_rank,
         options_from_env,
+        resume_check,
+        validate_args,
     )
 
     try:
         args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
-        _validate_args(args)
-        done = _resume_check(args)
+        validate_args(args)
+        done = resume_check(args)
         if done is not None:
             return done
         fresh_start_check(args)
-        if not _is_launched_rank():  # the launcher said it once
+        if not is_launched_rank():  # the launcher said it once
             say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:

@@ -44,70 +44,10 @@ import evendp
 from .._core._exact import weighted_sum
 from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
-from ._epoch import EpochRelay
+from ._interleave import InterleavedBatchSampler
 from .deepspeed import fill_auto_micro_batch
 
 __all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
-
-
-class _InterleavedBatchSampler:
-    """Every rank's :class:`evendp.UnevenBatchSampler` batches, step by step, in rank order."""
-
-    def __init__(
-        self,
-        data: object,
-        batch_sizes: list[int],
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        **options: Any,  # costs=, max_tokens=: as UnevenBatchSampler takes them
-    ) -> None:
-        self.ranks = [
-            evendp.UnevenBatchSampler(
-                data,
-                batch_sizes,
-                rank=r,
-                world_size=len(batch_sizes),
-                shuffle=shuffle,
-                seed=seed,
-                drop_last=drop_last,
-                **options,
-            )
-            for r in range(len(batch_sizes))
-        ]
-        self.drop_last = drop_last
-        self.sampler = EpochRelay(self)  # where DataLoaderShard.set_epoch looks
-
-    def set_epoch(self, epoch: int) -> None:
-        for sampler in self.ranks:
-            sampler.set_epoch(epoch)
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        """The per-rank sizes in force (a speed balancer reads and sets them)."""
-        return self.ranks[0].batch_sizes
-
-    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
-        """New per-rank sizes from the next step on, for every rank's sampler alike."""
-        for sampler in self.ranks:
-            sampler.set_batch_sizes(batch_sizes)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.on_epoch()
-        for step in zip(*self.ranks, strict=True):
-            yield from step
-
-    def on_epoch(self) -> None:
-        """Set by :func:`uneven_dataloader`: run as each epoch's iteration starts."""
-
-    def __len__(self) -> int:
-        return len(self.ranks[0]) * len(self.ranks)
-
-    def samples_in_step(self, step: int) -> int:
-        """Samples over all ranks in step ``step`` of an epoch (steps are full but the last)."""
-        first = self.ranks[0]
-        full = first.global_batch_size
-        return full if step < len(first) - 1 or self.drop_last else first.num_samples - full * step
 
 
 class _OneStepSchedulers:
@@ -145,7 +85,7 @@ class _WeighingLoader:
 
     _is_accelerate_prepared = True  # preparing it again returns it
 
-    def __init__(self, loader: Any, sampler: _InterleavedBatchSampler, accelerator: Any) -> None:
+    def __init__(self, loader: Any, sampler: InterleavedBatchSampler, accelerator: Any) -> None:
         self.loader, self.sampler, self.accelerator = loader, sampler, accelerator
 
     def __iter__(self) -> Iterator[Any]:
@@ -320,7 +260,7 @@ def uneven_dataloader(
             "clipping) for a token budget"
         )
     options = {"costs": costs, "max_tokens": max_tokens}
-    sampler = _InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last, **options)
+    sampler = InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last, **options)
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -357,7 +297,7 @@ def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
     sampler: Any = loader
     for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> ours
         sampler = getattr(sampler, "batch_sampler", None)
-        if isinstance(sampler, _InterleavedBatchSampler):
+        if isinstance(sampler, InterleavedBatchSampler):
             return evendp.SpeedBalancer(sampler, **knobs)
     raise evendp.EvendpError(
         f"speed_balancer needs a loader from uneven_dataloader, got {type(loader).__name__}; "

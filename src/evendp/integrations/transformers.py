@@ -60,8 +60,9 @@ from .._planning._balance import (
     validate_balance,
     validate_batch_sizes_option,
 )
+from ._interleave import InterleavedBatchSampler
 from ._teardown import release_at_exit
-from .accelerate import _InterleavedBatchSampler, uneven_dataloader
+from .accelerate import uneven_dataloader
 
 __all__ = ["UnevenTrainer", "count_labels", "count_rows"]
 
@@ -247,7 +248,7 @@ def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
 def _balanced_sampler(loader: DataLoader) -> Any:
     """The every-rank sampler inside a prepared :func:`uneven_dataloader`."""
     sampler: Any = loader
-    while not isinstance(sampler, _InterleavedBatchSampler):
+    while not isinstance(sampler, InterleavedBatchSampler):
         sampler = sampler.batch_sampler
     return sampler
 
@@ -305,7 +306,7 @@ class UnevenTrainer(transformers.Trainer):
     ...               use_cpu=True, auto_find_batch_size=True))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: auto_find_batch_size=True is not supported by UnevenTrainer: ...
+    evendp.InputError: auto_find_batch_size=True is not supported by UnevenTrainer: ...
     """
 
     # compute_loss returns the loss already normalized over the whole optimizer step.

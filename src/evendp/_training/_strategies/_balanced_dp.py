@@ -15,7 +15,7 @@ from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
-from ..._distributed._step_cost import StepWeight
+from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
 from .._evaluate import EvalFn, evaluate_devices
 from ._base import Batch, Costs, Strategy, build_sampler

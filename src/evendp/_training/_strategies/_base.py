@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..._distributed._sampler import UnevenBatchSampler
-from ..._distributed._step_cost import StepWeight
+from ..._distributed._step_count import StepWeight
 from .._evaluate import EvalFn
 from .._oom import OomResplit
 from .._optimizer_step import OptimizerStep, default_optimizer
@@ -22,7 +22,7 @@ from .._optimizer_step import OptimizerStep, default_optimizer
 if TYPE_CHECKING:
     from .._train_state import TrainState
 
-__all__ = ["Strategy", "StopSource"]
+__all__ = ["StopSource", "Strategy"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None

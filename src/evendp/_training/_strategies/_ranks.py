@@ -14,7 +14,7 @@ from ..._core._calls import as_args
 from ..._distributed._group import comm_device
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
-from ..._distributed._step_cost import StepWeight
+from ..._distributed._step_count import StepWeight
 from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from evendp import TrainConfig, Trainer
 from evendp._distributed._group import finish_distributed
-from evendp._distributed._step_cost import StepWeight, display_due
+from evendp._distributed._step_count import StepWeight, display_due
 from tests._helpers import run_ranks
 from tests.training.test_trainer_cost import Lines, TokenLM, tokens
 
@@ -92,7 +92,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("step_cost")
+    out = tmp_path_factory.mktemp("step_count")
     return out, run_ranks(_worker, 2, out, 150, "step-cost workers")
 
 

@@ -1,7 +1,7 @@
-"""What a training step costs beyond its own work: the global count and the loss display.
+"""The step's global count, and the steps on which the loss is read for display.
 
-Two things the Trainer needs that are not the step's compute, each kept off the step's
-critical path:
+Two things the Trainer needs beside the step's compute, each kept off the step's critical
+path (not the samples' ``costs=``, their lengths for balancing: see :mod:`evendp._core._cost`):
 
 - **The step's global count** of counted items (``count_fn``, e.g. non-ignored tokens) under
   DDP/FSDP2, needed before the first ``backward`` (it weights every micro-batch). Without

@@ -1,0 +1,75 @@
+"""Every rank's batches of one step, in rank order, from one loader: the sampler that
+:func:`evendp.integrations.accelerate.uneven_dataloader` hands Accelerate (which shards a
+loader's batches round-robin, one to each process) and that the Transformers adapter finds
+again inside a prepared loader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import evendp
+
+from ._epoch import EpochRelay
+
+__all__ = ["InterleavedBatchSampler"]
+
+
+class InterleavedBatchSampler:
+    """Every rank's :class:`evendp.UnevenBatchSampler` batches, step by step, in rank order."""
+
+    def __init__(
+        self,
+        data: object,
+        batch_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        **options: Any,  # costs=, max_tokens=: as UnevenBatchSampler takes them
+    ) -> None:
+        self.ranks = [
+            evendp.UnevenBatchSampler(
+                data,
+                batch_sizes,
+                rank=r,
+                world_size=len(batch_sizes),
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+                **options,
+            )
+            for r in range(len(batch_sizes))
+        ]
+        self.drop_last = drop_last
+        self.sampler = EpochRelay(self)  # where DataLoaderShard.set_epoch looks
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.ranks:
+            sampler.set_epoch(epoch)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The per-rank sizes in force (a speed balancer reads and sets them)."""
+        return self.ranks[0].batch_sizes
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """New per-rank sizes from the next step on, for every rank's sampler alike."""
+        for sampler in self.ranks:
+            sampler.set_batch_sizes(batch_sizes)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.on_epoch()
+        for step in zip(*self.ranks, strict=True):
+            yield from step
+
+    def on_epoch(self) -> None:
+        """Set by :func:`uneven_dataloader`: run as each epoch's iteration starts."""
+
+    def __len__(self) -> int:
+        return len(self.ranks[0]) * len(self.ranks)
+
+    def samples_in_step(self, step: int) -> int:
+        """Samples over all ranks in step ``step`` of an epoch (steps are full but the last)."""
+        first = self.ranks[0]
+        full = first.global_batch_size
+        return full if step < len(first) - 1 or self.drop_last else first.num_samples - full * step
