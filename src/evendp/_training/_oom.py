@@ -46,13 +46,13 @@ __all__ = ["OomResplit", "StepConsensus", "free_memory", "pad_plan"]
 class StepConsensus(Protocol):
     """How the processes running one step agree on it (a strategy provides one).
 
-    ``micro_steps(planned)``: how many micro-steps this process runs when its own shares need
+    ``micro_step_count(planned)``: how many micro-steps this process runs when its own shares need
     ``planned`` (more when every process must run as many backward passes as the others).
     ``agree_step(failed, total)``: called once per attempt's end on every process, whatever
     happened: returns whether the step is skipped everywhere and the step's loss total.
     """
 
-    def micro_steps(self, planned: int) -> int: ...
+    def micro_step_count(self, planned: int) -> int: ...
 
     def agree_step(
         self, failed: bool, total: torch.Tensor | None
@@ -65,7 +65,7 @@ class _GroupConsensus:
     def __init__(self, group: dist.ProcessGroup | None, catch: bool) -> None:
         self.group, self.catch = group, catch
 
-    def micro_steps(self, planned: int) -> int:
+    def micro_step_count(self, planned: int) -> int:
         return planned
 
     def agree_step(
@@ -247,7 +247,9 @@ class OomResplit:
         total: torch.Tensor | None = None
         while True:
             plan = self.plan(shares, micro_batch_sizes)
-            plan = pad_plan(plan, shares, agreement.micro_steps(max(min_micro_steps, len(plan))))
+            plan = pad_plan(
+                plan, shares, agreement.micro_step_count(max(min_micro_steps, len(plan)))
+            )
             try:
                 total = self._run_plan(plan, chunk_loss, weight, backward, summed)
                 break

@@ -717,7 +717,7 @@ class Trainer:
         caps = [math.ceil(s / self.config.accum) if s else None for s in shares]
         while True:
             plan = self.guard.plan(shares, caps)
-            plan = pad_plan(plan, shares, self.strategy.micro_steps(len(plan)))
+            plan = pad_plan(plan, shares, self.strategy.micro_step_count(len(plan)))
             try:
                 return self._run_micro_steps(batch, shares, plan, weight)
             except RuntimeError as error:  # torch.OutOfMemoryError is one

@@ -44,7 +44,7 @@ class Strategy(abc.ABC):
         batch = strategy.place(batch); shares = strategy.shares(n)
         weight = strategy.count_weight(count)          # or known: samples, counts=
         strategy.zero_grad()
-        for k, spans in enumerate(plan):               # guard.plan + micro_steps padding
+        for k, spans in enumerate(plan):               # guard.plan + micro_step_count padding
             with strategy.sync(last=k == len(plan) - 1):
                 summed = strategy.forward(rows, sizes)
             strategy.backward(summed * weight)
@@ -193,7 +193,7 @@ class Strategy(abc.ABC):
     def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
         """The micro-step's loss summed over its counted items (``rows[i]`` rows on device i)."""
 
-    def micro_steps(self, planned: int) -> int:
+    def micro_step_count(self, planned: int) -> int:
         """How many micro-steps this process runs when its shares need ``planned``."""
         return planned
 

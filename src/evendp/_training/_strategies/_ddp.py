@@ -29,7 +29,7 @@ class DDP(RankStrategy):
             return contextlib.nullcontext()
         return ddp.no_sync()
 
-    def micro_steps(self, planned: int) -> int:
+    def micro_step_count(self, planned: int) -> int:
         return max(planned, 1)  # DDP's reducer waits for every rank's backward
 
 

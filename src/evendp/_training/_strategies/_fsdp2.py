@@ -64,7 +64,7 @@ class FSDP2(RankStrategy):
         self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
         return contextlib.nullcontext()
 
-    def micro_steps(self, planned: int) -> int:
+    def micro_step_count(self, planned: int) -> int:
         return max(planned, self._accum)
 
     def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
