@@ -88,7 +88,10 @@ def test_multi_node_sizes_cover_all_ranks() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"batch": 9, "batch_sizes": "3,5"}, "--batch 9 .*contradicts --batch-sizes 3,5 .*--batch 8"),
+        (
+            {"batch": 9, "batch_sizes": "3,5"},
+            "--batch 9 .*contradicts --batch-sizes 3,5 .*--batch 8",
+        ),
         ({"nproc": 3, "batch_sizes": "3,5"}, "--nproc 3 but --batch-sizes"),
         ({"nproc": 0}, "positive int or 'auto'"),
         ({"nproc": "many"}, "positive int or 'auto'"),
@@ -264,7 +267,9 @@ def test_speed_balancer_env_caps_errors(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(EvendpError, match="'x' is not an int"):
         SpeedBalancer(sampler)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=3,6")
-    with pytest.raises(EvendpError, match=r"rank 0 takes 4 samples per step but its memory holds 3"):
+    with pytest.raises(
+        EvendpError, match=r"rank 0 takes 4 samples per step but its memory holds 3"
+    ):
         SpeedBalancer(sampler)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=6,9")
     assert SpeedBalancer(sampler).caps == [6, 9]

@@ -9,8 +9,9 @@ each rank's memory cap (``evendp launch --model``) ``"3,5;caps=48,24"``. ``EVEND
 the caps' old variable, is still read, with a DeprecationWarning.
 
 ``batch_size`` (the global batch per optimizer step) and ``batch_sizes`` (per rank) have one
-meaning everywhere: given both, ``sum(batch_sizes)`` must be ``batch_size``
-(:func:`global_batch_size`); given only the sizes, the global batch is their sum.
+meaning everywhere: given only the sizes, the global batch is their sum; given both,
+``sum(batch_sizes)`` must be ``batch_size`` (:func:`global_batch_size`: refused on the command
+line, deprecated in ``TrainConfig``, where it used to run).
 """
 
 from __future__ import annotations
@@ -197,14 +198,18 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, flags: bool = Fal
     ``batch_size`` is the global batch, ``batch_sizes`` each rank's share of it: given only the
     shares, the global batch is their sum; given both, they must agree. ``"auto"`` and
     ``None`` split ``batch_size``. (A ``batch_size`` not given stays marked as such.)
-    ``flags``: name them as the command line does (``--batch``, ``--batch-sizes``).
+
+    ``flags``: the command line's ``--batch`` and ``--batch-sizes``, whose contradiction is
+    refused (:class:`EvendpError`). In Python (``TrainConfig``) a contradiction used to run,
+    training ``sum(batch_sizes)`` under torchrun and ``batch_size`` in one process: it still
+    does, with a DeprecationWarning, and is refused from evendp 0.3.0.
 
     >>> global_batch_size(DEFAULT_BATCH_SIZE, [3, 5]), global_batch_size(8, [3, 5])
     (8, 8)
-    >>> global_batch_size(10, [3, 5])  # doctest: +ELLIPSIS
+    >>> global_batch_size(10, [3, 5], flags=True)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    evendp.EvendpError: batch_size=10 (the global batch per step) contradicts batch_sizes=[3, 5] ...
+    evendp.EvendpError: --batch 10 (the global batch per step) contradicts --batch-sizes 3,5 ...
     """
     if batch_sizes is None or isinstance(batch_sizes, str):
         return batch_size
@@ -219,12 +224,16 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, flags: bool = Fal
             f"--batch {batch_size} (the global batch per step) contradicts --batch-sizes {sizes} "
             f"(each rank's share, {total} in all); give --batch {total}, or only one of them"
         )
-    raise EvendpError(
+    warnings.warn(
         f"batch_size={shown(batch_size)} (the global batch per step) contradicts "
-        f"batch_sizes={shown(batch_sizes)} (each rank's share, {total} in all); pass "
-        f"batch_size={total}, or drop batch_size (it is sum(batch_sizes)), or drop "
-        "batch_sizes to split batch_size evenly"
+        f"batch_sizes={shown(batch_sizes)} (each rank's share, {total} in all): torchrun trains "
+        f"{total} a step, one process {batch_size}. This is deprecated and refused from evendp "
+        f"{REMOVAL}; pass batch_size={total}, or drop batch_size (it is then "
+        "sum(batch_sizes)), or drop batch_sizes to split batch_size evenly",
+        DeprecationWarning,
+        stacklevel=4,  # TrainConfig(...) -> __post_init__ -> here: the caller's line
     )
+    return batch_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,10 +306,21 @@ class BatchPlan:
         """The variables that carry the plan to the ranks (one)."""
         return {ENV_BATCH_SIZES: self.text}
 
-    def for_world(self, world_size: int) -> BatchPlan:
-        """The plan itself, once it has one size per rank of ``world_size``."""
-        validate_batch_plan(self.sizes, self.caps, world_size)
-        return self
+    @classmethod
+    def of(
+        cls,
+        sizes: object,
+        caps: object = None,
+        source: Source = "given",
+        world_size: int | None = None,
+    ) -> BatchPlan:
+        """The plan of any sequences of sizes and caps, checked (``world_size`` of them).
+
+        >>> BatchPlan.of([3, 5], world_size=2)
+        BatchPlan(sizes=(3, 5), caps=None, source='given')
+        """
+        checked, checked_caps = validate_batch_plan(sizes, caps, world_size)
+        return cls(tuple(checked), None if checked_caps is None else tuple(checked_caps), source)
 
     @classmethod
     def even(cls, global_batch: int, world_size: int) -> BatchPlan:
@@ -329,8 +349,7 @@ class BatchPlan:
         sizes_text, mark, caps_text = text.partition(CAPS_MARK)
         sizes = _ints(sizes_text, text, "batch sizes", "'3,5'")
         caps = _ints(caps_text, text, "caps in", "'3,5;caps=48,24'") if mark else None
-        plan = cls(tuple(sizes), None if caps is None else tuple(caps), source)
-        return plan if world_size is None else plan.for_world(world_size)
+        return cls.of(sizes, caps, source, world_size)
 
     @classmethod
     def from_env(
@@ -365,7 +384,7 @@ class BatchPlan:
             old = _old_caps(plan.world_size, env)
             if old is not None:
                 try:
-                    plan = cls(plan.sizes, tuple(old), "env")
+                    plan = cls.of(plan.sizes, old, "env")
                 except EvendpError as err:
                     raise EvendpError(
                         f"{ENV_BATCH_CAPS}={shown(env[ENV_BATCH_CAPS])}: {err}"

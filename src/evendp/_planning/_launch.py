@@ -259,8 +259,8 @@ def plan_launch(
         validate_int("--batch", batch, minimum=1, example="--batch 64")
     sizes = None
     if batch_sizes is not None:
-        given = batch_sizes if isinstance(batch_sizes, str) else None
-        plan = BatchPlan.parse(given) if given is not None else BatchPlan(tuple(batch_sizes))
+        given = isinstance(batch_sizes, str)  # a list: the command line read it already
+        plan = BatchPlan.parse(batch_sizes) if given else BatchPlan.of(batch_sizes)
         sizes = list(plan.sizes)
         if batch is not None:
             global_batch_size(batch, sizes, flags=True)
@@ -357,7 +357,7 @@ def plan_launch(
             f"{memory_plan.global_batch}, eta_mem {memory_plan.eta_mem:.2f} "
             f"(even split {memory_plan.even_eta_mem:.2f})"
         )
-    batch_plan = None if sizes is None else BatchPlan(tuple(sizes), caps, source)
+    batch_plan = None if sizes is None else BatchPlan.of(sizes, caps, source)
     if batch_plan is not None:
         env.update(batch_plan.env())
     return LaunchPlan(count, batch_plan, physical, env, reason, memory_plan)
