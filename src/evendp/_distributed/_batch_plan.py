@@ -16,6 +16,7 @@ line, deprecated in ``TrainConfig``, where it used to run).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -346,10 +347,8 @@ class BatchPlan:
         """
         if not isinstance(text, str):
             raise EvendpError(f"batch sizes must be a string like '3,5', got {shown(text)}")
-        sizes_text, mark, caps_text = text.partition(CAPS_MARK)
-        sizes = _ints(sizes_text, text, "batch sizes", "'3,5'")
-        caps = _ints(caps_text, text, "caps in", "'3,5;caps=48,24'") if mark else None
-        return cls.of(sizes, caps, source, world_size)
+        plan = _parse_text(text)
+        return cls.of(plan.sizes, plan.caps, source, world_size)
 
     @classmethod
     def from_env(
@@ -390,6 +389,16 @@ class BatchPlan:
                         f"{ENV_BATCH_CAPS}={shown(env[ENV_BATCH_CAPS])}: {err}"
                     ) from None
         return plan
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_text(text: str) -> BatchPlan:
+    """The plan ``text`` says; once per text in a process (the launcher's value is read by
+    ``batch_sizes_from_env``, the sampler and the speed balancer alike, and stays one)."""
+    sizes_text, mark, caps_text = text.partition(CAPS_MARK)
+    sizes = _ints(sizes_text, text, "batch sizes", "'3,5'")
+    caps = _ints(caps_text, text, "caps in", "'3,5;caps=48,24'") if mark else None
+    return BatchPlan.of(sizes, caps)
 
 
 def _old_caps(world_size: int | None, env: Mapping[str, str]) -> list[int] | None:
