@@ -150,5 +150,5 @@ def test_a_contradiction_on_the_command_line_is_refused() -> None:
     with pytest.raises(
         EvendpError, match=r"--batch 9 .* contradicts --batch-sizes 3,5 .*--batch 8"
     ):
-        global_batch_size(9, [3, 5], flags=True)
-    assert global_batch_size(8, [3, 5], flags=True) == 8
+        global_batch_size(9, [3, 5], cli="--batch-sizes ")
+    assert global_batch_size(8, [3, 5], cli="--batch-sizes ") == 8

@@ -193,21 +193,22 @@ class _NotGiven(int):
 DEFAULT_BATCH_SIZE: int = _NotGiven(32)
 
 
-def global_batch_size(batch_size: int, batch_sizes: object, *, flags: bool = False) -> int:
+def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None = None) -> int:
     """The global batch per optimizer step, from ``batch_size`` and ``batch_sizes``.
 
     ``batch_size`` is the global batch, ``batch_sizes`` each rank's share of it: given only the
     shares, the global batch is their sum; given both, they must agree. ``"auto"`` and
     ``None`` split ``batch_size``. (A ``batch_size`` not given stays marked as such.)
 
-    ``flags``: the command line's ``--batch`` and ``--batch-sizes``, whose contradiction is
-    refused (:class:`EvendpError`). In Python (``TrainConfig``) a contradiction used to run,
+    ``cli``: on the command line, the sizes' spelling (``"--batch-sizes "``,
+    ``"EVENDP_BATCH_SIZES="``) beside ``--batch``; a contradiction there is refused
+    (:class:`EvendpError`). In Python (``TrainConfig``) a contradiction used to run,
     training ``sum(batch_sizes)`` under torchrun and ``batch_size`` in one process: it still
     does, with a DeprecationWarning, and is refused from evendp 0.3.0.
 
     >>> global_batch_size(DEFAULT_BATCH_SIZE, [3, 5]), global_batch_size(8, [3, 5])
     (8, 8)
-    >>> global_batch_size(10, [3, 5], flags=True)  # doctest: +ELLIPSIS
+    >>> global_batch_size(10, [3, 5], cli="--batch-sizes ")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     evendp.EvendpError: --batch 10 (the global batch per step) contradicts --batch-sizes 3,5 ...
@@ -219,10 +220,10 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, flags: bool = Fal
         return _NotGiven(total)
     if batch_size == total:
         return batch_size
-    if flags:
+    if cli is not None:
         sizes = ",".join(map(str, batch_sizes))  # type: ignore[call-overload]
         raise EvendpError(
-            f"--batch {batch_size} (the global batch per step) contradicts --batch-sizes {sizes} "
+            f"--batch {batch_size} (the global batch per step) contradicts {cli}{sizes} "
             f"(each rank's share, {total} in all); give --batch {total}, or only one of them"
         )
     warnings.warn(

@@ -263,7 +263,7 @@ def plan_launch(
         plan = BatchPlan.parse(batch_sizes) if given else BatchPlan.of(batch_sizes)
         sizes = list(plan.sizes)
         if batch is not None:
-            global_batch_size(batch, sizes, flags=True)
+            global_batch_size(batch, sizes, cli="--batch-sizes ")
     if nodes is None and (sizes is not None or batch is not None or model is not None):
         raise EvendpError(
             f"--nnodes {nnodes} is an elastic range, so the number of ranks (and the batch size "

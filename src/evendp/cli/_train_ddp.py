@@ -295,7 +295,7 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     # evendp train --mode ddp planned the sizes for its --batch; under the user's own torchrun
     # a --batch other than the default was given, and must agree with the sizes set by hand.
     if OPTIONS_ENV in os.environ or args.batch != DEFAULT_BATCH:
-        global_batch_size(args.batch, list(plan.sizes), flags=True)
+        global_batch_size(args.batch, list(plan.sizes), cli="EVENDP_BATCH_SIZES=")
     return plan
 
 
