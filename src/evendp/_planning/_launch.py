@@ -3,10 +3,12 @@
 The launcher decides what every rank gets and passes it through the environment: which GPUs
 (``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), how many samples each rank takes per step
 (``EVENDP_BATCH_SIZES``, one int per global rank, read by ``UnevenBatchSampler``) and, when a
-model is planned, the most samples each rank's memory holds (``EVENDP_BATCH_CAPS``, read by
-``SpeedBalancer``). Everything else is ``torch.distributed.run`` (torchrun) itself, with its own
-options exactly as documented: ``--dry-run`` prints the ``python -m torch.distributed.run``
-command, and the launcher runs torchrun's ``main`` on the same arguments through
+model is planned, in the same variable the most samples each rank's memory holds
+(``"3,5;caps=48,24"``, read by ``SpeedBalancer``): one :class:`BatchPlan
+<evendp._distributed._batch_plan.BatchPlan>`, checked once. Everything else is
+``torch.distributed.run`` (torchrun) itself, with its own options exactly as documented:
+``--dry-run`` prints the ``python -m torch.distributed.run`` command, and the launcher runs
+torchrun's ``main`` on the same arguments through
 :data:`~evendp._distributed._torchrun.QUIET_TORCHRUN`, which ends on a signal in one line
 instead of torchrun's traceback.
 """

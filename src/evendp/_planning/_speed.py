@@ -35,7 +35,7 @@ from .._core._validate import (
 from .._distributed._batch_plan import CAPS_MARK, ENV_BATCH_CAPS, ENV_BATCH_SIZES, caps_from_env
 from .._distributed._group import comm_device, rank_cuda_device, world_size
 
-__all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
+__all__ = ["SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
 
 #: Each rank's memory cap as ``evendp launch --model`` left it: the caps in
 #: ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``), else the deprecated ``EVENDP_BATCH_CAPS``.
