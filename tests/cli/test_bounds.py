@@ -58,8 +58,13 @@ def test_a_400_kb_value_is_echoed_cut_short(value: str, capsys: pytest.CaptureFi
     [
         (lambda: rank_memory(rank=0, world_size=2), {"EVENDP_MEMORY": "5000000x1GiB"}, "1000000"),
         (lambda: batch_sizes_from_env(), {"EVENDP_BATCH_SIZES": f"3,{HUGE}"}, "1000000000"),
-        (lambda: batch_caps_from_env(), {"EVENDP_BATCH_CAPS": f"3,{HUGE}"}, "1000000000"),
-        (lambda: batch_caps_from_env(), {"EVENDP_BATCH_CAPS": "7" * 100_000}, "(100000 char"),
+        # The caps ride in EVENDP_BATCH_SIZES (EVENDP_BATCH_CAPS, deprecated, reads the same).
+        (lambda: batch_caps_from_env(), {"EVENDP_BATCH_SIZES": f"3,3;caps=3,{HUGE}"}, "1000000000"),
+        (
+            lambda: batch_caps_from_env(),
+            {"EVENDP_BATCH_SIZES": "3;caps=" + "7" * 100_000},
+            "(100000 char",
+        ),
     ],
 )
 def test_environment_variables_get_the_same_limits(

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import evendp._planning._devices as devices_mod
+from evendp._distributed._batch_plan import BatchPlan
 from evendp._distributed._sampler import UnevenBatchSampler
 from evendp.cli import main
 from tests.planning.test_devices import FakeNvml
@@ -52,7 +53,7 @@ def test_dry_run_passes_multi_node_options(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--batch", "8", "--batch-sizes", "3,5"], "not both"),
+        (["--batch", "9", "--batch-sizes", "3,5"], "--batch 9 (the global batch per step) contra"),
         (["--nproc", "x"], "positive int or 'auto'"),
         (["--batch-sizes", "3,-1"], "-1"),
         (["--gpus", "0,1"], "no NVIDIA driver"),
@@ -65,12 +66,32 @@ def test_bad_input_exits_2(
     assert message in capsys.readouterr().err
 
 
+def test_batch_and_batch_sizes_that_agree_are_one_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["launch", "--batch", "8", "--batch-sizes", "3,5", "--dry-run", "t.py"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "EVENDP_BATCH_SIZES=3,5"
+
+
+def test_a_contradicting_batch_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--batch", "9", "--batch-sizes", "3,5", "--dry-run", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "evendp launch: error: --batch 9 (the global batch per step) contradicts --batch-sizes "
+        "3,5 (each rank's share, 8 in all); give --batch 8, or only one of them\n"
+    )
+
+
 LM = ["--model", "lm-head", "--vocab", "1000", "--seq-len", "32"]
 
 
 def _env_lists(out: str) -> dict[str, list[int]]:
-    found = dict(re.findall(r"^(EVENDP_\w+)=([\d,]+)$", out, flags=re.M))
-    return {key: [int(v) for v in value.split(",")] for key, value in found.items()}
+    """The plan the dry run printed, read back as a rank reads it (the one channel)."""
+    assert "EVENDP_BATCH_CAPS" not in out  # the caps ride in EVENDP_BATCH_SIZES
+    found = re.search(r"^EVENDP_BATCH_SIZES=(\S+)$", out, flags=re.M)
+    assert found is not None
+    plan = BatchPlan.parse(found.group(1))
+    return {"EVENDP_BATCH_SIZES": list(plan.sizes), "EVENDP_BATCH_CAPS": list(plan.caps or [])}
 
 
 def test_dry_run_planned_sizes_and_caps(capsys: pytest.CaptureFixture[str]) -> None:

@@ -160,3 +160,21 @@ def test_ddp_writes_metrics_and_runs_the_planned_split_with_budgets(tmp_path: Pa
     shares = [d["samples_per_step"] for d in devices]
     assert sum(shares) == 64 and shares[0] > shares[1]
     assert [d["budget_bytes"] for d in devices] == [8 * 2**20, 4 * 2**20]
+
+
+def test_a_rank_takes_its_batch_plan_from_the_one_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evendp import EvendpError
+    from evendp.cli._train_ddp import _rank_plan
+
+    monkeypatch.delenv(OPTIONS_ENV, raising=False)
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    assert _rank_plan(argparse.Namespace(batch=10), 2).sizes == (5, 5)  # no launcher: even
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "3,5;caps=6,9")
+    plan = _rank_plan(argparse.Namespace(batch=32), 2)  # --batch's default: the sizes rule
+    assert (plan.sizes, plan.caps, plan.source) == ((3, 5), (6, 9), "env")
+    assert _rank_plan(argparse.Namespace(batch=8), 2).sizes == (3, 5)  # --batch agrees
+    with pytest.raises(EvendpError, match=r"--batch 64 .* contradicts EVENDP_BATCH_SIZES=3,5 "):
+        _rank_plan(argparse.Namespace(batch=64), 2)
+    monkeypatch.setenv(OPTIONS_ENV, "{}")  # planned by evendp train for its --batch: held to it
+    with pytest.raises(EvendpError, match=r"--batch 32 .* contradicts EVENDP_BATCH_SIZES=3,5 "):
+        _rank_plan(argparse.Namespace(batch=32), 2)

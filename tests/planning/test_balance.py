@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import evendp
-from evendp._planning._balance import NoBalance, rank_batch_sizes, sizes_from_capacities
+from evendp._planning._balance import NoBalance, rank_batch_plan, sizes_from_capacities
 from tests._helpers import run_ranks, torchrun_env
 
 pytestmark = pytest.mark.multiprocess
@@ -113,7 +113,9 @@ def _auto() -> dict[str, Any]:
 def _tokens(world: int) -> list[torch.Tensor]:
     model = Net()
     data = TokenData()
-    cfg = _config(steps=TOKEN_STEPS, batch_size=8, batch_sizes=[1, 2] if world > 1 else None)
+    # The ranks' capacities 1:2 (their sum is the global batch), one process's 8: token steps
+    sizes: dict[str, Any] = {"batch_sizes": [1, 2]} if world > 1 else {"batch_size": 8}
+    cfg = _config(steps=TOKEN_STEPS, **sizes)
     evendp.Trainer(
         model, data, cfg, optimizer=_sgd(model), loss_fn=token_loss, count_fn=tokens,
         costs=data.lengths, max_tokens=BUDGET,
@@ -182,7 +184,7 @@ def test_one_process_and_bad_options() -> None:
             Net(), _data(8), _config(balance="speed", batch_size=8), device_ids=["cpu"]
         )
     assert isinstance(trainer.balancer, NoBalance)  # one process: no ranks to balance
-    assert rank_batch_sizes(None, 9, 2, model=Net, example=list) == ([5, 4], None)
+    assert rank_batch_plan(None, 9, 2, model=Net, example=list).sizes == (5, 4)
     assert sampler.batch_sizes == [8]
     with pytest.raises(evendp.EvendpError, match="balance='fast' is not a balance"):
         _config(balance="fast")

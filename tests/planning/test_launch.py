@@ -88,7 +88,10 @@ def test_multi_node_sizes_cover_all_ranks() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"batch": 8, "batch_sizes": "3,5"}, "not both"),
+        (
+            {"batch": 9, "batch_sizes": "3,5"},
+            "--batch 9 .*contradicts --batch-sizes 3,5 .*--batch 8",
+        ),
         ({"nproc": 3, "batch_sizes": "3,5"}, "--nproc 3 but --batch-sizes"),
         ({"nproc": 0}, "positive int or 'auto'"),
         ({"nproc": "many"}, "positive int or 'auto'"),
@@ -152,10 +155,11 @@ def test_model_largest_batch_on_declared_memory(planned: launch_mod.LaunchPlan) 
     p = planned.memory_plan
     assert p is not None and p.mode == "ddp" and p.split == sizes
     assert caps == [d.max_batch_alone for d in p.devices]
+    # One channel: the caps ride with the sizes (EVENDP_BATCH_CAPS is no longer written).
     assert planned.env == {
-        "EVENDP_BATCH_SIZES": ",".join(map(str, sizes)),
-        "EVENDP_BATCH_CAPS": ",".join(map(str, caps)),
+        "EVENDP_BATCH_SIZES": ",".join(map(str, sizes)) + ";caps=" + ",".join(map(str, caps)),
     }
+    assert planned.batch_plan is not None and planned.batch_plan.source == "planned for memory"
     assert f"memory caps {caps}" in planned.describe() and "planned (ddp)" in planned.describe()
 
 
@@ -246,7 +250,7 @@ def test_speed_balancer_reads_caps_from_launch_env(
     assert sum(got) == batch and got[2] == caps[2]  # speed wants more; memory says no
     assert all(n <= c for n, c in zip(got, caps, strict=True))
 
-    monkeypatch.delenv("EVENDP_BATCH_CAPS")
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", ",".join(map(str, plan.batch_sizes or [])))
     free = balancer()  # without the caps the same timings would overfill rank 2
     assert free.caps is None
     free.step(), free.step()
@@ -255,16 +259,46 @@ def test_speed_balancer_reads_caps_from_launch_env(
 
 def test_speed_balancer_env_caps_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
-    monkeypatch.setenv("EVENDP_BATCH_CAPS", "6")
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=6")
     with pytest.raises(EvendpError, match="1 caps for 2 ranks"):
         SpeedBalancer(sampler)
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=4,x")
+    with pytest.raises(EvendpError, match="'x' is not an int"):
+        SpeedBalancer(sampler)
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=3,6")
+    with pytest.raises(
+        EvendpError, match=r"rank 0 takes 4 samples per step but its memory holds 3"
+    ):
+        SpeedBalancer(sampler)
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=6,9")
+    assert SpeedBalancer(sampler).caps == [6, 9]
+    assert SpeedBalancer(sampler, caps=[8, 8]).caps == [8, 8]  # explicit caps win
+
+
+def test_speed_balancer_still_reads_the_deprecated_caps_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A script under the user's own torchrun may set EVENDP_BATCH_CAPS by hand (docs/devices.md
+    # said so): read, with a DeprecationWarning naming the new spelling.
+    sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    monkeypatch.setenv("EVENDP_BATCH_CAPS", "6,6")
+    with pytest.deprecated_call(match="EVENDP_BATCH_SIZES='3,5;caps=48,24'"):
+        assert SpeedBalancer(sampler).caps == [6, 6]
     monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,3")
-    with pytest.raises(EvendpError, match=r"fewer than the global batch 8.*from EVENDP_BATCH_CAPS"):
+    with (
+        pytest.deprecated_call(),
+        pytest.raises(EvendpError, match=r"fewer than the global batch 8.*from EVENDP_BATCH_CAPS"),
+    ):
         SpeedBalancer(sampler)
     monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,x")
-    with pytest.raises(EvendpError, match="'x' is not a non-negative int"):
+    with pytest.deprecated_call(), pytest.raises(EvendpError, match="'x' is not an int"):
         SpeedBalancer(sampler)
-    assert SpeedBalancer(sampler, caps=[8, 8]).caps == [8, 8]  # explicit caps win
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4")  # the sizes' channel has no caps: the old
+    with pytest.deprecated_call(), pytest.raises(EvendpError, match="EVENDP_BATCH_CAPS='3,x'"):
+        SpeedBalancer(sampler)
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=7,7")  # ... but the new one wins
+    assert SpeedBalancer(sampler).caps == [7, 7]
 
 
 def test_command_single_node_gets_free_port_never_29500(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,6 +72,21 @@ def test_batch_sizes_in_one_process_warn_that_they_are_unused() -> None:
         _fit(config)
 
 
+def test_batch_sizes_alone_set_the_global_batch_in_one_process_too() -> None:
+    # Before: batch_size stayed 32 (the default) while torchrun trained 4 a step; one
+    # process now trains the same global batch as the ranks would.
+    config = TrainConfig(steps=1, batch_sizes=[3, 1], progress=False)
+    assert config.batch_size == 4
+    with pytest.warns(UserWarning, match=r"the global batch, batch_size=4, is split"):
+        trainer = _fit(config)
+    assert trainer.sampler.batch_sizes == [4]
+
+
+def test_batch_sizes_are_checked_as_one_plan() -> None:
+    with pytest.raises(EvendpError, match=r"batch_sizes: all batch sizes are zero"):
+        TrainConfig(batch_sizes=[0, 0])
+
+
 def test_a_negative_count_fn_result_stops_the_first_step() -> None:
     # Before: loss -0.0 and no learning.
     trainer = _fit(count_fn=lambda batch: -1)

@@ -29,69 +29,27 @@ from .._core._cost import split_by_cost, validate_caps, validate_costs
 from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
 from .._core._split import split_sizes
-from .._core._validate import is_int, shown, validate_bool, validate_instance, validate_int
+from .._core._validate import is_int, shown, validate_bool, validate_int
+from ._batch_plan import ENV_BATCH_SIZES, MAX_BATCH, MAX_RANKS, BatchPlan, validate_batch_plan
 from ._launch_notes import note_sizes_read
 
 __all__ = [
     "ENV_BATCH_SIZES",
+    "MAX_BATCH",
+    "MAX_RANKS",
     "EmptySafeCollate",
     "UnevenBatchSampler",
     "batch_sizes_from_env",
     "parse_batch_sizes",
 ]
 
-# Set by `evendp launch` (one int per rank, comma separated) and read by batch_sizes_from_env.
-ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation at the boundary
 
 
-#: The most samples one rank takes per step, and the most ranks: past them a size is a typo
-#: (``10**26``), and sums, lists and memory built from it would exhaust the machine.
-MAX_BATCH = 1_000_000_000
-MAX_RANKS = 1_000_000
-
-
 def _validate_batch_sizes(batch_sizes: object, world_size: int | None = None) -> list[int]:
     """Return ``batch_sizes`` as a list of ints, or raise naming the bad value and the fix."""
-    validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
-    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
-        raise EvendpError(
-            f"batch_sizes must be a sequence of non-negative ints (one per rank), got "
-            f"{shown(batch_sizes)}; pass e.g. [3, 5], or parse_batch_sizes('3,5')"
-        )
-    sizes = list(batch_sizes)
-    if not sizes:
-        raise EvendpError("batch_sizes is empty; pass one non-negative int per rank, e.g. [3, 5]")
-    if len(sizes) > MAX_RANKS:
-        raise EvendpError(
-            f"got {len(sizes)} batch sizes, more ranks than the {MAX_RANKS} evendp plans for; "
-            "pass one batch size per rank, e.g. [3, 5]"
-        )
-    for i, b in enumerate(sizes):
-        if is_int(b) and b > MAX_BATCH:
-            raise EvendpError(
-                f"batch size {shown(b)} for rank {i} is more than {MAX_BATCH} samples per step; "
-                "pass the samples this rank takes per step, e.g. [3, 5]"
-            )
-        if not is_int(b) or b < 0:
-            raise EvendpError(
-                f"batch size {shown(b)} for rank {i} in {shown(sizes)} is not a non-negative int; "
-                "use 0 for a rank that should get no samples"
-            )
-    if sum(sizes) == 0:
-        raise EvendpError(
-            f"all batch sizes are zero ({shown(sizes)}); at least one rank needs a positive "
-            "batch size"
-        )
-    if world_size is not None and len(sizes) != world_size:
-        raise EvendpError(
-            f"got {len(sizes)} batch sizes {shown(sizes)} for world_size={world_size}; "
-            f"pass exactly one batch size per rank ({world_size} numbers)"
-        )
-    return sizes
+    return validate_batch_plan(batch_sizes, None, world_size)[0]
 
 
 def _validate_length(data: object) -> int:
@@ -252,6 +210,9 @@ def _validate_coverage(length: int, sizes: list[int], drop_last: bool) -> None:
 def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
     """Parse ``"3,5,0"`` into ``[3, 5, 0]``, checked like the sampler checks its sizes.
 
+    The text ``EVENDP_BATCH_SIZES`` carries is read by :meth:`BatchPlan.parse
+    <evendp._distributed._batch_plan.BatchPlan.parse>`; this returns its sizes.
+
     >>> parse_batch_sizes("3, 5,0")
     [3, 5, 0]
     >>> parse_batch_sizes("3,x")  # doctest: +ELLIPSIS
@@ -259,19 +220,7 @@ def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
     ...
     evendp.InputError: batch sizes '3,x': 'x' is not an int; expected ...
     """
-    if not isinstance(text, str):
-        raise EvendpError(f"batch sizes must be a string like '3,5', got {shown(text)}")
-    parts = [p.strip() for p in text.split(",")]
-    sizes: list[int] = []
-    for part in parts:
-        try:
-            sizes.append(int(part))
-        except ValueError:
-            raise EvendpError(
-                f"batch sizes {shown(text)}: {shown(part)} is not an int; expected comma-separated "
-                "non-negative ints, one per rank, e.g. '3,5'"
-            ) from None
-    return _validate_batch_sizes(sizes, world_size)
+    return list(BatchPlan.parse(text, world_size).sizes)
 
 
 def batch_sizes_from_env(
@@ -292,27 +241,20 @@ def batch_sizes_from_env(
     >>> batch_sizes_from_env(2, default=[4, 4], environ={})
     [4, 4]
     """
-    validate_int("world_size", world_size, minimum=1, allow_none=True, example="world_size=2")
-    validate_instance("var", var, str, "the name of an environment variable")
-    validate_instance("environ", environ, Mapping, "a mapping of variables", allow_none=True)
-    env = os.environ if environ is None else environ
-    if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
-        world_size = int(env["WORLD_SIZE"])
-    text = env.get(var)
-    if text is None or not text.strip():
+    plan = BatchPlan.from_env(world_size, var=var, environ=environ)
+    if plan is None:
         if default is not None:
+            env = os.environ if environ is None else environ
+            if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
+                world_size = int(env["WORLD_SIZE"])
             return _validate_batch_sizes(default, world_size)
         raise EvendpError(
             f"environment variable {var} is not set; `evendp launch` sets it, or set it "
             f"yourself to one batch size per rank (e.g. {var}=3,5), or pass the sizes directly"
         )
-    try:
-        sizes = parse_batch_sizes(text, world_size)
-    except EvendpError as err:
-        raise EvendpError(f"{var}={shown(text)} is invalid: {err}") from None
     if environ is None and var == ENV_BATCH_SIZES:
         note_sizes_read()  # evendp launch warns when no rank read the sizes it set
-    return sizes
+    return list(plan.sizes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,10 +283,10 @@ def _note_if_launched(sizes: list[int]) -> None:
     if not text:
         return
     try:
-        launched = parse_batch_sizes(text)
+        launched = BatchPlan.parse(text)
     except EvendpError:
         return  # not ours to judge here: batch_sizes_from_env names a bad value
-    if launched == sizes:
+    if list(launched.sizes) == sizes:
         note_sizes_read()
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from .._core._errors import EvendpError, PlanError
 from .._core._validate import shown
+from .._distributed._batch_plan import BatchPlan, validate_batch_sizes_option
 from .._distributed._group import comm_device
 from ._memory import DeviceMemory, live_memory, parse_memory
 from ._speed import SpeedBalancer, balance_sizes
@@ -42,13 +43,12 @@ __all__ = [
     "auto_batch_sizes",
     "first_batch",
     "inline_for_balance",
-    "rank_batch_sizes",
+    "rank_batch_plan",
     "rank_memory",
     "sizes_from_capacities",
     "step_balancer",
     "time_forward",
     "validate_balance",
-    "validate_batch_sizes_option",
 ]
 
 Balance = Literal["none", "speed"]
@@ -72,20 +72,6 @@ def validate_balance(balance: object, name: str = "balance") -> Balance:
             "samples from slow ranks to fast ones at step boundaries)"
         )
     return balance  # type: ignore[return-value]
-
-
-def validate_batch_sizes_option(batch_sizes: object, name: str = "batch_sizes") -> None:
-    """``None``, ``"auto"`` or a list of ints; the list itself is checked by the sampler.
-
-    >>> validate_batch_sizes_option("auto")
-    """
-    if isinstance(batch_sizes, str) and batch_sizes != "auto":
-        raise EvendpError(
-            f"{name} must be a list of ints >= 0 or None, got {shown(batch_sizes)}; expected "
-            "'auto' "
-            "(planned from each rank's memory), a list of per-rank sizes like [3, 5], or None "
-            "(an even split)"
-        )
 
 
 class NoBalance:
@@ -124,8 +110,8 @@ def step_balancer(
     """The balancer a run calls at its step boundaries: speed balance or nothing.
 
     ``sampler`` has ``batch_sizes`` and ``set_batch_sizes`` (:class:`evendp.UnevenBatchSampler`,
-    or the integrations' samplers). ``caps`` bound each rank by its memory (``None``:
-    ``EVENDP_BATCH_CAPS`` when ``evendp launch`` set it, else no bound). One process (not
+    or the integrations' samplers). ``caps`` bound each rank by its memory (``None``: the caps
+    ``evendp launch --model`` left in ``EVENDP_BATCH_SIZES``, else no bound). One process (not
     ``distributed``) has no ranks to balance: nothing. ``knobs`` go to
     :class:`~evendp.SpeedBalancer` (``warmup``, ``every``, ``window``, ``tolerance``).
 
@@ -284,31 +270,30 @@ def first_batch(data: Any, collate_fn: Callable[[list[Any]], Any] | None = None)
     return EmptySafeCollate(data, collate_fn)([data[0]])
 
 
-def rank_batch_sizes(
+def rank_batch_plan(
     batch_sizes: Sequence[int] | str | None,
     global_batch: int,
     world_size: int,
     *,
     model: Callable[[], nn.Module],
     example: Callable[[], Any],
-) -> tuple[list[int], list[int] | None]:
-    """``(sizes, caps)`` for a run's ranks: given, even, or planned (``"auto"``).
+) -> BatchPlan:
+    """The run's :class:`~evendp._distributed._batch_plan.BatchPlan`: given, even, or planned
+    for memory (``"auto"``, with each rank's cap), one size per rank of ``world_size``.
 
     ``model()`` and ``example()`` are called only for ``"auto"`` (the module whose first
     scalar output is the step's loss, and one batch of the data).
 
-    >>> rank_batch_sizes(None, 10, 3, model=nn.Identity, example=list)
-    ([4, 3, 3], None)
+    >>> rank_batch_plan(None, 10, 3, model=nn.Identity, example=list)
+    BatchPlan(sizes=(4, 3, 3), caps=None, source='even')
     """
-    from .._core._split import split_even
-
     validate_batch_sizes_option(batch_sizes)
     if batch_sizes == "auto":
         sizes, caps = auto_batch_sizes(model(), example(), global_batch=global_batch)
-        return sizes, caps
+        return BatchPlan.of(sizes, caps, "planned for memory", world_size)
     if batch_sizes:
-        return [int(b) for b in batch_sizes], None
-    return split_even(global_batch, world_size), None
+        return BatchPlan.of(batch_sizes, world_size=world_size)
+    return BatchPlan.even(global_batch, world_size)
 
 
 def inline_for_balance(balancer: SpeedBalancer | NoBalance, asked: int | None, depth: int) -> int:

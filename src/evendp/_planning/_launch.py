@@ -3,10 +3,12 @@
 The launcher decides what every rank gets and passes it through the environment: which GPUs
 (``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), how many samples each rank takes per step
 (``EVENDP_BATCH_SIZES``, one int per global rank, read by ``UnevenBatchSampler``) and, when a
-model is planned, the most samples each rank's memory holds (``EVENDP_BATCH_CAPS``, read by
-``SpeedBalancer``). Everything else is ``torch.distributed.run`` (torchrun) itself, with its own
-options exactly as documented: ``--dry-run`` prints the ``python -m torch.distributed.run``
-command, and the launcher runs torchrun's ``main`` on the same arguments through
+model is planned, in the same variable the most samples each rank's memory holds
+(``"3,5;caps=48,24"``, read by ``SpeedBalancer``): one :class:`BatchPlan
+<evendp._distributed._batch_plan.BatchPlan>`, checked once. Everything else is
+``torch.distributed.run`` (torchrun) itself, with its own options exactly as documented:
+``--dry-run`` prints the ``python -m torch.distributed.run`` command, and the launcher runs
+torchrun's ``main`` on the same arguments through
 :data:`~evendp._distributed._torchrun.QUIET_TORCHRUN`, which ends on a signal in one line
 instead of torchrun's traceback.
 """
@@ -28,12 +30,11 @@ from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
 from .._core._validate import shown, validate_int
+from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
 from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read
-from .._distributed._sampler import ENV_BATCH_SIZES, parse_batch_sizes
 from .._distributed._torchrun import QUIET_TORCHRUN
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
-from ._speed import ENV_BATCH_CAPS
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -71,18 +72,22 @@ class LaunchPlan:
     """What a launch will do: ranks on this node, batch sizes for all ranks, GPUs, env."""
 
     nproc_per_node: int
-    batch_sizes: list[int] | None
+    batch_plan: BatchPlan | None  # None: the script's own sizes
     physical_devices: list[int] | None  # None: CPU processes (gloo)
     env: dict[str, str] = field(default_factory=dict)
     reason: str = ""
     memory_plan: Plan | None = field(default=None, repr=False, compare=False)
 
     @property
+    def batch_sizes(self) -> list[int] | None:
+        """Each global rank's samples per step (``None``: the script's own)."""
+        return None if self.batch_plan is None else list(self.batch_plan.sizes)
+
+    @property
     def batch_caps(self) -> list[int] | None:
-        """Most samples each rank's memory holds (from the plan; ``None`` without one)."""
-        if self.memory_plan is None:
-            return None
-        return [d.max_batch_alone for d in self.memory_plan.devices]
+        """Most samples each rank's memory holds (planned with a model; else ``None``)."""
+        caps = None if self.batch_plan is None else self.batch_plan.caps
+        return None if caps is None else list(caps)
 
     def describe(self) -> str:
         """One line for the log."""
@@ -223,13 +228,14 @@ def plan_launch(
       ``memory`` when declared (``"24GiB,24GiB,12GiB"``, one entry per rank; needed on CPU),
       else the chosen GPUs' free memory read now through NVML. ``plan_options`` go to
       :func:`evendp.plan` (``optimizer``, ``amp``, ``safety_margin``...). The most samples each
-      rank's memory holds alone are exported too, as ``EVENDP_BATCH_CAPS``, for
-      ``SpeedBalancer``. :class:`evendp.PlanError` when the batch fits nowhere.
+      rank's memory holds alone travel with the sizes, as ``EVENDP_BATCH_SIZES="3,5;caps=48,24"``,
+      for ``SpeedBalancer``. :class:`evendp.PlanError` when the batch fits nowhere.
     - ``batch`` alone: split in proportion to ``memory`` when declared, else to each chosen
       GPU's free memory, else evenly (CPU).
 
     With several nodes the sizes cover every global rank (node-major) and must be given, or
-    ``batch`` is split evenly, because one node cannot see the others' memory.
+    ``batch`` is split evenly, because one node cannot see the others' memory. ``batch`` with
+    ``batch_sizes`` must be their sum (``batch`` is the global batch, the sizes its shares).
 
     ``devices=`` is the old name of ``gpu_ids`` (deprecated; goes in 0.3.0).
 
@@ -245,23 +251,21 @@ def plan_launch(
     ...                 memory="64MiB,64MiB,32MiB", plan_options={"cuda_context": 0})
     >>> sum(p.batch_sizes), p.batch_sizes[2] < p.batch_sizes[0] <= p.batch_caps[0]
     (9000, True)
-    >>> sorted(p.env)
-    ['EVENDP_BATCH_CAPS', 'EVENDP_BATCH_SIZES']
+    >>> sorted(p.env), p.batch_plan.source
+    (['EVENDP_BATCH_SIZES'], 'planned for memory')
     """
     gpu_ids = renamed_argument("plan_launch", "devices", "gpu_ids", devices, gpu_ids)
     count = _validate_nproc(nproc)
     nodes = _fixed_nnodes(nnodes)
-    if batch is not None and batch_sizes is not None:
-        raise EvendpError(
-            f"pass --batch ({batch}) or --batch-sizes ({batch_sizes}), not both; --batch is "
-            "split for you, --batch-sizes fixes every rank's share"
-        )
     if batch is not None:
         validate_int("--batch", batch, minimum=1, example="--batch 64")
     sizes = None
     if batch_sizes is not None:
-        text = batch_sizes if isinstance(batch_sizes, str) else ",".join(map(str, batch_sizes))
-        sizes = parse_batch_sizes(text)
+        given = isinstance(batch_sizes, str)  # a list: the command line read it already
+        plan = BatchPlan.parse(batch_sizes) if given else BatchPlan.of(batch_sizes)
+        sizes = list(plan.sizes)
+        if batch is not None:
+            global_batch_size(batch, sizes, cli="--batch-sizes ")
     if nodes is None and (sizes is not None or batch is not None or model is not None):
         raise EvendpError(
             f"--nnodes {nnodes} is an elastic range, so the number of ranks (and the batch size "
@@ -323,12 +327,15 @@ def plan_launch(
             )
         if count is None:
             count = os.cpu_count() or 1
+    source: Source = "given"
     if batch is not None and sizes is None and model is None:
         # Declared memory with several nodes was refused above; free memory is read per node.
         if nodes == 1 and mems is not None:
             sizes = split_sizes(batch, [m.free for m in mems])
             reason = "split by " + ("declared" if declared else "free") + " memory"
+            source = "planned for memory"
         else:
+            source = "even"
             sizes = split_even(batch, count * nodes)
             reason = (
                 "split evenly: other nodes' memory is not visible from here"
@@ -336,6 +343,7 @@ def plan_launch(
                 else "split evenly across CPU ranks"
             )
     memory_plan = None
+    caps = None
     if model is not None:
         if mems is None:  # no GPU was found to read, and none declared
             raise EvendpError(
@@ -344,15 +352,17 @@ def plan_launch(
             )
         memory_plan = _plan_ranks(model, example_batch, mems, batch, plan_options)
         sizes = list(memory_plan.split)
-        env[ENV_BATCH_CAPS] = ",".join(str(d.max_batch_alone) for d in memory_plan.devices)
+        caps = tuple(d.max_batch_alone for d in memory_plan.devices)
+        source = "planned for memory"
         reason = (
             f"planned (ddp) on {'declared' if declared else 'free'} memory: global batch "
             f"{memory_plan.global_batch}, eta_mem {memory_plan.eta_mem:.2f} "
             f"(even split {memory_plan.even_eta_mem:.2f})"
         )
-    if sizes is not None:
-        env[ENV_BATCH_SIZES] = ",".join(map(str, sizes))
-    return LaunchPlan(count, sizes, physical, env, reason, memory_plan)
+    batch_plan = None if sizes is None else BatchPlan.of(sizes, caps, source)
+    if batch_plan is not None:
+        env.update(batch_plan.env())
+    return LaunchPlan(count, batch_plan, physical, env, reason, memory_plan)
 
 
 def _free_port() -> int:

@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -27,65 +27,19 @@ import torch.distributed as dist
 
 from .._core._errors import EvendpError
 from .._core._validate import (
-    shown,
     validate_float,
     validate_int,
     validate_numbers,
     validate_sequence,
 )
+from .._distributed._batch_plan import CAPS_MARK, ENV_BATCH_CAPS, ENV_BATCH_SIZES, caps_from_env
 from .._distributed._group import comm_device, rank_cuda_device, world_size
-from .._distributed._sampler import MAX_BATCH, MAX_RANKS
 
-__all__ = ["ENV_BATCH_CAPS", "SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
+__all__ = ["SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
 
-# Set by `evendp launch --model`: the largest batch each rank's memory holds, one per rank.
-ENV_BATCH_CAPS = "EVENDP_BATCH_CAPS"
-
-
-def batch_caps_from_env(
-    world_size: int | None = None,
-    *,
-    var: str = ENV_BATCH_CAPS,
-    environ: Mapping[str, str] | None = None,
-) -> list[int] | None:
-    """Per-rank memory caps from ``EVENDP_BATCH_CAPS`` (set by ``evendp launch --model``).
-
-    Each entry is the most samples that rank's memory holds (the planner's
-    ``DevicePlan.max_batch_alone``). Returns ``None`` when the variable is absent or empty.
-    The length is checked against ``world_size`` when given.
-
-    >>> batch_caps_from_env(2, environ={"EVENDP_BATCH_CAPS": "48,24"})
-    [48, 24]
-    >>> batch_caps_from_env(environ={}) is None
-    True
-    """
-    env = os.environ if environ is None else environ
-    text = env.get(var, "")
-    if not text.strip():
-        return None
-    caps: list[int] = []
-    parts = text.split(",")
-    if len(parts) > MAX_RANKS:
-        raise EvendpError(f"{var} has {len(parts)} caps, more than {MAX_RANKS} ranks; unset it")
-    for part in parts:
-        try:
-            value = int(part.strip())
-        except ValueError:  # also a 5000-digit number (Python refuses to parse it)
-            value = -1
-        if not 0 <= value <= MAX_BATCH:
-            raise EvendpError(
-                f"{var}={shown(text)}: {shown(part.strip())} is not a non-negative int (at most "
-                f"{MAX_BATCH}); "
-                "expected one memory cap (max samples) per rank, comma-separated, e.g. "
-                "'48,48,24'"
-            ) from None
-        caps.append(value)
-    if world_size is not None and len(caps) != world_size:
-        raise EvendpError(
-            f"{var}={shown(text)} has {len(caps)} caps for {world_size} ranks; give one per rank "
-            f"or unset {var}"
-        )
-    return caps
+#: Each rank's memory cap as ``evendp launch --model`` left it: the caps in
+#: ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``), else the deprecated ``EVENDP_BATCH_CAPS``.
+batch_caps_from_env = caps_from_env
 
 
 def _validate_balance_inputs(
@@ -213,8 +167,9 @@ class SpeedBalancer:
     dropped (it pays one-off allocation and warm-up costs).
 
     ``caps``: the most samples each rank's memory holds (from ``evendp.plan`` or measured).
-    ``None`` reads them from ``EVENDP_BATCH_CAPS``, which ``evendp launch --model`` sets, so
-    speed never moves a rank past its memory; with that variable unset there is no limit.
+    ``None`` reads them from the caps ``evendp launch --model`` writes into
+    ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``; the old ``EVENDP_BATCH_CAPS`` is still read,
+    deprecated), so speed never moves a rank past its memory; with no caps there is no limit.
     ``min_size`` keeps every rank busy enough to be measured. ``gather``: how the timings
     are exchanged when not by one ``all_gather`` over ``group``: a function from this rank's
     ``(seconds, samples)`` to every rank's, in rank order (a framework's own gather, or
@@ -263,8 +218,13 @@ class SpeedBalancer:
         self.world_size = len(sizes)
         source = ""
         if caps is None:
-            caps = batch_caps_from_env(self.world_size)
-            source = f" (from {ENV_BATCH_CAPS}, set by evendp launch)" if caps else ""
+            caps = caps_from_env(self.world_size)
+            var = (
+                ENV_BATCH_SIZES
+                if CAPS_MARK in os.environ.get(ENV_BATCH_SIZES, "")
+                else ENV_BATCH_CAPS
+            )
+            source = f" (from {var}, set by evendp launch --model)" if caps else ""
         # Validate caps and min_size against the global batch once, up front.
         try:
             _validate_balance_inputs(self.total, [1.0] * self.world_size, caps, min_size)

@@ -28,6 +28,7 @@ from .._core._validate import (
     validate_numbers,
     validate_path,
 )
+from .._distributed._batch_plan import validate_batch_sizes_option
 
 __all__ = [
     "checked_loss",
@@ -46,12 +47,8 @@ def validate_config(config: Any) -> None:
     """Every field of a ``TrainConfig``: types, ranges, and the fields that need each other."""
     for name in ("steps", "batch_size", "accum"):
         validate_int(name, getattr(config, name), minimum=1, example=f"{name}=8")
-    # "auto": planned per rank at start (evendp._planning._balance)
-    if config.batch_sizes != "auto":
-        validate_numbers(
-            "batch_sizes", config.batch_sizes, integral=True, allow_none=True,
-            example="batch_sizes=[3, 5] (one per rank)",
-        )  # fmt: skip
+    # "auto": planned per rank at start (evendp._planning._balance); a list: the plan's check
+    validate_batch_sizes_option(config.batch_sizes)
     validate_float("lr", config.lr, minimum=0, example="lr=3e-4")
     validate_float("weight_decay", config.weight_decay, minimum=0, example="weight_decay=0.1")
     validate_float(
@@ -166,13 +163,14 @@ def validate_batch_fits(data: Any, batch_sizes: Sequence[int], distributed: bool
 
 
 def warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
-    """One process splits ``batch_size`` by device weights; ``batch_sizes`` and ``balance``
-    are per rank (torchrun): a warning says so when they are set in one process."""
+    """One process splits the global batch (``batch_size``, which ``sum(batch_sizes)`` is) by
+    device weights; ``batch_sizes``' split and ``balance`` are per rank (torchrun): a warning
+    says so when they are set in one process."""
     if config.batch_sizes is not None and not distributed:
         warnings.warn(
             f"batch_sizes={config.batch_sizes} is ignored in one process: it sets each rank's "
-            f"share under torchrun; here batch_size={config.batch_size} is split across "
-            "device_ids by weights",
+            f"share under torchrun; here the global batch, batch_size={config.batch_size}, is "
+            "split across device_ids by weights",
             UserWarning,
             stacklevel=3,
         )

@@ -51,6 +51,7 @@ from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._exact import weighted_sum, zero_weight
 from .._core._validate import validate_count, validate_float, validate_int
+from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
 from .._distributed._interrupt import StopFlag, late_signal
 from .._distributed._sampler import EmptySafeCollate, sample_costs
 from .._distributed._stalled import (
@@ -66,7 +67,6 @@ from .._planning._balance import (
     first_batch,
     inline_for_balance,
     validate_balance,
-    validate_batch_sizes_option,
 )
 from ._callbacks import Callbacks
 from ._evaluate import EvalFn, loss_eval_fn
@@ -87,9 +87,10 @@ CountFn = Callable[[Batch], "int | torch.Tensor"]
 class TrainConfig:
     """Settings of a :class:`Trainer` run.
 
-    ``batch_size`` is the global batch per optimizer step (in one process; under ``torchrun``
-    the per-rank sizes come from ``batch_sizes``). ``accum`` splits each step into that many
-    micro-batches (gradient accumulation); the gradient is unchanged. Under ``torchrun``,
+    ``batch_size`` is the global batch per optimizer step; ``batch_sizes`` each rank's share of
+    it under ``torchrun`` (given alone, ``batch_size`` is their sum; both: they must agree).
+    ``accum`` splits each step into that many micro-batches (gradient accumulation); the
+    gradient is unchanged. Under ``torchrun``,
     ``batch_sizes="auto"`` splits ``batch_size`` by each rank's memory (planned at start, the
     same on every rank) and ``balance="speed"`` moves samples from slow ranks to fast ones at
     step boundaries, the same samples per step (docs/balancing.md).
@@ -99,7 +100,7 @@ class TrainConfig:
     """
 
     steps: int = 100
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE  # 32, told apart from a given 32
     batch_sizes: list[int] | Literal["auto"] | None = None  # per rank, torchrun; None: even
     accum: int = 1
     lr: float = 1e-3
@@ -131,8 +132,8 @@ class TrainConfig:
     comm_timeout: float | None = DEFAULT_COMM_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        validate_batch_sizes_option(self.batch_sizes)  # a string other than "auto"
         validate_config(self)  # every field, at construction (evendp._training._train_inputs)
+        self.batch_size = global_batch_size(self.batch_size, self.batch_sizes)  # one meaning
         validate_balance(self.balance)
         validate_int(
             "max_nonfinite_steps", self.max_nonfinite_steps, minimum=0,

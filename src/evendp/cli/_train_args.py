@@ -20,6 +20,7 @@ from .._training._strategies import STRATEGIES
 from ._args import bounded_float, bounded_int, memory_text
 
 __all__ = [
+    "DEFAULT_BATCH",
     "DEMO_MEMORY",
     "OPTIONS_ENV",
     "add_options",
@@ -38,6 +39,8 @@ __all__ = [
 
 #: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
 OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
+#: ``--batch``'s default; the ranks' batch plan (EVENDP_BATCH_SIZES) is held to any other value.
+DEFAULT_BATCH = 32
 
 _DEFAULT_OUT = "runs/demo"
 # evendp._distributed._stalled's DEFAULT_COMM_TIMEOUT_S and MIN_COMM_TIMEOUT_S, without
@@ -60,8 +63,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
         type=bounded_int("--batch", 1, 1_000_000, 32),
-        default=32,
-        help="global batch per step, in samples (default 32)",
+        default=DEFAULT_BATCH,
+        help=f"global batch per step, in samples (default {DEFAULT_BATCH})",
     )
     p.add_argument(
         "--devices",

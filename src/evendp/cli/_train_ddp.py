@@ -17,7 +17,14 @@ import torch
 
 from .._core._errors import EvendpError
 from .._core._validate import shown
-from ._train_args import OPTIONS_ENV, options_json, parse_devices, torchrun_restarted, weights_list
+from ._train_args import (
+    DEFAULT_BATCH,
+    OPTIONS_ENV,
+    options_json,
+    parse_devices,
+    torchrun_restarted,
+    weights_list,
+)
 from ._train_common import build_demo, demo_model_name, metric_logger, print_report
 
 __all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to_resume"]
@@ -225,10 +232,8 @@ def _restart_store() -> dict[str, Any]:
 def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .._core._split import split_even
     from .._distributed._group import finish_distributed, init_distributed
     from .._distributed._interrupt import die_with_parent, exit_code
-    from .._distributed._sampler import batch_sizes_from_env
     from .._planning._launch import write_outcome
     from .._training._report import write_report
     from .._training._trainer import TrainConfig, Trainer
@@ -238,13 +243,12 @@ def run_rank(args: argparse.Namespace) -> int:
     device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
     # barrier, and torchrun stops every rank once one fails.
-    world = dist.get_world_size()
-    sizes = batch_sizes_from_env(world, default=split_even(args.batch, world))
+    sizes = list(_rank_plan(args, dist.get_world_size()).sizes)
     model, data, _config = build_demo(args)
     model = model.to(device)
     logger = metric_logger(args)  # every rank has it (on_log is collective); rank 0 writes
     cfg = TrainConfig(
-        steps=args.steps, batch_size=sum(sizes), batch_sizes=sizes, accum=args.accum,
+        steps=args.steps, batch_sizes=sizes, accum=args.accum,
         lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
         strategy=args.mode, strategy_config=args.strategy_config, out_dir=args.out,
         checkpoint_every=args.checkpoint_every,
@@ -277,6 +281,22 @@ def run_rank(args: argparse.Namespace) -> int:
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group
     # (--max-restarts); the launcher exits with the code rank 0 left (130/143).
     return 0
+
+
+def _rank_plan(args: argparse.Namespace, world: int) -> Any:
+    """This run's batch plan, from its one channel: the sizes (and caps) the launcher left in
+    ``EVENDP_BATCH_SIZES``, else (the user's own torchrun) ``--batch`` split evenly. ``--batch``
+    is the global batch: a plan that sums to another one is refused, not trained."""
+    from .._distributed._batch_plan import BatchPlan, global_batch_size
+
+    plan = BatchPlan.from_env(world)
+    if plan is None:
+        return BatchPlan.even(args.batch, world)
+    # evendp train --mode ddp planned the sizes for its --batch; under the user's own torchrun
+    # a --batch other than the default was given, and must agree with the sizes set by hand.
+    if OPTIONS_ENV in os.environ or args.batch != DEFAULT_BATCH:
+        global_batch_size(args.batch, list(plan.sizes), cli="EVENDP_BATCH_SIZES=")
+    return plan
 
 
 def _with_budgets(devices: list[Any], memory: str | None) -> list[Any]:

@@ -53,8 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Choose GPUs (freest first, or --gpus), compute each rank's batch size "
             "(--batch-sizes; or with --model, the memory planner's DDP split of --batch, or "
             "of the largest batch that fits; or --batch split by free memory, evenly on CPU), "
-            "export them as EVENDP_BATCH_SIZES (and, when planned, each rank's memory cap as "
-            "EVENDP_BATCH_CAPS) and run SCRIPT with python -m torch.distributed.run. "
+            "export them as EVENDP_BATCH_SIZES (with, when planned, each rank's memory cap: "
+            "'3,5;caps=48,24') and run SCRIPT with python -m torch.distributed.run. "
             "With no NVIDIA driver the ranks are CPU processes (use gloo); --memory declares "
             "each rank's memory there."
         ),
@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--batch",
         type=bounded_int("--batch", 1, 1_000_000_000, 64),
         help=f"global batch, split across ranks for you (default {_DEFAULT_BATCH} when no "
-        "--batch-sizes or --model is given)",
+        "--batch-sizes or --model is given; with --batch-sizes, their sum)",
     )
     parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
     parser.add_argument(
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_ids = _gpu_ids(args)
         if not args.dry_run:
             _validate_script(args.script, passthrough)
-        _validate_texts(args)
+        sizes = _validate_texts(args)
         if args.min_free is not None and _no_gpus(gpu_ids):
             raise EvendpError(
                 f"--min-free {args.min_free} picks GPUs by their free memory, but no NVIDIA "
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_launch(
             nproc=args.nproc,
             batch=batch,
-            batch_sizes=args.batch_sizes,
+            batch_sizes=sizes,
             gpu_ids=gpu_ids,
             min_free=args.min_free,
             nnodes=args.nnodes,
@@ -195,8 +195,9 @@ def _no_gpus(gpu_ids: list[int] | None) -> bool:
         return True
 
 
-def _validate_texts(args: argparse.Namespace) -> None:
-    """Free-text options, read now so a bad one is named by its flag even where unused."""
+def _validate_texts(args: argparse.Namespace) -> list[int] | None:
+    """Free-text options, read now so a bad one is named by its flag even where unused; the
+    per-rank sizes of ``--batch-sizes`` (read here, once), if given."""
     from .._core._units import parse_bytes
     from .._distributed._sampler import parse_batch_sizes
     from .._planning._memory import parse_memory
@@ -207,10 +208,12 @@ def _validate_texts(args: argparse.Namespace) -> None:
         ("--min-free", args.min_free, parse_bytes, "8GiB"),
         ("--context", args.context, parse_bytes, "512MiB"),
     ]
+    read: dict[str, object] = {}
     for flag, text, parse, example in checks:
         if text is None:
             continue
         try:
-            parse(text)
+            read[flag] = parse(text)
         except EvendpError as exc:
             raise EvendpError(f"{flag} {shown(text)}: {exc}; e.g. {flag} {example}") from None
+    return read.get("--batch-sizes")  # type: ignore[return-value]

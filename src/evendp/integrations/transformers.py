@@ -51,6 +51,7 @@ import evendp
 
 from .._core._counting import label_shift
 from .._core._exact import is_stand_in, weighted_sum, zero_weight
+from .._distributed._batch_plan import validate_batch_sizes_option
 from .._distributed._group import comm_device
 from .._planning._balance import (
     NoBalance,
@@ -58,7 +59,6 @@ from .._planning._balance import (
     step_balancer,
     time_forward,
     validate_balance,
-    validate_batch_sizes_option,
 )
 from ._interleave import InterleavedBatchSampler
 from ._teardown import release_at_exit

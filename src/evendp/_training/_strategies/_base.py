@@ -310,17 +310,16 @@ def build_sampler(
 ) -> tuple[UnevenBatchSampler, Any]:
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
-    from ..._planning._balance import rank_batch_sizes, step_balancer
+    from ..._planning._balance import rank_batch_plan, step_balancer
     from .._train_inputs import validate_batch_fits, warn_unused_batch_sizes
 
-    sizes, caps = rank_batch_sizes(
-        requested, config.batch_size, world, model=model, example=example
-    )
+    plan = rank_batch_plan(requested, config.batch_size, world, model=model, example=example)
     sampler = UnevenBatchSampler(
-        data, sizes, rank=rank, world_size=world, seed=config.seed, costs=costs,
+        data, list(plan.sizes), rank=rank, world_size=world, seed=config.seed, costs=costs,
         max_costs=max_costs, max_tokens=max_tokens,
     )  # fmt: skip
     # balance="speed": at step boundaries samples move from slow ranks to fast ones.
+    caps = None if plan.caps is None else list(plan.caps)
     balancer = step_balancer(sampler, config.balance, distributed=distributed, caps=caps)
     validate_batch_fits(data, sampler.batch_sizes, distributed)
     warn_unused_batch_sizes(config, distributed)
