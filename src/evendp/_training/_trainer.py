@@ -66,6 +66,7 @@ from .._parallel._scatter import map_tensors, row_count
 from .._planning._balance import (
     first_batch,
     inline_for_balance,
+    split_per_step,
     validate_balance,
     validate_batch_sizes_option,
 )
@@ -982,6 +983,7 @@ class Trainer:
             amp=self.config.amp,
             signal=signum,
             eval=list(self.evals),
+            batch_sizes_per_step=split_per_step(self.balancer, self.sampler, steps_run),
         )
 
 
