@@ -33,9 +33,11 @@ EXTRA_KEYS = [
 ]  # fmt: skip
 
 
-def _balancer(sizes: list[int] | None = None) -> SpeedBalancer:
+def _balancer(sizes: list[int] | None = None, timings: Any = None) -> SpeedBalancer:
+    """A rank-0 balancer of 2 ranks; ``timings``: every rank's fixed (seconds, samples)."""
     sampler = UnevenBatchSampler(64, sizes or [4, 4], rank=0, world_size=2)
-    return SpeedBalancer(sampler, warmup=2)
+    gather = None if timings is None else (lambda mine: timings)
+    return SpeedBalancer(sampler, warmup=2, gather=gather)
 
 
 def _parts(net: torch.nn.Module, balancer: SpeedBalancer, steps: int = 0) -> dict[str, Any]:
@@ -70,15 +72,15 @@ def test_the_speed_split_round_trips_and_a_resumed_balancer_does_not_restart(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "ckpt.pt"
-    balancer = _balancer()
-    balancer._set_timings([[0.4, 4], [1.2, 4]])  # rank 1 three times slower
+    balancer = _balancer(timings=[(0.4, 4), (1.2, 4)])  # rank 1 three times slower
     for _ in range(3):
         balancer.step()
     assert balancer.sampler.batch_sizes == [6, 2]
     Checkpointer(WholeFile()).save(path, _parts(torch.nn.Linear(2, 1), balancer, steps=3))
     assert torch.load(path, weights_only=True)["extra"]["balancer"]["batch_sizes"] == [6, 2]
 
-    fresh = _balancer()
+    # Resumed, rank 1 is 0.1 s a sample, rank 0 0.07: fresh times would re-split at once.
+    fresh = _balancer(timings=[(0.4, 6), (0.2, 2)])
     parts = _parts(torch.nn.Linear(2, 1), fresh)
     notes = Checkpointer(WholeFile()).resume(path, parts)
     assert notes == [f"resumed from {path} at step 3"]
@@ -87,7 +89,6 @@ def test_the_speed_split_round_trips_and_a_resumed_balancer_does_not_restart(
     assert fresh.seconds_per_sample == balancer.seconds_per_sample
     # Its first step in this process is not measured, then it goes on from its saved times:
     # no warm-up from the even split again.
-    fresh._set_timings([[0.4, 6], [0.2, 2]])  # rank 1 now 0.1 s a sample, rank 0 0.07
     assert [fresh.step(), fresh.step()] == [False, False]  # median of 3 still says slow
     assert fresh.sizes_at(4) == [6, 2]
 

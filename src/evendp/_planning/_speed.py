@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .._core._errors import EvendpError
+from .._core._errors import EvendpError, InputError
 from .._core._validate import (
     shown,
     validate_float,
@@ -183,32 +183,32 @@ def _checked_state(
 
     def ints(field: str, value: Any) -> list[int]:
         if not isinstance(value, list) or len(value) > MAX_RANKS:
-            raise EvendpError(f"{field}: must be a list of at most {MAX_RANKS} ints")
+            raise InputError(f"{field}: must be a list of at most {MAX_RANKS} ints")
         if not all(isinstance(v, int) and 0 <= v <= MAX_BATCH for v in value):
-            raise EvendpError(f"{field}: must hold ints in [0, {MAX_BATCH}], got {shown(value)}")
+            raise InputError(f"{field}: must hold ints in [0, {MAX_BATCH}], got {shown(value)}")
         return [int(v) for v in value]
 
     sizes = ints("batch_sizes", state.get("batch_sizes"))
     steps = state.get("steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise EvendpError(f"steps: must be a non-negative int, got {shown(steps)}")
+        raise InputError(f"steps: must be a non-negative int, got {shown(steps)}")
     recent = state.get("recent")
     if not isinstance(recent, list) or len(recent) > MAX_RANKS:
-        raise EvendpError(f"recent: must be a list per rank, got {shown(recent)}")
+        raise InputError(f"recent: must be a list per rank, got {shown(recent)}")
     for times in recent:
         ok = isinstance(times, list) and len(times) <= 10_000
         if not ok or not all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times):
-            raise EvendpError(f"recent: must hold positive seconds per sample, got {shown(times)}")
+            raise InputError(f"recent: must hold positive seconds per sample, got {shown(times)}")
     history = state.get("history")
     if not isinstance(history, list) or len(history) > 1_000_000:
-        raise EvendpError(f"history: must be a list of [step, sizes], got {shown(history)}")
+        raise InputError(f"history: must be a list of [step, sizes], got {shown(history)}")
     changes: list[tuple[int, list[int]]] = []
     for entry in history:
         if not (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int)):
-            raise EvendpError(f"history: must hold [step, sizes] pairs, got {shown(entry)}")
+            raise InputError(f"history: must hold [step, sizes] pairs, got {shown(entry)}")
         changes.append((int(entry[0]), ints("history sizes", entry[1])))
     if not changes or changes[0][0] != 0:
-        raise EvendpError("history: must start with the split of step 0")
+        raise InputError("history: must start with the split of step 0")
     return sizes, steps, [list(t) for t in recent], changes
 
 
@@ -441,7 +441,8 @@ class SpeedBalancer:
 
         A split saved for another number of ranks, another global batch or past this run's
         memory caps is not applied (the returned note says so; the run starts from its
-        configured split); a malformed one is an :class:`EvendpError` and changes nothing.
+        configured split); a malformed one is an :class:`~evendp.InputError` (a ``ValueError``)
+        and changes nothing.
 
         >>> from evendp._distributed._sampler import UnevenBatchSampler
         >>> sampler = UnevenBatchSampler(64, [4, 4], rank=0, world_size=2)
@@ -459,7 +460,7 @@ class SpeedBalancer:
         if why:
             return f"the saved speed split {sizes} {why}: not applied, the split is measured again"
         if len(recent) != self.world_size:
-            raise EvendpError(f"recent: must hold one list per rank, got {len(recent)}")
+            raise InputError(f"recent: must hold one list per rank, got {len(recent)}")
         self.sampler.set_batch_sizes(sizes)
         self.steps = steps
         self._recent = [deque(times, maxlen=self.window) for times in recent]
