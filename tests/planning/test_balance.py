@@ -1,8 +1,10 @@
 """Balance in the evendp Trainer on 2 gloo ranks: speed, ``batch_sizes="auto"``, token budgets.
 
-One spawn runs three trainings. Speed: rank 1 sleeps per sample in its forward; with
+One spawn runs four trainings. Speed: rank 1 sleeps per sample in its forward; with
 ``TrainConfig(balance="speed")`` samples move to rank 0 and the parameters still equal one
-process's on the same global batches (SGD, 1e-5). Auto: each rank plans its share from its own
+process's on the same global batches (SGD, 1e-5). Speed resumed: the same run stopped after
+``STOP`` steps and resumed goes on with the split it had saved (not the even one), says so
+in ``report.json`` and ends with the same parameters. Auto: each rank plans its share from its own
 declared memory (``EVENDP_MEMORY``); both ranks get the same sizes, the ones the planner gives
 for those memories. Token budget: ``Trainer(costs=, max_tokens=)`` with a token-mean loss equals
 one process with the same budget.
@@ -10,6 +12,7 @@ one process with the same budget.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ from tests._helpers import run_ranks, torchrun_env
 pytestmark = pytest.mark.multiprocess
 
 SIZES, STEPS, SLEEP = [4, 4], 8, 0.01
+STOP = 4  # the speed run resumed: stopped after this step (the split has moved by step 3)
 MEMORY = "640MiB,576MiB"  # unequal: 128 MiB and 64 MiB above the planner's CUDA allowance
 AUTO_BATCH = 12
 TOKENS, BUDGET, TOKEN_STEPS = 6, 20, 4  # at most 6 tokens a sample, 20 a step
@@ -101,6 +105,40 @@ def _speed(rank: int) -> dict[str, Any]:
     return {"params": _params(model), "history": trainer.balancer.history}
 
 
+class _FirstSplit(evendp.Callback):
+    """The split the first step of ``fit`` trains with (set before it, after any resume)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self.sizes = list(trainer.sampler.batch_sizes)
+
+
+def _speed_resumed(rank: int, out: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for steps, resume in ((STOP, False), (STEPS, True)):
+        model = Net()
+        if rank == 1:
+            model.body.register_forward_pre_hook(lambda m, a: time.sleep(SLEEP * a[0].shape[0]))
+        cfg = _config(
+            steps=steps, batch_size=sum(SIZES), batch_sizes=SIZES, balance="speed",
+            out_dir=out, resume=resume,
+        )  # fmt: skip
+        first = _FirstSplit()
+        trainer = evendp.Trainer(
+            model, _data(sum(SIZES) * STEPS), cfg, optimizer=_sgd(model), callbacks=[first]
+        )
+        trainer.fit()
+        key = "resumed" if resume else "stopped"
+        result[key] = {"first": first.sizes, "history": list(trainer.balancer.history)}
+    result["params"] = _params(model)
+    result["last"] = trainer.sampler.batch_sizes
+    if rank == 0:
+        result["report"] = json.loads((out / "report.json").read_text())
+    return result
+
+
 def _auto() -> dict[str, Any]:
     os.environ["EVENDP_MEMORY"] = MEMORY
     model = Net()
@@ -126,7 +164,12 @@ def _tokens(world: int) -> list[torch.Tensor]:
 def _worker(rank: int, port: int, out: str) -> None:
     torchrun_env(rank, 2, port)
     evendp.init_distributed("gloo")
-    result = {"speed": _speed(rank), "auto": _auto(), "tokens": _tokens(2)}
+    result = {
+        "speed": _speed(rank),
+        "resumed": _speed_resumed(rank, Path(out) / "resumed"),
+        "auto": _auto(),
+        "tokens": _tokens(2),
+    }
     torch.save(result, Path(out) / f"rank{rank}.pt")
     evendp.finish_distributed()
 
@@ -157,6 +200,28 @@ def test_speed_balance_moves_samples_and_keeps_one_process_parameters(
     assert history == ranks[1]["speed"]["history"]
     sizes = history[-1][1]
     assert len(history) > 1 and sizes[1] < sizes[0] and sum(sizes) == sum(SIZES)
+
+
+def test_a_resumed_speed_run_goes_on_with_its_saved_split(ranks: list[dict[str, Any]]) -> None:
+    stopped, resumed = ranks[0]["resumed"]["stopped"], ranks[0]["resumed"]["resumed"]
+    saved = stopped["history"][-1][1]
+    assert stopped["first"] == SIZES and saved != SIZES  # it moved before the stop
+    assert resumed["first"] == saved  # the first resumed step: the saved split, not the even
+    assert resumed["history"][: len(stopped["history"])] == stopped["history"]
+    assert ranks[1]["resumed"]["resumed"] == resumed  # every rank alike
+    # report.json: each resumed step's per-rank sizes, from the saved split on.
+    per_step = ranks[0]["resumed"]["report"]["batch_sizes_per_step"]
+    assert len(per_step) == STEPS - STOP and per_step[0] == saved
+    assert per_step[-1] == ranks[0]["resumed"]["last"]
+    # Stopped, resumed and re-split, the parameters are still one process's.
+    model = Net()
+    start = _params(model)
+    cfg = _config(steps=STEPS, batch_size=sum(SIZES))
+    evendp.Trainer(
+        model, _data(sum(SIZES) * STEPS), cfg, device_ids=["cpu"], optimizer=_sgd(model)
+    ).fit()
+    for rank in ranks:
+        assert _error(rank["resumed"]["params"], _params(model), start) < TOL
 
 
 def test_auto_batch_sizes_are_planned_per_rank_and_the_same_everywhere(

@@ -46,6 +46,7 @@ __all__ = [
     "rank_batch_plan",
     "rank_memory",
     "sizes_from_capacities",
+    "split_per_step",
     "step_balancer",
     "time_forward",
     "validate_balance",
@@ -97,6 +98,22 @@ class NoBalance:
 
     def step(self) -> bool:
         return False
+
+
+def split_per_step(
+    balancer: SpeedBalancer | NoBalance, sampler: Any, steps: int
+) -> list[list[int]]:
+    """Each rank's batch size in each of the last ``steps`` steps: the speed balancer's split
+    at each (it counts the steps it was called on), else the sampler's one split.
+
+    >>> from evendp import UnevenBatchSampler
+    >>> split_per_step(NoBalance(), UnevenBatchSampler(8, [3, 1], rank=0), 2)
+    [[3, 1], [3, 1]]
+    """
+    if not isinstance(balancer, SpeedBalancer):
+        return [list(sampler.batch_sizes) for _ in range(steps)]
+    last = balancer.steps
+    return [balancer.sizes_at(step) for step in range(last - steps + 1, last + 1)]
 
 
 def step_balancer(

@@ -18,21 +18,29 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .._core._errors import EvendpError
+from .._core._errors import EvendpError, InputError
 from .._core._validate import (
+    shown,
     validate_float,
     validate_int,
     validate_numbers,
     validate_sequence,
 )
-from .._distributed._batch_plan import CAPS_MARK, ENV_BATCH_CAPS, ENV_BATCH_SIZES, caps_from_env
+from .._distributed._batch_plan import (
+    CAPS_MARK,
+    ENV_BATCH_CAPS,
+    ENV_BATCH_SIZES,
+    MAX_BATCH,
+    MAX_RANKS,
+    caps_from_env,
+)
 from .._distributed._group import comm_device, rank_cuda_device, world_size
 
 __all__ = ["SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
@@ -127,6 +135,43 @@ def balance_sizes(
         if sizes[i] < limits[i]:
             heapq.heappush(heap, ((sizes[i] + 1) * times[i], i))
     return sizes
+
+
+def _checked_state(
+    state: Mapping[str, Any],
+) -> tuple[list[int], int, list[list[float]], list[tuple[int, list[int]]]]:
+    """A saved balancer state, of the kinds :meth:`SpeedBalancer.state_dict` writes (it is read
+    back from a file: data to check, whoever wrote it)."""
+
+    def ints(field: str, value: Any) -> list[int]:
+        if not isinstance(value, list) or len(value) > MAX_RANKS:
+            raise InputError(f"{field}: must be a list of at most {MAX_RANKS} ints")
+        if not all(isinstance(v, int) and 0 <= v <= MAX_BATCH for v in value):
+            raise InputError(f"{field}: must hold ints in [0, {MAX_BATCH}], got {shown(value)}")
+        return [int(v) for v in value]
+
+    sizes = ints("batch_sizes", state.get("batch_sizes"))
+    steps = state.get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise InputError(f"steps: must be a non-negative int, got {shown(steps)}")
+    recent = state.get("recent")
+    if not isinstance(recent, list) or len(recent) > MAX_RANKS:
+        raise InputError(f"recent: must be a list per rank, got {shown(recent)}")
+    for times in recent:
+        ok = isinstance(times, list) and len(times) <= 10_000
+        if not ok or not all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times):
+            raise InputError(f"recent: must hold positive seconds per sample, got {shown(times)}")
+    history = state.get("history")
+    if not isinstance(history, list) or len(history) > 1_000_000:
+        raise InputError(f"history: must be a list of [step, sizes], got {shown(history)}")
+    changes: list[tuple[int, list[int]]] = []
+    for entry in history:
+        if not (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int)):
+            raise InputError(f"history: must hold [step, sizes] pairs, got {shown(entry)}")
+        changes.append((int(entry[0]), ints("history sizes", entry[1])))
+    if not changes or changes[0][0] != 0:
+        raise InputError("history: must start with the split of step 0")
+    return sizes, steps, [list(t) for t in recent], changes
 
 
 class _Sampler(Protocol):
@@ -241,6 +286,8 @@ class SpeedBalancer:
         self._seconds = 0.0
         self._samples = 0
         self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events, GPU only
+        # The next step is this process's first (a run's, or a resumed run's): not measured.
+        self._first = True
 
     @contextmanager
     def measure(self, samples: int) -> Iterator[None]:
@@ -305,9 +352,11 @@ class SpeedBalancer:
     def step(self) -> bool:
         """Close this step's measurement; maybe re-split. Returns True when sizes changed."""
         self.steps += 1
-        if self.steps == 1:
-            # Drop the first step whatever `every` is: one-off costs (allocations, first
-            # kernels) would mislead. Local only, so every rank still exchanges at the same steps.
+        if self._first:
+            # Drop this process's first step whatever `every` is: one-off costs (allocations,
+            # first kernels) would mislead. Every rank drops the same step, so every rank still
+            # exchanges at the same steps.
+            self._first = False
             self._events.clear()
             self._seconds, self._samples = 0.0, 0
             return False
@@ -326,6 +375,78 @@ class SpeedBalancer:
                 self._recent[i].append(seconds / samples)
                 self.seconds_per_sample[i] = statistics.median(self._recent[i])
         return self._rebalance()
+
+    def sizes_at(self, step: int) -> list[int]:
+        """The per-rank sizes step ``step`` (1-based, counted by :meth:`step`) was split into.
+
+        >>> from evendp._distributed._sampler import UnevenBatchSampler
+        >>> b = SpeedBalancer(UnevenBatchSampler(64, [4, 4], rank=0, world_size=2))
+        >>> b.history.append((2, [6, 2]))  # re-split after step 2
+        >>> [b.sizes_at(s) for s in (1, 2, 3)]
+        [[4, 4], [4, 4], [6, 2]]
+        """
+        return list(next(sizes for done, sizes in reversed(self.history) if done < step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on with the split it had, without measuring again
+        from the start: the current sizes, the steps taken, each rank's recent seconds per
+        sample and the history of splits.
+
+        >>> from evendp._distributed._sampler import UnevenBatchSampler
+        >>> b = SpeedBalancer(UnevenBatchSampler(64, [4, 4], rank=0, world_size=2))
+        >>> sorted(b.state_dict())
+        ['batch_sizes', 'history', 'recent', 'steps']
+        """
+        return {
+            "batch_sizes": list(self.sampler.batch_sizes),
+            "steps": self.steps,
+            "recent": [list(times) for times in self._recent],
+            "history": [[done, list(sizes)] for done, sizes in self.history],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> str | None:
+        """Go on from a saved :meth:`state_dict`: its split applies from the next step.
+
+        A split saved for another number of ranks, another global batch or past this run's
+        memory caps is not applied (the returned note says so; the run starts from its
+        configured split); a malformed one is an :class:`~evendp.InputError` (a ``ValueError``)
+        and changes nothing.
+
+        >>> from evendp._distributed._sampler import UnevenBatchSampler
+        >>> sampler = UnevenBatchSampler(64, [4, 4], rank=0, world_size=2)
+        >>> b = SpeedBalancer(sampler)
+        >>> b.load_state_dict({"batch_sizes": [6, 2], "steps": 5, "recent": [[0.1], [0.3]],
+        ...                    "history": [[0, [4, 4]], [3, [6, 2]]]})
+        >>> sampler.batch_sizes, b.steps, b.seconds_per_sample
+        ([6, 2], 5, [0.1, 0.3])
+        >>> b.load_state_dict({"batch_sizes": [3, 3, 2], "steps": 5, "recent": [],
+        ...                    "history": [[0, [3, 3, 2]]]})  # doctest: +ELLIPSIS
+        'the saved speed split [3, 3, 2] is for 3 ranks and a global batch of 8, this run has 2...'
+        """
+        sizes, steps, recent, history = _checked_state(state_dict)
+        why = self._misfit(sizes)
+        if why:
+            return f"the saved speed split {sizes} {why}: not applied, the split is measured again"
+        if len(recent) != self.world_size:
+            raise InputError(f"recent: must hold one list per rank, got {len(recent)}")
+        self.sampler.set_batch_sizes(sizes)
+        self.steps = steps
+        self._recent = [deque(times, maxlen=self.window) for times in recent]
+        self.seconds_per_sample = [statistics.median(d) if d else None for d in self._recent]
+        self.history = history
+        return None
+
+    def _misfit(self, sizes: list[int]) -> str:
+        """Why a saved split does not fit this run (empty: it fits)."""
+        if len(sizes) != self.world_size or sum(sizes) != self.total:
+            return (
+                f"is for {len(sizes)} ranks and a global batch of {sum(sizes)}, this run has "
+                f"{self.world_size} and {self.total}"
+            )
+        caps = self.caps or [self.total] * self.world_size
+        if any(not self.min_size <= n <= c for n, c in zip(sizes, caps, strict=True)):
+            return f"is outside this run's bounds ({self.min_size} to caps {caps})"
+        return ""
 
     def _rebalance(self) -> bool:
         known = self.seconds_per_sample

@@ -37,6 +37,7 @@ from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
     "CorruptCheckpoint",
+    "fix_for",
     "latest_checkpoint",
     "load_checkpoint",
     "load_rank_rng",
@@ -46,9 +47,11 @@ __all__ = [
     "rank_rng_path",
     "read_state_file",
     "resumable_checkpoint",
+    "rng_state",
     "save_checkpoint",
     "save_rank_rng",
     "save_sharded_checkpoint",
+    "set_rng_state",
 ]
 
 _FORMAT = "evendp-checkpoint"
@@ -80,7 +83,7 @@ def is_previous(path: str | Path) -> bool:
     return Path(path).stem.endswith(".prev")
 
 
-def _fix_for(path: Path) -> str:
+def fix_for(path: Path) -> str:
     """What to do about an unusable checkpoint file: never point at ``ckpt.prev.prev.pt``."""
     if is_previous(path):
         return (
@@ -144,7 +147,7 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
     return None
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -156,7 +159,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Mapping[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     kind, internal, gauss = state["python"]
     random.setstate((kind, tuple(internal), gauss))
@@ -229,7 +232,7 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": _rng_state(),
+        "rng": rng_state(),
         "extra": dict(extra or {}),
     }
     payload["sha256"] = content_digest(payload)
@@ -352,7 +355,7 @@ def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
     """
     target = rank_rng_path(path, rank)
     make_private_dir(target.parent)
-    payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+    payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": rng_state()}
     payload["sha256"] = content_digest(payload)
     return _atomic_save(payload, target, previous=rank_rng_path(previous_path(path), rank))
 
@@ -393,7 +396,7 @@ def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = N
             unreadable = unreadable or exc
             continue
         if int(payload["step"]) == int(step):
-            _set_rng_state(payload["rng"])
+            set_rng_state(payload["rng"])
             return True
         if candidate == source:
             found = int(payload["step"])
@@ -431,7 +434,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _read(path: Path, limit: int | None = None) -> dict[str, Any]:
-    fix = _fix_for(path)
+    fix = fix_for(path)
     if not path.is_file():
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
     payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit)
@@ -459,7 +462,7 @@ def _read_rng(path: Path) -> dict[str, Any]:
 
 
 def read_state_file(folder: Path) -> dict[str, Any]:
-    source, fix = folder / _STATE_FILE, _fix_for(folder)
+    source, fix = folder / _STATE_FILE, fix_for(folder)
     payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix)
     _verify_digest(source, payload, "sharded checkpoint state file", fix)
     return payload
@@ -549,7 +552,7 @@ def _check_fields(payload: Mapping[str, Any]) -> None:
 
 
 def _check_rng(rng: Any) -> None:
-    """The generator states, of the kinds ``_set_rng_state`` hands to torch and ``random``."""
+    """The generator states, of the kinds ``set_rng_state`` hands to torch and ``random``."""
     if not isinstance(rng, dict):
         raise Refused(f"rng: must be a dict, got {shown(rng)}")
     ours = torch.get_rng_state()
@@ -649,7 +652,7 @@ def _validate_optimizer_state(
     ):
         raise CorruptCheckpoint(
             f"checkpoint {str(path)!r} is refused: field optimizer.param_groups is not a list "
-            f"of parameter groups; {_fix_for(path)}"
+            f"of parameter groups; {fix_for(path)}"
         )
     ours = [len(g["params"]) for g in optimizer.param_groups]
     theirs = [len(g["params"]) for g in groups]
@@ -663,7 +666,7 @@ def _validate_optimizer_state(
         _check_optimizer_fields(optimizer, groups, state.get("state"))
     except Refused as exc:
         raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is refused: field {exc}; {_fix_for(path)}"
+            f"checkpoint {str(path)!r} is refused: field {exc}; {fix_for(path)}"
         ) from None
 
 
@@ -736,7 +739,7 @@ def load_checkpoint(
                 check_kind(name, ours.state_dict(), payload[name])
     except Refused as exc:
         raise CorruptCheckpoint(
-            f"checkpoint {str(p)!r} is refused: field {exc}; {_fix_for(p)}"
+            f"checkpoint {str(p)!r} is refused: field {exc}; {fix_for(p)}"
         ) from None
     model.load_state_dict(payload["model"])
     if optimizer is not None:
@@ -746,7 +749,7 @@ def load_checkpoint(
     if scheduler is not None and payload.get("scheduler") is not None:
         scheduler.load_state_dict(payload["scheduler"])
     if restore_rng:
-        _set_rng_state(payload["rng"])
+        set_rng_state(payload["rng"])
     return {"step": int(payload["step"]), "extra": dict(payload.get("extra") or {})}
 
 
@@ -812,7 +815,7 @@ def save_sharded_checkpoint(
                 cause = OSError(0, _first_sentence(str(cause)))
             raise _disk_error(target, cause, "write") from None
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
-        rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": _rng_state()}
+        rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": rng_state()}
         rng["sha256"] = content_digest(rng)
         _atomic_save(rng, _rng_file(tmp, rank), previous=None)
         if rank == 0:
@@ -896,11 +899,11 @@ def load_sharded_checkpoint(
             refused = _refusal(exc)
             if refused is not None:
                 raise CorruptCheckpoint(
-                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; {_fix_for(folder)}"
+                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; {fix_for(folder)}"
                 ) from None
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
-                f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {_fix_for(folder)}"
+                f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {fix_for(folder)}"
             ) from None
 
     agreed(shards, distributed=True)
@@ -913,7 +916,7 @@ def load_sharded_checkpoint(
     rng_file = _rng_file(folder, rank)
     rng = agreed(lambda: _read_rng(rng_file) if rng_file.exists() else None, distributed=True)
     if rng is not None:
-        _set_rng_state(rng["rng"])
+        set_rng_state(rng["rng"])
     else:
         saved_by = f"{meta.get('world_size')} rank(s)"
         why = f"the checkpoint {str(folder)!r} was saved by {saved_by} and holds no RNG state"
@@ -977,12 +980,12 @@ def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
         saved = read_dcp_metadata(folder / ".metadata").state_dict_metadata
     except Refused as exc:
         raise CorruptCheckpoint(
-            f"sharded checkpoint {str(folder)!r} is refused: {exc}; {_fix_for(folder)}"
+            f"sharded checkpoint {str(folder)!r} is refused: {exc}; {fix_for(folder)}"
         ) from None
     except OSError as exc:  # no .metadata
         raise CorruptCheckpoint(
             f"sharded checkpoint {str(folder)!r} has no readable .metadata "
-            f"({type(exc).__name__}); {_fix_for(folder)}"
+            f"({type(exc).__name__}); {fix_for(folder)}"
         ) from None
     wrong = []
     for name, tensor in model_state.items():

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from .._core._errors import TrainingError
+from .._core._errors import InputError, TrainingError
+from .._core._validate import shown
 
 __all__ = ["NonFiniteGate", "gradient_norm"]
+
+_COUNTERS = ("in_a_row", "skipped")
 
 
 def gradient_norm(model: torch.nn.Module, clip: float | None) -> torch.Tensor:
@@ -125,5 +128,12 @@ class NonFiniteGate:
         return {"in_a_row": in_a_row, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._carried = (int(state.get("in_a_row", 0)), int(state.get("skipped", 0)))
+        """Continue from a saved :meth:`state_dict` (read back from a file: checked as data)."""
+        values = [state.get(k, 0) if isinstance(state, dict) else None for k in _COUNTERS]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise InputError(
+                f"the non-finite counters must be ints >= 0 ({', '.join(_COUNTERS)}), got "
+                f"{shown(state)}"
+            )
+        self._carried = (values[0], values[1])
         self._in_a_row = self._tripped_at = self._skipped = None

@@ -77,6 +77,9 @@ class TrainReport:
     #: Steps this call ran (``None``: all of ``steps``); the per-step figures, samples/s and
     #: ``elapsed_s`` are over these only.
     steps_run: int | None = None
+    #: Per step this call ran, each rank's batch size (the split, which ``balance="speed"``
+    #: changes at step boundaries; one process: one entry, the global batch).
+    batch_sizes_per_step: list[list[int]] = field(default_factory=list)
 
     @property
     def first_loss(self) -> float | None:

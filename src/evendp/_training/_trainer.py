@@ -30,6 +30,7 @@ none in one process, with the samples, or with ``counts=``): the arithmetic is
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import sys
@@ -66,12 +67,15 @@ from .._parallel._scatter import map_tensors, row_count
 from .._planning._balance import (
     first_batch,
     inline_for_balance,
+    split_per_step,
     validate_balance,
 )
 from ._callbacks import Callbacks
+from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
 from ._oom import free_memory, pad_plan
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
+from ._stateful import OomCaps, RngState
 from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 from ._train_state import TrainState
@@ -485,7 +489,14 @@ class Trainer:
     def checkpoint_path(self) -> Path | None:
         """``out_dir/ckpt.pt``, or the ``out_dir/ckpt.dcp`` folder under FSDP2 (``None``: none)."""
         out = self.config.out_dir
-        return None if out is None else Path(out) / self.strategy.checkpoint_name
+        return None if out is None else Path(out) / self.strategy.checkpoint_format.name
+
+    @functools.cached_property
+    def _checkpointer(self) -> Checkpointer:
+        # One for the run: it remembers a corrupt latest file, which a save must not rotate.
+        return Checkpointer(
+            self.strategy.checkpoint_format, rank=self.rank, run_config=self.state.run_config
+        )
 
     def save(self) -> Path | None:
         """Write a checkpoint now (every rank calls it); returns its path (``None`` on ranks > 0).
@@ -497,7 +508,7 @@ class Trainer:
         if path is None:
             return None
         self._read_pending()  # every rank saves: the collectives pair
-        saved = self.strategy.save(self.state, path, self._checkpointed())
+        saved = self._checkpointer.save(path, self._checkpointed())
         self._saved_step = self.state.step
         saved = saved if self.rank == 0 else None
         self.callbacks.call("on_save", self, self.state.step, saved)
@@ -512,23 +523,29 @@ class Trainer:
         path = self.checkpoint_path
         if path is None:
             return False
-        found = self.strategy.resume(
-            self.state, path, self._checkpointed(), reseed=self.config.seed * 1_000_003 + self.rank
-        )
-        if found:
-            self._saved_step = self.state.step
-            if self.rank == 0:
-                for note in self.state.notes:
-                    print(f"evendp: {note}", file=sys.stderr, flush=True)
-        return found
+        notes = self._checkpointer.resume(path, self._checkpointed())
+        if notes is None:
+            return False
+        self.state.notes = notes
+        self._saved_step = self.state.step
+        if self.rank == 0:
+            for note in notes:
+                print(f"evendp: {note}", file=sys.stderr, flush=True)
+        return True
 
     def _checkpointed(self) -> dict[str, Any]:
+        """The run's state, by part (:mod:`evendp._training._stateful`); ``None``: not in
+        this run. One more part is one more line."""
         return {
             "model": self.model,
             "optimizer": self.optimizer,
-            "scaler": self.scaler,
             "scheduler": self.scheduler,
-            "guard": self.guard,
+            "scaler": self.scaler,
+            "train": self.state,
+            "rng": RngState(reseed=self.config.seed * 1_000_003 + self.rank),
+            "guard": OomCaps(self.guard),
+            "balancer": self.balancer if self.balancer.active else None,
+            "nonfinite": self.strategy.nonfinite_gate,
         }
 
     # -- data --------------------------------------------------------------------------------
@@ -968,6 +985,7 @@ class Trainer:
             amp=self.config.amp,
             signal=signum,
             eval=list(self.evals),
+            batch_sizes_per_step=split_per_step(self.balancer, self.sampler, steps_run),
         )
 
 

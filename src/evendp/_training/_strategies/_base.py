@@ -7,20 +7,17 @@ import abc
 import contextlib
 import signal
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
+from .._checkpointer import CheckpointFormat, WholeFile
 from .._evaluate import EvalFn
 from .._oom import OomResplit
 from .._optimizer_step import OptimizerStep, default_optimizer
-
-if TYPE_CHECKING:
-    from .._train_state import TrainState
 
 __all__ = ["StopSource", "Strategy"]
 
@@ -54,9 +51,9 @@ class Strategy(abc.ABC):
 
     Losses and samples are summed over processes by :meth:`reduce_losses` and
     :meth:`reduce_samples` when read, where :meth:`settle` also resolves what the optimizer
-    step left on the device. Also evaluation (:meth:`evaluate`), checkpoints
-    (:attr:`checkpoint_name`, :meth:`save`, :meth:`resume`), the report's device names and
-    peak memory.
+    step left on the device. Also evaluation (:meth:`evaluate`), the checkpoint's on-disk
+    format (:attr:`checkpoint_format`, in which the Trainer's checkpointer writes the run's
+    parts), the report's device names and peak memory.
 
     Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
     one-rank-per-device strategies of
@@ -66,8 +63,8 @@ class Strategy(abc.ABC):
 
     #: The report's ``mode``.
     name: str
-    #: The checkpoint's name in ``out_dir``.
-    checkpoint_name = "ckpt.pt"
+    #: How the run's state is laid out on disk (its name in ``out_dir`` too): one file.
+    checkpoint_format: CheckpointFormat = WholeFile()
     #: The optimizer step (:meth:`build_optimizer`).
     stepper: OptimizerStep
 
@@ -235,6 +232,12 @@ class Strategy(abc.ABC):
         """fp16's loss scaler (``None`` otherwise)."""
         return self.stepper.scaler
 
+    @property
+    def nonfinite_gate(self) -> Any | None:
+        """The non-finite gate's counters as a checkpoint part (``None``: the strategy's
+        engine keeps its own)."""
+        return self.stepper.gate
+
     def skipped_steps(self) -> int:
         """Steps the non-finite gate skipped so far (a host read)."""
         return self.stepper.gate.skipped
@@ -280,18 +283,6 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def peak_memory(self) -> list[int | None]:
         """Per device of the report, the peak allocated bytes (``None``: not a GPU here)."""
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
-        """Write ``state`` and ``objects`` (model, optimizer, ...) as this step's checkpoint."""
-        return state.save(path, rank=self.rank, **objects)
-
-    def resume(
-        self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
-    ) -> bool:
-        """Load the latest good checkpoint at ``path`` into ``state`` and ``objects``."""
-        return state.resume(path, rank=self.rank, reseed=reseed, **objects)
 
 
 def build_sampler(

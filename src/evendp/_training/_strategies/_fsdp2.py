@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..._core._errors import EvendpError
+from .._checkpointer import CheckpointFormat, DcpShards
 from ._ranks import RankStrategy
-
-if TYPE_CHECKING:
-    from .._train_state import TrainState
 
 __all__ = ["FSDP2", "build", "refuse_prebuilt_optimizer"]
 
@@ -36,11 +33,11 @@ class FSDP2(RankStrategy):
     its collectives with the wrong ones, so an OOM is fatal (micro-batching still works), and
     every rank runs as many micro-steps (and evaluation forwards) as the most any rank runs.
     Checkpoints are ``torch.distributed.checkpoint`` folders in which each rank writes its
-    shards.
+    shards (:class:`~evendp._training._checkpointer.DcpShards`).
     """
 
     name = "fsdp2"
-    checkpoint_name = "ckpt.dcp"
+    checkpoint_format: CheckpointFormat = DcpShards()
     _forward_collectives = True
 
     def __init__(self, model: nn.Module, accum: int, blocks: Callable[[], list[nn.Module]]):
@@ -66,14 +63,6 @@ class FSDP2(RankStrategy):
 
     def micro_step_count(self, planned: int) -> int:
         return max(planned, self._accum)
-
-    def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
-        return state.save(path, rank=self.rank, sharded=True, **objects)
-
-    def resume(
-        self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
-    ) -> bool:
-        return state.resume(path, rank=self.rank, sharded=True, reseed=reseed, **objects)
 
 
 def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> FSDP2:

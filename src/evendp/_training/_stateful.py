@@ -1,0 +1,103 @@
+"""The run's state as named parts that each save and restore themselves (``Stateful``).
+
+A part is anything with ``state_dict()`` and ``load_state_dict(sd)``, the shape of
+``torch.distributed.checkpoint.stateful.Stateful``: a model, an optimizer, a scheduler, a
+scaler, the run's position (:class:`~evendp._training._train_state.TrainState`), a speed
+balancer (:class:`~evendp.SpeedBalancer`). Two parts that hold no such methods of their own
+get a small adapter here: this process's random generators (:class:`RngState`) and the OOM
+re-split's micro-batch caps (:class:`OomCaps`). The Trainer names its parts in one dict, in the
+style of torchtitan's ``states={...}``; :mod:`evendp._training._checkpointer` saves and resumes
+them.
+
+``load_state_dict`` may return a one-line note of what it could not restore (a split saved for
+another number of ranks, left at its fresh value): the resume prints it. torch's own parts
+return ``None``, which says nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from .._core._validate import shown
+from ._checkpoint import rng_state, set_rng_state
+from ._oom import OomResplit
+
+__all__ = ["OomCaps", "RngState", "Stateful"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part of the run's state: ``state_dict()`` saves it, ``load_state_dict(sd)`` restores it.
+
+    >>> import torch
+    >>> isinstance(torch.nn.Linear(1, 1), Stateful), isinstance(object(), Stateful)
+    (True, False)
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+class RngState:
+    """This process's random generators (torch, CUDA when used, ``random``, numpy when imported).
+
+    Each rank saves its own: the checkpoint format keeps one per rank. ``reseed`` is what a
+    rank the saved run did not have seeds torch and ``random`` with (with a warning).
+
+    >>> import torch
+    >>> rng = RngState(reseed=7)
+    >>> saved = rng.state_dict(); a = torch.rand(1)
+    >>> rng.load_state_dict(saved); torch.equal(a, torch.rand(1))
+    True
+    """
+
+    def __init__(self, reseed: int | None = None) -> None:
+        self.reseed = reseed
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_rng_state(state_dict)
+
+
+class OomCaps:
+    """The OOM re-split's state: each device's micro-batch cap, the re-splits and skipped steps.
+
+    Saved under the keys ``micro_batch_sizes``, ``resplits`` and ``skipped`` (the checkpoint's
+    ``extra`` has held them since checkpoints had them). Caps saved for another number of
+    devices are not applied, and a note says so.
+
+    >>> guard = OomResplit(catch=True, devices=2)
+    >>> OomCaps(guard).load_state_dict({"micro_batch_sizes": [None, 3], "resplits": 1})
+    >>> guard.micro_batch_sizes, guard.resplits
+    ([None, 3], 1)
+    >>> OomCaps(guard).load_state_dict({"micro_batch_sizes": [2, 2, 2]})
+    'the saved OOM micro-batch caps are per device: not applied here'
+    """
+
+    def __init__(self, guard: OomResplit) -> None:
+        self.guard = guard
+
+    def state_dict(self) -> dict[str, Any]:
+        guard = self.guard
+        return {
+            "micro_batch_sizes": list(guard.micro_batch_sizes),
+            "resplits": guard.resplits,
+            "skipped": guard.skipped,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> str | None:
+        caps = state_dict.get("micro_batch_sizes")
+        counts = {k: state_dict.get(k, 0) for k in ("resplits", "skipped")}
+        for key, value in counts.items():  # a checkpoint's fields are checked as it is read;
+            if not isinstance(value, int) or value < 0:  # this part is also usable alone
+                raise ValueError(f"{key}: must be a count, got {shown(value)}")
+        guard, note = self.guard, None
+        if isinstance(caps, list) and len(caps) == len(guard.micro_batch_sizes):
+            guard.micro_batch_sizes = [None if c is None else int(c) for c in caps]
+        elif isinstance(caps, list) and any(c is not None for c in caps):
+            note = "the saved OOM micro-batch caps are per device: not applied here"
+        guard.resplits, guard.skipped = counts["resplits"], counts["skipped"]
+        return note

@@ -1,0 +1,129 @@
+"""The checkpointer: the run's named parts in the file layout every evendp wrote, the speed
+balancer's split among them, and a part's hostile saved state treated as a corrupt file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from evendp._core._digest import content_digest
+from evendp._distributed._sampler import UnevenBatchSampler
+from evendp._planning._speed import SpeedBalancer
+from evendp._training._checkpoint import CorruptCheckpoint, previous_path
+from evendp._training._checkpointer import Checkpointer, DcpShards, WholeFile
+from evendp._training._oom import OomResplit
+from evendp._training._stateful import OomCaps, RngState
+from evendp._training._strategies._fsdp2 import FSDP2
+from evendp._training._strategies._oom_safe_ddp import OomSafeDDP
+from evendp._training._train_state import TrainState
+from evendp._training._trainer import TrainConfig, Trainer
+from tests.training.test_trainer import TinyLM, _data
+
+# What ckpt.pt has held since checkpoints had a digest: a stable surface (files in --out).
+PAYLOAD_KEYS = [
+    "extra", "format", "model", "optimizer", "rng", "scaler", "scheduler", "sha256", "step",
+    "version",
+]  # fmt: skip
+# The keys older evendp wrote, and "nonfinite" (the gate's counters, a part since issue 26).
+EXTRA_KEYS = [
+    "batch_in_epoch", "epoch", "global_batch", "losses", "micro_batch_sizes", "mode",
+    "nonfinite", "resplits", "samples", "skipped",
+]  # fmt: skip
+
+
+def _balancer(sizes: list[int] | None = None, timings: Any = None) -> SpeedBalancer:
+    """A rank-0 balancer of 2 ranks; ``timings``: every rank's fixed (seconds, samples)."""
+    sampler = UnevenBatchSampler(64, sizes or [4, 4], rank=0, world_size=2)
+    gather = None if timings is None else (lambda mine: timings)
+    return SpeedBalancer(sampler, warmup=2, gather=gather)
+
+
+def _parts(net: torch.nn.Module, balancer: SpeedBalancer, steps: int = 0) -> dict[str, Any]:
+    guard = OomResplit(catch=True, devices=1)
+    return {
+        "model": net,
+        "train": TrainState(devices=1, step=steps),
+        "rng": RngState(),
+        "guard": OomCaps(guard),
+        "balancer": balancer,
+        "scheduler": None,  # absent: not saved, not loaded
+    }
+
+
+def test_a_trainer_checkpoint_keeps_every_key_older_evendp_wrote(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=2, batch_size=8, out_dir=tmp_path, progress=False)
+    Trainer(TinyLM(), _data(), cfg, device_ids=["cpu", "cpu"]).fit()
+    payload = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert sorted(payload) == PAYLOAD_KEYS
+    assert sorted(payload["extra"]) == EXTRA_KEYS  # no balance: no balancer part
+    assert payload["step"] == 2 and payload["extra"]["samples"] == [8, 8]
+
+
+def test_the_strategy_supplies_the_format() -> None:
+    assert isinstance(OomSafeDDP.checkpoint_format, WholeFile)
+    assert isinstance(FSDP2.checkpoint_format, DcpShards)
+    assert (WholeFile.name, DcpShards.name) == ("ckpt.pt", "ckpt.dcp")
+
+
+def test_the_speed_split_round_trips_and_a_resumed_balancer_does_not_restart(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    balancer = _balancer(timings=[(0.4, 4), (1.2, 4)])  # rank 1 three times slower
+    for _ in range(3):
+        balancer.step()
+    assert balancer.sampler.batch_sizes == [6, 2]
+    Checkpointer(WholeFile()).save(path, _parts(torch.nn.Linear(2, 1), balancer, steps=3))
+    assert torch.load(path, weights_only=True)["extra"]["balancer"]["batch_sizes"] == [6, 2]
+
+    # Resumed, rank 1 is 0.1 s a sample, rank 0 0.07: fresh times would re-split at once.
+    fresh = _balancer(timings=[(0.4, 6), (0.2, 2)])
+    parts = _parts(torch.nn.Linear(2, 1), fresh)
+    notes = Checkpointer(WholeFile()).resume(path, parts)
+    assert notes == [f"resumed from {path} at step 3"]
+    assert fresh.sampler.batch_sizes == [6, 2] and parts["train"].step == 3
+    assert (fresh.steps, fresh.history) == (3, balancer.history)
+    assert fresh.seconds_per_sample == balancer.seconds_per_sample
+    # Its first step in this process is not measured, then it goes on from its saved times:
+    # no warm-up from the even split again.
+    assert [fresh.step(), fresh.step()] == [False, False]  # median of 3 still says slow
+    assert fresh.sizes_at(4) == [6, 2]
+
+
+def test_a_split_for_other_ranks_is_not_applied_and_said(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    three = SpeedBalancer(UnevenBatchSampler(64, [3, 3, 2], rank=0, world_size=3))
+    Checkpointer(WholeFile()).save(path, _parts(torch.nn.Linear(2, 1), three))
+    two = _balancer()
+    notes = Checkpointer(WholeFile()).resume(path, _parts(torch.nn.Linear(2, 1), two))
+    assert notes is not None and "is for 3 ranks" in notes[-1] and "not applied" in notes[-1]
+    assert two.sampler.batch_sizes == [4, 4] and two.steps == 0
+
+
+def _tamper(path: Path, **balancer: Any) -> None:
+    payload = torch.load(path, weights_only=True)
+    payload["extra"]["balancer"].update(balancer)
+    del payload["sha256"]
+    payload["sha256"] = content_digest(payload)  # whoever wrote it recomputed the digest
+    torch.save(payload, path)
+
+
+def test_a_hostile_balancer_state_falls_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
+    path, net = tmp_path / "ckpt.pt", torch.nn.Linear(2, 1)
+    checkpointer = Checkpointer(WholeFile())
+    checkpointer.save(path, _parts(net, _balancer([5, 3]), steps=1))
+    checkpointer.save(path, _parts(net, _balancer([6, 2]), steps=2))
+    _tamper(path, batch_sizes="__import__('os')")
+    fresh = _balancer()
+    notes = Checkpointer(WholeFile()).resume(path, _parts(net, fresh))
+    assert notes is not None and "field balancer: batch_sizes" in notes[0]
+    assert "fell back" in notes[0] and f"resumed from {previous_path(path)} at step 1" in notes
+    assert fresh.sampler.batch_sizes == [5, 3]
+    _tamper(previous_path(path), recent=[[float("nan")], [1.0]])
+    with pytest.raises(CorruptCheckpoint, match="field balancer: recent") as caught:
+        Checkpointer(WholeFile()).resume(path, _parts(net, _balancer()))
+    assert "\n" not in str(caught.value) and "ckpt.prev.pt" in str(caught.value)
