@@ -99,7 +99,7 @@ def test_evendp_train_mode_deepspeed_runs(tmp_path: Path) -> None:
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     command = [sys.executable, "-m", "evendp", "train", "--mode", "deepspeed", "--devices",
                "cpu,cpu", "--strategy-config", str(config), "--steps", "3", "--batch", "4",
-               "--n-layer", "1", "--n-embd", "16", "--block-size", "16", "--max-chars", "400",
+               "--n-layer", "1", "--n-embd", "16", "--block-size", "16", "--max-chars", "10000",
                "--no-progress", "--out", str(tmp_path / "run")]  # fmt: skip
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
