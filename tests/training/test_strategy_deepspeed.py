@@ -124,7 +124,7 @@ def test_the_registry_names_deepspeed_without_importing_it() -> None:
 def _config(**settings: Any) -> Any:
     from evendp._training._strategies._deepspeed import deepspeed_config
 
-    return deepspeed_config(evendp.TrainConfig(**settings), [0, 5])
+    return deepspeed_config(evendp.TrainConfig(strategy="deepspeed", **settings), [0, 5])
 
 
 def test_the_config_is_filled_in_from_the_run(tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ def test_the_config_is_filled_in_from_the_run(tmp_path: Path) -> None:
     assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": 2.0}))
-    ds = _config(strategy="deepspeed", strategy_config=str(path))
+    ds = _config(strategy_config=str(path))
     assert ds["zero_optimization"] == {"stage": 3} and ds["gradient_clipping"] == 2.0
 
 
