@@ -67,6 +67,15 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "block; sharded checkpoints in OUT/ckpt.dcp",
             checkpoint_name="ckpt.dcp",
         ),
+        StrategyEntry(
+            "deepspeed",
+            "._deepspeed",
+            "build",
+            "one process per device, a DeepSpeed ZeRO engine (stage from "
+            "--strategy-config, default 2); checkpoints in OUT/ckpt.ds",
+            checkpoint_name="ckpt.ds",
+            takes_config=True,
+        ),
     )
 }
 

@@ -1,0 +1,434 @@
+"""DeepSpeed ZeRO (stages 0 to 3) under evendp's Trainer: the engine owns backward and the step.
+
+The Trainer drives the micro-steps itself (uneven per-rank shares, an accumulation boundary on
+the last one), so DeepSpeed is told ``gradient_accumulation_steps=1`` and each micro-step's
+backward runs with ``scale_wrt_gas=False``: nothing divides by accumulation steps. The loss
+arrives weighted by ``world / the step's global count`` (the Trainer's ``StepWeight``), which is
+``evendp._core._exact.averaged_scale(count, ranks=world, divided_by=1)``: DeepSpeed's average
+over the ranks (ZeRO-1/2's reduce, ZeRO-3's reduce-scatter) then leaves exactly the gradient of
+the mean over the step's counted items on every rank, and ``gradient_clipping`` clips that one.
+
+What evendp owns in the DeepSpeed config, filled in from the run: ``train_batch_size``,
+``train_micro_batch_size_per_gpu`` (the mean per-rank share, rounded up: DeepSpeed uses it only
+for its throughput log and sample counter, never for the gradient) and
+``gradient_accumulation_steps`` (1); ``gradient_clipping`` from ``TrainConfig.grad_clip`` and
+``bf16``/``fp16`` from ``TrainConfig.amp`` unless the user's config sets them (a contradiction
+is refused). Without ``strategy_config``: ZeRO stage 2.
+
+Checkpoints are DeepSpeed's own files in ``OUT/ckpt.ds/step<N>/`` (every rank writes its
+partitions) beside evendp's ``state.pt`` (the run's position, rank 0) and ``state.rng<R>.pt``
+(each rank's generators), written and read by :class:`~evendp._training._train_state.TrainState`;
+the step's folder and the previous one are kept. DeepSpeed's loader calls
+``torch.load(weights_only=False)``: a resume here first checks every file of the step's folder
+(a plain ``torch.save`` zip, :func:`~evendp._training._safe_read.check_archive`) and loads it
+with ``weights_only=True`` admitting only DeepSpeed's own data classes (its loss scaler, the
+ZeRO stage enum, a fragment address), then loads with the engine's reader replaced by that same
+safe read; universal checkpoints (another loader) are refused in the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..._core._errors import CheckpointError, EvendpError
+from ..._core._validate import shown
+from ..._distributed._rank_errors import agreed
+from ..._distributed._sampler import UnevenBatchSampler
+from .._checkpoint import CorruptCheckpoint
+from .._nonfinite import NonFiniteGate
+from .._optimizer_step import default_optimizer
+from .._safe_read import Refused, check_archive
+from ._base import Costs
+from ._ranks import RankStrategy
+
+if TYPE_CHECKING:
+    from .._train_state import TrainState
+
+__all__ = ["DeepSpeed", "build", "deepspeed_config"]
+
+#: Settings evendp fills in from the run (the user may leave them out or say "auto").
+_OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_DEFAULTS: dict[str, Any] = {
+    "zero_optimization": {"stage": 2},
+    # evendp's default AdamW (and any torch optimizer the user passes) is not on DeepSpeed's
+    # list of tested ZeRO optimizers; the exactness tests are evendp's.
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 1_000_000_000,  # the Trainer has its own progress bar and report
+}
+_MAX_CONFIG_BYTES = 1 << 20
+_STATE = "state.pt"  # evendp's part of the checkpoint folder (TrainState's file)
+_TAG = re.compile(r"step(\d+)")
+
+
+def _refuse(what: str) -> EvendpError:
+    return EvendpError(f"strategy='deepspeed': {what}")
+
+
+def _given_config(given: Any) -> dict[str, Any]:
+    """``TrainConfig.strategy_config`` as a dict: a dict, or a JSON file read as data."""
+    if given is None:
+        return {}
+    if isinstance(given, dict):
+        return json.loads(json.dumps(given))  # a deep copy, and only JSON's kinds of values
+    path = Path(given)
+    try:
+        if path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise _refuse(f"strategy_config {shown(str(path))} is over 1 MiB; pass a JSON config")
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise _refuse(
+            f"cannot read strategy_config {shown(str(path))}: {exc.strerror or exc}; pass the "
+            "path of a DeepSpeed JSON config"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _refuse(
+            f"strategy_config {shown(str(path))} is not JSON ({exc}); pass a DeepSpeed JSON "
+            'config, e.g. {"zero_optimization": {"stage": 2}}'
+        ) from None
+    if not isinstance(loaded, dict):
+        raise _refuse(
+            f"strategy_config {shown(str(path))} holds a {type(loaded).__name__}, not a JSON "
+            'object; e.g. {"zero_optimization": {"stage": 2}}'
+        )
+    return loaded
+
+
+def _check_precision(ds: dict[str, Any], amp: str) -> None:
+    """``bf16``/``fp16`` agree with ``TrainConfig.amp``: filled in when absent or "auto"."""
+    for kind in ("bf16", "fp16"):
+        section = ds.get(kind, {})
+        if not isinstance(section, dict):
+            raise _refuse(f"{kind} must be an object like {{'enabled': true}}, got {section!r}")
+        enabled = section.get("enabled", "auto")
+        wanted = amp == kind
+        if enabled == "auto":
+            if wanted:
+                ds[kind] = {**section, "enabled": True}
+            continue
+        if bool(enabled) != wanted:
+            said = "enables" if enabled else "disables"
+            raise _refuse(
+                f"strategy_config {said} {kind}, but amp={amp!r}; give amp={kind!r} "
+                f"(or amp='none' without {kind}), or drop {kind} from the DeepSpeed config"
+            )
+
+
+def _check_given(ds: dict[str, Any]) -> None:
+    """What the user's config may not set: evendp's batch settings, a universal checkpoint."""
+    for key in _OWNED:
+        if key in ds and ds[key] != "auto":
+            raise _refuse(
+                f"strategy_config sets {key}={shown(ds[key])}, which evendp sets from "
+                'batch_sizes and accum (it drives the micro-steps itself); drop it or say "auto"'
+            )
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if stage not in (0, 1, 2, 3):
+        raise _refuse(
+            f"zero_optimization.stage must be 0, 1, 2 or 3, got {shown(stage)}; e.g. "
+            '{"zero_optimization": {"stage": 2}}'
+        )
+    checkpoint = ds.get("checkpoint", {})
+    if isinstance(checkpoint, dict) and checkpoint.get("load_universal"):
+        raise _refuse(
+            "checkpoint.load_universal loads DeepSpeed's universal checkpoints, which it reads "
+            "with torch.load(weights_only=False); evendp resumes its own ckpt.ds only: drop it"
+        )
+
+
+def deepspeed_config(config: Any, batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of a run: the user's ``config.strategy_config`` (ZeRO-2 without
+    one) with what evendp owns filled in; ``batch_sizes`` (per rank) fix the micro-batch size
+    DeepSpeed logs (``None``: only checked).
+
+    >>> from evendp import TrainConfig
+    >>> ds = deepspeed_config(TrainConfig(grad_clip=0.5), [1, 3])
+    >>> ds["zero_optimization"], ds["train_batch_size"], ds["gradient_clipping"]
+    ({'stage': 2}, 4, 0.5)
+    """
+    given = _given_config(config.strategy_config)
+    _check_given(given)
+    ds = {**_DEFAULTS, **given}
+    _check_precision(ds, config.amp)
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = 0.0 if config.grad_clip is None else float(config.grad_clip)
+    if batch_sizes is not None:
+        world = max(1, len(batch_sizes))
+        # DeepSpeed checks train_batch_size == micro * accumulation * world; the figures feed
+        # only its throughput log and sample counter.
+        micro = max(1, math.ceil(sum(batch_sizes) / world))
+        ds.update(
+            train_micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=1,
+            train_batch_size=micro * world,
+        )
+    return ds
+
+
+# -- checkpoints: DeepSpeed's files, read as data ---------------------------------------------
+
+
+def _data_classes() -> list[Any]:
+    """The classes DeepSpeed 0.19's checkpoint files hold besides tensors and containers."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path: str | Path, map_location: Any = None) -> Any:
+    """A DeepSpeed checkpoint file as data: a plain ``torch.save`` zip, loaded with
+    ``weights_only=True`` and only DeepSpeed's own data classes admitted."""
+    where = Path(path)
+    try:
+        check_archive(where)
+        with torch.serialization.safe_globals(_data_classes()):
+            return torch.load(where, map_location=map_location, weights_only=True)
+    except Refused as exc:
+        raise CorruptCheckpoint(
+            f"DeepSpeed checkpoint file {str(where)!r} is refused: {exc}"
+        ) from None
+    except (PermissionError, IsADirectoryError):
+        raise
+    except Exception as exc:  # torch raises several types for a truncated or foreign file
+        said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no detail"
+        raise CorruptCheckpoint(
+            f"DeepSpeed checkpoint file {str(where)!r} is not plain data or is unreadable "
+            f"({type(exc).__name__}: {said})"
+        ) from None
+
+
+@contextlib.contextmanager
+def _reading_safely(engine: Any) -> Iterator[None]:
+    """The engine's checkpoint reader is :func:`safe_load` while this lasts."""
+    reader = engine.checkpoint_engine
+    reader.load = safe_load  # an instance attribute: DeepSpeed's own class is untouched
+    try:
+        yield
+    finally:
+        del reader.load
+
+
+class DeepSpeed(RankStrategy):
+    """One process per device, the model inside a DeepSpeed engine (ZeRO stage from the
+    config): ``engine.backward`` and ``engine.step`` replace evendp's optimizer step.
+
+    ZeRO-2 and 3 reduce (and ZeRO-3 gathers) inside every micro-step's forward or backward, so
+    an OOM is fatal and every rank runs as many micro-steps as the most any rank runs (an
+    empty one runs a stand-in sample of weight 0); ZeRO-3's evaluation runs every rank's
+    forwards too. The non-finite gate: DeepSpeed skips a step whose gradient norm is NaN/inf
+    (fp16 always; fp32 and bf16 when ``gradient_clipping`` is on, as the norm is computed
+    then) and counts it (``engine.skipped_steps``); ``max_nonfinite_steps`` such skips in a
+    row stop the run (read where DeepSpeed read them).
+    """
+
+    name = "deepspeed"
+    checkpoint_name = "ckpt.ds"
+
+    def __init__(self, model: nn.Module, config: Any) -> None:
+        super().__init__(model)
+        self._ds = deepspeed_config(config)  # refused here, before any engine is built
+        self._accum = int(config.accum)
+        self._forward_collectives = self._ds["zero_optimization"].get("stage", 0) == 3
+        self._batch_sizes: list[int] = []
+        self._gate = NonFiniteGate(config.max_nonfinite_steps)
+        self._gated = config.max_nonfinite_steps > 0
+        self._kept: list[int] = []  # the steps whose DeepSpeed folders are kept (last two)
+        self.engine: Any = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def sampler(
+        self,
+        data: Any,
+        config: Any,
+        *,
+        costs: Costs,
+        max_costs: Sequence[float] | None,
+        max_tokens: float | None,
+        model: Callable[[], nn.Module],
+        example: Callable[[], Any],
+    ) -> tuple[UnevenBatchSampler, Any]:
+        built = super().sampler(
+            data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
+            model=model, example=example,
+        )  # fmt: skip
+        self._batch_sizes = list(built[0].batch_sizes)  # DeepSpeed's logged micro-batch
+        return built
+
+    def build_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any | None,
+        config: Any,
+        *,
+        where: str = "",
+    ) -> Any:
+        """``deepspeed.initialize`` on the loss module: ``optimizer``, else the config's
+        ``"optimizer"`` section, else AdamW with ``config.lr`` and ``config.weight_decay``."""
+        import deepspeed
+
+        ds = deepspeed_config(config, self._batch_sizes or [1] * self.world)
+        if optimizer is not None and "optimizer" in ds:
+            raise _refuse(
+                'both an optimizer and the DeepSpeed config\'s "optimizer" section were given; '
+                "pass one"
+            )
+        if optimizer is None and "optimizer" not in ds:
+            optimizer = default_optimizer(self.model.parameters(), config.lr, config.weight_decay)
+        self._gate.where = where
+        try:
+            engine, *_ = deepspeed.initialize(
+                model=self.wrapped, optimizer=optimizer, lr_scheduler=scheduler, config=ds
+            )
+        except (ValueError, AssertionError, TypeError, KeyError) as exc:  # its config checks
+            said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)
+            raise _refuse(
+                f"DeepSpeed refused the config ({type(exc).__name__}: {said}); fix strategy_config"
+            ) from None
+        if type(engine.checkpoint_engine).__name__ != "TorchCheckpointEngine":
+            raise _refuse(
+                f"the config picks DeepSpeed's {type(engine.checkpoint_engine).__name__}; evendp "
+                "reads checkpoints back as data through the torch engine only: drop the "
+                "checkpoint engine settings"
+            )
+        self.engine = self.wrapped = engine
+        return engine
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        # The Trainer marks the boundary: ZeRO reduces (and steps) on the last micro-step.
+        self.engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def micro_step_count(self, planned: int) -> int:
+        # ZeRO-2/3 communicate in every micro-step's backward (ZeRO-3 in forward too).
+        return max(planned, self._accum)
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # ``loss`` carries world / count (averaged_scale with divided_by=1): DeepSpeed's mean
+        # over the ranks finishes it, and no division by accumulation steps may follow.
+        self._post_stop()  # a stop request before the step's last collective: as RankStrategy
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self, step: int) -> torch.Tensor | bool:
+        before = self.engine.skipped_steps
+        self.engine.step()
+        skipped = self.engine.skipped_steps != before  # DeepSpeed read its norm already
+        if self._gated:
+            self._gate.found(torch.tensor(math.inf if skipped else 0.0), step)
+        return skipped
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer DeepSpeed steps (ZeRO's wrapper: ``param_groups`` hold the lr)."""
+        return self.engine.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        return self.engine.lr_scheduler
+
+    @property
+    def scaler(self) -> None:
+        """None: fp16's loss scale is DeepSpeed's, inside its optimizer."""
+        return None
+
+    def skipped_steps(self) -> int:
+        return int(self.engine.skipped_steps)
+
+    def settle(self) -> None:
+        self._gate.check()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
+        """DeepSpeed's files of this step (every rank its partitions), then evendp's state."""
+        tag = f"step{state.step}"
+        self.engine.save_checkpoint(str(path), tag=tag, client_state={}, save_latest=False)
+        state.save(path / _STATE, rank=self.rank, **self._state_objects(objects))
+        self._kept = [*self._kept[-1:], state.step]
+        agreed(lambda: self._drop_stale(path), distributed=True)
+        return path
+
+    def resume(
+        self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
+    ) -> bool:
+        """evendp's state (the latest good ``state.pt``), then DeepSpeed's files of its step,
+        each checked as data first."""
+        objects = self._state_objects(objects)
+        if not state.resume(path / _STATE, rank=self.rank, reseed=reseed, **objects):
+            return False
+        folder = path / f"step{state.step}"
+        agreed(lambda: self._verify(folder), distributed=True)
+        with _reading_safely(self.engine):
+            try:
+                loaded, _ = self.engine.load_checkpoint(str(path), tag=folder.name)
+            except (RuntimeError, KeyError, ValueError) as exc:  # DeepSpeed's own mismatches
+                said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
+                raise CheckpointError(
+                    f"DeepSpeed checkpoint {str(folder)!r} does not fit this run ({said}); "
+                    "resume with the same model, ranks and strategy_config, or start fresh "
+                    "with another --out"
+                ) from None
+        if loaded is None:
+            raise CorruptCheckpoint(f"DeepSpeed checkpoint {str(folder)!r} is missing its files")
+        self._kept = [state.step]
+        return True
+
+    @staticmethod
+    def _state_objects(objects: dict[str, Any]) -> dict[str, Any]:
+        # The weights, optimizer and schedule are in DeepSpeed's files: evendp's state file
+        # keeps the run's position (and each rank's generators) around an empty model.
+        return {
+            "model": nn.Module(), "optimizer": None, "scaler": None, "scheduler": None,
+            "guard": objects["guard"],
+        }  # fmt: skip
+
+    @staticmethod
+    def _verify(folder: Path) -> None:
+        """Every file of a step's DeepSpeed folder loads as data (before DeepSpeed reads one)."""
+        files = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+        if not files:
+            raise CorruptCheckpoint(
+                f"DeepSpeed checkpoint {str(folder)!r} is missing; start fresh with another --out"
+            )
+        for file in files:
+            safe_load(file, map_location="cpu")
+
+    def _drop_stale(self, path: Path) -> None:
+        """Rank 0 removes the step folders no kept ``state.pt`` names (after every rank wrote)."""
+        if self.rank != 0:
+            return
+        for folder in path.iterdir():
+            match = _TAG.fullmatch(folder.name)
+            if match and folder.is_dir() and int(match[1]) not in self._kept:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> DeepSpeed:
+    """The registry's ``"deepspeed"``: the config checked now, the engine built with the
+    optimizer (:meth:`DeepSpeed.build_optimizer`)."""
+    strategy = DeepSpeed(model, config)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise EvendpError(
+            "strategy='deepspeed' needs the deepspeed package, which is not installed; pip "
+            "install evendp[deepspeed]"
+        ) from None
+    return strategy

@@ -1,0 +1,189 @@
+"""``Trainer(strategy="deepspeed")``: ZeRO 1-3 on 2 gloo ranks equals one process.
+
+One ``evendp launch`` runs every case of tests/training/_deepspeed_strategy_script.py (DeepSpeed
+starts once); the one-process references (the same Trainer, the whole step on one CPU device)
+run here. The config checks and the safe read of DeepSpeed's files need no launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import evendp
+from evendp._core._errors import EvendpError
+from tests.training import _deepspeed_strategy_script as script
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5
+#: A rank still running after this long is hung: it prints every thread's stack and exits 1.
+HANG_S = 900
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("EVENDP_BATCH_SIZES", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("ds_strategy")
+    command = [sys.executable, "-m", "evendp", "launch", "--nproc", "2"]
+    command += [str(ROOT / "tests/training/_deepspeed_strategy_script.py"), str(out), str(HANG_S)]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=HANG_S + 120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out
+
+
+def _reference(case: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The case's final and starting parameters, trained in this one process."""
+    t = script.trainer(case, strategy=None)
+    start = {k: v.detach().clone() for k, v in t.model.named_parameters()}
+    t.fit()
+    return {k: v.detach().clone() for k, v in t.model.named_parameters()}, start
+
+
+def _error(got: dict, want: dict, start: dict) -> float:
+    """||got - want|| / ||want - start|| over every parameter."""
+    assert got.keys() == want.keys()
+    num = sum(float((got[k] - want[k]).norm() ** 2) for k in want) ** 0.5
+    den = sum(float((want[k] - start[k]).norm() ** 2) for k in want) ** 0.5
+    assert den > 0  # the run moved the weights: the comparison means something
+    return num / den
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(script.CASES))
+def test_zero_stages_on_uneven_ranks_equal_one_process(launched: Path, name: str) -> None:
+    """ZeRO-1 on [1, 3] with clipping and the short last step; ZeRO-2 with an empty rank,
+    accum=2 and the default AdamW; ZeRO-3 on a tiny GPT-2 with padding, -100 labels and
+    counted tokens; ZeRO-3 with momentum."""
+    want, start = _reference(script.CASES[name])
+    for rank in (0, 1):
+        got = torch.load(launched / name / f"rank{rank}.pt")
+        assert _error(got, want, start) < TOL, (name, rank)
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_zero3_run_equals_the_straight_run(launched: Path) -> None:
+    """Saved at step 2 (DeepSpeed's files in ckpt.ds), resumed by a new Trainer to step 4."""
+    want, start = _reference(script.CASES["z3_straight"])
+    notes = (launched / script.RESUMED / "notes.txt").read_text()
+    assert "at step 2" in notes
+    for rank in (0, 1):
+        got = torch.load(launched / script.RESUMED / f"rank{rank}.pt")
+        straight = torch.load(launched / "z3_straight" / f"rank{rank}.pt")
+        assert _error(got, want, start) < TOL, rank
+        assert _error(got, straight, start) < TOL, rank
+    ckpt = launched / "resume_run" / "ckpt.ds"
+    assert {p.name for p in ckpt.glob("step*")} == {"step2", "step4"}  # the last two kept
+
+
+@pytest.mark.multiprocess
+def test_evendp_train_mode_deepspeed_runs(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    command = [sys.executable, "-m", "evendp", "train", "--mode", "deepspeed", "--devices",
+               "cpu,cpu", "--strategy-config", str(config), "--steps", "3", "--batch", "4",
+               "--n-layer", "1", "--n-embd", "16", "--block-size", "16", "--max-chars", "10000",
+               "--no-progress", "--out", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["mode"] == "deepspeed" and report["steps"] == 3
+    assert (tmp_path / "run" / "ckpt.ds" / "state.pt").is_file()
+
+
+# -- no launch ---------------------------------------------------------------------------------
+
+
+def test_the_registry_names_deepspeed_without_importing_it() -> None:
+    code = (
+        "import sys; from evendp._training._strategies import rank_strategy_names; "
+        "import evendp; evendp.TrainConfig(strategy='deepspeed'); "
+        "print('deepspeed' in rank_strategy_names(), 'deepspeed' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True)
+    assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
+
+
+def _config(**settings: Any) -> Any:
+    from evendp._training._strategies._deepspeed import deepspeed_config
+
+    return deepspeed_config(evendp.TrainConfig(strategy="deepspeed", **settings), [0, 5])
+
+
+def test_the_config_is_filled_in_from_the_run(tmp_path: Path) -> None:
+    ds = _config(grad_clip=None, amp="bf16")
+    assert ds["zero_optimization"] == {"stage": 2}  # the default
+    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (3, 6)
+    assert ds["gradient_accumulation_steps"] == 1 and ds["gradient_clipping"] == 0.0
+    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": 2.0}))
+    ds = _config(strategy_config=str(path))
+    assert ds["zero_optimization"] == {"stage": 3} and ds["gradient_clipping"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("given", "amp", "said"),
+    [
+        ({"train_batch_size": 8}, "none", "sets train_batch_size=8, which evendp sets"),
+        ({"gradient_accumulation_steps": 4}, "none", "gradient_accumulation_steps=4"),
+        ({"bf16": {"enabled": True}}, "none", "enables bf16, but amp='none'"),
+        ({"fp16": {"enabled": False}}, "fp16", "disables fp16, but amp='fp16'"),
+        ({"zero_optimization": {"stage": 4}}, "none", "stage must be 0, 1, 2 or 3, got 4"),
+        ({"checkpoint": {"load_universal": True}}, "none", "checkpoint.load_universal"),
+    ],
+)
+def test_a_contradicting_config_is_refused_in_one_line(given: dict, amp: str, said: str) -> None:
+    with pytest.raises(EvendpError, match="strategy='deepspeed'") as caught:
+        _config(strategy_config=given, amp=amp)
+    assert said in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_config_file_that_is_not_a_json_object_is_refused(tmp_path: Path) -> None:
+    for text, said in (("{nope", "is not JSON"), ("[1, 2]", "holds a list, not a JSON object")):
+        path = tmp_path / "ds.json"
+        path.write_text(text)
+        with pytest.raises(EvendpError, match=said):
+            _config(strategy_config=str(path))
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("echo pwned",))
+
+
+def test_deepspeed_files_are_read_as_data_never_code(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    from evendp._training._checkpoint import CorruptCheckpoint
+    from evendp._training._strategies._deepspeed import safe_load
+
+    good = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "global_steps": 3}, good)
+    assert safe_load(good)["global_steps"] == 3
+    evil = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _Boom()}, evil)
+    with pytest.raises(CorruptCheckpoint, match="not plain data"):
+        safe_load(evil)
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("a/data.pkl", pickle.dumps({}))
+        z.writestr("a/data/0", bytes(1_000_000))
+    with pytest.raises(CorruptCheckpoint, match="compressed"):
+        safe_load(bomb)
