@@ -33,9 +33,9 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,17 +44,15 @@ from ..._core._errors import CheckpointError, EvendpError
 from ..._core._validate import shown
 from ..._distributed._rank_errors import agreed
 from ..._distributed._sampler import UnevenBatchSampler
-from .._checkpoint import CorruptCheckpoint
+from .._checkpoint import CorruptCheckpoint, previous_path
+from .._checkpointer import CheckpointFormat, Verify, WholeFile
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer
 from .._safe_read import Refused, check_archive
 from ._base import Costs
 from ._ranks import RankStrategy
 
-if TYPE_CHECKING:
-    from .._train_state import TrainState
-
-__all__ = ["DeepSpeed", "build", "deepspeed_config"]
+__all__ = ["DeepSpeed", "DeepSpeedFiles", "build", "deepspeed_config"]
 
 #: Settings evendp fills in from the run (the user may leave them out or say "auto").
 _OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -234,7 +232,6 @@ class DeepSpeed(RankStrategy):
     """
 
     name = "deepspeed"
-    checkpoint_name = "ckpt.ds"
 
     def __init__(self, model: nn.Module, config: Any) -> None:
         super().__init__(model)
@@ -244,7 +241,7 @@ class DeepSpeed(RankStrategy):
         self._batch_sizes: list[int] = []
         self._gate = NonFiniteGate(config.max_nonfinite_steps)
         self._gated = config.max_nonfinite_steps > 0
-        self._kept: list[int] = []  # the steps whose DeepSpeed folders are kept (last two)
+        self._format = DeepSpeedFiles(self)
         self.engine: Any = None
 
     # -- setup -------------------------------------------------------------------------------
@@ -354,30 +351,63 @@ class DeepSpeed(RankStrategy):
     def settle(self) -> None:
         self._gate.check()
 
-    # -- checkpoints -------------------------------------------------------------------------
+    @property
+    def nonfinite_gate(self) -> NonFiniteGate:
+        return self._gate
 
-    def save(self, state: TrainState, path: Path, objects: dict[str, Any]) -> Path | None:
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:  # type: ignore[override]
+        """DeepSpeed's files of each step beside evendp's ``state.pt``
+        (:class:`DeepSpeedFiles`)."""
+        return self._format
+
+
+class DeepSpeedFiles(CheckpointFormat):
+    """``OUT/ckpt.ds``: DeepSpeed's files of a step in ``step<N>/`` (every rank its
+    partitions; the last two steps kept) beside evendp's ``state.pt`` (the run's position and
+    plain-data parts, rank 0; its previous copy ``state.prev.pt``) and ``state.rng<R>.pt``. The
+    weights, optimizer and schedule live in DeepSpeed's files only. A collective."""
+
+    name = "ckpt.ds"
+    collective = True
+
+    def __init__(self, strategy: DeepSpeed) -> None:
+        self._strategy = strategy
+        self._kept: list[int] = []  # the steps whose DeepSpeed folders are kept (last two)
+
+    def save(
+        self,
+        path: Path,
+        parts: Mapping[str, Any],
+        *,
+        rank: int,
+        step: int,
+        extra: dict[str, Any],
+        keep_previous: bool,
+    ) -> Path | None:
         """DeepSpeed's files of this step (every rank its partitions), then evendp's state."""
-        tag = f"step{state.step}"
-        self.engine.save_checkpoint(str(path), tag=tag, client_state={}, save_latest=False)
-        state.save(path / _STATE, rank=self.rank, **self._state_objects(objects))
-        self._kept = [*self._kept[-1:], state.step]
-        agreed(lambda: self._drop_stale(path), distributed=True)
+        engine = self._strategy.engine
+        engine.save_checkpoint(str(path), tag=f"step{step}", client_state={}, save_latest=False)
+        WholeFile().save(
+            path / _STATE, _position(parts), rank=rank, step=step, extra=extra,
+            keep_previous=keep_previous,
+        )  # fmt: skip
+        self._kept = [*self._kept[-1:], step]
+        agreed(lambda: self._drop_stale(path, rank), distributed=True)
         return path
 
-    def resume(
-        self, state: TrainState, path: Path, objects: dict[str, Any], *, reseed: int
-    ) -> bool:
-        """evendp's state (the latest good ``state.pt``), then DeepSpeed's files of its step,
-        each checked as data first."""
-        objects = self._state_objects(objects)
-        if not state.resume(path / _STATE, rank=self.rank, reseed=reseed, **objects):
-            return False
-        folder = path / f"step{state.step}"
-        agreed(lambda: self._verify(folder), distributed=True)
-        with _reading_safely(self.engine):
+    def load(
+        self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
+    ) -> dict[str, Any]:
+        """evendp's state (``state.pt``, else its previous copy), then DeepSpeed's files of
+        its step, each checked as data first."""
+        info = self._load_position(path, parts, rank, verify)
+        folder = path / f"step{info['step']}"
+        agreed(lambda: _verify(folder), distributed=True)
+        engine = self._strategy.engine
+        with _reading_safely(engine):
             try:
-                loaded, _ = self.engine.load_checkpoint(str(path), tag=folder.name)
+                loaded, _ = engine.load_checkpoint(str(path), tag=folder.name)
             except (RuntimeError, KeyError, ValueError) as exc:  # DeepSpeed's own mismatches
                 said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
                 raise CheckpointError(
@@ -387,37 +417,52 @@ class DeepSpeed(RankStrategy):
                 ) from None
         if loaded is None:
             raise CorruptCheckpoint(f"DeepSpeed checkpoint {str(folder)!r} is missing its files")
-        self._kept = [state.step]
-        return True
+        self._kept = [info["step"]]
+        return info
 
     @staticmethod
-    def _state_objects(objects: dict[str, Any]) -> dict[str, Any]:
-        # The weights, optimizer and schedule are in DeepSpeed's files: evendp's state file
-        # keeps the run's position (and each rank's generators) around an empty model.
-        return {
-            "model": nn.Module(), "optimizer": None, "scaler": None, "scheduler": None,
-            "guard": objects["guard"],
-        }  # fmt: skip
+    def _load_position(
+        path: Path, parts: Mapping[str, Any], rank: int, verify: Verify
+    ) -> dict[str, Any]:
+        """``state.pt``, or its previous copy when it is corrupt (each DeepSpeed folder it
+        names is kept)."""
+        latest = path / _STATE
+        candidates = [p for p in (latest, previous_path(latest)) if p.exists()]
+        if not candidates:
+            raise CorruptCheckpoint(f"checkpoint {str(path)!r} has no {_STATE}")
+        for found in candidates:
+            try:
+                return WholeFile().load(found, _position(parts), rank=rank, verify=verify)
+            except CorruptCheckpoint:
+                if found == candidates[-1]:
+                    raise
+        raise AssertionError("unreachable")  # the loop returns or raises
 
-    @staticmethod
-    def _verify(folder: Path) -> None:
-        """Every file of a step's DeepSpeed folder loads as data (before DeepSpeed reads one)."""
-        files = sorted(folder.glob("*.pt")) if folder.is_dir() else []
-        if not files:
-            raise CorruptCheckpoint(
-                f"DeepSpeed checkpoint {str(folder)!r} is missing; start fresh with another --out"
-            )
-        for file in files:
-            safe_load(file, map_location="cpu")
-
-    def _drop_stale(self, path: Path) -> None:
+    def _drop_stale(self, path: Path, rank: int) -> None:
         """Rank 0 removes the step folders no kept ``state.pt`` names (after every rank wrote)."""
-        if self.rank != 0:
+        if rank != 0:
             return
         for folder in path.iterdir():
             match = _TAG.fullmatch(folder.name)
             if match and folder.is_dir() and int(match[1]) not in self._kept:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _position(parts: Mapping[str, Any]) -> dict[str, Any]:
+    # The weights, optimizer and schedule are in DeepSpeed's files: evendp's state file keeps
+    # the run's position (and each rank's generators) around an empty model.
+    return {"model": nn.Module(), "rng": parts.get("rng")}
+
+
+def _verify(folder: Path) -> None:
+    """Every file of a step's DeepSpeed folder loads as data (before DeepSpeed reads one)."""
+    files = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+    if not files:
+        raise CorruptCheckpoint(
+            f"DeepSpeed checkpoint {str(folder)!r} is missing; start fresh with another --out"
+        )
+    for file in files:
+        safe_load(file, map_location="cpu")
 
 
 def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> DeepSpeed:
