@@ -148,7 +148,28 @@ def run(name: str, out: Path, case: dict[str, Any], **extra: Any) -> evendp.Trai
     return t
 
 
+#: The host-read cases: name -> TrainConfig settings (ZeRO-2, the default AdamW).
+HOST_READS = {"deepspeed": {}, "deepspeed, no clipping": {"grad_clip": None}}
+
+
+def host_reads(out: Path) -> None:
+    """The host-read count of test_host_reads.py on this launch's ranks: steady DeepSpeed
+    steps, windows between log steps."""
+    from tests.training import test_host_reads as reads
+
+    for name, settings in HOST_READS.items():
+        config = reads._config(
+            batch_sizes=reads.SIZES, strategy="deepspeed",
+            strategy_config={"zero_optimization": {"stage": 2}}, **settings,
+        )  # fmt: skip
+        trainer = evendp.Trainer(reads._gpt(), reads._samples(), config, loss_fn=reads._gpt_loss)
+        summary = reads._summary(reads._fit_counting(trainer))
+        (out / "host_reads" / name).mkdir(parents=True, exist_ok=True)
+        torch.save(summary, out / "host_reads" / name / f"rank{dist.get_rank()}.pt")
+
+
 def main(out: Path) -> None:
+    host_reads(out)
     for name, case in CASES.items():
         run(name, out, case)
     case, ckpt = CASES["z3_straight"], out / "resume_run"

@@ -78,6 +78,19 @@ def test_zero_stages_on_uneven_ranks_equal_one_process(launched: Path, name: str
 
 
 @pytest.mark.multiprocess
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(script.HOST_READS))
+def test_a_steady_deepspeed_step_reads_the_host_no_more_than_allowed(
+    launched: Path, case: str
+) -> None:
+    from tests.training.test_host_reads import HostRead, _check
+
+    for rank in range(2):
+        summary = torch.load(launched / "host_reads" / case / f"rank{rank}.pt")
+        windows = {k: [HostRead(*r) for r in reads] for k, reads in summary.items()}
+        _check(case, windows, rank=rank)
+
+
 def test_a_resumed_zero3_run_equals_the_straight_run(launched: Path) -> None:
     """Saved at step 2 (DeepSpeed's files in ckpt.ds), resumed by a new Trainer to step 4."""
     want, start = _reference(script.CASES["z3_straight"])
