@@ -48,3 +48,19 @@ def test_one_process_is_dp_whatever_the_config_names() -> None:
     strategy = pick_strategy(model, TrainConfig(strategy="fsdp2"), ["cpu"], None)
     assert isinstance(strategy, BalancedDP) and strategy.name == "dp"
     assert next(model.parameters()).device == torch.device("cpu")
+
+
+def test_each_entrys_checkpoint_name_is_its_strategys_format() -> None:
+    """The command line checks ``OUT/<checkpoint_name>`` before any strategy is built: the
+    registry's name must be the one the strategy's format writes."""
+    from evendp._training._strategies._ddp import DDP
+    from evendp._training._strategies._deepspeed import DeepSpeedFiles
+    from evendp._training._strategies._fsdp2 import FSDP2
+
+    formats = {
+        "dp": BalancedDP.checkpoint_format.name,
+        "ddp": DDP.checkpoint_format.name,
+        "fsdp2": FSDP2.checkpoint_format.name,
+        "deepspeed": DeepSpeedFiles.name,
+    }
+    assert {n: e.checkpoint_name for n, e in STRATEGIES.items()} == formats
