@@ -16,7 +16,8 @@ step of its own and never borrows micro-batches of the next epoch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from .._core._validate import validate_callable
 from ._group import global_count, world_size
 from ._step_mean import count_rows
 
-__all__ = ["EngineMean"]
+__all__ = ["EngineMean", "config_micro_batch"]
 
 
 class EngineMean:
@@ -133,3 +134,16 @@ class EngineMean:
             dtype=local_sum.dtype,
         )
         return local_sum * scale.to(local_sum.device)  # type: ignore[union-attr]
+
+
+def config_micro_batch(batch_sizes: Sequence[int]) -> int:
+    """The ``train_micro_batch_size_per_gpu`` to give DeepSpeed for per-rank ``batch_sizes``.
+
+    DeepSpeed takes one micro-batch size for every rank and checks ``train_batch_size ==
+    micro * accumulation * world``; it uses them for its throughput log and sample
+    counter, never for the gradient. The mean per rank, rounded up, keeps that log close.
+
+    >>> config_micro_batch([1, 3]), config_micro_batch([0, 5])
+    (2, 3)
+    """
+    return max(1, math.ceil(sum(batch_sizes) / max(1, len(batch_sizes))))

@@ -23,24 +23,12 @@ Importing this module imports no DeepSpeed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
+from .._distributed._engine_mean import config_micro_batch
+
 __all__ = ["config_micro_batch", "fill_auto_micro_batch"]
-
-
-def config_micro_batch(batch_sizes: Sequence[int]) -> int:
-    """The ``train_micro_batch_size_per_gpu`` to give DeepSpeed for per-rank ``batch_sizes``.
-
-    DeepSpeed takes one micro-batch size for every rank and checks ``train_batch_size ==
-    micro * accumulation * world``; it uses them for its throughput log and sample
-    counter, never for the gradient. The mean per rank, rounded up, keeps that log close.
-
-    >>> config_micro_batch([1, 3]), config_micro_batch([0, 5])
-    (2, 3)
-    """
-    return max(1, math.ceil(sum(batch_sizes) / max(1, len(batch_sizes))))
 
 
 def fill_auto_micro_batch(accelerator: Any, batch_sizes: Sequence[int]) -> None:

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..._core._errors import CheckpointError, EvendpError
 from ..._core._validate import shown
+from ..._distributed._engine_mean import config_micro_batch
 from ..._distributed._rank_errors import agreed
 from ..._distributed._sampler import UnevenBatchSampler
 from .._checkpoint import CorruptCheckpoint, previous_path
@@ -164,7 +165,7 @@ def deepspeed_config(config: Any, batch_sizes: Sequence[int] | None = None) -> d
         world = max(1, len(batch_sizes))
         # DeepSpeed checks train_batch_size == micro * accumulation * world; the figures feed
         # only its throughput log and sample counter.
-        micro = max(1, math.ceil(sum(batch_sizes) / world))
+        micro = config_micro_batch(batch_sizes)
         ds.update(
             train_micro_batch_size_per_gpu=micro,
             gradient_accumulation_steps=1,
