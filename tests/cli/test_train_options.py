@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from evendp._training._strategies import STRATEGIES
 from evendp.cli import build_parser, main
 from evendp.cli._train_args import OPTIONS_ENV, options_from_env, validate_args
 from evendp.cli._train_ddp import plan_ranks
@@ -178,3 +179,16 @@ def test_a_rank_takes_its_batch_plan_from_the_one_channel(monkeypatch: pytest.Mo
     monkeypatch.setenv(OPTIONS_ENV, "{}")  # planned by evendp train for its --batch: held to it
     with pytest.raises(EvendpError, match=r"--batch 32 .* contradicts EVENDP_BATCH_SIZES=3,5 "):
         _rank_plan(argparse.Namespace(batch=32), 2)
+
+
+@pytest.mark.parametrize("mode", [n for n, e in STRATEGIES.items() if not e.plans_memory])
+def test_memory_is_refused_for_a_mode_the_planner_cannot_model(
+    mode: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "settings.json"
+    config.write_text("{}")
+    extra = ["--strategy-config", str(config)] if STRATEGIES[mode].takes_config else []
+    argv = ["train", "--mode", mode, *BASE, "--memory", "48MiB,24MiB", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no memory model of sharded ranks" in err, err

@@ -280,11 +280,11 @@ def _validate_pairs(args: argparse.Namespace) -> None:
 
 def _validate_rank_options(args: argparse.Namespace) -> None:
     """Options that mean nothing, or two things, with one process per device."""
-    if args.mode == "fsdp2" and args.memory is not None:
+    if args.memory is not None and not STRATEGIES[args.mode].plans_memory:
         raise EvendpError(
             f"--memory {shown(args.memory)} plans DDP ranks' batch sizes, but the planner has no "
-            "memory model of FSDP2's sharded ranks; use --mode ddp, or --weights to fix "
-            "each rank's share"
+            f"memory model of sharded ranks (FSDP2, DeepSpeed ZeRO: --mode {args.mode}); use "
+            "--mode ddp, or --weights to fix each rank's share"
         )
     if args.mode == "ddp" and args.memory is not None and args.weights is not None:
         raise EvendpError(

@@ -33,6 +33,7 @@ class StrategyEntry:
     ranks: bool = True  # one process per device under torchrun
     checkpoint_name: str = "ckpt.pt"  # in out_dir
     takes_config: bool = False  # reads TrainConfig.strategy_config
+    plans_memory: bool = False  # evendp train --memory: the planner models its memory
 
     def build(
         self, model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
@@ -51,6 +52,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "build",
             "one process, BalancedDataParallel over its devices",
             ranks=False,
+            plans_memory=True,
         ),
         StrategyEntry(
             "ddp",
@@ -58,6 +60,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "build",
             "one process per device; oom_resplit=True (the default): "
             "OOM-safe local backward, then a bucketed all-reduce; False: torch's DDP",
+            plans_memory=True,
         ),
         StrategyEntry(
             "fsdp2",
