@@ -28,8 +28,19 @@ lint: $(VENV)/.installed
 types: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
-unit: $(VENV)/.installed
-	$(PY) -m pytest -q
+# DeepSpeed on CPU builds a comm op on first use; the suite builds it once, here, into a folder
+# of its own (a build killed midway in ~/.cache leaves a lock that makes later builds wait).
+# tests/conftest.py points TORCH_EXTENSIONS_DIR at the same folder for a plain `pytest`.
+EXTENSIONS := build/torch_extensions
+$(EXTENSIONS)/.built: $(VENV)/.installed
+	TORCH_EXTENSIONS_DIR=$(abspath $(EXTENSIONS)) $(PY) -m tests._extensions
+	touch $@
+
+# Two pytest workers on the machine's 2 cores: a module's tests stay on one worker (conftest.py);
+# PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
+unit: $(VENV)/.installed $(EXTENSIONS)/.built
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The API reference and the topic pages as a site in build/site (git-ignored): --strict fails
 # on a broken link or anchor, a missing object or a docstring griffe cannot read.

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from evendp._planning._launch import _free_port
+from tests._pool import RANKS
 
 
 def free_port() -> int:
@@ -40,20 +40,13 @@ class OomInBackward(torch.autograd.Function):
 def run_ranks(
     worker: Callable[..., None], nprocs: int, out: Path, timeout_s: int, what: str
 ) -> list[Any]:
-    """Spawn ``worker(rank, port, out)`` on ``nprocs`` processes and load each ``rankR.pt``.
+    """Run ``worker(rank, port, out)`` on ``nprocs`` ranks of the shared pool
+    (:mod:`tests._pool`) and load each ``rankR.pt``.
 
-    A rank that hangs fails the test after ``timeout_s`` instead of blocking the suite.
+    A rank that fails or hangs fails the test (after ``timeout_s``, with its stacks) instead of
+    blocking the suite.
     """
-    ctx = mp.start_processes(
-        worker, args=(free_port(), str(out)), nprocs=nprocs, start_method="spawn", join=False
-    )
-    for _ in range(timeout_s):
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail(f"{what} did not finish within {timeout_s} s (a rank hung)")
+    RANKS.run(worker, nprocs, (free_port(), str(out)), timeout_s, what)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 

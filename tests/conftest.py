@@ -9,6 +9,13 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
+from tests._extensions import EXTENSIONS_DIR
+from tests._pool import close_pool
+
+# DeepSpeed compiles its CPU comm op into a folder of the suite's own (built ahead by make test),
+# inherited by every rank and launch the tests start.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+
 # Shared 2-core machines make wall-clock deadlines flaky; correctness is what is tested.
 # "dev" explores new examples on every run; CI (CI=true) replays a fixed seed so a landing is
 # decided by the code, not by the draw; "thorough" (HYPOTHESIS_PROFILE=thorough) searches hard.
@@ -46,3 +53,11 @@ def clean_process_state() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_pool() -> Iterator[None]:
+    """The shared rank pool (tests._pool) is stopped at the end of the run, so its ranks exit
+    normally (and save their coverage data)."""
+    yield
+    close_pool()

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -28,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from evendp._distributed._group import ddp_loss, finish_distributed, global_count, global_mean
 from evendp._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
 from tests._helpers import free_port
+from tests._pool import RANKS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -285,7 +285,7 @@ def _worker(rank: int, port: int, cases: dict[str, Any], out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("ddp_gloo")
-    mp.spawn(_worker, args=(free_port(), _cases(), str(out)), nprocs=WORLD, join=True)
+    RANKS.run(_worker, WORLD, (free_port(), _cases(), str(out)), 300, "gloo exactness ranks")
     yield [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

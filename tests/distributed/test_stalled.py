@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,13 @@ def _state(proc: subprocess.Popen[bytes]) -> str:
     return Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0]
 
 
+def _until_state(proc: subprocess.Popen[bytes], state: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _state(proc) != state:
+        assert time.monotonic() < deadline, f"pid {proc.pid} never reached state {state}"
+        time.sleep(0.01)
+
+
 @linux_only
 def test_the_watch_names_the_silent_rank_and_ends_it_even_when_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -46,6 +54,9 @@ def test_the_watch_names_the_silent_rank_and_ends_it_even_when_stopped(
     procs = [torchrun, answering, silent]
     try:
         os.kill(silent.pid, signal.SIGSTOP)  # the issue's `kill -STOP`: SIGTERM waits
+        # Stopped only once the kernel delivered it: a SIGTERM sent before (a loaded machine)
+        # would be delivered first, as the lower signal number, and end it.
+        _until_state(silent, "T")
         watch = stalled.StallWatch(tmp_path)
         workers = [answering.pid, silent.pid]
         watch.poll(torchrun.pid, workers)

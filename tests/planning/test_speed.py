@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +20,7 @@ from evendp._distributed._group import ddp_loss, finish_distributed
 from evendp._distributed._sampler import UnevenBatchSampler
 from evendp._planning._speed import SpeedBalancer, balance_sizes
 from tests._helpers import free_port
+from tests._pool import RANKS
 
 # --------------------------------------------------------------------------------------------
 # balance_sizes
@@ -266,7 +266,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("speed") / "result.json"
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    RANKS.run(_worker, 2, (free_port(), str(out)), 300, "speed-balance ranks")
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
