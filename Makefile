@@ -40,7 +40,7 @@ $(EXTENSIONS)/.built: $(VENV)/.installed
 # PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= 2
 unit: $(VENV)/.installed $(EXTENSIONS)/.built
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # The API reference and the topic pages as a site in build/site (git-ignored): --strict fails
 # on a broken link or anchor, a missing object or a docstring griffe cannot read.

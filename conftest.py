@@ -64,7 +64,8 @@ def _deepspeed_imported_before_integration_doctests(request: Any) -> Iterator[No
     yield
 
 
-# --- scheduling under pytest-xdist (make test runs `-n 2 --dist loadgroup`) -----------------
+# --- scheduling under pytest-xdist (make test runs `-n 2 --dist loadfile`: a module's tests on
+# one worker, so its module-scoped launch or pool task runs once) -----------------------------
 # The modules that run longest (launches, pool tasks), longest first: handed out first, they
 # do not end the run alone on one worker. The order only balances the two workers; a module
 # missing here runs later, never wrongly.
@@ -75,6 +76,7 @@ SLOW_FIRST = (
     "tests/integrations/test_trl.py",
     "tests/training/test_strategy_deepspeed.py",
     "tests/integrations/test_lightning.py",
+    "tests/integrations/test_ports.py",
     "tests/planning/test_memory.py",
     "tests/training/test_faults.py",
     "tests/integrations/test_transformers.py",
@@ -82,27 +84,13 @@ SLOW_FIRST = (
     "tests/cli/test_train_options.py",
     "tests/test_gpu_session.py",
 )
-# Modules that share one session-scoped launch (tests/integrations/conftest.py) run together.
-SHARED_LAUNCH = {"tests/integrations/test_lightning.py", "tests/integrations/test_ports.py"}
 
 
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test of a module in one xdist group (its module-scoped launch or pool task runs
-    once), and the slow modules first."""
-    for item in items:
-        module = _module(item)
-        group = "integrations-launch" if module in SHARED_LAUNCH else module
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The slow modules first."""
 
     def rank(item: pytest.Item) -> int:
-        module = _module(item)
-        if module in SHARED_LAUNCH:
-            module = "tests/integrations/test_lightning.py"
+        module = item.nodeid.split("::", 1)[0]
         return SLOW_FIRST.index(module) if module in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=rank)  # stable: the order within a module is kept

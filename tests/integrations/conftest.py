@@ -1,4 +1,5 @@
-"""The launch shared by test_lightning.py and test_ports.py: one torchrun start, not two."""
+"""The launch shared by test_lightning.py and test_ports.py: one torchrun start, not two (one per
+pytest run, even when the two modules run on different xdist workers)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests._once import once_per_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +24,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """OUT_DIR of ``evendp launch --nproc 2 --batch-sizes 1,3 _launched.py OUT_DIR``."""
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("launched")
+    with once_per_run(tmp_path_factory, "launched") as (out, done):
+        if not done:
+            _launch(out)
+    return out
+
+
+def _launch(out: Path) -> None:
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "1,3"]
@@ -33,7 +42,6 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
         command, env=env, capture_output=True, text=True, timeout=HANG_S + 120, preexec_fn=_one_core
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return out
 
 
 def _one_core() -> None:
