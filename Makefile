@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The tested CPU build of torch; pyproject.toml declares only the range torch>=2.11.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint types unit docs clean
+.PHONY: demo test lint types unit docs coverage clean
 
 # The dev extras (transformers, accelerate, lightning) install with torch pinned as a
 # constraint, so no dependency can pull in another, multi-GB CUDA build of torch.
@@ -41,6 +41,10 @@ $(EXTENSIONS)/.built: $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 unit: $(VENV)/.installed $(EXTENSIONS)/.built
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+
+# The suite with line coverage of src/ (pyproject.toml's [tool.coverage.run]).
+coverage: $(VENV)/.installed $(EXTENSIONS)/.built
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --cov --cov-report=term
 
 # The API reference and the topic pages as a site in build/site (git-ignored): --strict fails
 # on a broken link or anchor, a missing object or a docstring griffe cannot read.

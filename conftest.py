@@ -14,6 +14,8 @@ import pytest
 from tests._markdown import markdown_sybil
 
 collect_ignore = ["src/evendp/__main__.py"]
+# tests/test_suite_tiers.py runs a hung test in a pytest of its own.
+pytest_plugins = ["pytester"]
 _INTEGRATIONS = "src/evendp/integrations"
 
 # Every code block of README.md and docs/*.md runs (or is checked) as a test: tests/_markdown.py.

@@ -42,6 +42,8 @@ _CTX = mp.get_context("spawn")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
 # After one rank failed, how long the others get to report before the pool is taken down.
 _GRACE_S = 10.0
+# How long a new rank may take to start and import torch (a loaded 2-core machine).
+_START_S = 180.0
 _LOG_TAIL = 4000
 
 
@@ -78,6 +80,7 @@ def _serve(conn: Connection, log: str) -> None:
     os.dup2(stream.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)  # stacks on demand
     torch.set_num_threads(1)  # 2 cores shared by every rank
+    conn.send(("ready", None))  # started and imported: a task's time counts from here
     while True:
         try:
             task = conn.recv()
@@ -94,6 +97,13 @@ def _serve(conn: Connection, log: str) -> None:
             conn.send(("error", traceback.format_exc()))
         else:
             conn.send(("ok", None))
+
+
+def _said_ready(conn: Connection) -> bool:
+    try:
+        return conn.poll(_START_S) and conn.recv()[0] == "ready"
+    except (EOFError, OSError):  # died while starting
+        return False
 
 
 class _Rank:
@@ -116,7 +126,8 @@ class _Rank:
 class RankPool:
     """Rank processes started once and reused by every multi-rank test body."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = _GRACE_S) -> None:
+        self.grace_s = grace_s  # after one rank failed, how long the others get to report
         self._ranks: list[_Rank] = []
         self._folder: Path | None = None
         self.started = 0  # processes started over the pool's life (a test checks reuse)
@@ -162,9 +173,14 @@ class RankPool:
             if not member.process.is_alive():  # a rank that died between tasks: start afresh
                 self.close(force=True)
                 break
-        while len(self._ranks) < nprocs:
-            self._ranks.append(_Rank(len(self._ranks), self._folder))
-            self.started += 1
+        new = [_Rank(i, self._folder) for i in range(len(self._ranks), nprocs)]
+        self._ranks += new
+        self.started += len(new)
+        for member in new:  # started together, waited for together
+            if not _said_ready(member.conn):
+                tail = member.log_tail()
+                self.close(force=True)
+                raise RuntimeError(f"a pool rank did not start in {_START_S:.0f} s:\n{tail}")
         return self._ranks[:nprocs]
 
     def _collect(self, ranks: list[_Rank], timeout_s: float) -> str | None:
@@ -186,7 +202,7 @@ class RankPool:
                     del waiting[rank]
                     errors[rank] = "the process died:\n" + member.log_tail()
             if errors:  # the others may wait on the failed rank in a collective
-                deadline = min(deadline, time.monotonic() + _GRACE_S)
+                deadline = min(deadline, time.monotonic() + self.grace_s)
         if errors:
             return "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items()))
         if not waiting:
