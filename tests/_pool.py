@@ -145,9 +145,13 @@ class RankPool:
         import pytest
 
         ranks = self._ranks_for(nprocs)
-        for rank, member in enumerate(ranks):
-            member.conn.send((worker, rank, tuple(args)))
-        problem = self._collect(ranks, timeout_s)
+        try:
+            for rank, member in enumerate(ranks):
+                member.conn.send((worker, rank, tuple(args)))
+            problem = self._collect(ranks, timeout_s)
+        except BaseException:  # pytest-timeout or Ctrl-C mid-task: no rank is left busy
+            self.close(force=True)
+            raise
         if problem is not None:
             self.close(force=True)
             pytest.fail(f"{what}: {problem}", pytrace=False)
