@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -170,6 +170,12 @@ class RankPool:
             member.conn.close()
         self._ranks = []
 
+    def remove_logs(self) -> None:
+        """Remove the ranks' log folder (once they are stopped)."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
     def _ranks_for(self, nprocs: int) -> list[_Rank]:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="evendp-rank-pool-"))
@@ -224,6 +230,6 @@ RANKS = RankPool()
 
 
 def close_pool() -> None:
-    """End of the session: stop the ranks so they exit normally."""
+    """End of the session: stop the ranks so they exit normally, and remove their logs."""
     RANKS.close()
-    sys.stdout.flush()
+    RANKS.remove_logs()

@@ -21,6 +21,7 @@ def pool() -> Iterator[RankPool]:
     own = RankPool(grace_s=2.0)
     yield own
     own.close()
+    own.remove_logs()
 
 
 def _leave_traces(rank: int, out: str) -> None:
