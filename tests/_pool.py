@@ -8,9 +8,10 @@ of the pool, which grows to the largest ``nprocs`` asked for.
 
 Each task makes and destroys its own process group (a fresh port each time), and whatever a
 task changes in the process is put back when it ends: the environment, the working
-directory, signal handlers, warning filters, torch's thread count and default dtype, and any
-process group left open. A task that fails or hangs takes the pool down with it (the other
-ranks may be stuck in a collective); the next task starts a fresh one.
+directory, signal handlers, warning filters, torch's thread count and default dtype, any
+process group left open, and Accelerate's singleton state. A task that fails or hangs takes
+the pool down with it (the other ranks may be stuck in a collective); the next task starts a
+fresh one.
 
 Tests of a process's own life (teardown, stalls, exit codes, signals from outside) keep their
 own processes: the pool runs only bodies that return normally.
@@ -23,6 +24,7 @@ import faulthandler
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -63,6 +65,7 @@ def _process_state_restored() -> Iterator[None]:
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        _forget_framework_singletons()
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
@@ -71,6 +74,16 @@ def _process_state_restored() -> Iterator[None]:
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
         torch.use_deterministic_algorithms(deterministic)
+
+
+def _forget_framework_singletons() -> None:
+    """Accelerate (under the HF Trainer too) keeps its distributed state in class-level
+    singletons that outlive the process group a task destroyed: the next task's Accelerator
+    would believe the group started and never start one."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 def _serve(conn: Connection, log: str) -> None:

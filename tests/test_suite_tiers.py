@@ -43,6 +43,25 @@ def _fail_on_rank_1(rank: int, port: int) -> None:
     dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
 
 
+def _start_accelerate(rank: int, port: int, out: str) -> None:
+    """An Accelerator on a gloo pair (as the HF Trainer makes one), left as a test leaves it."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+    )  # fmt: skip
+    Accelerator(cpu=True)
+    Path(out, f"state{rank}").write_text(str(PartialState._shared_state != {}))
+
+
+def _accelerate_state(rank: int, out: str) -> None:
+    from accelerate.state import PartialState
+
+    Path(out, f"after{rank}").write_text(str(PartialState._shared_state != {}))
+
+
 def _hang(rank: int) -> None:
     time.sleep(3600)
 
@@ -63,6 +82,18 @@ def test_the_pool_reuses_its_ranks_and_puts_back_what_a_task_changed(
         after = eval((second / f"seen{rank}").read_text())
         assert after["pid"] == before["pid"]  # the same process ran both
         assert after["env"] is None and after["cwd"] == before["cwd"]  # put back
+
+
+@pytest.mark.multiprocess
+def test_the_next_task_finds_no_accelerate_state_of_the_last(
+    pool: RankPool, tmp_path: Path
+) -> None:
+    pytest.importorskip("accelerate")
+    pool.run(_start_accelerate, 2, (free_port(), str(tmp_path)), 120, "an Accelerator")
+    pool.run(_accelerate_state, 2, (str(tmp_path),), 60, "the next task")
+    for rank in range(2):
+        assert (tmp_path / f"state{rank}").read_text() == "True"  # the first task had one
+        assert (tmp_path / f"after{rank}").read_text() == "False"  # the next starts afresh
 
 
 @pytest.mark.multiprocess
