@@ -86,6 +86,15 @@ def _forget_framework_singletons() -> None:
         state.GradientState._reset_state()
 
 
+def _save_coverage() -> None:
+    """Under ``make coverage``: what this rank ran so far is saved after every task, so a pool
+    taken down by a failure (its ranks killed) keeps the coverage of its earlier tasks."""
+    coverage = sys.modules.get("coverage")
+    current = coverage.Coverage.current() if coverage is not None else None
+    if current is not None:
+        current.save()
+
+
 def _serve(conn: Connection, log: str) -> None:
     """A pool rank: run tasks until told to stop (``None``); answer each with its outcome."""
     stream = open(log, "a", buffering=1)  # noqa: SIM115 - the rank's stdout/stderr for life
@@ -107,8 +116,10 @@ def _serve(conn: Connection, log: str) -> None:
             with _process_state_restored():
                 fn(rank, *args)
         except BaseException:
+            _save_coverage()
             conn.send(("error", traceback.format_exc()))
         else:
+            _save_coverage()
             conn.send(("ok", None))
 
 
