@@ -53,16 +53,34 @@ def _until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     return False
 
 
-def _aim(out: Path, proc, target: str, phase: str, moment: float) -> int | None:  # type: ignore[no-untyped-def]
+def _catches(pid: int | None, signum: int) -> bool:
+    """Whether ``pid`` has a handler of its own for ``signum`` (``SigCgt`` in /proc)."""
+    if pid is None:
+        return False
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def _aim(  # type: ignore[no-untyped-def]
+    out: Path, proc, target: str, phase: str, moment: float, signum: int = signal.SIGINT
+) -> int | None:
     """Wait for the phase and the seeded moment in it; the target's pid (None: gone)."""
     if phase == "startup":  # torchrun and the ranks are starting
         # The launcher from the moment it has started torchrun (before, it is importing
         # torch and has no handler yet: a SIGTERM then ends it by the signal, nothing written);
-        # a rank from the moment it exists (it catches signals before importing torch).
+        # a rank from the moment it catches the signal (train.py's first lines, before torch):
+        # before that no Python code runs in it, and on a loaded machine that can last well
+        # past the moment it appears in /proc.
         def started() -> bool:
             if target == "launcher":
                 return bool(_children(proc.pid))
-            return len(_workers(out)) == 2
+            workers = _workers(out)
+            mine = workers.get(0 if target == "rank0" else 1)
+            return len(workers) == 2 and _catches(mine, signum)
 
         _until(started, 60)
         time.sleep(moment / 3)
@@ -102,7 +120,7 @@ def run_case(
 ) -> tuple[bool, str]:
     """One case: (passed, its line)."""
     proc = _start(out)
-    pid = _aim(out, proc, target, phase, moment)
+    pid = _aim(out, proc, target, phase, moment, signum)
     if pid is None:
         output, _ = proc.communicate(timeout=300)
         return True, f"the run ended before the signal (exit {proc.returncode}): not a case"

@@ -101,6 +101,9 @@ def _serve(conn: Connection, log: str) -> None:
     os.dup2(stream.fileno(), 1)
     os.dup2(stream.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)  # stacks on demand
+    # Python's own start: pytest run as a background job of a script inherits SIGINT ignored,
+    # and a task that checks the handlers it leaves behind expects the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)  # 2 cores shared by every rank
     conn.send(("ready", None))  # started and imported: a task's time counts from here
     while True:
