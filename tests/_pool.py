@@ -118,12 +118,11 @@ def _serve(conn: Connection, log: str) -> None:
             print(f"--- task {getattr(fn, '__qualname__', fn)} rank {rank}", flush=True)
             with _process_state_restored():
                 fn(rank, *args)
+            reply: tuple[str, str | None] = ("ok", None)
         except BaseException:
-            _save_coverage()
-            conn.send(("error", traceback.format_exc()))
-        else:
-            _save_coverage()
-            conn.send(("ok", None))
+            reply = ("error", traceback.format_exc())
+        _save_coverage()
+        conn.send(reply)
 
 
 def _said_ready(conn: Connection) -> bool:
