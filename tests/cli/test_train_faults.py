@@ -25,6 +25,10 @@ import torch
 from evendp.cli import main
 from evendp.cli._run_folder import MARKER
 
+# The shared fixture below is five launches (about 120 s on 2 idle cores, past 300 s under
+# heavy load): this module's tests get a longer limit than the suite's 300 s (pyproject.toml).
+pytestmark = pytest.mark.timeout(900)
+
 STEPS, EVERY = 300, 2  # long enough that no segment ends before its signal lands
 ARGS = [
     "--mode", "ddp", "--devices", "cpu,cpu", "--batch", "8", "--steps", str(STEPS),
