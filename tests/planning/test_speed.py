@@ -236,7 +236,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     sizes, errors = [], []
     for step, idx in enumerate(sampler):
         # Phase 1: rank 1 is 4x slower per sample. Phase 2: rank 0 becomes 3x slower than 1.
-        delay = [0.0005, 0.002] if step < SLOW_AT else [0.006, 0.002]
+        # Milliseconds per sample, well above what a loaded machine's scheduler adds to a step.
+        delay = [0.002, 0.008] if step < SLOW_AT else [0.024, 0.008]
         with balancer.measure(len(idx)):
             loss_sum = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx], reduction="sum")
             time.sleep(delay[rank] * len(idx))
