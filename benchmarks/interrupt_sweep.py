@@ -115,15 +115,15 @@ def _same_weights(out: Path, reference: Path) -> float:
     return worst
 
 
-def run_case(
-    out: Path, target: str, signum: int, phase: str, moment: float, reference: Path
-) -> tuple[bool, str]:
-    """One case: (passed, its line)."""
-    proc = _start(out)
+def interrupt(  # type: ignore[no-untyped-def]
+    out: Path, proc, target: str, signum: int, phase: str, moment: float
+) -> tuple[list[str], str, str]:
+    """Send ``signum`` to ``target`` of the started run ``proc`` at the moment; wait for every
+    process to end. The contract's breaches found (none: it held), what happened, the output."""
     pid = _aim(out, proc, target, phase, moment, signum)
     if pid is None:
         output, _ = proc.communicate(timeout=300)
-        return True, f"the run ended before the signal (exit {proc.returncode}): not a case"
+        return [], f"the run ended before the signal (exit {proc.returncode}): not a case", output
     sent = time.monotonic()
     os.kill(pid, signum)
     output, _ = proc.communicate(timeout=180)
@@ -159,6 +159,19 @@ def run_case(
         problems.append("a traceback: " + output[output.index("Traceback") :][:200])
     if out.exists() and _leftovers(out):
         problems.append(f"left behind {_leftovers(out)}")
+    how = (
+        "no step done, stopped"
+        if report is None
+        else ("interrupted" if report["interrupted"] else "finished")
+    )
+    return problems, f"{how} at step {saved}, all exited {took:.1f} s after it", output
+
+
+def run_case(
+    out: Path, target: str, signum: int, phase: str, moment: float, reference: Path
+) -> tuple[bool, str]:
+    """One case: a fresh run interrupted, then resumed to the end. (passed, its line)."""
+    problems, happened, _ = interrupt(out, _start(out), target, signum, phase, moment)
     resumed = _start(out, "--resume-or-start")
     resumed_out, _ = resumed.communicate(timeout=300)
     if resumed.returncode != 0:
@@ -168,12 +181,7 @@ def run_case(
         if worst > 1e-5:
             problems.append(f"weights differ (relative {worst:.1e})")
     status = "ok" if not problems else "FAIL: " + "; ".join(problems)
-    how = (
-        "no step done, stopped"
-        if report is None
-        else ("interrupted" if report["interrupted"] else "finished")
-    )
-    return not problems, f"{how} at step {saved}, all exited {took:.1f} s after it: {status}"
+    return not problems, f"{happened}: {status}"
 
 
 def main() -> int:

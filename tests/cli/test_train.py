@@ -151,23 +151,6 @@ def test_bad_input_exits_2_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
-DDP = ["--mode", "ddp", "--devices", "cpu,cpu", "--weights", "3,1", "--batch", "16",
-       "--no-progress", "--no-plan", *SMALL]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uneven ranks (3:1) under torchrun: 6 steps straight, and 3 steps then a resume to 6.
-    The 3-step run's report is kept as it was before the resume (``cut.json``)."""
-    base = tmp_path_factory.mktemp("ddp_runs")
-    runs = {"straight": base / "straight", "cut": base / "cut", "cut.json": base / "cut.json"}
-    assert main(["train", *DDP, "--steps", "6", "--out", str(runs["straight"])]) == 0
-    assert main(["train", *DDP, "--steps", "3", "--out", str(runs["cut"])]) == 0
-    runs["cut.json"].write_bytes((runs["cut"] / "report.json").read_bytes())
-    assert main(["train", *DDP, "--steps", "6", "--resume", "--out", str(runs["cut"])]) == 0
-    return runs
-
-
 def _assert_uneven_launch(report: dict[str, Any], mode: str) -> None:
     assert report["mode"] == mode and report["steps"] == 3
     assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]
@@ -183,23 +166,8 @@ def test_ddp_modes_launch_uneven_cpu_ranks_fsdp2(tmp_path: Path) -> None:
     _assert_uneven_launch(json.loads((tmp_path / "report.json").read_text()), "fsdp2")
 
 
-@pytest.mark.multiprocess
-def test_ddp_modes_launch_uneven_cpu_ranks_ddp(ddp_runs: dict[str, Path]) -> None:
-    # The ddp case is the resume test's 3-step run, read before its resume (one launch less).
-    _assert_uneven_launch(json.loads(ddp_runs["cut.json"].read_text()), "ddp")
-
-
-@pytest.mark.multiprocess
-def test_ddp_resume_continues_the_same_loss_curve(ddp_runs: dict[str, Path]) -> None:
-    straight = json.loads((ddp_runs["straight"] / "report.json").read_text())["losses"]
-    resumed = json.loads((ddp_runs["cut"] / "report.json").read_text())["losses"]
-    assert len(straight) == len(resumed) == 6
-    assert resumed == pytest.approx(straight, rel=1e-6, abs=0)
-    # The resumed run's report counts its own 3 steps, on the same two ranks.
-    report = json.loads((ddp_runs["cut"] / "report.json").read_text())
-    assert [d["samples_per_step"] for d in report["devices"]] == [12, 4]
-    assert report["global_batch"] == 16 and report["steps_run"] == 3
-    assert report["samples_per_s"] * report["elapsed_s"] == pytest.approx(3 * 16)
+# The ddp launch on uneven ranks and its resume: test_train_faults.py, whose chain of
+# launches runs the same uneven (3:1) split.
 
 
 def test_planner_split_favours_the_device_with_more_memory() -> None:
