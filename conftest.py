@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests._gc import freeze_survivors
 from tests._markdown import markdown_sybil
 
 collect_ignore = ["src/evendp/__main__.py"]
@@ -96,3 +97,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return SLOW_FIRST.index(module) if module in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=rank)  # stable: the order within a module is kept
+
+
+# --- the garbage collector: tests/_gc.py ---------------------------------------------------
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported lives to the end: out of every later collection."""
+    freeze_survivors()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """At the end of a module, once its fixtures are gone, what its tests imported (a
+    library, a model class) likewise."""
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        freeze_survivors()

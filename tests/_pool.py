@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from tests._gc import freeze_survivors
+
 __all__ = ["RANKS", "RankPool", "close_pool"]
 
 _CTX = mp.get_context("spawn")
@@ -105,6 +107,7 @@ def _serve(conn: Connection, log: str) -> None:
     # and a task that checks the handlers it leaves behind expects the default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)  # 2 cores shared by every rank
+    freeze_survivors()
     conn.send(("ready", None))  # started and imported: a task's time counts from here
     while True:
         try:
@@ -122,6 +125,7 @@ def _serve(conn: Connection, log: str) -> None:
         except BaseException:
             reply = ("error", traceback.format_exc())
         _save_coverage()
+        freeze_survivors()  # what the task imported, out of later collections (tests/_gc.py)
         conn.send(reply)
 
 
