@@ -8,6 +8,7 @@ report.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -229,6 +230,14 @@ def _restart_store() -> dict[str, Any]:
     }
 
 
+def _collect_from_here() -> None:
+    """What start-up built (the modules, the model, the data) lives for the whole run: out of
+    every later collection (the steps', finish_distributed's), and collection back on where
+    the rank's script paused it for start-up (train.py)."""
+    gc.freeze()
+    gc.enable()
+
+
 def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -266,6 +275,7 @@ def run_rank(args: argparse.Namespace) -> int:
         model, data, cfg, count_fn=CodeParagraphs.count_tokens, costs=data.lengths,
         counts=data.lengths, callbacks=None if logger is None else [logger[0]],
     )  # fmt: skip
+    _collect_from_here()
     report = trainer.fit()
     report.model = demo_model_name(args)
     report.devices = _with_budgets(report.devices, args.memory)
