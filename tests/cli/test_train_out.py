@@ -131,3 +131,19 @@ def test_an_out_at_a_dangling_link_is_refused_before_any_work(
     assert main(["train", *TINY, "--out", str(link)]) == 2
     assert "does not exist" in _one_line(capsys)
     assert not (tmp_path / "gone").exists()
+
+
+def test_a_run_replaces_report_links_planted_in_its_out(tmp_path: Path) -> None:
+    """Issue 34's reproduction: an --out with evendp's marker and links in place of the
+    reports (to another user's files): the run ends normally, those files are untouched."""
+    from evendp.cli._run_folder import MARKER
+    from tests.training.test_report import _plant_links
+
+    out, theirs = tmp_path / "R", tmp_path / "theirs"
+    out.mkdir(), theirs.mkdir()
+    (out / MARKER).write_text("{}")
+    targets = _plant_links(out, theirs)
+    assert main(["train", *TINY, "--out", str(out)]) == 0
+    assert [t.read_text() for t in targets] == ["theirs"] * 3
+    for name in ("report.json", "report.txt", "report.png"):
+        assert not (out / name).is_symlink() and (out / name).stat().st_nlink == 1, name

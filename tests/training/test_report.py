@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import stat
 from pathlib import Path
 
 from rich.console import Console
@@ -68,6 +70,35 @@ def test_write_report_files(tmp_path: Path) -> None:
     assert "cpu:1" in paths["txt"].read_text() and "OOM re-splits: 1" in paths["txt"].read_text()
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _plant_links(out: Path, theirs: Path) -> list[Path]:
+    """report.json and report.png as symbolic links, report.txt as a hard link, each to a
+    file of ``theirs``; the files linked to."""
+    targets = []
+    for name, hard in (("report.json", False), ("report.txt", True), ("report.png", False)):
+        target = theirs / f"{name}.theirs"
+        target.write_text("theirs")
+        (os.link if hard else os.symlink)(target, out / name)
+        targets.append(target)
+    return targets
+
+
+def test_reports_replace_links_planted_in_out_never_write_through_them(tmp_path: Path) -> None:
+    """Issue 34: links in place of the report files to another user's files. The links are
+    replaced by the reports (private, 0600 like the checkpoints); the files stay as they were."""
+    out, theirs = tmp_path / "out", tmp_path / "theirs"
+    out.mkdir(), theirs.mkdir()
+    targets = _plant_links(out, theirs)
+    paths = write_report(_report(measured=False), out)
+    assert [t.read_text() for t in targets] == ["theirs"] * 3
+    for path in paths.values():
+        info = path.lstat()
+        assert stat.S_ISREG(info.st_mode) and info.st_nlink == 1, path
+        assert info.st_mode & 0o777 == 0o600, oct(info.st_mode)
+    assert json.loads(paths["json"].read_text())["losses"] == [4.5, 3.0, 2.2]
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.png", "report.txt"]
 
 
 def test_report_without_memory_figures(tmp_path: Path) -> None:

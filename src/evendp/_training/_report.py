@@ -10,13 +10,16 @@ planner's forward+backward peak). One is never shown under the other's name.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 from .._core._table import format_bytes
 
@@ -179,7 +182,7 @@ class TrainReport:
         return data
 
 
-def _plot(report: TrainReport, path: Path) -> None:
+def _plot(report: TrainReport, path: Path | IO[bytes]) -> None:
     # The object API with an Agg canvas: no pyplot, no global backend switch, no display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -196,7 +199,7 @@ def _plot(report: TrainReport, path: Path) -> None:
     curve.set_title("Loss")
     curve.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
 
 
 # (label, colour, hatch) per bar kind; measured bars are solid, planned ones hatched.
@@ -293,13 +296,36 @@ def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "txt": out / "report.txt", "png": out / "report.png"}
-    paths["json"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    _replace(paths["json"], (json.dumps(report.to_dict(), indent=2) + "\n").encode())
     console = Console(record=True, width=130, file=io.StringIO())
     console.print(report.table())
     console.print(report.summary())
-    paths["txt"].write_text(console.export_text())
-    _plot(report, paths["png"])
+    _replace(paths["txt"], console.export_text().encode())
+    png = io.BytesIO()
+    _plot(report, png)
+    _replace(paths["png"], png.getvalue())
     return paths
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new private file (0600, like the checkpoints) renamed to ``path``.
+
+    The rename replaces the name, never what it pointed to: a symbolic or hard link planted
+    at ``path`` (to another user's file) is unlinked, and that file is left as it was. A
+    reader sees the old report or the new one, never half of one.
+    """
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a process killed here
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class TrainProgress:

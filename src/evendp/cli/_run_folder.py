@@ -27,14 +27,16 @@ MARKER = ".evendp-run.json"
 
 # Checkpoint files and folders evendp writes (a crashed save's temporary ones included).
 _CHECKPOINT = re.compile(r"ckpt(\.prev)?(\.rng\d+)?\.pt|ckpt(\.prev)?\.dcp|\.ckpt\..+\.tmp")
-# Everything else a run writes in --out.
+# Everything else a run writes in --out (and a report's temporary file, left by a kill).
 _OUTPUTS = {"report.json", "report.txt", "report.png", "metrics.csv", "tensorboard", MARKER}
+_OUTPUT_TMP = re.compile(r"\.report\.(json|txt|png)\..+\.tmp")
 # What a DCP folder of evendp's holds.
 _DCP_ENTRY = re.compile(r"\.metadata|__\d+_\d+\.distcp|state\.pt|rng\d+\.pt|\..+\.tmp")
 
 
 def _is_ours(entry: Path) -> bool:
-    return entry.name in _OUTPUTS or _CHECKPOINT.fullmatch(entry.name) is not None
+    name = entry.name
+    return name in _OUTPUTS or any(p.fullmatch(name) for p in (_CHECKPOINT, _OUTPUT_TMP))
 
 
 def foreign_entries(out: Path) -> list[str]:
