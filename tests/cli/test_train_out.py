@@ -143,7 +143,8 @@ def test_a_run_replaces_report_links_planted_in_its_out(tmp_path: Path) -> None:
     out.mkdir(), theirs.mkdir()
     (out / MARKER).write_text("{}")
     targets = _plant_links(out, theirs)
-    assert main(["train", *TINY, "--out", str(out)]) == 0
-    assert [t.read_text() for t in targets] == ["theirs"] * 3
-    for name in ("report.json", "report.txt", "report.png"):
+    assert main(["train", *TINY, "--steps", "3", "--log-to", "csv", "--out", str(out)]) == 0
+    assert [t.read_text() for t in targets] == ["theirs"] * 4
+    assert (out / "metrics.csv").read_text().count("\n") == 4  # a header and 3 steps
+    for name in ("report.json", "report.txt", "report.png", "metrics.csv"):
         assert not (out / name).is_symlink() and (out / name).stat().st_nlink == 1, name

@@ -68,6 +68,20 @@ def test_csv_logger_rows_and_a_resumed_run_keeps_the_earlier_ones(tmp_path: Path
     ]  # fmt: skip
 
 
+def test_csv_logger_replaces_a_link_at_its_path_never_writes_through_it(tmp_path: Path) -> None:
+    """Issue 34: metrics.csv planted as a symbolic or a hard link to another user's file."""
+    for plant in (os.symlink, os.link):
+        theirs, path = tmp_path / f"theirs.{plant.__name__}", tmp_path / f"{plant.__name__}.csv"
+        theirs.write_text("step,theirs\n1,2\n")
+        plant(theirs, path)
+        log = CSVLogger(path)
+        for step in (1, 2, 3):  # the first row writes the file anew, the next ones append
+            log.log_metrics({"loss": 1.0 / step}, step=step)
+        assert theirs.read_text() == "step,theirs\n1,2\n", plant
+        assert not path.is_symlink() and path.stat().st_nlink == 1
+        assert [r.split(",")[0] for r in path.read_text().splitlines()] == ["step", "1", "2", "3"]
+
+
 def test_mlflow_logger_on_a_local_file_store(tmp_path: Path) -> None:
     uri = (tmp_path / "mlruns").as_uri()
     with mock.patch.dict(os.environ, MLFLOW_ALLOW_FILE_STORE="true"):

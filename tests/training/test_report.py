@@ -73,10 +73,12 @@ def test_write_report_files(tmp_path: Path) -> None:
 
 
 def _plant_links(out: Path, theirs: Path) -> list[Path]:
-    """report.json and report.png as symbolic links, report.txt as a hard link, each to a
-    file of ``theirs``; the files linked to."""
+    """report.json and report.png as symbolic links, report.txt and metrics.csv as hard
+    links, each to a file of ``theirs``; the files linked to."""
     targets = []
-    for name, hard in (("report.json", False), ("report.txt", True), ("report.png", False)):
+    links = [("report.json", False), ("report.txt", True), ("report.png", False),
+             ("metrics.csv", True)]  # fmt: skip
+    for name, hard in links:
         target = theirs / f"{name}.theirs"
         target.write_text("theirs")
         (os.link if hard else os.symlink)(target, out / name)
@@ -91,14 +93,15 @@ def test_reports_replace_links_planted_in_out_never_write_through_them(tmp_path:
     out.mkdir(), theirs.mkdir()
     targets = _plant_links(out, theirs)
     paths = write_report(_report(measured=False), out)
-    assert [t.read_text() for t in targets] == ["theirs"] * 3
+    assert [t.read_text() for t in targets] == ["theirs"] * 4
     for path in paths.values():
         info = path.lstat()
         assert stat.S_ISREG(info.st_mode) and info.st_nlink == 1, path
         assert info.st_mode & 0o777 == 0o600, oct(info.st_mode)
     assert json.loads(paths["json"].read_text())["losses"] == [4.5, 3.0, 2.2]
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.png", "report.txt"]
+    names = ["metrics.csv", "report.json", "report.png", "report.txt"]
+    assert sorted(p.name for p in out.iterdir()) == names
 
 
 def test_report_without_memory_figures(tmp_path: Path) -> None:

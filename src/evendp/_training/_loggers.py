@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
+from .._core._files import open_append, replace_file
 from .._core._validate import validate_instance, validate_path
 from ._callbacks import Callback
 
@@ -106,7 +109,10 @@ class CSVLogger(MetricLogger):
             self.log_metrics(dict(metrics), step)
 
     def _keep_earlier(self, step: int) -> None:
-        """The rows of a file already there that come before ``step`` (a resumed run's)."""
+        """The rows of a file already there that come before ``step`` (a resumed run's); a
+        link there is not ours to read (it is replaced)."""
+        if self.path.is_symlink():
+            return
         with self.path.open(newline="") as f:
             reader = csv.DictReader(f)
             if not reader.fieldnames or reader.fieldnames[0] != "step":
@@ -117,15 +123,20 @@ class CSVLogger(MetricLogger):
         self._write(whole=True)
 
     def _write(self, whole: bool) -> None:
+        """Append the last row, or write the file anew (replaced: a link planted at the path
+        is never written through, see evendp._core._files)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = whole or not self.path.exists() or len(self._rows) == 1
-        with self.path.open("w" if fresh else "a", newline="") as f:
-            writer = csv.DictWriter(f, self._columns, restval="")
-            if fresh:
-                writer.writeheader()
-                writer.writerows(self._rows)
-            else:
-                writer.writerow(self._rows[-1])
+        fd = None if whole or len(self._rows) == 1 else open_append(self.path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, self._columns, restval="")
+        if fd is None:
+            writer.writeheader()
+            writer.writerows(self._rows)
+            replace_file(self.path, text.getvalue().encode())
+            return
+        writer.writerow(self._rows[-1])
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.getvalue().encode())
 
 
 class TensorBoardLogger(MetricLogger):

@@ -10,17 +10,15 @@ planner's forward+backward peak). One is never shown under the other's name.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from .._core._files import replace_file
 from .._core._table import format_bytes
 
 __all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "write_report"]
@@ -296,36 +294,15 @@ def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "txt": out / "report.txt", "png": out / "report.png"}
-    _replace(paths["json"], (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    replace_file(paths["json"], (json.dumps(report.to_dict(), indent=2) + "\n").encode())
     console = Console(record=True, width=130, file=io.StringIO())
     console.print(report.table())
     console.print(report.summary())
-    _replace(paths["txt"], console.export_text().encode())
+    replace_file(paths["txt"], console.export_text().encode())
     png = io.BytesIO()
     _plot(report, png)
-    _replace(paths["png"], png.getvalue())
+    replace_file(paths["png"], png.getvalue())
     return paths
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new private file (0600, like the checkpoints) renamed to ``path``.
-
-    The rename replaces the name, never what it pointed to: a symbolic or hard link planted
-    at ``path`` (to another user's file) is unlinked, and that file is left as it was. A
-    reader sees the old report or the new one, never half of one.
-    """
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a process killed here
-        with contextlib.suppress(OSError):
-            stale.unlink()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 class TrainProgress:
