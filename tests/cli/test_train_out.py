@@ -148,3 +148,26 @@ def test_a_run_replaces_report_links_planted_in_its_out(tmp_path: Path) -> None:
     assert (out / "metrics.csv").read_text().count("\n") == 4  # a header and 3 steps
     for name in ("report.json", "report.txt", "report.png", "metrics.csv"):
         assert not (out / name).is_symlink() and (out / name).stat().st_nlink == 1, name
+
+
+@pytest.mark.parametrize("planted", ["symlink", "folder"])
+def test_a_marker_that_is_a_link_or_a_folder_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str
+) -> None:
+    """Issue 34: a symbolic link as the marker let another user's files through the check; a
+    link or a folder there ended in a FileExistsError traceback."""
+    from evendp.cli._run_folder import MARKER
+
+    out, theirs = tmp_path / "R", tmp_path / "theirs.json"
+    out.mkdir()
+    theirs.write_text("{}")
+    (out / "notes.txt").write_text("mine")  # a foreign file the marker would let through
+    if planted == "symlink":
+        (out / MARKER).symlink_to(theirs)
+    else:
+        (out / MARKER).mkdir()
+    assert main(["train", *TINY, "--out", str(out)]) == 2
+    err = _one_line(capsys)
+    assert str(out) in err and "--out" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "notes.txt"]  # nothing written
+    assert theirs.read_text() == "{}"

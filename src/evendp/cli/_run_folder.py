@@ -48,7 +48,7 @@ def foreign_entries(out: Path) -> list[str]:
     >>> _ = (d / "notes.txt").write_text("mine"); foreign_entries(d)
     ['notes.txt']
     """
-    if not out.is_dir() or (out / MARKER).is_file():
+    if not out.is_dir() or _is_marker(out / MARKER):
         return []
     return sorted(p.name for p in out.iterdir() if not _is_ours(p))
 
@@ -106,13 +106,26 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
     return found
 
 
+def _is_marker(path: Path) -> bool:
+    """evendp's marker: a regular file, not a link to one (a planted link to any file would
+    let foreign files through the check)."""
+    return path.is_file() and not path.is_symlink()
+
+
 def _mark(folder: Path) -> None:
     from .._training._checkpoint import make_private_dir
 
     make_private_dir(folder)  # 0700 when it is new
     marker = folder / MARKER
-    if marker.is_file() and not marker.is_symlink():
+    if _is_marker(marker):
         return
+    if os.path.lexists(marker):
+        kind = "a folder" if marker.is_dir() else "not a regular file"
+        what = "a symbolic link" if marker.is_symlink() else kind
+        raise EvendpError(
+            f"--out {shown(str(folder))}: {MARKER} there is {what}, not the marker evendp "
+            "writes; remove it if the folder is yours, or pass another --out"
+        )
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"format": "evendp-run", "written_by": "evendp train"}, f)
