@@ -87,7 +87,7 @@ def _interrupt(
 ) -> dict:
     """Start (or resume) the run, send ``signum`` to ``target`` at a seeded moment, wait.
     ``watch``: also gather the sockets the run listens on until the signal."""
-    before = _step(out / "ckpt.pt") or 0
+    before = 0 if "--overwrite" in extra else _step(out / "ckpt.pt") or 0
     goal = before + 2 * EVERY
     _assert_room(goal)
     proc = _start(out, *extra)
