@@ -87,7 +87,7 @@ def _interrupt(
 ) -> dict:
     """Start (or resume) the run, send ``signum`` to ``target`` at a seeded moment, wait.
     ``watch``: also gather the sockets the run listens on until the signal."""
-    before = 0 if "--overwrite" in extra else _step(out / "ckpt.pt") or 0
+    before = _step(out / "ckpt.pt") or 0
     goal = before + 2 * EVERY
     _assert_room(goal)
     proc = _start(out, *extra)
@@ -194,11 +194,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     problems, happened, _ = sweep.interrupt(out, _start(out), target, int(signum), phase, 0.3)
     results["edges"][EDGES[0]] = (problems, happened)
     # That edge's test fails on its own when the run went on to the end (the signal lost, as
-    # under coverage.py's subprocess hooks); the chain then starts over, so the rest still runs.
-    ended = (_step(out / "ckpt.pt") or 0) + 2 * EVERY >= STEPS
+    # under coverage.py's subprocess hooks); the chain then goes on in a fresh folder.
+    if (_step(out / "ckpt.pt") or 0) + 2 * EVERY >= STEPS:
+        results["out"] = out = tmp_path_factory.mktemp("faults")
     # 2-4. Interrupts mid-run, each resuming the last; the first also lists its listeners.
     plan = [
-        ("rank1", signal.SIGINT, ("--overwrite",) if ended else ("--resume-or-start",)),
+        ("rank1", signal.SIGINT, ("--resume-or-start",)),
         ("launcher", signal.SIGINT, ("--resume",)),
         ("rank0", signal.SIGTERM, ("--resume",)),
     ]
