@@ -72,15 +72,16 @@ def _aim(  # type: ignore[no-untyped-def]
     if phase == "startup":  # torchrun and the ranks are starting
         # The launcher from the moment it has started torchrun (before, it is importing
         # torch and has no handler yet: a SIGTERM then ends it by the signal, nothing written);
-        # a rank from the moment it catches the signal (train.py's first lines, before torch):
-        # before that no Python code runs in it, and on a loaded machine that can last well
-        # past the moment it appears in /proc.
+        # a rank from the moment train.py's first lines have set its handlers, before torch:
+        # before that no code of ours runs in it, and on a loaded machine that can last well
+        # past the moment it appears in /proc. SIGTERM's is the mark: Python catches SIGINT
+        # from its own start (KeyboardInterrupt), so a SIGINT caught says nothing of train.py.
         def started() -> bool:
             if target == "launcher":
                 return bool(_children(proc.pid))
             workers = _workers(out)
             mine = workers.get(0 if target == "rank0" else 1)
-            return len(workers) == 2 and _catches(mine, signum)
+            return len(workers) == 2 and _catches(mine, signal.SIGTERM)
 
         _until(started, 60)
         time.sleep(moment / 3)
