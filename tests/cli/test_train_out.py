@@ -150,9 +150,10 @@ def test_a_run_replaces_report_links_planted_in_its_out(tmp_path: Path) -> None:
         assert not (out / name).is_symlink() and (out / name).stat().st_nlink == 1, name
 
 
+@pytest.mark.parametrize("foreign", [True, False], ids=["foreign_files", "alone"])
 @pytest.mark.parametrize("planted", ["symlink", "folder"])
 def test_a_marker_that_is_a_link_or_a_folder_is_refused_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str, foreign: bool
 ) -> None:
     """Issue 34: a symbolic link as the marker let another user's files through the check; a
     link or a folder there ended in a FileExistsError traceback."""
@@ -161,7 +162,8 @@ def test_a_marker_that_is_a_link_or_a_folder_is_refused_in_one_line(
     out, theirs = tmp_path / "R", tmp_path / "theirs.json"
     out.mkdir()
     theirs.write_text("{}")
-    (out / "notes.txt").write_text("mine")  # a foreign file the marker would let through
+    if foreign:
+        (out / "notes.txt").write_text("mine")  # a foreign file the marker would let through
     if planted == "symlink":
         (out / MARKER).symlink_to(theirs)
     else:
@@ -169,5 +171,6 @@ def test_a_marker_that_is_a_link_or_a_folder_is_refused_in_one_line(
     assert main(["train", *TINY, "--out", str(out)]) == 2
     err = _one_line(capsys)
     assert str(out) in err and "--out" in err, err
-    assert sorted(p.name for p in out.iterdir()) == [MARKER, "notes.txt"]  # nothing written
+    assert sorted(p.name for p in out.iterdir()) == [MARKER] + ["notes.txt"] * foreign
+    assert ("notes.txt" if foreign else "not the marker evendp writes") in err, err
     assert theirs.read_text() == "{}"
