@@ -29,7 +29,7 @@ import torch
 from evendp.cli import main
 from evendp.cli._run_folder import MARKER
 
-# The shared fixture below is nine launches (about 130 s on 2 idle cores, past 300 s under
+# The shared fixture below is eight launches (about 130 s on 2 idle cores, past 300 s under
 # heavy load): this module's tests get a longer limit than the suite's 300 s (pyproject.toml).
 pytestmark = pytest.mark.timeout(900)
 
