@@ -180,7 +180,7 @@ class TrainReport:
         return data
 
 
-def _plot(report: TrainReport, path: Path | IO[bytes]) -> None:
+def _plot(report: TrainReport, png: IO[bytes]) -> None:
     # The object API with an Agg canvas: no pyplot, no global backend switch, no display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -197,7 +197,7 @@ def _plot(report: TrainReport, path: Path | IO[bytes]) -> None:
     curve.set_title("Loss")
     curve.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    fig.savefig(png, format="png")
 
 
 # (label, colour, hatch) per bar kind; measured bars are solid, planned ones hatched.
