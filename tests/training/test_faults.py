@@ -140,6 +140,10 @@ def _break(folder: Path, fault: str) -> None:
         shards[0].write_bytes(data[: len(data) // 3])
     elif fault == "missing-metadata":
         (folder / ".metadata").unlink()
+    elif fault in ("fifo-metadata", "fifo-shard"):  # no writer ever comes: a read would hang
+        where = folder / ".metadata" if fault == "fifo-metadata" else shards[0]
+        where.unlink()
+        os.mkfifo(where)
     elif fault == "hostile-metadata":  # a pickle that would run code on every rank (issue 28)
         with (folder / ".metadata").open("wb") as f:
             pickle.dump(_Touch(folder.parent / "marker"), f)
@@ -169,11 +173,15 @@ def _fill(path: Path) -> None:
         os.close(fd)
 
 
+#: Each breaks the latest FSDP2 checkpoint; the resume falls back to the previous one.
+_SHARD_FAULTS = ("missing-shard", "truncated-shard", "missing-metadata", "hostile-metadata",
+                 "fifo-metadata", "fifo-shard")  # fmt: skip
+
+
 def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, Any]:
     """Every fault one line, the same on both ranks, the previous checkpoint used or intact."""
     results: dict[str, Any] = {}
-    faults = ("missing-shard", "truncated-shard", "missing-metadata", "hostile-metadata")
-    for fault in (*faults, "both-bad"):
+    for fault in (*_SHARD_FAULTS, "both-bad"):
         where = root / f"fault-{fault}"
         if rank == 0:
             shutil.copytree(fsdp, where)
@@ -321,13 +329,15 @@ def test_fsdp2_shard_faults_fall_back_to_the_previous_checkpoint_in_one_line(
     pair: tuple[Path, list[Any]],
 ) -> None:
     _, (r0, r1) = pair
-    for fault in ("missing-shard", "truncated-shard", "missing-metadata", "hostile-metadata"):
+    for fault in _SHARD_FAULTS:
         kind, notes = r0[f"fsdp_{fault}"]
         assert kind == "ok", (fault, notes)
         assert "ckpt.dcp" in notes and "fell back" in notes and "ckpt.prev.dcp at step 6" in notes
         assert r1[f"fsdp_{fault}"][0] == "ok"
         assert not r0[f"fsdp_{fault}_marker"] and not r1[f"fsdp_{fault}_marker"]  # ran nothing
     assert "refused: .metadata: it names 'posix.system'" in r0["fsdp_hostile-metadata"][1]
+    for fault in ("fifo-metadata", "fifo-shard"):  # issue 34: these hung the run
+        assert "a FIFO, not a regular file" in r0[f"fsdp_{fault}"][1], r0[f"fsdp_{fault}"]
     kind, message = r0["fsdp_both-bad"]
     assert kind == "CorruptCheckpoint" and r1["fsdp_both-bad"] == r0["fsdp_both-bad"]
     assert "ckpt.dcp" in message and "ckpt.prev.dcp" in message and "\n" not in message

@@ -281,3 +281,142 @@ def test_checkpoint_files_and_folders_are_private_whatever_the_umask(tmp_path: P
     assert (rank_rng_path(path, 1).stat().st_mode & 0o777) == 0o600
     for folder in (path.parent, path.parent.parent):
         assert (folder.stat().st_mode & 0o777) == 0o700, folder
+
+
+# -- reads that cannot hang or explode (issue 34) ----------------------------------------------
+
+
+def _status(field: str) -> int:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(line.split()[1] for line in status if line.startswith(field))) << 10
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak resident memory to its current one, which is returned."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("peak RSS is measured through /proc/self/clear_refs (Linux)")
+    Path("/proc/self/clear_refs").write_text("5")  # "5": reset the peak to the current RSS
+    return _status("VmRSS")
+
+
+def _peak_rss_growth(since: int) -> int:
+    """How far this process's resident memory rose above ``since`` (bytes), at its peak."""
+    return _status("VmHWM") - since
+
+
+def _sparse_checkpoint(path: Path, nbytes: int, step: int) -> None:
+    """A checkpoint whose fields are whole and whose one tensor claims ``nbytes``: a sparse file
+    (``skip_data`` reserves the tensor's bytes without writing them; 8 KiB on disk)."""
+    from evendp._training._checkpoint import rng_state
+
+    payload = {"format": "evendp-checkpoint", "version": 1, "step": step, "extra": {},
+               "model": {"w": torch.empty(nbytes // 4)}, "rng": rng_state()}  # fmt: skip
+    with torch.serialization.skip_data():
+        torch.save(payload, path)
+
+
+def test_a_sparse_giant_checkpoint_is_never_read_into_memory(tmp_path: Path) -> None:
+    """Issue 34: a 2 GiB sparse ckpt.pt (8 KiB on disk) was read whole by the resume's first
+    look (RSS 2.33 GB). The first look reads no tensor data; the load refuses the file by its
+    size before reading it and the resume falls back to the previous checkpoint."""
+    from evendp._training._checkpointer import Checkpointer, WholeFile
+
+    model, opt = _setup()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=opt, step=3)
+    save_checkpoint(path, model=model, optimizer=opt, step=4)  # step 3 is now ckpt.prev.pt
+    _sparse_checkpoint(path, 2 << 30, step=4)
+    assert path.stat().st_size > 2 << 30 and path.stat().st_blocks * 512 < 1 << 20
+    rss = _reset_peak_rss()
+    found, step, _ = resumable_checkpoint(path)  # type: ignore[misc]
+    assert (found, step) == (path, 4)  # its position reads without its tensors
+    with pytest.raises(CorruptCheckpoint) as info:
+        load_checkpoint(path, model=model, optimizer=opt)
+    _one_line(info.value, str(path), "bytes, more than the")
+    notes = Checkpointer(WholeFile()).resume(path, {"model": model, "optimizer": opt})
+    assert notes is not None and "fell back" in notes[0] and "at step 3" in notes[1], notes
+    assert _peak_rss_growth(rss) < 100 << 20  # far from the 2 GiB the file claims
+
+
+def test_a_giant_rank_rng_file_is_refused_by_its_size(tmp_path: Path) -> None:
+    """Issue 34: a rank loaded a 2.4 GB RNG file (a 30 GiB one took the host down)."""
+    from evendp._training._checkpoint import _read_rng
+
+    target = rank_rng_path(tmp_path / "ckpt.pt", 1)
+    _sparse_checkpoint(target, 1 << 30, step=2)
+    rss = _reset_peak_rss()
+    with pytest.raises(CorruptCheckpoint) as info:
+        _read_rng(target)
+    _one_line(info.value, str(target), "bytes, more than the")
+    assert _peak_rss_growth(rss) < 100 << 20
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["checkpoint", "rng", "metadata", "state"])
+def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_at_once(kind: str, tmp_path: Path) -> None:
+    """Issue 34: a FIFO in place of ckpt.pt, ckpt.rng1.pt, FSDP2's .metadata or state.pt hung
+    the run (no writer ever comes). Each is refused without blocking, naming the FIFO."""
+    from evendp._training._checkpoint import _read_rng, read_state_file
+    from evendp._training._safe_read import read_dcp_metadata
+
+    path = tmp_path / "ckpt.pt"
+    target = {
+        "checkpoint": path,
+        "rng": rank_rng_path(path, 1),
+        "metadata": tmp_path / "ckpt.dcp" / ".metadata",
+        "state": tmp_path / "ckpt.dcp" / "state.pt",
+    }[kind]
+    target.parent.mkdir(exist_ok=True)
+    os.mkfifo(target)
+    read = {
+        "checkpoint": lambda: resumable_checkpoint(path),
+        "rng": lambda: _read_rng(target),
+        "metadata": lambda: read_dcp_metadata(target),
+        "state": lambda: read_state_file(target.parent),
+    }[kind]
+    with pytest.raises((CorruptCheckpoint, Refused)) as info:
+        read()
+    _one_line(info.value, "a FIFO, not a regular file")
+
+
+def test_a_checkpoint_without_its_generators_falls_back_instead_of_a_key_error(
+    tmp_path: Path,
+) -> None:
+    """Issue 34: a ckpt.pt or rank RNG file without its ``rng`` field ended in ``KeyError:
+    'rng'`` (exit 1) and the intact previous checkpoint was never tried."""
+    model, opt = _setup()
+    path = tmp_path / "ckpt.pt"
+    for step in (3, 4):
+        save_checkpoint(path, model=model, optimizer=opt, step=step)
+        save_rank_rng(path, rank=1, step=step)
+    _rewrite(path, lambda p: p.pop("rng"))
+    _rewrite(rank_rng_path(path, 1), lambda p: p.pop("rng"))
+    with pytest.raises(CorruptCheckpoint) as info:
+        load_checkpoint(path, model=model, optimizer=opt)
+    _one_line(info.value, str(path), "field rng: missing")
+    found, step, _ = resumable_checkpoint(path)  # type: ignore[misc]
+    assert (found, step) == (previous_path(path), 3)
+    with warnings.catch_warnings(record=True):  # the previous step's state: not this one's
+        assert load_rank_rng(path, rank=1, step=3) is True  # ckpt.prev.rng1.pt, intact
+
+
+def test_a_deepspeed_runs_corrupt_position_falls_back_to_its_previous_copy(
+    tmp_path: Path,
+) -> None:
+    """Issue 34: a corrupt ckpt.ds/state.pt beside an intact state.prev.pt stopped the resume's
+    first look naming a ckpt.prev.ds that does not exist; it takes state.prev.pt."""
+    from evendp._training._checkpointer import WholeFile
+
+    ckpt = tmp_path / "ckpt.ds"
+    ckpt.mkdir()
+    for step in (2, 4):
+        WholeFile().save(ckpt / "state.pt", {"model": torch.nn.Module()}, rank=0, step=step,
+                         extra={"global_batch": 4}, keep_previous=True)  # fmt: skip
+    (ckpt / "state.pt").write_bytes(b"garbled")
+    found, step, extra = resumable_checkpoint(ckpt)  # type: ignore[misc]
+    assert (found, step, extra["global_batch"]) == (ckpt / "state.prev.pt", 2, 4)
+    (ckpt / "state.prev.pt").write_bytes(b"garbled too")
+    with pytest.raises(CorruptCheckpoint) as info:
+        resumable_checkpoint(ckpt)
+    message = _one_line(info.value, "state.pt", "state.prev.pt", "neither can be resumed")
+    assert "ckpt.prev.ds" not in message

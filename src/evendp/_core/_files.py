@@ -1,8 +1,10 @@
-"""Files a run writes in ``--out`` that another local user may have planted links at.
+"""Files in ``--out`` that another local user may have planted links, FIFOs or giants at.
 
 A name in ``--out`` is replaced, never written through: a symbolic or hard link planted in
 place of ``report.json`` (to another user's file) is unlinked and the file it pointed to is
-left as it was. An append goes only to a regular file of one name.
+left as it was. An append goes only to a regular file of one name. A file read back is opened
+without blocking (a FIFO cannot hang the run), must be a regular file and is refused by its
+size (``fstat``) before a byte of it is read.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import IO
 
-__all__ = ["open_append", "replace_file"]
+__all__ = ["NotReadable", "open_append", "open_regular", "replace_file"]
+
+
+class NotReadable(ValueError):
+    """A file :func:`open_regular` will not read: not a regular file, or over its cap."""
 
 
 def replace_file(path: Path, data: bytes) -> None:
@@ -57,3 +64,45 @@ def open_append(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def open_regular(path: str | Path, cap: int | None = None) -> IO[bytes]:
+    """``path`` opened for reading, once it is known to be a regular file of at most ``cap``
+    bytes: opened non-blocking (a FIFO or a device answers at once instead of waiting for a
+    writer), checked with ``fstat`` on the open descriptor (the file read is the file checked).
+
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "f").write_bytes(b"abc")
+    >>> with open_regular(d / "f", cap=3) as f: f.read()
+    b'abc'
+    >>> os.mkfifo(d / "fifo"); open_regular(d / "fifo")
+    Traceback (most recent call last):
+    ...
+    evendp._core._files.NotReadable: it is a FIFO, not a regular file
+    >>> open_regular(d / "f", cap=2)
+    Traceback (most recent call last):
+    ...
+    evendp._core._files.NotReadable: it is 3 bytes, more than the 2 such a file can be
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotReadable(f"it is {_kind(info.st_mode)}, not a regular file")
+        if cap is not None and info.st_size > cap:
+            raise NotReadable(f"it is {info.st_size} bytes, more than the {cap} such a file can be")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISDIR: "a folder",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")

@@ -31,6 +31,7 @@ import torch
 
 from .._core._digest import content_digest, first_non_finite
 from .._core._errors import CheckpointError, EvendpError, TrainingError
+from .._core._files import NotReadable, open_regular
 from .._core._validate import is_int, shown
 from ._safe_read import Refused, check_archive, check_kind, read_dcp_metadata, safe_dcp
 from ._train_inputs import validate_checkpoint_args
@@ -56,6 +57,11 @@ __all__ = [
 
 _FORMAT = "evendp-checkpoint"
 _VERSION = 1
+#: The most a file of generator states or a run's position can be (bytes on disk): a few KiB
+#: of generators and the loss history, a float per step.
+_SMALL_FILE = 256 << 20
+#: A whole file past the bytes its tensors unpack to: the zip's headers and alignment.
+_ARCHIVE_SLACK = 16 << 20
 
 
 class CorruptCheckpoint(CheckpointError):
@@ -121,18 +127,22 @@ def latest_checkpoint(path: str | Path) -> Path | None:
 
 def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
     """The checkpoint a resume will use, its step and its ``extra`` (the run's configuration
-    among it): ``path`` when it reads back whole, else its previous copy (``None``: neither
-    exists). The error of the last one when none reads.
+    among it): ``path`` when its position reads back, else its previous copy (``None``:
+    neither exists). The error of the last one when none reads. No tensor data is read: the
+    resume itself checks it, and falls back.
 
     >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
     True
     """
-    p = Path(path)
-    candidates = [c for c in (p, previous_path(p)) if c.exists()]
+    candidates = [c for c in _positions(Path(path)) if c.exists()]
     skipped: list[str] = []
     for candidate in candidates:
         try:
-            payload = read_state_file(candidate) if candidate.is_dir() else _read(candidate)
+            payload = (
+                read_state_file(candidate)
+                if candidate.is_dir()
+                else _read(candidate, position_only=True)
+            )
             return candidate, int(payload["step"]), dict(payload.get("extra") or {})
         except CorruptCheckpoint as exc:
             if candidate == candidates[-1] and not skipped:
@@ -145,6 +155,15 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
                 ) from None
             skipped.append(str(exc).split(";")[0])
     return None
+
+
+def _positions(path: Path) -> list[Path]:
+    """Where a checkpoint's position is kept, latest first: a DeepSpeed folder (``ckpt.ds``)
+    keeps its previous one inside (``state.prev.pt``), the other formats beside it."""
+    if path.suffix == ".ds":
+        inside = path / _STATE_FILE
+        return [inside, previous_path(inside)]
+    return [path, previous_path(path)]
 
 
 def rng_state() -> dict[str, Any]:
@@ -433,11 +452,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _read(path: Path, limit: int | None = None) -> dict[str, Any]:
+def _read(path: Path, limit: int | None = None, *, position_only: bool = False) -> dict[str, Any]:
+    """A whole checkpoint file, its tensors at most ``limit`` bytes; ``position_only``: its
+    step, ``extra`` and generator states without reading a tensor's data (tensors come back
+    on the meta device, the digest unchecked: the full load checks it)."""
     fix = fix_for(path)
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a folder is there: refused by what it is, below
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
-    payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit)
+    cap = None if limit is None else limit + _ARCHIVE_SLACK
+    payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit, cap, meta=position_only)
     if not isinstance(payload.get("model"), dict):
         raise CorruptCheckpoint(
             f"{str(path)!r} is not an evendp checkpoint (no model state); {fix}"
@@ -447,8 +470,16 @@ def _read(path: Path, limit: int | None = None) -> dict[str, Any]:
             f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
             f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
         )
-    _verify_digest(path, payload, "checkpoint", fix)
+    _require_rng(path, payload, "checkpoint", fix)
+    if not position_only:
+        _verify_digest(path, payload, "checkpoint", fix)
     return payload
+
+
+def _require_rng(path: Path, payload: Mapping[str, Any], what: str, fix: str) -> None:
+    # Every evendp file that restores generators has written them: one without is not whole.
+    if "rng" not in payload:
+        raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: field rng: missing; {fix}")
 
 
 def _read_rng(path: Path) -> dict[str, Any]:
@@ -456,30 +487,45 @@ def _read_rng(path: Path) -> dict[str, Any]:
         "delete it to resume with the checkpoint writer's generator states on this rank "
         "(random draws there then differ from an uninterrupted run's)"
     )
-    payload = _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix)
+    payload = _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix, cap=_SMALL_FILE)
+    _require_rng(path, payload, "rank RNG file", fix)
     _verify_digest(path, payload, "rank RNG file", fix)
     return payload
 
 
 def read_state_file(folder: Path) -> dict[str, Any]:
     source, fix = folder / _STATE_FILE, fix_for(folder)
-    payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix)
+    payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix, cap=_SMALL_FILE)
     _verify_digest(source, payload, "sharded checkpoint state file", fix)
     return payload
 
 
 def _load_tagged(
-    path: Path, what: str, marker: str, fix: str, limit: int | None = None
+    path: Path,
+    what: str,
+    marker: str,
+    fix: str,
+    limit: int | None = None,
+    cap: int | None = None,
+    *,
+    meta: bool = False,
 ) -> dict[str, Any]:
     """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``.
 
-    A file the OS will not open (permissions, a folder) is a :class:`CheckpointError`: the
-    previous checkpoint would be refused the same way. A truncated, garbled or foreign one is a
+    The file is a regular one of at most ``cap`` bytes, opened without blocking
+    (:func:`~evendp._core._files.open_regular`); its tensors unpack to at most ``limit``
+    bytes; ``meta``: no tensor data is read. A file the OS will not open (permissions) is a
+    :class:`CheckpointError`: the previous checkpoint would be refused the same way. A
+    truncated, garbled, foreign or oversized one, or one that is not a regular file, is a
     :class:`CorruptCheckpoint`, from which a resume falls back; both messages end with ``fix``.
     """
     try:
-        check_archive(path, limit)  # before torch.load: no zip bomb, no legacy format
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path, cap) as source:
+            check_archive(source, limit)  # before torch.load: no zip bomb, no legacy format
+            location = "meta" if meta else "cpu"
+            payload = torch.load(source, map_location=location, weights_only=True)
+    except NotReadable as exc:
+        raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: {exc}; {fix}") from None
     except Refused as exc:
         if "not a torch.save zip" in str(exc):
             raise CorruptCheckpoint(
@@ -487,7 +533,7 @@ def _load_tagged(
                 f"truncated or not an evendp {what}; {fix}"
             ) from None
         raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: {exc}; {fix}") from None
-    except (PermissionError, IsADirectoryError) as exc:  # unreadable for the OS, not corrupt
+    except PermissionError as exc:  # unreadable for the OS, not corrupt
         raise CheckpointError(
             f"cannot read the {what} {str(path)!r}: {exc.strerror or exc} (errno "
             f"{exc.errno}); fix its permissions, or pass another --out"

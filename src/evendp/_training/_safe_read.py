@@ -35,6 +35,7 @@ from typing import IO, Any
 
 import torch
 
+from .._core._files import NotReadable, open_regular
 from .._core._validate import shown
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
 
 _MAX_ENTRIES = 100_000  # a torch.save archive holds one entry per storage, plus a few
 _MAX_METADATA = 256 << 20  # .metadata lists every item: far below this for any real model
+_MAX_PICKLE = 256 << 20  # a torch.save pickle holds the structure; the tensors are entries
 
 
 class Refused(ValueError):
@@ -71,7 +73,7 @@ def check_archive(source: str | Path | IO[bytes], limit: int | None = None) -> N
     try:
         with zipfile.ZipFile(source) as archive:
             entries = archive.infolist()
-    except (PermissionError, IsADirectoryError):  # the OS's refusal: said as such by the caller
+    except PermissionError:  # the OS's refusal: said as such by the caller
         raise
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
         raise Refused(f"archive: not a torch.save zip archive ({exc})") from None
@@ -84,6 +86,11 @@ def check_archive(source: str | Path | IO[bytes], limit: int | None = None) -> N
         raise Refused(f"archive: {len(entries)} entries, more than {_MAX_ENTRIES}")
     total = 0
     for entry in entries:
+        if entry.filename.endswith("data.pkl") and entry.file_size > _MAX_PICKLE:
+            raise Refused(
+                f"archive: its pickle {shown(entry.filename)} is {entry.file_size} bytes, more "
+                f"than {_MAX_PICKLE}"
+            )
         if entry.compress_type != zipfile.ZIP_STORED:
             raise Refused(
                 f"archive: entry {shown(entry.filename)} is compressed "
@@ -161,10 +168,11 @@ def read_dcp_metadata(path: str | Path) -> Any:
     """DCP's ``.metadata`` at ``path``, unpickled with only DCP's own classes admitted."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    p = Path(path)
-    if p.stat().st_size > _MAX_METADATA:
-        raise Refused(f".metadata: {p.stat().st_size} bytes, more than {_MAX_METADATA}")
-    with p.open("rb") as f:
+    try:
+        opened = open_regular(path, _MAX_METADATA)
+    except NotReadable as exc:
+        raise Refused(f".metadata: {exc}") from None
+    with opened as f:
         try:
             metadata = _MetadataUnpickler(f).load()
         except Refused:
@@ -210,11 +218,11 @@ def safe_dcp() -> tuple[type, type]:
         def read_data(self, plan: Any, planner: Any) -> Any:
             for item in plan.items:
                 info = self.storage_data[item.storage_index]
-                with (Path(self.path) / info.relative_path).open("rb") as f:
-                    try:
+                try:
+                    with open_regular(Path(self.path) / info.relative_path) as f:
                         check_archive(_Slice(f, info.offset, info.length))  # type: ignore[arg-type]
-                    except Refused as exc:
-                        raise Refused(f"{item.storage_index.fqn}: {exc}") from None
+                except (Refused, NotReadable) as exc:
+                    raise Refused(f"{item.storage_index.fqn}: {exc}") from None
             return super().read_data(plan, planner)
 
     class SafeLoadPlanner(DefaultLoadPlanner):
