@@ -174,3 +174,64 @@ def test_a_marker_that_is_a_link_or_a_folder_is_refused_in_one_line(
     assert sorted(p.name for p in out.iterdir()) == [MARKER] + ["notes.txt"] * foreign
     assert ("notes.txt" if foreign else "not the marker evendp writes") in err, err
     assert theirs.read_text() == "{}"
+
+
+def _deepspeed_run_folder(out: Path) -> Path:
+    """What a --mode deepspeed run leaves in --out (the names DeepSpeed 0.19 and evendp write)."""
+    ckpt = out / "ckpt.ds"
+    for step in ("step2", "step4"):
+        (ckpt / step).mkdir(parents=True)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_to_fp32.py", "zero_to_torch.py"):  # fmt: skip
+            (ckpt / step / name).write_bytes(b"theirs")
+    for name in ("state.pt", "state.prev.pt", "state.rng1.pt", "state.prev.rng1.pt"):
+        (ckpt / name).write_bytes(b"theirs")
+    (out / ".evendp-run.json").write_text("{}")
+    return ckpt
+
+
+def test_another_runs_deepspeed_checkpoint_is_refused_and_overwrite_removes_only_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: a fresh --mode deepspeed run into an --out holding another run's ckpt.ds
+    deleted its step folders; it is refused as the other modes' checkpoints are, before any
+    launch, and --overwrite deletes that folder and nothing else."""
+    from evendp.cli._run_folder import claim_out_dir
+
+    ckpt = _deepspeed_run_folder(tmp_path)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    args = ["train", *TINY, "--mode", "deepspeed", "--devices", "cpu,cpu", "--out", str(tmp_path)]
+    assert main(args) == 2
+    err = _one_line(capsys)
+    assert "another run's checkpoint (ckpt.ds)" in err and "--overwrite" in err, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    (tmp_path / "ckpt.notes.txt").write_text("mine")
+    assert claim_out_dir(str(tmp_path), overwrite=True) == [ckpt]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".evendp-run.json", "ckpt.notes.txt"]
+    assert (tmp_path / "ckpt.notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("planted", ["link", "foreign_folder", "foreign_step_file"])
+def test_a_checkpoint_name_that_is_not_a_runs_file_is_refused_even_with_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str
+) -> None:
+    """A link at ckpt.pt, or a ckpt.ds holding another program's files: a run would write
+    through or into it, and --overwrite may delete only what a run wrote."""
+    out, theirs = tmp_path / "R", tmp_path / "theirs"
+    out.mkdir(), theirs.mkdir()
+    (theirs / "f").write_text("theirs")
+    if planted == "link":
+        (out / "ckpt.pt").symlink_to(theirs / "f")
+    elif planted == "foreign_folder":
+        (out / "ckpt.ds").mkdir()
+        (out / "ckpt.ds" / "thesis.tex").write_text("chapter 1")
+    else:
+        _deepspeed_run_folder(out)
+        (out / "ckpt.ds" / "step4" / "notes.txt").write_text("mine")
+    snapshot = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert main(["train", *TINY, "--overwrite", "--out", str(out)]) == 2
+    err = _one_line(capsys)
+    name = "ckpt.pt" if planted == "link" else "ckpt.ds"
+    assert f"{name} there is" in err and "move it away" in err, err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == snapshot
+    assert (theirs / "f").read_text() == "theirs"

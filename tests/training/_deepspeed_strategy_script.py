@@ -42,6 +42,8 @@ CASES: dict[str, dict[str, Any]] = {
     },
 }
 RESUMED = "z3_resumed"  # CASES["z3_straight"], saved at step 2, resumed in a new Trainer
+#: The resumed run again, its latest step's DeepSpeed file garbled: it falls back to step 2.
+FELL_BACK = "z3_fell_back"
 
 
 def mlp_data() -> torch.utils.data.TensorDataset:
@@ -177,6 +179,27 @@ def main(out: Path) -> None:
     t = run(RESUMED, out, case, out_dir=str(ckpt), resume=True)
     if dist.get_rank() == 0:  # what the resumed run started from, for the test to read
         (out / RESUMED / "notes.txt").write_text("\n".join(t.state.notes))
+        modes = {str(p.relative_to(ckpt)): p.stat().st_mode & 0o777 for p in ckpt.rglob("*")}
+        (out / RESUMED / "modes.txt").write_text(repr(modes))
+    fall_back(out, case, ckpt)
+
+
+def fall_back(out: Path, case: dict[str, Any], ckpt: Path) -> None:
+    """A copy of the resumed run's folder whose step-4 partition file is garbled: a resume
+    falls back to the previous position (step 2) and trains on to step 4."""
+    import shutil
+
+    copy = out / "fall_back_run"
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, copy)
+        for garbled in (copy / "ckpt.ds" / "step4").glob("*model_states.pt"):
+            garbled.write_bytes(b"not a checkpoint")
+    dist.barrier()
+    t = run(FELL_BACK, out, case, out_dir=str(copy), resume=True)
+    if dist.get_rank() == 0:
+        (out / FELL_BACK / "notes.txt").write_text("\n".join(t.state.notes))
+        kept = sorted(p.name for p in (copy / "ckpt.ds").glob("step*"))
+        (out / FELL_BACK / "kept.txt").write_text(" ".join(kept))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,29 @@ def test_a_resumed_zero3_run_equals_the_straight_run(launched: Path) -> None:
     assert {p.name for p in ckpt.glob("step*")} == {"step2", "step4"}  # the last two kept
 
 
+def test_deepspeed_checkpoint_files_are_the_owners_alone(launched: Path) -> None:
+    """ckpt.ds and everything in it: no group or other permission bits (DeepSpeed writes with
+    the umask's 0644; the other modes' files are 0600)."""
+    import ast
+
+    modes = ast.literal_eval((launched / script.RESUMED / "modes.txt").read_text())
+    assert any(name.endswith("_states.pt") for name in modes)  # DeepSpeed's files are listed
+    assert {name: oct(m) for name, m in modes.items() if m & 0o077} == {}
+
+
+def test_a_garbled_deepspeed_step_falls_back_to_the_previous_position(launched: Path) -> None:
+    """Step 4's partition file garbled: the resume names it, takes state.prev.pt (step 2) and
+    its folder, and trains to the straight run's weights; the bad step is not kept over it."""
+    want, start = _reference(script.CASES["z3_straight"])
+    notes = (launched / script.FELL_BACK / "notes.txt").read_text()
+    assert "step4" in notes and "fell back to the previous position" in notes, notes
+    assert "at step 2" in notes, notes
+    for rank in (0, 1):
+        got = torch.load(launched / script.FELL_BACK / f"rank{rank}.pt")
+        assert _error(got, want, start) < TOL, rank
+    assert (launched / script.FELL_BACK / "kept.txt").read_text() == "step2 step4"
+
+
 @pytest.mark.multiprocess
 def test_evendp_train_mode_deepspeed_runs(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")

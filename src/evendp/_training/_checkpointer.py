@@ -101,8 +101,9 @@ class CheckpointFormat(abc.ABC):
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
         """Check, then restore the format's fields from ``path`` (every rank calls it):
-        ``{"step": int, "extra": dict}``. :class:`CorruptCheckpoint` when it cannot be read
-        back whole; ``verify`` runs on the saved ``extra`` before anything is loaded."""
+        ``{"step": int, "extra": dict}`` (and ``"notes"``, lines on what it fell back past
+        inside ``path``). :class:`CorruptCheckpoint` when it cannot be read back whole;
+        ``verify`` runs on the saved ``extra`` before anything is loaded."""
 
 
 class WholeFile(CheckpointFormat):
@@ -265,6 +266,7 @@ class Checkpointer:
                 skipped.append(str(exc).split(";")[0])
         self._latest_bad = found != path
         notes = [f"{s}; fell back to the previous checkpoint" for s in skipped]
+        notes += info.get("notes", [])  # the format's own fallbacks inside one checkpoint
         notes.append(f"resumed from {found} at step {info['step']}")
         if str(found) in UNVERIFIED:
             notes.append(

@@ -5,8 +5,8 @@ starts there. ``--out`` is accepted when it is missing, empty, marked, or holds 
 evendp writes (a run folder from before the marker); a folder with other files and no marker
 (a home folder, a project) is refused before any work: ``report.json`` or ``metrics.csv`` there
 would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files, by their exact
-names (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``...), a ``ckpt.dcp``
-folder only when everything in it is DCP's or evendp's, and never follows a link: a user's
+names (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a
+folder only when everything in it is what a run writes there, and never follows a link: a user's
 ``ckpt.backups/`` or ``ckpt.notes.txt`` stays. An ``--out`` that is a dangling link is refused.
 """
 
@@ -26,12 +26,19 @@ __all__ = ["MARKER", "claim_out_dir", "evendp_checkpoints", "foreign_entries"]
 MARKER = ".evendp-run.json"
 
 # Checkpoint files and folders evendp writes (a crashed save's temporary ones included).
-_CHECKPOINT = re.compile(r"ckpt(\.prev)?(\.rng\d+)?\.pt|ckpt(\.prev)?\.dcp|\.ckpt\..+\.tmp")
+_CHECKPOINT = re.compile(
+    r"ckpt(\.prev)?(\.rng\d+)?\.pt|ckpt(\.prev)?\.dcp|ckpt\.ds|\.ckpt\..+\.tmp"
+)
 # Everything else a run writes in --out (and a report's temporary file, left by a kill).
 _OUTPUTS = {"report.json", "report.txt", "report.png", "metrics.csv", "tensorboard", MARKER}
 _OUTPUT_TMP = re.compile(r"\.report\.(json|txt|png)\..+\.tmp")
 # What a DCP folder of evendp's holds.
 _DCP_ENTRY = re.compile(r"\.metadata|__\d+_\d+\.distcp|state\.pt|rng\d+\.pt|\..+\.tmp")
+# What a DeepSpeed folder (ckpt.ds) holds: evendp's position files, and a folder per kept step
+# of DeepSpeed's partition files and the recovery scripts DeepSpeed copies beside them.
+_DS_ENTRY = re.compile(r"state(\.prev)?(\.rng\d+)?\.pt|\..+\.tmp")
+_DS_STEP = re.compile(r"step\d+")
+_DS_STEP_ENTRY = re.compile(r"\w+_states\.pt|zero_to_(fp32|torch)\.py|\..+\.tmp")
 
 
 def _is_ours(entry: Path) -> bool:
@@ -55,7 +62,7 @@ def foreign_entries(out: Path) -> list[str]:
 
 def evendp_checkpoints(out: Path) -> list[Path]:
     """evendp's own checkpoint files and folders in ``out`` (any mode's, previous included):
-    exact names, no links, and a folder only when all it holds is DCP's or evendp's."""
+    exact names, no links, and a folder only when all it holds is what a run writes there."""
     if not out.is_dir():
         return []
     found = []
@@ -63,13 +70,34 @@ def evendp_checkpoints(out: Path) -> list[Path]:
         if entry.is_symlink() or not _CHECKPOINT.fullmatch(entry.name):
             continue
         if entry.is_dir():
-            inside = list(entry.iterdir())
-            if any(p.is_dir() or not _DCP_ENTRY.fullmatch(p.name) for p in inside):
+            if not _written_by_a_run(entry):
                 continue  # not a folder evendp wrote: left alone
         elif not entry.is_file():
             continue
         found.append(entry)
     return found
+
+
+def _written_by_a_run(folder: Path) -> bool:
+    """Whether all ``folder`` (a ``ckpt.dcp`` or ``ckpt.ds``) holds is what a run writes there:
+    regular files of the format's names, and for DeepSpeed its step folders."""
+    if folder.suffix == ".ds":
+        return all(
+            _regular(p, _DS_ENTRY)
+            or (_DS_STEP.fullmatch(p.name) is not None and _is_folder(p) and all(
+                _regular(q, _DS_STEP_ENTRY) for q in p.iterdir()
+            ))
+            for p in folder.iterdir()
+        )  # fmt: skip
+    return all(_regular(p, _DCP_ENTRY) for p in folder.iterdir())
+
+
+def _regular(path: Path, names: re.Pattern[str]) -> bool:
+    return names.fullmatch(path.name) is not None and path.is_file() and not path.is_symlink()
+
+
+def _is_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
@@ -91,6 +119,7 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
             "folder, e.g. --out runs/x"
         )
     found = evendp_checkpoints(folder)
+    _refuse_lookalikes(folder, found)
     if found and not overwrite:
         raise EvendpError(
             f"--out {shown(out)} holds another run's checkpoint ({found[0].name}); continue it "
@@ -104,6 +133,22 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
             path.unlink()
     _mark(folder)
     return found
+
+
+def _refuse_lookalikes(folder: Path, found: list[Path]) -> None:
+    """A checkpoint name evendp would write to that is not a run's file (a link, a folder of
+    other files): never replaced, never written into."""
+    if not folder.is_dir():
+        return
+    for entry in sorted(folder.iterdir()):
+        if _CHECKPOINT.fullmatch(entry.name) and entry not in found:
+            what = "a link" if entry.is_symlink() else "not a file an evendp run writes"
+            if not entry.is_symlink() and entry.is_dir():
+                what = "a folder holding files an evendp run does not write"
+            raise EvendpError(
+                f"--out {shown(str(folder))}: {entry.name} there is {what}; a run would write "
+                "its checkpoint there: move it away, or pass another --out"
+            )
 
 
 def _is_marker(path: Path) -> bool:

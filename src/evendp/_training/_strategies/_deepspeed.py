@@ -29,8 +29,10 @@ safe read; universal checkpoints (another loader) are refused in the config.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,11 +43,12 @@ import torch
 from torch import nn
 
 from ..._core._errors import CheckpointError, EvendpError
-from ..._core._validate import shown
+from ..._core._files import NotReadable, open_regular
+from ..._core._validate import json_data, shown
 from ..._distributed._engine_mean import config_micro_batch
 from ..._distributed._rank_errors import agreed
 from ..._distributed._sampler import UnevenBatchSampler
-from .._checkpoint import CorruptCheckpoint, previous_path
+from .._checkpoint import CorruptCheckpoint, make_private_dir, previous_path
 from .._checkpointer import CheckpointFormat, Verify, WholeFile
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer
@@ -53,7 +56,7 @@ from .._safe_read import Refused, check_archive
 from ._base import Costs
 from ._ranks import RankStrategy
 
-__all__ = ["DeepSpeed", "DeepSpeedFiles", "build", "deepspeed_config"]
+__all__ = ["DeepSpeed", "DeepSpeedFiles", "build", "check_strategy_config", "deepspeed_config"]
 
 #: Settings evendp fills in from the run (the user may leave them out or say "auto").
 _OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -81,15 +84,19 @@ def _given_config(given: Any) -> dict[str, Any]:
         return json.loads(json.dumps(given))  # a deep copy, and only JSON's kinds of values
     path = Path(given)
     try:
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise _refuse(f"strategy_config {shown(str(path))} is over 1 MiB; pass a JSON config")
-        loaded = json.loads(path.read_text(encoding="utf-8"))
+        with open_regular(path, _MAX_CONFIG_BYTES) as f:
+            loaded = json_data(f.read().decode("utf-8"))
+    except NotReadable as exc:
+        raise _refuse(
+            f"strategy_config {shown(str(path))} is refused: {exc} (1 MiB at most); pass the "
+            "path of a DeepSpeed JSON config"
+        ) from None
     except OSError as exc:
         raise _refuse(
             f"cannot read strategy_config {shown(str(path))}: {exc.strerror or exc}; pass the "
             "path of a DeepSpeed JSON config"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # bad syntax, or nested too deep
         raise _refuse(
             f"strategy_config {shown(str(path))} is not JSON ({exc}); pass a DeepSpeed JSON "
             'config, e.g. {"zero_optimization": {"stage": 2}}'
@@ -145,6 +152,12 @@ def _check_given(ds: dict[str, Any]) -> None:
         )
 
 
+def check_strategy_config(given: Any) -> None:
+    """The registry's check of ``--strategy-config`` in the launcher, before any rank starts:
+    the file reads as a JSON object and sets nothing evendp owns."""
+    _check_given(_given_config(given))
+
+
 def deepspeed_config(config: Any, batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """The DeepSpeed config of a run: the user's ``config.strategy_config`` (ZeRO-2 without
     one) with what evendp owns filled in; ``batch_sizes`` (per rank) fix the micro-batch size
@@ -187,18 +200,20 @@ def _data_classes() -> list[Any]:
 
 
 def safe_load(path: str | Path, map_location: Any = None) -> Any:
-    """A DeepSpeed checkpoint file as data: a plain ``torch.save`` zip, loaded with
-    ``weights_only=True`` and only DeepSpeed's own data classes admitted."""
+    """A DeepSpeed checkpoint file as data: a regular file (opened without blocking), a plain
+    ``torch.save`` zip, loaded with ``weights_only=True`` and only DeepSpeed's own data classes
+    admitted."""
     where = Path(path)
     try:
-        check_archive(where)
-        with torch.serialization.safe_globals(_data_classes()):
-            return torch.load(where, map_location=map_location, weights_only=True)
-    except Refused as exc:
+        with open_regular(where) as source:
+            check_archive(source)
+            with torch.serialization.safe_globals(_data_classes()):
+                return torch.load(source, map_location=map_location, weights_only=True)
+    except (Refused, NotReadable) as exc:
         raise CorruptCheckpoint(
             f"DeepSpeed checkpoint file {str(where)!r} is refused: {exc}"
         ) from None
-    except (PermissionError, IsADirectoryError):
+    except PermissionError:
         raise
     except Exception as exc:  # torch raises several types for a truncated or foreign file
         said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no detail"
@@ -375,6 +390,9 @@ class DeepSpeedFiles(CheckpointFormat):
     def __init__(self, strategy: DeepSpeed) -> None:
         self._strategy = strategy
         self._kept: list[int] = []  # the steps whose DeepSpeed folders are kept (last two)
+        # The resume fell back past state.pt: the next save replaces it without rotating it
+        # over the good state.prev.pt.
+        self._fell_back = False
 
     def save(
         self,
@@ -386,13 +404,17 @@ class DeepSpeedFiles(CheckpointFormat):
         extra: dict[str, Any],
         keep_previous: bool,
     ) -> Path | None:
-        """DeepSpeed's files of this step (every rank its partitions), then evendp's state."""
+        """DeepSpeed's files of this step (every rank its partitions; 0700/0600 like every
+        checkpoint of evendp's), then evendp's state."""
         engine = self._strategy.engine
-        engine.save_checkpoint(str(path), tag=f"step{step}", client_state={}, save_latest=False)
+        make_private_dir(path)
+        with _private_files():
+            engine.save_checkpoint(str(path), tag=f"step{step}", client_state={}, save_latest=False)
         WholeFile().save(
             path / _STATE, _position(parts), rank=rank, step=step, extra=extra,
-            keep_previous=keep_previous,
+            keep_previous=keep_previous and not self._fell_back,
         )  # fmt: skip
+        self._fell_back = False
         self._kept = [*self._kept[-1:], step]
         agreed(lambda: self._drop_stale(path, rank), distributed=True)
         return path
@@ -400,15 +422,39 @@ class DeepSpeedFiles(CheckpointFormat):
     def load(
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
-        """evendp's state (``state.pt``, else its previous copy), then DeepSpeed's files of
-        its step, each checked as data first."""
-        info = self._load_position(path, parts, rank, verify)
-        folder = path / f"step{info['step']}"
-        agreed(lambda: _verify(folder), distributed=True)
+        """evendp's state (``state.pt``) and DeepSpeed's files of its step, each checked as data
+        first; when either is corrupt or hostile, the previous position (``state.prev.pt``) and
+        its step's files."""
+        latest = path / _STATE
+        candidates = [p for p in (latest, previous_path(latest)) if p.exists()]
+        if not candidates:
+            raise CorruptCheckpoint(f"checkpoint {str(path)!r} has no {_STATE}")
+        skipped: list[str] = []
+        for found in candidates:
+            try:
+                info = WholeFile().load(found, _position(parts), rank=rank, verify=verify)
+                folder = path / f"step{info['step']}"
+                agreed(functools.partial(_verify, folder), distributed=True)
+                break
+            except CorruptCheckpoint as exc:
+                skipped.append(str(exc).split(";")[0])
+                if found == candidates[-1]:
+                    raise CorruptCheckpoint(
+                        " and ".join(skipped) + "; no position in it can be resumed: start "
+                        "fresh with another --out, or --overwrite to delete it"
+                    ) from None
+        self._load_engine(folder)
+        self._kept, self._fell_back = [info["step"]], bool(skipped)
+        if skipped:
+            info["notes"] = [f"{s}; fell back to the previous position" for s in skipped]
+        return info
+
+    def _load_engine(self, folder: Path) -> None:
+        """DeepSpeed's own load of a checked step folder, its reader the safe one."""
         engine = self._strategy.engine
         with _reading_safely(engine):
             try:
-                loaded, _ = engine.load_checkpoint(str(path), tag=folder.name)
+                loaded, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name)
             except (RuntimeError, KeyError, ValueError) as exc:  # DeepSpeed's own mismatches
                 said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
                 raise CheckpointError(
@@ -418,26 +464,6 @@ class DeepSpeedFiles(CheckpointFormat):
                 ) from None
         if loaded is None:
             raise CorruptCheckpoint(f"DeepSpeed checkpoint {str(folder)!r} is missing its files")
-        self._kept = [info["step"]]
-        return info
-
-    @staticmethod
-    def _load_position(
-        path: Path, parts: Mapping[str, Any], rank: int, verify: Verify
-    ) -> dict[str, Any]:
-        """``state.pt``, or its previous copy when it is corrupt (each DeepSpeed folder it
-        names is kept)."""
-        latest = path / _STATE
-        candidates = [p for p in (latest, previous_path(latest)) if p.exists()]
-        if not candidates:
-            raise CorruptCheckpoint(f"checkpoint {str(path)!r} has no {_STATE}")
-        for found in candidates:
-            try:
-                return WholeFile().load(found, _position(parts), rank=rank, verify=verify)
-            except CorruptCheckpoint:
-                if found == candidates[-1]:
-                    raise
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _drop_stale(self, path: Path, rank: int) -> None:
         """Rank 0 removes the step folders no kept ``state.pt`` names (after every rank wrote)."""
@@ -447,6 +473,18 @@ class DeepSpeedFiles(CheckpointFormat):
             match = _TAG.fullmatch(folder.name)
             if match and folder.is_dir() and int(match[1]) not in self._kept:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _private_files() -> Iterator[None]:
+    """Files and folders created meanwhile are their owner's alone (DeepSpeed creates its
+    files with the umask's mode, 0644 under the usual 022). The umask is the process's: no
+    other thread of a rank creates files during a save."""
+    before = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(before)
 
 
 def _position(parts: Mapping[str, Any]) -> dict[str, Any]:
