@@ -36,6 +36,33 @@ def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["launch", "--nproc", "1000000", "--dry-run", "t.py"], "at most 1024"),
         (["launch", "--nnodes", "1000000000", "--dry-run", "t.py"], "[1, 100000]"),
         (["launch", "--batch-sizes", f"3,{HUGE}", "--dry-run", "t.py"], "more than 1000000000"),
+        # Issue 34: 30,000 sizes made a 30,000-rank plan; a port past 65535 went to torchrun;
+        # 5,000 CPU devices were accepted and then ignored SIGTERM for minutes.
+        (
+            ["launch", "--batch-sizes", ",".join(["1"] * 30_000), "--dry-run", "t.py"],
+            "30000 ranks per node, more than 1024",
+        ),
+        (["launch", "--master-port", "99999", "--dry-run", "t.py"], "[1, 65535], got '99999'"),
+        (
+            [
+                "launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "-1",
+                "--batch-sizes",
+                "1,1",
+                "--dry-run",
+                "t.py",
+            ],
+            "--node-rank must be an int in [0, 99999]",
+        ),
+        (["train", "--devices", ",".join(["cpu"] * 5000)], "5000 devices, more than 1024"),
+        (
+            ["train", "--devices", "cpu", "--out", "runs/" + "a" * 300],
+            "names are at most 255 bytes",
+        ),
+        (["train", "--devices", "cpu", "--out", "runs/bad\udcff\udcfe"], "in UTF-8 text"),
     ],
 )
 def test_sizes_past_the_limits_are_one_line(
@@ -90,6 +117,7 @@ def test_environment_variables_get_the_same_limits(
         ('{"mode": "tpu"}', "--mode must be one of"),
         ('{"resume": "yes"}', "--resume must be true or false"),
         ('{"surprise": 1}', "unknown option 'surprise'"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than 32 levels"),  # was a RecursionError
     ],
 )
 def test_train_options_from_the_environment_are_checked_like_the_command_line(
@@ -119,3 +147,25 @@ def test_host_out_of_memory_is_the_out_of_memory_line(
     monkeypatch.setattr(train, "_run", run)
     line = _one_line(["train", "--out", str(tmp_path / "run")], capsys)
     assert "out of memory" in line and "lower --batch" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("[" * 100_000 + "]" * 100_000, "nested deeper than 32 levels"), (None, "is not a file")],
+)
+def test_a_strategy_config_too_deep_or_a_fifo_is_refused_before_any_launch(
+    text: str | None, needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 34: a deeply nested --strategy-config was a RecursionError in every rank; it and a
+    FIFO in its place are one line from the launcher, before torchrun starts."""
+    import os
+
+    config = tmp_path / "ds.json"
+    if text is None:
+        os.mkfifo(config)
+    else:
+        config.write_text(text)
+    argv = ["train", "--mode", "deepspeed", "--devices", "cpu,cpu", "--strategy-config",
+            str(config), "--out", str(tmp_path / "run")]  # fmt: skip
+    assert needle in _one_line(argv, capsys)
+    assert not (tmp_path / "run").exists()

@@ -7,6 +7,7 @@ where a count belongs is a mistake, and this check refuses it.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
@@ -21,6 +22,7 @@ from ._shown import SHOWN_CHARS, shown
 __all__ = [
     "SHOWN_CHARS",
     "is_int",
+    "json_data",
     "shown",
     "validate_bool",
     "validate_callable",
@@ -34,6 +36,40 @@ __all__ = [
     "validate_path",
     "validate_sequence",
 ]
+
+
+#: How deep a JSON document evendp reads may nest (a DeepSpeed config nests 3 or 4 levels).
+JSON_DEPTH = 32
+
+
+def json_data(text: str | bytes) -> Any:
+    """``text`` parsed as JSON nested at most :data:`JSON_DEPTH` levels; a ``ValueError``
+    (``json.JSONDecodeError`` for bad syntax) otherwise, never a ``RecursionError``.
+
+    >>> json_data('{"a": [1, 2]}')
+    {'a': [1, 2]}
+    >>> json_data("[" * 40 + "]" * 40)
+    Traceback (most recent call last):
+    ...
+    ValueError: nested deeper than 32 levels
+    """
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {JSON_DEPTH} levels") from None
+    level, todo = 0, [data]
+    while todo:  # breadth-first, one level at a time: no recursion of our own either
+        level += 1
+        if level > JSON_DEPTH:
+            raise ValueError(f"nested deeper than {JSON_DEPTH} levels")
+        todo = [
+            child
+            for item in todo
+            if isinstance(item, dict | list)
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+    return data
 
 
 def is_int(value: Any) -> bool:
@@ -184,19 +220,42 @@ def validate_instance(
     return value
 
 
+#: The longest path, and path component, Linux takes (bytes): longer ones fail only when used.
+_PATH_MAX, _NAME_MAX = 4096, 255
+
+
 def validate_path(name: str, value: Any, *, allow_none: bool = False) -> Any:
-    """Return ``value`` when it is a path: a non-empty ``str`` or an ``os.PathLike``.
+    """Return ``value`` when it is a path: a non-empty ``str`` or an ``os.PathLike``, UTF-8
+    text, no name in it longer than 255 bytes (what a file system takes).
 
     >>> validate_path("out_dir", 123)
     Traceback (most recent call last):
     ...
     evendp.InputError: out_dir must be a path (str or pathlib.Path), got 123
+    >>> validate_path("--out", "runs/" + "a" * 300)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: --out must be a path whose names are at most 255 bytes (4096 in all), ...
     """
     if value is None and allow_none:
         return None
     if not (isinstance(value, os.PathLike) or (isinstance(value, str) and value)):
         raise _fail(name, "a path (str or pathlib.Path)" + (" or None" if allow_none else ""),
                     value, None)  # fmt: skip
+    text = os.fspath(value)
+    if isinstance(text, str):  # bytes paths are the OS's own: nothing to encode
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EvendpError(
+                f"{name} must be a path in UTF-8 text, got {shown(text)}; rename it"
+            ) from None
+        longest = max(len(part.encode()) for part in text.split(os.sep))
+        if longest > _NAME_MAX or len(text.encode()) > _PATH_MAX:
+            raise EvendpError(
+                f"{name} must be a path whose names are at most {_NAME_MAX} bytes ({_PATH_MAX} "
+                f"in all), got {shown(text)}; give a shorter one"
+            )
     return value
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "plan_launch",
     "read_outcome",
     "torchrun_command",
+    "validate_passed_numbers",
     "write_outcome",
 ]
 
@@ -119,6 +120,28 @@ def _fixed_nnodes(nnodes: str | int | None) -> int | None:
     if not 1 <= value <= 100_000:
         raise EvendpError(f"--nnodes must be an int in [1, 100000], got {shown(nnodes)}")
     return value
+
+
+#: The passed-through options that are numbers: their ranges (torchrun would take 99999 as a
+#: port and fail only when it binds).
+_PASSED_NUMBERS = {"master_port": (1, 65535), "node_rank": (0, 99_999), "max_restarts": (0, 1000)}
+
+
+def validate_passed_numbers(given: Mapping[str, str | int | None]) -> None:
+    """The passed-through ports, node ranks and restart counts are ints in their ranges."""
+    for key, (low, high) in _PASSED_NUMBERS.items():
+        if given.get(key) is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        try:
+            value = int(str(given[key]))
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise EvendpError(
+                f"{flag} must be an int in [{low}, {high}], got {shown(given[key])}; e.g. "
+                f"{flag} {low if key != 'master_port' else 29501}"
+            )
 
 
 #: The most ranks one node starts: each is a process (and a GPU); more is a typo, and a plan for
@@ -294,6 +317,11 @@ def plan_launch(
                 "--nproc or give one size per rank"
             )
         count = per_node
+    if count is not None and count > MAX_NPROC:
+        raise EvendpError(
+            f"{'--batch-sizes' if sizes is not None else '--memory'} gives {count} ranks per "
+            f"node, more than {MAX_NPROC} (the --nproc limit); give one entry per rank"
+        )
 
     # Which GPUs; nvml=False means "do not ask NVML" (CPU planning, tests, doctests).
     try:
@@ -403,6 +431,7 @@ def torchrun_command(
             f"unknown torchrun option(s) {unknown}; evendp launch passes through "
             f"{list(PASSTHROUGH_OPTIONS)}"
         )
+    validate_passed_numbers(given)
     single_node = _fixed_nnodes(given.get("nnodes")) == 1
     if single_node and "rdzv_endpoint" not in given:
         given.setdefault("master_addr", "127.0.0.1")

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .._core._errors import EvendpError
-from .._core._validate import shown
+from .._core._validate import shown, validate_path
 
 __all__ = ["check_out_dir", "check_out_file"]
 
@@ -26,6 +26,7 @@ def check_out_dir(flag: str, path: str) -> None:
     ...
     evendp.InputError: --out '/proc/evendp-run': cannot write in '/proc' ...
     """
+    validate_path(flag, path)
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise EvendpError(
@@ -43,6 +44,7 @@ def check_out_file(flag: str, path: str) -> None:
     ...
     evendp.InputError: --plot '/missing/dir/p.png': the folder '/missing/dir' does ...
     """
+    validate_path(flag, path)
     target = Path(path)
     if target.is_dir():
         raise EvendpError(

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .._core._errors import EvendpError
-from .._core._validate import shown
+from .._core._validate import json_data, shown
 from .._training._strategies import STRATEGIES
 from ._args import bounded_float, bounded_int, memory_text
 
@@ -254,6 +254,8 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--strategy-config {shown(args.strategy_config)} is not a file; pass the path "
             "of a JSON file with the mode's settings"
         )
+    if args.strategy_config is not None:
+        STRATEGIES[args.mode].check_config(args.strategy_config)
     _validate_rank_options(args)
     _validate_pairs(args)
 
@@ -387,6 +389,13 @@ def parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
         if torch.cuda.is_available():
             return list(range(torch.cuda.device_count()))
         return ["cpu", "cpu", "cpu"]
+    from evendp._planning._launch import MAX_NPROC
+
+    if text.count(",") >= MAX_NPROC:  # each device is a replica (dp) or a rank process
+        raise EvendpError(
+            f"--devices {shown(text)} names {text.count(',') + 1} devices, more than "
+            f"{MAX_NPROC} (the --nproc limit); e.g. --devices cpu,cpu,cpu"
+        )
     out: list[str | int] = []
     for part in text.split(","):
         part = part.strip()
@@ -529,8 +538,8 @@ def _checked_options(text: str) -> dict[str, object]:
     if len(text) > _MAX_OPTIONS_CHARS:
         raise EvendpError(f"{OPTIONS_ENV} holds {len(text)} characters, not options; {fix}")
     try:
-        given = json.loads(text)
-    except ValueError as exc:
+        given = json_data(text)
+    except ValueError as exc:  # bad syntax, or nested too deep
         raise EvendpError(f"{OPTIONS_ENV}={shown(text)} is not JSON ({exc}); {fix}") from None
     if not isinstance(given, dict):
         raise EvendpError(f"{OPTIONS_ENV}={shown(text)} is not a JSON object; {fix}")

@@ -10,7 +10,13 @@ from pathlib import Path
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import shown
-from .._planning._launch import PASSTHROUGH_OPTIONS, launch, plan_launch, torchrun_command
+from .._planning._launch import (
+    PASSTHROUGH_OPTIONS,
+    launch,
+    plan_launch,
+    torchrun_command,
+    validate_passed_numbers,
+)
 from ._args import bounded_int, memory_text, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, print the plan, and run torchrun (exit code 2 for bad input)."""
     passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
     try:
+        validate_passed_numbers(passthrough)
         gpu_ids = _gpu_ids(args)
         if not args.dry_run:
             _validate_script(args.script, passthrough)

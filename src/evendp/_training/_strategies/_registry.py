@@ -33,6 +33,7 @@ class StrategyEntry:
     ranks: bool = True  # one process per device under torchrun
     checkpoint_name: str = "ckpt.pt"  # in out_dir
     takes_config: bool = False  # reads TrainConfig.strategy_config
+    config_check: str | None = None  # a function (strategy_config) -> None that refuses one
     plans_memory: bool = False  # evendp train --memory: the planner models its memory
 
     def build(
@@ -41,6 +42,13 @@ class StrategyEntry:
         module = importlib.import_module(self.module, __package__)
         built: Strategy = getattr(module, self.builder)(model, config, device_ids, weights)
         return built
+
+    def check_config(self, given: Any) -> None:
+        """Refuse a ``strategy_config`` this strategy would refuse, before any process starts
+        (an :class:`~evendp.EvendpError`); nothing to check without a ``config_check``."""
+        if self.config_check is not None:
+            module = importlib.import_module(self.module, __package__)
+            getattr(module, self.config_check)(given)
 
 
 STRATEGIES: dict[str, StrategyEntry] = {
@@ -78,6 +86,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "--strategy-config, default 2); checkpoints in OUT/ckpt.ds",
             checkpoint_name="ckpt.ds",
             takes_config=True,
+            config_check="check_strategy_config",
         ),
     )
 }
