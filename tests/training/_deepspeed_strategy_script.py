@@ -170,10 +170,20 @@ def host_reads(out: Path) -> None:
         torch.save(summary, out / "host_reads" / name / f"rank{dist.get_rank()}.pt")
 
 
+def group_timeouts() -> list[float]:
+    """Every process group's collective timeout (s) on this rank: DeepSpeed's own included."""
+    from torch.distributed.distributed_c10d import _world
+
+    cpu = torch.device("cpu")
+    return [pg._get_backend(cpu).options._timeout.total_seconds() for pg in _world.pg_map]
+
+
 def main(out: Path) -> None:
     host_reads(out)
     for name, case in CASES.items():
         run(name, out, case)
+    if dist.get_rank() == 0:
+        (out / "timeouts.txt").write_text(repr(group_timeouts()))
     case, ckpt = CASES["z3_straight"], out / "resume_run"
     run(f"{RESUMED}_first", out, {**case, "steps": 2}, out_dir=str(ckpt))
     t = run(RESUMED, out, case, out_dir=str(ckpt), resume=True)

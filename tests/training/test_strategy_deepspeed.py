@@ -105,6 +105,16 @@ def test_a_resumed_zero3_run_equals_the_straight_run(launched: Path) -> None:
     assert {p.name for p in ckpt.glob("step*")} == {"step2", "step4"}  # the last two kept
 
 
+def test_every_group_deepspeed_reduces_in_gets_the_comm_timeout(launched: Path) -> None:
+    """Issue 34: a stalled rank under DeepSpeed hung the run: DeepSpeed reduces in groups of
+    its own, which kept gloo's 30 minutes when only the default group got comm_timeout."""
+    import ast
+
+    timeouts = ast.literal_eval((launched / "timeouts.txt").read_text())
+    assert len(timeouts) > 1  # the default group and DeepSpeed's
+    assert set(timeouts) == {evendp.TrainConfig().comm_timeout}, timeouts
+
+
 def test_deepspeed_checkpoint_files_are_the_owners_alone(launched: Path) -> None:
     """ckpt.ds and everything in it: no group or other permission bits (DeepSpeed writes with
     the umask's 0644; the other modes' files are 0600)."""

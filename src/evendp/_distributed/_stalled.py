@@ -2,7 +2,8 @@
 
 Without a timeout a rank that hangs (stopped with ``kill -STOP``, stuck in a driver, its
 machine paused) keeps every other rank waiting in a collective for gloo's default 30
-minutes, silently. So the Trainer gives the process group a timeout once every rank has
+minutes, silently. So the Trainer gives every process group (a library's own, such as
+DeepSpeed's, too) a timeout once every rank has
 arrived at the training loop (``TrainConfig.comm_timeout``, ``evendp train --comm-timeout``,
 600 s; at start-up the group keeps its own, since ranks start seconds apart). When it fires:
 
@@ -79,16 +80,21 @@ def is_comm_failure(error: BaseException) -> bool:
 
 
 def set_comm_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
-    """Give ``group`` (the default group when ``None``) a collective timeout of ``seconds``.
+    """Give ``group`` a collective timeout of ``seconds``; ``None``: every group this rank
+    belongs to (a library's own groups too: DeepSpeed reduces in groups it made with gloo's
+    30-minute default, where a stalled peer would go unnoticed).
 
     >>> import torch.distributed as dist
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     >>> set_comm_timeout(30)
     >>> dist.destroy_process_group()
     """
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout, _world
 
-    _set_pg_timeout(timedelta(seconds=seconds), group)
+    groups = [group] if group is not None else list(_world.pg_map)
+    for each in groups:
+        if each is not None and not _rank_not_in_group(each):
+            _set_pg_timeout(timedelta(seconds=seconds), each)
 
 
 def report_stalled(outcome: str | None, rank: int) -> bool:
