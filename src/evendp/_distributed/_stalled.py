@@ -2,10 +2,10 @@
 
 Without a timeout a rank that hangs (stopped with ``kill -STOP``, stuck in a driver, its
 machine paused) keeps every other rank waiting in a collective for gloo's default 30
-minutes, silently. So the Trainer gives every process group (a library's own, such as
-DeepSpeed's, too) a timeout once every rank has
-arrived at the training loop (``TrainConfig.comm_timeout``, ``evendp train --comm-timeout``,
-600 s; at start-up the group keeps its own, since ranks start seconds apart). When it fires:
+minutes, silently. So the Trainer gives every process group (a library's own too, such as
+DeepSpeed's) a timeout once every rank has arrived at the training loop
+(``TrainConfig.comm_timeout``, ``evendp train --comm-timeout``, 600 s; at start-up the groups
+keep their own, since ranks start seconds apart). When it fires:
 
 - each rank still answering raises :class:`RankStalled` (a :class:`TrainingError`, exit 1)
   without another collective or a save: the last good checkpoint stays as it was;
