@@ -235,3 +235,21 @@ def test_a_checkpoint_name_that_is_not_a_runs_file_is_refused_even_with_overwrit
     assert f"{name} there is" in err and "move it away" in err, err
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == snapshot
     assert (theirs / "f").read_text() == "theirs"
+
+
+def test_a_tensorboard_link_in_out_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: ``--log-to tensorboard`` wrote its event files through a ``tensorboard`` link
+    planted in ``--out`` (into another user's folder)."""
+    pytest.importorskip("torch.utils.tensorboard")
+    from evendp.cli._run_folder import MARKER
+
+    out, theirs = tmp_path / "R", tmp_path / "theirs"
+    out.mkdir(), theirs.mkdir()
+    (out / MARKER).write_text("{}")
+    (out / "tensorboard").symlink_to(theirs)
+    assert main(["train", *TINY, "--log-to", "tensorboard", "--out", str(out)]) == 2
+    err = _one_line(capsys)
+    assert "tensorboard' is a link" in err and "another --out" in err, err
+    assert list(theirs.iterdir()) == []

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._core._errors import EvendpError
+from .._core._validate import shown
 
 __all__ = ["build_demo", "demo_model_name", "metric_logger", "print_report"]
 
@@ -65,5 +66,12 @@ def metric_logger(args: argparse.Namespace) -> tuple[Any, Path] | None:
     if args.log_to == "csv":
         return CSVLogger(out / "metrics.csv"), out / "metrics.csv"
     if args.log_to == "tensorboard":
-        return TensorBoardLogger(out / "tensorboard"), out / "tensorboard"
+        folder = out / "tensorboard"
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            what = "a link" if folder.is_symlink() else "not a folder"
+            raise EvendpError(
+                f"--log-to tensorboard: {shown(str(folder))} is {what}; the event files would "
+                "go there: remove it if it is yours, or pass another --out"
+            )
+        return TensorBoardLogger(folder), folder
     return None
