@@ -46,6 +46,23 @@ def test_the_folder_is_made_0700_whatever_the_umask(
     assert not list(folder.iterdir())  # the run removed its lock at its end
 
 
+def test_a_missing_cache_folder_is_made_private_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: with no runtime folder, ``~/.cache`` made under umask 000 was 0777."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    old = os.umask(0)
+    try:
+        folder = run_files_dir()
+    finally:
+        os.umask(old)
+    assert folder == tmp_path / "home" / ".cache" / "evendp"
+    for made in (folder, folder.parent, folder.parent.parent):
+        assert oct(made.lstat().st_mode & 0o777) == "0o700", made
+
+
 def test_a_folder_that_is_a_link_or_open_to_others_is_refused_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ can run at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -80,11 +81,14 @@ def run_files_dir() -> Path:
 
 
 def _make(folder: Path, parents: bool) -> bool:
-    """Create ``folder`` 0700 (``parents``: its missing parents too, as the umask says);
-    False when it cannot be."""
+    """Create ``folder`` 0700 (``parents``: its missing parents too, 0700 or tighter as the
+    umask says: ``~/.cache`` made under umask 000 was open to all); False when it cannot be."""
     try:
         if parents:
-            folder.parent.mkdir(parents=True, exist_ok=True)
+            missing = [p for p in folder.parents if not p.exists()]
+            for parent in reversed(missing):
+                with contextlib.suppress(FileExistsError):  # another process, meanwhile
+                    os.mkdir(parent, 0o700)
         # mkdir's mode is cut by the umask, never widened: 0700 or tighter, then exactly 0700.
         os.mkdir(folder, 0o700)
     except FileExistsError:
