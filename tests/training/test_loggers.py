@@ -82,6 +82,24 @@ def test_csv_logger_replaces_a_link_at_its_path_never_writes_through_it(tmp_path
         assert [r.split(",")[0] for r in path.read_text().splitlines()] == ["step", "1", "2", "3"]
 
 
+@pytest.mark.timeout(60)
+def test_a_resumed_csv_logger_keeps_no_rows_from_a_link_or_a_fifo(tmp_path: Path) -> None:
+    """A resumed run keeps the earlier rows of its own metrics.csv; a hard link planted there
+    (to another user's file) is not read into ours, and a FIFO there does not hang it."""
+    own = tmp_path / "own.csv"
+    own.write_text("step,loss\n1,0.5\n2,0.4\n")
+    theirs, linked, fifo = tmp_path / "theirs.csv", tmp_path / "linked.csv", tmp_path / "fifo.csv"
+    theirs.write_text("step,secret\n1,hunter2\n")
+    os.link(theirs, linked)
+    os.mkfifo(fifo)
+    for path, kept in ((own, ["1", "2"]), (linked, []), (fifo, [])):
+        CSVLogger(path).log_metrics({"loss": 0.3}, step=3)  # resumed at step 3
+        rows = path.read_text().splitlines()
+        assert [r.split(",")[0] for r in rows[1:]] == [*kept, "3"], (path, rows)
+        assert "hunter2" not in path.read_text()
+    assert theirs.read_text() == "step,secret\n1,hunter2\n"
+
+
 def test_mlflow_logger_on_a_local_file_store(tmp_path: Path) -> None:
     uri = (tmp_path / "mlruns").as_uri()
     with mock.patch.dict(os.environ, MLFLOW_ALLOW_FILE_STORE="true"):

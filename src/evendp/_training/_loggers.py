@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
-from .._core._files import open_append, replace_file
+from .._core._files import NotReadable, open_append, open_regular, replace_file
 from .._core._validate import validate_instance, validate_path
 from ._callbacks import Callback
 
@@ -67,6 +67,10 @@ class MetricLogger(Callback):
             self.close()
 
 
+#: A resumed run's metrics file read back: a row per step is far below this.
+_MAX_CSV_BYTES = 256 << 20
+
+
 class CSVLogger(MetricLogger):
     """One row per logged step in a CSV file: ``step`` and a column per metric.
 
@@ -110,10 +114,16 @@ class CSVLogger(MetricLogger):
 
     def _keep_earlier(self, step: int) -> None:
         """The rows of a file already there that come before ``step`` (a resumed run's); a
-        link there is not ours to read (it is replaced)."""
+        link (symbolic or hard), a FIFO or a giant there is not ours to read (it is replaced)."""
         if self.path.is_symlink():
             return
-        with self.path.open(newline="") as f:
+        try:
+            raw = open_regular(self.path, _MAX_CSV_BYTES)
+        except (OSError, NotReadable):
+            return
+        with raw, io.TextIOWrapper(raw, newline="") as f:
+            if os.fstat(raw.fileno()).st_nlink != 1:
+                return
             reader = csv.DictReader(f)
             if not reader.fieldnames or reader.fieldnames[0] != "step":
                 return  # not a metrics file of ours: overwritten
