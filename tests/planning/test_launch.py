@@ -500,6 +500,24 @@ def test_a_hang_up_or_ctrl_c_reaches_the_ranks_not_torchrun(tmp_path: Path) -> N
     assert "Traceback" not in output and "SignalException" not in output, output
 
 
+@pytest.mark.multiprocess
+def test_a_killed_rank_is_one_line_not_torchruns_report(tmp_path: Path) -> None:
+    """Issue 34: kill -9 of a rank printed torchrun's ChildFailedError (its traceback and a
+    table, ~40 lines) and no line of evendp's. A launch of its own: only torchrun writes that
+    report, and these workers import nothing (they start in milliseconds)."""
+    import signal
+
+    proc, pids = _launcher(tmp_path, "plain")
+    os.kill(pids[0], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    assert _gone(pids, 10)
+    said = [line for line in output.splitlines() if line.startswith("evendp launch: rank")]
+    assert len(said) == 1 and said[0].startswith("evendp launch: rank 0 was killed by SIGKILL")
+    assert said[0].endswith("; torchrun stopped the run"), output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+
+
 def test_the_quiet_torchrun_reads_the_launchers_outcome_variable() -> None:
     # __main__.py imports nothing of evendp, so it spells the variable itself.
     import runpy

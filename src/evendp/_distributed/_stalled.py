@@ -36,6 +36,7 @@ __all__ = [
     "RankStalled",
     "StallWatch",
     "is_comm_failure",
+    "peer_lost",
     "report_stalled",
     "set_comm_timeout",
 ]
@@ -77,6 +78,24 @@ def is_comm_failure(error: BaseException) -> bool:
     """
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(f in text for f in _FAILURES)
+
+
+# What gloo says when the other end of a connection went away (its process died or closed).
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe")
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """How gloo said that the other end of a collective went away (it died or exited), or
+    ``None`` when ``error`` is something else.
+
+    >>> peer_lost(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by "
+    ...                        "peer. This is typically caused by a remote worker hanging"))
+    'connection reset by peer'
+    >>> peer_lost(RuntimeError("Timed out waiting 20000ms for recv operation to complete"))
+    """
+    text = str(error).lower()
+    found = [f for f in _PEER_LOST if f in text] if isinstance(error, RuntimeError) else []
+    return found[0] if found else None
 
 
 def set_comm_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:

@@ -97,6 +97,17 @@ def run(args: argparse.Namespace) -> int:
 
         return report_error(exc)  # once, not once per rank; 2 for bad input, 1 for a fault
     except (RuntimeError, ValueError) as exc:
+        from evendp._distributed._stalled import peer_lost
+
+        why = peer_lost(exc)
+        if is_launched_rank() and why is not None:  # a victim: torchrun names the cause
+            rank = os.environ.get("RANK", "?")
+            print(
+                f"evendp train: error: rank {rank} lost its connection to another rank "
+                f"({why}): that rank stopped or died",
+                file=sys.stderr,
+            )
+            return 1
         if not is_oom_error(exc):
             raise
         print(

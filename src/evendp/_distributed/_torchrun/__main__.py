@@ -39,11 +39,15 @@ def main(argv: list[str]) -> int:
     """Run torchrun on ``argv``; a signal that stopped it gives one line and ``128 + N``."""
     serve_loopback_on_loopback()  # before torchrun's modules take their own TCPStore name
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     launcher = os.getppid()
     try:
         torchrun(argv)
+    except ChildFailedError as exc:  # its report: a traceback of torchrun's own and a table
+        print(f"evendp launch: {failed_ranks(exc.failures)}", file=sys.stderr)
+        return 1
     except SignalException as exc:
         signum = int(exc.sigval)
         orphaned = os.getppid() != launcher  # reparented: the launcher died
@@ -56,6 +60,28 @@ def main(argv: list[str]) -> int:
         print(f"evendp launch: torchrun got {name} ({why}) and stopped every rank", file=sys.stderr)
         return 128 + signum
     return 0
+
+
+def failed_ranks(failures: dict[int, Any]) -> str:
+    """One line for torchrun's ``ChildFailedError``: which ranks ended how, first the one that
+    failed first (the others are often its victims: a peer gone, then torchrun's SIGTERM).
+
+    >>> from types import SimpleNamespace as F
+    >>> failed_ranks({1: F(exitcode=1, timestamp=2), 0: F(exitcode=-9, timestamp=1)})
+    'rank 0 was killed by SIGKILL, then rank 1 exited with code 1; torchrun stopped the run'
+    """
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    said = [f"rank {rank} {_ended(failure.exitcode)}" for rank, failure in ordered]
+    return ", then ".join(said) + "; torchrun stopped the run"
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _loopback(host: str) -> str | None:
