@@ -1,7 +1,8 @@
 """Every ``Trainer(strategy="deepspeed")`` case in one launch (2 gloo ranks), read by
 test_strategy_deepspeed.py, which runs the one-process references.
 
-Usage: evendp launch --nproc 2 tests/training/_deepspeed_strategy_script.py OUT HANG_S
+Usage: evendp launch --nproc 2 tests/training/_deepspeed_strategy_script.py OUT HANG_S [DISK]
+(DISK: a small file system the test mounted, for the full-disk case)
 DeepSpeed's start-up is the cost: one process group for every case. Each case writes each
 rank's final parameters (ZeRO-3: gathered whole) to ``OUT/<case>/rank<R>.pt``.
 """
@@ -192,6 +193,45 @@ def main(out: Path) -> None:
         modes = {str(p.relative_to(ckpt)): p.stat().st_mode & 0o777 for p in ckpt.rglob("*")}
         (out / RESUMED / "modes.txt").write_text(repr(modes))
     fall_back(out, case, ckpt)
+    if len(sys.argv) > 3:  # the test mounted a small file system there
+        full_disk(out, Path(sys.argv[3]))
+
+
+def full_disk(out: Path, disk: Path) -> None:
+    """Saved at step 1 on a small file system, which is then filled: the save at step 2 fails
+    on every rank alike (one error, after DeepSpeed's collectives), step 1 stays resumable."""
+    case, where = {**CASES["z3_straight"], "steps": 1}, disk / "run"
+    run("disk_first", out, case, out_dir=str(where))
+    if dist.get_rank() == 0:
+        fill(disk / "filler")
+    dist.barrier()
+    try:
+        run("disk_second", out, {**case, "steps": 2}, out_dir=str(where), resume=True,
+            comm_timeout=60)  # fmt: skip
+        said: tuple[str, str] = ("ok", "")
+    except evendp.EvendpError as exc:
+        said = (type(exc).__name__, str(exc))
+    (out / "full_disk").mkdir(exist_ok=True)
+    (out / "full_disk" / f"rank{dist.get_rank()}.txt").write_text(repr(said))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (disk / "filler").unlink()
+        kept = sorted(str(p.relative_to(where)) for p in (where / "ckpt.ds").rglob("*"))
+        (out / "full_disk" / "kept.txt").write_text(repr(kept))
+
+
+def fill(path: Path) -> None:
+    """Write zeros until the file system is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (64 * 1024, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(chunk))
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def fall_back(out: Path, case: dict[str, Any], ckpt: Path) -> None:

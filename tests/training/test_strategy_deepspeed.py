@@ -43,7 +43,18 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ds_strategy")
     command = [sys.executable, "-m", "evendp", "launch", "--nproc", "2"]
     command += [str(ROOT / "tests/training/_deepspeed_strategy_script.py"), str(out), str(HANG_S)]
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=HANG_S + 120)
+    disk = out / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                             capture_output=True).returncode == 0  # fmt: skip
+    try:
+        done = subprocess.run(
+            command + [str(disk)] * mounted, env=_env(), capture_output=True, text=True,
+            timeout=HANG_S + 120,
+        )  # fmt: skip
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
 
@@ -113,6 +124,25 @@ def test_every_group_deepspeed_reduces_in_gets_the_comm_timeout(launched: Path) 
     timeouts = ast.literal_eval((launched / "timeouts.txt").read_text())
     assert len(timeouts) > 1  # the default group and DeepSpeed's
     assert set(timeouts) == {evendp.TrainConfig().comm_timeout}, timeouts
+
+
+def test_a_full_disk_under_deepspeed_is_one_error_on_every_rank(launched: Path) -> None:
+    """Issue 34: a DeepSpeed save on a full disk printed 152 lines and 4 tracebacks. Every rank
+    raises the same one-line error naming the file and the cause, after DeepSpeed's own
+    collectives ran to their end; the torn step folder is gone and step 1 is intact."""
+    import ast
+
+    if not (launched / "full_disk").exists():
+        pytest.skip("cannot mount a tmpfs here (needs root): no real full disk to test")
+    said = [ast.literal_eval((launched / "full_disk" / f"rank{r}.txt").read_text()) for r in (0, 1)]
+    assert said[0] == said[1] and said[0][0] == "TrainingError", said
+    message = said[0][1]
+    assert "\n" not in message and "No space left on device" in message, message
+    assert "ckpt.ds" in message and "resume with --resume" in message, message
+    assert "intact (state.pt" in message, message
+    kept = ast.literal_eval((launched / "full_disk" / "kept.txt").read_text())
+    assert "ckpt.ds/step1" in kept and "ckpt.ds/state.pt" in kept, kept
+    assert not any(k.startswith("ckpt.ds/step2") for k in kept), kept
 
 
 def test_deepspeed_checkpoint_files_are_the_owners_alone(launched: Path) -> None:

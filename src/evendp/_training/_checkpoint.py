@@ -38,6 +38,7 @@ from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
     "CorruptCheckpoint",
+    "disk_error",
     "fix_for",
     "latest_checkpoint",
     "load_checkpoint",
@@ -293,7 +294,7 @@ def make_private_dir(folder: Path) -> None:
                 part.mkdir(mode=0o700)
                 os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not
     except OSError as exc:
-        raise _disk_error(folder, exc, "create the folder") from None
+        raise disk_error(folder, exc, "create the folder") from None
 
 
 def _private(folder: Path) -> None:
@@ -306,12 +307,15 @@ def _private(folder: Path) -> None:
                 os.chmod(entry, 0o600)
 
 
-def _disk_error(where: Path, exc: OSError, doing: str) -> TrainingError:
-    """One line for a write the operating system refused: which file, why, what to do."""
-    why = exc.strerror or type(exc).__name__
+def disk_error(
+    where: Path, exc: OSError, doing: str, checkpoint: Path | None = None
+) -> TrainingError:
+    """One line for a write the operating system refused: which file, why, what to do.
+    ``checkpoint``: the checkpoint file whose copies are intact, when not ``where``."""
+    why, kept = exc.strerror or type(exc).__name__, checkpoint or where
     return TrainingError(
         f"could not {doing} {str(where)!r}: {why} (errno {exc.errno}); the checkpoints already "
-        f"there are intact ({_kept(where) if where.suffix else 'none touched'}); free space or "
+        f"there are intact ({_kept(kept) if kept.suffix else 'none touched'}); free space or "
         "fix the permissions, then resume with --resume, or pass another --out"
     )
 
@@ -330,7 +334,7 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
     try:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as exc:
-        raise _disk_error(target, exc, "write") from None
+        raise disk_error(target, exc, "write") from None
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -344,10 +348,10 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
         with contextlib.suppress(OSError):
             tmp.unlink()
         if isinstance(exc, OSError):
-            raise _disk_error(target, exc, "write") from None
+            raise disk_error(target, exc, "write") from None
         cause = exc.__context__  # torch.save wraps the file's OSError in a RuntimeError
         if isinstance(exc, RuntimeError) and isinstance(cause, OSError):
-            raise _disk_error(target, cause, "write") from None
+            raise disk_error(target, cause, "write") from None
         raise
     _fsync_dir(target.parent)
     return target
@@ -854,12 +858,12 @@ def save_sharded_checkpoint(
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
         except OSError as exc:
-            raise _disk_error(target, exc, "write") from None
+            raise disk_error(target, exc, "write") from None
         except failures as exc:  # DCP wraps the ranks' OSErrors in its own exception
             cause = _dcp_cause(exc)
             if not isinstance(cause, OSError):
                 cause = OSError(0, _first_sentence(str(cause)))
-            raise _disk_error(target, cause, "write") from None
+            raise disk_error(target, cause, "write") from None
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
         rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": rng_state()}
         rng["sha256"] = content_digest(rng)
@@ -897,7 +901,7 @@ def save_sharded_checkpoint(
                 _fsync_dir(target.parent)
             except OSError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise _disk_error(target, exc, "rename into") from None
+                raise disk_error(target, exc, "rename into") from None
 
     agreed(rotate, distributed=True)  # nobody reads or writes the next one before the rename
     return target

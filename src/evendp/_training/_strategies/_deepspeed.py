@@ -29,6 +29,7 @@ safe read; universal checkpoints (another loader) are refused in the config.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -42,13 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._core._errors import CheckpointError, EvendpError
+from ..._core._errors import CheckpointError, EvendpError, TrainingError
 from ..._core._files import NotReadable, open_regular
 from ..._core._validate import json_data, shown
 from ..._distributed._engine_mean import config_micro_batch
 from ..._distributed._rank_errors import agreed
 from ..._distributed._sampler import UnevenBatchSampler
-from .._checkpoint import CorruptCheckpoint, make_private_dir, previous_path
+from .._checkpoint import CorruptCheckpoint, disk_error, make_private_dir, previous_path
 from .._checkpointer import CheckpointFormat, Verify, WholeFile
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer
@@ -406,10 +407,17 @@ class DeepSpeedFiles(CheckpointFormat):
     ) -> Path | None:
         """DeepSpeed's files of this step (every rank its partitions; 0700/0600 like every
         checkpoint of evendp's), then evendp's state."""
-        engine = self._strategy.engine
+        engine, tag = self._strategy.engine, f"step{step}"
         make_private_dir(path)
-        with _private_files():
-            engine.save_checkpoint(str(path), tag=f"step{step}", client_state={}, save_latest=False)
+        failed = _WriteFailures()
+        with _private_files(), failed.kept(engine):
+            engine.save_checkpoint(str(path), tag=tag, client_state={}, save_latest=False)
+        try:  # every rank, after the save's last barrier
+            agreed(lambda: failed.raise_first(path / _STATE), distributed=True)
+        except TrainingError:
+            if rank == 0:  # the torn step folder; state.pt still names the previous one
+                shutil.rmtree(path / tag, ignore_errors=True)
+            raise
         WholeFile().save(
             path / _STATE, _position(parts), rank=rank, step=step, extra=extra,
             keep_previous=keep_previous and not self._fell_back,
@@ -473,6 +481,57 @@ class DeepSpeedFiles(CheckpointFormat):
             match = _TAG.fullmatch(folder.name)
             if match and folder.is_dir() and int(match[1]) not in self._kept:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+class _WriteFailures:
+    """DeepSpeed's file writes during a save, their failures (a full disk) kept instead of
+    raised: an error raised on one rank mid-save would leave the others in the save's later
+    collectives (a ZeRO-3 gather, its closing barrier), so every rank runs the save to its
+    end and the ranks then agree on the first failure (:meth:`raise_first`)."""
+
+    def __init__(self) -> None:
+        self.first: tuple[Path, OSError] | None = None
+
+    @contextlib.contextmanager
+    def kept(self, engine: Any) -> Iterator[None]:
+        writer, copy = engine.checkpoint_engine.save, engine._copy_recovery_script
+
+        def save(state_dict: Any, path: str) -> None:  # DeepSpeed passes both by name
+            self._guarded(Path(path), lambda: writer(state_dict, path))
+
+        def copy_scripts(folder: str) -> None:
+            self._guarded(Path(folder), lambda: copy(folder))
+
+        engine.checkpoint_engine.save = save  # instance attributes: DeepSpeed's classes stay
+        engine._copy_recovery_script = copy_scripts
+        try:
+            yield
+        finally:
+            del engine.checkpoint_engine.save, engine._copy_recovery_script
+
+    def _guarded(self, where: Path, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception as exc:  # the state is built: what fails here is the file's write
+            if self.first is None:
+                self.first = (where, exc if isinstance(exc, OSError) else _write_error(where, exc))
+
+    def raise_first(self, position: Path) -> None:
+        """The first failure as one line (``position``: the ``state.pt`` still intact)."""
+        if self.first is not None:
+            where, exc = self.first
+            raise disk_error(where, exc, "write", checkpoint=position)
+
+
+def _write_error(where: Path, exc: Exception) -> OSError:
+    """The OSError behind a failed ``torch.save`` to a path, which raises a ``RuntimeError``
+    ("unexpected pos 576 vs 534") with no errno: a full file system, said as such, or torch's
+    first line."""
+    with contextlib.suppress(OSError):
+        if os.statvfs(where.parent if where.suffix else where).f_bavail == 0:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return OSError(errno.EIO, f"torch.save failed: {said}")
 
 
 @contextlib.contextmanager
