@@ -518,6 +518,47 @@ def test_a_killed_rank_is_one_line_not_torchruns_report(tmp_path: Path) -> None:
     assert "Traceback" not in output and "ChildFailedError" not in output, output
 
 
+@pytest.mark.multiprocess
+def test_a_signal_before_training_began_does_not_wait_for_a_stuck_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: SIGTERM while a rank was stuck before training waited --comm-timeout + 60 s
+    (11 minutes by default). Until the ranks say training began, the launcher tells torchrun
+    after START_ESCALATE_S (1 s here) and kills the ranks still there 5 s later. The light
+    workers of the tests above (they import nothing): a launch of its own, of milliseconds."""
+    import signal
+    import threading
+    import time
+
+    from evendp._distributed import _interrupt
+    from evendp._planning._launch import launch_with_outcome
+
+    monkeypatch.setattr(_interrupt, "START_ESCALATE_S", 1.0)
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+
+    def stick_rank1_then_signal() -> None:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not all((tmp_path / f"pid{r}").exists() for r in (0, 1)):
+            time.sleep(0.05)
+        time.sleep(0.3)  # the handlers are installed before the pid files are written
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGSTOP)  # stuck at start-up
+        os.kill(os.getpid(), signal.SIGTERM)  # to the launcher: this process
+
+    threading.Thread(target=stick_rank1_then_signal, daemon=True).start()
+    plan = plan_launch(nproc=2, batch_sizes="1,1", nvml=False)
+    started = time.monotonic()
+    code, _ = launch_with_outcome(
+        str(script), [str(tmp_path), "handler"], plan=plan, comm_timeout=600, trainer=True
+    )
+    took = time.monotonic() - started
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert code == 128 + signal.SIGTERM and _gone(pids, 10), (code, pids)
+    assert took < 60, took  # was 660 s: the comm timeout and a minute
+    assert (tmp_path / "stopped0").read_text() == "15"  # the answering rank stopped cleanly
+
+
 def test_the_quiet_torchrun_reads_the_launchers_outcome_variable() -> None:
     # __main__.py imports nothing of evendp, so it spells the variable itself.
     import runpy

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -40,6 +40,9 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How long ranks may take to stop after a signal before torchrun is told (it then escalates
 # to SIGKILL): past the collective timeout, by when a hung rank has ended the others.
 ESCALATE_S = 660.0
+#: The same before training began: a rank stuck in a start-up collective has no timeout yet,
+#: and a healthy one reaches the first agreement well within this even on a loaded machine.
+START_ESCALATE_S = 60.0
 
 
 def _pending(handler: Any) -> int | None:
@@ -157,6 +160,7 @@ def run_forwarding_signals(
     *,
     watch: StallWatch | None = None,
     escalate_s: float = ESCALATE_S,
+    training: Callable[[], bool] | None = None,
 ) -> int:
     """Run ``cmd`` (torchrun), pass SIGINT/SIGTERM/SIGHUP on to its ranks, wait for it.
 
@@ -171,7 +175,11 @@ def run_forwarding_signals(
     torchrun receives SIGTERM and stops its workers, so no rank trains on unsupervised.
 
     Ranks still there ``escalate_s`` after a signal (a rank that ignores it, or hangs) get it
-    through torchrun, which sends SIGTERM and, 30 s later, SIGKILL. ``watch``
+    through torchrun, which sends SIGTERM and, 30 s later, SIGKILL. With ``training`` (whether
+    the ranks said training began; evendp's Trainer does) a signal that comes before it did
+    waits only :data:`START_ESCALATE_S`, and ranks still there 5 s after torchrun was told
+    are killed: a rank stuck in a start-up collective has no timeout yet, and there is no
+    step to save. ``watch``
     (:class:`~evendp._distributed._stalled.StallWatch`) ends a run whose ranks reported a
     peer that stopped answering.
 
@@ -192,7 +200,7 @@ def run_forwarding_signals(
     if pending is not None:  # came while this command started up: pass it on now
         received.append(pending)
     try:
-        code = _wait_forwarding(process, received, watch, escalate_s)
+        code = _wait_forwarding(process, received, watch, escalate_s, training)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -204,10 +212,12 @@ def _wait_forwarding(
     received: list[int],
     watch: StallWatch | None,
     escalate_s: float,
+    training: Callable[[], bool] | None,
 ) -> int:
     sent: set[int] = set()
-    to_torchrun = False
+    to_torchrun: float | None = None  # when torchrun was told
     since: float | None = None
+    killed = False
     while True:
         try:
             return process.wait(timeout=0.05)
@@ -226,16 +236,25 @@ def _wait_forwarding(
                 sent.add(pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
+        starting = training is not None and not training()
         waited = time.monotonic() - since
+        limit = START_ESCALATE_S if starting else escalate_s
         impatient = len(received) > 1 or (not sent and waited > _GRACE_S) or workers is None
-        impatient = impatient or (bool(workers) and waited > escalate_s)  # ignored: escalate
-        if impatient and not to_torchrun:
-            to_torchrun = True
+        impatient = impatient or (bool(workers) and waited > limit)  # ignored: escalate
+        if impatient and to_torchrun is None:
+            to_torchrun = time.monotonic()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signum)
+        late = to_torchrun is not None and time.monotonic() - to_torchrun > _KILL_GRACE_S
+        if starting and late and workers and not killed:  # stopped, or deaf: nothing to save
+            killed = True
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 _GRACE_S = 5.0  # how long a signal waits for the ranks' stop handlers before going to torchrun
+_KILL_GRACE_S = 5.0  # at start-up: from telling torchrun to killing the ranks still there
 
 
 def _children(pid: int) -> list[int] | None:

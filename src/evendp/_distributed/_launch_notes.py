@@ -1,4 +1,5 @@
-"""What the ranks tell ``evendp launch`` besides their outcome: that they read its batch sizes.
+"""What the ranks tell ``evendp launch`` besides their outcome: that they read its batch sizes,
+and that training began.
 
 ``evendp launch --batch-sizes 1,3`` prints the sizes and exports ``EVENDP_BATCH_SIZES``; a
 script that never reads them (not ported, or reading its own ``--batch``) runs its own sizes
@@ -7,7 +8,12 @@ an :class:`UnevenBatchSampler` built with those sizes) leaves a mark in the laun
 outcome folder (the folder of ``EVENDP_OUTCOME``, wherever the launcher made it), and the
 launcher warns when a run ended with no mark (:func:`sizes_were_read`).
 
-Outside a launcher (no ``EVENDP_OUTCOME``) nothing is written. The mark is an empty file: it
+The Trainer also marks the folder once every rank reached its training loop and the
+collectives got their timeout (:func:`note_training`): until then a rank may wait in a
+start-up collective with no timeout of evendp's, and ``evendp train``'s launcher does not wait
+for it long after a signal (:func:`training_began`).
+
+Outside a launcher (no ``EVENDP_OUTCOME``) nothing is written. A mark is an empty file: it
 is never read back, only looked for.
 """
 
@@ -17,12 +23,13 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["ENV_OUTCOME", "note_sizes_read", "sizes_were_read"]
+__all__ = ["ENV_OUTCOME", "note_sizes_read", "note_training", "sizes_were_read", "training_began"]
 
 #: Where rank 0 leaves the run's exit code for the launcher (a file in the launcher's private
 #: folder). ``_torchrun/__main__.py`` spells it itself (a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
 _MARK = "sizes-read"
+_TRAINING = "training"
 
 
 def note_sizes_read() -> None:
@@ -30,13 +37,25 @@ def note_sizes_read() -> None:
 
     >>> note_sizes_read()  # no launcher here: nothing to do
     """
+    _mark(_MARK)
+
+
+def note_training() -> None:
+    """On a rank under a launcher: say that training began (the collectives' timeout is set).
+
+    >>> note_training()  # no launcher here: nothing to do
+    """
+    _mark(_TRAINING)
+
+
+def _mark(name: str) -> None:
     outcome = os.environ.get(ENV_OUTCOME)
     if not outcome:
         return
     # Several ranks may mark at once: any one mark is enough. An OSError: the launcher (or
     # its folder) is gone, and nobody is left to warn.
     with contextlib.suppress(OSError):
-        (Path(outcome).parent / _MARK).touch(exist_ok=True)
+        (Path(outcome).parent / name).touch(exist_ok=True)
 
 
 def sizes_were_read(outcome: Path) -> bool:
@@ -48,3 +67,8 @@ def sizes_were_read(outcome: Path) -> bool:
     False
     """
     return (outcome.parent / _MARK).exists()
+
+
+def training_began(outcome: Path) -> bool:
+    """On the launcher: whether a rank said training began (:func:`note_training`)."""
+    return (outcome.parent / _TRAINING).exists()

@@ -16,6 +16,7 @@ instead of torchrun's traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -31,7 +32,7 @@ from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
 from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
-from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read
+from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read, training_began
 from .._distributed._torchrun import QUIET_TORCHRUN
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
@@ -508,11 +509,14 @@ def launch_with_outcome(
     env: Mapping[str, str] | None = None,
     run_dir: str | Path | None = None,
     comm_timeout: float | None = None,
+    trainer: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
     """:func:`launch`, also returning what rank 0 left (``None``: nothing, e.g. no save).
 
     ``comm_timeout``: the ranks' collective timeout, when known: a signal they have not
-    acted on a minute past it goes to torchrun, which escalates to SIGKILL.
+    acted on a minute past it goes to torchrun, which escalates to SIGKILL. ``trainer``: the
+    ranks run evendp's Trainer, which says when training began; before, a signal waits far
+    less (:data:`~evendp._distributed._interrupt.START_ESCALATE_S`).
     """
     from .._distributed._interrupt import ESCALATE_S, run_forwarding_signals
     from .._distributed._run_files import run_files_dir
@@ -537,7 +541,10 @@ def launch_with_outcome(
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
         watch = StallWatch(Path(folder))
-        code = run_forwarding_signals(cmd, child_env, watch=watch, escalate_s=escalate)
+        began = functools.partial(training_began, outcome) if trainer else None
+        code = run_forwarding_signals(
+            cmd, child_env, watch=watch, escalate_s=escalate, training=began
+        )
         if watch.fired:
             print(f"evendp: error: {watch.line(comm_timeout)}", file=sys.stderr, flush=True)
             return 1, None

@@ -54,6 +54,7 @@ from .._core._exact import weighted_sum, zero_weight
 from .._core._validate import validate_count, validate_float, validate_int
 from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
 from .._distributed._interrupt import StopFlag, late_signal
+from .._distributed._launch_notes import note_training
 from .._distributed._sampler import EmptySafeCollate, sample_costs
 from .._distributed._stalled import (
     DEFAULT_COMM_TIMEOUT_S,
@@ -875,6 +876,7 @@ class Trainer:
         if self.world > 1 and cfg.comm_timeout is not None:
             # Every rank is here (start-up skew is over): a rank silent for longer ends the run.
             set_comm_timeout(cfg.comm_timeout)
+        note_training()  # the launcher may now wait for a stop as long as the timeout says
         show = cfg.progress and self.rank == 0
         shown: float | None = None  # the loss on the bar, read on display steps only
         started = time.perf_counter()

@@ -75,7 +75,12 @@ def launch_ranks(args: argparse.Namespace) -> int:
     with hold_run_dir(args.out) as lock:  # held for the run's life; the ranks join it
         plan.env.update(child_env(lock))
         code, said = launch_with_outcome(  # rank 0 leaves the code, once it saved
-            script, argv, plan=plan, comm_timeout=args.comm_timeout, **_restarts(args)
+            script,
+            argv,
+            plan=plan,
+            comm_timeout=args.comm_timeout,
+            trainer=True,
+            **_restarts(args),
         )
     saved = said is not None and bool(said.get("interrupted"))
     return say_how_to_resume(code, args.argv, saved)
