@@ -19,6 +19,21 @@ def free_port() -> int:
     return _free_port()
 
 
+def fill_disk(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full (unbuffered: nothing is left to
+    flush at close)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (64 * 1024, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(chunk))
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

@@ -203,7 +203,9 @@ def full_disk(out: Path, disk: Path) -> None:
     case, where = {**CASES["z3_straight"], "steps": 1}, disk / "run"
     run("disk_first", out, case, out_dir=str(where))
     if dist.get_rank() == 0:
-        fill(disk / "filler")
+        from tests._helpers import fill_disk
+
+        fill_disk(disk / "filler")
     dist.barrier()
     try:
         run("disk_second", out, {**case, "steps": 2}, out_dir=str(where), resume=True,
@@ -218,20 +220,6 @@ def full_disk(out: Path, disk: Path) -> None:
         (disk / "filler").unlink()
         kept = sorted(str(p.relative_to(where)) for p in (where / "ckpt.ds").rglob("*"))
         (out / "full_disk" / "kept.txt").write_text(repr(kept))
-
-
-def fill(path: Path) -> None:
-    """Write zeros until the file system is full."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        for chunk in (64 * 1024, 1):
-            try:
-                while True:
-                    os.write(fd, bytes(chunk))
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
 
 
 def fall_back(out: Path, case: dict[str, Any], ckpt: Path) -> None:

@@ -25,7 +25,7 @@ from evendp._training._checkpoint import load_checkpoint, previous_path
 from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
-from tests._helpers import run_ranks
+from tests._helpers import fill_disk, run_ranks
 
 V, BLOCK = 11, 8
 
@@ -159,20 +159,6 @@ class _Touch:
         return os.system, (f"touch {self.marker}",)
 
 
-def _fill(path: Path) -> None:
-    """Write zeros until the disk is full (unbuffered: nothing left to flush at close)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        for chunk in (64 * 1024, 1):
-            try:
-                while True:
-                    os.write(fd, bytes(chunk))
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-
-
 #: Each breaks the latest FSDP2 checkpoint; the resume falls back to the previous one.
 _SHARD_FAULTS = ("missing-shard", "truncated-shard", "missing-metadata", "hostile-metadata",
                  "fifo-metadata", "fifo-shard")  # fmt: skip
@@ -212,7 +198,7 @@ def _fault_scenarios(rank: int, root: Path, fsdp: Path, ddp: Path) -> dict[str, 
             _resume(_gpt(0.0), where, 2, mode, checkpoint_every=1)  # two good checkpoints
             dist.barrier()
             if rank == 0:
-                _fill(disk / "filler")  # the disk is full from now on
+                fill_disk(disk / "filler")  # the disk is full from now on
             dist.barrier()
             run = partial(_resume, _gpt(0.0), where, 4, mode, checkpoint_every=1)
             results[f"disk_{mode}"] = _outcome(run)
