@@ -164,3 +164,37 @@ def test_a_custom_loss_over_ignored_labels_without_count_fn_warns_once(
     with pytest.warns(UserWarning, match=r"count_fn=evendp.count_tokens") as caught:
         _train_gpt2(gpt2, ["cpu"] * 2, loss_fn=loss_fn)
     assert sum("count_fn" in str(w.message) for w in caught) == 1
+
+
+class _Logits(nn.Module):
+    """A plain classifier: ``forward(x)`` returns logits, no loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_a_model_that_returns_logits_under_the_default_loss_is_told_to_pass_loss_fn(
+    devices: list[str],
+) -> None:
+    """Issue 36: ``forward(x)`` under the default loss ended in a 62-line traceback ("forward()
+    takes 2 positional arguments but 3 were given") that never named ``loss_fn``."""
+    from evendp import InputError
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    trainer = Trainer(_Logits(), data, TrainConfig(steps=1, batch_size=4, progress=False),
+                      device_ids=devices)  # fmt: skip
+    with pytest.raises(InputError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert "\n" not in message and "_Logits.forward does not take the targets" in message
+    assert "pass loss_fn, e.g. loss_fn=lambda model, batch:" in message
+    # The same model with a loss_fn trains: the check is about the default loss only.
+    loss_fn = lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
+    report = Trainer(_Logits(), data, TrainConfig(steps=1, batch_size=4, progress=False),
+                     device_ids=devices, loss_fn=loss_fn).fit()  # fmt: skip
+    assert report.steps == 1

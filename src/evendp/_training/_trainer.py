@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import math
 import sys
@@ -180,7 +181,38 @@ def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
             "or pass loss_fn=lambda model, batch: ... (the batch's mean loss)"
         )
     x, y = batch
+    _check_takes_targets(model)
     return _loss_of(model(x, y), loss_first=False)
+
+
+def _check_takes_targets(model: nn.Module) -> None:
+    """A model whose ``forward`` cannot take ``(x, y)`` returns logits, not a loss: say what
+    to pass instead of torch's "forward() takes 2 positional arguments but 3 were given"."""
+    forward = model.__dict__.get("forward") or type(model).forward  # per class, or patched
+    if not _takes_two(forward):
+        name = type(model).__name__
+        raise EvendpError(
+            f"the default loss_fn calls model(x, y) on an (inputs, targets) batch and takes the "
+            f"loss it returns, but {name}.forward does not take the targets (it returns "
+            "outputs, not a loss); pass loss_fn, e.g. loss_fn=lambda model, batch: "
+            "torch.nn.functional.cross_entropy(model(batch[0]), batch[1])"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_two(forward: Callable[..., Any]) -> bool:
+    """Whether ``forward`` (a class's, taking ``self``; or an instance's own) takes two more
+    positional arguments; ``True`` where it has no signature to read (the call then says)."""
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return True
+    unbound = next(iter(signature.parameters), None) == "self"
+    try:
+        signature.bind(*([None] * (3 if unbound else 2)))
+    except TypeError:
+        return False
+    return True
 
 
 def _loss_of(out: Any, *, loss_first: bool) -> torch.Tensor:
