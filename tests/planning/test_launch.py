@@ -524,7 +524,7 @@ def test_a_signal_before_training_began_does_not_wait_for_a_stuck_rank(
 ) -> None:
     """Issue 34: SIGTERM while a rank was stuck before training waited --comm-timeout + 60 s
     (11 minutes by default). Until the ranks say training began, the launcher tells torchrun
-    after START_ESCALATE_S (1 s here) and kills the ranks still there 5 s later. The light
+    after START_ESCALATE_S and kills the ranks still there 5 s later (1 s each here). The light
     workers of the tests above (they import nothing): a launch of its own, of milliseconds."""
     import signal
     import threading
@@ -534,6 +534,7 @@ def test_a_signal_before_training_began_does_not_wait_for_a_stuck_rank(
     from evendp._planning._launch import launch_with_outcome
 
     monkeypatch.setattr(_interrupt, "START_ESCALATE_S", 1.0)
+    monkeypatch.setattr(_interrupt, "_KILL_GRACE_S", 1.0)
     monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
