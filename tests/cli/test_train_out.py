@@ -253,3 +253,16 @@ def test_a_tensorboard_link_in_out_is_refused_in_one_line(
     err = _one_line(capsys)
     assert "tensorboard' is a link" in err and "another --out" in err, err
     assert list(theirs.iterdir()) == []
+
+
+def test_overwrite_refuses_a_folder_without_the_marker_and_leaves_it_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: --overwrite deleted a ``ckpt.pt`` in a folder no evendp run had marked (another
+    program's file of that name); it now deletes only what a marked run folder holds."""
+    (tmp_path / "ckpt.pt").write_bytes(b"another program's weights")
+    assert main(["train", *TINY, "--overwrite", "--out", str(tmp_path)]) == 2
+    err = _one_line(capsys)
+    assert "has no .evendp-run.json" in err and "ckpt.pt" in err and "another --out" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # nothing written
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"another program's weights"

@@ -4,8 +4,8 @@ A folder evendp trains into carries a small marker, ``.evendp-run.json``, writte
 starts there. ``--out`` is accepted when it is missing, empty, marked, or holds only files
 evendp writes (a run folder from before the marker); a folder with other files and no marker
 (a home folder, a project) is refused before any work: ``report.json`` or ``metrics.csv`` there
-would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files, by their exact
-names (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a
+would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files of a marked
+folder (unmarked, a ``ckpt.pt`` may be another program's: refused), by their exact names (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a
 folder only when everything in it is what a run writes there, and never follows a link: a user's
 ``ckpt.backups/`` or ``ckpt.notes.txt`` stays. An ``--out`` that is a dangling link is refused.
 """
@@ -120,6 +120,12 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
         )
     found = evendp_checkpoints(folder)
     _refuse_lookalikes(folder, found)
+    if found and overwrite and not _is_marker(folder / MARKER):
+        raise EvendpError(
+            f"--overwrite deletes the checkpoints of a run folder, but {shown(out)} has no "
+            f"{MARKER} (every evendp train run writes one), so its {found[0].name} may be "
+            "another program's; delete it yourself if it is a run's, or give another --out"
+        )
     if found and not overwrite:
         raise EvendpError(
             f"--out {shown(out)} holds another run's checkpoint ({found[0].name}); continue it "
