@@ -25,7 +25,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ from ._train_inputs import validate_checkpoint_args
 __all__ = [
     "CorruptCheckpoint",
     "disk_error",
+    "first_good",
     "fix_for",
     "latest_checkpoint",
     "load_checkpoint",
@@ -55,6 +56,8 @@ __all__ = [
     "save_sharded_checkpoint",
     "set_rng_state",
 ]
+
+T = TypeVar("T")
 
 _FORMAT = "evendp-checkpoint"
 _VERSION = 1
@@ -136,26 +139,47 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
     True
     """
     candidates = [c for c in _positions(Path(path)) if c.exists()]
+    if not candidates:
+        return None
+
+    def position(candidate: Path) -> dict[str, Any]:
+        if candidate.is_dir():
+            return read_state_file(candidate)
+        return _read(candidate, position_only=True)
+
+    found, payload, _ = first_good(candidates, position)
+    return found, int(payload["step"]), dict(payload.get("extra") or {})
+
+
+def first_good(candidates: list[Path], read: Callable[[Path], T]) -> tuple[Path, T, list[str]]:
+    """The first of ``candidates`` (latest first) that ``read`` takes, what it returned, and
+    why each one before it was skipped (the first clause of its :class:`CorruptCheckpoint`).
+    When none reads: the last one's error alone, or one line naming each.
+
+    >>> def read(p):
+    ...     if p.name == "ckpt.pt":
+    ...         raise CorruptCheckpoint("'ckpt.pt' is corrupt; resume from the previous one")
+    ...     return 3
+    >>> first_good([Path("ckpt.pt"), Path("ckpt.prev.pt")], read)
+    (PosixPath('ckpt.prev.pt'), 3, ["'ckpt.pt' is corrupt"])
+    """
     skipped: list[str] = []
     for candidate in candidates:
         try:
-            payload = (
-                read_state_file(candidate)
-                if candidate.is_dir()
-                else _read(candidate, position_only=True)
-            )
-            return candidate, int(payload["step"]), dict(payload.get("extra") or {})
+            return candidate, read(candidate), skipped
         except CorruptCheckpoint as exc:
-            if candidate == candidates[-1] and not skipped:
+            last = str(exc).split(";")[0]
+            if candidate != candidates[-1]:
+                skipped.append(last)
+                continue
+            earlier = [x for x in skipped if not last.startswith(x)]  # each fault once
+            if not earlier:  # one fault: its own line, with its own fix
                 raise
-            if candidate == candidates[-1]:  # both bad: one line naming both
-                said = " and ".join([*skipped, str(exc).split(";")[0]])
-                raise CorruptCheckpoint(
-                    f"{said}; neither can be resumed: start fresh with another --out, or "
-                    "--overwrite to delete them"
-                ) from None
-            skipped.append(str(exc).split(";")[0])
-    return None
+            raise CorruptCheckpoint(
+                f"{' and '.join([*earlier, last])}; neither can be resumed: start fresh with "
+                "another --out, or --overwrite to delete them"
+            ) from None
+    raise CorruptCheckpoint("no checkpoint to resume from")  # no candidates: callers check
 
 
 def _positions(path: Path) -> list[Path]:

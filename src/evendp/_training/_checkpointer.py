@@ -38,6 +38,7 @@ from .._distributed._rank_errors import agreed
 from ._checkpoint import (
     UNVERIFIED,
     CorruptCheckpoint,
+    first_good,
     fix_for,
     load_checkpoint,
     load_rank_rng,
@@ -253,17 +254,10 @@ class Checkpointer:
             return None
         present = {name: part for name, part in parts.items() if part is not None}
         distributed = self.format.collective or _distributed()
-        skipped: list[str] = []
-        for found in candidates:
-            try:
-                info, said = self._load(found, present, distributed)
-                break
-            except CorruptCheckpoint as exc:  # a mismatch with the run falls through: exit 2
-                if found == candidates[-1]:
-                    last = str(exc)
-                    earlier = [x for x in skipped if not last.startswith(x)]  # each fault once
-                    raise CorruptCheckpoint(" and ".join([*earlier, last])) from None
-                skipped.append(str(exc).split(";")[0])
+        # A mismatch with the run (CheckpointError) falls through: exit 2, no fallback.
+        found, (info, said), skipped = first_good(
+            candidates, lambda p: self._load(p, present, distributed)
+        )
         self._latest_bad = found != path
         notes = [f"{s}; fell back to the previous checkpoint" for s in skipped]
         notes += info.get("notes", [])  # the format's own fallbacks inside one checkpoint

@@ -5,8 +5,9 @@ starts there. ``--out`` is accepted when it is missing, empty, marked, or holds 
 evendp writes (a run folder from before the marker); a folder with other files and no marker
 (a home folder, a project) is refused before any work: ``report.json`` or ``metrics.csv`` there
 would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files of a marked
-folder (unmarked, a ``ckpt.pt`` may be another program's: refused), by their exact names (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a
-folder only when everything in it is what a run writes there, and never follows a link: a user's
+folder (unmarked, a ``ckpt.pt`` may be another program's: refused), by their exact names
+(``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a folder
+only when everything in it is what a run writes there, and never follows a link: a user's
 ``ckpt.backups/`` or ``ckpt.notes.txt`` stays. An ``--out`` that is a dangling link is refused.
 """
 

@@ -49,7 +49,13 @@ from ..._core._validate import json_data, shown
 from ..._distributed._engine_mean import config_micro_batch
 from ..._distributed._rank_errors import agreed
 from ..._distributed._sampler import UnevenBatchSampler
-from .._checkpoint import CorruptCheckpoint, disk_error, make_private_dir, previous_path
+from .._checkpoint import (
+    CorruptCheckpoint,
+    disk_error,
+    first_good,
+    make_private_dir,
+    previous_path,
+)
 from .._checkpointer import CheckpointFormat, Verify, WholeFile
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer
@@ -437,21 +443,14 @@ class DeepSpeedFiles(CheckpointFormat):
         candidates = [p for p in (latest, previous_path(latest)) if p.exists()]
         if not candidates:
             raise CorruptCheckpoint(f"checkpoint {str(path)!r} has no {_STATE}")
-        skipped: list[str] = []
-        for found in candidates:
-            try:
-                info = WholeFile().load(found, _position(parts), rank=rank, verify=verify)
-                folder = path / f"step{info['step']}"
-                agreed(functools.partial(_verify, folder), distributed=True)
-                break
-            except CorruptCheckpoint as exc:
-                skipped.append(str(exc).split(";")[0])
-                if found == candidates[-1]:
-                    raise CorruptCheckpoint(
-                        " and ".join(skipped) + "; no position in it can be resumed: start "
-                        "fresh with another --out, or --overwrite to delete it"
-                    ) from None
-        self._load_engine(folder)
+
+        def position(found: Path) -> dict[str, Any]:
+            info = WholeFile().load(found, _position(parts), rank=rank, verify=verify)
+            agreed(functools.partial(_verify, path / f"step{info['step']}"), distributed=True)
+            return info
+
+        _, info, skipped = first_good(candidates, position)
+        self._load_engine(path / f"step{info['step']}")
         self._kept, self._fell_back = [info["step"]], bool(skipped)
         if skipped:
             info["notes"] = [f"{s}; fell back to the previous position" for s in skipped]
