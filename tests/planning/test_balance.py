@@ -12,6 +12,8 @@ one process with the same budget.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import time
@@ -101,8 +103,11 @@ def _speed(rank: int) -> dict[str, Any]:
         model.body.register_forward_pre_hook(lambda m, a: time.sleep(SLEEP * a[0].shape[0]))
     cfg = _config(steps=STEPS, batch_size=sum(SIZES), batch_sizes=SIZES, balance="speed")
     trainer = evendp.Trainer(model, _data(sum(SIZES) * STEPS), cfg, optimizer=_sgd(model))
-    trainer.fit()
-    return {"params": _params(model), "history": trainer.balancer.history}
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        trainer.fit()
+    lines = [line for line in said.getvalue().splitlines() if "speed re-split" in line]
+    return {"params": _params(model), "history": trainer.balancer.history, "said": lines}
 
 
 class _FirstSplit(evendp.Callback):
@@ -200,6 +205,11 @@ def test_speed_balance_moves_samples_and_keeps_one_process_parameters(
     assert history == ranks[1]["speed"]["history"]
     sizes = history[-1][1]
     assert len(history) > 1 and sizes[1] < sizes[0] and sum(sizes) == sum(SIZES)
+    # Issue 36: each re-split is said once, by rank 0, with the split it made.
+    said = ranks[0]["speed"]["said"]
+    assert len(said) == len(history) - 1 and ranks[1]["speed"]["said"] == [], said
+    for (step, split), line in zip(history[1:], said, strict=True):
+        assert line.startswith(f"evendp: step {step}: speed re-split ") and str(split) in line
 
 
 def test_a_resumed_speed_run_goes_on_with_its_saved_split(ranks: list[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -360,6 +361,18 @@ class TrainProgress:
                 speed=f"{speed:.0f}",
                 memory=memory,
             )
+
+    def say(self, line: str) -> None:
+        """``line`` above the bar while it is drawn (printing past it would tear it), else on
+        stderr.
+
+        >>> with TrainProgress(total=3, enabled=False) as bar:
+        ...     bar.say("evendp: step 2: speed re-split [4, 4] -> [6, 2]")
+        """
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def __exit__(
         self,

@@ -566,6 +566,15 @@ class Trainer:
                 print(f"evendp: {note}", file=sys.stderr, flush=True)
         return True
 
+    def _resplit_line(self, step: int, before: list[int]) -> str:
+        """What the speed balancer decided at ``step``: the split, and the per-sample times."""
+        times = self.balancer.seconds_per_sample
+        said = ", ".join("-" if t is None else f"{t * 1e3:.3g}" for t in times)
+        return (
+            f"evendp: step {step}: speed re-split {before} -> {list(self.sampler.batch_sizes)} "
+            f"(ms per sample by rank: {said})"
+        )
+
     def _checkpointed(self) -> dict[str, Any]:
         """The run's state, by part (:mod:`evendp._training._stateful`); ``None``: not in
         this run. One more part is one more line."""
@@ -926,7 +935,9 @@ class Trainer:
                     loss, skipped = self._train_step(
                         item.batch, item.samples, item.shares, item.counted
                     )
-                    self.balancer.step()  # every rank alike: maybe a new split from next step
+                    split = list(self.sampler.batch_sizes)
+                    if self.balancer.step() and self.rank == 0:  # every rank alike: resplit
+                        bar.say(self._resplit_line(state.step + 1, split))
                     state.step += 1
                     # The loss is this process's part: reduce_losses makes it the step's. A
                     # step the gate skipped on the device is dropped when the flags are read.
