@@ -566,13 +566,15 @@ class Trainer:
                 print(f"evendp: {note}", file=sys.stderr, flush=True)
         return True
 
-    def _resplit_line(self, step: int, before: list[int]) -> str:
-        """What the speed balancer decided at ``step``: the split, and the per-sample times."""
+    def _resplit_line(self) -> str:
+        """What the speed balancer just decided: the step, the split before and after (its
+        history), and the per-sample times it went by."""
+        (_, before), (step, after) = self.balancer.history[-2:]
         times = self.balancer.seconds_per_sample
         said = ", ".join("-" if t is None else f"{t * 1e3:.3g}" for t in times)
         return (
-            f"evendp: step {step}: speed re-split {before} -> {list(self.sampler.batch_sizes)} "
-            f"(ms per sample by rank: {said})"
+            f"evendp: step {step}: speed re-split {list(before)} -> {list(after)} (ms per "
+            f"sample by rank: {said})"
         )
 
     def _checkpointed(self) -> dict[str, Any]:
@@ -935,9 +937,8 @@ class Trainer:
                     loss, skipped = self._train_step(
                         item.batch, item.samples, item.shares, item.counted
                     )
-                    split = list(self.sampler.batch_sizes)
                     if self.balancer.step() and self.rank == 0:  # every rank alike: resplit
-                        bar.say(self._resplit_line(state.step + 1, split))
+                        bar.say(self._resplit_line())
                     state.step += 1
                     # The loss is this process's part: reduce_losses makes it the step's. A
                     # step the gate skipped on the device is dropped when the flags are read.
