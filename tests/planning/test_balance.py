@@ -265,3 +265,27 @@ def test_one_process_and_bad_options() -> None:
         _config(balance="fast")
     with pytest.raises(evendp.EvendpError, match="expected 'auto'"):
         _config(batch_sizes="max")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU rank's planning (no CUDA here)")
+def test_auto_sizes_on_cpu_budgets_charge_no_cuda_context_and_a_small_budget_says_so() -> None:
+    """Issue 36: batch_sizes="auto" with declared budgets of 24MiB on CPU ranks failed with
+    "capacities [0, 0]": a 512 MiB CUDA context was charged to a CPU device. A budget too small
+    with a context given names the allowance and how to change it."""
+    from transformers import GPT2LMHeadModel
+
+    from evendp._planning._balance import auto_batch_sizes
+    from tests._helpers import tiny_gpt2_config
+
+    def model() -> nn.Module:
+        return GPT2LMHeadModel(tiny_gpt2_config())
+
+    ids = torch.randint(0, 64, (1, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    sizes, caps = auto_batch_sizes(model, batch, global_batch=8, memory="24MiB")
+    assert sizes == [8] and caps[0] >= 8
+    with pytest.raises(evendp.PlanError) as info:
+        auto_batch_sizes(model, batch, global_batch=8, memory="24MiB", cuda_context="512MiB")
+    message = str(info.value)
+    assert "capacities [0]" in message and "512.0 MiB for the CUDA context" in message, message
+    assert "cuda_context=, --context" in message and "\n" not in message

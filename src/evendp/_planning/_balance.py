@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core._errors import EvendpError, PlanError
+from .._core._table import format_bytes
+from .._core._units import parse_bytes
 from .._core._validate import shown
 from .._distributed._batch_plan import BatchPlan, validate_batch_sizes_option
 from .._distributed._group import comm_device
@@ -250,6 +252,10 @@ def auto_batch_sizes(
     rank = dist.get_rank(group) if initialized else 0
     world = dist.get_world_size(group) if initialized else 1
     from ._plan import plan  # the planner pulls in fake tensors: only when asked
+    from ._planner import DEFAULT_CONTEXT
+
+    if not torch.cuda.is_available():  # CPU ranks: there is no CUDA context to allow for
+        plan_options.setdefault("cuda_context", 0)
 
     failure = ""
     try:
@@ -265,7 +271,16 @@ def auto_batch_sizes(
             failure
             or f"planning batch_sizes='auto' failed on rank {caps.index(-1)} (see its error)"
         )
-    return sizes_from_capacities(caps, global_batch), caps
+    try:
+        return sizes_from_capacities(caps, global_batch), caps
+    except PlanError as exc:
+        context = parse_bytes(plan_options.get("cuda_context", DEFAULT_CONTEXT))
+        if not context:
+            raise
+        raise PlanError(
+            f"{exc} (each rank's memory also keeps {format_bytes(context)} for the CUDA "
+            "context: cuda_context=, --context)"
+        ) from None
 
 
 def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:

@@ -32,9 +32,11 @@ from ._memory import DeviceMemory, live_memory, memory_runs
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
-__all__ = ["auto_weights", "plan"]
+__all__ = ["DEFAULT_CONTEXT", "auto_weights", "plan"]
 
-_DEFAULT_CONTEXT = 512 << 20  # CUDA context + cuBLAS/cuDNN workspaces, typical on recent GPUs
+#: The allowance per device for the CUDA context + cuBLAS/cuDNN workspaces, typical on recent
+#: GPUs (``cuda_context=``, ``--context``).
+DEFAULT_CONTEXT = 512 << 20
 _MAX_ROUNDS = 4
 
 
@@ -127,7 +129,7 @@ def plan(
     gather_output: bool = True,
     output_device: int = 0,
     safety_margin: float = 0.05,
-    cuda_context: int | str = _DEFAULT_CONTEXT,
+    cuda_context: int | str = DEFAULT_CONTEXT,
     no_grad: bool = False,
     seq_len: int | None = None,
     devices: Any = UNSET,
