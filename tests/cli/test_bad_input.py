@@ -45,7 +45,7 @@ KNOWN = [
     (["train", "--mode", "tpu"], "invalid choice: 'tpu'"),
     (["train", "--log-to", "wandb"], "invalid choice: 'wandb'"),
     (["train", "--batch", "100000", "--devices", "cpu"], "more than the"),
-    (["train", "--batch", "2000"], "--batch 2000 does not fit --memory 48MiB,48MiB,24MiB"),
+    (["train", "--batch", "2000"], "--batch 2000 on --memory 48MiB,48MiB,24MiB"),
     (["plan", "--memory", "lots"], "lots"),
     (["plan", "--model", "nowhere:factory", "--memory", "1GiB"], "nowhere"),
     (["launch", "--batch-sizes", "a,b", "--dry-run", "t.py"], "a,b"),

@@ -51,3 +51,15 @@ def test_rehearse_refuses_device_ids() -> None:
     cfg = TrainConfig(steps=1, batch_size=4, progress=False)
     with pytest.raises(EvendpError, match="drop device_ids="):
         rehearse(model, data, cfg, memory="24MiB,12MiB", device_ids=["cpu"], loss_fn=loss_fn)
+
+
+def test_a_batch_past_the_budgets_is_one_plain_line_in_the_python_api() -> None:
+    """Issue 36: the error said "does not fit" twice and named the command line's --batch."""
+    model, data, loss_fn = make()
+    cfg = TrainConfig(steps=1, batch_size=192, progress=False)  # the whole dataset
+    with pytest.raises(EvendpError) as info:
+        rehearse(model, data, cfg, memory="2MiB,1MiB", loss_fn=loss_fn)
+    message = str(info.value)
+    assert message.startswith("batch_size=192 on memory 2.0MiB,1.0MiB: a global batch of")
+    assert message.count("does not fit") == 1 and "--batch" not in message, message
+    assert "the largest that fits is" in message and "\n" not in message

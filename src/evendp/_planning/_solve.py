@@ -273,8 +273,8 @@ def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> li
     total = best if batch is None else batch
     if total > best:
         raise PlanError(
-            f"a global batch of {batch} does not fit these devices; the largest that fits is "
-            f"{best}; lower --batch, add devices or free memory"
+            f"a global batch of {batch} does not fit these devices, the largest that fits is "
+            f"{best}: lower the batch size, add devices or free memory"
         )
     step_caps = [max(c, 0) for c in caps(total)]
     split = _capped_even_runs([(c, s.count) for c, s in zip(step_caps, spans, strict=True)], total)

@@ -110,8 +110,8 @@ def plan_for(trainer: Any, memory: Sequence[int], batch: int) -> Any:
     except PlanError as exc:
         shown = ",".join(format_bytes(m).replace(" ", "") for m in memory)
         raise EvendpError(
-            f"a global batch of {batch} does not fit memory {shown} ({exc}); lower "
-            "batch_size, raise the budgets, or shrink the model"
+            f"batch_size={batch} on memory {shown}: {exc} (or raise the budgets, or shrink the "
+            "model)"
         ) from None
 
 

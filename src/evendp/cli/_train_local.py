@@ -166,7 +166,7 @@ def _planner_weights(
         given = f"--memory {args.memory or DEMO_MEMORY}"
         given += "" if args.memory else " (the demo's budgets)"
         raise EvendpError(
-            f"--batch {args.batch} does not fit {given} ({exc}); lower --batch, shrink the "
-            "model (--n-layer, --n-embd, --block-size) or raise --memory"
+            f"--batch {args.batch} on {given}: {exc} (or shrink the model: --n-layer, "
+            "--n-embd, --block-size; or raise --memory)"
         ) from None
     return p
