@@ -37,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 SPEED_SIZES, SPEED_STEPS = [4, 4], 8
 COST_SIZES, COST_ACCUM, COST_STEPS = [1, 3], 2, 3  # one epoch of test_transformers' data
 SLEEP_PER_SAMPLE = 0.01  # rank 1's forward: far slower than the tiny model itself
-MEMORY, AUTO_PER_DEVICE = "640MiB,576MiB", 6  # 128 and 64 MiB above the CUDA allowance
+MEMORY, AUTO_PER_DEVICE = "128MiB,64MiB", 6  # unequal; CPU ranks are charged no CUDA context
 TOL = 1e-5
 
 
