@@ -751,6 +751,18 @@ def test_batchnorm_in_training_with_an_uneven_split_warns_once_with_the_fix() ->
         BalancedDataParallel(MLP(), ["cpu"] * 3, weights=[2, 1, 1])
 
 
+def test_batchnorm_warns_on_every_uneven_split_whoever_chose_it() -> None:
+    """Issue 36: the planner's uneven splits assigned after wrapping (a rehearsal's, and
+    ``weights="auto"``'s once planned, on GPUs) gave no warning; weights given to the
+    constructor did."""
+    wrapped = BalancedDataParallel(_bn_net(), ["cpu"] * 2)  # even: no warning
+    with pytest.warns(UserWarning, match=r"BatchNorm layer '1'.*weights=\[3.0, 1.0\]"):
+        wrapped.weights = [3, 1]  # as rehearse() assigns the planner's split
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped.weights = [2, 2]  # even again: nothing to say
+
+
 def test_a_one_sample_share_that_batchnorm_rejects_names_the_device_and_share() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

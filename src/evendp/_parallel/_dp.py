@@ -207,7 +207,6 @@ class BalancedDataParallel(nn.Module):
         self._sentinel = _first_parameter_slot(module)
         # Both state_dict forms load: with and without the "module." prefix.
         self.register_load_state_dict_pre_hook(_add_module_prefix)
-        _warn_if_batchnorm_split_unevenly(module, weights, len(self.device_ids))
 
     @property
     def weights(self) -> list[float] | None:
@@ -222,6 +221,7 @@ class BalancedDataParallel(nn.Module):
             self._auto, self._weights = True, None
         else:
             self._auto, self._weights = False, _validate_weight_list(value, len(self.device_ids))
+            _warn_if_batchnorm_split_unevenly(self.module, self._weights, len(self.device_ids))
 
     @property
     def chunk_sizes(self) -> list[float] | None:
@@ -337,6 +337,7 @@ class BalancedDataParallel(nn.Module):
             return list(self._sizes)
         if self._auto and self._weights is None:
             self._weights = self._plan_weights(inputs, kwargs)
+            _warn_if_batchnorm_split_unevenly(self.module, self._weights, len(self.device_ids))
         return self.split(total)
 
     def _raw_counts(self, shards: list[Any]) -> list[Any] | None:
@@ -765,10 +766,11 @@ def _validate_fixed_total(sizes: list[int], total: int, dim: int) -> None:
 
 
 def _warn_if_batchnorm_split_unevenly(module: nn.Module, weights: Any, devices: int) -> None:
-    """Warn (once, at wrap time) when BatchNorm statistics will differ from one device's."""
+    """Warn when BatchNorm statistics will differ from one device's: whenever the weights are
+    set unevenly, by the caller or by the planner (``"auto"``, a rehearsal, a planned run)."""
     if devices < 2 or weights is None:
         return
-    if not isinstance(weights, str) and len({float(w) for w in weights if float(w) > 0}) < 2:
+    if len({float(w) for w in weights if float(w) > 0}) < 2:
         return  # an even split over the active devices, as nn.DataParallel does
     name = next(
         (n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training), None
