@@ -13,19 +13,28 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["NotReadable", "open_append", "open_regular", "replace_file"]
+__all__ = ["NotReadable", "fsync_dir", "open_append", "open_regular", "replace_file"]
 
 
 class NotReadable(ValueError):
     """A file :func:`open_regular` will not read: not a regular file, or over its cap."""
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new private file (0600, like the checkpoints) renamed to ``path``:
-    a reader sees the old file or the new one, never half of one.
+def replace_file(
+    path: Path,
+    data: bytes | Callable[[IO[bytes]], None],
+    *,
+    previous: Path | None = None,
+    durable: bool = False,
+) -> None:
+    """Write ``data`` (bytes, or a function writing to the file) to a new private file (0600,
+    like the checkpoints) renamed to ``path``: a reader sees the old file or the new one, never
+    half of one. ``previous``: the file already at ``path`` is first moved there. ``durable``:
+    the bytes and the rename are on disk (``fsync``) when this returns.
 
     >>> d = Path(tempfile.mkdtemp()); (d / "theirs").write_text("theirs")
     6
@@ -33,18 +42,41 @@ def replace_file(path: Path, data: bytes) -> None:
     >>> (d / "theirs").read_text(), (d / "report.json").is_symlink()
     ('theirs', False)
     """
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a process killed here
+    # Left by a process killed here: one writer per run folder (the run lock), so nobody else
+    # is writing them.
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
         with contextlib.suppress(OSError):
             stale.unlink()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())  # the bytes are on disk before the rename shows them
+        if previous is not None and path.exists():
+            os.replace(path, previous)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Flush ``folder``'s entries: the renames in it are durable only then (POSIX only)."""
+    if os.name != "posix":  # pragma: no cover
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_append(path: Path) -> int | None:

@@ -21,7 +21,6 @@ import random
 import re
 import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 from .._core._digest import content_digest, first_non_finite
 from .._core._errors import CheckpointError, EvendpError, TrainingError
-from .._core._files import NotReadable, open_regular
+from .._core._files import NotReadable, fsync_dir, open_regular, replace_file
 from .._core._validate import is_int, shown
 from ._safe_read import Refused, check_archive, check_kind, read_dcp_metadata, safe_dcp
 from ._train_inputs import validate_checkpoint_args
@@ -345,39 +344,20 @@ def disk_error(
 
 
 def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None) -> Path:
-    """Write ``payload`` to ``target`` through a temporary file and a rename.
-
-    The file already at ``target`` is first moved to ``previous`` (unless ``None``).
-    Temporary files of ``target`` left by a process killed mid-save are removed first: one
-    writer per run directory (:mod:`evendp._distributed._run_lock`) means nobody else is
-    writing them.
+    """Write ``payload`` to ``target`` through a temporary file and a rename, durably
+    (:func:`~evendp._core._files.replace_file`); the file already at ``target`` is first moved
+    to ``previous`` (unless ``None``). A write the OS refuses is one line (:func:`disk_error`).
     """
-    for stale in target.parent.glob(f".{target.name}.*.tmp"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        replace_file(
+            target, lambda f: torch.save(dict(payload), f), previous=previous, durable=True
+        )
     except OSError as exc:
         raise disk_error(target, exc, "write") from None
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(payload), f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-        if previous is not None and target.exists():
-            os.replace(target, previous)
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(exc, OSError):
-            raise disk_error(target, exc, "write") from None
-        cause = exc.__context__  # torch.save wraps the file's OSError in a RuntimeError
-        if isinstance(exc, RuntimeError) and isinstance(cause, OSError):
-            raise disk_error(target, cause, "write") from None
+    except RuntimeError as exc:  # torch.save wraps the file's OSError in a RuntimeError
+        if isinstance(exc.__context__, OSError):
+            raise disk_error(target, exc.__context__, "write") from None
         raise
-    _fsync_dir(target.parent)
     return target
 
 
@@ -467,17 +447,6 @@ def _without_saved_rng(why: str, rank: int, reseed: int | None) -> None:
     if reseed is not None:
         torch.manual_seed(reseed)
         random.seed(reseed)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The renames are durable only once the directory entry is flushed (POSIX only).
-    if os.name != "posix":  # pragma: no cover
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read(path: Path, limit: int | None = None, *, position_only: bool = False) -> dict[str, Any]:
@@ -922,7 +891,7 @@ def save_sharded_checkpoint(
                     shutil.rmtree(previous, ignore_errors=True)
                     os.replace(target, previous)
                 os.replace(tmp, target)
-                _fsync_dir(target.parent)
+                fsync_dir(target.parent)
             except OSError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise disk_error(target, exc, "rename into") from None
