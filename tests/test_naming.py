@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from evendp import EvendpError, plan
-from evendp._planning._planner import amp_dtype
+from evendp._core._amp import amp_dtype
 
 NET = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
 MEMORY = "64MiB,64MiB"

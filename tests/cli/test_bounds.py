@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from evendp._core._errors import EvendpError
-from evendp._distributed._sampler import batch_sizes_from_env
+from evendp._distributed._batch_plan import batch_sizes_from_env
 from evendp._planning._balance import rank_memory
 from evendp._planning._speed import batch_caps_from_env
 from evendp.cli import main

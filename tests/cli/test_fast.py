@@ -1,4 +1,5 @@
-"""``evendp --version`` and ``evendp --help`` do not import torch; nothing else changes."""
+"""The ``evendp`` command starts without torch: ``--version``, ``--help``, an argument error and
+a launcher import none (the ranks do); a program that imports evendp gets the whole face."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import pytest
 from evendp.cli import _HELP, build_parser
 
 
-def _imports(cmd: list[str]) -> tuple[str, set[str]]:
+def _imports(cmd: list[str], code: int = 0) -> tuple[str, set[str]]:
     """stdout of ``cmd`` and the top-level packages it imported (``-X importtime``'s list)."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
     names = {
         line.rsplit("|", 1)[-1].strip().split(".")[0]
         for line in proc.stderr.splitlines()
@@ -44,6 +46,23 @@ def test_version_and_help_import_no_torch(flag: str, entry: str) -> None:
         assert out.startswith("evendp ")
     else:
         assert all(name in out for name in _HELP)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["train", "--help"], 0),
+        (["plan", "--help"], 0),
+        (["train", "--batchsize", "3"], 2),  # a typo: one line, at once
+        (["launch", "--dry-run", "--nproc", "2", "--batch-sizes", "1,3", "s.py"], 0),
+    ],
+    ids=["train-help", "plan-help", "typo", "launch"],
+)
+def test_the_command_answers_without_torch(argv: list[str], code: int) -> None:
+    """The launcher's own start-up: issue 37 measured 8-12 s for a help or a typo on a busy
+    machine, and every launch of ranks paid ~2.5 s of CPU for a torch it never used."""
+    _, imported = _imports([sys.executable, "-m", "evendp", *argv], code)
+    assert "torch" not in imported and "evendp" in imported
 
 
 def test_a_program_that_imports_evendp_gets_the_whole_face() -> None:

@@ -15,7 +15,8 @@ from torch import nn
 
 import evendp._planning._launch as launch_mod
 from evendp._core._errors import EvendpError, PlanError
-from evendp._distributed._sampler import UnevenBatchSampler, batch_sizes_from_env
+from evendp._distributed._batch_plan import batch_sizes_from_env
+from evendp._distributed._sampler import UnevenBatchSampler
 from evendp._planning._launch import launch, plan_launch, torchrun_command
 from evendp._planning._speed import SpeedBalancer
 from tests.planning.test_devices import FakeGpu, FakeNvml, GiB

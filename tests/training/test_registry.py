@@ -13,7 +13,8 @@ from torch import nn
 
 from evendp import TrainConfig
 from evendp._core._errors import EvendpError
-from evendp._training._strategies import STRATEGIES, BalancedDP, pick_strategy, rank_strategy_names
+from evendp._training._strategies import STRATEGIES, pick_strategy, rank_strategy_names
+from evendp._training._strategies._balanced_dp import BalancedDP
 from evendp.cli import build_parser
 
 DOCS = Path(__file__).parents[2] / "docs" / "training.md"

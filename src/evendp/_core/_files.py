@@ -17,7 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["NotReadable", "fsync_dir", "open_append", "open_regular", "replace_file"]
+__all__ = [
+    "NotReadable",
+    "fsync_dir",
+    "mkdir_private",
+    "open_append",
+    "open_regular",
+    "replace_file",
+]
 
 
 class NotReadable(ValueError):
@@ -138,3 +145,25 @@ def _kind(mode: int) -> str:
         stat.S_ISDIR: "a folder",
     }
     return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
+def mkdir_private(folder: Path) -> None:
+    """Create ``folder`` and its missing parents 0700, whatever the umask: a run's files are
+    its owner's (folders that exist already keep their mode). An ``OSError`` is the caller's
+    to word.
+
+    >>> import tempfile
+    >>> new = Path(tempfile.mkdtemp()) / "a" / "b"
+    >>> mkdir_private(new)
+    >>> oct(new.stat().st_mode & 0o777), oct(new.parent.stat().st_mode & 0o777)
+    ('0o700', '0o700')
+    """
+    missing = []
+    here = folder.absolute()
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    for part in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another rank made it meanwhile
+            part.mkdir(mode=0o700)
+            os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not

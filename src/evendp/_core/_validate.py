@@ -11,13 +11,15 @@ import json
 import math
 import numbers
 import os
+import sys
 from collections.abc import Hashable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._errors import EvendpError
 from ._shown import SHOWN_CHARS, shown
+
+if TYPE_CHECKING:  # torch loads where a check needs it: the command line's launchers do not
+    import torch
 
 __all__ = [
     "SHOWN_CHARS",
@@ -198,7 +200,12 @@ def validate_callable(name: str, value: Any, what: str, *, allow_none: bool = Fa
     """
     if value is None and allow_none:
         return None
-    if not callable(value) or isinstance(value, type | torch.Tensor):
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    if (
+        not callable(value)
+        or isinstance(value, type)
+        or (torch and isinstance(value, torch.Tensor))
+    ):
         raise _fail(name, what + (" or None" if allow_none else ""), value, None)
     return value
 
@@ -208,6 +215,7 @@ def validate_instance(
 ) -> Any:
     """Return ``value`` when it is a ``kind``; ``what`` names the kind for people.
 
+    >>> import torch
     >>> validate_instance("model", None, torch.nn.Module, "an nn.Module")
     Traceback (most recent call last):
     ...
@@ -321,6 +329,7 @@ def validate_count(
     fractional counts (weighted items). ``check_values=False`` checks the kind and shape only,
     where reading the value would wait for a GPU.
 
+    >>> import torch
     >>> validate_count("count_fn(batch)", torch.tensor(3.0))
     tensor(3.)
     >>> validate_count("count_fn(batch)", -1)
@@ -328,6 +337,8 @@ def validate_count(
     ...
     evendp.InputError: count_fn(batch) must be a whole number >= 0 (items counted), got -1
     """
+    import torch
+
     expected = ("a whole number" if integral else "a finite number") + " >= 0 (items counted)"
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
@@ -355,6 +366,8 @@ def validate_device(name: str, value: Any) -> torch.device:
     ...
     evendp.InputError: device must be a torch.device, a name like 'cuda:0' ..., got 'gpu0'
     """
+    import torch
+
     try:
         if isinstance(value, bool) or not isinstance(value, str | int | torch.device):
             raise TypeError

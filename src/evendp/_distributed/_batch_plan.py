@@ -26,6 +26,7 @@ from typing import Any, Literal
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import is_int, shown, validate_instance, validate_int
+from ._launch_notes import note_sizes_read
 
 __all__ = [
     "CAPS_MARK",
@@ -35,8 +36,10 @@ __all__ = [
     "MAX_BATCH",
     "MAX_RANKS",
     "BatchPlan",
+    "batch_sizes_from_env",
     "caps_from_env",
     "global_batch_size",
+    "parse_batch_sizes",
     "validate_batch_plan",
     "validate_batch_sizes_option",
 ]
@@ -435,3 +438,57 @@ def caps_from_env(
         plan = BatchPlan.from_env(world_size, environ=env)
         return None if plan is None or plan.caps is None else list(plan.caps)
     return _old_caps(world_size, env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch sizes from the command line or the environment
+
+
+def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
+    """Parse ``"3,5,0"`` into ``[3, 5, 0]``, checked like the sampler checks its sizes.
+
+    The text ``EVENDP_BATCH_SIZES`` carries is read by :meth:`BatchPlan.parse
+    <evendp._distributed._batch_plan.BatchPlan.parse>`; this returns its sizes.
+
+    >>> parse_batch_sizes("3, 5,0")
+    [3, 5, 0]
+    >>> parse_batch_sizes("3,x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: batch sizes '3,x': 'x' is not an int; expected ...
+    """
+    return list(BatchPlan.parse(text, world_size).sizes)
+
+
+def batch_sizes_from_env(
+    world_size: int | None = None,
+    *,
+    var: str = ENV_BATCH_SIZES,
+    default: Sequence[int] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[int]:
+    """Per-rank batch sizes from ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``).
+
+    The length is checked against ``world_size`` when given, else against the ``WORLD_SIZE``
+    variable ``torchrun`` sets, when present. ``default`` is returned (validated) when the
+    variable is absent; without a default a missing variable is an error.
+
+    >>> batch_sizes_from_env(environ={"EVENDP_BATCH_SIZES": "3,5"})
+    [3, 5]
+    >>> batch_sizes_from_env(2, default=[4, 4], environ={})
+    [4, 4]
+    """
+    plan = BatchPlan.from_env(world_size, var=var, environ=environ)
+    if plan is None:
+        if default is not None:
+            env = os.environ if environ is None else environ
+            if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
+                world_size = int(env["WORLD_SIZE"])
+            return validate_batch_plan(default, None, world_size)[0]
+        raise EvendpError(
+            f"environment variable {var} is not set; `evendp launch` sets it, or set it "
+            f"yourself to one batch size per rank (e.g. {var}=3,5), or pass the sizes directly"
+        )
+    if environ is None and var == ENV_BATCH_SIZES:
+        note_sizes_read()  # evendp launch warns when no rank read the sizes it set
+    return list(plan.sizes)

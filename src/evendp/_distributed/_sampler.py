@@ -39,8 +39,6 @@ __all__ = [
     "MAX_RANKS",
     "EmptySafeCollate",
     "UnevenBatchSampler",
-    "batch_sizes_from_env",
-    "parse_batch_sizes",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -201,60 +199,6 @@ def _validate_coverage(length: int, sizes: list[int], drop_last: bool) -> None:
             f"(batch_sizes={shown(sizes)}) leaves no step at all; use drop_last=False or smaller "
             "batch sizes"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch sizes from the command line or the environment
-
-
-def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
-    """Parse ``"3,5,0"`` into ``[3, 5, 0]``, checked like the sampler checks its sizes.
-
-    The text ``EVENDP_BATCH_SIZES`` carries is read by :meth:`BatchPlan.parse
-    <evendp._distributed._batch_plan.BatchPlan.parse>`; this returns its sizes.
-
-    >>> parse_batch_sizes("3, 5,0")
-    [3, 5, 0]
-    >>> parse_batch_sizes("3,x")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    evendp.InputError: batch sizes '3,x': 'x' is not an int; expected ...
-    """
-    return list(BatchPlan.parse(text, world_size).sizes)
-
-
-def batch_sizes_from_env(
-    world_size: int | None = None,
-    *,
-    var: str = ENV_BATCH_SIZES,
-    default: Sequence[int] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> list[int]:
-    """Per-rank batch sizes from ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``).
-
-    The length is checked against ``world_size`` when given, else against the ``WORLD_SIZE``
-    variable ``torchrun`` sets, when present. ``default`` is returned (validated) when the
-    variable is absent; without a default a missing variable is an error.
-
-    >>> batch_sizes_from_env(environ={"EVENDP_BATCH_SIZES": "3,5"})
-    [3, 5]
-    >>> batch_sizes_from_env(2, default=[4, 4], environ={})
-    [4, 4]
-    """
-    plan = BatchPlan.from_env(world_size, var=var, environ=environ)
-    if plan is None:
-        if default is not None:
-            env = os.environ if environ is None else environ
-            if world_size is None and env.get("WORLD_SIZE", "").strip().isdigit():
-                world_size = int(env["WORLD_SIZE"])
-            return _validate_batch_sizes(default, world_size)
-        raise EvendpError(
-            f"environment variable {var} is not set; `evendp launch` sets it, or set it "
-            f"yourself to one batch size per rank (e.g. {var}=3,5), or pass the sizes directly"
-        )
-    if environ is None and var == ENV_BATCH_SIZES:
-        note_sizes_read()  # evendp launch warns when no rank read the sizes it set
-    return list(plan.sizes)
 
 
 # ---------------------------------------------------------------------------------------------

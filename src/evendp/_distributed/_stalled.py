@@ -25,10 +25,12 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .._core._errors import TrainingError
+
+if TYPE_CHECKING:  # the launcher's StallWatch runs without torch
+    import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_COMM_TIMEOUT_S",

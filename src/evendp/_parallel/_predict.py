@@ -107,7 +107,7 @@ def _rank_sizes(weights: Any, batch_size: int, world: int) -> list[int]:
     """This step's samples per rank: ``batch_size`` split by ``weights`` (default: the sizes
     ``evendp launch`` set in ``EVENDP_BATCH_SIZES``, scaled to ``batch_size``; else even)."""
     from .._core._split import split_sizes
-    from .._distributed._sampler import batch_sizes_from_env
+    from .._distributed._batch_plan import batch_sizes_from_env
 
     if isinstance(weights, str):
         raise EvendpError(

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
+from .._core._amp import amp_dtype
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
@@ -476,25 +477,6 @@ def _gathered_loss(output: Any, targets: Any) -> torch.Tensor:
     losses = [t for t in floats if t.dim() <= 1]
     used = losses or floats
     return sum((t.float().mean() for t in used), torch.zeros(()))
-
-
-_AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def amp_dtype(amp: torch.dtype | str | None) -> torch.dtype | None:
-    """``amp`` as the autocast dtype: a dtype, ``None``, or a :class:`TrainConfig` spelling.
-
-    >>> amp_dtype("bf16"), amp_dtype(torch.float16), amp_dtype("none")
-    (torch.bfloat16, torch.float16, None)
-    """
-    if isinstance(amp, str):
-        if amp not in _AMP_DTYPES:
-            raise EvendpError(
-                f"amp must be one of {sorted(_AMP_DTYPES)} or a torch dtype, got {amp!r}; "
-                "e.g. amp='bf16'"
-            )
-        return _AMP_DTYPES[amp]
-    return amp
 
 
 def auto_weights(

@@ -30,7 +30,7 @@ import torch
 
 from .._core._digest import content_digest, first_non_finite
 from .._core._errors import CheckpointError, EvendpError, TrainingError
-from .._core._files import NotReadable, fsync_dir, open_regular, replace_file
+from .._core._files import NotReadable, fsync_dir, mkdir_private, open_regular, replace_file
 from .._core._validate import is_int, shown
 from ._safe_read import Refused, check_archive, check_kind, read_dcp_metadata, safe_dcp
 from ._train_inputs import validate_checkpoint_args
@@ -304,18 +304,9 @@ def _kept(target: Path) -> str:
 
 
 def make_private_dir(folder: Path) -> None:
-    """Create ``folder`` and its missing parents 0700, whatever the umask: a run's files are
-    its owner's (folders that exist already keep their mode)."""
-    missing = []
-    here = folder.absolute()
-    while not here.exists() and here != here.parent:
-        missing.append(here)
-        here = here.parent
+    """:func:`~evendp._core._files.mkdir_private`, a refusal worded as a disk error."""
     try:
-        for part in reversed(missing):
-            with contextlib.suppress(FileExistsError):  # another rank made it meanwhile
-                part.mkdir(mode=0o700)
-                os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not
+        mkdir_private(folder)
     except OSError as exc:
         raise disk_error(folder, exc, "create the folder") from None
 

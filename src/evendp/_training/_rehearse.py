@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._core._amp import amp_dtype
 from .._core._calls import as_args
 from .._core._errors import EvendpError, PlanError
 from .._core._oom_errors import is_oom_error
@@ -67,8 +68,7 @@ def probe_even_split(
     batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
     budgets.reset_peaks()
     failed: int | None = None
-    amp = trainer.config.amp
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    dtype = amp_dtype(trainer.config.amp)
     kind = torch.device(trainer.device).type  # the replicas' threads inherit the autocast state
     precision = contextlib.nullcontext() if dtype is None else torch.autocast(kind, dtype=dtype)
     try:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core._amp import AMP_MODES
 from .._core._errors import EvendpError
 from .._core._validate import (
     validate_bool,
@@ -39,7 +40,6 @@ __all__ = [
     "warn_unused_batch_sizes",
 ]
 
-_AMP = ("none", "bf16", "fp16")
 _FLAGS = ("activation_checkpointing", "oom_resplit", "resume", "progress")
 
 
@@ -55,7 +55,7 @@ def validate_config(config: Any) -> None:
         "grad_clip", config.grad_clip, positive=True, allow_none=True,
         example="grad_clip=1.0 (None: no clipping)",
     )  # fmt: skip
-    validate_choice("amp", config.amp, _AMP)
+    validate_choice("amp", config.amp, AMP_MODES)
     from ._strategies import rank_strategy_names  # the registry: the one list of names
 
     validate_choice("strategy", config.strategy, rank_strategy_names())

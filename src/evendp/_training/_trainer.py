@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
 from .._core._cost import split_by_cost
@@ -680,9 +681,9 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.config.amp == "none":
+        dtype = amp_dtype(self.config.amp)
+        if dtype is None:
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _step_weight(self, batch: Batch, samples: int, counted: float | None = None) -> StepWeight:

@@ -1,10 +1,12 @@
-"""``evendp --version`` and ``evendp --help`` answered before the package loads torch.
+"""The ``evendp`` command starts without torch.
 
 Importing any part of evendp runs ``evendp/__init__.py``, whose public face imports torch
-(1.6 s idle, several seconds on a busy machine): too slow for a version or a list of
-commands. So the face's first line asks :func:`answer_without_torch`, which answers exactly
-these invocations of the ``evendp`` command itself (its console script, or ``python -m
-evendp``) and exits; every other import, and every other command line, goes on as before.
+(1.6 s idle, several seconds on a busy machine): too slow for a version, a list of commands,
+an argument error, or a launcher that only starts torchrun. So the face's first line asks
+:func:`answer_without_torch`, which answers ``--version`` and ``--help`` of the ``evendp``
+command itself (its console script, or ``python -m evendp``) and exits, and tells the face
+to load on first use for the command's other invocations; every other importer of evendp
+gets the whole face at once, as before.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ class EarlyStop:
         self.signum = self.signum or signum
 
 
-def answer_without_torch() -> None:
+def answer_without_torch() -> bool:
     """Answer ``evendp --version`` / ``--help`` and exit; for ``evendp train`` and ``evendp
-    launch``, catch SIGINT/SIGTERM from now on; return at once for everything else."""
+    launch``, catch SIGINT/SIGTERM from now on. Returns whether this process is the
+    ``evendp`` command (whose package face then loads on first use)."""
     if not _is_evendp_command():
-        return
+        return False
     if is_light(sys.argv[1:]):
         from . import main
 
@@ -70,3 +73,4 @@ def answer_without_torch() -> None:
         early = EarlyStop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, early.handle)
+    return True

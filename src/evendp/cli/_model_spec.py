@@ -19,19 +19,20 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
-import torch
-import torch.nn as nn
-
+from .._core._amp import AMP_MODES, amp_dtype
 from .._core._errors import EvendpError
 from .._core._units import parse_bytes
 from .._core._validate import shown
 from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
 from ._args import bounded_float, bounded_int, suggest
 
+if TYPE_CHECKING:  # torch loads when a model is resolved: evendp launch without --model
+    import torch  # needs none
+    from torch import nn
+
 __all__ = [
-    "AMP_DTYPES",
     "BUILTIN_MODELS",
     "ModelSpec",
     "add_model_arguments",
@@ -43,13 +44,16 @@ __all__ = [
 
 BUILTIN_MODELS: tuple[str, ...] = ("gpt", "lm-head")
 
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer] | None] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "none": None,
-}
+#: --optimizer's choices: the optimizer whose state a plan counts (see _optimizer).
+OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "none", "sgd")
+
+
+def _optimizer(name: str) -> Callable[[Any], torch.optim.Optimizer] | None:
+    import torch
+
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "none": None}[name]
 
 
 @dataclass(frozen=True)
@@ -100,13 +104,13 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
     )
     parser.add_argument(
         "--optimizer",
-        choices=sorted(_OPTIMIZERS),
+        choices=OPTIMIZERS,
         default="adamw",
         help="optimizer whose state the plan counts (default adamw; none: no state)",
     )
     parser.add_argument(
         "--amp",
-        choices=sorted(AMP_DTYPES),
+        choices=sorted(AMP_MODES),
         default="none",
         help="plan under autocast to bf16 / fp16 (default none: fp32)",
     )
@@ -138,8 +142,8 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
             f"--context {shown(args.context)} is not a size; e.g. --context 512MiB"
         ) from None
     return {
-        "optimizer": _OPTIMIZERS[args.optimizer],
-        "amp": AMP_DTYPES[args.amp],
+        "optimizer": _optimizer(args.optimizer),
+        "amp": amp_dtype(args.amp),
         "checkpointing": args.checkpointing,
         "gradient_as_bucket_view": args.bucket_view,
         "safety_margin": args.margin,
@@ -188,6 +192,8 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
 def gpt_batch(config: Any) -> Any:
     """``batch(n)`` for the planner: ``n`` random token windows of this GPT's shape."""
 
+    import torch
+
     def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (n, config.block_size)
         return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
@@ -206,6 +212,8 @@ def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
     seq = 250 if seq_len is None else seq_len
     if vocab <= 0 or seq <= 0:
         raise EvendpError(f"--vocab and --seq-len must be positive, got {vocab}, {seq}")
+
+    import torch
 
     def lm_batch(n: int) -> Any:
         return torch.randint(0, vocab, (n, seq)), torch.randint(0, vocab, (n, seq))
@@ -240,6 +248,7 @@ def _user(spec: str) -> ModelSpec:
         raise EvendpError(
             f"cannot load --model {shown(spec)}: importing it raised {type(exc).__name__}: {exc}"
         ) from exc
+    from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
@@ -353,9 +362,12 @@ def _probe_call(
 def _describe(value: Any) -> str:
     """A short description of a batch: ``a tuple of 2 tensors [1, 64], [1]``.
 
+    >>> import torch
     >>> _describe((torch.zeros(1, 4), torch.zeros(1)))
     'a tuple of 2 tensors [1, 4], [1]'
     """
+    import torch
+
     if isinstance(value, torch.Tensor):
         return f"a tensor {list(value.shape)}"
     if isinstance(value, dict):

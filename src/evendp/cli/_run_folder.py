@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from .._core._errors import EvendpError
+from .._core._files import mkdir_private
 from .._core._validate import shown
 
 __all__ = ["MARKER", "claim_out_dir", "evendp_checkpoints", "foreign_entries"]
@@ -165,9 +166,13 @@ def _is_marker(path: Path) -> bool:
 
 
 def _mark(folder: Path) -> None:
-    from .._training._checkpoint import make_private_dir
-
-    make_private_dir(folder)  # 0700 when it is new
+    try:
+        mkdir_private(folder)  # 0700 when it is new
+    except OSError as exc:
+        raise EvendpError(
+            f"--out {shown(str(folder))}: could not create the folder: "
+            f"{exc.strerror or type(exc).__name__}; fix the permissions or pass another --out"
+        ) from None
     marker = folder / MARKER
     if _is_marker(marker):
         return

@@ -312,10 +312,10 @@ def resume_check(args: argparse.Namespace) -> int | None:
     ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
     checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
     """
-    from evendp._training._checkpoint import resumable_checkpoint
-
     if not (args.resume or args.resume_or_start or torchrun_restarted()):
         return None
+    from evendp._training._checkpoint import resumable_checkpoint  # torch: only to resume
+
     # The checkpoint the resume will take: a corrupt latest one falls back to the previous.
     resumable = resumable_checkpoint(_checkpoint_in(args))
     if resumable is None:

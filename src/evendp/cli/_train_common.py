@@ -7,8 +7,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._core._errors import EvendpError
 from .._core._validate import shown
 
@@ -17,6 +15,8 @@ __all__ = ["build_demo", "demo_model_name", "metric_logger", "print_report"]
 
 def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """The model, the variable-length training paragraphs and the GPT config."""
+    import torch
+
     from ..examples.gpt import GPT, GPTConfig
     from ..examples.stdlib_text import stdlib_paragraphs
 

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._core._errors import EvendpError
 from .._core._validate import shown
 from ._train_args import (
@@ -131,6 +129,8 @@ def _nproc(args: argparse.Namespace, gpus: list[int] | None) -> int | str:
         return len(gpus) if gpus else len(args.devices.split(","))
     if args.memory is not None:  # one rank per declared memory
         return len(args.memory.split(","))
+    import torch  # the launcher's only use: no --devices, no --memory
+
     return "auto" if torch.cuda.is_available() else 2
 
 
@@ -150,8 +150,11 @@ def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[s
 
 def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[str, Any]:
     """The planner's DDP split of --batch over each rank's --memory (its budget)."""
+    import torch
+
+    from .._core._amp import amp_dtype
     from ..examples.gpt import GPT
-    from ._model_spec import AMP_DTYPES, gpt_batch
+    from ._model_spec import gpt_batch
 
     entries = len(args.memory.split(","))
     if nproc != "auto" and entries != nproc:
@@ -162,7 +165,7 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
         )
     _model, _data, config = build_demo(args)
     # CPU ranks have no CUDA context to allow for.
-    options = {"amp": AMP_DTYPES[args.amp], "checkpointing": args.checkpointing}
+    options = {"amp": amp_dtype(args.amp), "checkpointing": args.checkpointing}
     if cpu or not torch.cuda.is_available():
         options["cuda_context"] = 0
     return {
@@ -244,6 +247,7 @@ def _collect_from_here() -> None:
 
 
 def run_rank(args: argparse.Namespace) -> int:
+    import torch
     import torch.distributed as dist
 
     from .._distributed._group import finish_distributed, init_distributed

@@ -149,16 +149,17 @@ def _planner_weights(
 
     Declared memory on CPU devices gets no CUDA-context allowance: a CPU has no CUDA context.
     """
+    from .._core._amp import amp_dtype
     from .._core._errors import PlanError
     from .._planning._plan import plan
     from ..examples.gpt import GPT
-    from ._model_spec import AMP_DTYPES, gpt_batch
+    from ._model_spec import gpt_batch
 
     options: dict[str, Any] = {"cuda_context": 0} if cpu else {}
     try:
         p = plan(
             lambda: GPT(config), gpt_batch(config), spec, mode="dp", batch_size=args.batch,
-            amp=AMP_DTYPES[args.amp], checkpointing=args.checkpointing, **options,
+            amp=amp_dtype(args.amp), checkpointing=args.checkpointing, **options,
         )  # fmt: skip
     except PlanError as exc:
         if not isinstance(spec, list):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from .._planning._devices import DeviceInfo, NvmlUnavailableError, list_devices
+
+if TYPE_CHECKING:  # rich loads when a table is drawn, not for every evendp command
+    from rich.table import Table
 
 __all__ = ["add_parser", "render_table", "run"]
 
@@ -34,6 +35,8 @@ def _gib(n: int) -> str:
 
 def render_table(devices: list[DeviceInfo]) -> Table:
     """A rich table with one row per device."""
+    from rich.table import Table
+
     table = Table(title="GPUs (NVML, PCI bus order)")
     for name, justify in [
         ("id", "right"),
@@ -66,6 +69,8 @@ def render_table(devices: list[DeviceInfo]) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     """Print the devices; with no NVIDIA driver say so and succeed (CPU runs still work)."""
+    from rich.console import Console
+
     console = Console(soft_wrap=True)
     try:
         devices = list_devices()

@@ -206,7 +206,7 @@ def _validate_texts(args: argparse.Namespace) -> list[int] | None:
     """Free-text options, read now so a bad one is named by its flag even where unused; the
     per-rank sizes of ``--batch-sizes`` (read here, once), if given."""
     from .._core._units import parse_bytes
-    from .._distributed._sampler import parse_batch_sizes
+    from .._distributed._batch_plan import parse_batch_sizes
     from .._planning._memory import parse_memory
 
     checks: list[tuple[str, str | None, Callable[[str], object], str]] = [

@@ -14,7 +14,6 @@ from typing import Any
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import validate_int
-from .._planning._plan import plan
 from ._args import bounded_int, memory_text, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
@@ -94,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
             check_out_file("--plot", args.plot)
         if args.batch is not None:  # None: the largest batch that fits
             validate_int("--batch", args.batch, minimum=1, example="--batch 64")
+        from .._planning._plan import plan  # torch: after the arguments are checked
+
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
         result = plan(
             spec.make,

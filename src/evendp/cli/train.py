@@ -73,7 +73,6 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
     from evendp._core._errors import EvendpError
-    from evendp._core._oom_errors import is_oom_error
     from evendp.cli._train_args import (
         fresh_start_check,
         is_launched_rank,
@@ -97,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
         return report_error(exc)  # once, not once per rank; 2 for bad input, 1 for a fault
     except (RuntimeError, ValueError) as exc:
+        from evendp._core._oom_errors import is_oom_error
         from evendp._distributed._stalled import peer_lost
 
         why = peer_lost(exc)

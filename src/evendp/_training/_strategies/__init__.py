@@ -22,26 +22,13 @@ splits by cost, and the checkpoint format.
 
 :func:`pick_strategy` is the one place that chooses, from the registry
 (:data:`STRATEGIES` in ``_registry.py``), the one list of names that ``TrainConfig``, the
-command line and the docs read.
+command line and the docs read. The classes live in their modules (``_ddp.DDP``, ...).
 """
 
 from __future__ import annotations
 
-from ._balanced_dp import BalancedDP
-from ._base import Strategy
-from ._ddp import DDP
-from ._fsdp2 import FSDP2
-from ._oom_safe_ddp import OomSafeDDP
+# Only the registry here: each strategy's module (and torch) loads when a run picks it, so
+# the command line's launcher reads the names without importing torch.
 from ._registry import STRATEGIES, StrategyEntry, pick_strategy, rank_strategy_names
 
-__all__ = [
-    "DDP",
-    "FSDP2",
-    "STRATEGIES",
-    "BalancedDP",
-    "OomSafeDDP",
-    "Strategy",
-    "StrategyEntry",
-    "pick_strategy",
-    "rank_strategy_names",
-]
+__all__ = ["STRATEGIES", "StrategyEntry", "pick_strategy", "rank_strategy_names"]

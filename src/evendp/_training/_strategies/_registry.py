@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+if TYPE_CHECKING:  # the names are read without torch (evendp train's launcher)
+    import torch
+    from torch import nn
 
-from ._base import Strategy
+    from ._base import Strategy
+
+    DeviceIds = list[str | int | torch.device] | None
 
 __all__ = ["STRATEGIES", "StrategyEntry", "pick_strategy", "rank_strategy_names"]
-
-DeviceIds = list[str | int | torch.device] | None
 
 
 @dataclass(frozen=True)
@@ -106,5 +106,7 @@ def pick_strategy(
 ) -> Strategy:
     """The way of running a step for this process: no process group means one process
     (``"dp"``), else ``config.strategy``."""
+    import torch.distributed as dist
+
     ranks = dist.is_available() and dist.is_initialized()
     return STRATEGIES[config.strategy if ranks else "dp"].build(model, config, device_ids, weights)
