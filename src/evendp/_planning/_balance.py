@@ -251,8 +251,8 @@ def auto_batch_sizes(
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if initialized else 0
     world = dist.get_world_size(group) if initialized else 1
+    from ._memory import DEFAULT_CONTEXT
     from ._plan import plan  # the planner pulls in fake tensors: only when asked
-    from ._planner import DEFAULT_CONTEXT
 
     if not torch.cuda.is_available():  # CPU ranks: there is no CUDA context to allow for
         plan_options.setdefault("cuda_context", 0)

@@ -20,6 +20,7 @@ from .._core._validate import shown, validate_sequence
 from ._devices import NvmlUnavailableError, list_devices
 
 __all__ = [
+    "DEFAULT_CONTEXT",
     "MAX_DEVICES",
     "DeviceMemory",
     "LiveMemoryError",
@@ -27,6 +28,10 @@ __all__ = [
     "memory_runs",
     "parse_memory",
 ]
+
+#: The allowance per device for the CUDA context + cuBLAS/cuDNN workspaces, typical on recent
+#: GPUs (``plan(cuda_context=)``, ``--context``; CPU devices are charged none).
+DEFAULT_CONTEXT = 512 << 20
 
 #: The most devices a spec may declare in all (``Nx`` repeats summed): the planner handles a
 #: million alike devices as one entry, but ``1000000000x24GiB`` would be built device by device

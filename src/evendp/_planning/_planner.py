@@ -29,15 +29,11 @@ from ._measure import (
     sample_output,
     tensors,
 )
-from ._memory import DeviceMemory, live_memory, memory_runs
+from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
-__all__ = ["DEFAULT_CONTEXT", "auto_weights", "plan"]
-
-#: The allowance per device for the CUDA context + cuBLAS/cuDNN workspaces, typical on recent
-#: GPUs (``cuda_context=``, ``--context``).
-DEFAULT_CONTEXT = 512 << 20
+__all__ = ["auto_weights", "plan"]
 _MAX_ROUNDS = 4
 
 

@@ -25,7 +25,13 @@ from .._core._amp import AMP_MODES, amp_dtype
 from .._core._errors import EvendpError
 from .._core._units import parse_bytes
 from .._core._validate import shown
-from .._planning._memory import DeviceMemory, LiveMemoryError, live_memory, parse_memory
+from .._planning._memory import (
+    DEFAULT_CONTEXT,
+    DeviceMemory,
+    LiveMemoryError,
+    live_memory,
+    parse_memory,
+)
 from ._args import bounded_float, bounded_int, suggest
 
 if TYPE_CHECKING:  # torch loads when a model is resolved: evendp launch without --model
@@ -122,7 +128,11 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
         default=0.05,
         help="fraction of each device's memory kept free (default 0.05)",
     )
-    parser.add_argument("--context", default="512MiB", help="CUDA context allowance per device")
+    parser.add_argument(
+        "--context",
+        default=f"{DEFAULT_CONTEXT >> 20}MiB",
+        help=f"CUDA context allowance per device (default {DEFAULT_CONTEXT >> 20}MiB)",
+    )
 
 
 def plan_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,7 +149,8 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         parse_bytes(args.context)
     except EvendpError:
         raise EvendpError(
-            f"--context {shown(args.context)} is not a size; e.g. --context 512MiB"
+            f"--context {shown(args.context)} is not a size; e.g. --context "
+            f"{DEFAULT_CONTEXT >> 20}MiB"
         ) from None
     return {
         "optimizer": _optimizer(args.optimizer),

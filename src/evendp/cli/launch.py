@@ -207,13 +207,13 @@ def _validate_texts(args: argparse.Namespace) -> list[int] | None:
     per-rank sizes of ``--batch-sizes`` (read here, once), if given."""
     from .._core._units import parse_bytes
     from .._distributed._batch_plan import parse_batch_sizes
-    from .._planning._memory import parse_memory
+    from .._planning._memory import DEFAULT_CONTEXT, parse_memory
 
     checks: list[tuple[str, str | None, Callable[[str], object], str]] = [
         ("--batch-sizes", args.batch_sizes, parse_batch_sizes, "3,5"),
         ("--memory", args.memory, parse_memory, "24GiB,24GiB,12GiB"),
         ("--min-free", args.min_free, parse_bytes, "8GiB"),
-        ("--context", args.context, parse_bytes, "512MiB"),
+        ("--context", args.context, parse_bytes, f"{DEFAULT_CONTEXT >> 20}MiB"),
     ]
     read: dict[str, object] = {}
     for flag, text, parse, example in checks:
