@@ -1,4 +1,5 @@
-"""The package's layers: every module imports only the layers below it (docs/architecture.md).
+"""The package's layers: every module imports only the layers below it (docs/architecture.md),
+and no modules import each other in a circle.
 
 The layers, bottom up, are the subpackages of ``evendp``; a module may import its own
 subpackage and any lower layer, never a higher one, and never a sibling layer of the same
@@ -152,6 +153,68 @@ def test_the_check_fails_on_an_upward_import(tmp_path: Path) -> None:
     (root / "_training" / "_trainer.py").write_text("from .._core._split import split_sizes\n")
     (root / "_core" / "_split.py").write_text("def f():\n    from .._training import _trainer\n")
     assert upward_imports(root) == ["evendp/_core/_split.py:2 (_core) imports evendp._training"]
+
+
+def _imported_by(path: Path, root: Path) -> set[str]:
+    """The evendp modules ``path`` imports: ``from pkg import mod`` is an edge to ``pkg.mod``."""
+    me = module_name(path, root)
+    found = {t for _, t in imported_modules(path, root) if is_module(t, root)}
+    for node, target in _from_imports(path, root):
+        found |= {f"{target}.{a.name}" for a in node.names if is_module(f"{target}.{a.name}", root)}
+    return {t for t in found if t.split(".")[0] == "evendp" and t != me}
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Every circle of modules importing each other (lazy and type-only imports included),
+    each as its sorted module names: the strongly connected components of the import graph."""
+    graph = {module_name(path, root): _imported_by(path, root) for path in root.rglob("*.py")}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm; the package is ~100 modules deep at most
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            part = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles(SRC) == []
+
+
+def test_the_check_fails_on_an_import_cycle(tmp_path: Path) -> None:
+    """The checker itself: a circle through a lazy import and a type-only one is found."""
+    root = tmp_path / "evendp"
+    (root / "_training").mkdir(parents=True)
+    for init in (root / "__init__.py", root / "_training" / "__init__.py"):
+        init.write_text("")
+    (root / "_training" / "_a.py").write_text("def f():\n    from ._b import g\n")
+    (root / "_training" / "_b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._c import h\n"
+    )
+    (root / "_training" / "_c.py").write_text("from . import _a\n")
+    (root / "_training" / "_d.py").write_text("from ._a import f\n")  # on no circle
+    assert import_cycles(root) == [
+        ["evendp._training._a", "evendp._training._b", "evendp._training._c"]
+    ]
 
 
 def test_no_module_imports_a_private_name_of_another_layer() -> None:

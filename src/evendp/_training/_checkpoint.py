@@ -27,13 +27,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from .._core._digest import content_digest, first_non_finite
 from .._core._errors import CheckpointError, EvendpError, TrainingError
 from .._core._files import NotReadable, fsync_dir, mkdir_private, open_regular, replace_file
-from .._core._validate import is_int, shown
+from .._core._validate import (
+    is_int,
+    shown,
+    validate_bool,
+    validate_instance,
+    validate_int,
+    validate_path,
+)
 from ._safe_read import Refused, check_archive, check_kind, read_dcp_metadata, safe_dcp
-from ._train_inputs import validate_checkpoint_args
 
 __all__ = [
     "CorruptCheckpoint",
@@ -233,6 +240,30 @@ def _set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
         )
 
 
+def _validate_checkpoint_args(
+    path: Any,
+    model: Any,
+    optimizer: Any,
+    scaler: Any,
+    scheduler: Any,
+    *,
+    step: Any = 0,
+    extra: Any = None,
+    restore_rng: Any = True,
+) -> None:
+    """The arguments of ``save_checkpoint`` / ``load_checkpoint`` before any file is touched."""
+    validate_path("path", path)
+    validate_instance("model", model, nn.Module, "an nn.Module")
+    for name, value in (("optimizer", optimizer), ("scaler", scaler), ("scheduler", scheduler)):
+        if value is not None and not callable(getattr(value, "state_dict", None)):
+            raise EvendpError(
+                f"{name} must have state_dict() and load_state_dict() (or be None), got {value!r}"
+            )
+    validate_int("step", step, minimum=0, example="step=100")
+    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
+    validate_bool("restore_rng", restore_rng)
+
+
 def save_checkpoint(
     path: str | Path,
     *,
@@ -263,7 +294,7 @@ def save_checkpoint(
     >>> load_checkpoint(f"{d}/ckpt.pt", model=model)["step"]
     3
     """
-    validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
+    _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     target = Path(path)
     make_private_dir(target.parent)
     _refuse_non_finite(target, step, model.state_dict(), optimizer)
@@ -759,7 +790,7 @@ def load_checkpoint(
     the file untouched. ``verify(path, extra)`` may refuse the run's saved configuration
     before anything is loaded. (See :func:`save_checkpoint` for an example.)
     """
-    validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
+    _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
     p = Path(path)
     payload = _read(p, limit=_state_limit(model))
     if verify is not None:

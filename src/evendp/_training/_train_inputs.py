@@ -1,8 +1,9 @@
 """What a :class:`~evendp.Trainer` run accepts, checked when it is built, never deep in ``fit``.
 
 ``TrainConfig.__post_init__`` calls :func:`validate_config`; ``Trainer.__init__`` calls
-:func:`validate_trainer_args` (before anything is wrapped) and :func:`validate_batch_fits`
-(once the dataset and the per-rank sizes are known). In the loop, :func:`checked_loss` and
+:func:`validate_trainer_args` (before anything is wrapped); the strategies check the step
+against the dataset once the per-rank sizes are known (``_strategies._base``), the checkpoint
+functions their own arguments (``_checkpoint``). In the loop, :func:`checked_loss` and
 :func:`validate_count` (from :mod:`evendp._core._validate`) check what user functions return.
 Each refusal is an :class:`EvendpError` naming the argument, what it got and what it takes.
 """
@@ -10,7 +11,6 @@ Each refusal is an :class:`EvendpError` naming the argument, what it got and wha
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,11 +33,8 @@ from .._distributed._batch_plan import validate_batch_sizes_option
 
 __all__ = [
     "checked_loss",
-    "validate_batch_fits",
-    "validate_checkpoint_args",
     "validate_config",
     "validate_trainer_args",
-    "warn_unused_batch_sizes",
 ]
 
 _FLAGS = ("activation_checkpointing", "oom_resplit", "resume", "progress")
@@ -150,39 +147,6 @@ def _validate_dataset(name: str, data: Any) -> None:
         )
 
 
-def validate_batch_fits(data: Any, batch_sizes: Sequence[int], distributed: bool) -> None:
-    """Refuse a step larger than the dataset: it would silently train smaller steps (every
-    step would be the whole dataset, not the batch asked for)."""
-    step = sum(batch_sizes)
-    if step > len(data):
-        name = "sum(batch_sizes)" if distributed else "batch_size"
-        raise EvendpError(
-            f"{name}={step} is larger than the dataset ({len(data)} samples): every step would "
-            f"train on {len(data)}; pass {name} <= {len(data)}"
-        )
-
-
-def warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
-    """One process splits the global batch (``batch_size``, which ``sum(batch_sizes)`` is) by
-    device weights; ``batch_sizes``' split and ``balance`` are per rank (torchrun): a warning
-    says so when they are set in one process."""
-    if config.batch_sizes is not None and not distributed:
-        warnings.warn(
-            f"batch_sizes={config.batch_sizes} is ignored in one process: it sets each rank's "
-            f"share under torchrun; here the global batch, batch_size={config.batch_size}, is "
-            "split across device_ids by weights",
-            UserWarning,
-            stacklevel=3,
-        )
-    if config.balance != "none" and not distributed:
-        warnings.warn(
-            f"balance={config.balance!r} is ignored in one process: it moves samples between "
-            "ranks under torchrun; here the split across device_ids is set by weights",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
 def checked_loss(loss: Any) -> torch.Tensor:
     """``loss_fn``'s answer when it is one number as a tensor (the batch's mean loss)."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -192,27 +156,3 @@ def checked_loss(loss: Any) -> torch.Tensor:
             "it, e.g. cross_entropy(..., reduction='mean') or loss.mean()"
         )
     return loss
-
-
-def validate_checkpoint_args(
-    path: Any,
-    model: Any,
-    optimizer: Any,
-    scaler: Any,
-    scheduler: Any,
-    *,
-    step: Any = 0,
-    extra: Any = None,
-    restore_rng: Any = True,
-) -> None:
-    """The arguments of ``save_checkpoint`` / ``load_checkpoint`` before any file is touched."""
-    validate_path("path", path)
-    validate_instance("model", model, nn.Module, "an nn.Module")
-    for name, value in (("optimizer", optimizer), ("scaler", scaler), ("scheduler", scheduler)):
-        if value is not None and not callable(getattr(value, "state_dict", None)):
-            raise EvendpError(
-                f"{name} must have state_dict() and load_state_dict() (or be None), got {value!r}"
-            )
-    validate_int("step", step, minimum=0, example="step=100")
-    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
-    validate_bool("restore_rng", restore_rng)

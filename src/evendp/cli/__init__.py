@@ -14,7 +14,7 @@ from typing import Any
 
 from ._args import CleanParser
 
-__all__ = ["build_parser", "main", "version"]
+__all__ = ["build_parser", "is_light", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
@@ -26,6 +26,19 @@ _HELP: dict[str, str] = {
     "launch": "run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
     "train": "train the built-in char GPT on the stdlib source, using every device fully",
 }
+
+
+#: Command lines that need neither torch nor a subcommand's module.
+LIGHT: tuple[list[str], ...] = (["--version"], ["--help"], ["-h"])
+
+
+def is_light(argv: list[str]) -> bool:
+    """Whether ``argv`` (after the program name) is answered without torch.
+
+    >>> is_light(["--version"]), is_light(["train", "--help"])
+    (True, False)
+    """
+    return list(argv) in LIGHT
 
 
 def version() -> str:
@@ -87,7 +100,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None, early: Any) -> int:
     from .._core._errors import EvendpError
     from .._distributed._interrupt import exit_code
-    from ._fast import is_light
 
     parser = build_parser(light=is_light(sys.argv[1:] if argv is None else list(argv)))
     try:

@@ -17,19 +17,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["EarlyStop", "answer_without_torch", "is_light"]
-
-#: Command lines that need neither torch nor a subcommand's module.
-LIGHT: tuple[list[str], ...] = (["--version"], ["--help"], ["-h"])
-
-
-def is_light(argv: list[str]) -> bool:
-    """Whether ``argv`` (after the program name) is answered without torch.
-
-    >>> is_light(["--version"]), is_light(["train", "--help"])
-    (True, False)
-    """
-    return list(argv) in LIGHT
+__all__ = ["EarlyStop", "answer_without_torch"]
 
 
 def _is_evendp_command() -> bool:
@@ -61,9 +49,9 @@ def answer_without_torch() -> bool:
     ``evendp`` command (whose package face then loads on first use)."""
     if not _is_evendp_command():
         return False
-    if is_light(sys.argv[1:]):
-        from . import main
+    from . import is_light, main
 
+    if is_light(sys.argv[1:]):
         sys.exit(main(sys.argv[1:]))
     if (
         sys.argv[1:2]

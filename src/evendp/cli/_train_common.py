@@ -4,13 +4,20 @@ metrics file."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
 from .._core._validate import shown
 
-__all__ = ["build_demo", "demo_model_name", "metric_logger", "print_report"]
+__all__ = [
+    "build_demo",
+    "demo_model_name",
+    "metric_logger",
+    "print_report",
+    "share_cpu_threads",
+]
 
 
 def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -75,3 +82,13 @@ def metric_logger(args: argparse.Namespace) -> tuple[Any, Path] | None:
             )
         return TensorBoardLogger(folder), folder
     return None
+
+
+def share_cpu_threads(devices: list[str | int]) -> None:
+    import torch
+
+    from ._train_args import all_cpu
+
+    if all_cpu(devices) and len(devices) > 1:
+        # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))

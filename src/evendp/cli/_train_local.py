@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
@@ -11,11 +10,16 @@ import torch
 from .._core._errors import EvendpError
 from ._demo import BUDGET_NOTE, format_memory, run_checks, with_figures
 from ._train_args import DEMO_MEMORY, all_cpu, device_memory, parse_devices, parse_weights
-from ._train_common import build_demo, demo_model_name, metric_logger, print_report
+from ._train_common import (
+    build_demo,
+    demo_model_name,
+    metric_logger,
+    print_report,
+    share_cpu_threads,
+)
 
 __all__ = [
     "run_local",
-    "share_cpu_threads",
 ]
 
 
@@ -52,12 +56,6 @@ def run_local(args: argparse.Namespace) -> int:
     from ._train_ddp import say_how_to_resume
 
     return say_how_to_resume(exit_code(report.signal), args.argv)
-
-
-def share_cpu_threads(devices: list[str | int]) -> None:
-    if all_cpu(devices) and len(devices) > 1:
-        # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
 
 
 def _split(

@@ -30,8 +30,8 @@ def run_user_model(args: argparse.Namespace) -> int:
     from .._planning._memory import parse_memory
     from .._training._rehearse import rehearse
     from .._training._trainer import TrainConfig, default_loss
+    from ._train_common import share_cpu_threads
     from ._train_ddp import say_how_to_resume
-    from ._train_local import share_cpu_threads
 
     if args.memory is None:
         raise EvendpError(

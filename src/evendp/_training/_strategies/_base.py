@@ -6,12 +6,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import signal
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..._core._errors import EvendpError
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from .._checkpointer import CheckpointFormat, WholeFile
@@ -302,7 +304,6 @@ def build_sampler(
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
     from ..._planning._balance import rank_batch_plan, step_balancer
-    from .._train_inputs import validate_batch_fits, warn_unused_batch_sizes
 
     plan = rank_batch_plan(requested, config.batch_size, world, model=model, example=example)
     sampler = UnevenBatchSampler(
@@ -312,9 +313,42 @@ def build_sampler(
     # balance="speed": at step boundaries samples move from slow ranks to fast ones.
     caps = None if plan.caps is None else list(plan.caps)
     balancer = step_balancer(sampler, config.balance, distributed=distributed, caps=caps)
-    validate_batch_fits(data, sampler.batch_sizes, distributed)
-    warn_unused_batch_sizes(config, distributed)
+    _validate_batch_fits(data, sampler.batch_sizes, distributed)
+    _warn_unused_batch_sizes(config, distributed)
     return sampler, balancer
+
+
+def _validate_batch_fits(data: Any, batch_sizes: Sequence[int], distributed: bool) -> None:
+    """Refuse a step larger than the dataset: it would silently train smaller steps (every
+    step would be the whole dataset, not the batch asked for)."""
+    step = sum(batch_sizes)
+    if step > len(data):
+        name = "sum(batch_sizes)" if distributed else "batch_size"
+        raise EvendpError(
+            f"{name}={step} is larger than the dataset ({len(data)} samples): every step would "
+            f"train on {len(data)}; pass {name} <= {len(data)}"
+        )
+
+
+def _warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
+    """One process splits the global batch (``batch_size``, which ``sum(batch_sizes)`` is) by
+    device weights; ``batch_sizes``' split and ``balance`` are per rank (torchrun): a warning
+    says so when they are set in one process."""
+    if config.batch_sizes is not None and not distributed:
+        warnings.warn(
+            f"batch_sizes={config.batch_sizes} is ignored in one process: it sets each rank's "
+            f"share under torchrun; here the global batch, batch_size={config.batch_size}, is "
+            "split across device_ids by weights",
+            UserWarning,
+            stacklevel=3,
+        )
+    if config.balance != "none" and not distributed:
+        warnings.warn(
+            f"balance={config.balance!r} is ignored in one process: it moves samples between "
+            "ranks under torchrun; here the split across device_ids is set by weights",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
