@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,15 @@ import torch
 
 from evendp._planning._launch import _free_port
 from tests._pool import RANKS
+
+
+def require(*names: str) -> None:
+    """Skip the calling test module when an optional stack is not installed, without
+    importing it: both pytest workers collect every module, and lightning, deepspeed and trl
+    take 2-3 s each to import; the tests import them where they run."""
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}", allow_module_level=True)
 
 
 def free_port() -> int:

@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._helpers import require
 from tests.integrations import _deepspeed_script as script
 from tests.integrations import _ports_script as ports
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
+require("deepspeed", "transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import evendp
+from tests._helpers import require
 from tests.integrations._tiny import EPOCHS, SAMPLES, SEED, reference_run, reference_update_error
 
 pytestmark = pytest.mark.multiprocess
-pytest.importorskip("lightning")
+require("lightning")
 
 SIZES = [1, 3]
 TOL = 1e-5

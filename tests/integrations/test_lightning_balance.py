@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 
 import evendp
+from tests._helpers import require
 from tests.integrations._tiny import Data, make_model
 
-pl = pytest.importorskip("lightning.pytorch")
+require("lightning")
 
 
 def _fit(loader: Any, callback: Any) -> Any:
+    import lightning.pytorch as pl
+
     from evendp.integrations.lightning import UnevenGradient
 
     class Module(pl.LightningModule):

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests._helpers import require
 from tests.integrations import _ports_script as script
 
-pytest.importorskip("transformers")
-pytest.importorskip("lightning")
+require("transformers", "lightning")
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests._helpers import require
 from tests.integrations import _trl_script as script
 from tests.integrations.test_ports import changed_lines
 
-pytest.importorskip("trl")
+require("trl")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,11 +117,6 @@ def test_the_docs_quote_the_ports_measured_changed_lines() -> None:
     assert quoted is not None and (int(quoted[1]), int(quoted[2])) == (added, removed)
 
 
-class _OwnLoader(transformers.Trainer):
-    def get_train_dataloader(self) -> Any:
-        return super().get_train_dataloader()
-
-
 @pytest.mark.parametrize(
     ("bases", "body", "message"),
     [
@@ -136,6 +132,10 @@ def test_a_subclass_overriding_what_evendp_relies_on_is_refused(
 
     import evendp
     from evendp.integrations.transformers import UnevenTrainer
+
+    class _OwnLoader(transformers.Trainer):
+        def get_train_dataloader(self) -> Any:
+            return super().get_train_dataloader()
 
     order = {
         "sft_first": (SFTTrainer, UnevenTrainer),
