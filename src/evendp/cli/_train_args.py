@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .._core._errors import EvendpError
 from .._core._validate import json_data, shown
@@ -20,6 +21,7 @@ from .._training._strategies import STRATEGIES
 from ._args import bounded_float, bounded_int, memory_text
 
 __all__ = [
+    "train_config",
     "DEFAULT_BATCH",
     "DEMO_MEMORY",
     "OPTIONS_ENV",
@@ -370,6 +372,32 @@ def fresh_start_check(args: argparse.Namespace) -> None:
             f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in "
             f"{shown(args.out)}: {', '.join(p.name for p in found)}"
         )
+
+
+def train_config(
+    args: argparse.Namespace, *, every_step: bool, batch_sizes: list[int] | None = None
+) -> Any:
+    """The run's ``TrainConfig`` from its options: the one place an option becomes a field,
+    for one process (``--mode dp``, ``--model``) and for each rank (``batch_sizes``: this
+    run's per-rank sizes, with the options only ranks have). ``every_step``: ``--log-to``
+    writes one row per step."""
+    from .._training._trainer import TrainConfig
+
+    fields: dict[str, Any] = dict(
+        steps=args.steps, accum=args.accum, lr=args.lr, amp=args.amp,
+        activation_checkpointing=args.checkpointing, out_dir=args.out,
+        checkpoint_every=args.checkpoint_every, seed=args.seed, progress=not args.no_progress,
+        resume=args.resume or args.resume_or_start or torchrun_restarted(),
+        log_every=1 if every_step else 10,
+    )  # fmt: skip
+    if batch_sizes is None:
+        fields["batch_size"] = args.batch
+    else:
+        fields.update(
+            batch_sizes=batch_sizes, strategy=args.mode, strategy_config=args.strategy_config,
+            balance=args.balance, comm_timeout=args.comm_timeout,
+        )  # fmt: skip
+    return TrainConfig(**fields)
 
 
 def is_launched_rank() -> bool:

@@ -21,7 +21,7 @@ from ._train_args import (
     OPTIONS_ENV,
     options_json,
     parse_devices,
-    torchrun_restarted,
+    train_config,
     weights_list,
 )
 from ._train_common import build_demo, demo_model_name, metric_logger, print_report
@@ -254,7 +254,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from .._distributed._interrupt import die_with_parent, exit_code
     from .._planning._launch import write_outcome
     from .._training._report import write_report
-    from .._training._trainer import TrainConfig, Trainer
+    from .._training._trainer import Trainer
 
     die_with_parent()  # torchrun killed: this rank stops after its step, saving
     cpu_ranks = _ddp_devices(args.devices)[1] or not torch.cuda.is_available()
@@ -265,15 +265,7 @@ def run_rank(args: argparse.Namespace) -> int:
     model, data, _config = build_demo(args)
     model = model.to(device)
     logger = metric_logger(args)  # every rank has it (on_log is collective); rank 0 writes
-    cfg = TrainConfig(
-        steps=args.steps, batch_sizes=sizes, accum=args.accum,
-        lr=args.lr, amp=args.amp, activation_checkpointing=args.checkpointing,
-        strategy=args.mode, strategy_config=args.strategy_config, out_dir=args.out,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume or args.resume_or_start or torchrun_restarted(), seed=args.seed,
-        progress=not args.no_progress, balance=args.balance, comm_timeout=args.comm_timeout,
-        log_every=1 if logger is not None else 10,
-    )  # fmt: skip
+    cfg = train_config(args, every_step=logger is not None, batch_sizes=sizes)
     from ..examples.stdlib_text import CodeParagraphs
 
     # Each rank pads its own share to its longest paragraph: assigning the step's paragraphs

@@ -9,7 +9,14 @@ import torch
 
 from .._core._errors import EvendpError
 from ._demo import BUDGET_NOTE, format_memory, run_checks, with_figures
-from ._train_args import DEMO_MEMORY, all_cpu, device_memory, parse_devices, parse_weights
+from ._train_args import (
+    DEMO_MEMORY,
+    all_cpu,
+    device_memory,
+    parse_devices,
+    parse_weights,
+    train_config,
+)
 from ._train_common import (
     build_demo,
     demo_model_name,
@@ -89,18 +96,12 @@ def _trainer(
     weights: list[float] | None,
     logger: tuple[Any, Any] | None = None,
 ) -> Any:
-    from .._training._trainer import TrainConfig, Trainer
+    from .._training._trainer import Trainer
     from ..examples.stdlib_text import CodeParagraphs
 
     home = devices[0]
     model = model.to(torch.device("cuda", home) if isinstance(home, int) else torch.device(home))
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
-        activation_checkpointing=args.checkpointing, out_dir=args.out,
-        checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
-        seed=args.seed, progress=not args.no_progress,
-        log_every=1 if logger is not None else 10,  # --log-to: one row per step
-    )  # fmt: skip
+    cfg = train_config(args, every_step=logger is not None)
     return Trainer(
         model, data, cfg, device_ids=list(devices), weights=weights,
         count_fn=CodeParagraphs.count_tokens, callbacks=None if logger is None else [logger[0]],

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._core._errors import EvendpError
 from ._demo import BUDGET_NOTE
-from ._train_args import parse_devices, parse_weights
+from ._train_args import parse_devices, parse_weights, train_config
 from ._train_common import metric_logger, print_report
 
 __all__ = ["load_training_factory", "run_user_model"]
@@ -29,7 +29,7 @@ def run_user_model(args: argparse.Namespace) -> int:
     from .._distributed._interrupt import exit_code
     from .._planning._memory import parse_memory
     from .._training._rehearse import rehearse
-    from .._training._trainer import TrainConfig, default_loss
+    from .._training._trainer import default_loss
     from ._train_common import share_cpu_threads
     from ._train_ddp import say_how_to_resume
 
@@ -52,12 +52,7 @@ def run_user_model(args: argparse.Namespace) -> int:
             f"{args.model!r}'s dataset; lower --batch"
         )
     logger = metric_logger(args)
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch, accum=args.accum, lr=args.lr, amp=args.amp,
-        activation_checkpointing=args.checkpointing, out_dir=args.out,
-        checkpoint_every=args.checkpoint_every, resume=args.resume or args.resume_or_start,
-        seed=args.seed, progress=not args.no_progress, log_every=1 if logger else 10,
-    )  # fmt: skip
+    cfg = train_config(args, every_step=logger is not None)
     report = rehearse(
         model, data, cfg, memory=memory, weights="auto" if weights is None else weights,
         loss_fn=loss_fn or default_loss, callbacks=None if logger is None else [logger[0]],
