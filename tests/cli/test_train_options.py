@@ -192,3 +192,25 @@ def test_memory_is_refused_for_a_mode_the_planner_cannot_model(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no memory model of sharded ranks" in err, err
+
+
+def test_the_config_builder_copies_every_option_named_like_a_field() -> None:
+    """issue 33: a new TrainConfig option is its field and its flag. The builder copies an
+    option named like a field (grad_clip has no flag yet: set here as a new flag would), for
+    one process and for the ranks alike; ranks' fields stay out of one process."""
+    from evendp.cli._train_args import train_config
+
+    argv = ["train", *BASE, "--mode", "ddp", "--seed", "5", "--comm-timeout", "90"]
+    args = build_parser().parse_args(argv)
+    args.grad_clip = 0.5
+    one = train_config(args, every_step=True)
+    ranks = train_config(args, every_step=False, batch_sizes=[12, 4])
+    assert (one.seed, one.grad_clip, one.batch_size, one.log_every) == (5, 0.5, 16, 1)
+    assert one.comm_timeout != 90 and one.batch_sizes is None  # rank-only: not in one process
+    assert (ranks.seed, ranks.grad_clip, ranks.batch_sizes, ranks.log_every) == (
+        5,
+        0.5,
+        [12, 4],
+        10,
+    )
+    assert ranks.comm_timeout == 90 and ranks.strategy == args.mode == "ddp"

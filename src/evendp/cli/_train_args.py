@@ -374,30 +374,36 @@ def fresh_start_check(args: argparse.Namespace) -> None:
         )
 
 
+#: Options named otherwise than the ``TrainConfig`` field they set (flag dest -> field); an
+#: option named like its field needs no entry: it is copied (see :func:`train_config`).
+_FIELD_OF = {"batch": "batch_size", "checkpointing": "activation_checkpointing", "out": "out_dir"}
+#: Fields that only ranks take: in one process they would be refused or ignored.
+_RANK_FIELDS = ("balance", "comm_timeout", "strategy_config")
+
+
 def train_config(
     args: argparse.Namespace, *, every_step: bool, batch_sizes: list[int] | None = None
 ) -> Any:
-    """The run's ``TrainConfig`` from its options: the one place an option becomes a field,
-    for one process (``--mode dp``, ``--model``) and for each rank (``batch_sizes``: this
-    run's per-rank sizes, with the options only ranks have). ``every_step``: ``--log-to``
-    writes one row per step."""
+    """The run's ``TrainConfig`` from its options, for one process (``--mode dp``,
+    ``--model``) or for each rank (``batch_sizes``: this rank's plan). The one place an
+    option becomes a field: an option named like its field is copied, so a new option is
+    its field and its flag. ``every_step``: ``--log-to`` writes one row per step."""
+    import dataclasses
+
     from .._training._trainer import TrainConfig
 
-    fields: dict[str, Any] = dict(
-        steps=args.steps, accum=args.accum, lr=args.lr, amp=args.amp,
-        activation_checkpointing=args.checkpointing, out_dir=args.out,
-        checkpoint_every=args.checkpoint_every, seed=args.seed, progress=not args.no_progress,
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {_FIELD_OF.get(dest, dest): value for dest, value in vars(args).items()}
+    fields = {name: value for name, value in given.items() if name in names}
+    fields.update(
+        progress=not args.no_progress,
         resume=args.resume or args.resume_or_start or torchrun_restarted(),
         log_every=1 if every_step else 10,
-    )  # fmt: skip
+    )
     if batch_sizes is None:
-        fields["batch_size"] = args.batch
-    else:
-        fields.update(
-            batch_sizes=batch_sizes, strategy=args.mode, strategy_config=args.strategy_config,
-            balance=args.balance, comm_timeout=args.comm_timeout,
-        )  # fmt: skip
-    return TrainConfig(**fields)
+        return TrainConfig(**{k: v for k, v in fields.items() if k not in _RANK_FIELDS})
+    del fields["batch_size"]  # the ranks' sizes say it (their sum)
+    return TrainConfig(**fields, batch_sizes=batch_sizes, strategy=args.mode)
 
 
 def is_launched_rank() -> bool:
