@@ -397,6 +397,13 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
                 "samples": [d.samples_per_step for d in report.devices],
                 "shown": list(shown),
             }
+    # Ranks given other plans (two nodes started with other --batch-sizes): every rank stops.
+    sizes = [1, 3] if rank == 0 else [3, 1]
+    try:
+        Trainer(TinyLM(), data, TrainConfig(steps=1, batch_sizes=sizes, progress=False))
+        results["disagree"] = "trained"
+    except EvendpError as exc:
+        results["disagree"] = str(exc)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     finish_distributed()
 
@@ -422,6 +429,17 @@ EMPTY_MODES = ["safe", "plain", "fsdp2"]
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("trainer_ddp")
     return run_ranks(_ddp_worker, 2, out, 150, "DDP trainer workers")
+
+
+@pytest.mark.multiprocess
+def test_ranks_given_other_batch_plans_all_stop_before_training(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    """issue 35: each rank trained its own plan (exit 0, samples unused); now every rank
+    raises the same line, naming both plans."""
+    said = [r["disagree"] for r in ddp_results]
+    assert said[0] == said[1], said
+    assert "rank 0 (node 0) has sizes [1, 3], rank 1 (node 0) has sizes [3, 1]" in said[0]
 
 
 @pytest.mark.multiprocess

@@ -303,9 +303,14 @@ def build_sampler(
 ) -> tuple[UnevenBatchSampler, Any]:
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
+    from ..._distributed._plan_agreement import agreed_plan
     from ..._planning._balance import rank_batch_plan, step_balancer
 
-    plan = rank_batch_plan(requested, config.batch_size, world, model=model, example=example)
+    def plan_it() -> Any:
+        return rank_batch_plan(requested, config.batch_size, world, model=model, example=example)
+
+    # Ranks: one plan on every rank, or every rank stops (two nodes given other sizes).
+    plan = agreed_plan(plan_it, world) if distributed and world > 1 else plan_it()
     sampler = UnevenBatchSampler(
         data, list(plan.sizes), rank=rank, world_size=world, seed=config.seed, costs=costs,
         max_costs=max_costs, max_tokens=max_tokens,

@@ -1,0 +1,83 @@
+"""Every rank trains one batch plan, or every rank stops at once (issue 35).
+
+Each node's launcher hands its ranks the plan it was given (``EVENDP_BATCH_SIZES``). Two
+nodes started with different ``--batch-sizes`` would each train their own plan: both runs
+end with exit 0, part of every step's samples never used, the gradient off. A rank whose
+plan is refused (sizes for another world size) would stop alone, and the others would wait
+in their first collective. So the ranks exchange their plans once, before the first step,
+in one all-gather of a fixed-size row each, and every rank decides from the same rows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .._core._errors import EvendpError
+from ._batch_plan import BatchPlan
+from ._group import comm_device
+
+__all__ = ["agreed_plan"]
+
+_REFUSED, _HELD = 0, 1
+_NO_CAP = -1
+
+
+def agreed_plan(build: Callable[[], BatchPlan], world: int) -> BatchPlan:
+    """This rank's plan from ``build()``, once every rank of the default group holds the same
+    one; else an :class:`EvendpError` on every rank alike, naming the ranks (and nodes) that
+    differ and what each holds. A rank whose ``build()`` raised re-raises its own error.
+
+    One collective at start-up (and one host read of its result).
+    """
+    try:
+        plan: BatchPlan | None = build()
+        error: EvendpError | None = None
+    except EvendpError as exc:
+        plan, error = None, exc
+    rows = _gather(_row(plan, world), world)
+    if error is not None:
+        raise error
+    refused = [r for r, row in enumerate(rows) if row[0] == _REFUSED]
+    if refused:
+        raise EvendpError(
+            f"rank {refused[0]} (node {rows[refused[0]][1]}) refused its batch plan, so no "
+            "rank trains; its own error says why (every node must be started with the same "
+            "--batch-sizes and --nproc)"
+        )
+    first = rows[0]
+    for rank, row in enumerate(rows):
+        if row[2:] != first[2:]:
+            raise EvendpError(
+                f"the ranks hold different batch plans: rank 0 (node {first[1]}) has "
+                f"{_said(first, world)}, rank {rank} (node {row[1]}) has {_said(row, world)}; "
+                "start every node with the same --batch-sizes (and --nproc), one size per rank "
+                "of the whole run, node 0's ranks first"
+            )
+    assert plan is not None  # this rank's row was held
+    return plan
+
+
+def _row(plan: BatchPlan | None, world: int) -> list[int]:
+    """``[held?, node, sizes..., caps...]``: 2 + 2 * world ints, whatever the plan."""
+    node = int(os.environ.get("GROUP_RANK", "0") or 0)
+    if plan is None or len(plan.sizes) != world:
+        return [_REFUSED, node] + [0] * (2 * world)
+    caps = list(plan.caps) if plan.caps is not None else [_NO_CAP] * world
+    return [_HELD, node, *plan.sizes, *caps]
+
+
+def _gather(row: list[int], world: int) -> list[list[int]]:
+    mine = torch.tensor(row, dtype=torch.int64, device=comm_device())
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows).tolist()
+
+
+def _said(row: list[int], world: int) -> str:
+    sizes, caps = row[2 : 2 + world], row[2 + world :]
+    text = f"sizes {sizes}"
+    return text if caps == [_NO_CAP] * world else f"{text} with caps {caps}"
