@@ -7,18 +7,23 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test lint types unit docs coverage clean
 
-# The dev extras (transformers, accelerate, lightning) install with torch pinned as a
-# constraint, so no dependency can pull in another, multi-GB CUDA build of torch.
-$(VENV)/.installed: pyproject.toml Makefile
+# The demo needs evendp and torch only ($(VENV)/.base); the test targets add the dev extras
+# (transformers, accelerate, lightning, deepspeed, trl, the linters, mkdocs). Both install with
+# torch pinned as a constraint, so no dependency can pull in another, multi-GB CUDA build.
+$(VENV)/.base: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
 	touch $@
 
 # A demo is a fresh run each time: --overwrite replaces the previous demo's checkpoint.
-demo: $(VENV)/.installed
+demo: $(VENV)/.base
 	$(VENV)/bin/evendp train --overwrite
 
 lint: $(VENV)/.installed

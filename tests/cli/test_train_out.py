@@ -266,3 +266,20 @@ def test_overwrite_refuses_a_folder_without_the_marker_and_leaves_it_as_it_was(
     assert "has no .evendp-run.json" in err and "ckpt.pt" in err and "another --out" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # nothing written
     assert (tmp_path / "ckpt.pt").read_bytes() == b"another program's weights"
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp"])
+def test_a_refused_run_leaves_nothing_behind(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """issue 36: a run refused after its --out was claimed (a batch larger than the data) left
+    a folder holding only .evendp-run.json; a folder that was there stays, empty. Under ddp
+    the ranks refuse it (the launcher has not read the data) and the launcher cleans up."""
+    too_big = ["--batch", "100000", "--mode", mode, "--devices", "cpu,cpu"]
+    new, kept = tmp_path / "new", tmp_path / "kept"
+    kept.mkdir()
+    for out in (new, kept) if mode == "dp" else (new,):  # ddp: one launch is enough
+        assert main(["train", *TINY, *too_big, "--out", str(out)]) == 2
+        assert "--batch 100000 is more than the" in capfd.readouterr().err  # a rank's, too
+    assert not new.exists()
+    assert kept.is_dir() and list(kept.iterdir()) == []  # there before: kept, and empty

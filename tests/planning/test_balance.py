@@ -148,9 +148,12 @@ def _auto() -> dict[str, Any]:
     os.environ["EVENDP_MEMORY"] = MEMORY
     model = Net()
     cfg = _config(steps=1, batch_size=AUTO_BATCH, batch_sizes="auto", balance="speed")
-    trainer = evendp.Trainer(model, _data(AUTO_BATCH), cfg, optimizer=_sgd(model))
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        trainer = evendp.Trainer(model, _data(AUTO_BATCH), cfg, optimizer=_sgd(model))
     # The capacities bound speed balance too: each rank's planned most samples.
-    return {"sizes": trainer.sampler.batch_sizes, "caps": trainer.balancer.caps}
+    caps = trainer.balancer.caps
+    return {"sizes": trainer.sampler.batch_sizes, "caps": caps, "said": said.getvalue()}
 
 
 def _tokens(world: int) -> list[torch.Tensor]:
@@ -238,8 +241,13 @@ def test_auto_batch_sizes_are_planned_per_rank_and_the_same_everywhere(
     ranks: list[dict[str, Any]],
 ) -> None:
     auto = ranks[0]["auto"]
+    said = auto.pop("said")
+    assert ranks[1]["auto"].pop("said") == ""  # said once, by rank 0
     assert ranks[1]["auto"] == auto  # the same sizes and capacities on every rank
     caps, sizes = auto["caps"], auto["sizes"]
+    # issue 36: the chosen sizes are printed, not only used
+    assert f"batch_sizes='auto' planned {sizes} per rank for a global batch of {AUTO_BATCH}" in said
+    assert f"the most each holds: {caps}" in said
     assert caps[0] > caps[1] > 0  # each rank planned on its own memory: more, more samples
     assert sizes == sizes_from_capacities(caps, AUTO_BATCH)
     assert sum(sizes) == AUTO_BATCH and sizes[0] > sizes[1]

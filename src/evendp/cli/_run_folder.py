@@ -23,7 +23,7 @@ from .._core._errors import EvendpError
 from .._core._files import mkdir_private
 from .._core._validate import shown
 
-__all__ = ["MARKER", "claim_out_dir", "evendp_checkpoints", "foreign_entries"]
+__all__ = ["MARKER", "claim_out_dir", "evendp_checkpoints", "foreign_entries", "unclaim_out_dir"]
 
 MARKER = ".evendp-run.json"
 
@@ -141,6 +141,19 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
             path.unlink()
     _mark(folder)
     return found
+
+
+def unclaim_out_dir(out: str, *, created: bool) -> None:
+    """A run refused before it wrote anything leaves nothing behind: the marker
+    :func:`claim_out_dir` wrote goes when it is all the folder holds, and the folder too when
+    the claim ``created`` it."""
+    folder = Path(out)
+    if not _is_folder(folder) or [e.name for e in folder.iterdir()] != [MARKER]:
+        return
+    if _is_marker(folder / MARKER):
+        (folder / MARKER).unlink()
+        if created:
+            folder.rmdir()
 
 
 def _refuse_lookalikes(folder: Path, found: list[Path]) -> None:

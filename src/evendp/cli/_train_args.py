@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -351,10 +352,11 @@ def resume_check(args: argparse.Namespace) -> int | None:
     return None
 
 
-def fresh_start_check(args: argparse.Namespace) -> None:
+def fresh_start_check(args: argparse.Namespace) -> Callable[[], None] | None:
     """Before any work, for a run that starts fresh: ``--out`` is a writable folder, holds no
     other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently) and
-    nothing that is not a run's (:mod:`evendp.cli._run_folder`).
+    nothing that is not a run's (:mod:`evendp.cli._run_folder`). Returns what undoes the
+    claim when the run is then refused before it writes (``None``: nothing was claimed).
 
     The launcher of ``--mode ddp|fsdp2`` checks once; its ranks do not (rank 0's first save
     would look like another run to a rank that starts late).
@@ -363,15 +365,17 @@ def fresh_start_check(args: argparse.Namespace) -> None:
 
     check_out_dir("--out", args.out)
     if args.resume or args.resume_or_start or torchrun_restarted() or is_launched_rank():
-        return
-    from ._run_folder import claim_out_dir
+        return None
+    from ._run_folder import claim_out_dir, unclaim_out_dir
 
+    created = not os.path.lexists(args.out)
     found = claim_out_dir(args.out, overwrite=args.overwrite)
     if found:
         print(
             f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in "
             f"{shown(args.out)}: {', '.join(p.name for p in found)}"
         )
+    return lambda: unclaim_out_dir(args.out, created=created)
 
 
 #: Options named otherwise than the ``TrainConfig`` field they set (flag dest -> field); an

@@ -72,6 +72,15 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
+    claimed: list[Any] = []  # what undoes this run's claim of --out (fresh_start_check)
+    code = _checked(args, claimed)
+    if code == 2 and claimed:  # refused, here or by the ranks, before anything was written:
+        claimed[0]()  # no folder left holding only evendp's marker
+    return code
+
+
+def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
+    """The run, every refusal and fault one line with its exit code."""
     from evendp._core._errors import EvendpError
     from evendp.cli._train_args import (
         fresh_start_check,
@@ -87,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         done = resume_check(args)
         if done is not None:
             return done
-        fresh_start_check(args)
+        claimed += [undo for undo in [fresh_start_check(args)] if undo is not None]
         if not is_launched_rank():  # the launcher said it once
             say_units("evendp train", "--memory", args.memory)
         return _run(args)

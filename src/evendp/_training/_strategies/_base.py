@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import signal
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -311,6 +312,14 @@ def build_sampler(
 
     # Ranks: one plan on every rank, or every rank stops (two nodes given other sizes).
     plan = agreed_plan(plan_it, world) if distributed and world > 1 else plan_it()
+    if plan.source == "planned for memory" and rank == 0:  # what "auto" chose, said once
+        most = "" if plan.caps is None else f" (the most each holds: {list(plan.caps)})"
+        print(
+            f"evendp: batch_sizes='auto' planned {list(plan.sizes)} per rank for a global "
+            f"batch of {plan.global_batch}{most}",
+            file=sys.stderr,
+            flush=True,
+        )
     sampler = UnevenBatchSampler(
         data, list(plan.sizes), rank=rank, world_size=world, seed=config.seed, costs=costs,
         max_costs=max_costs, max_tokens=max_tokens,
