@@ -41,6 +41,10 @@ SAMPLES = {
     "--block-size": "40",
     "--max-chars": "700000",
     "--strategy-config": "pyproject.toml",
+    "--nnodes": "2",
+    "--node-rank": "1",
+    "--master-addr": "10.0.0.1",
+    "--master-port": "29501",
 }
 
 # Refused under a mode, with the words its one line must carry.
@@ -50,6 +54,13 @@ REFUSED = {
     ("ddp", "--model"): "use --mode dp",
     ("ddp", "--strategy-config"): "reads no --strategy-config",
     ("fsdp2", "--strategy-config"): "reads no --strategy-config",
+    # Alone, a node option is half of several machines' (the whole: the test further down).
+    **{(mode, "--nnodes"): "needs --node-rank" for mode in ("ddp", "fsdp2")},
+    **{
+        (mode, flag): "but --nnodes is 1"
+        for mode in ("ddp", "fsdp2")
+        for flag in ("--node-rank", "--master-addr", "--master-port")
+    },
 }
 try:  # --log-to tensorboard is refused only where the package is missing
     import torch.utils.tensorboard  # noqa: F401
@@ -214,3 +225,53 @@ def test_the_config_builder_copies_every_option_named_like_a_field() -> None:
         10,
     )
     assert ranks.comm_timeout == 90 and ranks.strategy == args.mode == "ddp"
+
+
+def test_the_nodes_options_reach_torchrun_and_size_every_nodes_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """issue 35: evendp train on several machines; --weights name every rank of the run."""
+    from evendp._planning._launch import torchrun_command
+    from evendp.cli._train_ddp import _restarts
+
+    nodes = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+    argv = [
+        "train",
+        "--mode",
+        "ddp",
+        *BASE,
+        "--weights",
+        "1,1,2,4",
+        *nodes,
+        "--master-port",
+        "29511",
+    ]
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    plan, script_argv = plan_ranks(args)
+    assert plan.nproc_per_node == 2 and plan.batch_sizes == [2, 2, 4, 8]  # node-major
+    command = torchrun_command(plan, "train.py", script_argv, _restarts(args)["passthrough"])
+    for flag, value in zip(nodes[::2], nodes[1::2], strict=True):
+        assert command[command.index(flag) + 1] == value
+    assert command[command.index("--master-port") + 1] == "29511"
+    assert vars(_rank_options(plan, monkeypatch)) == vars(args)
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "is not one of the 2"),
+        (["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--memory", "8MiB,8MiB"],
+         "--memory plans this machine's ranks only"),
+        (["--mode", "dp", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"],
+         "use --mode ddp"),
+    ],
+    ids=["node-rank", "memory", "dp"],
+)  # fmt: skip
+def test_the_nodes_options_are_checked_in_one_line(
+    extra: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mode = [] if "--mode" in extra else ["--mode", "ddp"]
+    assert main(["train", *mode, *BASE, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and words in err, err

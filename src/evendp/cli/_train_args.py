@@ -138,6 +138,34 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
         "the last checkpoint (default 0)",
     )
+    nodes = p.add_argument_group(
+        "several machines (ranks: --mode ddp, fsdp2, deepspeed)",
+        "the same command on every machine, each with its --node-rank; --devices and --weights "
+        "(one weight per rank of the whole run, node 0's first) the same everywhere",
+    )
+    nodes.add_argument(
+        "--nnodes",
+        type=bounded_int("--nnodes", 1, 100_000, 2),
+        default=1,
+        help="machines in the run (default 1)",
+    )
+    nodes.add_argument(
+        "--node-rank",
+        type=bounded_int("--node-rank", 0, 99_999, 1),
+        default=None,
+        help="this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)",
+    )
+    nodes.add_argument(
+        "--master-addr",
+        default=None,
+        help="node 0's address every node reaches (on a private network: docs/ddp.md)",
+    )
+    nodes.add_argument(
+        "--master-port",
+        type=bounded_int("--master-port", 1, 65_535, 29_501),
+        default=None,
+        help="node 0's port for the store (default: torchrun's, 29500)",
+    )
     p.add_argument(
         "--comm-timeout",
         type=bounded_float("--comm-timeout", _MIN_COMM_TIMEOUT, 86_400, "600", low_inclusive=True),
@@ -241,6 +269,7 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--balance {args.balance} balances ranks; use it with --mode ddp or fsdp2 (one "
             "process splits by --weights)"
         )
+    _validate_nodes(args)
     if args.max_restarts and args.mode == "dp":
         raise EvendpError(
             "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
@@ -280,6 +309,40 @@ def _validate_pairs(args: argparse.Namespace) -> None:
         raise EvendpError(
             f"--accum {args.accum} is more micro-batches than the {args.batch} samples of "
             f"--batch {args.batch}; give --accum <= --batch, e.g. --accum {min(2, args.batch)}"
+        )
+
+
+def _validate_nodes(args: argparse.Namespace) -> None:
+    """Several machines: ranks only, and each node told where node 0 is and which it is."""
+    given = [f for f, v in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                            ("--master-port", args.master_port)) if v is not None]  # fmt: skip
+    if args.nnodes == 1:
+        if given:
+            raise EvendpError(
+                f"{given[0]} places this machine among several, but --nnodes is 1; pass "
+                "--nnodes N (the machines in the run), or drop it"
+            )
+        return
+    if args.mode == "dp":
+        raise EvendpError(
+            f"--nnodes {args.nnodes} runs ranks on several machines; use --mode ddp, fsdp2 or "
+            "deepspeed (--mode dp is one process)"
+        )
+    if args.node_rank is None or args.master_addr is None:
+        raise EvendpError(
+            f"--nnodes {args.nnodes} needs --node-rank (this machine's place, 0 to "
+            f"{args.nnodes - 1}) and --master-addr (node 0's address), the same command on "
+            "every machine otherwise; e.g. --nnodes 2 --node-rank 0 --master-addr 10.0.0.1"
+        )
+    if args.node_rank >= args.nnodes:
+        raise EvendpError(
+            f"--node-rank {args.node_rank} is not one of the {args.nnodes} machines (0 to "
+            f"{args.nnodes - 1}); e.g. --node-rank 0 on the machine at --master-addr"
+        )
+    if args.memory is not None:
+        raise EvendpError(
+            f"--memory plans this machine's ranks only, but --nnodes is {args.nnodes}; give "
+            "--weights (one per rank of the whole run) or an even --batch"
         )
 
 

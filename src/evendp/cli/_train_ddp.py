@@ -98,7 +98,8 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
     # cpu entries: CPU ranks (gloo) even on a GPU machine; NVML is not asked at all.
     where: dict[str, Any] = {"gpu_ids": gpus, "nvml": False} if cpu else {"gpu_ids": gpus}
     try:
-        plan = plan_launch(nproc=nproc, **_rank_sizes(args, nproc, cpu), **where)
+        sizes = _rank_sizes(args, nproc, cpu)
+        plan = plan_launch(nproc=nproc, nnodes=args.nnodes, **sizes, **where)
     except EvendpError:
         if gpus and not _nvidia_driver():  # the launcher's words name its own --gpus
             raise EvendpError(
@@ -141,7 +142,7 @@ def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[s
 
         if nproc == "auto":
             raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
-        weights = weights_list(args.weights, int(nproc))
+        weights = weights_list(args.weights, int(nproc) * args.nnodes)  # every node's ranks
         return {"batch_sizes": split_sizes(args.batch, weights)}
     if args.memory is None:
         return {"batch": args.batch}
@@ -178,7 +179,8 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
 
 
 def _restarts(args: argparse.Namespace) -> dict[str, Any]:
-    """torchrun's --max-restarts only when asked (its default, 0, otherwise).
+    """torchrun's --max-restarts only when asked (its default, 0, otherwise), and the nodes'
+    options of a run on several machines.
 
     The rendezvous stays torchrun's static one at evendp's loopback address and free port (as
     without restarts): its store listens on 127.0.0.1 only and each restart round reuses it
@@ -186,9 +188,14 @@ def _restarts(args: argparse.Namespace) -> dict[str, Any]:
     rendezvous: its store listens on every interface, and its agent unpickles what the store
     holds, so anyone who reaches the port runs code in the launcher.
     """
-    if not args.max_restarts:
-        return {}
-    return {"passthrough": {"max_restarts": args.max_restarts}}
+    passed = {"max_restarts": args.max_restarts or None}
+    if args.nnodes > 1:  # torchrun's static rendezvous at node 0 (docs/ddp.md)
+        passed.update(
+            nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port,
+        )  # fmt: skip
+    passed = {key: value for key, value in passed.items() if value is not None}
+    return {"passthrough": passed} if passed else {}
 
 
 def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
