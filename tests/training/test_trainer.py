@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +398,12 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
                 "samples": [d.samples_per_step for d in report.devices],
                 "shown": list(shown),
             }
+    # BatchNorm on uneven ranks: rank 0 warns, as one process does for its devices (issue 36).
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bn = nn.Sequential(nn.Embedding(64, 8), nn.BatchNorm1d(16))
+        Trainer(bn, data, TrainConfig(steps=1, batch_sizes=[3, 1], progress=False))
+    results["batchnorm"] = [str(w.message) for w in seen if "BatchNorm" in str(w.message)]
     # Ranks given other plans (two nodes started with other --batch-sizes): every rank stops.
     sizes = [1, 3] if rank == 0 else [3, 1]
     try:
@@ -429,6 +436,13 @@ EMPTY_MODES = ["safe", "plain", "fsdp2"]
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("trainer_ddp")
     return run_ranks(_ddp_worker, 2, out, 150, "DDP trainer workers")
+
+
+@pytest.mark.multiprocess
+def test_batchnorm_on_uneven_ranks_is_warned_once(ddp_results: list[dict[str, Any]]) -> None:
+    said = [r["batchnorm"] for r in ddp_results]
+    assert len(said[0]) == 1 and said[1] == []  # rank 0 says it, once
+    assert "batch_sizes=[3, 1] split each step unevenly" in said[0][0]
 
 
 @pytest.mark.multiprocess

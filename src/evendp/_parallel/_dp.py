@@ -21,15 +21,14 @@ import functools
 import itertools
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._core._batchnorm import warn_if_batchnorm_split_unevenly
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument, warn_renamed
 from .._core._errors import EvendpError
@@ -221,7 +220,7 @@ class BalancedDataParallel(nn.Module):
             self._auto, self._weights = True, None
         else:
             self._auto, self._weights = False, _validate_weight_list(value, len(self.device_ids))
-            _warn_if_batchnorm_split_unevenly(self.module, self._weights, len(self.device_ids))
+            warn_if_batchnorm_split_unevenly(self.module, self._weights, "weights")
 
     @property
     def chunk_sizes(self) -> list[float] | None:
@@ -337,7 +336,7 @@ class BalancedDataParallel(nn.Module):
             return list(self._sizes)
         if self._auto and self._weights is None:
             self._weights = self._plan_weights(inputs, kwargs)
-            _warn_if_batchnorm_split_unevenly(self.module, self._weights, len(self.device_ids))
+            warn_if_batchnorm_split_unevenly(self.module, self._weights, "weights")
         return self.split(total)
 
     def _raw_counts(self, shards: list[Any]) -> list[Any] | None:
@@ -763,30 +762,6 @@ def _validate_fixed_total(sizes: list[int], total: int, dim: int) -> None:
             f"fixed_sizes({sizes}) add up to {sum(sizes)}, but the batch has {total} samples "
             f"along dim={dim}; pass sizes that sum to the batch"
         )
-
-
-def _warn_if_batchnorm_split_unevenly(module: nn.Module, weights: Any, devices: int) -> None:
-    """Warn when BatchNorm statistics will differ from one device's: whenever the weights are
-    set unevenly, by the caller or by the planner (``"auto"``, a rehearsal, a planned run)."""
-    if devices < 2 or weights is None:
-        return
-    if len({float(w) for w in weights if float(w) > 0}) < 2:
-        return  # an even split over the active devices, as nn.DataParallel does
-    name = next(
-        (n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training), None
-    )
-    if name is None:
-        return
-    warnings.warn(
-        f"BatchNorm layer {name or type(module).__name__!r} is in training mode and "
-        f"weights={weights!r} split each batch unevenly: every device normalizes its share "
-        "with that share's own statistics, so the loss and gradient are not those of one "
-        "device on the whole batch. For exactness use GroupNorm or LayerNorm, or put the "
-        "BatchNorm layers in eval() mode; under DDP on GPUs, "
-        "nn.SyncBatchNorm.convert_sync_batchnorm(model) normalizes over all ranks",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 def _add_module_prefix(

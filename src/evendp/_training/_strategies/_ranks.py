@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._core._batchnorm import warn_if_batchnorm_split_unevenly
 from ..._core._calls import as_args
 from ..._distributed._group import comm_device
 from ..._distributed._run_lock import trainer_lock
@@ -66,11 +67,14 @@ class RankStrategy(Strategy):
         example: Callable[[], Any],
     ) -> tuple[UnevenBatchSampler, Any]:
         # The ranks split each step by cost: every rank computes the same plan.
-        return build_sampler(
+        built = build_sampler(
             data, config, requested=config.batch_sizes, rank=self.rank, world=self.world,
             distributed=True, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
             model=model, example=example,
         )  # fmt: skip
+        if self.rank == 0:  # said once, as for one process's devices
+            warn_if_batchnorm_split_unevenly(self.model, built[0].batch_sizes, "batch_sizes")
+        return built
 
     def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
         return trainer_lock(out_dir, distributed=True)
