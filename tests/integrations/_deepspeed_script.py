@@ -20,6 +20,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 import evendp
 
@@ -94,6 +95,52 @@ def degenerate(out: Path, deepspeed: dict[str, Any] | None, batch_sizes: list[in
     torch.save(state, out / f"degenerate{args.process_index}.pt")
 
 
+#: The "auto" schedule case: samples (6 steps of 4), warm-up steps, peak learning rate.
+SCHEDULE = {"samples": 24, "warmup": 2, "lr": 0.1}
+
+
+def schedule(out: Path) -> None:
+    """UnevenAccelerator with a DeepSpeed config whose scheduler is all "auto"
+    (WarmupDecayLR), filled from a DummyScheduler of the run's steps: each step's learning
+    rate and the schedule's length, for the test to compare with one process (issue 36: the
+    length was halved on 2 ranks and the rate reached 0 half-way)."""
+    import json
+
+    import torch.nn.functional as F
+    from accelerate import PartialState
+    from accelerate.utils import DeepSpeedPlugin, DummyScheduler
+
+    from evendp.integrations.accelerate import UnevenAccelerator, uneven_dataloader
+
+    auto = ("total_num_steps", "warmup_num_steps", "warmup_min_lr", "warmup_max_lr")
+    config = {
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+        "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "scheduler": {"type": "WarmupDecayLR", "params": dict.fromkeys(auto, "auto")},
+    }  # fmt: skip
+    PartialState(cpu=True)
+    accelerator = UnevenAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(SCHEDULE["samples"], 4, generator=g))
+    loader = uneven_dataloader(accelerator, data, shuffle=False)  # EVENDP_BATCH_SIZES
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=SCHEDULE["lr"])
+    steps = len(loader)  # per rank already: the run's optimizer steps
+    dummy = DummyScheduler(optimizer, total_num_steps=steps, warmup_num_steps=SCHEDULE["warmup"])
+    model, optimizer, loader, dummy = accelerator.prepare(model, optimizer, loader, dummy)
+    rates = []
+    for (x,) in loader:
+        accelerator.backward(F.mse_loss(model(x), x.sum(dim=1, keepdim=True)))
+        optimizer.step()
+        dummy.step()
+        optimizer.zero_grad()
+        rates.append(model.get_lr()[0])
+    said = {"steps": steps, "total": model.lr_scheduler.total_num_steps, "rates": rates}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(said))
+
+
 ZERO2 = {
     "train_micro_batch_size_per_gpu": "auto",
     "train_batch_size": "auto",
@@ -124,6 +171,9 @@ def main(out: Path) -> None:
     with mock.patch.dict(os.environ, {"EVENDP_BATCH_SIZES": "0,4"}):
         RUNS["loop_empty"] = ("deepspeed_loop", RUNS["loop_z2"][1])
         run("loop_empty", out)
+    (out / "schedule").mkdir(exist_ok=True)
+    schedule(out / "schedule")
+    _reset_accelerate()
     # Accelerate's end_training destroys the group: only the last run may.
     from evendp.integrations.accelerate import UnevenAccelerator
 

@@ -163,3 +163,31 @@ def test_the_docs_quote_the_measured_changed_lines(port: str) -> None:
     quoted = re.search(rf"`examples/{port}\.py`[^\n]*?\+(\d+)/-(\d+)", docs)
     assert quoted is not None, f"docs/integrations.md quotes no +N/-M for examples/{port}.py"
     assert (int(quoted[1]), int(quoted[2])) == (added, removed)
+
+
+@pytest.mark.multiprocess
+def test_an_auto_deepspeed_schedule_under_accelerate_is_the_runs_length(launched: Path) -> None:
+    """issue 36: Accelerate fills a DeepSpeed config's "auto" scheduler fields with
+    total_num_steps / num_processes, for a loader it shards; the uneven loader is per rank, so
+    on 2 ranks WarmupDecayLR ended half-way (weights 0.64 off). Every step's learning rate
+    equals one process's WarmupDecayLR over the run's steps."""
+    import json
+
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    said = [json.loads((launched / "schedule" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    steps = said[0]["steps"]
+    assert steps == script.SCHEDULE["samples"] // 4  # [1, 3]: 4 samples per step
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=script.SCHEDULE["lr"])
+    one = WarmupDecayLR(
+        optimizer, total_num_steps=steps, warmup_min_lr=0, warmup_max_lr=script.SCHEDULE["lr"],
+        warmup_num_steps=script.SCHEDULE["warmup"],
+    )  # fmt: skip
+    want = []
+    for _ in range(steps):
+        optimizer.step()
+        one.step()
+        want.append(one.get_last_lr()[0])
+    for rank in said:
+        assert rank["total"] == steps  # was steps // 2
+        assert rank["rates"] == pytest.approx(want, rel=1e-6, abs=1e-9)

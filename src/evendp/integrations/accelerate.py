@@ -29,6 +29,7 @@ for even loaders, would then run that many times too slowly).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -111,6 +112,24 @@ class _WeighingLoader:
         return getattr(self.loader, name)
 
 
+@contextlib.contextmanager
+def _whole_step_counts(args: tuple[Any, ...], processes: int) -> Iterator[None]:
+    """While Accelerate prepares ``args``: each ``DummyScheduler``'s ``total_num_steps``
+    times ``processes``, which Accelerate divides back (``ceil(T * n / n) == T``); restored
+    after, so the user's object is unchanged."""
+    from accelerate.utils import DummyScheduler
+
+    dummies = [a for a in args if isinstance(a, DummyScheduler) and a.total_num_steps]
+    given = [d.total_num_steps for d in dummies]
+    for dummy in dummies:
+        dummy.total_num_steps = dummy.total_num_steps * processes
+    try:
+        yield
+    finally:
+        for dummy, steps in zip(dummies, given, strict=True):
+            dummy.total_num_steps = steps
+
+
 class UnevenAccelerator(Accelerator):
     """An ``Accelerator`` whose ``backward`` and schedulers are exact with per-rank batch sizes.
 
@@ -157,15 +176,21 @@ class UnevenAccelerator(Accelerator):
         return prepared
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
-        """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call.
+        """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call,
+        and a ``DummyScheduler``'s ``total_num_steps`` is the run's number of steps.
 
         Accelerate's DeepSpeed path wraps a torch scheduler itself, not through
-        :meth:`prepare_scheduler`.
+        :meth:`prepare_scheduler`; and it fills a DeepSpeed config's ``"auto"`` scheduler
+        fields with ``total_num_steps / num_processes``, for a loader it shards. The uneven
+        loader is per rank already: its length is the run's steps, and the schedule would
+        end half-way on 2 ranks, in silence (issue 36).
         """
-        prepared = super().prepare(*args, **kwargs)
-        if self.distributed_type == DistributedType.DEEPSPEED:
-            for scheduler in self._schedulers:
-                scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            return super().prepare(*args, **kwargs)
+        with _whole_step_counts(args, self.num_processes):
+            prepared = super().prepare(*args, **kwargs)
+        for scheduler in self._schedulers:
+            scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
         return prepared
 
     def end_training(self) -> None:
