@@ -138,34 +138,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
         "the last checkpoint (default 0)",
     )
-    nodes = p.add_argument_group(
-        "several machines (ranks: --mode ddp, fsdp2, deepspeed)",
-        "the same command on every machine, each with its --node-rank; --devices and --weights "
-        "(one weight per rank of the whole run, node 0's first) the same everywhere",
-    )
-    nodes.add_argument(
-        "--nnodes",
-        type=bounded_int("--nnodes", 1, 100_000, 2),
-        default=1,
-        help="machines in the run (default 1)",
-    )
-    nodes.add_argument(
-        "--node-rank",
-        type=bounded_int("--node-rank", 0, 99_999, 1),
-        default=None,
-        help="this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)",
-    )
-    nodes.add_argument(
-        "--master-addr",
-        default=None,
-        help="node 0's address every node reaches (on a private network: docs/ddp.md)",
-    )
-    nodes.add_argument(
-        "--master-port",
-        type=bounded_int("--master-port", 1, 65_535, 29_501),
-        default=None,
-        help="node 0's port for the store (default: torchrun's, 29500)",
-    )
+    _add_node_options(p)
     p.add_argument(
         "--comm-timeout",
         type=bounded_float("--comm-timeout", _MIN_COMM_TIMEOUT, 86_400, "600", low_inclusive=True),
@@ -242,6 +215,29 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plan", action="store_true", help="skip the planned-memory figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+#: Several machines: (flag, its bounds and example when a number, default, help).
+_NODE_OPTIONS: tuple[tuple[str, tuple[int, int, int] | None, int | None, str], ...] = (
+    ("--nnodes", (1, 100_000, 2), 1, "machines in the run (default 1)"),
+    ("--node-rank", (0, 99_999, 1), None,
+     "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"),
+    ("--master-addr", None, None,
+     "node 0's address every node reaches (on a private network: docs/ddp.md)"),
+    ("--master-port", (1, 65_535, 29_501), None,
+     "node 0's port for the store (default: torchrun's, 29500)"),
+)  # fmt: skip
+
+
+def _add_node_options(p: argparse.ArgumentParser) -> None:
+    nodes = p.add_argument_group(
+        "several machines (ranks: --mode ddp, fsdp2, deepspeed)",
+        "the same command on every machine, each with its --node-rank; --devices and --weights "
+        "(one weight per rank of the whole run, node 0's first) the same everywhere",
+    )
+    for flag, bounds, default, text in _NODE_OPTIONS:
+        kind: Callable[[str], Any] = str if bounds is None else bounded_int(flag, *bounds)
+        nodes.add_argument(flag, type=kind, default=default, help=text)
 
 
 def validate_args(args: argparse.Namespace) -> None:
