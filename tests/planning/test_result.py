@@ -32,6 +32,7 @@ def test_the_gradient_row_says_it_is_the_gradients_live_at_the_peak(plan: Any) -
     rows = [line.split("│")[1].strip() for line in str(plan.table()).splitlines() if "│" in line]
     assert "grads at peak" in rows and "grads" not in rows
     assert "grads at peak: the gradients that exist then" in plan.table().caption
+    assert "eta_mem: the batch over the sum of what each device holds alone" in plan.table().caption
     # JSON keeps its key (a stable surface).
     assert "grads" in plan.to_dict()["devices"][0]["breakdown"]
 

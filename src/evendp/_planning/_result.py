@@ -244,7 +244,10 @@ class Plan:
 
     def _caption(self) -> str:
         # Short lines: a terminal is often 80 columns, and rich wraps a caption to the table.
-        lines = ["rows: what each device holds at its predicted peak"]
+        lines = [
+            "rows: what each device holds at its predicted peak",
+            "eta_mem: the batch over the sum of what each device holds alone",
+        ]
         if any(d.breakdown.get("grads", 0) for _, d, _ in self.columns()):
             lines.append("grads at peak: the gradients that exist then (few early in backward)")
         lines.append(
@@ -383,10 +386,10 @@ class Plan:
         ax.set_xticks(range(len(columns)), [label for label, _, _ in columns])
         ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
         ax.set_title(
-            f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} "
-            f"(eta {self.eta_mem:.2f}) vs even "
-            f"{self.even_global_batch} (eta {self.even_eta_mem:.2f}); "
-            "numbers: samples per device",
+            f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} vs "
+            f"even {self.even_global_batch} (numbers: samples per device)\n"
+            f"eta_mem, the batch over what the devices hold alone: {self.eta_mem:.0%} vs "
+            f"{self.even_eta_mem:.0%}",
             fontsize=10,
         )
         ax.legend(fontsize=7, loc="upper right", ncols=2)
