@@ -96,7 +96,9 @@ def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
         done = resume_check(args)
         if done is not None:
             return done
-        claimed += [undo for undo in [fresh_start_check(args)] if undo is not None]
+        undo = fresh_start_check(args)
+        if undo is not None:
+            claimed.append(undo)
         if not is_launched_rank():  # the launcher said it once
             say_units("evendp train", "--memory", args.memory)
         return _run(args)
