@@ -171,3 +171,20 @@ def test_model_from_a_python_file(
     assert "add it after a colon, e.g. --model lib/my_models.py:make_model" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_a_failing_factory_is_named_by_its_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """issue 36: a factory that raised showed no file or line; now the line in the user's
+    file (not torch's, not evendp's), in one line, for plan/launch and train --model."""
+    user = tmp_path / "mine.py"
+    user.write_text("import torch\n\ndef make():\n    return torch.nn.Linear(3, 'four')\n")
+    rest = {
+        "plan": ["--memory", "1GiB", "--context", "0", "--json"],
+        "train": ["--memory", "1MiB", "--out", str(tmp_path / "out")],
+    }[command]
+    assert main([command, "--model", f"{user}:make", *rest]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f" at {user}:4 in make: TypeError" in err, err

@@ -45,6 +45,7 @@ __all__ = [
     "gpt_batch",
     "memory_specs",
     "plan_options",
+    "raised_at",
     "resolve_model",
 ]
 
@@ -183,6 +184,34 @@ def memory_specs(text: str | None) -> list[DeviceMemory]:
         ) from None
 
 
+def raised_at(exc: BaseException) -> str:
+    """Where a user's function raised ``exc``: ``" at FILE:LINE in NAME"`` of the innermost
+    frame outside Python's own libraries and evendp (a factory's line, not torch's); ``""``
+    when no frame is the user's (a factory called with the wrong arguments).
+
+    >>> def make():
+    ...     return int("x")
+    >>> try:
+    ...     make()
+    ... except ValueError as exc:
+    ...     raised_at(exc).endswith(" in make")
+    True
+    """
+    import sysconfig
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    theirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    ours = str(Path(__file__).resolve().parents[1])
+    mine = [
+        f for f in frames
+        if not any(f.filename.startswith(root) for root in (*theirs, ours))
+    ]  # fmt: skip
+    if not mine:
+        return ""
+    return f" at {mine[-1].filename}:{mine[-1].lineno} in {mine[-1].name}"
+
+
 def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None) -> ModelSpec:
     """A built-in model by name (``gpt``, ``lm-head``) or a user's ``package.module:factory``
     or ``path/to/file.py:factory``.
@@ -257,7 +286,8 @@ def _user(spec: str) -> ModelSpec:
         raise EvendpError(f"cannot load --model {shown(spec)}: {exc}") from exc
     except Exception as exc:  # the user's module runs on import and can raise anything
         raise EvendpError(
-            f"cannot load --model {shown(spec)}: importing it raised {type(exc).__name__}: {exc}"
+            f"cannot load --model {shown(spec)}: importing it raised {type(exc).__name__}"
+            f"{raised_at(exc)}: {exc}"
         ) from exc
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -267,7 +297,7 @@ def _user(spec: str) -> ModelSpec:
             made = factory()
     except Exception as exc:  # the user's factory can raise anything
         raise EvendpError(
-            f"the model factory {shown(spec)} failed: {type(exc).__name__}: {exc}"
+            f"the model factory {shown(spec)} failed{raised_at(exc)}: {type(exc).__name__}: {exc}"
         ) from exc
     if isinstance(made, nn.Module):
         if not hasattr(made, "example_batch"):
@@ -348,7 +378,8 @@ def _probe_call(
             batch = batch_fn(1)
         except Exception as exc:  # the user's batch_fn can raise anything
             raise EvendpError(
-                f"--model {shown(spec)}: batch_fn(1) failed: {type(exc).__name__}: {exc}"
+                f"--model {shown(spec)}: batch_fn(1) failed{raised_at(exc)}: "
+                f"{type(exc).__name__}: {exc}"
             ) from None
         inputs = batch[0] if criterion is not None and isinstance(batch, (tuple, list)) else batch
         try:

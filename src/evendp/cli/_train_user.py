@@ -18,6 +18,7 @@ from typing import Any
 
 from .._core._errors import EvendpError
 from ._demo import BUDGET_NOTE
+from ._model_spec import raised_at
 from ._train_args import parse_devices, parse_weights, train_config
 from ._train_common import metric_logger, print_report
 
@@ -111,7 +112,7 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
         made = factory()
     except Exception as exc:  # the user's factory can raise anything
         raise EvendpError(
-            f"--model {spec!r}: {attr}() failed: {type(exc).__name__}: {exc}"
+            f"--model {spec!r}: {attr}() failed{raised_at(exc)}: {type(exc).__name__}: {exc}"
         ) from exc
     ok = (
         isinstance(made, tuple)
