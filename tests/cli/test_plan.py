@@ -188,3 +188,24 @@ def test_a_failing_factory_is_named_by_its_file_and_line(
     assert main([command, "--model", f"{user}:make", *rest]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f" at {user}:4 in make: TypeError" in err, err
+
+
+def test_each_factory_shape_refused_where_it_does_not_belong_names_the_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """issue 36: train --model takes (model, dataset), plan/launch --model (model, batch_fn);
+    each refusal of the other's shape says which command takes it."""
+    user = tmp_path / "shapes.py"
+    user.write_text(
+        "import torch\n"
+        "def for_plan():\n    return torch.nn.Linear(3, 2), lambda n: torch.randn(n, 3)\n"
+        "def for_train():\n"
+        "    return torch.nn.Linear(3, 2), torch.utils.data.TensorDataset(torch.randn(8, 3))\n"
+    )
+    out = str(tmp_path / "out")
+    assert main(["train", "--model", f"{user}:for_plan", "--memory", "1MiB", "--out", out]) == 2
+    said = capsys.readouterr().err
+    assert "(model, batch_fn), what it returned, is what plan and launch --model take" in said
+    assert main(["plan", "--model", f"{user}:for_train", "--memory", "1GiB", "--json"]) == 2
+    said = capsys.readouterr().err
+    assert "a dataset, what evendp train --model takes; plan and launch --model need" in said

@@ -310,6 +310,12 @@ def _user(spec: str) -> ModelSpec:
         _probe_call(spec, made, batch_fn, None)
         return ModelSpec(factory, batch_fn)
     if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
+        if not callable(made[1]) and hasattr(made[1], "__getitem__"):
+            raise EvendpError(
+                f"--model {shown(spec)} returned (model, {type(made[1]).__name__}): a dataset, "
+                "what evendp train --model takes; plan and launch --model need (model, "
+                "batch_fn) or (model, batch_fn, criterion), batch_fn(n) giving n samples"
+            )
         criterion = made[2] if len(made) == 3 else None
         _probe_call(spec, made[0], made[1], criterion)
         return ModelSpec(lambda: factory()[0], made[1], criterion)

@@ -124,9 +124,12 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
     )
     if not ok:
         got = type(made).__name__ + (f" of {len(made)}" if isinstance(made, tuple) else "")
+        other = ""
+        if isinstance(made, tuple) and len(made) in (2, 3) and callable(made[1]):
+            other = "; (model, batch_fn), what it returned, is what plan and launch --model take"
         raise EvendpError(
             f"--model {spec!r}: {attr}() returned a {got}; evendp train needs (model, dataset) "
-            "or (model, dataset, loss_fn), the dataset map-style (len and [i])"
+            f"or (model, dataset, loss_fn), the dataset map-style (len and [i]){other}"
         )
     return made[0], made[1], made[2] if len(made) == 3 else None
 
