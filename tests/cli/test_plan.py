@@ -209,3 +209,16 @@ def test_each_factory_shape_refused_where_it_does_not_belong_names_the_other(
     assert main(["plan", "--model", f"{user}:for_train", "--memory", "1GiB", "--json"]) == 2
     said = capsys.readouterr().err
     assert "a dataset, what evendp train --model takes; plan and launch --model need" in said
+
+
+def test_evendp_traceback_shows_the_whole_stack_before_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 36: no switch showed the traceback behind a one-line error."""
+    user = tmp_path / "mine.py"
+    user.write_text("import torch\n\ndef make():\n    return torch.nn.Linear(3, 'four')\n")
+    monkeypatch.setenv("EVENDP_TRACEBACK", "1")
+    assert main(["plan", "--model", f"{user}:make", "--memory", "1GiB", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and f'File "{user}", line 4, in make' in err
+    assert err.strip().splitlines()[-1].startswith("evendp plan: error: the model factory")

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._args import CleanParser
+from ._args import CleanParser, say_error
 
 __all__ = ["build_parser", "is_light", "main", "version"]
 
@@ -117,7 +117,7 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
     try:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
-        print(f"evendp {args.command}: error: {exc}", file=sys.stderr)
+        say_error(f"evendp {args.command}", exc)
         return exc.exit_code  # 2 for bad input, 1 for a fault while training
     return code
 

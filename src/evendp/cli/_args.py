@@ -18,11 +18,13 @@ from typing import Any, NoReturn
 from .._core._shown import shown
 
 __all__ = [
+    "TRACEBACK_ENV",
     "CleanParser",
     "bounded_float",
     "bounded_int",
     "memory_text",
     "plain_text",
+    "say_error",
     "say_units",
     "suggest",
 ]
@@ -85,6 +87,29 @@ class CleanParser(argparse.ArgumentParser):
             message = rest
         print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
+
+
+#: Set (to anything but 0 or empty) to see the whole stack behind a command's one-line error.
+TRACEBACK_ENV = "EVENDP_TRACEBACK"
+
+
+def say_error(command: str, exc: BaseException) -> None:
+    """A command's refusal or fault as its one line on stderr (``evendp train: error: ...``);
+    with ``EVENDP_TRACEBACK=1``, the whole stack first (a user's factory included).
+
+    >>> import contextlib, io
+    >>> err = io.StringIO()
+    >>> with contextlib.redirect_stderr(err):
+    ...     say_error("evendp plan", ValueError("no"))
+    >>> err.getvalue()
+    'evendp plan: error: no\\n'
+    """
+    import os
+    import traceback
+
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{command}: error: {exc}", file=sys.stderr, flush=True)
 
 
 def suggest(word: str, candidates: Sequence[str]) -> str | None:

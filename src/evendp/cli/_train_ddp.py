@@ -16,6 +16,7 @@ from typing import Any
 
 from .._core._errors import EvendpError
 from .._core._validate import shown
+from ._args import say_error
 from ._train_args import (
     DEFAULT_BATCH,
     OPTIONS_ENV,
@@ -38,13 +39,13 @@ def report_error(exc: EvendpError) -> int:
 
     rank = os.environ.get("RANK")
     if rank is None or not os.environ.get(ENV_OUTCOME):
-        print(f"evendp train: error: {exc}", file=sys.stderr)
+        say_error("evendp train", exc)
         return exc.exit_code
     if isinstance(exc, RankStalled):  # every answering rank reports; the launcher says it
         report_stalled(os.environ.get(ENV_OUTCOME), int(rank))
         return 0
     if rank == "0":
-        print(f"evendp train: error: {exc}", file=sys.stderr, flush=True)
+        say_error("evendp train", exc)
         write_outcome(exc.exit_code, message=str(exc))
     return 0
 

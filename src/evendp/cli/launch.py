@@ -17,7 +17,7 @@ from .._planning._launch import (
     torchrun_command,
     validate_passed_numbers,
 )
-from ._args import bounded_int, memory_text, say_units
+from ._args import bounded_int, memory_text, say_error, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         return launch(args.script, args.script_args, plan=plan, passthrough=passthrough)
     except EvendpError as exc:
-        print(f"evendp launch: error: {exc}", file=sys.stderr)
+        say_error("evendp launch", exc)
         return 2
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import validate_int
-from ._args import bounded_int, memory_text, say_units
+from ._args import bounded_int, memory_text, say_error, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             **plan_options(args),
         )
     except EvendpError as exc:
-        print(f"evendp plan: error: {exc}", file=sys.stderr)
+        say_error("evendp plan", exc)
         return 2
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
