@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate
 from .._core._calls import call
 from .._core._errors import EvendpError, PlanError
@@ -413,12 +414,13 @@ def make_setup(
     batch: Any,
     criterion: Callable[..., torch.Tensor] | None,
     optimizer: OptimizerFactory | None,
-    amp: torch.dtype | None,
+    amp: torch.dtype | str | None,
     checkpointing: bool | Callable[[nn.Module], bool],
     no_grad: bool = False,
 ) -> _Setup:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    amp = amp_dtype(amp)  # a dtype, or a TrainConfig spelling ("bf16"): the one conversion
     if amp not in (None, torch.float16, torch.bfloat16):
         raise EvendpError(f"amp must be None, torch.float16 or torch.bfloat16, got {amp!r}")
     make = _validate_model(model)
@@ -442,7 +444,7 @@ def profile_step(
     *,
     criterion: Callable[..., torch.Tensor] | None = None,
     optimizer: OptimizerFactory | None = torch.optim.AdamW,
-    amp: torch.dtype | None = None,
+    amp: torch.dtype | str | None = None,
     checkpointing: bool | Callable[[nn.Module], bool] = False,
     no_grad: bool = False,
 ) -> dict[str, Any]:

@@ -96,7 +96,6 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     shares here may come from ``--weights``; ``profile_step`` prices any share (at the full
     ``block_size``: the longest a padded batch gets).
     """
-    from .._core._amp import amp_dtype
     from .._planning._plan import profile_step
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
@@ -107,7 +106,7 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
         lambda: GPT(config),
         gpt_batch(config),
         sizes,
-        amp=amp_dtype(args.amp),
+        amp=args.amp,
         checkpointing=args.checkpointing,
     )
     peak = dict(zip(prof["sizes"], prof["peak_bytes"], strict=True))

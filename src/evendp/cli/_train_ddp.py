@@ -154,7 +154,6 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
     """The planner's DDP split of --batch over each rank's --memory (its budget)."""
     import torch
 
-    from .._core._amp import amp_dtype
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
 
@@ -167,7 +166,7 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
         )
     _model, _data, config = build_demo(args)
     # CPU ranks have no CUDA context to allow for.
-    options = {"amp": amp_dtype(args.amp), "checkpointing": args.checkpointing}
+    options = {"amp": args.amp, "checkpointing": args.checkpointing}
     if cpu or not torch.cuda.is_available():
         options["cuda_context"] = 0
     return {

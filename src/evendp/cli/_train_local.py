@@ -148,7 +148,6 @@ def _planner_weights(
 
     Declared memory on CPU devices gets no CUDA-context allowance: a CPU has no CUDA context.
     """
-    from .._core._amp import amp_dtype
     from .._core._errors import PlanError
     from .._planning._plan import plan
     from ..examples.gpt import GPT
@@ -158,7 +157,7 @@ def _planner_weights(
     try:
         p = plan(
             lambda: GPT(config), gpt_batch(config), spec, mode="dp", batch_size=args.batch,
-            amp=amp_dtype(args.amp), checkpointing=args.checkpointing, **options,
+            amp=args.amp, checkpointing=args.checkpointing, **options,
         )  # fmt: skip
     except PlanError as exc:
         if not isinstance(spec, list):
