@@ -49,14 +49,16 @@ BYTECODE := $(PY) -m compileall -q src tests benchmarks examples
 # Two pytest workers on the machine's 2 cores: a module's tests stay on one worker (conftest.py);
 # PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= 2
+# Extra pytest options for a look at the suite, e.g. PYTEST_ARGS=--durations=25.
+PYTEST_ARGS ?=
 unit: $(VENV)/.installed $(EXTENSIONS)/.built
 	$(BYTECODE)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The suite with line coverage of src/ (pyproject.toml's [tool.coverage.run]).
 coverage: $(VENV)/.installed $(EXTENSIONS)/.built
 	$(BYTECODE)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --cov --cov-report=term
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --cov --cov-report=term $(PYTEST_ARGS)
 
 # The API reference and the topic pages as a site in build/site (git-ignored): --strict fails
 # on a broken link or anchor, a missing object or a docstring griffe cannot read.
