@@ -75,6 +75,7 @@ def _deepspeed_imported_before_integration_doctests(request: Any) -> Iterator[No
 SLOW_FIRST = (
     "tests/cli/test_train_faults.py",
     "tests/integrations/test_deepspeed.py",
+    "tests/cli/test_train_nodes.py",
     "tests/cli/test_train.py",
     "tests/integrations/test_trl.py",
     "tests/training/test_strategy_deepspeed.py",

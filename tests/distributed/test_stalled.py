@@ -165,3 +165,13 @@ def test_stopped_and_saved_is_said_only_after_a_save(capsys: pytest.CaptureFixtu
     assert "evendp train --out x --resume" in err
     say_how_to_resume(130, ["train"], saved=True)
     assert "stopped and saved" in capsys.readouterr().err
+
+
+def test_a_silent_rank_on_another_node_is_named_by_its_node(tmp_path: Path) -> None:
+    """Issue 35: node 0's launcher sees only its own ranks' reports (each node's folder is
+    its own); the world's other ranks are on another node, named by the node they run on."""
+    watch = stalled.StallWatch(tmp_path, world=4, per_node=2)
+    watch.reported = {0, 1}
+    line = watch.line(10)
+    assert line.startswith("a rank on node 1 stopped answering: rank 0, 1 waited for 10 s")
+    assert stalled.StallWatch(tmp_path).line().startswith("a rank on another node")

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
+from ._torchrun._nodes import die_with_parent as parent_death_sigterm
+
 if TYPE_CHECKING:
     from ._stalled import StallWatch
 
@@ -186,7 +188,7 @@ def run_forwarding_signals(
     Returns 128 + the signal's number when one came, else the command's exit code.
     """
     process = subprocess.Popen(
-        list(cmd), env=dict(env), start_new_session=True, preexec_fn=_die_with_parent
+        list(cmd), env=dict(env), start_new_session=True, preexec_fn=parent_death_sigterm
     )
     received: list[int] = []
 
@@ -280,15 +282,6 @@ def _catches_sigterm(pid: int) -> bool:
     return False
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def die_with_parent() -> None:
     """SIGTERM this process when its parent dies (Linux): a rank whose torchrun was killed
     stops (after its step, saving) instead of training on unsupervised.
@@ -298,6 +291,6 @@ def die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
-    _die_with_parent()
+    parent_death_sigterm()
     if os.getppid() != parent:  # the parent died before the call: act now
         os.kill(os.getpid(), signal.SIGTERM)

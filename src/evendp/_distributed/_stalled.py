@@ -162,8 +162,10 @@ class StallWatch:
     in steps, and :attr:`line` says which rank stopped answering.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, world: int | None = None, per_node: int = 1) -> None:
         self.folder = folder
+        self.world = world  # the run's ranks, when known: names another node that went silent
+        self.per_node = per_node
         self.first: float | None = None  # when the first report came
         self.stopped: float | None = None  # when torchrun and the silent ranks got SIGTERM
         self.killed = False
@@ -204,11 +206,14 @@ class StallWatch:
 
     def line(self, timeout: float | None = None) -> str:
         """The one line the launcher prints after a stall."""
-        who = (
-            "rank " + ", ".join(map(str, self.silent))
-            if self.silent
-            else "a rank on another node (or one that left no trace)"
-        )
+        remote = sorted(set(range(self.world or 0)) - self.reported - set(self.silent))
+        if self.silent:
+            who = "rank " + ", ".join(map(str, self.silent))
+        elif remote:  # another node's reports are on that node: name the node
+            nodes = sorted({r // self.per_node for r in remote})
+            who = "a rank on node " + ", ".join(map(str, nodes))
+        else:
+            who = "a rank on another node (or one that left no trace)"
         waited = f" for {timeout:g} s" if timeout is not None else ""
         heard = ", ".join(map(str, sorted(self.reported)))
         return (

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
 from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read, training_began
 from .._distributed._torchrun import QUIET_TORCHRUN
+from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, EXIT_WAIT_S
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
@@ -530,6 +532,8 @@ def launch_with_outcome(
     for key, value in loopback_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
+    if trainer:  # ranks in lockstep end together: a node that does not come is lost
+        child_env[ENV_EXIT_WAIT] = str(EXIT_WAIT_S)
     escalate = ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
     with contextlib.ExitStack() as stack:
         if run_dir is not None:
@@ -540,7 +544,8 @@ def launch_with_outcome(
         )  # this user's private folder: no one else can plant or read the outcome
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
-        watch = StallWatch(Path(folder))
+        world = None if plan.batch_sizes is None else len(plan.batch_sizes)
+        watch = StallWatch(Path(folder), world, plan.nproc_per_node)
         began = functools.partial(training_began, outcome) if trainer else None
         code = run_forwarding_signals(
             cmd, child_env, watch=watch, escalate_s=escalate, training=began
@@ -548,11 +553,30 @@ def launch_with_outcome(
         if watch.fired:
             print(f"evendp: error: {watch.line(comm_timeout)}", file=sys.stderr, flush=True)
             return 1, None
+        if code < 0:  # torchrun itself killed, and not through this launcher
+            print(f"evendp: error: {agent_killed(-code)}", file=sys.stderr, flush=True)
+            return 128 - code, None
         said = read_outcome(outcome)
         code = code if said is None else int(said["code"])
         if code == 0 and plan.batch_sizes is not None and not sizes_were_read(outcome):
             _warn_sizes_unread(plan.batch_sizes)
         return code, said
+
+
+def agent_killed(signum: int) -> str:
+    """The line for a torchrun (this node's agent) killed by ``signum`` from outside.
+
+    >>> agent_killed(9)[:60]
+    "torchrun, this node's agent, was killed by SIGKILL: its rank"
+    """
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return (
+        f"torchrun, this node's agent, was killed by {name}: its ranks got SIGTERM (evendp's "
+        "stop after their step, saving, and the other nodes end with them)"
+    )
 
 
 def _warn_sizes_unread(sizes: list[int]) -> None:

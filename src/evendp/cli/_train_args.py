@@ -382,8 +382,16 @@ def resume_check(args: argparse.Namespace) -> int | None:
     resumable = resumable_checkpoint(_checkpoint_in(args))
     if resumable is None:
         if args.resume and not args.resume_or_start:
+            name = _checkpoint_in(args).name
+            if int(getattr(args, "node_rank", 0) or 0) > 0:  # rank 0 saves on node 0 only
+                raise EvendpError(
+                    f"--resume on node {args.node_rank}: no checkpoint in {shown(args.out)} "
+                    f"({name} or its previous copy); every rank resumes from rank 0's, which "
+                    f"node 0 saves: copy node 0's {name} (and its previous copy) into this "
+                    "--out, or give every node one shared --out"
+                )
             raise EvendpError(
-                f"--resume: no checkpoint in {shown(args.out)} ({_checkpoint_in(args).name} or its "
+                f"--resume: no checkpoint in {shown(args.out)} ({name} or its "
                 "previous copy); check --out and --mode, or pass --resume-or-start to start "
                 "fresh when there is none"
             )

@@ -43,7 +43,11 @@ def report_error(exc: EvendpError) -> int:
         return exc.exit_code
     if isinstance(exc, RankStalled):  # every answering rank reports; the launcher says it
         report_stalled(os.environ.get(ENV_OUTCOME), int(rank))
-        return 0
+        # A collective stays stuck on the silent peer: Python's exit would wait on gloo's
+        # threads and abort (SIGABRT, "terminate called ..."). Nothing is left to save.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if rank == "0":
         say_error("evendp train", exc)
         write_outcome(exc.exit_code, message=str(exc))

@@ -28,6 +28,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if __package__:  # imported as evendp's (doctests, the launcher's tests)
+    from . import _nodes
+else:  # run from its path (the launcher: nothing of evendp on the path), or by runpy
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_nodes", Path(__file__).with_name("_nodes.py"))
+    assert _spec is not None and _spec.loader is not None
+    _nodes = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_nodes)
+
 #: The launcher's outcome file (``evendp._planning._launch.ENV_OUTCOME``; a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
 OUTCOME_PREFIX = "evendp-outcome-"
@@ -38,11 +48,14 @@ STALLED_PREFIX = "stalled."
 def main(argv: list[str]) -> int:
     """Run torchrun on ``argv``; a signal that stopped it gives one line and ``128 + N``."""
     serve_loopback_on_loopback()  # before torchrun's modules take their own TCPStore name
+    _nodes.workers_die_with_agent()
+    end_with_the_other_nodes(argv, os.environ.get(_nodes.ENV_EXIT_WAIT))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     launcher = os.getppid()
+    quiet_on_a_stall(os.environ.get(ENV_OUTCOME))
     try:
         torchrun(argv)
     except ChildFailedError as exc:  # its report: a traceback of torchrun's own and a table
@@ -60,6 +73,33 @@ def main(argv: list[str]) -> int:
         print(f"evendp launch: torchrun got {name} ({why}) and stopped every rank", file=sys.stderr)
         return 128 + signum
     return 0
+
+
+def quiet_on_a_stall(outcome: str | None) -> None:
+    """The launcher stops torchrun with SIGTERM once a rank reported a stalled peer, and says
+    so in its own line: torchrun's warning about that signal is left out then."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not ("death signal" in str(record.msg) and _stalled(outcome))
+
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(keep)
+
+
+def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
+    """Under ``evendp train`` (``exit_wait``: the launcher's bound, in seconds): this agent
+    waits that long at most for the other nodes once its ranks ended, and on a node other than
+    the store's a watch ends the ranks once the store's node is gone (:mod:`._nodes`)."""
+    if not exit_wait:
+        return
+    from torch.distributed.run import parse_args
+
+    _nodes.bound_exit_barrier(float(exit_wait))
+    args = parse_args(argv)
+    nnodes = str(args.nnodes)
+    several = args.rdzv_backend == "static" and nnodes.isdigit() and int(nnodes) > 1
+    if several and int(args.node_rank) > 0:  # node 0's agent holds the store
+        _nodes.watch_store(args.master_addr, int(args.master_port), int(args.node_rank))
 
 
 def failed_ranks(failures: dict[int, Any]) -> str:

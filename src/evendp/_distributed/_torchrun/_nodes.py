@@ -1,0 +1,189 @@
+"""The nodes of one run end together: what evendp's torchrun entry point adds to each agent.
+
+torchrun as it is lets a run that lost a node hang for minutes (issue 35):
+
+- a rank whose agent died trains on, unsupervised: every worker gets ``PR_SET_PDEATHSIG``
+  (:func:`die_with_parent`), SIGTERM when its agent dies, and evendp's ranks stop after their
+  step, saving, as on any SIGTERM (every node's ranks stop at that same step);
+- an agent whose ranks ended waits up to 300 s in its exit barrier for the other nodes'
+  agents, in C++, where a SIGTERM waits too: under ``evendp train`` (ranks in lockstep end
+  within a step of each other) it waits at most :data:`EXIT_WAIT_S`, in Python, and names the
+  nodes that did not come (:func:`bound_exit_barrier`);
+- an agent on a node other than the store's, whose ranks still run (one stopped with
+  ``kill -STOP``, say), never learns that the store's node ended the run: a watch ends this
+  node's ranks once the store is gone (:func:`watch_store`).
+
+Only the standard library and torch are imported (the entry point puts nothing of evendp on
+its path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENV_EXIT_WAIT",
+    "EXIT_WAIT_S",
+    "bound_exit_barrier",
+    "die_with_parent",
+    "wait_for_nodes",
+    "watch_store",
+    "workers_die_with_agent",
+]
+
+#: How long an agent whose ranks ended waits for the other nodes' agents under
+#: ``evendp train``, whose ranks end within a step of each other (torchrun's own: 300 s).
+EXIT_WAIT_S = 15.0
+#: The launcher sets it (seconds) for the runs whose exit barrier is bounded.
+ENV_EXIT_WAIT = "EVENDP_EXIT_WAIT_S"
+_EXIT_KEY = "evendp/exit"
+_WATCH_EVERY_S = 1.0
+_CONNECT_S = 5.0
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing). Called in a child before it runs its program, the setting survives
+    ``exec``.
+
+    >>> die_with_parent()  # here: SIGTERM when this test's runner ends
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def workers_die_with_agent() -> None:
+    """Start torchrun's workers (in this process) with :func:`die_with_parent`: an agent
+    killed with SIGKILL leaves no rank training on (a user's script too, not only evendp's).
+    torchrun starts them from its main thread, which lives as long as the agent."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler,
+    )
+
+    handler: Any = subprocess_handler  # its own name for Popen, replaced below
+    started = handler.Popen
+    if getattr(started, "_evendp", False):
+        return
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        return started(*args, preexec_fn=die_with_parent, **kwargs)
+
+    popen._evendp = True  # type: ignore[attr-defined]
+    handler.Popen = popen
+
+
+def wait_for_nodes(
+    store: Any,
+    node: int,
+    nodes: int,
+    seconds: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    nap: Callable[[float], None] = time.sleep,
+) -> list[int]:
+    """Say in ``store`` that ``node`` is done, wait up to ``seconds`` for the other ``nodes``
+    to say so; the nodes that did not (``[]``: all came, or the store's node closed it, which
+    it does only once all came or it stopped waiting). Python sleeps: a signal ends the wait.
+
+    >>> import torch.distributed as dist
+    >>> store = dist.HashStore()
+    >>> wait_for_nodes(store, 0, 2, 0.5, nap=lambda s: None)  # node 1 never came
+    [1]
+    >>> wait_for_nodes(store, 1, 2, 0.5)
+    []
+    """
+    store.set(f"{_EXIT_KEY}/{node}", "1")
+    deadline = clock() + seconds
+    while True:
+        try:
+            missing = [n for n in range(nodes) if not store.check([f"{_EXIT_KEY}/{n}"])]
+        except RuntimeError:  # DistStoreError and kin: the store's node closed it
+            return []
+        if not missing or clock() >= deadline:
+            return missing
+        nap(0.2)
+
+
+def bound_exit_barrier(seconds: float) -> None:
+    """Replace torchrun's exit barrier (up to 300 s, in C++) in this process with
+    :func:`wait_for_nodes` for ``seconds``, saying in one line which nodes did not come."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    def exit_barrier(agent: Any) -> None:
+        group = agent._worker_group
+        node, nodes = int(group.group_rank), int(group.group_world_size)
+        missing = wait_for_nodes(agent._store, node, nodes, seconds)
+        if missing:
+            names = ", ".join(map(str, missing))
+            print(
+                f"evendp launch: node {names} did not end within {seconds:g} s of node {node}, "
+                f"whose ranks had ended: lost, or stuck; node {node} exits",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+
+
+def _workers() -> list[int]:
+    """This process's children that are still running (not reaped zombies)."""
+    found = []
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for pid in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(pid))
+    return found
+
+
+def _reachable(host: str, port: int) -> bool:
+    """Whether something listens at ``host:port`` (a bare connection, closed at once: the
+    store takes it without a word, where a store client that fails logs a C++ stack)."""
+    try:
+        socket.create_connection((host, port), timeout=_CONNECT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def watch_store(host: str, port: int, node: int) -> threading.Thread:
+    """On a node other than the store's: a thread that, once the store at ``host:port`` is
+    gone while this node's ranks still run (two looks in a row), ends them (SIGKILL: a
+    stopped rank ignores the rest), says so in one line and exits 1."""
+
+    def watch() -> None:
+        while not _reachable(host, port):  # the store comes up with node 0's agent
+            time.sleep(_WATCH_EVERY_S)
+        misses = 0
+        while misses < 2:
+            time.sleep(_WATCH_EVERY_S)
+            missed = bool(_workers()) and not _reachable(host, port)
+            misses = misses + 1 if missed else 0
+        for pid in _workers():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
+        print(
+            f"evendp launch: the run's store at {host}:{port} (node 0's agent) closed while "
+            f"node {node}'s ranks ran: the run ended or was lost there; node {node}'s ranks "
+            "were stopped",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="evendp-store-watch", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,196 @@
+"""``evendp train`` on two nodes (two torchrun agents on 127.0.0.1) that lose one another.
+
+Issue 35: a lost node used to hang the other for about ten minutes (torchrun's 300 s exit
+barrier in C++, a worker that trained on after its agent was killed, a node whose store went
+away that never ended). One run is taken through both faults, each launch pair resuming the
+last: ``kill -9`` of node 1's agent, then ``kill -STOP`` of node 1's worker under
+``--comm-timeout 10``; a last resume finishes it. Every process of both nodes must be gone
+within 60 s of each fault, with one line on each node, and the finished run must equal a
+one-node run of the same two ranks bit for bit.
+
+Launches of their own (a reason, as docs/testing.md asks): what is tested is the processes'
+life across two agents, which no pool task has.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._helpers import free_port
+from tests.cli.test_train_faults import _step, _tree, _wait_for, _weights
+
+# Two node pairs run at once for each of four links: longer than the suite's 300 s under load.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+STEPS, EVERY, GONE_S = 200, 2, 60.0
+ARGS = [
+    "--mode", "ddp", "--weights", "3,1", "--batch", "16", "--steps", str(STEPS),
+    "--checkpoint-every", str(EVERY), "--comm-timeout", "10", "--no-progress", "--no-plan",
+    "--n-layer", "1", "--n-embd", "16", "--block-size", "16", "--max-chars", "20000",
+]  # fmt: skip
+
+
+def _train(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "evendp", "train", *ARGS, *argv]
+
+
+# One intra-op thread per rank in every launch: a rank alone on its "machine" would take both
+# cores, a rank beside another one, and their matmuls would sum in another order.
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _start_nodes(base: Path, port: int, *extra: str) -> list[subprocess.Popen[str]]:
+    """Node 0 and node 1 of one run, as two machines start it: each its --node-rank and --out.
+    A resume first copies rank 0's checkpoint to node 1, as docs/training.md says to."""
+    if "--resume" in extra:
+        for name in ("ckpt.pt", "ckpt.prev.pt"):
+            shutil.copy2(base / "node0" / name, base / "node1" / name)
+    procs = []
+    for node in (0, 1):
+        out = str(base / f"node{node}")
+        argv = ["--devices", "cpu", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
+                "127.0.0.1", "--master-port", str(port), "--out", out]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                _train(*argv, *extra),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=_ENV,
+            )
+        )
+    return procs
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """The ``pids`` still running (a zombie counts as gone: it only waits to be reaped)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _fault(base: Path, fault: str, *extra: str) -> dict[str, Any]:
+    """Start (or resume) both nodes; once node 0 checkpointed twice more, ``fault`` on node 1:
+    ``agent`` (SIGKILL of its torchrun) or ``worker`` (SIGSTOP of its rank). Then wait, at
+    most GONE_S, for every process of both nodes to be gone."""
+    ckpt = base / "node0" / "ckpt.pt"
+    goal = (_step(ckpt) or 0) + 2 * EVERY
+    assert goal < STEPS
+    procs = _start_nodes(base, free_port(), *extra)
+    try:
+
+        def saved() -> bool:
+            if any(p.poll() is not None for p in procs):  # a node ended early: say why
+                pytest.fail(f"a node ended before step {goal}: {[p.communicate() for p in procs]}")
+            return (_step(ckpt) or 0) >= goal
+
+        _wait_for(saved, 300, f"a checkpoint at {goal}")
+        trees = [_tree(p.pid) for p in procs]  # launcher, torchrun, its rank: per node
+        assert [len(t) for t in trees] == [3, 3], trees
+        victim = trees[1][1] if fault == "agent" else trees[1][2]
+        sent = time.monotonic()
+        os.kill(victim, signal.SIGKILL if fault == "agent" else signal.SIGSTOP)
+        everyone = trees[0] + trees[1]
+        while _alive(everyone) and time.monotonic() - sent < GONE_S:
+            for proc in procs:
+                proc.poll()  # reap the launchers
+            time.sleep(0.1)
+        took, left = time.monotonic() - sent, _alive(everyone)
+        outputs = [proc.communicate(timeout=30)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            for pid in _alive(_tree(proc.pid)):
+                os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    return {"took": took, "left": left, "codes": [p.returncode for p in procs],
+            "outputs": outputs, "step": _step(ckpt)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("nodes")
+    straight = tmp_path_factory.mktemp("straight")
+    # The reference: one node running both ranks, beside the first fault.
+    argv = ["--devices", "cpu,cpu", "--out", str(straight), "--checkpoint-every", str(STEPS)]
+    one_node = subprocess.Popen(
+        _train(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ENV
+    )
+    results: dict[str, Any] = {"base": base, "straight": straight}
+    results["agent"] = _fault(base, "agent")
+    results["worker"] = _fault(base, "worker", "--resume")
+    finish = _start_nodes(base, free_port(), "--resume")
+    results["finish"] = [(p.wait(timeout=300), p.communicate()[0]) for p in finish]
+    results["one_node"] = (one_node.wait(timeout=300), one_node.communicate()[0])
+    return results
+
+
+def _evendp_lines(output: str) -> list[str]:
+    """evendp's lines about how the run ended (not the plan's, the report's or the resume's)."""
+    said = ("evendp: error", "evendp launch: node", "evendp launch: the run's store")
+    return [line for line in output.splitlines() if line.startswith(said)]
+
+
+def test_a_killed_agent_ends_both_nodes_in_a_minute_each_saying_one_line(
+    runs: dict[str, Any],
+) -> None:
+    """Node 1's rank stops with its agent (SIGTERM, saving at a step every rank agrees on);
+    node 0 waits 15 s for node 1's agent, not torchrun's 300, and names it."""
+    agent = runs["agent"]
+    node0, node1 = agent["outputs"]
+    assert not agent["left"] and agent["took"] < GONE_S, agent
+    assert agent["codes"] == [143, 137], agent["outputs"]
+    assert "Traceback" not in node0 + node1, agent["outputs"]
+    said1 = _evendp_lines(node1)
+    assert len(said1) == 1 and said1[0].startswith(
+        "evendp: error: torchrun, this node's agent, was killed by SIGKILL"
+    ), node1
+    lost = [line for line in node0.splitlines() if line.startswith("evendp launch: node 1 did")]
+    assert len(lost) == 1 and "within 15 s of node 0" in lost[0], node0
+    assert "evendp train: stopped and saved; resume with:" in node0, node0
+    assert agent["step"] is not None and agent["step"] > 0  # saved where every rank stopped
+
+
+def test_a_stopped_worker_on_another_node_ends_both_nodes_in_a_minute(
+    runs: dict[str, Any],
+) -> None:
+    """``kill -STOP`` of node 1's rank: node 0's rank waits --comm-timeout (10 s) and node 0's
+    launcher names node 1; node 1's agent sees node 0's store go and ends its stopped rank."""
+    worker = runs["worker"]
+    node0, node1 = worker["outputs"]
+    assert not worker["left"] and worker["took"] < GONE_S, worker
+    assert worker["codes"] == [1, 1], worker["outputs"]
+    assert "Traceback" not in node0 + node1 and "death signal" not in node0, worker["outputs"]
+    said0, said1 = _evendp_lines(node0), _evendp_lines(node1)
+    assert len(said0) == 1, node0
+    assert said0[0].startswith("evendp: error: a rank on node 1 stopped answering"), node0
+    assert len(said1) == 1 and "closed while node 1's ranks ran" in said1[0], node1
+    assert worker["step"] is not None and worker["step"] > runs["agent"]["step"]
+
+
+def test_the_resumed_two_node_run_equals_a_one_node_run_bit_for_bit(runs: dict[str, Any]) -> None:
+    """After both faults and their resumes, node 0's weights are those of one node running
+    the same two ranks without a fault (issue 35: two loopback agents equal one node)."""
+    assert [code for code, _ in runs["finish"]] == [0, 0], runs["finish"]
+    assert runs["one_node"][0] == 0, runs["one_node"][1][-2000:]
+    ours = _weights(runs["base"] / "node0" / "ckpt.pt")
+    theirs = _weights(runs["straight"] / "ckpt.pt")
+    assert _step(runs["base"] / "node0" / "ckpt.pt") == STEPS
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
