@@ -256,3 +256,68 @@ def _as_nobody(
         ["/usr/bin/python3", "-c", _OTHER_USER, *args], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True, env=env, cwd=str(theirs), preexec_fn=become_nobody,
     )  # fmt: skip
+
+
+_STORE_PROBE = r"""
+import datetime, sys
+import torch.distributed as dist
+client = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False,
+                       datetime.timedelta(seconds=30), wait_for_workers=False)
+print(client.get("rank0/address").decode(), flush=True)
+client.set("planted", "by nobody")
+try:
+    open(sys.argv[2], "rb").close()
+    print("read the run's checkpoint", flush=True)
+except PermissionError:
+    print("the run's files are closed", flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+    reason="needs root (to run a second user, nobody) and /usr/bin/python3",
+)
+def test_another_user_reaches_the_store_as_documented_but_not_the_runs_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: what docs/training.md says another local user can do while a run lasts. The
+    store on 127.0.0.1 (torch's TCPStore, served as evendp's torchrun serves it) takes
+    ``nobody``'s connection: its keys are read and written (torch 2.13 has no authentication;
+    the day it does, this test fails and the docs change). The run's files are not: ``--out``
+    is 0700. A documentation check, so it runs the real store and a real run's folder."""
+    import torch.distributed as dist
+
+    from evendp._distributed._torchrun.__main__ import loopback_store_class
+    from evendp.cli import main
+    from tests.cli.test_train_faults import SMALL_DP
+
+    _src, site = _nobody_paths()  # before anything is made: skipped where nobody cannot
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    shared = Path(tempfile.mkdtemp(prefix="evendp-test-store-"))
+    try:
+        shared.chmod(0o755)  # nobody may look in; --out inside is the run's own
+        out = shared / "out"
+        assert main(["train", "--steps", "1", "--out", str(out), *SMALL_DP]) == 0
+        server = loopback_store_class(dist.TCPStore)(
+            "127.0.0.1", 0, None, True, wait_for_workers=False
+        )
+        server.set("rank0/address", "127.0.0.1:40001")  # as the ranks' gloo addresses sit
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "PYTHONPATH": site,
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+        def become_nobody() -> None:
+            os.setgid(_NOBODY)
+            os.setuid(_NOBODY)
+
+        probe = subprocess.run(
+            ["/usr/bin/python3", "-c", _STORE_PROBE, str(server.port), str(out / "ckpt.pt")],
+            capture_output=True, text=True, env=env, cwd="/", preexec_fn=become_nobody,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert probe.returncode == 0, probe.stderr[-2000:]
+        said = probe.stdout.splitlines()
+        assert said == ["127.0.0.1:40001", "the run's files are closed"], probe.stdout
+        assert server.get("planted") == b"by nobody"  # written by another user, as documented
+        assert oct(out.stat().st_mode & 0o777) == "0o700"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

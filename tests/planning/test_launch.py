@@ -515,8 +515,18 @@ def test_a_killed_rank_is_one_line_not_torchruns_report(tmp_path: Path) -> None:
     assert _gone(pids, 10)
     said = [line for line in output.splitlines() if line.startswith("evendp launch: rank")]
     assert len(said) == 1 and said[0].startswith("evendp launch: rank 0 was killed by SIGKILL")
-    assert said[0].endswith("; torchrun stopped the run"), output
+    assert "; torchrun stopped the run (its report: " in said[0], output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
+    assert "failed (exitcode" not in output, output  # torchrun's own log: in the file
+    # Issue 34: torchrun's report kept in a file of this user's alone, named by the line.
+    kept = Path(said[0].rsplit("(its report: ", 1)[1].rstrip(")"))
+    try:
+        assert oct(kept.parent.stat().st_mode & 0o777) == "0o700", kept
+        report = kept.read_text()
+        assert "ChildFailedError" in report or "exitcode" in report, report
+        assert "local_rank" in report, report
+    finally:
+        kept.unlink(missing_ok=True)
 
 
 @pytest.mark.multiprocess

@@ -35,7 +35,7 @@ from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
 from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read, training_began
 from .._distributed._torchrun import QUIET_TORCHRUN
-from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, EXIT_WAIT_S
+from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, ENV_TORCHRUN_LOG, EXIT_WAIT_S
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
@@ -544,6 +544,7 @@ def launch_with_outcome(
         )  # this user's private folder: no one else can plant or read the outcome
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
+        child_env[ENV_TORCHRUN_LOG] = str(Path(folder) / "torchrun.log")  # kept on a fault
         world = None if plan.batch_sizes is None else len(plan.batch_sizes)
         watch = StallWatch(Path(folder), world, plan.nproc_per_node)
         began = functools.partial(training_began, outcome) if trainer else None

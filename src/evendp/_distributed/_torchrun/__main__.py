@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,12 @@ ENV_OUTCOME = "EVENDP_OUTCOME"
 OUTCOME_PREFIX = "evendp-outcome-"
 #: The ranks' reports of a peer that stopped answering (``evendp._distributed._stalled``).
 STALLED_PREFIX = "stalled."
+#: torchrun's loggers: their records go to that file, not to the terminal.
+_TORCHRUN_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.run",
+    "torch.distributed.launcher",
+)
 
 
 def main(argv: list[str]) -> int:
@@ -56,10 +63,12 @@ def main(argv: list[str]) -> int:
 
     launcher = os.getppid()
     quiet_on_a_stall(os.environ.get(ENV_OUTCOME))
+    log = log_to_file(os.environ.get(_nodes.ENV_TORCHRUN_LOG))
     try:
         torchrun(argv)
     except ChildFailedError as exc:  # its report: a traceback of torchrun's own and a table
-        print(f"evendp launch: {failed_ranks(exc.failures)}", file=sys.stderr)
+        kept = "" if log is None else f" (its report: {keep_log(log, exc.format_msg())})"
+        print(f"evendp launch: {failed_ranks(exc.failures)}{kept}", file=sys.stderr)
         return 1
     except SignalException as exc:
         signum = int(exc.sigval)
@@ -73,6 +82,36 @@ def main(argv: list[str]) -> int:
         print(f"evendp launch: torchrun got {name} ({why}) and stopped every rank", file=sys.stderr)
         return 128 + signum
     return 0
+
+
+def log_to_file(path: str | None) -> Any:
+    """Send torchrun's log records to ``path`` (the launcher made it, private) instead of the
+    terminal, where a fault's collateral lines would bury evendp's one line; the open file, or
+    ``None`` without a path."""
+    import logging
+
+    if not path:
+        return None
+    stream = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - for the run's life
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in _TORCHRUN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.propagate = False  # not to torch's own handler on the terminal
+        logger.addHandler(handler)
+    return stream
+
+
+def keep_log(log: Any, report: str) -> Path:
+    """Add torchrun's ``report`` to its ``log`` (in the launcher's outcome folder, removed at
+    the end) and move the log beside that folder, into this user's private run folder, where
+    it outlives the run; its new path."""
+    log.write(report + "\n")
+    log.close()
+    here = Path(log.name)
+    kept = here.parent.parent / f"torchrun-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    os.replace(here, kept)
+    return kept
 
 
 def quiet_on_a_stall(outcome: str | None) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 __all__ = [
     "ENV_EXIT_WAIT",
+    "ENV_TORCHRUN_LOG",
     "EXIT_WAIT_S",
     "bound_exit_barrier",
     "die_with_parent",
@@ -45,6 +46,9 @@ __all__ = [
 EXIT_WAIT_S = 15.0
 #: The launcher sets it (seconds) for the runs whose exit barrier is bounded.
 ENV_EXIT_WAIT = "EVENDP_EXIT_WAIT_S"
+#: The file torchrun's log goes to instead of the terminal, in the launcher's private
+#: outcome folder (kept beside it when a rank failed).
+ENV_TORCHRUN_LOG = "EVENDP_TORCHRUN_LOG"
 _EXIT_KEY = "evendp/exit"
 _WATCH_EVERY_S = 1.0
 _CONNECT_S = 5.0
