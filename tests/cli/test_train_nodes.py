@@ -112,6 +112,8 @@ def _fault(base: Path, fault: str, *extra: str) -> dict[str, Any]:
                 proc.poll()  # reap the launchers
             time.sleep(0.1)
         took, left = time.monotonic() - sent, _alive(everyone)
+        for pid in left:  # a hang: ended here, so the test fails on its assertions
+            os.kill(pid, signal.SIGKILL)
         outputs = [proc.communicate(timeout=30)[0] for proc in procs]
     finally:
         for proc in procs:

@@ -169,19 +169,53 @@ def test_a_garbled_deepspeed_step_falls_back_to_the_previous_position(launched: 
 
 
 @pytest.mark.multiprocess
-def test_evendp_train_mode_deepspeed_runs(tmp_path: Path) -> None:
+def test_evendp_train_mode_deepspeed_runs_and_a_stalled_rank_ends_it(tmp_path: Path) -> None:
+    """A run of 3 steps; then its resume with rank 1 stopped (``kill -STOP``) under
+    ``--comm-timeout 10`` (issue 34: it hung until killed from outside): every process gone
+    within 60 s, exit 1, one line naming rank 1, no traceback, the checkpoint kept."""
+    import signal
+    import time
+
+    from tests.cli.test_train_faults import _step, _wait_for, _workers
+
     pytest.importorskip("deepspeed")
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    out = tmp_path / "run"
     command = [sys.executable, "-m", "evendp", "train", "--mode", "deepspeed", "--devices",
-               "cpu,cpu", "--strategy-config", str(config), "--steps", "3", "--batch", "4",
+               "cpu,cpu", "--strategy-config", str(config), "--batch", "4",
                "--n-layer", "1", "--n-embd", "16", "--block-size", "16", "--max-chars", "10000",
-               "--no-progress", "--out", str(tmp_path / "run")]  # fmt: skip
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=HANG_S)
+               "--no-progress", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(
+        [*command, "--steps", "3"], env=_env(), capture_output=True, text=True, timeout=HANG_S
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
     assert report["mode"] == "deepspeed" and report["steps"] == 3
-    assert (tmp_path / "run" / "ckpt.ds" / "state.pt").is_file()
+    state = out / "ckpt.ds" / "state.pt"
+    assert state.is_file()
+    argv = ["--steps", "2000", "--checkpoint-every", "2", "--comm-timeout", "10", "--resume"]
+    proc = subprocess.Popen(
+        [*command, *argv], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for(lambda: (_step(state) or 0) >= 7, 300, "a DeepSpeed checkpoint at step 7")
+        workers = _workers(out)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGSTOP)
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        gone = _wait_for(lambda: not _workers(out) or None, 60, "every rank to exit")
+        took = time.monotonic() - sent
+    finally:
+        for pid in _workers(out).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode == 1 and gone and took < 60, output[-3000:]
+    said = [line for line in output.splitlines() if "stopped answering" in line]
+    assert len(said) == 1 and said[0].startswith("evendp: error: rank 1 stopped answering")
+    assert "Traceback" not in output, output[-3000:]
+    assert (_step(state) or 0) >= 7  # the last good checkpoint stays
 
 
 # -- no launch ---------------------------------------------------------------------------------
