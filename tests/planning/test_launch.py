@@ -618,3 +618,28 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     (tmp_path / "sizes-read").unlink()
     UnevenBatchSampler(8, [1, 3], rank=1)
     assert sizes_were_read(outcome)
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="lists sockets through /proc")
+def test_a_host_name_that_resolves_to_loopback_keeps_every_listener_on_loopback() -> None:
+    """Issue 35: ``--master-addr <this machine's name>`` put the store on every interface
+    (``*:P``) although the name resolves to 127.0.0.1 (Debian maps it so). The name is
+    resolved: a store served as evendp's torchrun serves it listens on loopback alone, and
+    the ranks' gloo and NCCL sockets are told to."""
+    import socket
+
+    import torch.distributed as dist
+
+    from evendp._distributed._torchrun.__main__ import loopback_store_class
+    from evendp._planning._launch import loopback_env
+    from tests.cli.test_train_faults import _listening, _loopback
+
+    name = socket.gethostname()
+    found = {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    if not all(_loopback(str(address)) for address in found):
+        pytest.skip(f"this machine's name {name!r} resolves off loopback: {sorted(found)}")
+    torchrun = ["python", "-m", "torch.distributed.run", "--master-addr", name]
+    assert loopback_env(torchrun) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    server = loopback_store_class(dist.TCPStore)(name, 0, None, True, wait_for_workers=False)
+    listening = {(ip, port) for ip, port in _listening(os.getpid()) if port == server.port}
+    assert listening and all(_loopback(ip) for ip, _ in listening), listening

@@ -35,7 +35,12 @@ from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
 from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read, training_began
 from .._distributed._torchrun import QUIET_TORCHRUN
-from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, ENV_TORCHRUN_LOG, EXIT_WAIT_S
+from .._distributed._torchrun._nodes import (
+    ENV_EXIT_WAIT,
+    ENV_TORCHRUN_LOG,
+    EXIT_WAIT_S,
+    loopback_address,
+)
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
@@ -446,9 +451,6 @@ def torchrun_command(
     return [*cmd, script, *script_args]
 
 
-_LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
-
-
 def loopback_env(torchrun: Sequence[str]) -> dict[str, str]:
     """The variables that keep the ranks' own sockets on loopback, for a torchrun command whose
     rendezvous is at a loopback address (a one-machine run): gloo and NCCL listen on the
@@ -466,7 +468,7 @@ def loopback_env(torchrun: Sequence[str]) -> dict[str, str]:
         for i, a in enumerate(args[:-1])
         if a == "--rdzv-endpoint"
     ]
-    if not hosts or not all(h in _LOOPBACK_ADDRESSES for h in hosts):
+    if not hosts or not all(loopback_address(h) for h in hosts):
         return {}
     name = "lo0" if sys.platform == "darwin" else "lo"
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import ipaddress
 import os
 import shutil
 import signal
@@ -163,19 +162,6 @@ def _ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _loopback(host: str) -> str | None:
-    """The loopback address ``host`` names (``localhost``: 127.0.0.1), else ``None``.
-
-    >>> _loopback("127.0.0.1"), _loopback("localhost"), _loopback("::1"), _loopback("10.0.0.1")
-    ('127.0.0.1', '127.0.0.1', '::1', None)
-    """
-    text = "127.0.0.1" if host == "localhost" else host
-    try:
-        return text if ipaddress.ip_address(text).is_loopback else None
-    except ValueError:  # a host name: it may resolve to any interface
-        return None
-
-
 def serve_loopback_on_loopback() -> None:
     """Make every ``TCPStore`` server this process starts at a loopback address listen on it
     alone (in this process: torchrun's, for its static rendezvous and the ranks' store).
@@ -226,7 +212,7 @@ def loopback_store_class(base: Any) -> Any:
             master_listen_fd: int | None = None,
             use_libuv: bool = True,
         ) -> None:
-            address = _loopback(host_name)
+            address = _nodes.loopback_address(host_name)
             if is_master and master_listen_fd is None and address is not None:
                 master_listen_fd = _listen(address, port)
             super().__init__(

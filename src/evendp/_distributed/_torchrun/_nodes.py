@@ -20,6 +20,7 @@ its path).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ __all__ = [
     "EXIT_WAIT_S",
     "bound_exit_barrier",
     "die_with_parent",
+    "loopback_address",
     "wait_for_nodes",
     "watch_store",
     "workers_die_with_agent",
@@ -52,6 +54,29 @@ ENV_TORCHRUN_LOG = "EVENDP_TORCHRUN_LOG"
 _EXIT_KEY = "evendp/exit"
 _WATCH_EVERY_S = 1.0
 _CONNECT_S = 5.0
+
+
+def loopback_address(host: str) -> str | None:
+    """The loopback address ``host`` is, or resolves to (every address it resolves to is a
+    loopback one: ``localhost``, a machine's own name mapped to 127.0.x.1), else ``None``.
+    Where the run's listeners may be confined to loopback.
+
+    >>> loopback_address("127.0.0.1"), loopback_address("localhost"), loopback_address("::1")
+    ('127.0.0.1', '127.0.0.1', '::1')
+    >>> loopback_address("10.0.0.1") is None
+    True
+    """
+    try:
+        return host if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:  # a host name
+        pass
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return None
+    if not found or not all(ipaddress.ip_address(str(a)).is_loopback for a in found):
+        return None
+    return "127.0.0.1" if "127.0.0.1" in found else str(sorted(found)[0])
 
 
 def die_with_parent() -> None:
