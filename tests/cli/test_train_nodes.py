@@ -196,3 +196,58 @@ def test_the_resumed_two_node_run_equals_a_one_node_run_bit_for_bit(runs: dict[s
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+
+
+def test_a_node_started_with_other_devices_stops_node_0_too_within_seconds(
+    tmp_path: Path,
+) -> None:
+    """Issue 35: node 1 with other --devices (so another number of ranks) refused at once,
+    exit 2, while node 0 waited for it until killed (309 s). Node 1 now leaves its refusal
+    in node 0's store, and node 0 stops with it."""
+    port = free_port()
+    common = ["--weights", "1,1,1,1", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port)]  # fmt: skip
+    node0 = subprocess.Popen(
+        _train("--devices", "cpu,cpu", *common, "--node-rank", "0", "--out", str(tmp_path / "0")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ENV,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: _reachable(port) or node0.poll() is not None, 120, "node 0's store")
+        started = time.monotonic()
+        node1 = subprocess.run(
+            _train("--devices", "cpu", *common, "--node-rank", "1", "--out", str(tmp_path / "1")),
+            capture_output=True, text=True, env=_ENV, timeout=120,
+        )  # fmt: skip
+        said0, _ = node0.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        node0.kill()
+    assert node1.returncode == 2 and node0.returncode == 2, (node1.stderr, said0)
+    assert took < 10, took
+    assert node1.stderr.count("\n") == 1 and "was told, and stops too" in node1.stderr
+    lines = [line for line in said0.splitlines() if line.startswith("evendp launch: node 1")]
+    assert len(lines) == 1 and "refused the run: --weights has 4 numbers" in lines[0], said0
+    assert "Traceback" not in said0 + node1.stderr
+
+
+def test_a_refusing_node_says_when_node_0_was_not_reached(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from evendp.cli import main
+
+    argv = ["train", *ARGS, "--devices", "cpu", "--weights", "1,1,1,1", "--nnodes", "2",
+            "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+            str(free_port()), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was not reached: stop it there if it waits" in err, err
+
+
+def _reachable(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True

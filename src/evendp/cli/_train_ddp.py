@@ -54,6 +54,30 @@ def report_error(exc: EvendpError) -> int:
     return 0
 
 
+def told_node0(args: argparse.Namespace, exc: EvendpError) -> EvendpError:
+    """``exc``, refusing the run on a machine other than node 0 before its agent started:
+    told to node 0's store too, which would wait for this machine until its timeout; the
+    error says whether node 0 was reached."""
+    from .._core._validate import validate_int
+    from .._distributed._torchrun._nodes import tell_node0
+
+    node, host = getattr(args, "node_rank", None), getattr(args, "master_addr", None)
+    if os.environ.get("RANK") is not None or getattr(args, "nnodes", 1) == 1 or not node:
+        return exc  # a rank (its launcher said it), one machine, or node 0 itself
+    try:
+        port = validate_int("--master-port", args.master_port or 29500, minimum=1)
+    except EvendpError:
+        return exc
+    where = f"{host}:{port}"
+    if host and tell_node0(str(host), port, int(node), str(exc)):
+        said = f"{exc} (node 0 at {where} was told, and stops too)"
+    else:
+        said = f"{exc} (node 0 at {where} was not reached: stop it there if it waits)"
+    told = EvendpError(said)
+    told.exit_code = exc.exit_code
+    return told
+
+
 def say_how_to_resume(code: int, argv: list[str] | None = None, saved: bool = True) -> int:
     """After a run stopped by a signal: one line with the exact command that continues it
     (``saved``: whether the ranks said they saved on the way out)."""

@@ -103,9 +103,9 @@ def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
             say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:
-        from evendp.cli._train_ddp import report_error
+        from evendp.cli._train_ddp import report_error, told_node0
 
-        return report_error(exc)  # once, not once per rank; 2 for bad input, 1 for a fault
+        return report_error(told_node0(args, exc))  # once, not per rank; 2: bad input, 1: a fault
     except (RuntimeError, ValueError) as exc:
         from evendp._core._oom_errors import is_oom_error
         from evendp._distributed._stalled import peer_lost

@@ -136,8 +136,12 @@ def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
     args = parse_args(argv)
     nnodes = str(args.nnodes)
     several = args.rdzv_backend == "static" and nnodes.isdigit() and int(nnodes) > 1
-    if several and int(args.node_rank) > 0:  # node 0's agent holds the store
+    if not several:
+        return
+    if int(args.node_rank) > 0:  # node 0's agent holds the store
         _nodes.watch_store(args.master_addr, int(args.master_port), int(args.node_rank))
+    else:
+        _nodes.watch_refusals(args.master_addr, int(args.master_port))
 
 
 def failed_ranks(failures: dict[int, Any]) -> str:

@@ -38,6 +38,8 @@ __all__ = [
     "bound_exit_barrier",
     "die_with_parent",
     "loopback_address",
+    "tell_node0",
+    "watch_refusals",
     "wait_for_nodes",
     "watch_store",
     "workers_die_with_agent",
@@ -52,6 +54,7 @@ ENV_EXIT_WAIT = "EVENDP_EXIT_WAIT_S"
 #: outcome folder (kept beside it when a rank failed).
 ENV_TORCHRUN_LOG = "EVENDP_TORCHRUN_LOG"
 _EXIT_KEY = "evendp/exit"
+_REFUSED_KEY = "evendp/refused"
 _WATCH_EVERY_S = 1.0
 _CONNECT_S = 5.0
 
@@ -186,6 +189,63 @@ def _reachable(host: str, port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _client(host: str, port: int) -> Any:
+    """A store client of its own, counted in no rendezvous (``wait_for_workers=False``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=_CONNECT_S)
+    return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+
+
+def tell_node0(host: str, port: int, node: int, message: str) -> bool:
+    """Leave this node's refusal of the run (``message``) in node 0's store, where
+    :func:`watch_refusals` reads it; whether node 0's store was reached (it may not be up).
+
+    >>> tell_node0("127.0.0.1", 1, 1, "no")  # nothing listens on port 1
+    False
+    """
+    if not _reachable(host, port):
+        return False
+    try:
+        _client(host, port).set(_REFUSED_KEY, f"node {node} refused the run: {message}")
+    except RuntimeError:
+        return False
+    return True
+
+
+def watch_refusals(host: str, port: int) -> threading.Thread:
+    """On node 0: a thread that, once another node left its refusal in the store (it exited 2
+    before its agent ever came, which leaves this one waiting for it), ends this node's ranks,
+    says so in one line and exits 2."""
+
+    def watch() -> None:
+        client = None
+        while client is None:  # the store comes up with this node's agent
+            time.sleep(0.5)
+            if _reachable(host, port):
+                with contextlib.suppress(RuntimeError):
+                    client = _client(host, port)
+        while True:
+            time.sleep(0.5)
+            try:
+                if client.check([_REFUSED_KEY]):
+                    said = client.get(_REFUSED_KEY).decode(errors="replace")[:2000]
+                    break
+            except RuntimeError:  # the store closed: the run is over
+                return
+        for pid in _workers():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        print(f"evendp launch: {said}; node 0 stops too", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    thread = threading.Thread(target=watch, name="evendp-refusal-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def watch_store(host: str, port: int, node: int) -> threading.Thread:
