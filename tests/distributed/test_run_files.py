@@ -287,7 +287,7 @@ def test_another_user_reaches_the_store_as_documented_but_not_the_runs_files(
     is 0700. A documentation check, so it runs the real store and a real run's folder."""
     import torch.distributed as dist
 
-    from evendp._distributed._torchrun.__main__ import loopback_store_class
+    from evendp._distributed._torchrun._quiet import loopback_store_class
     from evendp.cli import main
     from tests.cli.test_train_faults import SMALL_DP
 

@@ -138,7 +138,7 @@ def test_the_timeout_is_checked_and_spelled_alike_everywhere() -> None:
     assert TrainConfig().comm_timeout == stalled.DEFAULT_COMM_TIMEOUT_S == 600
     assert _train_args._COMM_TIMEOUT == stalled.DEFAULT_COMM_TIMEOUT_S
     assert _train_args._MIN_COMM_TIMEOUT == stalled.MIN_COMM_TIMEOUT_S
-    spelled = runpy.run_path(str(QUIET_TORCHRUN / "__main__.py"), run_name="probe")
+    spelled = runpy.run_path(str(QUIET_TORCHRUN / "_quiet.py"), run_name="probe")
     assert spelled["STALLED_PREFIX"] == stalled.REPORT_PREFIX
     assert TrainConfig(comm_timeout=None).comm_timeout is None
     for bad in (0, -1, float("nan"), "600"):

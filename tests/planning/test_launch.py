@@ -578,7 +578,7 @@ def test_the_quiet_torchrun_reads_the_launchers_outcome_variable() -> None:
     from evendp._distributed._torchrun import QUIET_TORCHRUN
     from evendp._planning._launch import ENV_OUTCOME
 
-    spelled = runpy.run_path(str(QUIET_TORCHRUN / "__main__.py"), run_name="probe")
+    spelled = runpy.run_path(str(QUIET_TORCHRUN / "_quiet.py"), run_name="probe")
     assert spelled["ENV_OUTCOME"] == ENV_OUTCOME
 
 
@@ -630,7 +630,7 @@ def test_a_host_name_that_resolves_to_loopback_keeps_every_listener_on_loopback(
 
     import torch.distributed as dist
 
-    from evendp._distributed._torchrun.__main__ import loopback_store_class
+    from evendp._distributed._torchrun._quiet import loopback_store_class
     from evendp._planning._launch import loopback_env
     from tests.cli.test_train_faults import _listening, _loopback
 

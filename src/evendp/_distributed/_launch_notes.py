@@ -26,7 +26,7 @@ from pathlib import Path
 __all__ = ["ENV_OUTCOME", "note_sizes_read", "note_training", "sizes_were_read", "training_began"]
 
 #: Where rank 0 leaves the run's exit code for the launcher (a file in the launcher's private
-#: folder). ``_torchrun/__main__.py`` spells it itself (a test keeps them equal).
+#: folder). ``_torchrun/_quiet.py`` spells it itself (a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
 _MARK = "sizes-read"
 _TRAINING = "training"

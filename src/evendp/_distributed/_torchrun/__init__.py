@@ -1,4 +1,4 @@
-"""torchrun as ``evendp launch`` runs it; the code is in ``__main__.py`` (run as a folder)."""
+"""torchrun as ``evendp launch`` runs it: the folder runs as a program (the code: ``_quiet.py``)."""
 
 from pathlib import Path
 

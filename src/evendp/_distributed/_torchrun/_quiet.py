@@ -1,0 +1,267 @@
+"""torchrun itself (``torch.distributed.run.main``, same arguments), quiet when a signal ends it.
+
+Run as ``python <this folder> ARGS`` (``__main__.py`` calls :func:`main`), the way ``evendp
+launch`` starts torchrun. Why not
+``python -m torch.distributed.run``: torchrun turns SIGTERM, SIGINT and SIGHUP into a
+``SignalException`` that ends in a 30-line traceback. The launcher passes a signal on to the
+ranks, not to torchrun, but torchrun still gets one when the launcher dies (``PR_SET_PDEATHSIG``,
+even after a SIGKILL) or on a second Ctrl-C. By the time the exception reaches here torchrun has
+stopped its ranks; what is left is one line, exit 128 + the signal's number, and, when the
+launcher is gone, its outcome folder removed (nobody is left to read it).
+
+A store that torchrun serves at a loopback address (``--master-addr 127.0.0.1``, evendp's
+single-node default) listens on that address only (:func:`serve_loopback_on_loopback`): torch's
+``TCPStore`` binds every interface whatever its host name, and it has no authentication.
+
+Only the standard library and torch are imported: nothing of evendp is on this process's path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__:  # imported as evendp's (doctests, the launcher's tests)
+    from . import _nodes
+else:  # run from its path (the launcher: nothing of evendp on the path), or by runpy
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_nodes", Path(__file__).with_name("_nodes.py"))
+    assert _spec is not None and _spec.loader is not None
+    _nodes = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_nodes)
+
+#: The launcher's outcome file (``evendp._planning._launch.ENV_OUTCOME``; a test keeps them equal).
+ENV_OUTCOME = "EVENDP_OUTCOME"
+OUTCOME_PREFIX = "evendp-outcome-"
+#: The ranks' reports of a peer that stopped answering (``evendp._distributed._stalled``).
+STALLED_PREFIX = "stalled."
+#: torchrun's loggers: their records go to that file, not to the terminal.
+_TORCHRUN_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.run",
+    "torch.distributed.launcher",
+)
+
+
+def main(argv: list[str]) -> int:
+    """Run torchrun on ``argv``; a signal that stopped it gives one line and ``128 + N``."""
+    serve_loopback_on_loopback()  # before torchrun's modules take their own TCPStore name
+    _nodes.workers_die_with_agent()
+    end_with_the_other_nodes(argv, os.environ.get(_nodes.ENV_EXIT_WAIT))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    launcher = os.getppid()
+    quiet_on_a_stall(os.environ.get(ENV_OUTCOME))
+    log = log_to_file(os.environ.get(_nodes.ENV_TORCHRUN_LOG))
+    try:
+        torchrun(argv)
+    except ChildFailedError as exc:  # its report: a traceback of torchrun's own and a table
+        kept = "" if log is None else f" (its report: {keep_log(log, exc.format_msg())})"
+        print(f"evendp launch: {failed_ranks(exc.failures)}{kept}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        signum = int(exc.sigval)
+        orphaned = os.getppid() != launcher  # reparented: the launcher died
+        if orphaned:
+            remove_outcome_folder(os.environ.get(ENV_OUTCOME))
+        elif _stalled(os.environ.get(ENV_OUTCOME)):
+            return 128 + signum  # the launcher ends a stalled run and says so itself
+        why = "its launcher died" if orphaned else "passed on by the launcher"
+        name = signal.Signals(signum).name
+        print(f"evendp launch: torchrun got {name} ({why}) and stopped every rank", file=sys.stderr)
+        return 128 + signum
+    return 0
+
+
+def log_to_file(path: str | None) -> Any:
+    """Send torchrun's log records to ``path`` (the launcher made it, private) instead of the
+    terminal, where a fault's collateral lines would bury evendp's one line; the open file, or
+    ``None`` without a path."""
+    import logging
+
+    if not path:
+        return None
+    stream = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - for the run's life
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in _TORCHRUN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.propagate = False  # not to torch's own handler on the terminal
+        logger.addHandler(handler)
+    return stream
+
+
+def keep_log(log: Any, report: str) -> Path:
+    """Add torchrun's ``report`` to its ``log`` (in the launcher's outcome folder, removed at
+    the end) and move the log beside that folder, into this user's private run folder, where
+    it outlives the run; its new path."""
+    log.write(report + "\n")
+    log.close()
+    here = Path(log.name)
+    kept = here.parent.parent / f"torchrun-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    os.replace(here, kept)
+    return kept
+
+
+def quiet_on_a_stall(outcome: str | None) -> None:
+    """The launcher stops torchrun with SIGTERM once a rank reported a stalled peer, and says
+    so in its own line: torchrun's warning about that signal is left out then."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not ("death signal" in str(record.msg) and _stalled(outcome))
+
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(keep)
+
+
+def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
+    """Under ``evendp train`` (``exit_wait``: the launcher's bound, in seconds): this agent
+    waits that long at most for the other nodes once its ranks ended, and on a node other than
+    the store's a watch ends the ranks once the store's node is gone (:mod:`._nodes`)."""
+    if not exit_wait:
+        return
+    from torch.distributed.run import parse_args
+
+    _nodes.bound_exit_barrier(float(exit_wait))
+    args = parse_args(argv)
+    nnodes = str(args.nnodes)
+    several = args.rdzv_backend == "static" and nnodes.isdigit() and int(nnodes) > 1
+    if not several:
+        return
+    if int(args.node_rank) > 0:  # node 0's agent holds the store
+        _nodes.watch_store(args.master_addr, int(args.master_port), int(args.node_rank))
+    else:
+        _nodes.watch_refusals(args.master_addr, int(args.master_port))
+
+
+def failed_ranks(failures: dict[int, Any]) -> str:
+    """One line for torchrun's ``ChildFailedError``: which ranks ended how, first the one that
+    failed first (the others are often its victims: a peer gone, then torchrun's SIGTERM).
+
+    >>> from types import SimpleNamespace as F
+    >>> failed_ranks({1: F(exitcode=1, timestamp=2), 0: F(exitcode=-9, timestamp=1)})
+    'rank 0 was killed by SIGKILL, then rank 1 exited with code 1; torchrun stopped the run'
+    """
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    said = [f"rank {rank} {_ended(failure.exitcode)}" for rank, failure in ordered]
+    return ", then ".join(said) + "; torchrun stopped the run"
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def serve_loopback_on_loopback() -> None:
+    """Make every ``TCPStore`` server this process starts at a loopback address listen on it
+    alone (in this process: torchrun's, for its static rendezvous and the ranks' store).
+
+    Why: torch's ``TCPStore`` server listens on every interface (``::``) whatever host name it
+    is given, and anyone who reaches it can write its keys: on a one-machine run with
+    ``--master-addr 127.0.0.1`` nobody outside the machine needs to, so the listening socket
+    is bound here, to the loopback address, and handed over (``master_listen_fd``). A store at
+    any other address is left as torch makes it.
+    """
+    import torch.distributed as dist
+
+    if getattr(dist.TCPStore, "_evendp_loopback", False):
+        return
+    store = loopback_store_class(dist.TCPStore)
+    dist.TCPStore = store  # type: ignore[misc]
+    for name in (
+        "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+        "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    ):
+        module: Any = sys.modules.get(name)
+        if module is not None:  # imported already: its own name for the class too
+            module.TCPStore = store
+
+
+def loopback_store_class(base: Any) -> Any:
+    """``base`` (torch's ``TCPStore``) whose server at a loopback address listens there only.
+
+    >>> import torch.distributed as dist
+    >>> Store = loopback_store_class(dist.TCPStore)
+    >>> server = Store("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    >>> server.set("k", "v"); server.get("k"), isinstance(server, dist.TCPStore)
+    (b'v', True)
+    """
+
+    class LoopbackTCPStore(base):
+        _evendp_loopback = True
+
+        def __init__(
+            self,
+            host_name: str,
+            port: int,
+            world_size: int | None = None,
+            is_master: bool = False,
+            timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+            wait_for_workers: bool = True,
+            multi_tenant: bool = False,
+            master_listen_fd: int | None = None,
+            use_libuv: bool = True,
+        ) -> None:
+            address = _nodes.loopback_address(host_name)
+            if is_master and master_listen_fd is None and address is not None:
+                master_listen_fd = _listen(address, port)
+            super().__init__(
+                host_name, port, world_size, is_master, timeout, wait_for_workers,
+                multi_tenant, master_listen_fd, use_libuv,
+            )  # fmt: skip
+
+    LoopbackTCPStore.__name__ = LoopbackTCPStore.__qualname__ = "TCPStore"
+    return LoopbackTCPStore
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only; the store takes its descriptor over."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:  # in torch's words: torchrun retries another port
+            raise RuntimeError("Address already in use") from None
+        raise
+    return sock.detach()
+
+
+def _stalled(outcome: str | None) -> bool:
+    """Whether a rank reported a peer that stopped answering (in the outcome's folder)."""
+    return bool(outcome) and any(Path(str(outcome)).parent.glob(STALLED_PREFIX + "*"))
+
+
+def remove_outcome_folder(outcome: str | None) -> None:
+    """Remove the launcher's private folder of ``outcome`` (only one evendp made).
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp(prefix=OUTCOME_PREFIX))
+    >>> remove_outcome_folder(str(folder / "outcome.json")); folder.exists()
+    False
+    >>> remove_outcome_folder("/etc/hostname"); Path("/etc").exists()  # not ours: kept
+    True
+    """
+    if not outcome:
+        return
+    folder = Path(outcome).parent
+    if folder.name.startswith(OUTCOME_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
