@@ -217,10 +217,17 @@ def tell_node0(host: str, port: int, node: int, message: str) -> bool:
     return True
 
 
-def watch_refusals(host: str, port: int) -> threading.Thread:
+def watch_refusals(
+    host: str,
+    port: int,
+    *,
+    workers: Callable[[], list[int]] = lambda: _workers(),
+    end: Callable[[int], Any] = os._exit,
+) -> threading.Thread:
     """On node 0: a thread that, once another node left its refusal in the store (it exited 2
     before its agent ever came, which leaves this one waiting for it), ends this node's ranks,
-    says so in one line and exits 2."""
+    says so in one line and exits 2. ``workers``: this agent's ranks (its children), ``end``:
+    how it exits (``os._exit``; a test hands in its own)."""
 
     def watch() -> None:
         client = None
@@ -237,21 +244,29 @@ def watch_refusals(host: str, port: int) -> threading.Thread:
                     break
             except RuntimeError:  # the store closed: the run is over
                 return
-        for pid in _workers():
+        for pid in workers():
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
         print(f"evendp launch: {said}; node 0 stops too", file=sys.stderr, flush=True)
-        os._exit(2)
+        end(2)
 
     thread = threading.Thread(target=watch, name="evendp-refusal-watch", daemon=True)
     thread.start()
     return thread
 
 
-def watch_store(host: str, port: int, node: int) -> threading.Thread:
+def watch_store(
+    host: str,
+    port: int,
+    node: int,
+    *,
+    workers: Callable[[], list[int]] = lambda: _workers(),
+    end: Callable[[int], Any] = os._exit,
+) -> threading.Thread:
     """On a node other than the store's: a thread that, once the store at ``host:port`` is
     gone while this node's ranks still run (two looks in a row), ends them (SIGKILL: a
-    stopped rank ignores the rest), says so in one line and exits 1."""
+    stopped rank ignores the rest), says so in one line and exits 1; once the store is gone
+    with no rank running, the run is over and it returns (``workers``, ``end``: as above)."""
 
     def watch() -> None:
         while not _reachable(host, port):  # the store comes up with node 0's agent
@@ -259,9 +274,11 @@ def watch_store(host: str, port: int, node: int) -> threading.Thread:
         misses = 0
         while misses < 2:
             time.sleep(_WATCH_EVERY_S)
-            missed = bool(_workers()) and not _reachable(host, port)
-            misses = misses + 1 if missed else 0
-        for pid in _workers():
+            misses = 0 if _reachable(host, port) else misses + 1
+        running = workers()
+        if not running:  # the ranks had ended: the run is over, nothing to stop
+            return
+        for pid in running:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
         print(
@@ -271,7 +288,7 @@ def watch_store(host: str, port: int, node: int) -> threading.Thread:
             file=sys.stderr,
             flush=True,
         )
-        os._exit(1)
+        end(1)
 
     thread = threading.Thread(target=watch, name="evendp-store-watch", daemon=True)
     thread.start()

@@ -1,0 +1,132 @@
+"""What evendp's torchrun adds to each node's agent (``_torchrun/_nodes.py``), in this process:
+a real store, real child processes; only the final ``os._exit`` is handed a recorder.
+
+The same code runs end to end in ``tests/cli/test_train_nodes.py`` (two agents on loopback),
+where coverage cannot see it: the agent's process has nothing of evendp on its path.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from evendp._distributed._torchrun import _nodes
+from tests._helpers import free_port
+
+
+def _server() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+def _ended() -> tuple[list[int], threading.Event, Any]:
+    codes: list[int] = []
+    done = threading.Event()
+
+    def end(code: int) -> None:
+        codes.append(code)
+        done.set()
+
+    return codes, done, end
+
+
+def test_a_refusal_left_in_the_store_ends_node_0_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = _server()
+    codes, done, end = _ended()
+    _nodes.watch_refusals("127.0.0.1", server.port, workers=list, end=end)
+    assert _nodes.tell_node0("127.0.0.1", server.port, 1, "--weights has 4 numbers")
+    assert done.wait(30) and codes == [2]
+    line = capsys.readouterr().err.strip()
+    assert (
+        line == "evendp launch: node 1 refused the run: --weights has 4 numbers; node 0 stops too"
+    )
+
+
+def test_a_store_that_goes_away_while_a_rank_runs_ends_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The rank is a child of this process in a session of its own, stopped (``kill -STOP``)
+    as in the issue: SIGKILL is what ends it."""
+    server = _server()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                            start_new_session=True)  # fmt: skip
+    try:
+        rank.send_signal(signal.SIGSTOP)
+        codes, done, end = _ended()
+        alive = lambda: [rank.pid] if rank.poll() is None else []  # noqa: E731
+        _nodes.watch_store("127.0.0.1", server.port, 1, workers=alive, end=end)
+        time.sleep(1.5)  # it found the store and looked once: nothing to do while it answers
+        assert not done.is_set()
+        del server  # node 0's agent ends: its store closes
+        assert done.wait(60) and codes == [1]
+        assert rank.wait(10) == -signal.SIGKILL
+    finally:
+        rank.kill()
+        rank.wait()
+    said = capsys.readouterr().err
+    assert "(node 0's agent) closed while node 1's ranks ran" in said and said.count("\n") == 1
+
+
+def test_a_store_that_closes_after_the_ranks_ended_is_the_runs_end(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = _server()
+    codes, _, end = _ended()
+    watch = _nodes.watch_store("127.0.0.1", server.port, 1, workers=list, end=end)
+    time.sleep(1.5)
+    del server  # no rank of this node runs: nothing to end, nothing said
+    watch.join(30)
+    assert not watch.is_alive() and codes == []  # it returned: the run is over
+    assert capsys.readouterr().err == ""
+
+
+def test_the_exit_barrier_waits_its_bound_and_names_the_node_that_did_not_come(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    monkeypatch.setattr(SimpleElasticAgent, "_exit_barrier", SimpleElasticAgent._exit_barrier)
+    _nodes.bound_exit_barrier(0.5)
+    store = dist.HashStore()
+    agent = SimpleNamespace(
+        _worker_group=SimpleNamespace(group_rank=0, group_world_size=3), _store=store
+    )
+    store.set("evendp/exit/2", "1")  # node 2 ended; node 1 never comes
+    started = time.monotonic()
+    SimpleElasticAgent._exit_barrier(agent)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+    said = capsys.readouterr().err
+    assert said.startswith("evendp launch: node 1 did not end within 0.5 s of node 0"), said
+
+
+def test_workers_started_by_torchrun_die_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's own Popen (its subprocess handler's name for it) starts children whose
+    parent-death signal is SIGTERM: read back by the child itself."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    monkeypatch.setattr(handler, "Popen", handler.Popen)
+    _nodes.workers_die_with_agent()
+    _nodes.workers_die_with_agent()  # once is enough: not wrapped twice
+    probe = (
+        "import ctypes, ctypes.util; libc = ctypes.CDLL(None); s = ctypes.c_int(); "
+        "libc.prctl(2, ctypes.byref(s)); print(s.value)"  # PR_GET_PDEATHSIG
+    )
+    child = handler.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True)
+    assert child.communicate(timeout=60)[0].strip() == str(int(signal.SIGTERM))
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert plain.stdout.strip() == "0"  # the control: no parent-death signal of its own
+
+
+def test_a_host_that_listens_nowhere_is_not_told() -> None:
+    assert not _nodes.tell_node0("127.0.0.1", free_port(), 1, "no")
