@@ -34,6 +34,7 @@ from typing import Any
 __all__ = [
     "ENV_EXIT_WAIT",
     "ENV_TORCHRUN_LOG",
+    "STOP_WATCHING",
     "EXIT_WAIT_S",
     "bound_exit_barrier",
     "die_with_parent",
@@ -41,6 +42,7 @@ __all__ = [
     "tell_node0",
     "watch_refusals",
     "wait_for_nodes",
+    "stop_watching",
     "watch_store",
     "workers_die_with_agent",
 ]
@@ -56,6 +58,9 @@ ENV_TORCHRUN_LOG = "EVENDP_TORCHRUN_LOG"
 _EXIT_KEY = "evendp/exit"
 _REFUSED_KEY = "evendp/refused"
 _WATCH_EVERY_S = 1.0
+#: Set when the agent is done: the watches return before the process exits (a thread still
+#: inside a store call while the process exits aborts it: SIGABRT).
+STOP_WATCHING = threading.Event()
 _CONNECT_S = 5.0
 
 
@@ -232,12 +237,14 @@ def watch_refusals(
     def watch() -> None:
         client = None
         while client is None:  # the store comes up with this node's agent
-            time.sleep(0.5)
+            if STOP_WATCHING.wait(0.5):
+                return
             if _reachable(host, port):
                 with contextlib.suppress(RuntimeError):
                     client = _client(host, port)
         while True:
-            time.sleep(0.5)
+            if STOP_WATCHING.wait(0.5):
+                return
             try:
                 if client.check([_REFUSED_KEY]):
                     said = client.get(_REFUSED_KEY).decode(errors="replace")[:2000]
@@ -255,6 +262,14 @@ def watch_refusals(
     return thread
 
 
+def stop_watching(timeout: float = 2.0) -> None:
+    """End the watches of this process (torchrun returned) and wait for them."""
+    STOP_WATCHING.set()
+    for thread in threading.enumerate():
+        if thread.name in ("evendp-store-watch", "evendp-refusal-watch"):
+            thread.join(timeout)
+
+
 def watch_store(
     host: str,
     port: int,
@@ -270,10 +285,12 @@ def watch_store(
 
     def watch() -> None:
         while not _reachable(host, port):  # the store comes up with node 0's agent
-            time.sleep(_WATCH_EVERY_S)
+            if STOP_WATCHING.wait(_WATCH_EVERY_S):
+                return
         misses = 0
         while misses < 2:
-            time.sleep(_WATCH_EVERY_S)
+            if STOP_WATCHING.wait(_WATCH_EVERY_S):
+                return
             misses = 0 if _reachable(host, port) else misses + 1
         running = workers()
         if not running:  # the ranks had ended: the run is over, nothing to stop

@@ -57,13 +57,22 @@ def main(argv: list[str]) -> int:
     serve_loopback_on_loopback()  # before torchrun's modules take their own TCPStore name
     _nodes.workers_die_with_agent()
     end_with_the_other_nodes(argv, os.environ.get(_nodes.ENV_EXIT_WAIT))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     launcher = os.getppid()
     quiet_on_a_stall(os.environ.get(ENV_OUTCOME))
     log = log_to_file(os.environ.get(_nodes.ENV_TORCHRUN_LOG))
+    try:
+        return _run(torchrun, argv, log, launcher)
+    finally:
+        _nodes.stop_watching()
+
+
+def _run(torchrun: Any, argv: list[str], log: Any, launcher: int) -> int:
+    """torchrun on ``argv``: its exit code, a signal or a failed rank said in one line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         torchrun(argv)
     except ChildFailedError as exc:  # its report: a traceback of torchrun's own and a table
