@@ -186,6 +186,14 @@ def _workers() -> list[int]:
     return found
 
 
+def _kill(workers: list[int]) -> None:
+    """SIGKILL each worker's session (torchrun starts each in its own; a stopped rank ignores
+    every other signal)."""
+    for pid in workers:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+
+
 def _reachable(host: str, port: int) -> bool:
     """Whether something listens at ``host:port`` (a bare connection, closed at once: the
     store takes it without a word, where a store client that fails logs a C++ stack)."""
@@ -251,9 +259,7 @@ def watch_refusals(
                     break
             except RuntimeError:  # the store closed: the run is over
                 return
-        for pid in workers():
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
+        _kill(workers())
         print(f"evendp launch: {said}; node 0 stops too", file=sys.stderr, flush=True)
         end(2)
 
@@ -295,9 +301,7 @@ def watch_store(
         running = workers()
         if not running:  # the ranks had ended: the run is over, nothing to stop
             return
-        for pid in running:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
+        _kill(running)
         print(
             f"evendp launch: the run's store at {host}:{port} (node 0's agent) closed while "
             f"node {node}'s ranks ran: the run ended or was lost there; node {node}'s ranks "
