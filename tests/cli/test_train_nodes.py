@@ -15,10 +15,10 @@ life across two agents, which no pool task has.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,10 +51,7 @@ _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def _start_nodes(base: Path, port: int, *extra: str) -> list[subprocess.Popen[str]]:
     """Node 0 and node 1 of one run, as two machines start it: each its --node-rank and --out.
-    A resume first copies rank 0's checkpoint to node 1, as docs/training.md says to."""
-    if "--resume" in extra:
-        for name in ("ckpt.pt", "ckpt.prev.pt"):
-            shutil.copy2(base / "node0" / name, base / "node1" / name)
+    A resume copies nothing by hand: node 1's rank receives rank 0's checkpoint."""
     procs = []
     for node in (0, 1):
         out = str(base / f"node{node}")
@@ -198,6 +195,20 @@ def test_the_resumed_two_node_run_equals_a_one_node_run_bit_for_bit(runs: dict[s
         assert torch.equal(ours[name], value), name
 
 
+def test_each_resume_on_node_1_takes_rank_0s_checkpoint_over_the_process_group(
+    runs: dict[str, Any],
+) -> None:
+    """Issue 35: with one --out per machine node 1 held no ``ckpt.pt`` (rank 0 saves on node
+    0), so ``--resume`` there had to be preceded by a copy by hand. Now node 1's rank receives
+    it: none at the first resume, an older copy at the second."""
+    for output in (runs["worker"]["outputs"][1], runs["finish"][1][1]):
+        took = [line for line in output.splitlines() if "took rank 0's" in line]
+        assert len(took) == 2 and took[0].startswith("evendp: rank 1: took rank 0's ckpt.pt ("), (
+            output[-3000:]
+        )
+        assert "over the process group" in took[0] and "ckpt.prev.pt" in took[1]
+
+
 def test_a_node_started_with_other_devices_stops_node_0_too_within_seconds(
     tmp_path: Path,
 ) -> None:
@@ -231,16 +242,87 @@ def test_a_node_started_with_other_devices_stops_node_0_too_within_seconds(
 
 
 def test_a_refusing_node_says_when_node_0_was_not_reached(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from evendp._distributed._torchrun._nodes import ENV_TELL_WAIT
     from evendp.cli import main
 
+    monkeypatch.setenv(ENV_TELL_WAIT, "1")
     argv = ["train", *ARGS, "--devices", "cpu", "--weights", "1,1,1,1", "--nnodes", "2",
             "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
             str(free_port()), "--out", str(tmp_path / "out")]  # fmt: skip
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "was not reached: stop it there if it waits" in err, err
+    waiting, error = capsys.readouterr().err.splitlines()
+    assert waiting.startswith("evendp train: waiting up to 1 s for node 0 at 127.0.0.1:"), waiting
+    assert error.endswith("was not reached within 1 s: stop it there if it waits)"), error
+
+
+def _node_1_first(tmp_path: Path, refusing: int) -> tuple[list[str], float]:
+    """Node 1 starts, then node 0 once node 1 waits for it; node ``refusing`` is given one CPU
+    device where ``--weights`` asks for 2 ranks per node, so it refuses, and the other one
+    would train. Both nodes' outputs, and the seconds from node 0's start until both ended."""
+    port = free_port()
+    common = ["--weights", "1,1,1,1", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port)]  # fmt: skip
+    procs: dict[int, subprocess.Popen[str]] = {}
+    lines: dict[int, list[str]] = {0: [], 1: []}
+    readers = []
+    for node in (1, 0):
+        devices = "cpu" if node == refusing else "cpu,cpu"
+        argv = ["--devices", devices, *common, "--node-rank", str(node),
+                "--out", str(tmp_path / str(node))]  # fmt: skip
+        procs[node] = subprocess.Popen(_train(*argv), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, env=_ENV)  # fmt: skip
+        readers.append(threading.Thread(target=lines[node].extend, args=(procs[node].stdout,)))
+        readers[-1].start()
+        if node == 1:  # it waits: with its refusal, or in its agent's rendezvous
+            waiting = lambda: any("waiting up to" in line for line in lines[1])  # noqa: E731
+            agent = lambda: len(_tree(procs[1].pid)) >= 2  # noqa: E731
+            _wait_for(waiting if refusing == 1 else agent, 120, "node 1 to wait")
+            time.sleep(1.0)
+            started = time.monotonic()
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=60)
+        took = time.monotonic() - started
+        for reader in readers:
+            reader.join(30)
+    finally:
+        for proc in procs.values():
+            for pid in _alive(_tree(proc.pid)):
+                os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    outputs = ["".join(lines[0]), "".join(lines[1])]
+    assert [procs[0].returncode, procs[1].returncode] == [2, 2], outputs
+    assert "Traceback" not in "".join(outputs), outputs
+    return outputs, took
+
+
+def test_a_node_that_refused_before_node_0_was_up_stops_it_within_seconds(
+    tmp_path: Path,
+) -> None:
+    """Issue 35: node 1 refused its command before node 0 was up, so node 0, started later,
+    waited for node 1 until torchrun's rendezvous timeout. Node 1 now waits for node 0's store
+    and leaves its refusal there. A launch pair of its own: no pool task has two agents."""
+    (node0, node1), took = _node_1_first(tmp_path, refusing=1)
+    assert took < 10, took
+    assert "evendp train: waiting up to 60 s for node 0 at 127.0.0.1:" in node1
+    assert "(node 0 at 127.0.0.1:" in node1 and "was told, and stops too)" in node1
+    said = [line for line in node0.splitlines() if line.startswith("evendp launch: node 1")]
+    assert len(said) == 1 and "node 1 refused the run: --weights has 4 numbers" in said[0], node0
+    assert said[0].endswith("; node 0 stops too"), said
+
+
+def test_node_0_refusing_stops_a_node_that_waits_for_it_within_seconds(tmp_path: Path) -> None:
+    """Issue 35: node 0 refused its command while node 1's agent waited for node 0's store,
+    which never came (torchrun's rendezvous timeout). Node 0 now serves its refusal there
+    until node 1 read it. A launch pair of its own: no pool task has two agents."""
+    (node0, node1), took = _node_1_first(tmp_path, refusing=0)
+    assert took < 10, took
+    assert node0.strip().endswith("(the other nodes were told, and stop too)"), node0
+    said = [line for line in node1.splitlines() if line.startswith("evendp launch: node 0")]
+    assert len(said) == 1 and "refused the run: " in said[0], node1
+    assert said[0].endswith("; node 1 stops too"), said
 
 
 def _reachable(port: int) -> bool:

@@ -287,7 +287,7 @@ def test_another_user_reaches_the_store_as_documented_but_not_the_runs_files(
     is 0700. A documentation check, so it runs the real store and a real run's folder."""
     import torch.distributed as dist
 
-    from evendp._distributed._torchrun._quiet import loopback_store_class
+    from evendp._distributed._torchrun._quiet import bound_store_class
     from evendp.cli import main
     from tests.cli.test_train_faults import SMALL_DP
 
@@ -298,7 +298,7 @@ def test_another_user_reaches_the_store_as_documented_but_not_the_runs_files(
         shared.chmod(0o755)  # nobody may look in; --out inside is the run's own
         out = shared / "out"
         assert main(["train", "--steps", "1", "--out", str(out), *SMALL_DP]) == 0
-        server = loopback_store_class(dist.TCPStore)(
+        server = bound_store_class(dist.TCPStore)(
             "127.0.0.1", 0, None, True, wait_for_workers=False
         )
         server.set("rank0/address", "127.0.0.1:40001")  # as the ranks' gloo addresses sit

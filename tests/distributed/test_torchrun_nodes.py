@@ -43,7 +43,8 @@ def test_a_refusal_left_in_the_store_ends_node_0_naming_it(
     server = _server()
     codes, done, end = _ended()
     _nodes.watch_refusals("127.0.0.1", server.port, workers=list, end=end)
-    assert _nodes.tell_node0("127.0.0.1", server.port, 1, "--weights has 4 numbers")
+    line = "node 1 refused the run: --weights has 4 numbers"
+    assert _nodes.tell_node0("127.0.0.1", server.port, 1, line, wait_s=0)
     assert done.wait(30) and codes == [2]
     line = capsys.readouterr().err.strip()
     assert (
@@ -129,4 +130,62 @@ def test_workers_started_by_torchrun_die_with_it(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_host_that_listens_nowhere_is_not_told() -> None:
-    assert not _nodes.tell_node0("127.0.0.1", free_port(), 1, "no")
+    waited: list[bool] = []
+    told = _nodes.tell_node0(
+        "127.0.0.1", free_port(), 1, "no", wait_s=0.6, waiting=lambda: waited.append(True)
+    )
+    assert not told and waited == [True]  # it said once that it waits, then gave up
+
+
+def test_a_refusal_before_node_0_is_up_waits_for_it_and_is_read_there(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 35: node 1 refused before node 0 was up, so node 0 (its store not up yet) would
+    wait for node 1 until torchrun's rendezvous timeout. Node 1 now waits for node 0's store
+    and leaves its refusal there."""
+    port = free_port()
+    told: list[bool] = []
+    line = "node 1 refused the run: --weights has 4 numbers"
+    teller = threading.Thread(
+        target=lambda: told.append(_nodes.tell_node0("127.0.0.1", port, 1, line, wait_s=30))
+    )
+    teller.start()
+    time.sleep(1.0)  # node 1 is waiting; node 0's agent comes up now
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    codes, done, end = _ended()
+    _nodes.watch_refusals("127.0.0.1", server.port, workers=list, end=end)
+    teller.join(30)
+    assert told == [True] and done.wait(30) and codes == [2]
+    assert capsys.readouterr().err.strip() == f"evendp launch: {line}; node 0 stops too"
+
+
+@pytest.mark.parametrize(
+    ("code", "line", "said"),
+    [
+        (2, "node 0 refused the run: --weights has 4 numbers", "node 1 stops too"),
+        (0, "node 0 found nothing to train (its checkpoint is at --steps)", "node 1 ends too"),
+    ],
+)
+def test_node_0_ending_before_its_agent_tells_a_waiting_node_its_line_and_code(
+    code: int, line: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35: node 0 refused (or had nothing to train) while node 1's agent waited for its
+    store. Node 0 now serves the store with its line until node 1 read it; node 1's watch
+    exits with node 0's code."""
+    port = free_port()
+    codes, done, end = _ended()
+    _nodes.watch_refusals("127.0.0.1", port, 1, workers=list, end=end)  # node 1, waiting
+    started = time.monotonic()
+    missing = _nodes.tell_other_nodes("127.0.0.1", port, 2, line, code=code, wait_s=30)
+    assert missing == [] and time.monotonic() - started < 10
+    assert done.wait(10) and codes == [code]
+    assert capsys.readouterr().err.strip() == f"evendp launch: {line}; {said}"
+
+
+def test_node_0_names_the_nodes_that_never_came_to_read_its_refusal() -> None:
+    waited: list[bool] = []
+    missing = _nodes.tell_other_nodes(
+        "127.0.0.1", free_port(), 3, "node 0 refused the run: no", wait_s=1.5,
+        waiting=lambda: waited.append(True),
+    )  # fmt: skip
+    assert missing == [1, 2] and waited == [True]

@@ -630,8 +630,8 @@ def test_a_host_name_that_resolves_to_loopback_keeps_every_listener_on_loopback(
 
     import torch.distributed as dist
 
-    from evendp._distributed._torchrun._quiet import loopback_store_class
-    from evendp._planning._launch import loopback_env
+    from evendp._distributed._torchrun._quiet import bound_store_class
+    from evendp._planning._launch import interface_env
     from tests.cli.test_train_faults import _listening, _loopback
 
     name = socket.gethostname()
@@ -639,7 +639,7 @@ def test_a_host_name_that_resolves_to_loopback_keeps_every_listener_on_loopback(
     if not all(_loopback(str(address)) for address in found):
         pytest.skip(f"this machine's name {name!r} resolves off loopback: {sorted(found)}")
     torchrun = ["python", "-m", "torch.distributed.run", "--master-addr", name]
-    assert loopback_env(torchrun) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-    server = loopback_store_class(dist.TCPStore)(name, 0, None, True, wait_for_workers=False)
+    assert interface_env(torchrun) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    server = bound_store_class(dist.TCPStore)(name, 0, None, True, wait_for_workers=False)
     listening = {(ip, port) for ip, port in _listening(os.getpid()) if port == server.port}
     assert listening and all(_loopback(ip) for ip, _ in listening), listening

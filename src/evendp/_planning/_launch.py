@@ -35,12 +35,8 @@ from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
 from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read, training_began
 from .._distributed._torchrun import QUIET_TORCHRUN
-from .._distributed._torchrun._nodes import (
-    ENV_EXIT_WAIT,
-    ENV_TORCHRUN_LOG,
-    EXIT_WAIT_S,
-    loopback_address,
-)
+from .._distributed._torchrun._addresses import interface_toward, loopback_address
+from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, ENV_TORCHRUN_LOG, EXIT_WAIT_S
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
@@ -451,14 +447,15 @@ def torchrun_command(
     return [*cmd, script, *script_args]
 
 
-def loopback_env(torchrun: Sequence[str]) -> dict[str, str]:
-    """The variables that keep the ranks' own sockets on loopback, for a torchrun command whose
-    rendezvous is at a loopback address (a one-machine run): gloo and NCCL listen on the
-    interface these name instead of the one the host name resolves to.
+def interface_env(torchrun: Sequence[str]) -> dict[str, str]:
+    """The variables that keep the ranks' own sockets on the network of the run's rendezvous
+    address (``--master-addr``, ``--rdzv-endpoint``) in a torchrun command: at a loopback
+    address (a one-machine run) gloo and NCCL listen on loopback; at another, gloo listens on
+    the interface that reaches it (NCCL, which picks its fastest fabric, is left to choose).
 
-    >>> loopback_env(["python", "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"])
+    >>> interface_env(["python", "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"])
     {'GLOO_SOCKET_IFNAME': 'lo', 'NCCL_SOCKET_IFNAME': 'lo'}
-    >>> loopback_env(["python", "-m", "torch.distributed.run", "--master-addr", "10.0.0.1"])
+    >>> interface_env(["python", "-m", "torch.distributed.run", "--master-addr", "198.51.100.7"])
     {}
     """
     args = list(torchrun)
@@ -468,10 +465,14 @@ def loopback_env(torchrun: Sequence[str]) -> dict[str, str]:
         for i, a in enumerate(args[:-1])
         if a == "--rdzv-endpoint"
     ]
-    if not hosts or not all(loopback_address(h) for h in hosts):
+    if not hosts:
         return {}
-    name = "lo0" if sys.platform == "darwin" else "lo"
-    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+    if all(loopback_address(h) for h in hosts):
+        lo = "lo0" if sys.platform == "darwin" else "lo"
+        return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+    names = {interface_toward(h) for h in hosts}
+    name = names.pop() if len(names) == 1 else None
+    return {} if name is None else {"GLOO_SOCKET_IFNAME": name}
 
 
 def launch(
@@ -531,7 +532,7 @@ def launch_with_outcome(
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
     torchrun = torchrun_command(plan, script, script_args, passthrough)
-    for key, value in loopback_env(torchrun).items():
+    for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
     if trainer:  # ranks in lockstep end together: a node that does not come is lost

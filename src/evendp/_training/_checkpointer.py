@@ -10,7 +10,8 @@ saves and resumes them; *where* they go on disk is a :class:`CheckpointFormat`, 
 strategy supplies (``Strategy.checkpoint_format``):
 
 - :class:`WholeFile` (one process, DDP): rank 0 writes ``ckpt.pt``, every other rank its own
-  generators in ``ckpt.rng{rank}.pt`` (no collective but the agreement on errors).
+  generators in ``ckpt.rng{rank}.pt`` (no collective but the agreement on errors); at a
+  resume the ranks of other machines take rank 0's ``ckpt.pt`` over the process group.
 - :class:`DcpShards` (FSDP2): a collective ``torch.distributed.checkpoint`` save into the
   ``ckpt.dcp`` folder, each rank its shards and generators, rank 0 ``state.pt``.
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import CheckpointError
+from .._distributed._rank0_files import rank0_files
 from .._distributed._rank_errors import agreed
 from ._checkpoint import (
     UNVERIFIED,
@@ -97,6 +99,11 @@ class CheckpointFormat(abc.ABC):
         """Write this step's checkpoint at ``path`` (every rank calls it); its path, or ``None``
         on a rank that wrote no checkpoint of its own."""
 
+    def candidates(self, path: Path) -> tuple[list[Path], list[str]]:
+        """The checkpoints a resume may take, latest first (every rank the same list), and
+        lines on how they came here: ``path`` and its previous copy where they exist."""
+        return [p for p in (path, previous_path(path)) if p.exists()], []
+
     @abc.abstractmethod
     def load(
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
@@ -141,6 +148,13 @@ class WholeFile(CheckpointFormat):
             )
 
         return agreed(write, _distributed())  # a failed write on one rank stops every rank
+
+    def candidates(self, path: Path) -> tuple[list[Path], list[str]]:
+        """Rank 0's: a rank on another machine whose ``--out`` lacks rank 0's file (or holds
+        an older copy) receives it over the process group (:mod:`.._distributed._rank0_files`)."""
+        both = [path, previous_path(path)]
+        held, notes = rank0_files(both)
+        return [p for p, h in zip(both, held, strict=True) if h], notes
 
     def load(
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
@@ -216,6 +230,8 @@ class Checkpointer:
         # The file at the checkpoint path is not a good checkpoint (a resume fell back past
         # it): the next save replaces it without rotating it over the good previous one.
         self._latest_bad = False
+        #: What this rank received from rank 0 at the last resume (one line a file).
+        self.received: list[str] = []
 
     def save(self, path: Path, parts: Mapping[str, Any]) -> Path | None:
         """Write ``parts`` (``None`` ones left out) as this step's checkpoint at ``path``."""
@@ -249,7 +265,8 @@ class Checkpointer:
         """Load the latest good checkpoint at ``path`` into ``parts``: what it restored and
         what it could not (one line each), or ``None`` when there is none (a fresh start).
         A corrupt latest one falls back to the previous; every rank calls it."""
-        candidates = [p for p in (path, previous_path(path)) if p.exists()]
+        candidates, fetched = self.format.candidates(path)
+        self.received = fetched
         if not candidates:
             return None
         present = {name: part for name, part in parts.items() if part is not None}
@@ -259,7 +276,7 @@ class Checkpointer:
             candidates, lambda p: self._load(p, present, distributed)
         )
         self._latest_bad = found != path
-        notes = [f"{s}; fell back to the previous checkpoint" for s in skipped]
+        notes = fetched + [f"{s}; fell back to the previous checkpoint" for s in skipped]
         notes += info.get("notes", [])  # the format's own fallbacks inside one checkpoint
         notes.append(f"resumed from {found} at step {info['step']}")
         if str(found) in UNVERIFIED:

@@ -565,6 +565,8 @@ class Trainer:
         if self.rank == 0:
             for note in notes:
                 print(f"evendp: {note}", file=sys.stderr, flush=True)
+        for note in self._checkpointer.received:  # on another machine: said there
+            print(f"evendp: rank {self.rank}: {note}", file=sys.stderr, flush=True)
         return True
 
     def _resplit_line(self) -> str:

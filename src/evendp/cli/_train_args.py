@@ -376,6 +376,9 @@ def resume_check(args: argparse.Namespace) -> int | None:
     """
     if not (args.resume or args.resume_or_start or torchrun_restarted()):
         return None
+    node = int(getattr(args, "node_rank", 0) or 0)
+    if node > 0 and not STRATEGIES[args.mode].checkpoint_spread:
+        return None  # rank 0's checkpoint, on node 0: its launcher checks, its ranks send it
     from evendp._training._checkpoint import resumable_checkpoint  # torch: only to resume
 
     # The checkpoint the resume will take: a corrupt latest one falls back to the previous.
@@ -383,12 +386,12 @@ def resume_check(args: argparse.Namespace) -> int | None:
     if resumable is None:
         if args.resume and not args.resume_or_start:
             name = _checkpoint_in(args).name
-            if int(getattr(args, "node_rank", 0) or 0) > 0:  # rank 0 saves on node 0 only
+            if node > 0:  # every rank wrote its part, on its own machine
                 raise EvendpError(
-                    f"--resume on node {args.node_rank}: no checkpoint in {shown(args.out)} "
-                    f"({name} or its previous copy); every rank resumes from rank 0's, which "
-                    f"node 0 saves: copy node 0's {name} (and its previous copy) into this "
-                    "--out, or give every node one shared --out"
+                    f"--resume on node {node}: no checkpoint in {shown(args.out)} ({name} or "
+                    f"its previous copy); under --mode {args.mode} every rank writes part of "
+                    "it, so a run on several machines needs one --out that every machine "
+                    "shares (a shared file system)"
                 )
             raise EvendpError(
                 f"--resume: no checkpoint in {shown(args.out)} ({name} or its "

@@ -54,28 +54,74 @@ def report_error(exc: EvendpError) -> int:
     return 0
 
 
-def told_node0(args: argparse.Namespace, exc: EvendpError) -> EvendpError:
-    """``exc``, refusing the run on a machine other than node 0 before its agent started:
-    told to node 0's store too, which would wait for this machine until its timeout; the
-    error says whether node 0 was reached."""
-    from .._core._validate import validate_int
-    from .._distributed._torchrun._nodes import tell_node0
+def told_the_other_nodes(args: argparse.Namespace, exc: EvendpError) -> EvendpError:
+    """``exc``, refusing the run on one machine of several before its agent started, told to
+    the other machines too, which would otherwise wait for this one until torchrun's
+    rendezvous timeout: node 0 serves its refusal where the others' agents look for node 0's
+    store, another node leaves it in node 0's store (waiting for node 0 to come up). The
+    error says whether they were told."""
+    line = f"node {getattr(args, 'node_rank', 0)} refused the run: {exc}"
+    said = _tell_the_other_nodes(args, line, exc.exit_code)
+    if said is None:
+        return exc
+    told = EvendpError(f"{exc} ({said})")
+    told.exit_code = exc.exit_code
+    return told
 
-    node, host = getattr(args, "node_rank", None), getattr(args, "master_addr", None)
-    if os.environ.get("RANK") is not None or getattr(args, "nnodes", 1) == 1 or not node:
-        return exc  # a rank (its launcher said it), one machine, or node 0 itself
+
+def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str | None:
+    """Leave ``line`` and ``code`` for the other machines of a run of several (``None``: one
+    machine, or a rank, whose launcher tells them); what became of it, in a few words."""
+    from .._core._validate import validate_int
+    from .._distributed._torchrun import _nodes
+
+    nodes, node = int(getattr(args, "nnodes", 1) or 1), getattr(args, "node_rank", None)
+    host = getattr(args, "master_addr", None)
+    if os.environ.get("RANK") is not None or nodes == 1 or node is None or not host:
+        return None
     try:
         port = validate_int("--master-port", args.master_port or 29500, minimum=1)
     except EvendpError:
-        return exc
-    where = f"{host}:{port}"
-    if host and tell_node0(str(host), port, int(node), str(exc)):
-        said = f"{exc} (node 0 at {where} was told, and stops too)"
-    else:
-        said = f"{exc} (node 0 at {where} was not reached: stop it there if it waits)"
-    told = EvendpError(said)
-    told.exit_code = exc.exit_code
-    return told
+        return None
+    where, wait = f"{host}:{port}", f"{_nodes.tell_wait_s():g} s"
+
+    def waiting(whom: str) -> None:
+        print(
+            f"evendp train: waiting up to {wait} for {whom} to tell it that node {node} "
+            "ended the run (Ctrl-C ends the wait)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        if node:
+            told = _nodes.tell_node0(
+                str(host), port, int(node), line, code=code,
+                waiting=lambda: waiting(f"node 0 at {where}"),
+            )  # fmt: skip
+            return (
+                f"node 0 at {where} was told, and stops too"
+                if told
+                else (f"node 0 at {where} was not reached within {wait}: stop it there if it waits")
+            )
+        missing = _nodes.tell_other_nodes(
+            str(host), port, nodes, line, code=code, waiting=lambda: waiting("the other nodes")
+        )
+    except KeyboardInterrupt:
+        return "the wait to tell the other nodes was interrupted: stop them there if they wait"
+    if not missing:
+        return "the other nodes were told, and stop too"
+    names = ", ".join(map(str, missing))
+    return f"node {names} did not come to {where} within {wait}: stop it there if it waits"
+
+
+def told_nothing_to_train(args: argparse.Namespace, code: int) -> int:
+    """On node 0 of several, whose launcher found nothing to train (the checkpoint is at
+    ``--steps``): the other nodes, which leave that check to node 0, are told to end too."""
+    if code == 0 and not getattr(args, "node_rank", None):
+        _tell_the_other_nodes(args, "node 0 found nothing to train (its checkpoint is at "
+                              "--steps)", 0)  # fmt: skip
+    return code
 
 
 def say_how_to_resume(code: int, argv: list[str] | None = None, saved: bool = True) -> int:

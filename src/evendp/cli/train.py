@@ -95,7 +95,9 @@ def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
         validate_args(args)
         done = resume_check(args)
         if done is not None:
-            return done
+            from evendp.cli._train_ddp import told_nothing_to_train
+
+            return told_nothing_to_train(args, done)
         undo = fresh_start_check(args)
         if undo is not None:
             claimed.append(undo)
@@ -103,9 +105,10 @@ def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
             say_units("evendp train", "--memory", args.memory)
         return _run(args)
     except EvendpError as exc:
-        from evendp.cli._train_ddp import report_error, told_node0
+        from evendp.cli._train_ddp import report_error, told_the_other_nodes
 
-        return report_error(told_node0(args, exc))  # once, not per rank; 2: bad input, 1: a fault
+        # once, not per rank; 2: bad input, 1: a fault
+        return report_error(told_the_other_nodes(args, exc))
     except (RuntimeError, ValueError) as exc:
         from evendp._core._oom_errors import is_oom_error
         from evendp._distributed._stalled import peer_lost

@@ -20,7 +20,6 @@ its path).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import signal
 import socket
@@ -31,18 +30,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+if __package__:  # imported as evendp's
+    from ._addresses import listen_on
+else:  # loaded from its path by _quiet (torchrun's agent: nothing of evendp on the path)
+    import importlib.util
+
+    _here = Path(__file__).with_name("_addresses.py")
+    _spec = importlib.util.spec_from_file_location("_addresses", _here)
+    assert _spec is not None and _spec.loader is not None
+    _addresses = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_addresses)
+    listen_on = _addresses.listen_on
+
 __all__ = [
     "ENV_EXIT_WAIT",
+    "ENV_TELL_WAIT",
     "ENV_TORCHRUN_LOG",
-    "STOP_WATCHING",
     "EXIT_WAIT_S",
+    "STOP_WATCHING",
+    "TELL_WAIT_S",
     "bound_exit_barrier",
     "die_with_parent",
-    "loopback_address",
-    "tell_node0",
-    "watch_refusals",
-    "wait_for_nodes",
     "stop_watching",
+    "tell_node0",
+    "tell_other_nodes",
+    "tell_wait_s",
+    "wait_for_nodes",
+    "watch_refusals",
     "watch_store",
     "workers_die_with_agent",
 ]
@@ -62,29 +76,11 @@ _WATCH_EVERY_S = 1.0
 #: inside a store call while the process exits aborts it: SIGABRT).
 STOP_WATCHING = threading.Event()
 _CONNECT_S = 5.0
-
-
-def loopback_address(host: str) -> str | None:
-    """The loopback address ``host`` is, or resolves to (every address it resolves to is a
-    loopback one: ``localhost``, a machine's own name mapped to 127.0.x.1), else ``None``.
-    Where the run's listeners may be confined to loopback.
-
-    >>> loopback_address("127.0.0.1"), loopback_address("localhost"), loopback_address("::1")
-    ('127.0.0.1', '127.0.0.1', '::1')
-    >>> loopback_address("10.0.0.1") is None
-    True
-    """
-    try:
-        return host if ipaddress.ip_address(host).is_loopback else None
-    except ValueError:  # a host name
-        pass
-    try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except (OSError, UnicodeError):
-        return None
-    if not found or not all(ipaddress.ip_address(str(a)).is_loopback for a in found):
-        return None
-    return "127.0.0.1" if "127.0.0.1" in found else str(sorted(found)[0])
+_TOLD_KEY = "evendp/told"
+#: How long a node that ends the run before its agent starts waits to tell the others.
+TELL_WAIT_S = 60.0
+#: Seconds instead of :data:`TELL_WAIT_S` (tests).
+ENV_TELL_WAIT = "EVENDP_TELL_WAIT_S"
 
 
 def die_with_parent() -> None:
@@ -214,37 +210,117 @@ def _client(host: str, port: int) -> Any:
     return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
 
 
-def tell_node0(host: str, port: int, node: int, message: str) -> bool:
-    """Leave this node's refusal of the run (``message``) in node 0's store, where
-    :func:`watch_refusals` reads it; whether node 0's store was reached (it may not be up).
+def tell_wait_s() -> float:
+    """How long a refusing node waits to tell the others (:data:`ENV_TELL_WAIT`, else
+    :data:`TELL_WAIT_S`)."""
+    try:
+        return max(0.0, float(os.environ.get(ENV_TELL_WAIT, TELL_WAIT_S)))
+    except ValueError:
+        return TELL_WAIT_S
 
-    >>> tell_node0("127.0.0.1", 1, 1, "no")  # nothing listens on port 1
+
+def _post(client: Any, node: int, line: str, code: int) -> None:
+    """Leave ``line`` (how this node ended the run) and its exit code in the store, and mark
+    this node as told (node 0 waits for every other node's mark before it closes)."""
+    client.set(_REFUSED_KEY, f"{code}\n{line}")
+    client.set(f"{_TOLD_KEY}/{node}", "1")
+
+
+def tell_node0(
+    host: str,
+    port: int,
+    node: int,
+    line: str,
+    *,
+    code: int = 2,
+    wait_s: float | None = None,
+    waiting: Callable[[], None] = lambda: None,
+) -> bool:
+    """On node ``node`` > 0, which ends the run before its agent starts (``line`` says how, in
+    one line; ``code``: the exit code the others take): leave it in node 0's store, where
+    :func:`watch_refusals` reads it, waiting up to ``wait_s`` for node 0 to come up
+    (``waiting()`` is called once if it is not up yet); whether it was told.
+
+    >>> tell_node0("127.0.0.1", 1, 1, "node 1 refused the run: no", wait_s=0)  # nothing on 1
     False
     """
-    if not _reachable(host, port):
-        return False
+    deadline = time.monotonic() + (tell_wait_s() if wait_s is None else wait_s)
+    said_waiting = False
+    while True:
+        if _reachable(host, port):
+            with contextlib.suppress(RuntimeError):
+                _post(_client(host, port), node, line, code)
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        if not said_waiting:
+            waiting()
+            said_waiting = True
+        time.sleep(0.5)
+
+
+def tell_other_nodes(
+    host: str,
+    port: int,
+    nodes: int,
+    line: str,
+    *,
+    code: int = 2,
+    wait_s: float | None = None,
+    waiting: Callable[[], None] = lambda: None,
+) -> list[int]:
+    """On node 0, which ends the run before its agent starts: serve the run's store at
+    ``host:port`` (where the other nodes' agents and watches look for it) holding ``line``
+    and ``code``, until every other node read it or ``wait_s`` passed (``waiting()`` is
+    called once if they have not read it within a second); the nodes not told (``[]``: all).
+
+    >>> tell_other_nodes("127.0.0.1", 0, 1, "node 0 refused the run: no")  # no other node
+    []
+    """
+    if nodes <= 1:
+        return []
+    import datetime
+
+    import torch.distributed as dist
+
     try:
-        _client(host, port).set(_REFUSED_KEY, f"node {node} refused the run: {message}")
-    except RuntimeError:
-        return False
-    return True
+        server = dist.TCPStore(
+            host, port, None, True, datetime.timedelta(seconds=_CONNECT_S),
+            wait_for_workers=False, master_listen_fd=listen_on(host, port),
+        )  # fmt: skip
+    except (OSError, RuntimeError):  # the port is taken (another run), or not this machine's
+        return list(range(1, nodes))
+    server.set(_REFUSED_KEY, f"{code}\n{line}")
+    deadline = time.monotonic() + (tell_wait_s() if wait_s is None else wait_s)
+    say_waiting_at: float | None = time.monotonic() + 1.0
+    while True:
+        missing = [n for n in range(1, nodes) if not server.check([f"{_TOLD_KEY}/{n}"])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        if say_waiting_at is not None and time.monotonic() >= say_waiting_at:
+            waiting()
+            say_waiting_at = None
+        time.sleep(0.2)
 
 
 def watch_refusals(
     host: str,
     port: int,
+    node: int = 0,
     *,
     workers: Callable[[], list[int]] = lambda: _workers(),
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
-    """On node 0: a thread that, once another node left its refusal in the store (it exited 2
-    before its agent ever came, which leaves this one waiting for it), ends this node's ranks,
-    says so in one line and exits 2. ``workers``: this agent's ranks (its children), ``end``:
-    how it exits (``os._exit``; a test hands in its own)."""
+    """On every node: a thread that, once another node left word in the store that it ended
+    the run before its agent ever came (it refused its command: exit 2; or node 0 found
+    nothing to train: exit 0), ends this node's ranks, says so in one line and exits with
+    that node's code; this one would otherwise wait for it until torchrun's rendezvous timeout.
+    ``workers``: this agent's ranks (its children), ``end``: how it exits (``os._exit``; a
+    test hands in its own)."""
 
     def watch() -> None:
         client = None
-        while client is None:  # the store comes up with this node's agent
+        while client is None:  # the store comes up with node 0's agent (or its refusal)
             if STOP_WATCHING.wait(0.5):
                 return
             if _reachable(host, port):
@@ -256,12 +332,16 @@ def watch_refusals(
             try:
                 if client.check([_REFUSED_KEY]):
                     said = client.get(_REFUSED_KEY).decode(errors="replace")[:2000]
+                    if node:
+                        client.set(f"{_TOLD_KEY}/{node}", "1")
                     break
             except RuntimeError:  # the store closed: the run is over
                 return
+        code, _, line = said.partition("\n")
         _kill(workers())
-        print(f"evendp launch: {said}; node 0 stops too", file=sys.stderr, flush=True)
-        end(2)
+        stops = "stops" if code.strip() != "0" else "ends"
+        print(f"evendp launch: {line}; node {node} {stops} too", file=sys.stderr, flush=True)
+        end(int(code) if code.strip().isdigit() else 2)
 
     thread = threading.Thread(target=watch, name="evendp-refusal-watch", daemon=True)
     thread.start()

@@ -9,9 +9,10 @@ even after a SIGKILL) or on a second Ctrl-C. By the time the exception reaches h
 stopped its ranks; what is left is one line, exit 128 + the signal's number, and, when the
 launcher is gone, its outcome folder removed (nobody is left to read it).
 
-A store that torchrun serves at a loopback address (``--master-addr 127.0.0.1``, evendp's
-single-node default) listens on that address only (:func:`serve_loopback_on_loopback`): torch's
-``TCPStore`` binds every interface whatever its host name, and it has no authentication.
+A store that torchrun serves at one of this machine's addresses (``--master-addr 127.0.0.1``,
+evendp's single-node default, or node 0's own address) listens on that address only
+(:func:`serve_store_on_its_address`): torch's ``TCPStore`` binds every interface whatever its
+host name, and it has no authentication.
 
 Only the standard library and torch are imported: nothing of evendp is on this process's path.
 """
@@ -19,11 +20,9 @@ Only the standard library and torch are imported: nothing of evendp is on this p
 from __future__ import annotations
 
 import datetime
-import errno
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ _TORCHRUN_LOGGERS = (
 
 def main(argv: list[str]) -> int:
     """Run torchrun on ``argv``; a signal that stopped it gives one line and ``128 + N``."""
-    serve_loopback_on_loopback()  # before torchrun's modules take their own TCPStore name
+    serve_store_on_its_address()  # before torchrun's modules take their own TCPStore name
     _nodes.workers_die_with_agent()
     end_with_the_other_nodes(argv, os.environ.get(_nodes.ENV_EXIT_WAIT))
     from torch.distributed.run import main as torchrun
@@ -136,8 +135,10 @@ def quiet_on_a_stall(outcome: str | None) -> None:
 
 def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
     """Under ``evendp train`` (``exit_wait``: the launcher's bound, in seconds): this agent
-    waits that long at most for the other nodes once its ranks ended, and on a node other than
-    the store's a watch ends the ranks once the store's node is gone (:mod:`._nodes`)."""
+    waits that long at most for the other nodes once its ranks ended; on a node other than
+    the store's a watch ends the ranks once the store's node is gone, and on every node one
+    ends them once another node said it ended the run before its agent started
+    (:mod:`._nodes`)."""
     if not exit_wait:
         return
     from torch.distributed.run import parse_args
@@ -148,10 +149,10 @@ def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
     several = args.rdzv_backend == "static" and nnodes.isdigit() and int(nnodes) > 1
     if not several:
         return
-    if int(args.node_rank) > 0:  # node 0's agent holds the store
-        _nodes.watch_store(args.master_addr, int(args.master_port), int(args.node_rank))
-    else:
-        _nodes.watch_refusals(args.master_addr, int(args.master_port))
+    node, port = int(args.node_rank), int(args.master_port)
+    if node > 0:  # node 0's agent holds the store
+        _nodes.watch_store(args.master_addr, port, node)
+    _nodes.watch_refusals(args.master_addr, port, node)  # a node that ended it before it began
 
 
 def failed_ranks(failures: dict[int, Any]) -> str:
@@ -176,21 +177,24 @@ def _ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def serve_loopback_on_loopback() -> None:
-    """Make every ``TCPStore`` server this process starts at a loopback address listen on it
-    alone (in this process: torchrun's, for its static rendezvous and the ranks' store).
+def serve_store_on_its_address() -> None:
+    """Make every ``TCPStore`` server this process starts at one of this machine's addresses
+    listen on that address alone (in this process: torchrun's, for its static rendezvous and
+    the ranks' store).
 
     Why: torch's ``TCPStore`` server listens on every interface (``::``) whatever host name it
-    is given, and anyone who reaches it can write its keys: on a one-machine run with
-    ``--master-addr 127.0.0.1`` nobody outside the machine needs to, so the listening socket
-    is bound here, to the loopback address, and handed over (``master_listen_fd``). A store at
-    any other address is left as torch makes it.
+    is given, and anyone who reaches it can write its keys. With ``--master-addr 127.0.0.1``
+    (a one-machine run) nobody outside the machine needs to reach it; with node 0's address
+    on a cluster's network, nobody on its other networks does. So the listening socket is
+    bound here, to the address the host name resolves to, and handed over
+    (``master_listen_fd``). A host name that resolves to other machines' addresses (or to
+    none) is left as torch makes it.
     """
     import torch.distributed as dist
 
-    if getattr(dist.TCPStore, "_evendp_loopback", False):
+    if getattr(dist.TCPStore, "_evendp_bound", False):
         return
-    store = loopback_store_class(dist.TCPStore)
+    store = bound_store_class(dist.TCPStore)
     dist.TCPStore = store  # type: ignore[misc]
     for name in (
         "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
@@ -201,18 +205,18 @@ def serve_loopback_on_loopback() -> None:
             module.TCPStore = store
 
 
-def loopback_store_class(base: Any) -> Any:
-    """``base`` (torch's ``TCPStore``) whose server at a loopback address listens there only.
+def bound_store_class(base: Any) -> Any:
+    """``base`` (torch's ``TCPStore``) whose server at this machine's address listens there only.
 
     >>> import torch.distributed as dist
-    >>> Store = loopback_store_class(dist.TCPStore)
+    >>> Store = bound_store_class(dist.TCPStore)
     >>> server = Store("127.0.0.1", 0, 1, True, wait_for_workers=False)
     >>> server.set("k", "v"); server.get("k"), isinstance(server, dist.TCPStore)
     (b'v', True)
     """
 
-    class LoopbackTCPStore(base):
-        _evendp_loopback = True
+    class BoundTCPStore(base):
+        _evendp_bound = True
 
         def __init__(
             self,
@@ -226,32 +230,15 @@ def loopback_store_class(base: Any) -> Any:
             master_listen_fd: int | None = None,
             use_libuv: bool = True,
         ) -> None:
-            address = _nodes.loopback_address(host_name)
-            if is_master and master_listen_fd is None and address is not None:
-                master_listen_fd = _listen(address, port)
+            if is_master and master_listen_fd is None:
+                master_listen_fd = _nodes.listen_on(host_name, port)
             super().__init__(
                 host_name, port, world_size, is_master, timeout, wait_for_workers,
                 multi_tenant, master_listen_fd, use_libuv,
             )  # fmt: skip
 
-    LoopbackTCPStore.__name__ = LoopbackTCPStore.__qualname__ = "TCPStore"
-    return LoopbackTCPStore
-
-
-def _listen(address: str, port: int) -> int:
-    """A socket listening on ``address:port`` only; the store takes its descriptor over."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address, port))
-        sock.listen(socket.SOMAXCONN)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:  # in torch's words: torchrun retries another port
-            raise RuntimeError("Address already in use") from None
-        raise
-    return sock.detach()
+    BoundTCPStore.__name__ = BoundTCPStore.__qualname__ = "TCPStore"
+    return BoundTCPStore
 
 
 def _stalled(outcome: str | None) -> bool:

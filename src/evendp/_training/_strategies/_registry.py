@@ -35,6 +35,9 @@ class StrategyEntry:
     takes_config: bool = False  # reads TrainConfig.strategy_config
     config_check: str | None = None  # a function (strategy_config) -> None that refuses one
     plans_memory: bool = False  # evendp train --memory: the planner models its memory
+    # Every rank writes part of the checkpoint (else rank 0 writes it whole, and the ranks of
+    # other machines receive it at a resume): several machines need one shared --out.
+    checkpoint_spread: bool = False
 
     def build(
         self, model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
@@ -77,6 +80,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "one process per device, fully_shard per repeated "
             "block; sharded checkpoints in OUT/ckpt.dcp",
             checkpoint_name="ckpt.dcp",
+            checkpoint_spread=True,
         ),
         StrategyEntry(
             "deepspeed",
@@ -85,6 +89,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "one process per device, a DeepSpeed ZeRO engine (stage from "
             "--strategy-config, default 2); checkpoints in OUT/ckpt.ds",
             checkpoint_name="ckpt.ds",
+            checkpoint_spread=True,
             takes_config=True,
             config_check="check_strategy_config",
         ),
