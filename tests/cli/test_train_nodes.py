@@ -1,4 +1,4 @@
-"""``evendp train`` on two nodes (two torchrun agents on 127.0.0.1) that lose one another.
+"""``evendp train`` on two nodes (two torchrun agents on loopback) that lose one another.
 
 Issue 35: a lost node used to hang the other for about ten minutes (torchrun's 300 s exit
 barrier in C++, a worker that trained on after its agent was killed, a node whose store went
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests._helpers import free_port
-from tests.cli.test_train_faults import _step, _tree, _wait_for, _weights
+from tests.cli.test_train_faults import _listening, _loopback, _step, _tree, _wait_for, _weights
 
 # Two node pairs run at once for each of four links: longer than the suite's 300 s under load.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -44,6 +44,10 @@ def _train(*argv: str) -> list[str]:
     return [sys.executable, "-m", "evendp", "train", *ARGS, *argv]
 
 
+# Node 0's address: a loopback one other than 127.0.0.1, so that the store's listener is seen
+# bound to the address --master-addr names, not merely to loopback.
+MASTER = "127.0.0.2"
+
 # One intra-op thread per rank in every launch: a rank alone on its "machine" would take both
 # cores, a rank beside another one, and their matmuls would sum in another order.
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -56,7 +60,7 @@ def _start_nodes(base: Path, port: int, *extra: str) -> list[subprocess.Popen[st
     for node in (0, 1):
         out = str(base / f"node{node}")
         argv = ["--devices", "cpu", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
-                "127.0.0.1", "--master-port", str(port), "--out", out]  # fmt: skip
+                MASTER, "--master-port", str(port), "--out", out]  # fmt: skip
         procs.append(
             subprocess.Popen(
                 _train(*argv, *extra),
@@ -89,7 +93,8 @@ def _fault(base: Path, fault: str, *extra: str) -> dict[str, Any]:
     ckpt = base / "node0" / "ckpt.pt"
     goal = (_step(ckpt) or 0) + 2 * EVERY
     assert goal < STEPS
-    procs = _start_nodes(base, free_port(), *extra)
+    port = free_port()
+    procs = _start_nodes(base, port, *extra)
     try:
 
         def saved() -> bool:
@@ -100,6 +105,7 @@ def _fault(base: Path, fault: str, *extra: str) -> dict[str, Any]:
         _wait_for(saved, 300, f"a checkpoint at {goal}")
         trees = [_tree(p.pid) for p in procs]  # launcher, torchrun, its rank: per node
         assert [len(t) for t in trees] == [3, 3], trees
+        listening = _listening(procs[0].pid)
         victim = trees[1][1] if fault == "agent" else trees[1][2]
         sent = time.monotonic()
         os.kill(victim, signal.SIGKILL if fault == "agent" else signal.SIGSTOP)
@@ -118,7 +124,8 @@ def _fault(base: Path, fault: str, *extra: str) -> dict[str, Any]:
                 os.kill(pid, signal.SIGKILL)
             proc.wait()
     return {"took": took, "left": left, "codes": [p.returncode for p in procs],
-            "outputs": outputs, "step": _step(ckpt)}  # fmt: skip
+            "outputs": outputs, "step": _step(ckpt), "port": port,
+            "listening": listening}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +200,16 @@ def test_the_resumed_two_node_run_equals_a_one_node_run_bit_for_bit(runs: dict[s
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+
+
+def test_node_0s_store_listens_on_the_master_address_alone(runs: dict[str, Any]) -> None:
+    """Issue 35: torch's store listens on every interface whatever its address; evendp's
+    torchrun binds it to the address --master-addr resolves to (here 127.0.0.2), and every
+    other socket of node 0 stays on loopback (gloo: ``GLOO_SOCKET_IFNAME=lo``)."""
+    for link in ("agent", "worker"):
+        port, listening = runs[link]["port"], runs[link]["listening"]
+        assert {(ip, p) for ip, p in listening if p == port} == {(MASTER, port)}, listening
+        assert all(_loopback(ip) for ip, _ in listening), listening
 
 
 def test_each_resume_on_node_1_takes_rank_0s_checkpoint_over_the_process_group(

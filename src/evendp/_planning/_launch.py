@@ -455,7 +455,7 @@ def interface_env(torchrun: Sequence[str]) -> dict[str, str]:
 
     >>> interface_env(["python", "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"])
     {'GLOO_SOCKET_IFNAME': 'lo', 'NCCL_SOCKET_IFNAME': 'lo'}
-    >>> interface_env(["python", "-m", "torch.distributed.run", "--master-addr", "198.51.100.7"])
+    >>> interface_env(["python", "-m", "torch.distributed.run", "--master-addr", "no.invalid"])
     {}
     """
     args = list(torchrun)
