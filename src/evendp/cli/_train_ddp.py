@@ -31,8 +31,8 @@ __all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to
 
 
 def report_error(exc: EvendpError) -> int:
-    """One line for ``exc``: under torchrun only rank 0 prints it and leaves its exit code for
-    the launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
+    """One line for ``exc``: under torchrun only each node's first rank (rank 0 on one node)
+    prints it and leaves its exit code for its node's launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
     would fail again); elsewhere it is printed and its exit code returned."""
     from .._distributed._stalled import RankStalled, report_stalled
     from .._planning._launch import ENV_OUTCOME, write_outcome
@@ -48,7 +48,7 @@ def report_error(exc: EvendpError) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    if rank == "0":
+    if os.environ.get("LOCAL_RANK", rank) == "0":  # each node's first rank, for its launcher
         say_error("evendp train", exc)
         write_outcome(exc.exit_code, message=str(exc))
     return 0

@@ -70,6 +70,7 @@ ENV_EXIT_WAIT = "EVENDP_EXIT_WAIT_S"
 #: outcome folder (kept beside it when a rank failed).
 ENV_TORCHRUN_LOG = "EVENDP_TORCHRUN_LOG"
 _EXIT_KEY = "evendp/exit"
+_LEFT_KEY = "evendp/left"
 _REFUSED_KEY = "evendp/refused"
 _WATCH_EVERY_S = 1.0
 #: Set when the agent is done: the watches return before the process exits (a thread still
@@ -129,6 +130,8 @@ def wait_for_nodes(
     """Say in ``store`` that ``node`` is done, wait up to ``seconds`` for the other ``nodes``
     to say so; the nodes that did not (``[]``: all came, or the store's node closed it, which
     it does only once all came or it stopped waiting). Python sleeps: a signal ends the wait.
+    Once all came, each node says it looks no more, and the store's node (0), which closes the
+    store when it returns, waits a moment for that: a look at a closed store logs a C++ stack.
 
     >>> import torch.distributed as dist
     >>> store = dist.HashStore()
@@ -144,9 +147,27 @@ def wait_for_nodes(
             missing = [n for n in range(nodes) if not store.check([f"{_EXIT_KEY}/{n}"])]
         except RuntimeError:  # DistStoreError and kin: the store's node closed it
             return []
-        if not missing or clock() >= deadline:
+        if missing and clock() < deadline:
+            nap(0.2)
+            continue
+        if missing:
             return missing
-        nap(0.2)
+        break
+    with contextlib.suppress(RuntimeError):
+        if node:
+            store.set(f"{_LEFT_KEY}/{node}", "1")  # this node's last word to the store
+        else:
+            _wait_keys(store, [f"{_LEFT_KEY}/{n}" for n in range(1, nodes)], 2.0, clock, nap)
+    return []
+
+
+def _wait_keys(
+    store: Any, keys: list[str], seconds: float, clock: Callable[[], float], nap: Any
+) -> None:
+    """Until every one of ``keys`` is in ``store``, ``seconds`` at most."""
+    deadline = clock() + seconds
+    while not store.check(keys) and clock() < deadline:
+        nap(0.1)
 
 
 def bound_exit_barrier(seconds: float) -> None:
@@ -155,6 +176,7 @@ def bound_exit_barrier(seconds: float) -> None:
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     def exit_barrier(agent: Any) -> None:
+        stop_watching()  # this node's ranks ended: nothing left for the watches to end
         group = agent._worker_group
         node, nodes = int(group.group_rank), int(group.group_world_size)
         missing = wait_for_nodes(agent._store, node, nodes, seconds)
