@@ -15,6 +15,9 @@ from tests._pool import close_pool
 # DeepSpeed compiles its CPU comm op into a folder of the suite's own (built ahead by make test),
 # inherited by every rank and launch the tests start.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+# A machine of several that refuses its command waits up to 60 s to tell the others: the
+# suite's refusals wait 3 s (tests/cli/test_train_nodes.py gives its pairs the real wait).
+os.environ.setdefault("EVENDP_TELL_WAIT_S", "3")
 
 # Shared 2-core machines make wall-clock deadlines flaky; correctness is what is tested.
 # "dev" explores new examples on every run; CI (CI=true) replays a fixed seed so a landing is

@@ -38,7 +38,7 @@ def test_dry_run_prints_env_and_command(capsys: pytest.CaptureFixture[str]) -> N
     assert lines[0] == "EVENDP_BATCH_SIZES=3,5"
     assert "-m torch.distributed.run --nproc-per-node 2" in lines[1]
     assert lines[1].endswith("train.py --lr 0.1")  # script options are the script's
-    assert "2 rank(s) per node on CPU (gloo); batch sizes [3, 5]" in captured.err
+    assert "2 rank(s) on this machine, CPU (gloo); batch sizes [3, 5]" in captured.err
 
 
 def test_dry_run_passes_multi_node_options(capsys: pytest.CaptureFixture[str]) -> None:

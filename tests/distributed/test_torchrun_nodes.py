@@ -22,6 +22,15 @@ from evendp._distributed._torchrun import _nodes
 from tests._helpers import free_port
 
 
+@pytest.fixture(autouse=True)
+def _watching() -> Any:
+    """The watches' stop is process-wide (an agent stops them once, before it exits): each
+    test starts with it clear and leaves it so."""
+    _nodes.STOP_WATCHING.clear()
+    yield
+    _nodes.STOP_WATCHING.clear()
+
+
 def _server() -> Any:
     return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
@@ -189,3 +198,18 @@ def test_node_0_names_the_nodes_that_never_came_to_read_its_refusal() -> None:
         waiting=lambda: waited.append(True),
     )  # fmt: skip
     assert missing == [1, 2] and waited == [True]
+
+
+def test_node_0_keeps_its_store_until_the_others_looked_their_last() -> None:
+    """Node 0 closes the store when its agent returns; a node still looking at it then logged
+    a C++ stack. Each other node says it looks no more, and node 0 returns after that."""
+    store = dist.HashStore()
+    answers: dict[int, list[int]] = {}
+    node1 = threading.Thread(
+        target=lambda: answers.update({1: _nodes.wait_for_nodes(store, 1, 2, 30)})
+    )
+    node1.start()
+    answers[0] = _nodes.wait_for_nodes(store, 0, 2, 30)
+    assert store.check(["evendp/left/1"])  # node 1's last word came before node 0 returned
+    node1.join(30)
+    assert answers == {0: [], 1: []}

@@ -643,3 +643,17 @@ def test_a_host_name_that_resolves_to_loopback_keeps_every_listener_on_loopback(
     server = bound_store_class(dist.TCPStore)(name, 0, None, True, wait_for_workers=False)
     listening = {(ip, port) for ip, port in _listening(os.getpid()) if port == server.port}
     assert listening and all(_loopback(ip) for ip, _ in listening), listening
+
+
+def test_machines_of_other_sizes_share_one_list_of_sizes() -> None:
+    """Issue 35: a 2-GPU box beside a 1-GPU box: each node's ranks are its own (--nproc), the
+    sizes name every rank of the run, node 0's first; the ranks check the total."""
+    two = plan_launch(nproc=2, nnodes=2, batch_sizes="3,2,1", nvml=False)
+    one = plan_launch(nproc=1, nnodes=2, batch_sizes="3,2,1", nvml=False)
+    assert (two.nproc_per_node, one.nproc_per_node) == (2, 1)
+    assert two.batch_sizes == one.batch_sizes == [3, 2, 1]
+    assert plan_launch(nnodes=2, batch_sizes="3,2,1,1", nvml=False).nproc_per_node == 2
+    with pytest.raises(EvendpError, match="this node's 3 rank.s. and at least one on each"):
+        plan_launch(nproc=3, nnodes=2, batch_sizes="3,2,1", nvml=False)
+    with pytest.raises(EvendpError, match="not the same number per node; give --nproc"):
+        plan_launch(nnodes=2, batch_sizes="3,2,1", nvml=False)

@@ -162,10 +162,10 @@ class StallWatch:
     in steps, and :attr:`line` says which rank stopped answering.
     """
 
-    def __init__(self, folder: Path, world: int | None = None, per_node: int = 1) -> None:
+    def __init__(self, folder: Path, world: int | None = None, per_node: int | None = 1) -> None:
         self.folder = folder
         self.world = world  # the run's ranks, when known: names another node that went silent
-        self.per_node = per_node
+        self.per_node = per_node  # None: nodes of other sizes (a rank's node is not known)
         self.first: float | None = None  # when the first report came
         self.stopped: float | None = None  # when torchrun and the silent ranks got SIGTERM
         self.killed = False
@@ -209,7 +209,9 @@ class StallWatch:
         remote = sorted(set(range(self.world or 0)) - self.reported - set(self.silent))
         if self.silent:
             who = "rank " + ", ".join(map(str, self.silent))
-        elif remote:  # another node's reports are on that node: name the node
+        elif remote and self.per_node is None:  # nodes of other sizes: name the ranks
+            who = "rank " + ", ".join(map(str, remote)) + " (on another node)"
+        elif remote and self.per_node:  # another node's reports are on it: name the node
             nodes = sorted({r // self.per_node for r in remote})
             who = "a rank on node " + ", ".join(map(str, nodes))
         else:

@@ -104,9 +104,34 @@ class LaunchPlan:
         sizes = "script default" if self.batch_sizes is None else str(self.batch_sizes)
         caps = "" if self.batch_caps is None else f", memory caps {self.batch_caps}"
         return (
-            f"evendp launch: {self.nproc_per_node} rank(s) per node on {where}; "
+            f"evendp launch: {self.nproc_per_node} rank(s) on this machine, {where}; "
             f"batch sizes {sizes}{caps}{' — ' + self.reason if self.reason else ''}"
         )
+
+
+def _ranks_here(sizes: list[int], nodes: int, count: int | None) -> int:
+    """This node's ranks for one size per rank of the whole run (node-major): ``count`` when
+    given (nodes may differ: 2 GPUs here, 1 there; the ranks check the total), else an even
+    share of the sizes."""
+    if count is None:
+        if len(sizes) % nodes:
+            raise EvendpError(
+                f"--batch-sizes has {len(sizes)} entries for {nodes} nodes, not the same number "
+                "per node; give --nproc (this node's ranks) when the nodes differ"
+            )
+        return len(sizes) // nodes
+    if nodes == 1 and count != len(sizes):
+        raise EvendpError(
+            f"--nproc {count} but --batch-sizes {sizes} has {len(sizes)}; drop --nproc or give "
+            "one size per rank"
+        )
+    if len(sizes) < count + nodes - 1:
+        raise EvendpError(
+            f"--batch-sizes has {len(sizes)} entries, but this node's {count} rank(s) and at "
+            f"least one on each of the other {nodes - 1} node(s) need {count + nodes - 1}; give "
+            "one size per rank of the whole run (node 0's ranks first), the same list everywhere"
+        )
+    return count
 
 
 def _fixed_nnodes(nnodes: str | int | None) -> int | None:
@@ -309,18 +334,7 @@ def plan_launch(
             )
         count = len(declared)
     if sizes is not None:
-        if len(sizes) % nodes:
-            raise EvendpError(
-                f"--batch-sizes has {len(sizes)} entries for {nodes} nodes; give one size per "
-                f"global rank (nodes x nproc, node-major), the same list on every node"
-            )
-        per_node = len(sizes) // nodes
-        if count is not None and count != per_node:
-            raise EvendpError(
-                f"--nproc {count} but --batch-sizes {sizes} has {per_node} per node; drop "
-                "--nproc or give one size per rank"
-            )
-        count = per_node
+        count = _ranks_here(sizes, nodes, count)
     if count is not None and count > MAX_NPROC:
         raise EvendpError(
             f"{'--batch-sizes' if sizes is not None else '--memory'} gives {count} ranks per "
@@ -549,7 +563,9 @@ def launch_with_outcome(
         child_env[ENV_OUTCOME] = str(outcome)
         child_env[ENV_TORCHRUN_LOG] = str(Path(folder) / "torchrun.log")  # kept on a fault
         world = None if plan.batch_sizes is None else len(plan.batch_sizes)
-        watch = StallWatch(Path(folder), world, plan.nproc_per_node)
+        nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
+        even = world is not None and world == plan.nproc_per_node * nodes
+        watch = StallWatch(Path(folder), world, plan.nproc_per_node if even else None)
         began = functools.partial(training_began, outcome) if trainer else None
         code = run_forwarding_signals(
             cmd, child_env, watch=watch, escalate_s=escalate, training=began

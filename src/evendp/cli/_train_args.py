@@ -572,14 +572,25 @@ def parse_weights(text: str | None, devices: list[str | int]) -> list[float] | N
     return weights_list(text, len(devices))
 
 
-def weights_list(text: str, count: int) -> list[float]:
+def weights_list(text: str, count: int, nodes: int = 1) -> list[float]:
+    """``--weights`` as numbers: one per device (``count``) on one machine; on ``nodes``
+    machines one per rank of the whole run, node 0's first, so at least this machine's
+    ``count`` and one for each other machine (machines may differ; the ranks check the total).
+    """
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
         raise EvendpError(f"--weights {shown(text)} is not a list of numbers; e.g. 2,1,1") from None
-    if len(weights) != count:
+    if nodes == 1 and len(weights) != count:
         raise EvendpError(
             f"--weights has {len(weights)} numbers for {count} devices; give one each"
+        )
+    if len(weights) < count + nodes - 1:
+        raise EvendpError(
+            f"--weights has {len(weights)} numbers, but this machine's {count} device(s) and "
+            f"at least one on each of the other {nodes - 1} machine(s) need "
+            f"{count + nodes - 1}; give one per rank of the whole run (node 0's first), the "
+            "same list on every machine"
         )
     if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
         raise EvendpError(

@@ -32,8 +32,9 @@ __all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to
 
 def report_error(exc: EvendpError) -> int:
     """One line for ``exc``: under torchrun only each node's first rank (rank 0 on one node)
-    prints it and leaves its exit code for its node's launcher, and the rank exits 0 (no ``ChildFailedError``, no restart of a run that
-    would fail again); elsewhere it is printed and its exit code returned."""
+    prints it and leaves its exit code for its node's launcher, and the rank exits 0 (no
+    ``ChildFailedError``, no restart of a run that would fail again); elsewhere it is
+    printed and its exit code returned."""
     from .._distributed._stalled import RankStalled, report_stalled
     from .._planning._launch import ENV_OUTCOME, write_outcome
 
@@ -79,6 +80,8 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
     host = getattr(args, "master_addr", None)
     if os.environ.get("RANK") is not None or nodes == 1 or node is None or not host:
         return None
+    if not 0 <= int(node) < nodes or not _nodes.resolves(str(host)):
+        return None  # this machine's place, or node 0's address, is what it refused
     try:
         port = validate_int("--master-port", args.master_port or 29500, minimum=1)
     except EvendpError:
@@ -217,7 +220,7 @@ def _rank_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict[s
 
         if nproc == "auto":
             raise EvendpError("--weights with --mode ddp needs --devices (one weight per rank)")
-        weights = weights_list(args.weights, int(nproc) * args.nnodes)  # every node's ranks
+        weights = weights_list(args.weights, int(nproc), args.nnodes)  # every node's ranks
         return {"batch_sizes": split_sizes(args.batch, weights)}
     if args.memory is None:
         return {"batch": args.batch}
@@ -333,6 +336,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
     from .._distributed._group import finish_distributed, init_distributed
     from .._distributed._interrupt import die_with_parent, exit_code
+    from .._distributed._plan_agreement import agreed_plan
     from .._planning._launch import write_outcome
     from .._training._report import write_report
     from .._training._trainer import Trainer
@@ -342,7 +346,10 @@ def run_rank(args: argparse.Namespace) -> int:
     device = init_distributed("gloo" if cpu_ranks else "nccl", **_restart_store())
     # No teardown on an error: the failed rank would wait forever in finish_distributed's
     # barrier, and torchrun stops every rank once one fails.
-    sizes = list(_rank_plan(args, dist.get_world_size()).sizes)
+    world = dist.get_world_size()
+    # Every rank builds the plan, then all agree: a rank whose plan is refused (machines that
+    # started another number of ranks than the sizes name) stops every rank, not itself alone.
+    sizes = list(agreed_plan(lambda: _rank_plan(args, world), world).sizes)
     model, data, _config = build_demo(args)
     model = model.to(device)
     logger = metric_logger(args)  # every rank has it (on_log is collective); rank 0 writes
@@ -381,12 +388,21 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     is the global batch: a plan that sums to another one is refused, not trained."""
     from .._distributed._batch_plan import BatchPlan, global_batch_size
 
+    launched = OPTIONS_ENV in os.environ  # by evendp train: the sizes came from its flags
+    given = BatchPlan.from_env(environ={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
+    if launched and given is not None and len(given.sizes) != world:
+        here = os.environ.get("LOCAL_WORLD_SIZE", "?")
+        raise EvendpError(
+            f"--weights (or an even --batch) gives {len(given.sizes)} ranks, but the machines "
+            f"started {world} in all ({here} on this one, from --devices); give one weight per "
+            "rank of the whole run, node 0's first, the same list on every machine"
+        )
     plan = BatchPlan.from_env(world)
     if plan is None:
         return BatchPlan.even(args.batch, world)
     # evendp train --mode ddp planned the sizes for its --batch; under the user's own torchrun
     # a --batch other than the default was given, and must agree with the sizes set by hand.
-    if OPTIONS_ENV in os.environ or args.batch != DEFAULT_BATCH:
+    if launched or args.batch != DEFAULT_BATCH:
         global_batch_size(args.batch, list(plan.sizes), cli="EVENDP_BATCH_SIZES=")
     return plan
 

@@ -14,7 +14,7 @@ import ipaddress
 import socket
 import sys
 
-__all__ = ["interface_toward", "listen_on", "local_address", "loopback_address"]
+__all__ = ["interface_toward", "listen_on", "local_address", "loopback_address", "resolves"]
 
 
 def _resolved(host: str) -> list[str]:
@@ -28,6 +28,15 @@ def _resolved(host: str) -> list[str]:
     except (OSError, UnicodeError):
         return []
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def resolves(host: str) -> bool:
+    """Whether ``host`` is an address, or a name that resolves to one.
+
+    >>> resolves("127.0.0.1"), resolves("no-such-host.invalid")
+    (True, False)
+    """
+    return bool(_resolved(host))
 
 
 def _is_ours(address: str) -> bool:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__:  # imported as evendp's
-    from ._addresses import listen_on
+    from ._addresses import listen_on, resolves
 else:  # loaded from its path by _quiet (torchrun's agent: nothing of evendp on the path)
     import importlib.util
 
@@ -40,7 +40,7 @@ else:  # loaded from its path by _quiet (torchrun's agent: nothing of evendp on 
     assert _spec is not None and _spec.loader is not None
     _addresses = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_addresses)
-    listen_on = _addresses.listen_on
+    listen_on, resolves = _addresses.listen_on, _addresses.resolves
 
 __all__ = [
     "ENV_EXIT_WAIT",
@@ -52,6 +52,7 @@ __all__ = [
     "bound_exit_barrier",
     "die_with_parent",
     "stop_watching",
+    "resolves",
     "tell_node0",
     "tell_other_nodes",
     "tell_wait_s",
