@@ -653,7 +653,7 @@ def test_machines_of_other_sizes_share_one_list_of_sizes() -> None:
     assert (two.nproc_per_node, one.nproc_per_node) == (2, 1)
     assert two.batch_sizes == one.batch_sizes == [3, 2, 1]
     assert plan_launch(nnodes=2, batch_sizes="3,2,1,1", nvml=False).nproc_per_node == 2
-    with pytest.raises(EvendpError, match="this node's 3 rank.s. and at least one on each"):
+    with pytest.raises(EvendpError, match=r"this node.s 3 rank.s. and at least one on each"):
         plan_launch(nproc=3, nnodes=2, batch_sizes="3,2,1", nvml=False)
     with pytest.raises(EvendpError, match="not the same number per node; give --nproc"):
         plan_launch(nnodes=2, batch_sizes="3,2,1", nvml=False)
