@@ -344,6 +344,9 @@ def test_a_refusing_node_says_when_node_0_was_not_reached(
     assert main(argv) == 2
     waiting, error = capsys.readouterr().err.splitlines()
     assert waiting.startswith("evendp train: waiting up to 1 s for node 0 at 127.0.0.1:"), waiting
+    assert waiting.endswith(
+        "to come up, to tell it that node 1 ended the run (Ctrl-C ends the wait)"
+    )
     assert error.endswith("was not reached within 1 s: stop it there if it waits)"), error
 
 
@@ -424,3 +427,31 @@ def _reachable(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_node_0_with_nothing_to_train_ends_the_waiting_nodes_with_exit_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Node 0's launcher finds the checkpoint at --steps and exits 0 before its agent starts;
+    the other nodes, which leave that check to node 0, would wait for its store. Node 0 now
+    serves that word; node 1's watch ends with node 0's code, 0."""
+    import threading as threads
+
+    from evendp._distributed._torchrun import _nodes
+    from evendp.cli._train_ddp import told_nothing_to_train
+
+    port = free_port()
+    codes: list[int] = []
+    done = threads.Event()
+    _nodes.STOP_WATCHING.clear()
+    _nodes.watch_refusals("127.0.0.1", port, 1, workers=list,
+                          end=lambda code: (codes.append(code), done.set()))  # fmt: skip
+    args = SimpleNamespace(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+    assert told_nothing_to_train(args, 0) == 0  # type: ignore[arg-type]
+    assert done.wait(30) and codes == [0]
+    *waited, said = capsys.readouterr().err.strip().splitlines()
+    assert said == (
+        "evendp launch: node 0 found nothing to train (its checkpoint is at --steps); node 1 "
+        "ends too"
+    )
+    assert all(line.startswith("evendp train: waiting up to 3 s for the other") for line in waited)

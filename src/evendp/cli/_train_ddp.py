@@ -88,10 +88,10 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
         return None
     where, wait = f"{host}:{port}", f"{_nodes.tell_wait_s():g} s"
 
-    def waiting(whom: str) -> None:
+    def waiting(what: str) -> None:
         print(
-            f"evendp train: waiting up to {wait} for {whom} to tell it that node {node} "
-            "ended the run (Ctrl-C ends the wait)",
+            f"evendp train: waiting up to {wait} for {what} that node {node} ended the run "
+            "(Ctrl-C ends the wait)",
             file=sys.stderr,
             flush=True,
         )
@@ -100,7 +100,7 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
         if node:
             told = _nodes.tell_node0(
                 str(host), port, int(node), line, code=code,
-                waiting=lambda: waiting(f"node 0 at {where}"),
+                waiting=lambda: waiting(f"node 0 at {where} to come up, to tell it"),
             )  # fmt: skip
             return (
                 f"node 0 at {where} was told, and stops too"
@@ -108,7 +108,12 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
                 else (f"node 0 at {where} was not reached within {wait}: stop it there if it waits")
             )
         missing = _nodes.tell_other_nodes(
-            str(host), port, nodes, line, code=code, waiting=lambda: waiting("the other nodes")
+            str(host),
+            port,
+            nodes,
+            line,
+            code=code,
+            waiting=lambda: waiting("the other nodes to read"),
         )
     except KeyboardInterrupt:
         return "the wait to tell the other nodes was interrupted: stop them there if they wait"

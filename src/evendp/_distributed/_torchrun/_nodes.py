@@ -295,7 +295,7 @@ def tell_other_nodes(
     """On node 0, which ends the run before its agent starts: serve the run's store at
     ``host:port`` (where the other nodes' agents and watches look for it) holding ``line``
     and ``code``, until every other node read it or ``wait_s`` passed (``waiting()`` is
-    called once if they have not read it within a second); the nodes not told (``[]``: all).
+    called once if they have not read it within 2 s); the nodes not told (``[]``: all).
 
     >>> tell_other_nodes("127.0.0.1", 0, 1, "node 0 refused the run: no")  # no other node
     []
@@ -315,7 +315,7 @@ def tell_other_nodes(
         return list(range(1, nodes))
     server.set(_REFUSED_KEY, f"{code}\n{line}")
     deadline = time.monotonic() + (tell_wait_s() if wait_s is None else wait_s)
-    say_waiting_at: float | None = time.monotonic() + 1.0
+    say_waiting_at: float | None = time.monotonic() + 2.0
     while True:
         missing = [n for n in range(1, nodes) if not server.check([f"{_TOLD_KEY}/{n}"])]
         if not missing or time.monotonic() >= deadline:
