@@ -331,6 +331,39 @@ def test_machines_whose_ranks_are_not_the_weights_count_are_told_so_in_cli_words
     )
 
 
+def test_nodes_started_with_other_weights_both_stop_naming_the_option(tmp_path: Path) -> None:
+    """Issue 35: node 0 with ``--weights 3,1`` and node 1 with ``1,3`` each trained their own
+    plan to exit 0, half the samples never used. The ranks compare their plans and the
+    digest of the options every machine must share before the first step; each node's first
+    rank now says so on its node (node 1 exited 0 before, with a warning that no rank read its
+    sizes). A launch pair of its own: two agents."""
+    port = free_port()
+    procs = []
+    for node, weights in ((0, "3,1"), (1, "1,3")):
+        argv = ["--devices", "cpu", "--weights", weights, "--nnodes", "2", "--node-rank",
+                str(node), "--master-addr", MASTER, "--master-port", str(port),
+                "--out", str(tmp_path / str(node))]  # fmt: skip
+        procs.append(subprocess.Popen(_train(*argv), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=_ENV))  # fmt: skip
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [2, 2], outputs
+    for output in outputs:
+        lines = [line for line in output.splitlines() if line.startswith("evendp")]
+        assert len(lines) == 2 and lines[0].startswith(
+            "evendp launch: 1 rank(s) on this machine"
+        ), output
+        assert lines[1] == (
+            "evendp train: error: node 1 was started with other options than node 0: "
+            "--weights is '1,3' there (rank 1), '3,1' on node 0; start every machine with the "
+            "same options but --node-rank, --devices and --out"
+        )
+        assert "Traceback" not in output and "frame #" not in output, output
+
+
 def test_a_refusing_node_says_when_node_0_was_not_reached(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

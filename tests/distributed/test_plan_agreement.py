@@ -76,3 +76,30 @@ def test_a_rank_whose_plan_is_refused_stops_the_others_too() -> None:
     got = _outcomes([[1, 3], own])
     assert got[1] == str(own)  # its own reason
     assert got[0].startswith("rank 1 (node 0) refused its batch plan, so no rank trains")
+
+
+@given(st.integers(2, 5), st.data())
+def test_a_rank_started_with_other_options_stops_every_rank_naming_the_option(
+    world: int, data: Any
+) -> None:
+    """Issue 35: machines started with another --lr (or --steps, --resume...) trained on, each
+    its own run, the replicas drifting apart. The options' digest travels with the plan; the
+    first option that differs is named on every rank."""
+    odd = data.draw(st.integers(1, world - 1))
+
+    def rank_body(rank: int, world: int) -> Any:
+        options = {"lr": 0.01 if rank == odd else 0.003, "steps": 50}
+        try:
+            return agreed_plan(lambda: BatchPlan.of([1] * world, world_size=None), world, options)
+        except EvendpError as exc:
+            return str(exc)
+
+    got = run_threads(rank_body, world)
+    assert len(set(got)) == 1, got
+    assert got[0] == (
+        f"node 0 was started with other options than node 0: --lr is 0.01 there (rank {odd}), "
+        "0.003 on node 0; start every machine with the same options but --node-rank, --devices "
+        "and --out"
+    )
+    same = run_threads(lambda r, w: agreed_plan(lambda: BatchPlan.of([1] * w), w, {"lr": 1}), world)
+    assert all(isinstance(p, BatchPlan) for p in same)

@@ -194,7 +194,7 @@ def test_node_0_ending_before_its_agent_tells_a_waiting_node_its_line_and_code(
 def test_node_0_names_the_nodes_that_never_came_to_read_its_refusal() -> None:
     waited: list[bool] = []
     missing = _nodes.tell_other_nodes(
-        "127.0.0.1", free_port(), 3, "node 0 refused the run: no", wait_s=1.5,
+        "127.0.0.1", free_port(), 3, "node 0 refused the run: no", wait_s=2.5,
         waiting=lambda: waited.append(True),
     )  # fmt: skip
     assert missing == [1, 2] and waited == [True]

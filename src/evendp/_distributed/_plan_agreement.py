@@ -10,8 +10,11 @@ in one all-gather of a fixed-size row each, and every rank decides from the same
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,19 +29,26 @@ _REFUSED, _HELD = 0, 1
 _NO_CAP = -1
 
 
-def agreed_plan(build: Callable[[], BatchPlan], world: int) -> BatchPlan:
+def agreed_plan(
+    build: Callable[[], BatchPlan], world: int, options: Mapping[str, Any] | None = None
+) -> BatchPlan:
     """This rank's plan from ``build()``, once every rank of the default group holds the same
-    one; else an :class:`EvendpError` on every rank alike, naming the ranks (and nodes) that
-    differ and what each holds. A rank whose ``build()`` raised re-raises its own error.
+    one (and the same run ``options``, when given: what every machine must be started with);
+    else an :class:`EvendpError` on every rank alike, naming the ranks (and nodes) that differ
+    and what each holds. A rank whose ``build()`` raised re-raises its own error.
 
-    One collective at start-up (and one host read of its result).
+    One collective at start-up (and one host read of its result); a second only when the
+    options differ, to name the first that does.
     """
     try:
         plan: BatchPlan | None = build()
         error: EvendpError | None = None
     except EvendpError as exc:
         plan, error = None, exc
-    rows = _gather(_row(plan, world), world)
+    rows = _gather([*_digest(options), *_row(plan, world)], world)
+    digests, rows = [row[:2] for row in rows], [row[2:] for row in rows]
+    if any(d != digests[0] for d in digests):  # every rank sees it: all run the gather below
+        raise EvendpError(_options_differ(options or {}, [row[1] for row in rows]))
     if error is not None:
         raise error
     refused = [r for r, row in enumerate(rows) if row[0] == _REFUSED]
@@ -68,6 +78,33 @@ def _row(plan: BatchPlan | None, world: int) -> list[int]:
         return [_REFUSED, node] + [0] * (2 * world)
     caps = list(plan.caps) if plan.caps is not None else [_NO_CAP] * world
     return [_HELD, node, *plan.sizes, *caps]
+
+
+def _digest(options: Mapping[str, Any] | None) -> list[int]:
+    """The options' SHA-256, its first 16 bytes as two int64 (``[0, 0]``: none given)."""
+    if options is None:
+        return [0, 0]
+    raw = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).digest()
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
+
+
+def _options_differ(options: Mapping[str, Any], nodes: list[int]) -> str:
+    """The line for ranks started with other options: the first rank (and its node) whose
+    options are not rank 0's, and the first option that differs (one all-gather of them)."""
+    every: list[Any] = [None] * len(nodes)
+    dist.all_gather_object(every, json.dumps(options, sort_keys=True, default=str))
+    ours = json.loads(every[0])
+    for rank, text in enumerate(every):
+        theirs = json.loads(text)
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                flag = "--" + key.replace("_", "-")
+                return (
+                    f"node {nodes[rank]} was started with other options than node 0: {flag} is "
+                    f"{theirs.get(key)!r} there (rank {rank}), {ours.get(key)!r} on node 0; start "
+                    "every machine with the same options but --node-rank, --devices and --out"
+                )
+    return "the ranks were started with other options"  # pragma: no cover - digests differed
 
 
 def _gather(row: list[int], world: int) -> list[list[int]]:

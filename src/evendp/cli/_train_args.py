@@ -635,6 +635,20 @@ def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **_checked_options(text)})
 
 
+#: Options that are each machine's own in a run of several: the rest must agree everywhere.
+MACHINE_OPTIONS = frozenset({"devices", "out", "node_rank", "no_progress", "overwrite"})
+
+
+def run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every machine of a run must share (the plans' agreement compares them).
+
+    >>> run_options(argparse.Namespace(lr=0.1, out="runs/a", argv=["--lr", "0.1"], func=print))
+    {'lr': 0.1}
+    """
+    skip = MACHINE_OPTIONS | set(_CONTEXT_KEYS) | {"func"}
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
 # What options_json adds beside the options: the subcommand and the command line as typed.
 _CONTEXT_KEYS = {"command": str, "argv": list}
 _MAX_OPTIONS_CHARS = 1_000_000

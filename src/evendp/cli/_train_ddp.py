@@ -22,6 +22,7 @@ from ._train_args import (
     OPTIONS_ENV,
     options_json,
     parse_devices,
+    run_options,
     train_config,
     weights_list,
 )
@@ -354,7 +355,8 @@ def run_rank(args: argparse.Namespace) -> int:
     world = dist.get_world_size()
     # Every rank builds the plan, then all agree: a rank whose plan is refused (machines that
     # started another number of ranks than the sizes name) stops every rank, not itself alone.
-    sizes = list(agreed_plan(lambda: _rank_plan(args, world), world).sizes)
+    plan = agreed_plan(lambda: _rank_plan(args, world), world, run_options(args))
+    sizes = list(plan.sizes)
     model, data, _config = build_demo(args)
     model = model.to(device)
     logger = metric_logger(args)  # every rank has it (on_log is collective); rank 0 writes
