@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["content_digest", "first_non_finite"]
+__all__ = ["content_digest", "digest_words", "first_non_finite"]
 
 _SKIP = "sha256"  # the key that holds the digest is not part of what it covers
 
@@ -34,6 +34,17 @@ def content_digest(payload: Mapping[str, Any]) -> str:
     for chunk in _chunks({k: v for k, v in payload.items() if k != _SKIP}):
         h.update(chunk)
     return h.hexdigest()
+
+
+def digest_words(data: bytes, words: int = 4) -> list[int]:
+    """The first ``words`` 8-byte words of ``data``'s SHA-256 as signed int64, to travel in an
+    int64 tensor of a collective.
+
+    >>> len(digest_words(b"x")), digest_words(b"x", 2) == digest_words(b"x")[:2]
+    (4, True)
+    """
+    raw = hashlib.sha256(data).digest()
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 8 * words, 8)]
 
 
 def _chunks(value: Any) -> Iterator[bytes]:

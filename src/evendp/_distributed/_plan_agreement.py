@@ -10,7 +10,6 @@ in one all-gather of a fixed-size row each, and every rank decides from the same
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._core._digest import digest_words
 from .._core._errors import EvendpError
 from ._batch_plan import BatchPlan
 from ._group import comm_device
@@ -84,15 +84,19 @@ def _digest(options: Mapping[str, Any] | None) -> list[int]:
     """The options' SHA-256, its first 16 bytes as two int64 (``[0, 0]``: none given)."""
     if options is None:
         return [0, 0]
-    raw = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).digest()
-    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
+    return digest_words(_canonical(options).encode(), 2)
+
+
+def _canonical(options: Mapping[str, Any]) -> str:
+    """The options as one text, the same on every rank for the same options."""
+    return json.dumps(options, sort_keys=True, default=str)
 
 
 def _options_differ(options: Mapping[str, Any], nodes: list[int]) -> str:
     """The line for ranks started with other options: the first rank (and its node) whose
     options are not rank 0's, and the first option that differs (one all-gather of them)."""
     every: list[Any] = [None] * len(nodes)
-    dist.all_gather_object(every, json.dumps(options, sort_keys=True, default=str))
+    dist.all_gather_object(every, _canonical(options))
     ours = json.loads(every[0])
     for rank, text in enumerate(every):
         theirs = json.loads(text)

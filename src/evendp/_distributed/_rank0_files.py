@@ -13,7 +13,6 @@ needs).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._core._digest import digest_words
 from .._core._files import mkdir_private, open_regular, replace_file
 from .._core._table import format_bytes
 from ._group import comm_device
@@ -85,7 +85,7 @@ def _facts(path: Path) -> torch.Tensor:
         data = _read(path)
     except (OSError, ValueError):
         return torch.tensor([1, _UNREADABLE, 0, 0, 0, 0], dtype=torch.int64)
-    return torch.tensor([1, len(data), *_digest(data)], dtype=torch.int64)
+    return torch.tensor([1, len(data), *digest_words(data)], dtype=torch.int64)
 
 
 def _read(path: Path) -> bytes:
@@ -93,17 +93,12 @@ def _read(path: Path) -> bytes:
         return source.read()
 
 
-def _digest(data: bytes) -> list[int]:
-    raw = hashlib.sha256(data).digest()
-    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
-
-
 def _same(path: Path, row: list[int]) -> bool:
     """Whether this rank's ``path`` is rank 0's (its size, then its digest)."""
     try:
         if not path.is_file() or path.stat().st_size != row[_SIZE]:
             return False
-        return _digest(_read(path)) == row[_DIGEST]
+        return digest_words(_read(path)) == row[_DIGEST]
     except (OSError, ValueError):
         return False
 
@@ -121,7 +116,7 @@ def _broadcast_bytes(source: Path | None, size: int, device: torch.device) -> by
 
 def _keep(path: Path, data: bytes, row: list[int]) -> str:
     """Write rank 0's ``data`` at ``path``, private and whole; the note that says so."""
-    if len(data) != row[_SIZE] or _digest(data) != row[_DIGEST]:  # never a torn copy
+    if len(data) != row[_SIZE] or digest_words(data) != row[_DIGEST]:  # never a torn copy
         return f"{path.name} from rank 0 arrived damaged; not kept (the resume reads it again)"
     mkdir_private(path.parent)
     replace_file(path, data, durable=True)

@@ -109,6 +109,16 @@ class LaunchPlan:
         )
 
 
+def least_run_ranks(here: int, nodes: int) -> int:
+    """The fewest ranks a run of ``nodes`` machines has when this one starts ``here``: one on
+    each other machine (machines may differ; the ranks check the true total).
+
+    >>> least_run_ranks(2, 2), least_run_ranks(3, 1)
+    (3, 3)
+    """
+    return here + nodes - 1
+
+
 def _ranks_here(sizes: list[int], nodes: int, count: int | None) -> int:
     """This node's ranks for one size per rank of the whole run (node-major): ``count`` when
     given (nodes may differ: 2 GPUs here, 1 there; the ranks check the total), else an even
@@ -125,10 +135,11 @@ def _ranks_here(sizes: list[int], nodes: int, count: int | None) -> int:
             f"--nproc {count} but --batch-sizes {sizes} has {len(sizes)}; drop --nproc or give "
             "one size per rank"
         )
-    if len(sizes) < count + nodes - 1:
+    if len(sizes) < least_run_ranks(count, nodes):
         raise EvendpError(
             f"--batch-sizes has {len(sizes)} entries, but this node's {count} rank(s) and at "
-            f"least one on each of the other {nodes - 1} node(s) need {count + nodes - 1}; give "
+            f"least one on each of the other {nodes - 1} node(s) need "
+            f"{least_run_ranks(count, nodes)}; give "
             "one size per rank of the whole run (node 0's ranks first), the same list everywhere"
         )
     return count

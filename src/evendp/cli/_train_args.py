@@ -585,12 +585,14 @@ def weights_list(text: str, count: int, nodes: int = 1) -> list[float]:
         raise EvendpError(
             f"--weights has {len(weights)} numbers for {count} devices; give one each"
         )
-    if len(weights) < count + nodes - 1:
+    from .._planning._launch import least_run_ranks
+
+    if len(weights) < least_run_ranks(count, nodes):
         raise EvendpError(
             f"--weights has {len(weights)} numbers, but this machine's {count} device(s) and "
             f"at least one on each of the other {nodes - 1} machine(s) need "
-            f"{count + nodes - 1}; give one per rank of the whole run (node 0's first), the "
-            "same list on every machine"
+            f"{least_run_ranks(count, nodes)}; give one per rank of the whole run (node 0's "
+            "first), the same list on every machine"
         )
     if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
         raise EvendpError(
