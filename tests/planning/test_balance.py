@@ -27,6 +27,7 @@ from torch import nn
 
 import evendp
 from evendp._planning._balance import NoBalance, rank_batch_plan, sizes_from_capacities
+from evendp._training._report import plot_panels
 from tests._helpers import run_ranks, torchrun_env
 
 pytestmark = pytest.mark.multiprocess
@@ -97,17 +98,39 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+class _Splits(evendp.Callback):
+    """The ``split/rank*`` metrics every logger gets, by step."""
+
+    def __init__(self) -> None:
+        self.logged: dict[int, list[float]] = {}
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self.logged[step] = [metrics[k] for k in sorted(metrics) if k.startswith("split/")]
+
+
 def _speed(rank: int) -> dict[str, Any]:
     model = Net()
     if rank == 1:  # a device at a fraction of the speed: time spent in its forward
         model.body.register_forward_pre_hook(lambda m, a: time.sleep(SLEEP * a[0].shape[0]))
-    cfg = _config(steps=STEPS, batch_size=sum(SIZES), batch_sizes=SIZES, balance="speed")
-    trainer = evendp.Trainer(model, _data(sum(SIZES) * STEPS), cfg, optimizer=_sgd(model))
+    cfg = _config(
+        steps=STEPS, batch_size=sum(SIZES), batch_sizes=SIZES, balance="speed", log_every=1
+    )
+    splits = _Splits()
+    trainer = evendp.Trainer(
+        model, _data(sum(SIZES) * STEPS), cfg, optimizer=_sgd(model), callbacks=[splits]
+    )
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
-        trainer.fit()
+        report = trainer.fit()
     lines = [line for line in said.getvalue().splitlines() if "speed re-split" in line]
-    return {"params": _params(model), "history": trainer.balancer.history, "said": lines}
+    return {
+        "params": _params(model),
+        "history": trainer.balancer.history,
+        "said": lines,
+        "logged": splits.logged,
+        "per_step": report.batch_sizes_per_step,
+        "panels": [panel.__name__ for panel in plot_panels(report)],
+    }
 
 
 class _FirstSplit(evendp.Callback):
@@ -213,6 +236,12 @@ def test_speed_balance_moves_samples_and_keeps_one_process_parameters(
     assert len(said) == len(history) - 1 and ranks[1]["speed"]["said"] == [], said
     for (step, split), line in zip(history[1:], said, strict=True):
         assert line.startswith(f"evendp: step {step}: speed re-split ") and str(split) in line
+    # The split each step trained with, in every logger (split/rank0, ...) and report.png.
+    per_step = ranks[0]["speed"]["per_step"]
+    assert len(per_step) == STEPS and per_step[-1] == sizes and per_step[0] == SIZES
+    logged = ranks[0]["speed"]["logged"]
+    assert [logged[step] for step in range(1, STEPS + 1)] == per_step
+    assert ranks[0]["speed"]["panels"] == ["_plot_split", "_plot_loss"]
 
 
 def test_a_resumed_speed_run_goes_on_with_its_saved_split(ranks: list[dict[str, Any]]) -> None:

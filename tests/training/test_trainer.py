@@ -106,6 +106,7 @@ def _grads(model: nn.Module) -> torch.Tensor:
 )
 def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     limits: dict[str, int],
     accum: int,
     caps: list[int | None],
@@ -126,6 +127,14 @@ def test_oom_on_one_device_shrinks_its_share_only_and_stays_exact(
     # One OOM in all: the second step reused the remembered caps.
     assert report.resplits == 1 and report.skipped_steps == 0
     assert trainer.guard.micro_batch_sizes == caps
+    # Issue 36: the re-split is said once, at its step, with what it decided and why.
+    where = " on device 1" if "limit" in limits else ""
+    now = "/".join("all" if c is None else str(c) for c in caps)
+    said = [line for line in capsys.readouterr().err.splitlines() if "memory" in line]
+    assert said == [
+        f"evendp: step 1: out of memory{where}: micro-batches now {now} per device, the step "
+        "runs again"
+    ]
     assert trainer.micro_steps == micro_steps  # the second step's micro-steps
     assert [d.samples_per_step for d in report.devices] == [3, 6, 3]
     assert trainer.wrapped.weights == [1, 2, 1]  # the user's weights, back after the step

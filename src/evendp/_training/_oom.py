@@ -136,6 +136,9 @@ class OomResplit:
         self.resplits = 0
         #: How many steps were skipped because even the smallest micro-batch did not fit.
         self.skipped = 0
+        #: One line per re-split or skip since the caller last emptied it (what was decided
+        #: and why); the Trainer prints them after the step.
+        self.notes: list[str] = []
         #: While ``chunk_loss`` runs: the index of this micro-step and how many the attempt
         #: runs, so a caller can sync gradients on the last one only.
         self.micro_step = 0
@@ -297,9 +300,14 @@ class OomResplit:
         """
         if not (self.catch and is_oom_error(error)):
             raise error
-        if not self._shrink(shares, self._sizes, device_index_of(error)):
+        device = device_index_of(error)
+        where = "out of memory" + ("" if device is None else f" on device {device}")
+        if not self._shrink(shares, self._sizes, device):
+            self.notes.append(f"{where} at the smallest micro-batch: the step is skipped")
             return False
         self.resplits += 1
+        caps = "/".join("all" if c is None else str(c) for c in self.micro_batch_sizes)
+        self.notes.append(f"{where}: micro-batches now {caps} per device, the step runs again")
         return True
 
     def _first_sizes(

@@ -11,6 +11,7 @@ planner's forward+backward peak). One is never shown under the other's name.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 import time
@@ -22,7 +23,7 @@ from typing import IO, Any
 from .._core._files import replace_file
 from .._core._table import format_bytes
 
-__all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "write_report"]
+__all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "plot_panels", "write_report"]
 
 
 def _count(x: float) -> str:
@@ -186,19 +187,65 @@ def _plot(report: TrainReport, png: IO[bytes]) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 5), dpi=100)
+    panels = plot_panels(report)
+    ratios = {_plot_memory: 1.25, _plot_split: 1.0, _plot_loss: 1.0}
+    fig = Figure(figsize=(5.5 + 3.5 * len(panels), 5), dpi=100)
     FigureCanvasAgg(fig)
-    mem, curve = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.25, 1]})
+    axes = fig.subplots(1, len(panels), gridspec_kw={"width_ratios": [ratios[p] for p in panels]})
     fig.suptitle(report.title(), fontsize=11)
-    _plot_memory(mem, report)
-    curve.plot(range(1, len(report.losses) + 1), report.losses, label="training")
-    _plot_validation(curve, report.eval)
-    curve.set_xlabel("step")
-    curve.set_ylabel("loss")
-    curve.set_title("Loss")
-    curve.grid(alpha=0.3)
+    for panel, ax in zip(panels, [axes] if len(panels) == 1 else axes, strict=True):
+        panel(ax, report)
     fig.tight_layout()
     fig.savefig(png, format="png")
+
+
+def plot_panels(report: TrainReport) -> list[Any]:
+    """``report.png``'s panels, left to right: memory where measured or planned (not on a
+    CPU's ranks), the split over steps where several ranks share a step, the loss always.
+
+    >>> r = TrainReport([DeviceStat("cpu:0", 3), DeviceStat("cpu:1", 1)], losses=[2.0, 1.0],
+    ...                 steps=2, batch_sizes_per_step=[[2, 2], [3, 1]])
+    >>> [panel.__name__ for panel in plot_panels(r)]
+    ['_plot_split', '_plot_loss']
+    """
+    return [p for p in (_plot_memory, _plot_split) if _shows(p, report)] + [_plot_loss]
+
+
+def _shows(panel: Any, report: TrainReport) -> bool:
+    """Whether an optional panel has figures for this run."""
+    if panel is _plot_split:
+        return any(len(sizes) > 1 for sizes in report.batch_sizes_per_step)
+    bars = [_memory_bars(d) for d in report.devices]
+    return any(v is not None for b in bars for v in b.values()) or any(
+        d.budget_bytes is not None for d in report.devices
+    )
+
+
+def _plot_loss(ax: Any, report: TrainReport) -> None:
+    """The training loss per step, and the validation loss where evaluated."""
+    ax.plot(range(1, len(report.losses) + 1), report.losses, label="training")
+    _plot_validation(ax, report.eval)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss")
+    ax.grid(alpha=0.3)
+
+
+def _plot_split(ax: Any, report: TrainReport) -> None:
+    """Each rank's batch size at each step this run trained, stacked (the global batch on
+    top): a speed re-split shows as a step where the bands change width."""
+    split = report.batch_sizes_per_step
+    first = report.steps - len(split) + 1  # a resumed run's steps keep their numbers
+    steps = range(first, first + len(split))
+    ranks = list(zip(*split, strict=True))
+    ax.stackplot(steps, ranks, labels=[f"rank {r}" for r in range(len(ranks))], step="post")
+    changes = sum(a != b for a, b in itertools.pairwise(split))
+    ax.set_title("Split over steps" + (f" ({changes} re-split{'s' * (changes != 1)})"))
+    ax.set_xlabel("step")
+    ax.set_ylabel("samples per step")
+    ax.set_ylim(0, max(sum(s) for s in split) * 1.25)  # room for the legend
+    ax.legend(fontsize=8, loc="upper right", ncols=min(len(ranks), 4))
+    ax.grid(alpha=0.3)
 
 
 # (label, colour, hatch) per bar kind; measured bars are solid, planned ones hatched.
@@ -264,11 +311,7 @@ def _plot_memory(ax: Any, report: TrainReport) -> None:
     ax.set_ylim(0, top * 1.4 if top else 1)  # room for the legend above the budget lines
     ax.set_title("Per-device memory for one step")
     ax.grid(axis="y", alpha=0.3)
-    if kinds or budget_drawn:
-        ax.legend(fontsize=8, loc="upper right", ncols=2)
-    else:
-        ax.text(0.5, 0.5, "no memory figures on this machine", ha="center",
-                transform=ax.transAxes)  # fmt: skip
+    ax.legend(fontsize=8, loc="upper right", ncols=2)  # drawn only with figures (_shows)
 
 
 def _plot_validation(ax: Any, evals: list[dict[str, Any]]) -> None:

@@ -580,6 +580,14 @@ class Trainer:
             f"sample by rank: {said})"
         )
 
+    def _oom_lines(self) -> list[str]:
+        """The OOM guard's notes of the step just done (a re-split, a skip), each naming the
+        step and, on several ranks, this rank; emptied once said."""
+        where = f"step {self.state.step}" + (f", rank {self.rank}" if self.world > 1 else "")
+        lines = [f"evendp: {where}: {note}" for note in self.guard.notes]
+        self.guard.notes.clear()
+        return lines
+
     def _checkpointed(self) -> dict[str, Any]:
         """The run's state, by part (:mod:`evendp._training._stateful`); ``None``: not in
         this run. One more part is one more line."""
@@ -869,6 +877,9 @@ class Trainer:
         if loss is not None:
             metrics["loss"] = self.state.last_loss
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        (sizes,) = split_per_step(self.balancer, self.sampler, 1)  # the step's, not the next
+        if len(sizes) > 1:  # each rank's batch size (speed balance moves the split)
+            metrics.update({f"split/rank{r}": float(n) for r, n in enumerate(sizes)})
         for name, peak in zip(self.device_names, self._peaks(), strict=True):
             if peak is not None:
                 metrics[f"memory/{name}"] = float(peak)
@@ -943,6 +954,8 @@ class Trainer:
                     if self.balancer.step() and self.rank == 0:  # every rank alike: resplit
                         bar.say(self._resplit_line())
                     state.step += 1
+                    for line in self._oom_lines():  # this rank's own re-splits, if any
+                        bar.say(line)
                     # The loss is this process's part: reduce_losses makes it the step's. A
                     # step the gate skipped on the device is dropped when the flags are read.
                     state.record(
