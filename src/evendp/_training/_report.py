@@ -23,7 +23,14 @@ from typing import IO, Any
 from .._core._files import replace_file
 from .._core._table import format_bytes
 
-__all__ = ["DeviceStat", "TrainProgress", "TrainReport", "format_bytes", "plot_panels", "write_report"]
+__all__ = [
+    "DeviceStat",
+    "TrainProgress",
+    "TrainReport",
+    "format_bytes",
+    "plot_panels",
+    "write_report",
+]
 
 
 def _count(x: float) -> str:
