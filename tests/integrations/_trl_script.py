@@ -167,11 +167,22 @@ def run_seq2seq(assets: Path, out: Path) -> dict[str, torch.Tensor]:
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(config)
-    args = transformers.Seq2SeqTrainingArguments(str(out / "s2s"), **COMMON)
+    # Evaluation batches of 4 rows over all ranks (one process: 4 a process).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    evaluation = {"per_device_eval_batch_size": 4 // world, "predict_with_generate": True}
+    args = transformers.Seq2SeqTrainingArguments(
+        str(out / "s2s"), generation_max_length=5, **evaluation, **COMMON
+    )
     trainer = UnevenSeq2SeqTrainer(
         model=model, args=args, train_dataset=_Pairs(), data_collator=_pad_pairs
     )
     trainer.train()
+    # Issue 36: generated predictions and the loss of the trained model, each row once.
+    output = trainer.predict(_Pairs())
+    predictions = {"loss": output.metrics["test_loss"], "labels": output.label_ids}
+    predictions["generated"] = output.predictions
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({k: torch.as_tensor(v) for k, v in predictions.items()}, out / "predictions.pt")
     return _params(model)
 
 

@@ -107,7 +107,32 @@ def _standard_loop(sizes: list[int]) -> dict[str, Any]:
                 scheduler.step()
                 optimizer.zero_grad()
     params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
-    return {"seen": seen, "params": params, "lrs": lrs}
+    return {
+        "seen": seen,
+        "params": params,
+        "lrs": lrs,
+        "eval": _evaluation(accelerator, model, sizes),
+    }
+
+
+def _evaluation(
+    accelerator: Any, model: torch.nn.Module, sizes: list[int]
+) -> dict[str, torch.Tensor]:
+    """An evaluation loop as users write it (issue 36): ``gather_for_metrics`` of each batch's
+    indices and logits over an uneven loader of the 9 samples in order (5 a step, short
+    last step, a stand-in wherever a rank's share is empty); and every logit, computed here."""
+    from evendp.integrations.accelerate import uneven_dataloader
+
+    nine = torch.utils.data.Subset(Data(), range(9))
+    loader = uneven_dataloader(accelerator, nine, [2, 3] if sizes[0] else [0, 5], shuffle=False)
+    indices, logits = [], []
+    with torch.no_grad():
+        for x, _, idx in loader:
+            got_idx, got_logits = accelerator.gather_for_metrics((idx, model(x)))
+            indices.append(got_idx)
+            logits.append(got_logits)
+        every = model(torch.stack([nine[i][0] for i in range(9)]))
+    return {"indices": torch.cat(indices), "logits": torch.cat(logits), "every": every}
 
 
 def _plain_scheduler_lrs() -> list[float]:
@@ -185,6 +210,18 @@ def test_a_standard_loop_with_a_scheduler_equals_one_process(
         num = sum(float((g - w).norm() ** 2) for g, w in zip(got["params"], want, strict=True))
         den = sum(float((w - s).norm() ** 2) for w, s in zip(want, start, strict=True))
         assert (num / den) ** 0.5 < TOL
+
+
+@pytest.mark.parametrize("run", ["ranks", "zero"])
+def test_gather_for_metrics_gives_each_row_once_in_order(
+    ranks: list[dict[str, Any]], run: str
+) -> None:
+    """Issue 36: Accelerate's gather needs one shape on every rank and drops the rows it
+    padded; the uneven loader's rows differ by rank and a stand-in must give none."""
+    for result in ranks:
+        got = result["standard"][run]["eval"]
+        assert got["indices"].tolist() == list(range(9))
+        torch.testing.assert_close(got["logits"], got["every"], rtol=1e-6, atol=1e-6)
 
 
 def test_a_plain_accelerators_scheduler_steps_once_per_optimizer_step(

@@ -168,6 +168,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             }
         for task, (name, sizes, samples) in EDGES.items():
             result[task] = _edge_run(tmp, name, sizes, samples)
+        for task, (name, sizes) in EVALS.items():
+            result[task] = _evaluations(UnevenTrainer, tmp, name, EVAL_BATCH, batch_sizes=sizes)
     torch.save(result, Path(out) / f"rank{rank}.pt")
     import evendp
 
@@ -199,6 +201,33 @@ def _edge_run(tmp: str, name: str, sizes: list[int], samples: int) -> dict[str, 
         "metrics_loss": output.metrics["train_loss"],
         "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "global_step": output.global_step,
+    }
+
+
+# Evaluation (issue 36): 13 rows, 3 a rank -> batches of 6, 6 and 1 rows over both ranks;
+# [0, 4]: rank 0 evaluates a stand-in row only. task -> (model, sizes)
+EVAL_ROWS, EVAL_BATCH = 13, 3
+EVALS = {
+    "eval-lm": ("gpt2-lm", [1, 3]),
+    "eval-lm0": ("gpt2-lm", [0, 4]),
+    "eval-bert": ("bert-cls", [1, 3]),
+}
+
+
+def _evaluations(trainer_class: Any, tmp: str, name: str, batch: int, **options: Any) -> dict:
+    """``evaluate()`` and ``predict()`` of an untrained model on EVAL_ROWS rows."""
+    ranks = {"ddp_backend": "gloo"} if trainer_class is not transformers.Trainer else {}
+    args = _args(tmp, batch=2, accum=1, per_device_eval_batch_size=batch, **ranks)
+    data = _Data(name, EVAL_ROWS)
+    trainer = trainer_class(
+        _model(name), args, eval_dataset=data, data_collator=pad_collate, **options
+    )
+    output = trainer.predict(data)
+    return {
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "test_loss": output.metrics["test_loss"],
+        "predictions": torch.as_tensor(output.predictions),
+        "labels": torch.as_tensor(output.label_ids),
     }
 
 
@@ -276,6 +305,31 @@ def test_any_model_and_empty_shares_equal_one_process_and_report_global_losses(
         assert got["train_loss"] == pytest.approx(output.training_loss, rel=1e-5)
         assert got["metrics_loss"] == pytest.approx(output.training_loss, rel=1e-5)
         assert got["logged"] == pytest.approx(logged, rel=1e-5)
+
+
+@pytest.mark.parametrize("task", list(EVALS))
+def test_evaluate_and_predict_equal_one_process_each_row_once(
+    ranks: list[dict[str, Any]], task: str
+) -> None:
+    """Issue 36: the Trainer's own sharding padded the last batch with repeated rows and
+    averaged each rank's batch by itself (eval_loss 3.634771 against 3.629491)."""
+    name, _ = EVALS[task]
+    with tempfile.TemporaryDirectory() as tmp:  # one process, the whole batch of 2 x 3 rows
+        want = _evaluations(transformers.Trainer, tmp, name, EVAL_BATCH * 2)
+    counted = want["labels"] != -100  # logits past a row's end depend on its batch's padding
+    if want["predictions"].dim() == 2:  # a class per row: every logit counts
+        counted = torch.ones_like(want["predictions"], dtype=torch.bool)
+    else:
+        counted = counted.unsqueeze(-1).expand_as(want["predictions"])
+    for rank in ranks:
+        got = rank[task]
+        assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+        assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-5)
+        assert torch.equal(got["labels"], want["labels"])  # each row once, in order
+        assert got["predictions"].shape == want["predictions"].shape
+        torch.testing.assert_close(
+            got["predictions"][counted], want["predictions"][counted], rtol=1e-5, atol=1e-5
+        )
 
 
 def _trainer(tmp_path: Path, **options: Any) -> Any:

@@ -92,6 +92,16 @@ def test_each_composition_on_two_ranks_equals_one_process(
     for rank in (0, 1):
         got = torch.load(launched / f"{case}{rank}.pt")
         assert _relative_error(got, want, start) < TOL
+    if case == "s2s":  # predict_with_generate: one process's rows, loss and generations
+        one = torch.load(tmp_path / "predictions.pt")
+        for rank in (0, 1):
+            ranks = torch.load(launched / f"s2s{rank}" / "predictions.pt")
+            assert float(ranks["loss"]) == pytest.approx(float(one["loss"]), rel=1e-5)
+            # Past a row's end: its batch's padding, pad ids (0) or -100 by which batch
+            # the row was in (the collator's, Seq2SeqTrainer's, the gather's).
+            for key in ("labels", "generated"):
+                got, want = (t.masked_fill(t == -100, 0) for t in (ranks[key], one[key]))
+                assert torch.equal(got, want), (key, got, want)
 
 
 @pytest.mark.multiprocess

@@ -46,6 +46,7 @@ from .._core._exact import weighted_sum
 from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
 from ._interleave import InterleavedBatchSampler
+from ._rows import gather_rows, no_rows
 from .deepspeed import fill_auto_micro_batch
 
 __all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
@@ -70,10 +71,12 @@ class _OneStepSchedulers:
 
 
 class _BatchWeights:
-    """The weight of the batch an uneven loader yielded last (read by ``backward``)."""
+    """The weight of the batch an uneven loader yielded last (read by ``backward``), and
+    whether it was a stand-in (read by ``gather_for_metrics``)."""
 
     def __init__(self) -> None:
         self.current: float | None = None
+        self.stand_in = False
 
 
 class _WeighingLoader:
@@ -97,8 +100,9 @@ class _WeighingLoader:
             window = range(i - i % accum, min(i - i % accum + accum, steps))
             total = sum(self.sampler.samples_in_step(j) for j in window)
             weights.current = count_rows(batch) * world / total if total else 0.0
+            weights.stand_in = evendp.is_stand_in(batch)
             yield batch
-        weights.current = None
+        weights.current, weights.stand_in = None, False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -168,6 +172,20 @@ class UnevenAccelerator(Accelerator):
         else:  # Accelerator.backward divides by the accumulation steps: undone here.
             scale = weight * self.gradient_accumulation_steps
         super().backward(weighted_sum(loss, scale), **kwargs)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Every rank's rows of what the batch an uneven loader yielded last gave, each once
+        and in rank order (dataset order with ``shuffle=False``); a stand-in's none. Outside
+        such a loader, Accelerate's own.
+
+        Accelerate's needs one shape on every rank and drops rows it padded at the end; the
+        uneven loader pads nothing, and its ranks' rows differ.
+        """
+        if self._evendp_weights.current is None or use_gather_object:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        if self._evendp_weights.stand_in:
+            input_data = no_rows(input_data)
+        return gather_rows(self, input_data)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""

@@ -23,6 +23,10 @@ What changes against ``transformers.Trainer``, through its documented overridabl
   all-reduce per optimizer step, only for non-token losses).
 * ``get_total_train_batch_size``: ``sum(batch_sizes) * gradient_accumulation_steps``, so the
   logged total batch and samples/s are true.
+* ``get_eval_dataloader``, ``get_test_dataloader``, ``evaluation_loop``, ``prediction_step``:
+  each evaluation batch of ``per_device_eval_batch_size * world_size`` rows is split like
+  training, its loss taken over all ranks and each row gathered once (:mod:`._hf_eval`):
+  ``evaluate``/``predict`` give one process's metrics and predictions.
 
 A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
 ``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
@@ -34,6 +38,7 @@ Refused: ``auto_find_batch_size``, one process driving several GPUs (``nn.DataPa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -60,7 +65,9 @@ from .._planning._balance import (
     time_forward,
     validate_balance,
 )
+from ._hf_eval import EvalMeans, EvalPieces
 from ._interleave import InterleavedBatchSampler
+from ._rows import RowsGather, gather_rows, no_rows
 from ._teardown import release_at_exit
 from .accelerate import uneven_dataloader
 
@@ -213,30 +220,16 @@ def _validate_composition(cls: type) -> None:
             )
 
 
-class _RowsGather:
-    """``accelerator.gather`` for tensors whose first dimension differs by rank.
-
-    Accelerate's ``gather`` needs one shape on every rank; a Trainer subclass that gathers
-    per-sample values (TRL's ``DPOTrainer``: its rewards) meets batches of ``batch_sizes[r]``
-    rows. Every call gathers the row counts first (so every rank runs the same collectives),
-    then pads to the longest, gathers, and keeps each rank's real rows.
-    """
-
-    def __init__(self, accelerator: Any) -> None:
-        self.accelerator = accelerator
-        self.gather = type(accelerator).gather.__get__(accelerator)
-
-    def __call__(self, tensor: Any) -> Any:
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            return self.gather(tensor)
-        if self.accelerator.num_processes == 1:
-            return self.gather(tensor)
-        rows = self.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
-        if len(set(rows)) == 1:
-            return self.gather(tensor)
-        padded = self.accelerator.pad_across_processes(tensor, dim=0)
-        gathered, longest = self.gather(padded), max(rows)
-        return torch.cat([gathered[r * longest : r * longest + n] for r, n in enumerate(rows)])
+def _validate_eval_composition(cls: type) -> None:
+    """Refuse a ``prediction_step`` before UnevenTrainer's that never reaches it: the
+    batch's loss and the stand-ins' rows would be left as each rank computed them."""
+    for owner in cls.__mro__[: cls.__mro__.index(UnevenTrainer)]:
+        if "prediction_step" in vars(owner) and not _calls_super(owner, "prediction_step"):
+            raise evendp.EvendpError(
+                f"{owner.__name__}.prediction_step does not call super().prediction_step(...)"
+                ", which UnevenTrainer's exact evaluation needs (each batch's loss over all "
+                "ranks, each row once); call it"
+            )
 
 
 def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
@@ -338,7 +331,7 @@ class UnevenTrainer(transformers.Trainer):
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
         # Subclasses gather per-sample metrics (DPO's rewards): rows differ by rank now.
-        self.accelerator.gather = _RowsGather(self.accelerator)
+        self.accelerator.gather = RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
         # Checked like every evendp batch-size list: one non-negative int per rank.
         validate_batch_sizes_option(batch_sizes)
@@ -360,6 +353,7 @@ class UnevenTrainer(transformers.Trainer):
         )
         self._loss_sum = torch.zeros((), device=self.args.device)  # this rank's, this train()
         self._steps = 0  # optimizer steps of this train() call
+        self._eval_means: EvalMeans | None = None  # while an exact evaluation runs
 
     def _auto_sizes(self, memory: str | Sequence[Any] | None) -> tuple[list[int], list[int]]:
         """``batch_sizes="auto"``: ``per_device_train_batch_size * world`` split by each
@@ -400,6 +394,94 @@ class UnevenTrainer(transformers.Trainer):
             _balanced_sampler(loader), self.balance, distributed=world > 1, caps=self._caps
         )
         return loader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """This rank's rows of each evaluation batch (see :mod:`._hf_eval`): the Trainer's
+        loader is built first for its dataset (unused columns removed) and collator."""
+        return self._eval_loader(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        """As :meth:`get_eval_dataloader`, for ``predict``."""
+        return self._eval_loader(super().get_test_dataloader(test_dataset))
+
+    def _eval_loader(self, base: DataLoader) -> DataLoader:
+        """``base``'s dataset in pieces of ``eval_batch_size * world_size`` rows split like
+        training; a dataset without a length keeps the Trainer's own loader."""
+        if not hasattr(base.dataset, "__len__"):
+            return base
+        if self.args.batch_eval_metrics:
+            raise evendp.EvendpError(
+                "batch_eval_metrics=True asks compute_metrics for each batch on its own, "
+                "which UnevenTrainer's exact evaluation (batches split over the ranks) does "
+                "not give; set batch_eval_metrics=False"
+            )
+        world = max(1, self.args.world_size)
+        pieces = EvalPieces(
+            len(base.dataset), self.args.eval_batch_size * world, self.batch_sizes,
+            self.args.process_index,
+        )  # fmt: skip
+        settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
+        settings["persistent_workers"] = False  # a new loader for each evaluation
+        return DataLoader(
+            base.dataset,
+            batch_sampler=pieces,
+            collate_fn=evendp.EmptySafeCollate(base.dataset, base.collate_fn, stand_in=True),
+            **settings,
+        )
+
+    def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop over an exact evaluation loader: rows gathered each once, in
+        dataset order; ``<prefix>_loss`` the row-weighted mean of the batches' losses."""
+        pieces = getattr(dataloader, "batch_sampler", None)
+        if not isinstance(pieces, EvalPieces):
+            return super().evaluation_loop(dataloader, *args, **kwargs)
+        _validate_eval_composition(type(self))
+        if self._probe_pending and len(pieces):  # whether the loss uses the count, as in training
+            self._probe_loss_kwargs([next(iter(dataloader))])
+        self._eval_means = EvalMeans(pieces)
+        self.gather_function = functools.partial(gather_rows, self.accelerator)
+        try:
+            output = super().evaluation_loop(dataloader, *args, **kwargs)
+        finally:
+            self.gather_function = self.accelerator.gather_for_metrics
+            means, self._eval_means = self._eval_means, None
+        prefix = kwargs.get("metric_key_prefix", args[3] if len(args) > 3 else "eval")
+        metrics = output.metrics if output.metrics is not None else {}
+        if f"{prefix}_loss" in metrics and means is not None and means.means:
+            metrics[f"{prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
+        return output
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """The Trainer's step on this rank's piece; its loss made the whole batch's (the
+        same on every rank), and a stand-in's outputs emptied."""
+        means = self._eval_means
+        if means is None:
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+        # As in training: a loss the Trainer divides by the items counted over the ranks (a
+        # stand-in's labels read as ignored) is this rank's part of the batch's loss; any
+        # other is the mean over this rank's count_fn items.
+        summed = "labels" in inputs and self._token_path(1)
+        count = 0 if summed else self.count_fn(inputs)  # before labels pop
+        loss, logits, labels = super().prediction_step(
+            model, _uncounted(inputs) if summed else inputs, prediction_loss_only,
+            ignore_keys=ignore_keys, **kwargs,
+        )  # fmt: skip
+        if loss is not None and summed:  # the Trainer multiplied it by the processes for DDP
+            loss = means.add(loss / self.accelerator.num_processes, 0, summed=True)
+        elif loss is not None:  # the same on every rank: the batches' keys are the same
+            loss = means.add(loss, count)
+        if is_stand_in(inputs):
+            logits, labels = no_rows(logits), no_rows(labels)
+        return loss, logits, labels
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         """Samples per optimizer step over all ranks: ``sum(batch_sizes) * accumulation``."""

@@ -1,0 +1,89 @@
+"""Exact evaluation for :class:`~evendp.integrations.transformers.UnevenTrainer`.
+
+One process evaluates batches of ``B`` rows in dataset order and reports the mean of each
+batch's loss weighted by its rows. Here each batch of ``B = per_device_eval_batch_size *
+world_size`` rows is split over the ranks like training (``batch_sizes``' proportions, zeros
+included; an empty piece runs a stand-in row and yields no row); the batch's loss is the mean
+over its counted items on all ranks (one all-reduce per batch), and the rows come back in
+dataset order, each once. So ``eval_loss``, the predictions and the labels are those of one
+process evaluating with ``per_device_eval_batch_size = B``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+import evendp
+
+from .._core._exact import weighted_sum
+from .._distributed._group import all_reduce_sum, world_size
+
+__all__ = ["EvalMeans", "EvalPieces"]
+
+
+class EvalPieces:
+    """A batch sampler: this rank's rows of each evaluation batch of ``batch`` rows.
+
+    >>> [list(EvalPieces(7, 4, [1, 3], rank)) for rank in (0, 1)]
+    [[[0], [4]], [[1, 2, 3], [5, 6]]]
+    >>> list(EvalPieces(5, 4, [0, 2], 0)), EvalPieces(5, 4, [0, 2], 0).batch_rows
+    ([[], []], [4, 1])
+    """
+
+    def __init__(self, rows: int, batch: int, sizes: Sequence[int], rank: int) -> None:
+        self.rows, self.batch, self.sizes, self.rank = rows, batch, list(sizes), rank
+
+    @property
+    def batch_rows(self) -> list[int]:
+        """The rows of each evaluation batch, over all ranks (the last may be short)."""
+        return [min(self.batch, self.rows - start) for start in range(0, self.rows, self.batch)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start, rows in zip(range(0, self.rows, self.batch), self.batch_rows, strict=True):
+            shares = evendp.split_sizes(rows, self.sizes)
+            first = start + sum(shares[: self.rank])
+            yield list(range(first, first + shares[self.rank]))
+
+    def __len__(self) -> int:
+        return math.ceil(self.rows / self.batch)
+
+
+class EvalMeans:
+    """Each evaluation batch's loss over all ranks, and the run's ``eval_loss`` from them."""
+
+    def __init__(self, pieces: EvalPieces) -> None:
+        self.pieces = pieces
+        self.means: list[float] = []
+
+    def add(
+        self, loss: torch.Tensor, count: int | torch.Tensor, *, summed: bool = False
+    ) -> torch.Tensor:
+        """This batch's loss over all ranks (a collective: every rank calls it once per
+        batch): ``loss`` is the mean over this rank's ``count`` items or, ``summed``, this
+        rank's part of the batch's loss already (its sum over a count of every rank's)."""
+        part = loss.detach().float()
+        if summed:
+            mean = all_reduce_sum(part, None) if world_size() > 1 else part
+        else:
+            mean = evendp.global_mean(weighted_sum(part, count), count)
+        self.means.append(float(mean))
+        return mean.to(loss.dtype)
+
+    def value(self, drop_nonfinite: bool) -> float:
+        """The row-weighted mean of the batches' losses (one process's ``eval_loss``); with
+        ``drop_nonfinite`` (``logging_nan_inf_filter``) batches whose loss is not finite are
+        left out, as the Trainer leaves out their rows.
+
+        >>> means = EvalMeans(EvalPieces(5, 4, [1], 0))
+        >>> means.means = [1.0, 2.0]
+        >>> means.value(True)
+        1.2
+        """
+        rows = self.pieces.batch_rows[: len(self.means)]
+        kept = [(r, m) for r, m in zip(rows, self.means, strict=True)]
+        if drop_nonfinite and any(math.isfinite(m) for _, m in kept):
+            kept = [(r, m) for r, m in kept if math.isfinite(m)]
+        return sum(r * m for r, m in kept) / sum(r for r, _ in kept)
