@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -205,6 +206,72 @@ def test_an_unported_script_that_ignores_the_sizes_gets_a_warning(
     assert "batch sizes [1, 3]" in err  # what the launcher printed ...
     assert "warning: no rank read the batch sizes [1, 3] set in EVENDP_BATCH_SIZES" in err
     assert "evendp.batch_sizes_from_env()" in err  # ... and the fix
+
+
+# A DDP loop that never reads EVENDP_BATCH_SIZES (with "read": only rank 0 reads them).
+_UNPORTED = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if sys.argv[1:] == ["read"] and dist.get_rank() == 0:
+    import evendp
+    evendp.batch_sizes_from_env()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = model(torch.randn(4, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+print(f"rank {dist.get_rank()} trained 3 steps", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_unported_loop_is_told_at_its_first_step_and_strict_stops_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    strict: bool,
+) -> None:  # fmt: skip
+    """Issue 36: told at the first step (the launcher's own warning came after the whole run),
+    naming the port for what it trains with. One launch each: ``--strict`` ends the ranks at
+    that step (exit 2), and only rank 0 reads the sizes there, so the ranks must agree."""
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    script = tmp_path / "unported.py"
+    script.write_text(_UNPORTED)
+    flags = ["--strict"] if strict else []
+    argv = ["launch", "--nproc", "2", "--batch-sizes", "1,3", *flags, str(script)]
+    assert main([*argv, "read"] if strict else argv) == (2 if strict else 0)
+    out, err = capfd.readouterr()
+    told = [line for line in err.splitlines() if "first optimizer step" in line]
+    kind = "error" if strict else "warning"
+    assert len(told) == 1 and told[0].startswith(f"evendp launch: {kind}: the script took its ")
+    assert "batch sizes [1, 3]" in told[0] and "evendp.UnevenBatchSampler(data, " in told[0]
+    assert "no rank read" not in err and "Traceback" not in err  # said once, in one line
+    assert out.count("trained 3 steps") == (0 if strict else 2)
+
+
+def test_the_first_step_names_uneven_trainer_under_an_hf_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port is read from the frames that call the step: a real HF Trainer's, here."""
+    transformers = pytest.importorskip("transformers")
+    from evendp._distributed import _first_step, _launch_notes
+
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "1,3")
+    monkeypatch.setenv("RANK", "0")
+    # What a rank's first import of torch.optim.optimizer does (the module, not torch.optim's
+    # attribute: the package deletes that name).
+    _first_step._register(importlib.import_module("torch.optim.optimizer"))
+    config = transformers.GPT2Config(vocab_size=16, n_positions=4, n_embd=8, n_layer=1, n_head=2)
+    data = [{"input_ids": torch.arange(4), "labels": torch.arange(4)}] * 2
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to="none",
+        use_cpu=True, disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    transformers.Trainer(transformers.GPT2LMHeadModel(config), args, train_dataset=data).train()
+    told = [line for line in capsys.readouterr().err.splitlines() if "first optimizer" in line]
+    assert len(told) == 1 and "it trains with an HF Trainer: port it, train with " in told[0]
+    assert "evendp.integrations.transformers.UnevenTrainer in its place" in told[0]
 
 
 def test_old_devices_flag_is_hidden_but_still_accepted(

@@ -23,13 +23,24 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["ENV_OUTCOME", "note_sizes_read", "note_training", "sizes_were_read", "training_began"]
+__all__ = [
+    "ENV_OUTCOME",
+    "note_sizes_read",
+    "note_sizes_told",
+    "note_training",
+    "sizes_read_here",
+    "sizes_were_read",
+    "sizes_were_told",
+    "training_began",
+]
 
 #: Where rank 0 leaves the run's exit code for the launcher (a file in the launcher's private
 #: folder). ``_torchrun/_quiet.py`` spells it itself (a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
 _MARK = "sizes-read"
+_TOLD = "sizes-told"
 _TRAINING = "training"
+_read_here = False  # whether this process read the launcher's sizes
 
 
 def note_sizes_read() -> None:
@@ -37,7 +48,26 @@ def note_sizes_read() -> None:
 
     >>> note_sizes_read()  # no launcher here: nothing to do
     """
+    global _read_here
+    _read_here = True
     _mark(_MARK)
+
+
+def sizes_read_here() -> bool:
+    """Whether this process read the launcher's sizes (:func:`note_sizes_read`)."""
+    return _read_here
+
+
+def note_sizes_told() -> None:
+    """On rank 0: say that the ranks were told at their first step that they ignore the
+    sizes (the launcher does not warn again at the end)."""
+    _mark(_TOLD)
+
+
+def sizes_were_told(outcome: Path) -> bool:
+    """On the launcher: whether rank 0 told the run it ignores the sizes
+    (:func:`note_sizes_told`)."""
+    return (outcome.parent / _TOLD).exists()
 
 
 def note_training() -> None:

@@ -33,7 +33,12 @@ from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
 from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
-from .._distributed._launch_notes import ENV_OUTCOME, sizes_were_read, training_began
+from .._distributed._launch_notes import (
+    ENV_OUTCOME,
+    sizes_were_read,
+    sizes_were_told,
+    training_began,
+)
 from .._distributed._torchrun import QUIET_TORCHRUN
 from .._distributed._torchrun._addresses import interface_toward, loopback_address
 from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, ENV_TORCHRUN_LOG, EXIT_WAIT_S
@@ -557,6 +562,8 @@ def launch_with_outcome(
     child_env = dict(os.environ if env is None else env)
     child_env.update(plan.env)
     torchrun = torchrun_command(plan, script, script_args, passthrough)
+    if not trainer and plan.batch_sizes is not None:  # a user's script, told the sizes
+        torchrun = _watching_first_step(torchrun, len(script_args), passthrough)
     for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
@@ -589,9 +596,30 @@ def launch_with_outcome(
             return 128 - code, None
         said = read_outcome(outcome)
         code = code if said is None else int(said["code"])
-        if code == 0 and plan.batch_sizes is not None and not sizes_were_read(outcome):
+        told = sizes_were_read(outcome) or sizes_were_told(outcome)
+        if code == 0 and plan.batch_sizes is not None and not told:
             _warn_sizes_unread(plan.batch_sizes)
         return code, said
+
+
+def _watching_first_step(
+    torchrun: list[str], script_args: int, passthrough: Mapping[str, object] | None
+) -> list[str]:
+    """``torchrun`` running the script through :mod:`evendp._distributed._first_step`, which
+    tells a script that ignores the sizes at its first step (a module or a program that
+    torchrun runs itself, ``--module``/``--no-python``, is left as it is).
+
+    >>> cmd = ["python", "-m", "torch.distributed.run", "t.py", "--lr", "1"]
+    >>> _watching_first_step(cmd, 2, {})[3:]
+    ['-m', 'evendp._distributed._first_step', 't.py', '--lr', '1']
+    """
+    from .._distributed._first_step import MODULE
+
+    given = passthrough or {}
+    if given.get("module") or given.get("no_python"):
+        return torchrun
+    at = len(torchrun) - 1 - script_args
+    return [*torchrun[:at], "-m", MODULE, *torchrun[at:]]
 
 
 def agent_killed(signum: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import shown
+from .._distributed._first_step import ENV_STRICT
 from .._planning._launch import (
     PASSTHROUGH_OPTIONS,
     launch,
@@ -96,6 +98,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="print the plan and command, start nothing"
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="a script that takes its first optimizer step without reading the batch sizes "
+        "is an error (exit 2), not a warning",
+    )
     group = parser.add_argument_group("torchrun options passed through unchanged")
     for key in PASSTHROUGH_OPTIONS:
         flag = "--" + key.replace("_", "-")
@@ -157,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{key}={value}")
             print(" ".join(torchrun_command(plan, args.script, args.script_args, passthrough)))
             return 0
-        return launch(args.script, args.script_args, plan=plan, passthrough=passthrough)
+        env = {**os.environ, ENV_STRICT: "1"} if args.strict else None
+        return launch(args.script, args.script_args, plan=plan, passthrough=passthrough, env=env)
     except EvendpError as exc:
         say_error("evendp launch", exc)
         return 2

@@ -1,0 +1,191 @@
+"""Under ``evendp launch``: a script that ignores the launcher's batch sizes is told at its first
+optimizer step, with the port for what it trains with.
+
+``evendp launch --batch-sizes 1,3 train.py`` runs each rank as ``python -m
+evendp._distributed._first_step train.py ...``: this module runs the script as ``__main__``
+(``runpy``, its own folder first on ``sys.path``, as ``python train.py`` would) after a global
+optimizer-step hook is set, once the script imports ``torch.optim``. At the first
+``optimizer.step()`` of the process, when nothing in it read the sizes
+(:func:`~evendp._distributed._launch_notes.sizes_read_here`), rank 0 prints one warning naming
+the port: ``UnevenTrainer`` under an HF ``Trainer`` (read from the calling frames), the
+Lightning, Accelerate or DeepSpeed adapters, else ``UnevenBatchSampler``. With
+``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
+all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
+leaves at that step; the launcher exits 2.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import runpy
+import sys
+from types import FrameType, ModuleType
+from typing import Any
+
+from ._launch_notes import note_sizes_told, sizes_read_here
+
+__all__ = ["ENV_STRICT", "MODULE", "port_for", "unported_line"]
+
+#: The worker's entry point, as torchrun's ``-m`` names it.
+MODULE = __name__
+#: Set to ``1`` by ``evendp launch --strict``: an unported script is an error at its first step.
+ENV_STRICT = "EVENDP_STRICT"
+
+# What a script trains with, told by the modules of the frames that call optimizer.step(),
+# outermost framework first: the port that makes it use the launcher's sizes.
+_PORTS = (
+    ("transformers", "an HF Trainer",
+     "train with evendp.integrations.transformers.UnevenTrainer in its place"),
+    ("lightning", "a Lightning Trainer",
+     "return evendp.integrations.lightning.uneven_dataloader(...) from train_dataloader and "
+     "add the UnevenGradient callback"),
+    ("pytorch_lightning", "a Lightning Trainer",
+     "return evendp.integrations.lightning.uneven_dataloader(...) from train_dataloader and "
+     "add the UnevenGradient callback"),
+    ("accelerate", "an Accelerate loop",
+     "use UnevenAccelerator and uneven_dataloader from evendp.integrations.accelerate"),
+    ("deepspeed", "a DeepSpeed engine",
+     "build its loader from evendp.UnevenBatchSampler(data, evendp.batch_sizes_from_env()) "
+     "and its micro-batch with evendp.integrations.deepspeed.config_micro_batch"),
+)  # fmt: skip
+_OWN_LOOP = (
+    "its own loop",
+    "sample with evendp.UnevenBatchSampler(data, evendp.batch_sizes_from_env()) and weigh "
+    "the loss with evendp.ddp_loss (docs/ddp.md)",
+)
+
+
+def port_for(modules: list[str]) -> tuple[str, str]:
+    """What a step called from ``modules`` (the calling frames' module names) trains with,
+    and its port.
+
+    >>> port_for(["torch.optim.sgd", "accelerate.optimizer", "transformers.trainer"])[0]
+    'an HF Trainer'
+    >>> port_for(["torch.optim.sgd", "__main__"])[0]
+    'its own loop'
+    """
+    roots = {name.split(".")[0] for name in modules}
+    return next(((what, fix) for root, what, fix in _PORTS if root in roots), _OWN_LOOP)
+
+
+def unported_line(sizes: str, port: tuple[str, str]) -> str:
+    """What rank 0 says at the first step of a script that never read ``sizes``
+    (``EVENDP_BATCH_SIZES``' text).
+
+    >>> unported_line("1,3;caps=2,4", ("its own loop", "sample with ..."))[49:81]
+    'reading the batch sizes [1, 3] ('
+    """
+    shown = "[" + sizes.split(";")[0].replace(",", ", ") + "]"
+    return (
+        f"the script took its first optimizer step without reading the batch sizes {shown} "
+        f"(EVENDP_BATCH_SIZES), so its ranks train with sizes of its own; it trains with "
+        f"{port[0]}: port it, {port[1]}"
+    )
+
+
+def _calling_modules(frame: FrameType | None) -> list[str]:
+    names = []
+    while frame is not None:
+        names.append(str(frame.f_globals.get("__name__", "")))
+        frame = frame.f_back
+    return names
+
+
+def _agreed_unread(unread: bool) -> bool:
+    """Whether any rank took its step unread (one all-reduce when a process group is up)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return unread
+    from ._group import comm_device
+
+    flag = torch.tensor([int(unread)], device=comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+class _FirstStep:
+    """The global optimizer-step pre-hook: runs once, at the process's first step."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = None
+        strict = os.environ.get(ENV_STRICT) == "1"
+        unread = not sizes_read_here()
+        if strict:  # it ends ranks: decided by every rank alike
+            unread = _agreed_unread(unread)
+        if not unread:
+            return
+        line = unported_line(
+            os.environ.get("EVENDP_BATCH_SIZES", "?"), port_for(_calling_modules(sys._getframe(1)))
+        )
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if not strict:
+            if rank0:
+                print(f"evendp launch: warning: {line}; --strict makes this an error",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                note_sizes_told()
+            return
+        if rank0:
+            from .._planning._launch import write_outcome
+
+            print(f"evendp launch: error: {line} (--strict)", file=sys.stderr, flush=True)
+            note_sizes_told()
+            write_outcome(2)
+        sys.stdout.flush()
+        os._exit(0)  # every rank at this step; the launcher exits with rank 0's code
+
+
+def _register(module: ModuleType) -> None:
+    hook = _FirstStep()
+    hook.handle = module.register_optimizer_step_pre_hook(hook)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Run ``then(module)`` right after ``name`` is imported (torch is not imported for a
+    script that never trains)."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
+        self.loader: Any = None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # the real finders now
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.then(module)
+
+
+def main(argv: list[str]) -> None:
+    """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``python script`` would."""
+    script, *args = argv
+    if "torch.optim.optimizer" in sys.modules:
+        _register(sys.modules["torch.optim.optimizer"])
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register))
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
