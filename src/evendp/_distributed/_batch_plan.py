@@ -21,8 +21,9 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from .._core._defaults import BATCH, NotGiven
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import is_int, shown, validate_instance, validate_int
@@ -177,23 +178,8 @@ def validate_batch_sizes_option(batch_sizes: object, name: str = "batch_sizes") 
 # batch_size and batch_sizes: one meaning
 
 
-class _NotGiven(int):
-    """A ``batch_size`` nobody passed: the default, or ``sum(batch_sizes)``. It is the int it
-    holds everywhere (arithmetic, ``repr``, JSON, pickling as a plain ``int``); only
-    :func:`global_batch_size` tells it apart, so ``dataclasses.replace(config,
-    batch_sizes=...)`` derives the sum again instead of calling the old one a contradiction."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return int.__repr__(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (int, (int(self),))
-
-
 #: ``TrainConfig.batch_size``'s default: 32 samples per step, told apart from a given 32.
-DEFAULT_BATCH_SIZE: int = _NotGiven(32)
+DEFAULT_BATCH_SIZE: int = NotGiven(BATCH)
 
 
 def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None = None) -> int:
@@ -219,8 +205,8 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None =
     if batch_sizes is None or isinstance(batch_sizes, str):
         return batch_size
     total = sum(validate_batch_plan(batch_sizes)[0])
-    if isinstance(batch_size, _NotGiven):
-        return _NotGiven(total)
+    if isinstance(batch_size, NotGiven):
+        return NotGiven(total)
     if batch_size == total:
         return batch_size
     if cli is not None:

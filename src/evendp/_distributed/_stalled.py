@@ -27,6 +27,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._core._defaults import COMM_TIMEOUT_S
+from .._core._defaults import MIN_COMM_TIMEOUT_S as _MIN_COMM_TIMEOUT_S
 from .._core._errors import TrainingError
 
 if TYPE_CHECKING:  # the launcher's StallWatch runs without torch
@@ -44,9 +46,9 @@ __all__ = [
 ]
 
 #: The default collective timeout, in seconds (NCCL's own default; gloo's is 30 minutes).
-DEFAULT_COMM_TIMEOUT_S = 600.0
+DEFAULT_COMM_TIMEOUT_S = COMM_TIMEOUT_S
 #: The shortest one the command line takes: shorter ones fire on a slow checkpoint save.
-MIN_COMM_TIMEOUT_S = 5.0
+MIN_COMM_TIMEOUT_S = _MIN_COMM_TIMEOUT_S
 #: The reports' names in the outcome folder (``evendp._distributed._torchrun`` reads them).
 REPORT_PREFIX = "stalled."
 _REPORT_GRACE_S = 5.0  # after the first report: the other answering ranks report too

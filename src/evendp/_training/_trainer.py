@@ -36,6 +36,7 @@ import itertools
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from .._core import _defaults as defaults
 from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
@@ -106,11 +108,11 @@ class TrainConfig:
     'bf16'
     """
 
-    steps: int = 100
+    steps: int = defaults.STEPS
     batch_size: int = DEFAULT_BATCH_SIZE  # 32, told apart from a given 32
     batch_sizes: list[int] | Literal["auto"] | None = None  # per rank, torchrun; None: even
     accum: int = 1
-    lr: float = 1e-3
+    lr: float = defaults.LR
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0
     amp: Literal["none", "bf16", "fp16"] = "none"
@@ -122,9 +124,10 @@ class TrainConfig:
     # path); None: its defaults.
     strategy_config: dict[str, Any] | str | Path | None = None
     out_dir: str | Path | None = None
-    checkpoint_every: int = 0  # 0: only at the end and on Ctrl-C
+    # 0: only at the end and on Ctrl-C (with out_dir: every 50 steps from evendp 0.3.0)
+    checkpoint_every: int = defaults.NotGiven(defaults.CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL)
     resume: bool = False
-    seed: int = 0
+    seed: int = defaults.SEED
     progress: bool = True
     log_every: int = 10  # steps between the progress bar's loss reads (the report has all)
     prefetch: int | None = None  # batches collated ahead in a thread; None: 2 with a GPU, else 0
@@ -150,6 +153,8 @@ class TrainConfig:
             "comm_timeout", self.comm_timeout, positive=True, allow_none=True,
             example="comm_timeout=600 (seconds; None: the process group's own)",
         )  # fmt: skip
+        if self.out_dir is not None and isinstance(self.checkpoint_every, defaults.NotGiven):
+            warnings.warn(defaults.checkpoint_every_note(), FutureWarning, stacklevel=3)
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:

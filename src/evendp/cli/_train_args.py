@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._core import _defaults as defaults
+from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import json_data, shown
 from .._training._strategies import STRATEGIES
@@ -43,14 +45,13 @@ __all__ = [
 #: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
 OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
 #: ``--batch``'s default; the ranks' batch plan (EVENDP_BATCH_SIZES) is held to any other value.
-DEFAULT_BATCH = 32
+DEFAULT_BATCH = defaults.BATCH
 
 _DEFAULT_OUT = "runs/demo"
-# evendp._distributed._stalled's DEFAULT_COMM_TIMEOUT_S and MIN_COMM_TIMEOUT_S, without
-# importing torch to declare the options (a test keeps them equal).
-_COMM_TIMEOUT = 600.0
-_MIN_COMM_TIMEOUT = 5.0
-_DEFAULT_STEPS = 100
+# TrainConfig's defaults, read without importing torch to declare the options.
+_COMM_TIMEOUT = defaults.COMM_TIMEOUT_S
+_MIN_COMM_TIMEOUT = defaults.MIN_COMM_TIMEOUT_S
+_DEFAULT_STEPS = defaults.STEPS
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
 DEMO_MEMORY = "48MiB,48MiB,24MiB"
 
@@ -150,20 +151,21 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpoint-every",
-        type=bounded_int("--checkpoint-every", 0, 10_000_000, 50),
-        default=50,
-        help="steps between checkpoints (0: end only) (default 50)",
+        type=bounded_int("--checkpoint-every", 0, 10_000_000, defaults.CHECKPOINT_EVERY),
+        default=defaults.CHECKPOINT_EVERY,
+        help=f"steps between checkpoints (0: end only) (default {defaults.CHECKPOINT_EVERY})",
     )
     p.add_argument(
         "--lr",
         type=bounded_float("--lr", 0.0, 10.0, "3e-3"),
-        default=3e-3,
-        help="AdamW learning rate (default 3e-3)",
+        default=None,  # said when not given: the default changes (defaults.lr_note)
+        help=f"AdamW learning rate (default {defaults.rate_text(defaults.CLI_LR_UNTIL_REMOVAL)}; "
+        f"{defaults.rate_text(defaults.LR)}, TrainConfig's, from evendp {REMOVAL})",
     )
     p.add_argument(
         "--seed",
-        type=bounded_int("--seed", 0, 2**63 - 1, 0),
-        default=0,
+        type=bounded_int("--seed", 0, 2**63 - 1, defaults.SEED),
+        default=defaults.SEED,
         help="seed of the model's initialization and the batch order (default 0)",
     )
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")

@@ -92,6 +92,12 @@ def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
 
     try:
         args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
+        if args.lr is None:  # its default changes in 0.3.0: said once, by the launcher
+            from evendp._core import _defaults
+
+            args.lr = _defaults.CLI_LR_UNTIL_REMOVAL
+            if not is_launched_rank():
+                print(f"evendp train: note: {_defaults.lr_note()}", file=sys.stderr)
         validate_args(args)
         done = resume_check(args)
         if done is not None:
