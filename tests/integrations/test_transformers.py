@@ -168,6 +168,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             }
         for task, (name, sizes, samples) in EDGES.items():
             result[task] = _edge_run(tmp, name, sizes, samples)
+        result["schedule"] = _schedule_run(UnevenTrainer, tmp, batch_sizes=SIZES)
         for task, (name, sizes) in EVALS.items():
             result[task] = _evaluations(UnevenTrainer, tmp, name, EVAL_BATCH, batch_sizes=sizes)
     torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -202,6 +203,34 @@ def _edge_run(tmp: str, name: str, sizes: list[int], samples: int) -> dict[str, 
         "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "global_step": output.global_step,
     }
+
+
+# A warm-up then linear decay over 2 epochs of 17 samples (3 steps each, the last of 1
+# sample): the step count the Trainer derives from the loader's length (issue 36).
+_SCHEDULE_ARGS = {
+    "max_steps": -1, "num_train_epochs": 2, "lr_scheduler_type": "linear", "warmup_steps": 2,
+    "logging_strategy": "steps", "logging_steps": 1,
+}  # fmt: skip
+
+
+def _schedule_run(trainer_class: Any, tmp: str, **options: Any) -> list[float]:
+    """The learning rate of every optimizer step, as the Trainer logs it."""
+    ranks = {"ddp_backend": "gloo"} if trainer_class is not transformers.Trainer else {}
+    batch, accum = (2, ACCUM) if ranks else (sum(SIZES) * ACCUM, 1)
+    args = _args(tmp, batch=batch, accum=accum, **_SCHEDULE_ARGS, **ranks)
+    trainer = trainer_class(
+        _model("lm"), args, train_dataset=_Data("lm", 17), data_collator=pad_collate, **options
+    )
+    trainer.train()
+    return [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+
+
+def test_the_learning_rate_of_every_step_is_one_processs(ranks: list[dict[str, Any]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        want = _schedule_run(transformers.Trainer, tmp)
+    assert len(want) == 6  # 2 epochs of 3 steps
+    for rank in ranks:
+        assert rank["schedule"] == pytest.approx(want, rel=1e-12)
 
 
 # Evaluation (issue 36): 13 rows, 3 a rank -> batches of 6, 6 and 1 rows over both ranks;
