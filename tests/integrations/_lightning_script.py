@@ -66,12 +66,77 @@ def fit(reduction: str, data: Any, sizes: list[int] | None, model: torch.nn.Modu
     return {"world": trainer.world_size, "seen": module.seen, "params": params, "loss": loss}
 
 
+def fit_scheduled_and_validated(data: Any, model: torch.nn.Module) -> dict:
+    """A linear decay over ``trainer.estimated_stepping_batches`` stepped every optimizer
+    step, and the validation loss of the 9 samples logged with ``logged_count`` (issue 36)."""
+    import lightning.pytorch as pl
+
+    from evendp.integrations.lightning import UnevenGradient, logged_count, uneven_dataloader
+
+    nine = torch.utils.data.Subset(Data(), range(9))
+    lrs: list[float] = []
+
+    class Rates(pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, _ = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y, _ = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("val_loss", loss, batch_size=logged_count(batch), sync_dist=True)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+            total = self.trainer.estimated_stepping_batches
+            decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / total)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": decay, "interval": "step"},
+            }
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return uneven_dataloader(data, seed=SEED)
+
+        def val_dataloader(self) -> torch.utils.data.DataLoader:
+            return uneven_dataloader(nine, shuffle=False)
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUM, use_distributed_sampler=False, num_sanity_val_steps=0,
+        check_val_every_n_epoch=EPOCHS, callbacks=[UnevenGradient(reduction="mean"), Rates()],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    with torch.no_grad():  # every row once, with the trained model: one process's figure
+        x = torch.stack([nine[i][0] for i in range(9)])
+        y = torch.stack([nine[i][1] for i in range(9)])
+        want = float(F.cross_entropy(module.net(x), y))
+    return {
+        "lrs": lrs,
+        "estimated": int(trainer.estimated_stepping_batches),
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_loss_of_every_row": want,
+    }
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     result = fit("sum", Data(), None, make_model())
     nine = torch.utils.data.Subset(Data(), range(9))  # steps of 4, 4, 1: the last is [0, 1]
     result["mean"] = fit("mean", nine, None, RejectsEmpty())
     result["zero"] = fit("mean", Data(), [0, 4], RejectsEmpty())
+    result["scheduled"] = fit_scheduled_and_validated(Data(), make_model())
     torch.save(result, out / f"rank{torch.distributed.get_rank()}.pt")
 
 

@@ -8,6 +8,7 @@ with one process training on the same accumulation windows.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,15 @@ import torch
 
 import evendp
 from tests._helpers import require
-from tests.integrations._tiny import EPOCHS, SAMPLES, SEED, reference_run, reference_update_error
+from tests.integrations._tiny import (
+    ACCUM,
+    EPOCHS,
+    LR,
+    SAMPLES,
+    SEED,
+    reference_run,
+    reference_update_error,
+)
 
 pytestmark = pytest.mark.multiprocess
 require("lightning")
@@ -74,3 +83,18 @@ def test_the_sum_default_warns_that_it_becomes_the_mean() -> None:
         assert UnevenGradient().reduction == "sum"
     with pytest.raises(evendp.EvendpError, match="'mean' or 'sum'"):
         UnevenGradient(reduction="avg")
+
+
+def test_the_schedule_and_the_validation_loss_are_one_processs(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Issue 36: ``estimated_stepping_batches`` (from the loader's length) is the run's number
+    of optimizer steps, so a schedule over it ends at the last step; the validation loss
+    logged with ``logged_count`` is the mean over the 9 rows (5 a step, the short last step
+    leaves rank 0 a stand-in), whatever each rank held."""
+    steps = EPOCHS * math.ceil(math.ceil(SAMPLES / sum(SIZES)) / ACCUM)  # one process's
+    for result in ranks:
+        got = result["scheduled"]
+        assert got["estimated"] == len(got["lrs"]) == steps
+        assert got["lrs"] == pytest.approx([LR * (1 - k / steps) for k in range(steps)])
+        assert got["val_loss"] == pytest.approx(got["val_loss_of_every_row"], rel=1e-6)

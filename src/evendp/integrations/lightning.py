@@ -38,7 +38,13 @@ from .._distributed._group import comm_device
 from .._planning._balance import NoBalance, step_balancer
 from ._epoch import RelayedBatchSampler
 
-__all__ = ["SpeedBalance", "UnevenGradient", "count_samples", "uneven_dataloader"]
+__all__ = [
+    "SpeedBalance",
+    "UnevenGradient",
+    "count_samples",
+    "logged_count",
+    "uneven_dataloader",
+]
 
 
 def count_samples(batch: Any) -> int:
@@ -57,6 +63,26 @@ def count_samples(batch: Any) -> int:
         f"cannot count the samples of a {type(batch).__name__} batch: no tensor with a batch "
         "dimension; pass count_fn=... to UnevenGradient"
     )
+
+
+def logged_count(batch: Any, count_fn: Callable[[Any], int] | None = None) -> float:
+    """What to pass as ``self.log(..., batch_size=)`` for a batch of an uneven loader: its
+    items (default :func:`count_samples`), 0 for a stand-in, as a float.
+
+    Lightning's epoch mean of a logged value is the sum of ``value * batch_size`` over the
+    batches over the sum of ``batch_size``, both averaged over the ranks with
+    ``sync_dist=True``: with these counts it is the mean over every item once, whatever each
+    rank held (inferred, a stand-in counts 1 and a token loss counts rows). A float because
+    Lightning keeps an int sum of ints and averages it over the ranks in integers: 9 rows on
+    2 ranks became 4 (9 / 2, floored), the loss 9 / 8 of the true one.
+
+    >>> logged_count((torch.zeros(3, 2),)), logged_count(evendp.EmptySafeCollate(
+    ...     [(torch.zeros(2),)], stand_in=True)([]))
+    (3.0, 0.0)
+    """
+    if evendp.is_stand_in(batch):
+        return 0.0
+    return float((count_samples if count_fn is None else count_fn)(batch))
 
 
 def uneven_dataloader(
