@@ -10,6 +10,8 @@ from each one's declared memory.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import tempfile
 import time
 from pathlib import Path
@@ -99,14 +101,18 @@ def _cost_run(tmp: str) -> dict[str, Any]:
     return {"params": _params(model), "lengths": lengths}
 
 
-def _auto_sizes(tmp: str) -> list[int]:
+def _auto_sizes(tmp: str) -> dict[str, Any]:
     from evendp.integrations.transformers import UnevenTrainer
 
     args = _args(tmp, batch=AUTO_PER_DEVICE, accum=1, ddp_backend="gloo")
-    return UnevenTrainer(
-        _model("lm"), args, train_dataset=_Data("lm"), data_collator=pad_collate,
-        batch_sizes="auto", memory=MEMORY,
-    ).batch_sizes  # fmt: skip
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):  # issue 36: what "auto" chose is printed
+        sizes = UnevenTrainer(
+            _model("lm"), args, train_dataset=_Data("lm"), data_collator=pad_collate,
+            batch_sizes="auto", memory=MEMORY,
+        ).batch_sizes  # fmt: skip
+    lines = [line for line in said.getvalue().splitlines() if "batch_sizes='auto'" in line]
+    return {"sizes": sizes, "said": lines}
 
 
 def _accelerate_run(rank: int) -> dict[str, Any]:
@@ -205,8 +211,11 @@ def test_cost_balance_sends_samples_by_length_and_keeps_one_process_result(
 
 
 def test_auto_batch_sizes_follow_each_rank_memory_and_agree(ranks: list[dict[str, Any]]) -> None:
-    sizes = ranks[0]["auto"]
-    assert ranks[1]["auto"] == sizes and sum(sizes) == AUTO_PER_DEVICE * 2
+    sizes = ranks[0]["auto"]["sizes"]
+    assert ranks[1]["auto"]["sizes"] == sizes and sum(sizes) == AUTO_PER_DEVICE * 2
+    said = [f"evendp: batch_sizes='auto' planned {sizes} per rank for a global batch of "]
+    assert [line[: len(said[0])] for line in ranks[0]["auto"]["said"]] == said
+    assert ranks[1]["auto"]["said"] == []  # said once, by rank 0
     assert sizes[0] > sizes[1]  # the rank with more memory takes more of the same total
 
 

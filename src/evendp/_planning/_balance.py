@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -47,6 +48,7 @@ __all__ = [
     "inline_for_balance",
     "rank_batch_plan",
     "rank_memory",
+    "say_auto_sizes",
     "sizes_from_capacities",
     "split_per_step",
     "step_balancer",
@@ -281,6 +283,22 @@ def auto_batch_sizes(
             f"{exc} (each rank's memory also keeps {format_bytes(context)} for the CUDA "
             "context: cuda_context=, --context)"
         ) from None
+
+
+def say_auto_sizes(sizes: Sequence[int], caps: Sequence[int] | None, rank: int) -> None:
+    """On rank 0: what ``batch_sizes="auto"`` chose, in one line (every surface says it).
+
+    >>> say_auto_sizes([20, 12], [48, 24], rank=1)  # other ranks stay quiet
+    """
+    if rank != 0:
+        return
+    most = "" if caps is None else f" (the most each holds: {list(caps)})"
+    print(
+        f"evendp: batch_sizes='auto' planned {list(sizes)} per rank for a global batch of "
+        f"{sum(sizes)}{most}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:

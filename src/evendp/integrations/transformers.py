@@ -61,6 +61,7 @@ from .._distributed._group import comm_device
 from .._planning._balance import (
     NoBalance,
     auto_batch_sizes,
+    say_auto_sizes,
     step_balancer,
     time_forward,
     validate_balance,
@@ -365,7 +366,11 @@ class UnevenTrainer(transformers.Trainer):
             )
         example = self.data_collator([self.train_dataset[0]])
         global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
-        return auto_batch_sizes(self.model, example, global_batch=global_batch, memory=memory)
+        sizes, caps = auto_batch_sizes(
+            self.model, example, global_batch=global_batch, memory=memory
+        )
+        say_auto_sizes(sizes, caps, self.args.process_index)
+        return sizes, caps
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
