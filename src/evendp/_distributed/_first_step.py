@@ -25,7 +25,7 @@ import sys
 from types import FrameType, ModuleType
 from typing import Any
 
-from ._launch_notes import note_sizes_told, sizes_read_here
+from ._launch_notes import note_sizes_told, sizes_read_here, write_outcome
 
 __all__ = ["ENV_STRICT", "MODULE", "port_for", "unported_line"]
 
@@ -135,8 +135,6 @@ class _FirstStep:
                 note_sizes_told()
             return
         if rank0:
-            from .._planning._launch import write_outcome
-
             print(f"evendp launch: error: {line} (--strict)", file=sys.stderr, flush=True)
             note_sizes_told()
             write_outcome(2)

@@ -20,18 +20,22 @@ is never read back, only looked for.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ENV_OUTCOME",
     "note_sizes_read",
     "note_sizes_told",
     "note_training",
+    "read_outcome",
     "sizes_read_here",
     "sizes_were_read",
     "sizes_were_told",
     "training_began",
+    "write_outcome",
 ]
 
 #: Where rank 0 leaves the run's exit code for the launcher (a file in the launcher's private
@@ -102,3 +106,33 @@ def sizes_were_read(outcome: Path) -> bool:
 def training_began(outcome: Path) -> bool:
     """On the launcher: whether a rank said training began (:func:`note_training`)."""
     return (outcome.parent / _TRAINING).exists()
+
+
+def write_outcome(code: int, **details: Any) -> None:
+    """Under ``evendp launch``: leave this run's exit code (and details) for the launcher.
+
+    The ranks themselves exit 0 after a clean stop or a clean error, so that torchrun neither
+    restarts them nor prints its ``ChildFailedError``; the launcher exits with ``code``.
+    Nothing happens outside a launcher.
+
+    >>> write_outcome(0)  # no launcher here: nothing to do
+    """
+    from ._run_files import open_private
+
+    path = os.environ.get(ENV_OUTCOME)
+    if path:
+        fd = open_private(Path(path), os.O_WRONLY | os.O_CREAT)  # never through a link
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"code": int(code), **details}).encode())
+        finally:
+            os.close(fd)
+
+
+def read_outcome(path: Path) -> dict[str, Any] | None:
+    """What :func:`write_outcome` left at ``path`` (``None``: nothing, or unreadable)."""
+    try:
+        said = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return said if isinstance(said, dict) and isinstance(said.get("code"), int) else None

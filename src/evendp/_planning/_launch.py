@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import signal
 import socket
@@ -35,9 +34,11 @@ from .._core._validate import shown, validate_int
 from .._distributed._batch_plan import ENV_BATCH_SIZES, BatchPlan, Source, global_batch_size
 from .._distributed._launch_notes import (
     ENV_OUTCOME,
+    read_outcome,
     sizes_were_read,
     sizes_were_told,
     training_began,
+    write_outcome,
 )
 from .._distributed._torchrun import QUIET_TORCHRUN
 from .._distributed._torchrun._addresses import interface_toward, loopback_address
@@ -649,33 +650,3 @@ def _warn_sizes_unread(sizes: list[int]) -> None:
         file=sys.stderr,
         flush=True,
     )
-
-
-def write_outcome(code: int, **details: Any) -> None:
-    """Under ``evendp launch``: leave this run's exit code (and details) for the launcher.
-
-    The ranks themselves exit 0 after a clean stop or a clean error, so that torchrun neither
-    restarts them nor prints its ``ChildFailedError``; the launcher exits with ``code``.
-    Nothing happens outside a launcher.
-
-    >>> write_outcome(0)  # no launcher here: nothing to do
-    """
-    from .._distributed._run_files import open_private
-
-    path = os.environ.get(ENV_OUTCOME)
-    if path:
-        fd = open_private(Path(path), os.O_WRONLY | os.O_CREAT)  # never through a link
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"code": int(code), **details}).encode())
-        finally:
-            os.close(fd)
-
-
-def read_outcome(path: Path) -> dict[str, Any] | None:
-    """What :func:`write_outcome` left at ``path`` (``None``: nothing, or unreadable)."""
-    try:
-        said = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return said if isinstance(said, dict) and isinstance(said.get("code"), int) else None
