@@ -472,6 +472,7 @@ def train_config(
     given = {_FIELD_OF.get(dest, dest): value for dest, value in vars(args).items()}
     fields = {name: value for name, value in given.items() if name in names}
     fields.update(
+        lr=defaults.CLI_LR_UNTIL_REMOVAL if args.lr is None else args.lr,  # said after the run
         progress=not args.no_progress,
         resume=args.resume or args.resume_or_start or torchrun_restarted(),
         log_every=1 if every_step else 10,

@@ -72,10 +72,16 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
+    from evendp.cli._train_args import is_launched_rank
+
     claimed: list[Any] = []  # what undoes this run's claim of --out (fresh_start_check)
     code = _checked(args, claimed)
     if code == 2 and claimed:  # refused, here or by the ranks, before anything was written:
         claimed[0]()  # no folder left holding only evendp's marker
+    if code == 0 and args.lr is None and not is_launched_rank():  # a run that trained
+        from evendp._core._defaults import lr_note
+
+        print(f"evendp train: note: {lr_note()}", file=sys.stderr)  # its default changes
     return code
 
 
@@ -92,12 +98,6 @@ def _checked(args: argparse.Namespace, claimed: list[Any]) -> int:
 
     try:
         args = options_from_env(args)  # a rank of --mode ddp|fsdp2: the launcher's options
-        if args.lr is None:  # its default changes in 0.3.0: said once, by the launcher
-            from evendp._core import _defaults
-
-            args.lr = _defaults.CLI_LR_UNTIL_REMOVAL
-            if not is_launched_rank():
-                print(f"evendp train: note: {_defaults.lr_note()}", file=sys.stderr)
         validate_args(args)
         done = resume_check(args)
         if done is not None:
