@@ -145,8 +145,12 @@ def test_memory_under_ddp_plans_each_rank_for_its_budget() -> None:
     assert plan.batch_caps[1] < 32
 
 
-def test_memory_entries_must_match_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--mode", "ddp", *BASE, "--memory", "8MiB,8MiB,4MiB"]) == 2
+def test_memory_entries_must_match_the_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A fresh --out: the default (runs/demo) holds the demo's run after `make demo`.
+    argv = ["train", "--mode", "ddp", *BASE, "--memory", "8MiB,8MiB,4MiB"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--memory" in err and "--devices 'cpu,cpu'" in err and "--nproc" not in err
 

@@ -32,9 +32,11 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.skipif(_driver(), reason="needs a machine with no NVIDIA driver")
 def test_ddp_gpu_devices_without_a_driver_name_devices_not_gpus(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["train", "--mode", "ddp", "--devices", "0,1", *TINY]) == 2
+    # A fresh --out: the default (runs/demo) holds the demo's run after `make demo`.
+    argv = ["train", "--mode", "ddp", "--devices", "0,1", *TINY]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = _one_line(capsys)
     assert "--devices '0,1'" in err and "--gpus" not in err
 
