@@ -772,7 +772,8 @@ class Trainer:
             strategy.zero_grad()
             self.guard.skipped += 1
             return None, True
-        skipped = strategy.optimizer_step(self.state.step + 1)
+        with self._timed("optimizer"):
+            skipped = strategy.optimizer_step(self.state.step + 1)
         # The step's mean, or this rank's part of it (the strategy sums the parts when read).
         return total / self.world, skipped
 
@@ -831,9 +832,17 @@ class Trainer:
                     stand_in = self._stand_in_for_empty()
                     summed = zero_weight(strategy.forward(stand_in, strategy.shares(1)))
             loss = summed * weight.wait()  # the count's all-reduce ran during the forward
-            strategy.backward(loss)
+            with self._timed("backward"):
+                strategy.backward(loss)
             total = total + loss.detach()
         return total
+
+    def _timed(self, part: str) -> contextlib.AbstractContextManager[Any]:
+        """The speed balancer's timer around ``part`` of the step, where the strategy runs it
+        without waiting for another rank (its ``local_parts``); else nothing."""
+        if part in self.strategy.local_parts:
+            return self.balancer.measure(0)  # time only: the forward counted the samples
+        return contextlib.nullcontext()
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ class BalancedDP(Strategy):
     """
 
     name = "dp"
+    # One process: every part is its own.
+    local_parts = frozenset({"backward", "optimizer"})
 
     def __init__(
         self,

@@ -69,6 +69,11 @@ class Strategy(abc.ABC):
     checkpoint_format: CheckpointFormat = WholeFile()
     #: The optimizer step (:meth:`build_optimizer`).
     stepper: OptimizerStep
+    #: The parts of a step besides the forward that run without waiting for another rank
+    #: (``"backward"``, ``"optimizer"``): the speed balancer times them with the forward. A
+    #: part with a collective inside (DDP's bucketed backward, FSDP2's clipping, DeepSpeed's
+    #: engine) would time the slowest rank on every rank.
+    local_parts: frozenset[str] = frozenset()
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

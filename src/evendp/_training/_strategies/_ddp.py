@@ -20,6 +20,10 @@ class DDP(RankStrategy):
     and backward (``no_sync`` until the last micro-batch); an OOM on one rank is fatal, as in
     torch. Every rank runs at least one synced backward, even with no samples."""
 
+    # Its backward all-reduces in buckets (it waits for the slowest rank); the optimizer
+    # step, on gradients already averaged, is this rank's own.
+    local_parts = frozenset({"optimizer"})
+
     def wrap(self, loss_module: nn.Module) -> None:
         self.wrapped = nn.parallel.DistributedDataParallel(loss_module, **_no_buffer_sync())
 

@@ -31,6 +31,9 @@ class OomSafeDDP(RankStrategy):
     result and skip: the reduction was wasted, never wrong."""
 
     _votes: tuple[float, float] | None = None  # the last step's summed stop votes, read
+    # No collective in backward or in the optimizer step (the gradients were averaged in
+    # agree_step): both are this rank's own compute.
+    local_parts = frozenset({"backward", "optimizer"})
 
     def guard(self, oom_resplit: bool) -> OomResplit:
         return OomResplit(catch=oom_resplit)
