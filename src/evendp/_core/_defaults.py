@@ -1,9 +1,10 @@
 """One home for the defaults that ``TrainConfig`` and ``evendp train`` share (issue 36).
 
 Both read these names: ``TrainConfig``'s fields and the command line's options (declared
-without importing torch, so this module imports nothing). Two defaults differed; each moves to
-the one value below in evendp :data:`~evendp._core._deprecation.REMOVAL`, and until then the
-surface that changes says so where the change would matter:
+without importing torch: this module needs the standard library only). Two defaults
+differed; each moves to the one value below in evendp
+:data:`~evendp._core._deprecation.REMOVAL`, and until then the surface that changes says so
+where the change would matter:
 
 * ``LR``: ``TrainConfig``'s (torch's ``AdamW`` default). ``evendp train`` ran 3e-3
   (``CLI_LR_UNTIL_REMOVAL``); a run without ``--lr`` says it will be 1e-3.
