@@ -7,6 +7,7 @@ and ``bash``), which start in milliseconds.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -134,10 +135,17 @@ def test_the_timeout_is_checked_and_spelled_alike_everywhere() -> None:
 
     from evendp._distributed._torchrun import QUIET_TORCHRUN
     from evendp.cli import _train_args
+    from evendp.cli._args import CleanParser
 
     assert TrainConfig().comm_timeout == stalled.DEFAULT_COMM_TIMEOUT_S == 600
-    assert _train_args._COMM_TIMEOUT == stalled.DEFAULT_COMM_TIMEOUT_S
-    assert _train_args._MIN_COMM_TIMEOUT == stalled.MIN_COMM_TIMEOUT_S
+    # The command line's option, as parsed (it reads the same table, evendp._core._defaults).
+    parser = CleanParser(prog="evendp train")
+    _train_args.add_options(parser)
+    (option,) = [a for a in parser._actions if a.dest == "comm_timeout"]
+    assert option.default == stalled.DEFAULT_COMM_TIMEOUT_S
+    assert option.type(str(stalled.MIN_COMM_TIMEOUT_S)) == stalled.MIN_COMM_TIMEOUT_S
+    with pytest.raises(argparse.ArgumentTypeError):  # below the least the CLI takes
+        option.type(str(stalled.MIN_COMM_TIMEOUT_S / 2))
     spelled = runpy.run_path(str(QUIET_TORCHRUN / "_quiet.py"), run_name="probe")
     assert spelled["STALLED_PREFIX"] == stalled.REPORT_PREFIX
     assert TrainConfig(comm_timeout=None).comm_timeout is None

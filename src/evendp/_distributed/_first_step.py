@@ -35,14 +35,12 @@ MODULE = __name__
 ENV_STRICT = "EVENDP_STRICT"
 
 # What a script trains with, told by the modules of the frames that call optimizer.step(),
-# outermost framework first: the port that makes it use the launcher's sizes.
+# outermost framework first (its top-level package names): the port that makes it use the
+# launcher's sizes.
 _PORTS = (
     ("transformers", "an HF Trainer",
      "train with evendp.integrations.transformers.UnevenTrainer in its place"),
-    ("lightning", "a Lightning Trainer",
-     "return evendp.integrations.lightning.uneven_dataloader(...) from train_dataloader and "
-     "add the UnevenGradient callback"),
-    ("pytorch_lightning", "a Lightning Trainer",
+    ("lightning pytorch_lightning", "a Lightning Trainer",
      "return evendp.integrations.lightning.uneven_dataloader(...) from train_dataloader and "
      "add the UnevenGradient callback"),
     ("accelerate", "an Accelerate loop",
@@ -66,9 +64,12 @@ def port_for(modules: list[str]) -> tuple[str, str]:
     'an HF Trainer'
     >>> port_for(["torch.optim.sgd", "__main__"])[0]
     'its own loop'
+    >>> port_for(["pytorch_lightning.loops"])[0]
+    'a Lightning Trainer'
     """
     roots = {name.split(".")[0] for name in modules}
-    return next(((what, fix) for root, what, fix in _PORTS if root in roots), _OWN_LOOP)
+    found = ((what, fix) for names, what, fix in _PORTS if roots & set(names.split()))
+    return next(found, _OWN_LOOP)
 
 
 def unported_line(sizes: str, port: tuple[str, str]) -> str:

@@ -26,6 +26,7 @@ collective (every backward stays local; see
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 from collections.abc import Callable, Sequence
@@ -137,8 +138,9 @@ class OomResplit:
         #: How many steps were skipped because even the smallest micro-batch did not fit.
         self.skipped = 0
         #: One line per re-split or skip since the caller last emptied it (what was decided
-        #: and why); the Trainer prints them after the step.
-        self.notes: list[str] = []
+        #: and why); the Trainer prints them after the step. The last 16: a hand-written loop
+        #: that never reads them keeps no more.
+        self.notes: collections.deque[str] = collections.deque(maxlen=16)
         #: While ``chunk_loss`` runs: the index of this micro-step and how many the attempt
         #: runs, so a caller can sync gradients on the last one only.
         self.micro_step = 0

@@ -588,6 +588,8 @@ class Trainer:
     def _oom_lines(self) -> list[str]:
         """The OOM guard's notes of the step just done (a re-split, a skip), each naming the
         step and, on several ranks, this rank; emptied once said."""
+        if not self.guard.notes:  # nearly every step: nothing to say
+            return []
         where = f"step {self.state.step}" + (f", rank {self.rank}" if self.world > 1 else "")
         lines = [f"evendp: {where}: {note}" for note in self.guard.notes]
         self.guard.notes.clear()

@@ -48,10 +48,6 @@ OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
 DEFAULT_BATCH = defaults.BATCH
 
 _DEFAULT_OUT = "runs/demo"
-# TrainConfig's defaults, read without importing torch to declare the options.
-_COMM_TIMEOUT = defaults.COMM_TIMEOUT_S
-_MIN_COMM_TIMEOUT = defaults.MIN_COMM_TIMEOUT_S
-_DEFAULT_STEPS = defaults.STEPS
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
 DEMO_MEMORY = "48MiB,48MiB,24MiB"
 
@@ -61,8 +57,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steps",
         type=bounded_int("--steps", 1, 10_000_000, 200),
-        default=_DEFAULT_STEPS,
-        help=f"optimizer steps (default {_DEFAULT_STEPS})",
+        default=defaults.STEPS,
+        help=f"optimizer steps (default {defaults.STEPS})",
     )
     p.add_argument(
         "--batch",
@@ -142,12 +138,18 @@ def add_options(p: argparse.ArgumentParser) -> None:
     _add_node_options(p)
     p.add_argument(
         "--comm-timeout",
-        type=bounded_float("--comm-timeout", _MIN_COMM_TIMEOUT, 86_400, "600", low_inclusive=True),
-        default=_COMM_TIMEOUT,
+        type=bounded_float(
+            "--comm-timeout",
+            defaults.MIN_COMM_TIMEOUT_S,
+            86_400,
+            "600",
+            low_inclusive=True,
+        ),
+        default=defaults.COMM_TIMEOUT_S,
         metavar="SECONDS",
         help="ddp/fsdp2: how long a rank waits for the others in a collective once training "
         "runs; a rank silent for longer (hung, stopped) ends the run, naming it, exit 1 "
-        f"(at least {_MIN_COMM_TIMEOUT:g}; default {_COMM_TIMEOUT:g})",
+        f"(at least {defaults.MIN_COMM_TIMEOUT_S:g}; default {defaults.COMM_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--checkpoint-every",

@@ -434,26 +434,36 @@ class UnevenTrainer(transformers.Trainer):
             **settings,
         )
 
-    def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+    def evaluation_loop(
+        self,
+        dataloader: DataLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
         """The Trainer's loop over an exact evaluation loader: rows gathered each once, in
         dataset order; ``<prefix>_loss`` the row-weighted mean of the batches' losses."""
+        options: dict[str, Any] = {
+            "prediction_loss_only": prediction_loss_only, "ignore_keys": ignore_keys,
+            "metric_key_prefix": metric_key_prefix,
+        }  # fmt: skip
         pieces = getattr(dataloader, "batch_sampler", None)
         if not isinstance(pieces, EvalPieces):
-            return super().evaluation_loop(dataloader, *args, **kwargs)
+            return super().evaluation_loop(dataloader, description, **options)
         _validate_eval_composition(type(self))
         if self._probe_pending and len(pieces):  # whether the loss uses the count, as in training
             self._probe_loss_kwargs([next(iter(dataloader))])
         self._eval_means = EvalMeans(pieces)
         self.gather_function = functools.partial(gather_rows, self.accelerator)
         try:
-            output = super().evaluation_loop(dataloader, *args, **kwargs)
+            output = super().evaluation_loop(dataloader, description, **options)
         finally:
             self.gather_function = self.accelerator.gather_for_metrics
             means, self._eval_means = self._eval_means, None
-        prefix = kwargs.get("metric_key_prefix", args[3] if len(args) > 3 else "eval")
         metrics = output.metrics if output.metrics is not None else {}
-        if f"{prefix}_loss" in metrics and means is not None and means.means:
-            metrics[f"{prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
+        if f"{metric_key_prefix}_loss" in metrics and means is not None and means.means:
+            metrics[f"{metric_key_prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
         return output
 
     def prediction_step(
