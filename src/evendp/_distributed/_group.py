@@ -365,18 +365,21 @@ def finish_distributed() -> None:
     dist.destroy_process_group()
 
 
-def settle_group() -> None:
+def settle_group(*, collect: bool = True) -> None:
     """Make the default group safe to destroy: every rank done, gloo's workers idle.
 
     The part of :func:`finish_distributed` before the destroy, for code whose own teardown
     destroys the group (Accelerate's ``end_training``). A DDP wrapper still referenced
     afterwards (a local of the user's ``main``) frees the group later, from Python with the
     GIL held; that is safe only once the workers hold no collective. Call it on every rank.
+    ``collect=False`` skips the garbage collection, for a caller that knows no wrapper it
+    dropped sits in a reference cycle.
     """
     _unbind_early_defaults()
     # DDP wrappers no longer referenced but kept by reference cycles hold the group: free
     # them now, while it is alive, not in a late teardown where gloo's threads abort.
-    gc.collect()
+    if collect:
+        gc.collect()
     dist.barrier()
     time.sleep(_WORKER_GRACE_S)  # GIL released: the workers drop the barrier's tensors
 
