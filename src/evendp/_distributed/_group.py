@@ -34,6 +34,8 @@ from .._core._exact import mean_scale, step_count
 from .._core._validate import validate_count, validate_device, validate_float
 
 __all__ = [
+    "BUCKET_BYTES",
+    "bucket_tensors",
     "all_reduce_gradients",
     "all_reduce_sum",
     "comm_device",
@@ -414,14 +416,14 @@ def _unbind_early_defaults() -> None:
 # Gradients reduced after a local backward
 
 
-_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 def all_reduce_gradients(
     parameters: Iterable[torch.nn.Parameter],
     group: dist.ProcessGroup | None = None,
     *,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
     extra: torch.Tensor | None = None,
 ) -> None:
     """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
@@ -458,7 +460,7 @@ def all_reduce_gradients(
     if extra is not None:
         grads.append(extra)
     in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
-    for bucket in _buckets(grads, bucket_bytes):
+    for bucket in bucket_tensors(grads, bucket_bytes):
         alone = len(bucket) == 1 and bucket[0].is_contiguous()
         flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
         in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
@@ -468,7 +470,7 @@ def all_reduce_gradients(
         _unpack(*in_flight.popleft(), world, extra)
 
 
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+def bucket_tensors(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
     """Consecutive gradients of one dtype and device, about ``bucket_bytes`` per bucket."""
     bucket: list[torch.Tensor] = []
     size = 0

@@ -1,20 +1,26 @@
-"""DDP that survives an OOM on any rank: local backward, then agree, then reduce.
+"""DDP that survives an OOM on any rank: local backward, reduced as it goes, agreed, then used.
 
-Why it gives up DDP's overlap even on the last micro-batch: DDP launches a bucket's all-reduce
-from inside backward as soon as its gradients are ready. If one rank runs out of memory
-half-way through its last backward, the buckets it already launched pair with the other ranks'
-while the rest never come; the others block in DDP's reducer with no way to learn about the
-OOM. No micro-batch can be proven OOM-free in advance (fragmentation and other processes
-change what fits), so every backward stays local, the ranks agree on the step, and only then
-are the gradients used. The bucketed reduction keeps two buckets in flight, so it costs about
-one gradient all-reduce's time, not two copies of memory.
+Why not DDP's own reducer: DDP launches a bucket's all-reduce from inside backward, and if one
+rank runs out of memory half-way through its last backward, the buckets it launched pair with
+the other ranks' while the rest never come; the others block in DDP's reducer with no way to
+learn about the OOM. No micro-batch can be proven OOM-free in advance (fragmentation and other
+processes change what fits). Here every rank runs the same collectives whatever happens
+(:class:`~evendp._distributed._grad_buckets.GradientBuckets`: every bucket once, in one order,
+then the step's flags): during the last backward each bucket goes as soon as it is ready, so
+the reduction overlaps backward as DDP's does; a rank that failed launches the rest at the end
+of its step, and the flags say whether the result is used, reduced again (a rank's launched
+copy was stale: it retried after an OOM) or dropped (an OOM with nothing left to try).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
-from ..._distributed._group import all_reduce_gradients, comm_device
+from ..._distributed._grad_buckets import GradientBuckets
+from ..._distributed._group import BUCKET_BYTES, comm_device
 from .._oom import OomResplit
 from ._base import signal_of, stop_votes
 from ._ranks import RankStrategy
@@ -23,39 +29,62 @@ __all__ = ["OomSafeDDP"]
 
 
 class OomSafeDDP(RankStrategy):
-    """The default under torchrun: every micro-batch accumulates locally (no collective inside
-    forward or backward); then the gradients are averaged in place in ~25 MiB buckets
-    (:func:`~evendp._distributed._group.all_reduce_gradients`) with the ranks' ``[OOM flag, loss,
-    SIGINT, SIGTERM]`` summed in the last bucket: no collective of its own, and one host read
-    (the flag) per step. A rank that failed sends zeros; when any rank failed, all zero the
+    """The default under torchrun: every micro-batch accumulates locally; the last one's
+    backward launches each ~25 MiB gradient bucket's all-reduce once it is ready (DDP's
+    overlap), and the step ends with one small all-reduce of the ranks' ``[OOM flag, loss,
+    SIGINT, SIGTERM, stale]``, the step's one host read. When any rank failed, all drop the
     result and skip: the reduction was wasted, never wrong."""
 
     _votes: tuple[float, float] | None = None  # the last step's summed stop votes, read
-    # No collective in backward or in the optimizer step (the gradients were averaged in
-    # agree_step): both are this rank's own compute.
+    _buckets: GradientBuckets | None = None
+    _last = True  # whether the micro-step running now is the step's last
+    #: Bytes per gradient bucket (DDP's 25 MiB).
+    bucket_bytes = BUCKET_BYTES
+    # No collective waited for in backward (its buckets' all-reduces run beside it) or in
+    # the optimizer step: both are this rank's own compute.
     local_parts = frozenset({"backward", "optimizer"})
 
     def guard(self, oom_resplit: bool) -> OomResplit:
         return OomResplit(catch=oom_resplit)
 
+    def _gradient_buckets(self) -> GradientBuckets:
+        if self._buckets is None:  # built once the model is final (after wrap)
+            self._buckets = GradientBuckets(self.model.parameters(), bucket_bytes=self.bucket_bytes)
+        return self._buckets
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        self._last = last  # only the last micro-step's gradients are final
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self._last:
+            return super().backward(loss)
+        with self._gradient_buckets().overlapping():  # its buckets go as they are ready
+            super().backward(loss)
+
     def agree_step(
         self, failed: bool, total: torch.Tensor | None
     ) -> tuple[bool, torch.Tensor | None]:
-        # The gradients are averaged and the flags summed in the same collectives, and the
-        # one host read (the OOM flag) follows them. The stop votes are read by agree_stop.
+        buckets = self._gradient_buckets()
         where = comm_device()
         mine = torch.zeros((), device=where) if total is None else total.to(where).float()
-        fused = torch.stack([torch.tensor(float(failed), device=where), mine])
-        fused = torch.cat([fused, stop_votes(self._stop_source(), where)])
-        all_reduce_gradients(self.model.parameters(), extra=fused)
-        # The one host read of a step, the OOM flag and the stop votes together: whether a
-        # rank failed decides the retry arithmetic's next plan and the skipped count, which
-        # the host keeps (a skip on the device alone would still need the host to know it).
-        failed_anywhere, _, sigint, sigterm = fused.tolist()
+        flags = torch.stack([torch.tensor(float(failed), device=where), mine])
+        stale = torch.tensor([float(buckets.stale)], device=where)
+        flags = torch.cat([flags, stop_votes(self._stop_source(), where), stale])
+        buckets.finish(flags)
+        # The one host read of a step, the flags together: whether a rank failed decides
+        # the retry arithmetic's next plan and the skipped count, which the host keeps; a
+        # stale copy anywhere makes every rank reduce again (data every rank has).
+        failed_anywhere, _, sigint, sigterm, stale_anywhere = flags.tolist()
         self._votes = (sigint, sigterm)
         if failed_anywhere:
+            buckets.discard()
             return True, None
-        return False, fused[1]  # the step's total over every rank
+        if stale_anywhere:
+            buckets.reduce_again()
+        else:
+            buckets.apply()
+        return False, flags[1]  # the step's total over every rank
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         return parts  # already summed over ranks in the step's own all-reduce
