@@ -3,10 +3,12 @@ solve again, and report the result as a :class:`Plan`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -33,8 +35,32 @@ from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
-__all__ = ["auto_weights", "plan"]
+__all__ = ["auto_weights", "plan", "progress_to"]
 _MAX_ROUNDS = 4
+
+_Say = Callable[[str], None]
+#: Where the planner says what it is measuring; ``None`` (the default): silent.
+_PROGRESS: ContextVar[_Say | None] = ContextVar("evendp_plan_progress", default=None)
+
+
+@contextlib.contextmanager
+def progress_to(say: _Say | None) -> Iterator[None]:
+    """Within it, every plan passes ``say`` one short line before each fake step it measures.
+
+    A fake step at a large size can take seconds (a big model, or a batch function that is
+    slow at many rows): the rehearsal shows these lines so planning is not silent.
+    """
+    token = _PROGRESS.set(say)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def _note(line: str) -> None:
+    say = _PROGRESS.get()
+    if say is not None:
+        say(f"planning: {line}")
 
 
 def _validate_options(
@@ -273,16 +299,27 @@ def _plan_step(
 
     replica: dict[int, Point] = {}
     crit: dict[int, Point] = {}
+    sample: Any = None  # a replica's fake outputs, for the criterion on the output device
+    step = "a fake forward" if no_grad else "a fake step"
+
+    def on_replica(n: int) -> None:
+        _note(f"{step} of {n} samples on one device")
+        replica[n] = measure_replica(setup, n, variant)
+
+    def on_output_device(n: int) -> None:
+        assert sample is not None  # needs_crit measured it first
+        _note(f"the criterion on {n} gathered samples")
+        crit[n] = measure_gathered(setup, sample, 2, n)
+
     with planning_errors("running the model on fake tensors"):
         for n in (2, 4):
-            replica[n] = measure_replica(setup, n, variant)
-    sample = None
+            on_replica(n)
     needs_crit = mode == "dp" and gather and criterion is not None
     if needs_crit:
         with planning_errors("computing the criterion on fake gathered outputs"):
             sample = sample_output(setup, 2)
             for n in (2, 4):
-                crit[n] = measure_gathered(setup, sample, 2, n)
+                on_output_device(n)
 
     def solve() -> tuple[MemoryModel, list[Segment]]:
         mdl = _build_model(
@@ -312,10 +349,9 @@ def _plan_step(
         with planning_errors("running the model on fake tensors"):
             # The largest only: every chord below it interpolates, an upper bound there.
             for n in sorted(want_rep)[-1:]:
-                replica[n] = measure_replica(setup, n, variant)
+                on_replica(n)
             for n in sorted(want_crit)[-1:]:
-                assert sample is not None  # needs_crit measured it above
-                crit[n] = measure_gathered(setup, sample, 2, n)
+                on_output_device(n)
         mdl, sol = solve()  # the answer always rests on the last measurement
     extrapolated = any(beyond_measured(sol))
     result = _to_plan(
@@ -345,6 +381,7 @@ def _plan_step(
         model, at_width(batch, seq_len // 2), criterion, optimizer, amp, checkpointing, no_grad
     )
     with planning_errors("running the model on fake tensors at a shorter width"):
+        _note(f"{step} of 4 samples at width {seq_len // 2}")
         shorter = measure_replica(short, 4, variant)
     return _with_token_caps(result, sol, seq_len, replica, shorter)
 

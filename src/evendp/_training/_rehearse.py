@@ -87,32 +87,77 @@ def probe_even_split(
     return out, line
 
 
-def plan_for(trainer: Any, memory: Sequence[int], batch: int) -> Any:
+def plan_for(
+    trainer: Any,
+    memory: Sequence[int],
+    batch: int,
+    *,
+    first: Any = None,
+    say: Callable[[str], None] | None = None,
+) -> Any:
     """The planner's :class:`~evendp.Plan` of ``batch`` samples of ``trainer``'s data and loss
     over ``memory`` (bytes per device; no CUDA context: CPU devices have none).
 
-    Each measured batch is the collated first samples of the data (repeated as needed).
+    Each measured batch has the shapes of ``first`` (the first batch training runs;
+    ``None``: collate it) with as many rows as measured, as :func:`evendp.plan` grows an
+    example batch: a measurement at a large card's capacity reads no sample. ``say`` gets
+    a line before each fake step the planner measures.
     """
     from .._planning._plan import plan
+    from .._planning._planner import progress_to
 
-    data = trainer.data
-    count = len(data)
+    if first is None:
+        first = _first_batch(trainer)
+    rows = row_count(first)
+    if not rows:
+        raise EvendpError(
+            "the first batch holds no tensor with a batch dimension (dim 0) to plan; "
+            "return tensors of one row per sample from the dataset or collate_fn"
+        )
 
     def example(n: int) -> Any:
-        return as_args(trainer.collate([i % count for i in range(n)]))
+        return as_args(_rows_like(first, rows, n))
 
     loss_module = copy.deepcopy(trainer.wrapped.module).cpu()
     try:
-        return plan(
-            loss_module, example, list(memory), mode="dp", batch_size=batch,
-            amp=trainer.config.amp, cuda_context=0,
-        )  # fmt: skip
+        with progress_to(say):
+            return plan(
+                loss_module, example, list(memory), mode="dp", batch_size=batch,
+                amp=trainer.config.amp, cuda_context=0,
+            )  # fmt: skip
     except PlanError as exc:
         shown = ",".join(format_bytes(m).replace(" ", "") for m in memory)
         raise EvendpError(
             f"batch_size={batch} on memory {shown}: {exc} (or raise the budgets, or shrink the "
             "model)"
         ) from None
+
+
+def _rows_like(batch: Any, rows: int, n: int) -> Any:
+    """``batch`` (of ``rows`` rows) with ``n`` rows: fresh zero tensors of its dtypes and
+    per-row shapes, and its per-row lists repeated, as ``n`` collated samples would be.
+
+    Under the planner's ``FakeTensorMode`` the zeros are fake: no memory, no sample read.
+
+    >>> ids, names = _rows_like((torch.ones(2, 5, dtype=torch.long), ["a", "b"]), 2, 3)
+    >>> tuple(ids.shape), ids.dtype, names
+    ((3, 5), torch.int64, ['a', 'b', 'a'])
+    """
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        shape = (n, *t.shape[1:]) if t.dim() else ()  # 0-dim: not split, kept
+        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+    return map_tensors(
+        batch, grow, rows=rows, row_fn=lambda values: [values[i % rows] for i in range(n)]
+    )
+
+
+def _first_batch(trainer: Any) -> Any:
+    """The batch the first step trains (the sampler is deterministic in its epoch)."""
+    sampler = trainer.sampler
+    sampler.set_epoch(0)
+    return trainer.collate(list(next(iter(sampler))))
 
 
 def _is_weight_list(weights: Any) -> bool:
@@ -153,8 +198,8 @@ def rehearse(
         memory: each device's budget: ``"24MiB,12MiB"``, ``"2x12MiB"`` or a list of sizes.
         scale: every budget is multiplied by it (``1/1024``: GiB read as MiB).
         weights: ``"auto"``, per-device weights, or ``None`` (even).
-        say: where the two lines before training go (the split, the even split's outcome);
-            ``None``: nowhere.
+        say: where the lines before training go (with ``weights="auto"``, the planner's
+            progress; the split; the even split's outcome); ``None``: nowhere.
         trainer_args: the other :class:`evendp.Trainer` arguments (``loss_fn``,
             ``count_fn``, ``collate_fn``, ``callbacks``, ...).
 
@@ -197,9 +242,12 @@ def rehearse(
     fixed = None if weights is None or isinstance(weights, str) else [float(w) for w in weights]
     trainer = Trainer(model, data, config, device_ids=devices, weights=fixed, **trainer_args)
     dp: Any = trainer.wrapped  # BalancedDataParallel: one process
+    first = _first_batch(trainer)  # what the planner sizes and the even split tries
     planned = None
     if weights == "auto":
-        planned = plan_for(trainer, budgets, config.batch_size)
+        _say(say, f"planning the split of {config.batch_size} samples over {len(budgets)} "
+                  "devices (fake steps at a few sizes) ...")  # fmt: skip
+        planned = plan_for(trainer, budgets, config.batch_size, first=first, say=say)
         dp.weights = [float(n) for n in planned.split]
     budget = attach_budgets(trainer, budgets)
     shown = ",".join(format_bytes(b).replace(" ", "") for b in budgets)
@@ -207,9 +255,6 @@ def rehearse(
     _say(say, f"{len(budgets)} virtual devices {trainer.device_names} with budgets {shown}, "
               f"global batch {config.batch_size}: {dp.split(config.batch_size)} "
               f"({source})")  # fmt: skip
-    sampler = trainer.sampler
-    sampler.set_epoch(0)
-    first = trainer.collate(list(next(iter(sampler))))  # the batch fit trains first
     even, line = probe_even_split(trainer, budget, first)
     _say(say, line)
     report = trainer.fit()
