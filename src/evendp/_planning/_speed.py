@@ -1,11 +1,16 @@
 """Speed balance: move samples from slow ranks to fast ones at step boundaries.
 
 Memory decides how much each rank *can* hold; speed decides how much it *should* hold. In DDP
-every step waits for the slowest rank, so step time is ``max_i n_i * t_i`` with ``t_i`` the
-seconds per sample on rank ``i``. :func:`balance_sizes` picks integer ``n_i`` (summing to the
-global batch, each within its memory cap) that minimize that maximum. :class:`SpeedBalancer`
-measures ``t_i`` during training, shares it with one small ``all_gather`` and applies new
-sizes through ``UnevenBatchSampler.set_batch_sizes`` on every rank at the same step. The global
+every step waits for the slowest rank, so step time is ``max_i (a_i n_i + c_i)``: rank ``i``'s
+local work (the parts it runs without waiting for another rank) takes ``a_i`` seconds per
+sample plus ``c_i`` per step whatever its size (an optimizer step, launches; the model of
+Cannikin and LB-BSP), and the communication no rank hides is the same for all, so it moves no
+sample. :func:`balance_sizes` picks integer ``n_i`` (summing to the global batch, each within
+its memory cap) that minimize that maximum. :class:`SpeedBalancer` measures each rank's step
+during training, shares it with one small ``all_gather``, fits ``a_i`` and ``c_i`` from the
+sizes the run has tried (:func:`fit_step_time`; until a rank has run two sizes, ``c_i = 0``:
+its seconds per sample) and applies new sizes through ``UnevenBatchSampler.set_batch_sizes``
+on every rank at the same step. The global
 batch never changes and ``ddp_loss`` weights each rank by its sample count, so the gradient
 stays the exact full-batch gradient whatever the split.
 """
@@ -43,7 +48,11 @@ from .._distributed._batch_plan import (
 )
 from .._distributed._group import comm_device, rank_cuda_device, world_size
 
-__all__ = ["SpeedBalancer", "balance_sizes", "batch_caps_from_env"]
+__all__ = ["SpeedBalancer", "balance_sizes", "batch_caps_from_env", "fit_step_time"]
+
+#: How many of a rank's most recent sizes the step-time model is fitted over: the re-splits
+#: give new sizes, and sizes from long ago may come from another speed of the machine.
+FIT_SIZES = 3
 
 #: Each rank's memory cap as ``evendp launch --model`` left it: the caps in
 #: ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``), else the deprecated ``EVENDP_BATCH_CAPS``.
@@ -96,13 +105,16 @@ def balance_sizes(
     seconds_per_sample: Sequence[float],
     caps: Sequence[int] | None = None,
     min_size: int = 0,
+    fixed_seconds: Sequence[float] | None = None,
 ) -> list[int]:
-    """Integer batch sizes that minimize ``max_i n_i * t_i`` with ``sum n_i == total``.
+    """Integer batch sizes that minimize ``max_i (n_i * t_i + f_i)`` with ``sum n_i == total``.
 
-    Each rank gets between ``min_size`` and ``caps[i]`` samples (its memory limit; no limit
-    when ``caps`` is ``None``). Water-filling gives the continuous optimum, its floor is
-    topped up one sample at a time to the rank that would finish soonest, which is optimal
-    for identical samples on ranks of different speed. Ties go to the lower rank.
+    ``t_i`` is rank ``i``'s seconds per sample, ``f_i`` (``fixed_seconds``, default 0) its
+    seconds per step whatever its size (the optimizer step, a launch overhead). Each rank gets
+    between ``min_size`` and ``caps[i]`` samples (its memory limit; no limit when ``caps`` is
+    ``None``). Water-filling gives the continuous optimum, its floor is topped up one sample
+    at a time to the rank that would finish soonest, which is optimal for identical samples
+    on ranks of different speed. Ties go to the lower rank.
 
     >>> balance_sizes(30, [1.0, 2.0])      # rank 1 is half as fast
     [20, 10]
@@ -110,31 +122,71 @@ def balance_sizes(
     [16, 14]
     >>> balance_sizes(8, [1.0, 1.0, 1.0])
     [3, 3, 2]
+    >>> balance_sizes(32, [1.0, 1.0], fixed_seconds=[0.0, 20.0])  # rank 1's slow optimizer
+    [26, 6]
     """
     times, limits = _validate_balance_inputs(total, seconds_per_sample, caps, min_size)
+    fixed = _validate_fixed(fixed_seconds, len(times))
 
-    def filled(level: float) -> float:
-        return sum(min(c, max(min_size, level / t)) for t, c in zip(times, limits, strict=True))
+    def size_at(level: float, i: int) -> float:
+        return min(limits[i], max(min_size, (level - fixed[i]) / times[i]))
 
     # Bisect the common finish time at which the clamped continuous sizes hold `total`.
-    low, high = 0.0, max(c * t for t, c in zip(times, limits, strict=True)) + max(times)
+    ranks = range(len(times))
+    low = 0.0
+    high = max(c * t + f for t, c, f in zip(times, limits, fixed, strict=True)) + max(times)
     for _ in range(100):
         mid = (low + high) / 2
-        low, high = (mid, high) if filled(mid) < total else (low, mid)
-    sizes = [min(c, max(min_size, math.floor(low / t))) for t, c in zip(times, limits, strict=True)]
+        low, high = (mid, high) if sum(size_at(mid, i) for i in ranks) < total else (low, mid)
+    sizes = [math.floor(size_at(low, i)) for i in ranks]
     # Top up greedily: the next sample goes where it finishes first.
-    heap = [
-        ((n + 1) * t, i)
-        for i, (n, t, c) in enumerate(zip(sizes, times, limits, strict=True))
-        if n < c
-    ]
+    heap = [((n + 1) * times[i] + fixed[i], i) for i, n in enumerate(sizes) if n < limits[i]]
     heapq.heapify(heap)
     for _ in range(total - sum(sizes)):
         _, i = heapq.heappop(heap)
         sizes[i] += 1
         if sizes[i] < limits[i]:
-            heapq.heappush(heap, ((sizes[i] + 1) * times[i], i))
+            heapq.heappush(heap, ((sizes[i] + 1) * times[i] + fixed[i], i))
     return sizes
+
+
+def _validate_fixed(fixed_seconds: Sequence[float] | None, ranks: int) -> list[float]:
+    if fixed_seconds is None:
+        return [0.0] * ranks
+    validate_sequence("fixed_seconds", fixed_seconds, example="[0.0, 0.02]")
+    fixed = [float(f) for f in fixed_seconds]
+    if len(fixed) != ranks or not all(math.isfinite(f) and f >= 0 for f in fixed):
+        raise EvendpError(
+            f"fixed_seconds={shown(fixed_seconds)}: give one non-negative finite time per rank "
+            f"({ranks}), e.g. [0.0, 0.02]"
+        )
+    return fixed
+
+
+def fit_step_time(points: Mapping[int, float]) -> tuple[float, float] | None:
+    """``(a, c)`` of ``t(n) = a * n + c`` fitted by least squares to one rank's median step
+    seconds ``points[n]`` at each size ``n`` it ran; ``None`` with fewer than two sizes.
+
+    ``c`` is kept at 0 or more and ``a`` above 0 (else the noise won: the per-sample rate
+    through the origin then); sizes within 10% of each other are too close to tell ``c``
+    from noise (``None``).
+
+    >>> fit_step_time({16: 0.036, 10: 0.030})  # 1 ms a sample, 20 ms a step
+    (0.001, 0.02)
+    >>> fit_step_time({16: 0.016}) is None
+    True
+    """
+    sizes = [n for n in points if n > 0]
+    if len(sizes) < 2 or max(sizes) - min(sizes) < 0.1 * max(sizes):
+        return None
+    mean_n = statistics.fmean(sizes)
+    mean_t = statistics.fmean(points[n] for n in sizes)
+    spread = sum((n - mean_n) ** 2 for n in sizes)
+    slope = sum((n - mean_n) * (points[n] - mean_t) for n in sizes) / spread
+    intercept = mean_t - slope * mean_n
+    if slope <= 0 or intercept < 0:  # noise: the per-sample rate through the origin
+        return sum(points[n] for n in sizes) / sum(sizes), 0.0
+    return round(slope, 12), round(intercept, 12)
 
 
 def _checked_state(
@@ -202,12 +254,13 @@ class SpeedBalancer:
     loss; not ``backward()`` under DDP, whose gradient all-reduce waits for the slowest rank)
     in ``with balancer.measure(n):`` where ``n`` is this rank's sample count, and call
     ``balancer.step()`` once per step on every rank. Every ``every`` steps the ranks exchange
-    their timings (one ``all_gather`` of two numbers), take each rank's median seconds per
-    sample over the last ``window`` exchanges (one step slowed by the OS or a page fault is
-    ignored; a lasting change wins after ``window // 2 + 1`` exchanges), and from step
-    ``warmup`` on, apply
-    :func:`balance_sizes` when it predicts a step at least ``tolerance`` faster than the
-    current split. Every rank computes the same sizes from the same gathered numbers, so all
+    their timings (one ``all_gather`` of two numbers, started at one exchange and read at the
+    next, so no rank waits for it), take each rank's median step time at each of its last
+    sizes over the last ``window`` exchanges (one step slowed by the OS or a page fault is
+    ignored; a lasting change wins after ``window // 2 + 1`` exchanges), fit ``a n + c`` to
+    them (:meth:`step_model`), and from step ``warmup`` on, apply :func:`balance_sizes` when
+    it predicts a step at least ``tolerance`` faster than the current split. Every rank
+    computes the same sizes from the same gathered numbers, so all
     call ``set_batch_sizes`` with the same list at the same step. The first step's timing is
     dropped (it pays one-off allocation and warm-up costs).
 
@@ -281,6 +334,12 @@ class SpeedBalancer:
         self.group, self.gather = group, gather
         self.seconds_per_sample: list[float | None] = [None] * self.world_size
         self._recent: list[deque[float]] = [deque(maxlen=window) for _ in range(self.world_size)]
+        # Per rank, its recent step seconds at each of its last FIT_SIZES sizes (the model's
+        # points; not saved: a resumed run learns them again from its next re-split).
+        self._points: list[dict[int, deque[float]]] = [{} for _ in range(self.world_size)]
+        self._timed_steps = 0  # steps measured since the last exchange
+        # The gather started at the last exchange: (every rank's figures, its work, steps).
+        self._gathering: tuple[list[torch.Tensor], Any, int] | None = None
         self.steps = 0
         self.history: list[tuple[int, list[int]]] = [(0, sizes)]
         self._seconds = 0.0
@@ -332,22 +391,30 @@ class SpeedBalancer:
             self._seconds += begin.elapsed_time(end) / 1000  # milliseconds -> seconds
         self._events.clear()
 
-    def _exchange(self) -> list[tuple[float, float]]:
-        """Every rank's ``(seconds, samples)`` since the last exchange."""
+    def _exchange(self, steps: int) -> tuple[list[tuple[float, float]], int] | None:
+        """Every rank's ``(seconds, samples)`` over ``steps`` steps, and that step count.
+
+        Over a process group the gather is started now and read at the next exchange (its
+        figures one exchange old, the same on every rank): a gather waited for at once would
+        make every rank wait for the slowest one's optimizer step after each step, which a
+        step otherwise overlaps with the others' next forward (a rank with a slow optimizer
+        step paid it in full: 78 ms steps against 47 ms). ``None``: nothing gathered yet.
+        """
         mine = (self._seconds, float(self._samples))
         if self.gather is not None:
-            return [(float(s), float(n)) for s, n in self.gather(mine)]
+            return [(float(s), float(n)) for s, n in self.gather(mine)], steps
         world = world_size(self.group)
         if world == 1:
-            return [mine]
-        local = torch.tensor(
-            list(mine),
-            dtype=torch.float64,
-            device=comm_device(self.group),
-        )
+            return [mine], steps
+        local = torch.tensor(list(mine), dtype=torch.float64, device=comm_device(self.group))
         parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=self.group)
-        return [(float(p[0]), float(p[1])) for p in parts]
+        started = dist.all_gather(parts, local, group=self.group, async_op=True)
+        gathered, self._gathering = self._gathering, (parts, started, steps)
+        if gathered is None:
+            return None
+        before, work, counted = gathered
+        work.wait()
+        return [(float(p[0]), float(p[1])) for p in before], counted
 
     def step(self) -> bool:
         """Close this step's measurement; maybe re-split. Returns True when sizes changed."""
@@ -360,11 +427,15 @@ class SpeedBalancer:
             self._events.clear()
             self._seconds, self._samples = 0.0, 0
             return False
+        self._timed_steps += 1
         if self.steps % self.every:
             return False
         self._read_events()
-        timings = self._exchange()
-        self._seconds, self._samples = 0.0, 0
+        exchanged = self._exchange(self._timed_steps)
+        self._seconds, self._samples, self._timed_steps = 0.0, 0, 0
+        if exchanged is None:
+            return False
+        timings, steps = exchanged
         if len(timings) != self.world_size:
             raise EvendpError(
                 f"the process group has {len(timings)} ranks but the sampler has "
@@ -374,7 +445,29 @@ class SpeedBalancer:
             if samples > 0 and seconds > 0:
                 self._recent[i].append(seconds / samples)
                 self.seconds_per_sample[i] = statistics.median(self._recent[i])
+                self._add_point(i, round(samples / steps), seconds / steps)
         return self._rebalance()
+
+    def _add_point(self, rank: int, size: int, seconds: float) -> None:
+        points = self._points[rank]
+        if size not in points:
+            if len(points) == FIT_SIZES:
+                del points[next(iter(points))]  # the oldest size goes
+            points[size] = deque(maxlen=self.window)
+        points[size].append(seconds)
+
+    def step_model(self) -> list[tuple[float, float]] | None:
+        """Each rank's ``(seconds per sample, fixed seconds per step)``, ``t(n) = a n + c``,
+        fitted to the step times at the sizes it ran (:func:`fit_step_time`); a rank seen
+        at one size so far gets its per-sample rate and no fixed part. ``None`` until every
+        rank was measured."""
+        if any(t is None for t in self.seconds_per_sample):
+            return None
+        model = []
+        for rate, points in zip(self.seconds_per_sample, self._points, strict=True):
+            fit = fit_step_time({n: statistics.median(d) for n, d in points.items()})
+            model.append(fit if fit is not None else (float(rate or 0.0), 0.0))
+        return model
 
     def sizes_at(self, step: int) -> list[int]:
         """The per-rank sizes step ``step`` (1-based, counted by :meth:`step`) was split into.
@@ -449,14 +542,17 @@ class SpeedBalancer:
         return ""
 
     def _rebalance(self) -> bool:
-        known = self.seconds_per_sample
-        if self.steps < self.warmup or any(t is None for t in known):
+        model = self.step_model()
+        if self.steps < self.warmup or model is None:
             return False
-        times = [float(t) for t in known if t is not None]
+        rates, fixed = [a for a, _ in model], [c for _, c in model]
         current = list(self.sampler.batch_sizes)
-        proposed = balance_sizes(self.total, times, self.caps, self.min_size)
-        now = max(n * t for n, t in zip(current, times, strict=True))
-        then = max(n * t for n, t in zip(proposed, times, strict=True))
+        proposed = balance_sizes(self.total, rates, self.caps, self.min_size, fixed)
+
+        def slowest(sizes: list[int]) -> float:  # the step's predicted time
+            return max(n * a + c for n, (a, c) in zip(sizes, model, strict=True))
+
+        now, then = slowest(current), slowest(proposed)
         # Hysteresis: a change must promise a real gain, so timing noise cannot make the
         # split flip back and forth.
         if proposed == current or then > now * (1 - self.tolerance):
