@@ -53,10 +53,12 @@ def test_version_and_help_import_no_torch(flag: str, entry: str) -> None:
     [
         (["train", "--help"], 0),
         (["plan", "--help"], 0),
+        (["launch", "--help"], 0),
         (["train", "--batchsize", "3"], 2),  # a typo: one line, at once
+        (["plan", "--bogus"], 2),
         (["launch", "--dry-run", "--nproc", "2", "--batch-sizes", "1,3", "s.py"], 0),
     ],
-    ids=["train-help", "plan-help", "typo", "launch"],
+    ids=["train-help", "plan-help", "launch-help", "typo", "plan-typo", "launch"],
 )
 def test_the_command_answers_without_torch(argv: list[str], code: int) -> None:
     """The launcher's own start-up: issue 37 measured 8-12 s for a help or a typo on a busy
