@@ -124,7 +124,7 @@ def table(results: dict[str, list[list[float]]]) -> str:
     for row, name in (
         ("A/A: Trainer again vs Trainer", "hf_again"),
         ("UnevenTrainer vs Trainer", "uneven"),
-    ):  # noqa: E501
+    ):
         runs = results[name]
         added = [r[0] - c[0] for r, c in zip(runs, control, strict=True)]
         first = [r[1] - c[1] for r, c in zip(runs, control, strict=True)]
