@@ -8,7 +8,10 @@ of the step that does not grow with the batch:
 * slow optimizer: rank 1's optimizer step takes ``--fixed`` ms more (a CPU-offloaded
   optimizer, an older card's memory bandwidth);
 * fixed part: both ranks' backward take ``--fixed`` ms more whatever their size (kernel
-  launches, a large all-reduce that backward does not hide); rank 1 ``--slow`` per sample.
+  launches, work that does not grow with the batch); rank 1 ``--slow`` per sample;
+* large all-reduce: the model carries ``--allreduce-mb`` MB of gradients more (a real
+  parameter, reduced every step; its backward writes them whatever the size); rank 1
+  ``--slow`` per sample.
 
 Per case, the same run measures: every split ``[k, B - k]`` (the scan: each its median step
 time), the balancer's split with the step-time model ``t_i(n) = a_i n + c_i`` (issue 37), and
@@ -16,7 +19,7 @@ the split of the per-sample rule alone (``t_i(n) = n t_i``, what it did before; 
 limited to one size). Rows: each split, its median step and its ratio to the scanned best; an
 A/A row times the scanned best again.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/split_model.py     # ~3 min
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/split_model.py     # ~5 min
 """
 
 from __future__ import annotations
@@ -55,16 +58,19 @@ class Paced(torch.autograd.Function):
 
 
 class Net(nn.Module):
-    def __init__(self, per_sample_s: float, backward_s: float) -> None:
+    def __init__(self, per_sample_s: float, backward_s: float, extra_mb: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
         self.per_sample_s, self.backward_s = per_sample_s, backward_s
+        # Gradients to all-reduce whatever the batch (None: none).
+        self.extra = nn.Parameter(torch.zeros(int(extra_mb * 2**20 / 4))) if extra_mb else None
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         time.sleep(self.per_sample_s * x.shape[0])
         h = Paced.apply(self.body[0](x), self.backward_s)
-        return nn.functional.mse_loss(self.body[2](self.body[1](h)).squeeze(-1), y)
+        loss = nn.functional.mse_loss(self.body[2](self.body[1](h)).squeeze(-1), y)
+        return loss if self.extra is None else loss + 0.0 * self.extra.sum()
 
 
 class SlowSGD(torch.optim.SGD):
@@ -74,7 +80,7 @@ class SlowSGD(torch.optim.SGD):
         super().__init__(params, lr=1e-3)
         self.extra_s = extra_s
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         time.sleep(self.extra_s)
         return super().step(closure)
 
@@ -107,7 +113,10 @@ def _fit(rank: int, args: argparse.Namespace, case: str, sizes: list[int], balan
     """Median step seconds over the last steps, and the split it ended with."""
     ms = args.ms / 1000 * (args.slow if rank == 1 else 1)
     fixed = args.fixed / 1000
-    model = Net(ms, fixed if case == "fixed part" else 0.0)
+    model = Net(
+        ms, fixed if case == "fixed part" else 0.0,
+        args.allreduce_mb if case == "large all-reduce" else 0.0,
+    )  # fmt: skip
     extra = fixed if case == "slow optimizer" and rank == 1 else 0.0
     cfg = TrainConfig(
         steps=steps, batch_sizes=sizes, grad_clip=None, progress=False, balance=balance,  # type: ignore[arg-type]
@@ -127,7 +136,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     total = args.batch
     even = [total // 2, total - total // 2]
     results: dict[str, Any] = {}
-    for case in ("slow optimizer", "fixed part"):
+    for case in ("slow optimizer", "fixed part", "large all-reduce"):
         scan = {k: _fit(rank, args, case, [k, total - k], "none", args.scan_steps)[0]
                 for k in range(1, total)}  # fmt: skip
         best = min(scan, key=lambda k: scan[k])
@@ -154,6 +163,7 @@ def main() -> None:
     parser.add_argument("--ms", type=float, default=2.0, help="rank 0's forward ms per sample")
     parser.add_argument("--slow", type=float, default=2.0, help="rank 1's per-sample factor")
     parser.add_argument("--fixed", type=float, default=30.0, help="the fixed part's ms")
+    parser.add_argument("--allreduce-mb", type=float, default=64.0)
     parser.add_argument("--scan-steps", type=int, default=10)
     parser.add_argument("--speed-steps", type=int, default=40)
     parser.add_argument("--measured", type=int, default=8, help="last steps timed")
@@ -164,7 +174,8 @@ def main() -> None:
         results: dict[str, Any] = torch.load(Path(tmp) / "results.pt")
     print(
         f"2 gloo ranks, global batch {args.batch}, forward {args.ms} ms a sample (rank 1 x"
-        f"{args.slow}), fixed part {args.fixed} ms; median of the last {args.measured} steps"
+        f"{args.slow}), fixed part {args.fixed} ms, all-reduce {args.allreduce_mb} MB; median of "
+        f"the last {args.measured} steps"
     )
     print("| case | row | split | ms per step | vs scanned best |")
     print("| --- | --- | --- | ---: | ---: |")

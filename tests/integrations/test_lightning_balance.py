@@ -7,6 +7,7 @@ its split stays. A loader not built by ``uneven_dataloader`` is refused naming t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from tests.integrations._tiny import Data, make_model
 require("lightning")
 
 
-def _fit(loader: Any, callback: Any) -> Any:
+def _fit(loader: Any, callback: Any, optimizer_s: float = 0.0) -> Any:
     import lightning.pytorch as pl
 
     from evendp.integrations.lightning import UnevenGradient
@@ -37,7 +38,12 @@ def _fit(loader: Any, callback: Any) -> Any:
             return F.cross_entropy(self.net(x), y, reduction="sum")
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            # A slow update (a CPU-offloaded optimizer): after Lightning's closure (the
+            # training_step and backward run inside optimizer.step), so a post-hook.
+            if optimizer_s:
+                optimizer.register_step_post_hook(lambda *_: time.sleep(optimizer_s))
+            return optimizer
 
         def train_dataloader(self) -> Any:
             return loader
@@ -71,3 +77,29 @@ def test_speed_balance_refuses_a_foreign_loader() -> None:
     plain = torch.utils.data.DataLoader(Data(), batch_size=4)
     with pytest.raises(evendp.EvendpError, match="uneven_dataloader"):
         _fit(plain, SpeedBalance())
+
+
+def test_speed_balance_times_the_optimizer_step_too() -> None:
+    """Issue 37: a rank slow only in its update must look slow; the callback times the update
+    beside ``training_step`` (before, the forward alone: the sleep below went unseen)."""
+    from evendp.integrations.lightning import SpeedBalance, uneven_dataloader
+
+    seen: list[tuple[float, float]] = []  # each exchange's (seconds, samples) of this rank
+
+    def gather(mine: tuple[float, float]) -> list[tuple[float, float]]:
+        seen.append(mine)
+        return [mine]
+
+    class Recording(SpeedBalance):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # One process has no ranks to balance: a balancer that records what it is given.
+            from evendp.integrations.lightning import _balanced_sampler
+
+            sampler = _balanced_sampler(trainer.train_dataloader)
+            self.balancer = evendp.SpeedBalancer(sampler, warmup=10**6, gather=gather)
+
+    loader = uneven_dataloader(Data(), [4], shuffle=False)
+    _fit(loader, Recording(), optimizer_s=0.05)
+    assert len(seen) >= 2  # exchanges after the first (dropped) step
+    # From the second exchange on, each holds one update (timed until its batch ends).
+    assert all(seconds >= 0.05 for seconds, _ in seen[1:])

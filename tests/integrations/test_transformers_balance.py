@@ -39,6 +39,7 @@ transformers = pytest.importorskip("transformers")
 SPEED_SIZES, SPEED_STEPS = [4, 4], 8
 COST_SIZES, COST_ACCUM, COST_STEPS = [1, 3], 2, 3  # one epoch of test_transformers' data
 SLEEP_PER_SAMPLE = 0.01  # rank 1's forward: far slower than the tiny model itself
+SLOW_OPTIMIZER_S = 0.05  # rank 1's optimizer step: the 4-row forward's time several times
 MEMORY, AUTO_PER_DEVICE = "128MiB,64MiB", 6  # unequal; CPU ranks are charged no CUDA context
 TOL = 1e-5
 
@@ -82,6 +83,24 @@ def _speed_run(rank: int, tmp: str) -> dict[str, Any]:
     )
     trainer.train()
     return {"params": _params(model), "history": trainer.balancer.history, "rows": rows}
+
+
+def _slow_optimizer_run(rank: int, tmp: str) -> dict[str, Any]:
+    """Rank 1's optimizer step is slow (a CPU-offloaded one), its forward as fast as rank 0's."""
+    from evendp.integrations.transformers import UnevenTrainer
+
+    model = _model("lm")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if rank == 1:
+        optimizer.register_step_pre_hook(lambda *_: time.sleep(SLOW_OPTIMIZER_S))
+    args = _args(tmp, batch=4, accum=1, ddp_backend="gloo", max_steps=SPEED_STEPS)
+    trainer = UnevenTrainer(
+        model, args, train_dataset=_Repeated("lm", sum(SPEED_SIZES) * SPEED_STEPS),
+        data_collator=pad_collate, batch_sizes=SPEED_SIZES, balance="speed",
+        optimizers=(optimizer, None),
+    )  # fmt: skip
+    trainer.train()
+    return {"params": _params(model), "history": trainer.balancer.history}
 
 
 def _cost_run(tmp: str) -> dict[str, Any]:
@@ -153,6 +172,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     torchrun_env(rank, 2, port)
     with tempfile.TemporaryDirectory() as tmp:
         result = {"speed": _speed_run(rank, tmp), "cost": _cost_run(tmp), "auto": _auto_sizes(tmp)}
+        result["slow_optimizer"] = _slow_optimizer_run(rank, tmp)
     result["accelerate"] = _accelerate_run(rank)
     torch.save(result, Path(out) / f"rank{rank}.pt")
     import evendp
@@ -188,6 +208,20 @@ def test_speed_balance_moves_samples_off_the_slow_rank_and_keeps_one_process_res
     assert len(history) > 1 and last[1] < last[0] and sum(last) == total
     # The split in force is what each rank ran: the fast rank's later steps are bigger.
     assert max(ranks[0]["speed"]["rows"]) > SPEED_SIZES[0] > min(ranks[1]["speed"]["rows"])
+
+
+def test_speed_balance_counts_a_slow_optimizer_step(ranks: list[dict[str, Any]]) -> None:
+    """Issue 37: the optimizer step is timed beside the forward (it was not: a rank slow only
+    in its update kept its share)."""
+    total = sum(SPEED_SIZES)
+    want = _reference("lm", _Repeated("lm", total * SPEED_STEPS), total, SPEED_STEPS)
+    start = _params(_model("lm"))
+    for rank in ranks:
+        assert _relative_update_error(rank["slow_optimizer"]["params"], want, start) < TOL
+    history = ranks[0]["slow_optimizer"]["history"]
+    assert history == ranks[1]["slow_optimizer"]["history"]
+    last = history[-1][1]
+    assert len(history) > 1 and last[1] < last[0] and sum(last) == total
 
 
 def test_cost_balance_sends_samples_by_length_and_keeps_one_process_result(

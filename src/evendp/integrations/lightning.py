@@ -261,8 +261,8 @@ class SpeedBalance(pl.Callback):
     """Move samples from slow ranks to fast ones at every optimizer step (Lightning DDP).
 
     Times each rank's ``training_step`` (the forward and the loss, up to Lightning's
-    ``backward``, which waits for the slowest rank under DDP) and, before every optimizer
-    step, lets :class:`evendp.SpeedBalancer` re-split the sampler of
+    ``backward``, which waits for the slowest rank under DDP) and its optimizer update, and,
+    before every optimizer step, lets :class:`evendp.SpeedBalancer` re-split the sampler of
     :func:`uneven_dataloader`: every rank applies the same split at the same step, each
     step's samples stay the same, so with :class:`UnevenGradient` the gradient is still the
     global batch's. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
@@ -275,6 +275,7 @@ class SpeedBalance(pl.Callback):
         self.knobs = knobs
         self.balancer: Any = NoBalance()
         self._block: Any = None
+        self._update: Any = None  # the optimizer step's timer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sampler = _balanced_sampler(trainer.train_dataloader)
@@ -299,3 +300,19 @@ class SpeedBalance(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self.balancer.step()
+        # The update that follows is this rank's own compute (the gradients were reduced in
+        # backward): timed until the batch ends, so it counts in the next exchange.
+        self._update = self.balancer.measure(0)
+        self._update.__enter__()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._update is not None:
+            self._update.__exit__(None, None, None)
+            self._update = None

@@ -259,10 +259,23 @@ class _BalancerRelay(NoBalance):
 
 
 class _StepBalancer(transformers.TrainerCallback):
-    """At the end of every optimizer step, on every rank: maybe a new split (speed)."""
+    """Times each rank's optimizer step beside its forward passes, and at the end of every
+    optimizer step, on every rank: maybe a new split (speed)."""
 
     def __init__(self, trainer: UnevenTrainer) -> None:
         self.trainer = trainer
+        self._block: Any = None
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The gradients were reduced in backward: the update is this rank's own compute (a
+        # CPU-offloaded optimizer, an older card's memory bandwidth), so it counts.
+        self._block = self.trainer.balancer.measure(0)
+        self._block.__enter__()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._block is not None:
+            self._block.__exit__(None, None, None)
+            self._block = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.balancer.step()
