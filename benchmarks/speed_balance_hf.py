@@ -32,9 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _common import Tokens
 from torch import nn
 
 import evendp
@@ -68,17 +70,6 @@ def converged_at(history: list[tuple[int, list[int]]]) -> int:
 # --- HF Trainer ---------------------------------------------------------------------------------
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def hf_run(rank: int, args: argparse.Namespace, balance: str, tmp: str) -> dict[str, Any]:
     import transformers
 
@@ -99,7 +90,7 @@ def hf_run(rank: int, args: argparse.Namespace, balance: str, tmp: str) -> dict[
     )  # fmt: skip
     clock = StepClock()
     trainer = UnevenTrainer(
-        model, training, train_dataset=Tokens(args.batch * args.steps),
+        model, training, train_dataset=Tokens(args.batch * args.steps, SEQ, VOCAB),
         batch_sizes=[half, half], balance=balance, callbacks=[clock.hf_callback()],
     )  # fmt: skip
     trainer.train()
@@ -141,29 +132,8 @@ def evendp_run(rank: int, args: argparse.Namespace, balance: str) -> dict[str, A
 # --- timing -------------------------------------------------------------------------------------
 
 
-class StepClock:
-    """Wall time at the end of every optimizer step (an HF callback, or the evendp Trainer's
-    scheduler, which it steps once per optimizer step)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def step(self) -> None:
-        self.times.append(time.perf_counter())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def hf_callback(self) -> Any:
-        import transformers
-
-        clock = self
-
-        class _Clock(transformers.TrainerCallback):
-            def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-                clock.step()
-
-        return _Clock()
+class StepClock(_common.StepClock):
+    """The shared clock, and what this benchmark reads of a run."""
 
     def result(self, batch: int, history: list[tuple[int, list[int]]]) -> dict[str, Any]:
         steps = len(self.times) - 1  # from the end of the first step (startup excluded)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import StepClock
 from torch import nn
 
 from evendp import TrainConfig, Trainer
@@ -46,19 +47,6 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.body(x), y)
 
 
-class Clock:
-    """Wall time at each optimizer step (the Trainer steps its scheduler once a step)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def step(self) -> None:
-        self.times.append(time.perf_counter())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-
 def _run(rank: int, args: argparse.Namespace, strategy: str, balance: str) -> dict[str, Any]:
     pace = args.ms / 1000 * (2 if rank == 1 else 1)
     g = torch.Generator().manual_seed(1)
@@ -75,7 +63,7 @@ def _run(rank: int, args: argparse.Namespace, strategy: str, balance: str) -> di
         balance=balance, strategy=strategy, log_every=10**6, eval_every=0,  # type: ignore[arg-type]
         checkpoint_every=0, **extra,
     )  # fmt: skip
-    clock = Clock()
+    clock = StepClock()
     trainer = Trainer(Net(pace), data, cfg, scheduler=clock)
     trainer.fit()
     history = trainer.balancer.history if trainer.balancer.active else [(0, [half, half])]

@@ -25,9 +25,7 @@ A/A row times the scanned best again.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import StepClock
 from torch import nn
 
 from evendp import TrainConfig, Trainer
@@ -85,22 +84,6 @@ class SlowSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-class Clock:
-    """Wall time at each optimizer step (the Trainer steps its scheduler once a step)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def step(self) -> None:
-        self.times.append(time.perf_counter())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def median_step(self, last: int) -> float:
-        return statistics.median(b - a for a, b in itertools.pairwise(self.times[-last - 1 :]))
-
-
 def _data(n: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(0)
     return torch.utils.data.TensorDataset(
@@ -122,7 +105,7 @@ def _fit(rank: int, args: argparse.Namespace, case: str, sizes: list[int], balan
         steps=steps, batch_sizes=sizes, grad_clip=None, progress=False, balance=balance,  # type: ignore[arg-type]
         log_every=10**6, eval_every=0, checkpoint_every=0,
     )  # fmt: skip
-    clock = Clock()
+    clock = StepClock()
     trainer = Trainer(model, _data(4096), cfg, optimizer=SlowSGD(model.parameters(), extra),
                       scheduler=clock)  # fmt: skip
     trainer.fit()

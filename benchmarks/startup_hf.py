@@ -29,23 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import Tokens
 
 import evendp
 from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
 
 SEQ, VOCAB = 16, 64
 RUNS = ("hf", "hf_again", "uneven")
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def one_run(kind: str, args: argparse.Namespace, tmp: str, profile: Path | None) -> list[float]:
@@ -73,7 +63,7 @@ def one_run(kind: str, args: argparse.Namespace, tmp: str, profile: Path | None)
             if not first:
                 first.append(time.perf_counter())
 
-    data = Tokens(args.batch * args.steps)
+    data = Tokens(args.batch * args.steps, SEQ, VOCAB)
     common: dict[str, Any] = {"train_dataset": data, "callbacks": [FirstStep()]}
     trainer: Any = (
         UnevenTrainer(model, training, batch_sizes=[half, half], **common)

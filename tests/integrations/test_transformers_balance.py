@@ -194,18 +194,24 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_worker, 2, tmp_path_factory.mktemp("hfb"), 300, "balanced UnevenTrainer")
 
 
-def test_speed_balance_moves_samples_off_the_slow_rank_and_keeps_one_process_result(
-    ranks: list[dict[str, Any]],
-) -> None:
+def _moved_off_rank_1_as_one_process(ranks: list[dict[str, Any]], run: str) -> None:
+    """Both ranks end with one process's parameters, after the same splits, the last of which
+    gives the slow rank 1 fewer samples."""
     total = sum(SPEED_SIZES)
     want = _reference("lm", _Repeated("lm", total * SPEED_STEPS), total, SPEED_STEPS)
     start = _params(_model("lm"))
     for rank in ranks:
-        assert _relative_update_error(rank["speed"]["params"], want, start) < TOL
-    history = ranks[0]["speed"]["history"]
-    assert history == ranks[1]["speed"]["history"]  # every rank the same splits
+        assert _relative_update_error(rank[run]["params"], want, start) < TOL
+    history = ranks[0][run]["history"]
+    assert history == ranks[1][run]["history"]  # every rank the same splits
     last = history[-1][1]
     assert len(history) > 1 and last[1] < last[0] and sum(last) == total
+
+
+def test_speed_balance_moves_samples_off_the_slow_rank_and_keeps_one_process_result(
+    ranks: list[dict[str, Any]],
+) -> None:
+    _moved_off_rank_1_as_one_process(ranks, "speed")
     # The split in force is what each rank ran: the fast rank's later steps are bigger.
     assert max(ranks[0]["speed"]["rows"]) > SPEED_SIZES[0] > min(ranks[1]["speed"]["rows"])
 
@@ -213,15 +219,7 @@ def test_speed_balance_moves_samples_off_the_slow_rank_and_keeps_one_process_res
 def test_speed_balance_counts_a_slow_optimizer_step(ranks: list[dict[str, Any]]) -> None:
     """Issue 37: the optimizer step is timed beside the forward (it was not: a rank slow only
     in its update kept its share)."""
-    total = sum(SPEED_SIZES)
-    want = _reference("lm", _Repeated("lm", total * SPEED_STEPS), total, SPEED_STEPS)
-    start = _params(_model("lm"))
-    for rank in ranks:
-        assert _relative_update_error(rank["slow_optimizer"]["params"], want, start) < TOL
-    history = ranks[0]["slow_optimizer"]["history"]
-    assert history == ranks[1]["slow_optimizer"]["history"]
-    last = history[-1][1]
-    assert len(history) > 1 and last[1] < last[0] and sum(last) == total
+    _moved_off_rank_1_as_one_process(ranks, "slow_optimizer")
 
 
 def test_cost_balance_sends_samples_by_length_and_keeps_one_process_result(
