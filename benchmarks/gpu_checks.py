@@ -325,6 +325,66 @@ def step_gloo_cuda_tensors(dry: bool) -> dict[str, Any]:
     return {"ranks": got}
 
 
+def _buckets_worker(rank: int, port: int, device: str, out: str) -> None:
+
+    from evendp import finish_distributed, init_distributed
+    from evendp._distributed._grad_buckets import GradientBuckets
+    from evendp._distributed._group import all_reduce_gradients
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    init_distributed("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).to(device)
+    x = torch.randn(8, 256, device=device, generator=None) + rank
+    buckets = GradientBuckets(model.parameters(), bucket_bytes=300_000)  # 4 buckets
+    results: dict[str, Any] = {"buckets": len(buckets.buckets)}
+    for attempt in ("overlap", "stale"):
+        model.zero_grad()
+        if attempt == "stale":  # an attempt that launched, then the step ran again (other
+            with buckets.overlapping():  # rows: the launched copies are wrong for it)
+                model(2 * x).square().mean().backward()
+            model.zero_grad()
+        with buckets.overlapping():
+            model(x).square().mean().backward()
+        local = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        results[f"{attempt}_launched"] = len(buckets._launched)
+        flags = torch.tensor([float(buckets.stale)], device=device)
+        buckets.finish(flags)
+        (buckets.reduce_again if flags.item() else buckets.apply)()
+        got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        for p, g in zip(model.parameters(), local, strict=True):
+            p.grad = g
+        all_reduce_gradients(model.parameters())
+        results[f"{attempt}_err"] = max(
+            _rel(a, p.grad)  # type: ignore[arg-type]
+            for a, p in zip(got, model.parameters(), strict=True)
+        )
+        results[f"{attempt}_device"] = str(got[0].device)
+    finish_distributed()
+    Path(out, f"{rank}.json").write_text(json.dumps(results))
+
+
+def step_grad_buckets(dry: bool) -> dict[str, Any]:
+    """OOM-safe DDP's gradient buckets with CUDA gradients (their buffers are fresh each step
+    on a GPU, kept on the CPU), two gloo ranks on one device: launched during backward, equal
+    to the plain bucketed all-reduce, and reduced again when a launched copy went stale."""
+    import torch.multiprocessing as mp
+
+    from tests._helpers import free_port
+
+    device = _device(dry)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _buckets_worker, args=(free_port(), str(device), tmp), nprocs=2, start_method="spawn"
+        )
+        got = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
+    for r, g in enumerate(got):
+        launched_early = 0 < g["overlap_launched"] < g["buckets"]
+        if not launched_early or g["overlap_err"] > TOL or g["stale_err"] > TOL:
+            raise Failed(f"rank {r} got {g}")
+    return {"ranks": got}
+
+
 def step_overhead(dry: bool) -> dict[str, Any]:
     _gpu_only(dry)
     out = _run(
@@ -425,6 +485,7 @@ STEPS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "nvml-vs-cuda": step_nvml_vs_cuda,
     "nccl-one-rank": step_nccl_one_rank,
     "gloo-cuda-tensors": step_gloo_cuda_tensors,
+    "grad-buckets": step_grad_buckets,
     "overhead": step_overhead,
     "planner": step_planner,
     "demo": step_demo,

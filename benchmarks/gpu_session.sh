@@ -33,7 +33,7 @@ done
 # "cpu" steps also run in the dry run, all in one process (one torch start-up, one limit).
 STEPS="env:30:cpu gpu-tests:75:gpu exact-repeated:30:cpu autocast-streams:25:cpu
 weights-auto:40:gpu oom-resplit:30:gpu cuda-events:20:cpu nvml-vs-cuda:20:gpu
-nccl-one-rank:30:gpu gloo-cuda-tensors:45:cpu overhead:45:gpu planner:60:gpu demo:60:cpu
+nccl-one-rank:30:gpu gloo-cuda-tensors:45:cpu grad-buckets:40:cpu overhead:45:gpu planner:60:gpu demo:60:cpu
 integration:40:cpu"
 TOTAL_S=${TOTAL_S:-285}
 DRY_LIMIT_S=${DRY_LIMIT_S:-170}
