@@ -361,3 +361,27 @@ def test_auto_sizes_on_cpu_budgets_charge_no_cuda_context_and_a_small_budget_say
     message = str(info.value)
     assert "capacities [0]" in message and "512.0 MiB for the CUDA context" in message, message
     assert "cuda_context=, --context" in message and "\n" not in message
+
+
+# --- one process: "auto" over the devices -------------------------------------------------
+
+
+def test_one_processs_auto_is_the_planners_split_for_the_declared_memory() -> None:
+    """One meaning of "auto" (issue 33): in one process, the planner's dp split over each
+    device's memory, the same as evendp.plan gives; CPU devices without a declaration split
+    evenly and say how to plan them; a spec of the wrong length names the fix."""
+    import evendp
+    from evendp._planning._balance import device_sizes_for_memory
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    cpu = [torch.device("cpu")] * 2
+    example = torch.randn(1, 64)
+    sizes, source = device_sizes_for_memory(net, example, cpu, 1024, memory="3MiB,1500KiB")
+    want = evendp.plan(net, example, "3MiB,1500KiB", mode="dp", batch_size=1024, cuda_context=0)
+    assert sizes == list(want.split) and sizes[0] > sizes[1] and sum(sizes) == 1024
+    assert source == "declared memory 3MiB,1500KiB"
+    even, note = device_sizes_for_memory(net, example, cpu, 1024, environ={})
+    assert even == [512, 512] and "EVENDP_MEMORY" in note
+    with pytest.raises(evendp.EvendpError, match="3 entries for 2 devices"):
+        device_sizes_for_memory(net, example, cpu, 1024, memory="1MiB,1MiB,1MiB")

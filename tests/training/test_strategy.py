@@ -304,3 +304,57 @@ def test_bucketed_all_reduce_averages_in_place(results: list[dict[str, Any]]) ->
     for r in results:
         for n, grad in zip((3, 4, 12), r["buckets"], strict=True):
             assert torch.equal(grad, torch.arange(n, dtype=torch.float32) * 1.5)
+
+
+# --- one process: weights="auto" and batch_sizes="auto" -----------------------------------
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize("surface", ["weights", "batch_sizes"])
+def test_auto_in_one_process_plans_the_devices_split_and_trains_exactly(
+    surface: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33: "auto" means one thing on every surface. In one process Trainer(weights=
+    "auto") was refused and TrainConfig(batch_sizes="auto") warned that it was ignored; both
+    now plan the devices' split for their memory (declared here), say it, and train the
+    full batch's step."""
+    import warnings
+
+    import evendp
+
+    monkeypatch.setenv("EVENDP_MEMORY", "3MiB,1500KiB")
+    torch.manual_seed(0)
+    x, y = torch.randn(2048, 64), torch.randint(0, 4, (2048,))
+    data = torch.utils.data.TensorDataset(x, y)
+    net, ref = _Classifier(), _Classifier()  # the loss in forward: what the planner prices
+    ref.load_state_dict(net.state_dict())
+    auto: dict[str, Any] = {"batch_sizes": "auto"} if surface == "batch_sizes" else {}
+    cfg = TrainConfig(steps=1, batch_size=1024, progress=False, grad_clip=None, **auto)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is "ignored" any more
+        trainer = Trainer(
+            net, data, cfg, device_ids=["cpu", "cpu"],
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
+            **({"weights": "auto"} if surface == "weights" else {}),
+        )  # fmt: skip
+    example = (x[:1], y[:1])
+    want = evendp.plan(ref, example, "3MiB,1500KiB", mode="dp", batch_size=1024, cuda_context=0)
+    assert trainer.wrapped.split(1024) == list(want.split) != [512, 512]
+    said = capsys.readouterr().err
+    assert f"'auto' planned {list(want.split)} per device" in said and "3MiB,1500KiB" in said
+    trainer.sampler.set_epoch(0)
+    indices = list(next(iter(trainer.sampler)))
+    trainer.fit()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(x[indices], y[indices]).backward()
+    opt.step()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5)

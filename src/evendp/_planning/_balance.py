@@ -40,6 +40,7 @@ from ._memory import DeviceMemory, live_memory, parse_memory
 from ._speed import SpeedBalancer, balance_sizes
 
 __all__ = [
+    "device_sizes_for_memory",
     "BALANCES",
     "ENV_MEMORY",
     "NoBalance",
@@ -283,6 +284,56 @@ def auto_batch_sizes(
             f"{exc} (each rank's memory also keeps {format_bytes(context)} for the CUDA "
             "context: cuda_context=, --context)"
         ) from None
+
+
+def device_sizes_for_memory(
+    model: nn.Module,
+    batch: Any,
+    devices: Sequence[torch.device],
+    global_batch: int,
+    *,
+    memory: str | Sequence[Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[int], str]:
+    """One process's ``"auto"``: the planner's split of ``global_batch`` over ``devices``
+    (``mode="dp"``, ``model`` on ``batch`` as :func:`evendp.plan` takes them), and where each
+    device's memory came from.
+
+    The memory is declared (``memory``, else ``EVENDP_MEMORY``: one entry per device, or one
+    for all), else read live on CUDA devices. Virtual CPU devices declare none: they split
+    evenly, as ``BalancedDataParallel(weights="auto")`` does there, and the note says how to
+    plan them.
+
+    >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    >>> cpu = [torch.device("cpu")] * 2
+    >>> device_sizes_for_memory(net, torch.randn(1, 64), cpu, 16, environ={})
+    ([8, 8], 'no memory to read on CPU devices: even (declare EVENDP_MEMORY=24MiB,12MiB to plan)')
+    """
+    from ._plan import plan  # the planner pulls in fake tensors: only when asked
+
+    env = os.environ if environ is None else environ
+    spec = memory if memory is not None else env.get(ENV_MEMORY) or None
+    cuda = all(d.type == "cuda" for d in devices)
+    if spec is None and not cuda:
+        even = balance_sizes(global_batch, [1.0] * len(devices))
+        note = f"no memory to read on CPU devices: even (declare {ENV_MEMORY}=24MiB,12MiB to plan)"
+        return even, note
+    if spec is None:  # --- GPU only: each device's live free memory
+        memories = live_memory([int(d.index or 0) for d in devices])
+        source = "each device's free memory"
+    else:
+        memories = parse_memory(spec)
+        if len(memories) == 1:
+            memories = memories * len(devices)
+        if len(memories) != len(devices):
+            raise EvendpError(
+                f"memory spec {shown(spec)} has {len(memories)} entries for {len(devices)} "
+                f"devices; give one per device (or one for all), e.g. {ENV_MEMORY}=24GiB,12GiB"
+            )
+        source = f"declared memory {spec}"
+    options: dict[str, Any] = {} if cuda else {"cuda_context": 0}  # CPU: no CUDA context
+    planned = plan(model, batch, memories, mode="dp", batch_size=global_batch, **options)
+    return list(planned.split), source
 
 
 def say_auto_sizes(sizes: Sequence[int], caps: Sequence[int] | None, rank: int) -> None:

@@ -135,7 +135,10 @@ def validate_trainer_args(
             f"device_ids must be a list of devices, got {device_ids!r}; e.g. "
             "device_ids=['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"
         )
-    validate_numbers("weights", weights, allow_none=True, example="weights=[2, 1]")
+    if weights != "auto":  # "auto": planned for the devices' memory, as batch_sizes="auto"
+        validate_numbers(
+            "weights", weights, allow_none=True, example="weights=[2, 1] or weights='auto'"
+        )
 
 
 def _validate_dataset(name: str, data: Any) -> None:

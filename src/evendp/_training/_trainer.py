@@ -338,7 +338,9 @@ class Trainer:
         device_ids: one process: the device list for BalancedDataParallel (repeats are
             virtual devices). DDP: ignored (the model's device is used). ``devices=`` is the
             deprecated spelling.
-        weights: per-device weights for the split (``None``: even).
+        weights: per-device weights for the split (``None``: even; ``"auto"``, as
+            ``TrainConfig(batch_sizes="auto")`` in one process: the planner's split for each
+            device's memory, declared in ``EVENDP_MEMORY`` or read live on GPUs, printed).
         loss_fn: ``loss_fn(model, batch) -> mean loss``; default :func:`default_loss`.
             The batch is what the dataset's collate made: a dict as the dict itself (the old
             ``(dict,)`` form answers ``batch[0]`` with a DeprecationWarning), a tuple as the
@@ -421,7 +423,7 @@ class Trainer:
         config: TrainConfig,
         *,
         device_ids: list[str | int | torch.device] | None = None,
-        weights: list[float] | None = None,
+        weights: list[float] | Literal["auto"] | None = None,
         loss_fn: LossFn = default_loss,
         count_fn: CountFn | None = None,
         optimizer: torch.optim.Optimizer | None = None,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
+from ..._planning._balance import device_sizes_for_memory
 from .._evaluate import EvalFn, evaluate_devices
 from ._base import Batch, Costs, Strategy, build_sampler
 
@@ -42,17 +44,18 @@ class BalancedDP(Strategy):
         self,
         model: nn.Module,
         device_ids: list[str | int | torch.device] | None,
-        weights: list[float] | None,
+        weights: list[float] | Literal["auto"] | None,
     ) -> None:
         super().__init__(model)
         self._device_ids = device_ids
-        self._weights = weights
+        self._weights = weights  # "auto": planned with the sampler, from the first batch
         self._dp: BalancedDataParallel | None = None
         self.device_names = ["rank0"]
 
     def wrap(self, loss_module: nn.Module) -> None:
+        fixed = None if self._weights == "auto" else self._weights  # "auto": see sampler()
         self._dp = BalancedDataParallel(
-            loss_module, self._device_ids, weights=self._weights, gather_output=False
+            loss_module, self._device_ids, weights=fixed, gather_output=False
         )
         self.wrapped = self._dp
         self.device_names = [
@@ -81,6 +84,8 @@ class BalancedDP(Strategy):
         model: Callable[[], nn.Module],
         example: Callable[[], Any],
     ) -> tuple[UnevenBatchSampler, Any]:
+        if "auto" in (self._weights, config.batch_sizes):
+            self._plan_weights(model(), example(), config.batch_size)
         # One process draws the whole step (its devices' cost plan is device_costs'); a
         # token budget needs the costs here too.
         return build_sampler(
@@ -88,6 +93,20 @@ class BalancedDP(Strategy):
             costs=costs if max_tokens is not None else None, max_costs=None,
             max_tokens=max_tokens, model=model, example=example,
         )  # fmt: skip
+
+    def _plan_weights(self, loss_module: nn.Module, batch: Any, global_batch: int) -> None:
+        """``"auto"`` in one process: the planner's split over the devices' memory (the one
+        meaning ``batch_sizes="auto"`` has under torchrun, per device here), said once."""
+        sizes, source = device_sizes_for_memory(
+            loss_module, as_args(batch), self.dp.device_ids, global_batch
+        )
+        self.dp.weights = [float(n) for n in sizes]
+        print(
+            f"evendp: 'auto' planned {sizes} per device for a global batch of {global_batch} "
+            f"({source})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def device_costs(
         self, costs: Costs, max_costs: Sequence[float] | None
@@ -154,7 +173,7 @@ def build(
     model: nn.Module,
     config: Any,
     device_ids: list[str | int | torch.device] | None,
-    weights: list[float] | None,
+    weights: list[float] | Literal["auto"] | None,
 ) -> BalancedDP:
     """The registry's ``"dp"``: one process over ``device_ids``."""
     return BalancedDP(model, device_ids, weights)

@@ -346,7 +346,7 @@ def _warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
     """One process splits the global batch (``batch_size``, which ``sum(batch_sizes)`` is) by
     device weights; ``batch_sizes``' split and ``balance`` are per rank (torchrun): a warning
     says so when they are set in one process."""
-    if config.batch_sizes is not None and not distributed:
+    if config.batch_sizes not in (None, "auto") and not distributed:  # "auto": planned
         warnings.warn(
             f"batch_sizes={config.batch_sizes} is ignored in one process: it sets each rank's "
             f"share under torchrun; here the global batch, batch_size={config.batch_size}, is "

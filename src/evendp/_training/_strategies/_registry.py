@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the names are read without torch (evendp train's launcher)
     import torch
@@ -40,7 +40,11 @@ class StrategyEntry:
     checkpoint_spread: bool = False
 
     def build(
-        self, model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
+        self,
+        model: nn.Module,
+        config: Any,
+        device_ids: DeviceIds,
+        weights: list[float] | Literal["auto"] | None,
     ) -> Strategy:
         module = importlib.import_module(self.module, __package__)
         built: Strategy = getattr(module, self.builder)(model, config, device_ids, weights)
@@ -107,7 +111,10 @@ def rank_strategy_names() -> tuple[str, ...]:
 
 
 def pick_strategy(
-    model: nn.Module, config: Any, device_ids: DeviceIds, weights: list[float] | None
+    model: nn.Module,
+    config: Any,
+    device_ids: DeviceIds,
+    weights: list[float] | Literal["auto"] | None,
 ) -> Strategy:
     """The way of running a step for this process: no process group means one process
     (``"dp"``), else ``config.strategy``."""
