@@ -233,9 +233,14 @@ _NODE_OPTIONS: tuple[tuple[str, tuple[int, int, int] | None, int | None, str], .
 )  # fmt: skip
 
 
+def _rank_modes() -> list[str]:
+    """The ``--mode`` values that run ranks, from the strategy registry."""
+    return [name for name, entry in STRATEGIES.items() if entry.ranks]
+
+
 def _add_node_options(p: argparse.ArgumentParser) -> None:
     nodes = p.add_argument_group(
-        "several machines (ranks: --mode ddp, fsdp2, deepspeed)",
+        f"several machines (ranks: --mode {', '.join(_rank_modes())})",
         "the same command on every machine, each with its --node-rank; --devices and --weights "
         "(one weight per rank of the whole run, node 0's first) the same everywhere",
     )
@@ -323,10 +328,11 @@ def _validate_nodes(args: argparse.Namespace) -> None:
                 "--nnodes N (the machines in the run), or drop it"
             )
         return
-    if args.mode == "dp":
+    if not STRATEGIES[args.mode].ranks:
+        *some, last = _rank_modes()
         raise EvendpError(
-            f"--nnodes {args.nnodes} runs ranks on several machines; use --mode ddp, fsdp2 or "
-            "deepspeed (--mode dp is one process)"
+            f"--nnodes {args.nnodes} runs ranks on several machines; use --mode "
+            f"{', '.join(some)} or {last} (--mode {args.mode} is one process)"
         )
     if args.node_rank is None or args.master_addr is None:
         raise EvendpError(
