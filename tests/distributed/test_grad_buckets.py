@@ -278,3 +278,22 @@ def test_each_step_equals_one_process_on_the_whole_batch(
     if case == "shared_weight":  # the first step is stale; afterwards rank 1 waits for the end
         assert r0["outcomes"] == r1["outcomes"] == ["reduced again", "applied"]
         assert r0["launched"][1] == 0
+
+
+def test_unfreezing_layers_rebuilds_the_buckets_at_the_next_last_backward() -> None:
+    """Progressive unfreezing: a parameter that starts to train joins the buckets (else its
+    gradient would never be averaged); the check runs at the start of a last backward."""
+    from evendp import init_distributed
+
+    init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = _mlp()
+    model[0].requires_grad_(False)
+    strategy = OomSafeDDP(model)
+    first = strategy._gradient_buckets()
+    assert not any(p is model[0].weight for b in first.buckets for p in b)
+    assert strategy._gradient_buckets(recheck=True) is first  # nothing changed
+    model[0].requires_grad_(True)
+    assert strategy._gradient_buckets() is first  # mid-step: kept
+    again = strategy._gradient_buckets(recheck=True)
+    assert again is not first and again.holds(model.parameters())
+    assert any(p is model[0].weight for b in again.buckets for p in b)

@@ -160,6 +160,11 @@ class GradientBuckets:
     def _reset(self) -> None:
         self._launched, self.stale = [], False
 
+    def holds(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Whether these buckets are those of ``params``' trained ones, in the same order."""
+        trained = [id(p) for p in params if p.requires_grad]
+        return trained == [id(p) for p in self.params]
+
     def remove(self) -> None:
         """Take the gradient hooks off the parameters."""
         for hook in self._hooks:

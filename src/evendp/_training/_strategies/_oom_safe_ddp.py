@@ -47,10 +47,17 @@ class OomSafeDDP(RankStrategy):
     def guard(self, oom_resplit: bool) -> OomResplit:
         return OomResplit(catch=oom_resplit)
 
-    def _gradient_buckets(self) -> GradientBuckets:
-        if self._buckets is None:  # built once the model is final (after wrap)
-            self._buckets = GradientBuckets(self.model.parameters(), bucket_bytes=self.bucket_bytes)
-        return self._buckets
+    def _gradient_buckets(self, *, recheck: bool = False) -> GradientBuckets:
+        """The buckets of the parameters being trained: built at first use (the model is
+        final after wrap), and again at the start of a last backward (``recheck``) when
+        that set changed (layers unfrozen; every rank alike, as their optimizers are)."""
+        current = self._buckets
+        if current is None or (recheck and not current.holds(self.model.parameters())):
+            if current is not None:
+                current.remove()
+            current = GradientBuckets(self.model.parameters(), bucket_bytes=self.bucket_bytes)
+            self._buckets = current
+        return current
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         self._last = last  # only the last micro-step's gradients are final
@@ -59,7 +66,7 @@ class OomSafeDDP(RankStrategy):
     def backward(self, loss: torch.Tensor) -> None:
         if not self._last:
             return super().backward(loss)
-        with self._gradient_buckets().overlapping():  # its buckets go as they are ready
+        with self._gradient_buckets(recheck=True).overlapping():  # each bucket once ready
             super().backward(loss)
 
     def agree_step(
