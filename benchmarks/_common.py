@@ -6,13 +6,49 @@ Imported by the scripts run as ``python benchmarks/NAME.py`` (their folder is on
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from typing import Any
 
 import torch
 
-__all__ = ["StepClock", "Tokens"]
+__all__ = ["StepClock", "Tokens", "hf_gpt2_run", "start_rank"]
+
+SEQ, VOCAB = 16, 64  # the tiny GPT-2's rows
+
+
+def hf_gpt2_run(tmp: str, steps: int, per_device: int) -> tuple[Any, Any]:
+    """A tiny GPT-2 (dropout off, seeded) and HF ``TrainingArguments`` for ``steps`` steps of
+    ``per_device`` rows on gloo CPU ranks, logging and saving nothing."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    training = transformers.TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=per_device, max_steps=steps,
+        learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, use_cpu=True, ddp_backend="gloo", seed=0,
+    )  # fmt: skip
+    return model, training
+
+
+def start_rank(rank: int, port: int, world: int = 2) -> None:
+    """Make this spawned process rank ``rank`` of a gloo group on loopback, with what
+    torchrun would have set (offline, one thread)."""
+    import evendp
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    evendp.init_distributed("gloo")
 
 
 class StepClock:

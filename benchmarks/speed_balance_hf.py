@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -36,14 +35,11 @@ import _common
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import Tokens
+from _common import SEQ, VOCAB, Tokens, hf_gpt2_run, start_rank
 from torch import nn
 
 import evendp
 from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
-
-SEQ, VOCAB = 16, 64
-
 
 # --- the slowed "devices" ---------------------------------------------------------------------
 
@@ -71,23 +67,12 @@ def converged_at(history: list[tuple[int, list[int]]]) -> int:
 
 
 def hf_run(rank: int, args: argparse.Namespace, balance: str, tmp: str) -> dict[str, Any]:
-    import transformers
 
     from evendp.integrations.transformers import UnevenTrainer
 
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    slow_down(model.transformer, pace_of(rank, args.ms))
     half = args.batch // 2
-    training = transformers.TrainingArguments(
-        output_dir=tmp, per_device_train_batch_size=half, max_steps=args.steps,
-        learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True, ddp_backend="gloo", seed=0,
-    )  # fmt: skip
+    model, training = hf_gpt2_run(tmp, args.steps, half)
+    slow_down(model.transformer, pace_of(rank, args.ms))
     clock = StepClock()
     trainer = UnevenTrainer(
         model, training, train_dataset=Tokens(args.batch * args.steps, SEQ, VOCAB),
@@ -153,12 +138,7 @@ RUNS = ("even", "even_again", "speed")
 
 
 def worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    evendp.init_distributed("gloo")
+    start_rank(rank, port)
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         # Warm-up, not counted: first calls pay imports, allocations and one-off kernels.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import StepClock
+from _common import StepClock, start_rank
 from torch import nn
 
 from evendp import TrainConfig, Trainer
@@ -71,12 +70,7 @@ def _run(rank: int, args: argparse.Namespace, strategy: str, balance: str) -> di
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    start_rank(rank, port)
     results: dict[str, list[dict[str, Any]]] = {}
     for strategy in args.strategies:  # warm-up, not counted: imports, DeepSpeed's start
         _run(rank, argparse.Namespace(**{**vars(args), "steps": 3}), strategy, "none")

@@ -19,22 +19,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import Tokens
+from _common import SEQ, VOCAB, Tokens, hf_gpt2_run, start_rank
 
 import evendp
 from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
 
-SEQ, VOCAB = 16, 64
 RUNS = ("hf", "hf_again", "uneven")
 
 
@@ -44,18 +41,8 @@ def one_run(kind: str, args: argparse.Namespace, tmp: str, profile: Path | None)
 
     from evendp.integrations.transformers import UnevenTrainer
 
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
     half = args.batch // 2
-    training = transformers.TrainingArguments(
-        output_dir=tmp, per_device_train_batch_size=half, max_steps=args.steps,
-        learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True, ddp_backend="gloo", seed=0,
-    )  # fmt: skip
+    model, training = hf_gpt2_run(tmp, args.steps, half)
     first: list[float] = []
 
     class FirstStep(transformers.TrainerCallback):
@@ -84,12 +71,7 @@ def one_run(kind: str, args: argparse.Namespace, tmp: str, profile: Path | None)
 
 
 def worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    evendp.init_distributed("gloo")
+    start_rank(rank, port)
     results: dict[str, list[list[float]]] = {run: [] for run in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("hf", "uneven"):  # warm-up: imports and one-off costs, not counted
