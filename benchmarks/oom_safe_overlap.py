@@ -1,7 +1,7 @@
 """OOM-safe DDP (the default under torchrun) against torch's DDP: wall time per step, one run.
 
 Two gloo ranks train the evendp Trainer on a model whose gradient all-reduce is a large part
-of the step (an MLP of ``--width``: 4 layers, ~17 MB of fp32 gradients at the default 1024,
+of the step (an MLP of ``--width``: 4 layers, 12.9 MB of fp32 gradients at the default 1024,
 with a small batch), on the same batches. Rows, each the median of ``--rounds`` interleaved
 rounds of ``--steps`` steps (the order rotates every round; the first round is a warm-up):
 
@@ -9,7 +9,8 @@ rounds of ``--steps`` steps (the order rotates every round; the first round is a
   bucket's all-reduce with the rest of backward): the control;
 * the same again: the A/A row (the noise);
 * OOM-safe DDP: each bucket's all-reduce launched from backward once ready (issue 37);
-* OOM-safe DDP reducing only after backward (``overlap`` off): what it did before.
+* OOM-safe DDP reducing only after backward (``overlap`` off): the schedule it had before
+  (the code before, with its two buckets in flight, is the same script on an older commit).
 
 Wall ms per step (rank 0, between barriers) and CPU ms per step (all ranks' processes)
 beside it: on 2 shared cores wall time moves with other load, CPU time far less.

@@ -163,9 +163,9 @@ class SpyBuckets(GradientBuckets):
 
     steps: ClassVar[list[tuple[int, str]]] = []  # per step: (launched in backward, outcome)
 
-    def finish(self, flags: torch.Tensor) -> None:
+    def finish(self, flags: torch.Tensor, *, failed: bool = False) -> None:
         self.steps.append((len(self._launched), ""))
-        super().finish(flags)
+        super().finish(flags, failed=failed)
 
     def _outcome(self, what: str) -> None:
         self.steps[-1] = (self.steps[-1][0], what)

@@ -429,8 +429,9 @@ def all_reduce_gradients(
     """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
 
     For gradients accumulated with every backward local (no collective inside backward, so an
-    OOM on one rank leaves no other waiting; see :class:`evendp.OomResplit`): every rank calls
-    it exactly once per step, whatever its micro-batching, so the collectives stay in
+    OOM on one rank leaves no other waiting; see :class:`evendp.OomResplit`): every rank must
+    call it the same number of times, whatever its micro-batching (OOM-safe DDP calls it when
+    a rank's overlapped copy went stale), so the collectives stay in
     lockstep. A parameter without a gradient (a rank with an empty share) contributes zeros.
     Without a process group (or with one rank) it does nothing.
 

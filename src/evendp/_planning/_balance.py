@@ -318,9 +318,12 @@ def device_sizes_for_memory(
         even = balance_sizes(global_batch, [1.0] * len(devices))
         note = f"no memory to read on CPU devices: even (declare {ENV_MEMORY}=24MiB,12MiB to plan)"
         return even, note
-    if spec is None:  # --- GPU only: each device's live free memory
-        memories = live_memory([int(d.index or 0) for d in devices])
-        source = "each device's free memory"
+    if spec is None:  # --- GPU only: live free memory, as BalancedDataParallel's "auto"
+        from ._planner import auto_weights
+
+        weights = auto_weights(model, list(devices), batch, gather_output=False)
+        sizes = balance_sizes(global_batch, [1.0 / w if w else 1e9 for w in weights])
+        return sizes, "each device's free memory"
     else:
         memories = parse_memory(spec)
         if len(memories) == 1:

@@ -398,7 +398,8 @@ class SpeedBalancer:
         figures one exchange old, the same on every rank): a gather waited for at once would
         make every rank wait for the slowest one's optimizer step after each step, which a
         step otherwise overlaps with the others' next forward (a rank with a slow optimizer
-        step paid it in full: 78 ms steps against 47 ms). ``None``: nothing gathered yet.
+        step paid it in full, in ``benchmarks/split_model.py`` before this). ``None``: nothing
+        gathered yet.
         """
         mine = (self._seconds, float(self._samples))
         if self.gather is not None:
@@ -450,9 +451,11 @@ class SpeedBalancer:
 
     def _add_point(self, rank: int, size: int, seconds: float) -> None:
         points = self._points[rank]
-        if size not in points:
+        if size in points:
+            points[size] = points.pop(size)  # the most recently run size goes last
+        else:
             if len(points) == FIT_SIZES:
-                del points[next(iter(points))]  # the oldest size goes
+                del points[next(iter(points))]  # the size run longest ago goes
             points[size] = deque(maxlen=self.window)
         points[size].append(seconds)
 
@@ -523,6 +526,7 @@ class SpeedBalancer:
         if len(recent) != self.world_size:
             raise InputError(f"recent: must hold one list per rank, got {len(recent)}")
         self.sampler.set_batch_sizes(sizes)
+        self._gathering = None  # figures gathered before the load are not this run's
         self.steps = steps
         self._recent = [deque(times, maxlen=self.window) for times in recent]
         self.seconds_per_sample = [statistics.median(d) if d else None for d in self._recent]

@@ -20,8 +20,8 @@ Across processes the guard is only retry arithmetic: whether every process steps
 and how many micro-steps each must run, is a :class:`StepConsensus` the caller passes (the
 Trainer's strategy). Without one, under a process group, the guard all-reduces one flag so
 every rank agrees on "step" or "skip": an OOM on one rank never leaves another blocked in a
-collective (every backward stays local; see
-:func:`evendp._distributed._group.all_reduce_gradients`).
+collective (under OOM-safe DDP every bucket is reduced once, in one order on every rank,
+whatever a rank's backward did; see :class:`evendp._distributed._grad_buckets.GradientBuckets`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -84,8 +85,15 @@ class BalancedDP(Strategy):
         model: Callable[[], nn.Module],
         example: Callable[[], Any],
     ) -> tuple[UnevenBatchSampler, Any]:
-        if "auto" in (self._weights, config.batch_sizes):
+        if self._weights == "auto" or (config.batch_sizes == "auto" and self._weights is None):
             self._plan_weights(model(), example(), config.batch_size)
+        elif config.batch_sizes == "auto":
+            warnings.warn(
+                f"batch_sizes='auto' is ignored: weights={self._weights} were given, which "
+                "split the batch over device_ids; drop one of them",
+                UserWarning,
+                stacklevel=3,
+            )
         # One process draws the whole step (its devices' cost plan is device_costs'); a
         # token budget needs the costs here too.
         return build_sampler(

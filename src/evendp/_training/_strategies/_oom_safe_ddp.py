@@ -31,8 +31,9 @@ __all__ = ["OomSafeDDP"]
 class OomSafeDDP(RankStrategy):
     """The default under torchrun: every micro-batch accumulates locally; the last one's
     backward launches each ~25 MiB gradient bucket's all-reduce once it is ready (DDP's
-    overlap), and the step ends with one small all-reduce of the ranks' ``[OOM flag, loss,
-    SIGINT, SIGTERM, stale]``, the step's one host read. When any rank failed, all drop the
+    overlap); the ranks' ``[OOM flag, loss, SIGINT, SIGTERM, stale]`` ride in the last bucket
+    (in an all-reduce of their own when the gradients are not float32 on the communication
+    device), the step's one host read. When any rank failed, all drop the
     result and skip: the reduction was wasted, never wrong."""
 
     _votes: tuple[float, float] | None = None  # the last step's summed stop votes, read
@@ -49,10 +50,12 @@ class OomSafeDDP(RankStrategy):
 
     def _gradient_buckets(self, *, recheck: bool = False) -> GradientBuckets:
         """The buckets of the parameters being trained: built at first use (the model is
-        final after wrap), and again at the start of a last backward (``recheck``) when
-        that set changed (layers unfrozen; every rank alike, as their optimizers are)."""
+        final after wrap), and again at a step's start (``recheck``, from :meth:`zero_grad`,
+        which every rank runs, empty share or not) when that set changed (layers unfrozen,
+        on every rank alike, as their optimizers are)."""
         current = self._buckets
-        if current is None or (recheck and not current.holds(self.model.parameters())):
+        fresh = current is not None and not current._launched  # not mid-step
+        if current is None or (recheck and fresh and not current.holds(self.model.parameters())):
             if current is not None:
                 current.remove()
             current = GradientBuckets(self.model.parameters(), bucket_bytes=self.bucket_bytes)
@@ -64,33 +67,43 @@ class OomSafeDDP(RankStrategy):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        if not self._last:
+        if not self._last or self.world == 1:  # one rank: nothing to reduce
             return super().backward(loss)
-        with self._gradient_buckets(recheck=True).overlapping():  # each bucket once ready
+        with self._gradient_buckets().overlapping():  # each bucket goes once ready
             super().backward(loss)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        if self.world > 1:
+            self._gradient_buckets(recheck=True)
 
     def agree_step(
         self, failed: bool, total: torch.Tensor | None
     ) -> tuple[bool, torch.Tensor | None]:
-        buckets = self._gradient_buckets()
+        # One rank has nothing to reduce: no buckets, its flags are the sums.
+        buckets = self._gradient_buckets() if self.world > 1 else None
         where = comm_device()
         mine = torch.zeros((), device=where) if total is None else total.to(where).float()
-        flags = torch.stack([torch.tensor(float(failed), device=where), mine])
-        stale = torch.tensor([float(buckets.stale)], device=where)
-        flags = torch.cat([flags, stop_votes(self._stop_source(), where), stale])
-        buckets.finish(flags)
+        stale = buckets is not None and buckets.stale
+        failed_stale = torch.tensor([float(failed), float(stale)], device=where)
+        votes = stop_votes(self._stop_source(), where)
+        flags = torch.cat([failed_stale[:1], mine.reshape(1), votes, failed_stale[1:]])
+        if buckets is not None:
+            buckets.finish(flags, failed=failed)
         # The one host read of a step, the flags together: whether a rank failed decides
         # the retry arithmetic's next plan and the skipped count, which the host keeps; a
         # stale copy anywhere makes every rank reduce again (data every rank has).
         failed_anywhere, _, sigint, sigterm, stale_anywhere = flags.tolist()
         self._votes = (sigint, sigterm)
+        if buckets is not None:
+            if failed_anywhere:
+                buckets.discard()
+            elif stale_anywhere:
+                buckets.reduce_again()
+            else:
+                buckets.apply()
         if failed_anywhere:
-            buckets.discard()
             return True, None
-        if stale_anywhere:
-            buckets.reduce_again()
-        else:
-            buckets.apply()
         return False, flags[1]  # the step's total over every rank
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
