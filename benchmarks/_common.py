@@ -6,14 +6,32 @@ Imported by the scripts run as ``python benchmarks/NAME.py`` (their folder is on
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["StepClock", "Tokens", "hf_gpt2_run", "start_rank"]
+__all__ = ["StepClock", "Tokens", "hf_gpt2_run", "spawn_two_ranks", "start_rank"]
+
+
+def spawn_two_ranks(worker: Callable[..., None], args: Any) -> Any:
+    """Run ``worker(rank, port, out, args)`` on two spawned ranks; what rank 0 wrote to
+    ``out`` as JSON."""
+    import torch.multiprocessing as mp
+
+    from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "results.json")
+        mp.start_processes(worker, args=(_free_port(), out, args), nprocs=2, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
 
 SEQ, VOCAB = 16, 64  # the tiny GPT-2's rows
 

@@ -33,13 +33,11 @@ from typing import Any
 
 import _common
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import SEQ, VOCAB, Tokens, hf_gpt2_run, start_rank
+from _common import SEQ, VOCAB, Tokens, hf_gpt2_run, spawn_two_ranks, start_rank
 from torch import nn
 
 import evendp
-from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
 
 # --- the slowed "devices" ---------------------------------------------------------------------
 
@@ -209,10 +207,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.json")
-        mp.start_processes(worker, args=(_free_port(), out, args), nprocs=2, start_method="spawn")
-        results = json.loads(Path(out).read_text())
+    results = spawn_two_ranks(worker, args)
     text, figures = table(results)
     print(
         f"2 gloo ranks, global batch {args.batch}, {args.steps} steps, rank 0 {args.ms} ms "

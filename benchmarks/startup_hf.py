@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import SEQ, VOCAB, Tokens, hf_gpt2_run, start_rank
+from _common import SEQ, VOCAB, Tokens, hf_gpt2_run, spawn_two_ranks, start_rank
 
 import evendp
-from evendp._planning._launch import _free_port  # a free port, never torchrun's 29500
 
 RUNS = ("hf", "hf_again", "uneven")
 
@@ -118,10 +116,7 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.json")
-        mp.start_processes(worker, args=(_free_port(), out, args), nprocs=2, start_method="spawn")
-        results = json.loads(Path(out).read_text())
+    results = spawn_two_ranks(worker, args)
     print(
         f"2 gloo ranks, tiny GPT-2, global batch {args.batch} split [{args.batch // 2}, "
         f"{args.batch // 2}], {args.steps} steps, {args.rounds} rounds (medians)\n" + table(results)

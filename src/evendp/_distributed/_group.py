@@ -424,7 +424,6 @@ def all_reduce_gradients(
     group: dist.ProcessGroup | None = None,
     *,
     bucket_bytes: int = BUCKET_BYTES,
-    extra: torch.Tensor | None = None,
 ) -> None:
     """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
 
@@ -441,9 +440,6 @@ def all_reduce_gradients(
     buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
     next one's packing.
 
-    ``extra`` (a small contiguous tensor, e.g. an OOM flag and a loss) is *summed* over ranks in
-    place, riding in the last bucket instead of a collective of its own.
-
     >>> p = torch.nn.Parameter(torch.ones(2))
     >>> p.grad = torch.full((2,), 3.0)
     >>> all_reduce_gradients([p])  # one process: unchanged
@@ -458,17 +454,15 @@ def all_reduce_gradients(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params if p.grad is not None]
-    if extra is not None:
-        grads.append(extra)
     in_flight: deque[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = deque()
     for bucket in bucket_tensors(grads, bucket_bytes):
         alone = len(bucket) == 1 and bucket[0].is_contiguous()
         flat = bucket[0] if alone else _flatten_dense_tensors(bucket)  # (sum of numels,)
         in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
         if len(in_flight) > 2:
-            _unpack(*in_flight.popleft(), world, extra)
+            _unpack(*in_flight.popleft(), world)
     while in_flight:
-        _unpack(*in_flight.popleft(), world, extra)
+        _unpack(*in_flight.popleft(), world)
 
 
 def bucket_tensors(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
@@ -492,14 +486,12 @@ def _unpack(
     flat: torch.Tensor,
     bucket: list[torch.Tensor],
     world: int,
-    summed: torch.Tensor | None,
 ) -> None:
-    # Gradients are averaged (as DDP does); ``summed`` (the extra tensor) keeps the sum.
+    # Gradients are averaged, as DDP does.
     if work is not None:
         work.wait()
     if flat is bucket[0]:
-        if flat is not summed:
-            flat.div_(world)
+        flat.div_(world)
         return
     for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-        g.copy_(reduced if g is summed else reduced.div_(world))
+        g.copy_(reduced.div_(world))

@@ -339,16 +339,26 @@ def device_sizes_for_memory(
     return list(planned.split), source
 
 
-def say_auto_sizes(sizes: Sequence[int], caps: Sequence[int] | None, rank: int) -> None:
-    """On rank 0: what ``batch_sizes="auto"`` chose, in one line (every surface says it).
+def say_auto_sizes(
+    sizes: Sequence[int],
+    caps: Sequence[int] | None,
+    rank: int,
+    *,
+    option: str = "batch_sizes",
+    per: str = "rank",
+    source: str | None = None,
+) -> None:
+    """On rank 0: what ``"auto"`` chose, in one line (every surface says it): ``option``'s
+    name, the sizes ``per`` rank (or device), and the capacities or the memory's ``source``.
 
     >>> say_auto_sizes([20, 12], [48, 24], rank=1)  # other ranks stay quiet
     """
     if rank != 0:
         return
     most = "" if caps is None else f" (the most each holds: {list(caps)})"
+    most += "" if source is None else f" ({source})"
     print(
-        f"evendp: batch_sizes='auto' planned {list(sizes)} per rank for a global batch of "
+        f"evendp: {option}='auto' planned {list(sizes)} per {per} for a global batch of "
         f"{sum(sizes)}{most}",
         file=sys.stderr,
         flush=True,

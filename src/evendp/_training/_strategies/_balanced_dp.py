@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
-from ..._planning._balance import device_sizes_for_memory
+from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
 from .._evaluate import EvalFn, evaluate_devices
 from ._base import Batch, Costs, Strategy, build_sampler
 
@@ -86,7 +85,8 @@ class BalancedDP(Strategy):
         example: Callable[[], Any],
     ) -> tuple[UnevenBatchSampler, Any]:
         if self._weights == "auto" or (config.batch_sizes == "auto" and self._weights is None):
-            self._plan_weights(model(), example(), config.batch_size)
+            option = "weights" if self._weights == "auto" else "batch_sizes"
+            self._plan_weights(model(), example(), config.batch_size, option)
         elif config.batch_sizes == "auto":
             warnings.warn(
                 f"batch_sizes='auto' is ignored: weights={self._weights} were given, which "
@@ -102,19 +102,16 @@ class BalancedDP(Strategy):
             max_tokens=max_tokens, model=model, example=example,
         )  # fmt: skip
 
-    def _plan_weights(self, loss_module: nn.Module, batch: Any, global_batch: int) -> None:
+    def _plan_weights(
+        self, loss_module: nn.Module, batch: Any, global_batch: int, option: str
+    ) -> None:
         """``"auto"`` in one process: the planner's split over the devices' memory (the one
         meaning ``batch_sizes="auto"`` has under torchrun, per device here), said once."""
         sizes, source = device_sizes_for_memory(
             loss_module, as_args(batch), self.dp.device_ids, global_batch
         )
         self.dp.weights = [float(n) for n in sizes]
-        print(
-            f"evendp: 'auto' planned {sizes} per device for a global batch of {global_batch} "
-            f"({source})",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_auto_sizes(sizes, None, rank=0, option=option, per="device", source=source)
 
     def device_costs(
         self, costs: Costs, max_costs: Sequence[float] | None
