@@ -85,9 +85,9 @@ def test_trainer_keeps_each_device_within_its_token_cap() -> None:
         TokenLM(), data, cfg, device_ids=["cpu", "cpu"], count_fn=tokens,
         costs=lengths, max_costs=caps,
     )  # fmt: skip
-    indices = list(next(iter(trainer.sampler)))
-    order, rows = trainer._by_cost(indices)
-    assert rows is not None
+    next(iter(trainer.sampler))
+    layout = trainer._on_devices(trainer.sampler.layout(0))
+    order, rows = layout.rank_indices(0), layout.device_rows(0)
     shares = [order[: rows[0]], order[rows[0] :]]
     for share, cap in zip(shares, caps, strict=True):
         assert padded_cost([lengths[i] for i in share]) <= cap

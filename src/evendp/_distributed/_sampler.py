@@ -3,15 +3,16 @@
 :class:`UnevenBatchSampler` gives rank ``r`` batches of ``batch_sizes[r]`` indices. All ranks
 walk ONE global permutation (seeded by ``seed + epoch``, identical everywhere) with one global
 cursor: a step consumes ``B = sum(batch_sizes)`` indices and rank ``r`` takes the slice at
-offset ``sum(batch_sizes[:r])``. So every rank yields the same number of steps and every index
-appears exactly once per epoch. The final, partial step of ``R < B`` indices is split in
-proportion with :func:`evendp._core._split.split_sizes`. :class:`EmptySafeCollate` gives a rank with
-no samples a real, empty batch; :func:`parse_batch_sizes` and :func:`batch_sizes_from_env` read
-the sizes ``evendp launch`` passes. With ``costs=`` (a cost per sample, e.g. its token length)
-each step still takes the same ``B`` indices, but they go to ranks by
-:func:`evendp._core._cost.split_by_cost` with ``batch_sizes`` as the capacities, so each rank's
-padded cost, not its sample count, follows its size. Scaling the loss so the gradient stays exact is
-:func:`evendp._distributed._group.ddp_loss`'s job; nothing here needs a process group.
+offset ``sum(batch_sizes[:r])``. Who takes which is the step's layout
+(:mod:`evendp._distributed._step_layout`, :meth:`UnevenBatchSampler.layout`), decided there and
+nowhere else. So every rank yields the same number of steps and every index appears exactly
+once per epoch. The final, partial step of ``R < B`` indices is split in proportion.
+:class:`EmptySafeCollate` gives a rank with no samples a real, empty batch. With ``costs=`` (a
+cost per sample, e.g. its token length) each step still takes the same ``B`` indices, but they
+go to ranks by :func:`evendp._core._cost.split_by_cost` with ``batch_sizes`` as the capacities,
+so each rank's padded cost, not its sample count, follows its size. Scaling the loss so the
+gradient stays exact is :func:`evendp._distributed._group.ddp_loss`'s job; nothing here needs a
+process group.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from .._core._cost import split_by_cost, validate_caps, validate_costs
+from .._core._cost import validate_caps, validate_costs
 from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
-from .._core._split import split_sizes
 from .._core._validate import is_int, shown, validate_bool, validate_int
 from ._batch_plan import ENV_BATCH_SIZES, MAX_BATCH, MAX_RANKS, BatchPlan, validate_batch_plan
 from ._launch_notes import note_sizes_read
+from ._step_layout import StepLayout, layout_step
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -325,10 +326,9 @@ class UnevenBatchSampler:
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0
-        # Every rank's sample count in each step yielded this epoch (kept after the epoch
-        # ends: a DataLoader samples ahead of the training loop that asks).
-        self._step_sizes: list[list[int]] = []
-        self._step_indices: list[int] = []
+        # Each step's layout yielded this epoch (kept after the epoch ends: a DataLoader
+        # samples ahead of the training loop that asks).
+        self._layouts: list[StepLayout] = []
 
     @property
     def step_indices(self) -> list[int]:
@@ -341,7 +341,24 @@ class UnevenBatchSampler:
         >>> next(iter(sampler)), sampler.step_indices
         ([0], [0, 1, 2])
         """
-        return list(self._step_indices)
+        return list(self._layouts[-1].indices) if self._layouts else []
+
+    def layout(self, step: int) -> StepLayout:
+        """Step ``step``'s (0-based, of the epoch being iterated) :class:`StepLayout`: every
+        rank's samples, the same value on every rank with no communication.
+
+        >>> s = UnevenBatchSampler(5, [1, 2], rank=0, shuffle=False)
+        >>> [s.layout(step).rank_rows for step, _ in enumerate(s)]
+        [(1, 2), (1, 1)]
+        """
+        validate_int("step", step, minimum=0)
+        if step >= len(self._layouts):
+            raise EvendpError(
+                f"step {step} has not been sampled yet this epoch (steps 0 to "
+                f"{len(self._layouts) - 1} have); count steps from 0 in each epoch, "
+                "e.g. `for step, batch in enumerate(loader)`"
+            )
+        return self._layouts[step]
 
     def _set_sizes(self, sizes: list[int]) -> None:
         self._sizes = sizes
@@ -420,14 +437,7 @@ class UnevenBatchSampler:
         >>> [(batch, s.sizes_in_step(step)) for step, batch in enumerate(s)]
         [([0], [1, 3]), ([4, 7], [2, 2])]
         """
-        validate_int("step", step, minimum=0)
-        if step >= len(self._step_sizes):
-            raise EvendpError(
-                f"step {step} has not been sampled yet this epoch (steps 0 to "
-                f"{len(self._step_sizes) - 1} have); count steps from 0 in each epoch, "
-                "e.g. `for step, batch in enumerate(loader)`"
-            )
-        return list(self._step_sizes[step])
+        return list(self.layout(step).rank_rows)
 
     def _permutation(self) -> list[int]:
         # One generator seeded identically on every rank: the same permutation everywhere.
@@ -465,7 +475,7 @@ class UnevenBatchSampler:
         n = self.num_samples
         self._cursor = 0
         self._steps_done = 0
-        self._step_sizes = []
+        self._layouts = []
         # Sizes are re-read every step so set_batch_sizes takes effect at the next yield.
         while True:
             remaining = n - self._cursor
@@ -473,12 +483,11 @@ class UnevenBatchSampler:
                 break
             step_total = self._step_length(perm, remaining)
             step = perm[self._cursor : self._cursor + step_total]  # the same on every rank
-            batch, sizes = self._share(step)
+            layout = self._layout(step)
             self._cursor += step_total
             self._steps_done += 1
-            self._step_sizes.append(sizes)
-            self._step_indices = step
-            yield batch
+            self._layouts.append(layout)
+            yield layout.rank_indices(self.rank)
         self._cursor = 0
         self._steps_done = 0
 
@@ -500,24 +509,16 @@ class UnevenBatchSampler:
             self._budget_cuts = (self.epoch, lengths)
         return len(self._budget_cuts[1])
 
-    def _share(self, step: list[int]) -> tuple[list[int], list[int]]:
-        """This rank's indices of the step's ``step`` indices, and every rank's count."""
-        if self.costs is not None:
-            costs = self.costs
-            try:
-                shares = split_by_cost(
-                    [costs[i] for i in step], self._sizes, padded=self.padded,
-                    max_costs=self.max_costs,
-                )  # fmt: skip
-            except EvendpError as err:
-                raise EvendpError(
-                    f"step {self._steps_done} of epoch {self.epoch} does not fit max_costs: {err}"
-                ) from None
-            return [step[j] for j in shares[self.rank]], [len(share) for share in shares]
-        # By count: the offset slices; the partial last step is split in proportion.
-        sizes = self._sizes if len(step) == self._global else split_sizes(len(step), self._sizes)
-        start = sum(sizes[: self.rank])
-        return step[start : start + sizes[self.rank]], list(sizes)
+    def _layout(self, step: list[int]) -> StepLayout:
+        """The step's layout over every rank (:func:`layout_step`), a cap it breaks named."""
+        try:
+            return layout_step(
+                step, self._sizes, costs=self.costs, padded=self.padded, max_costs=self.max_costs
+            )
+        except EvendpError as err:
+            raise EvendpError(
+                f"step {self._steps_done} of epoch {self.epoch} does not fit max_costs: {err}"
+            ) from None
 
     def __len__(self) -> int:
         if self.max_tokens is not None:

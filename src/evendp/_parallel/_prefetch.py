@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._distributed._step_layout import StepLayout
 from ._scatter import map_tensors
 
 __all__ = ["Prefetcher", "Prepared", "pin", "wants_pinning"]
@@ -27,18 +28,22 @@ __all__ = ["Prefetcher", "Prepared", "pin", "wants_pinning"]
 
 @dataclass
 class Prepared:
-    """One collated batch, where it comes from, and the step's samples over ranks.
+    """One collated batch, where it comes from, and its step's layout over every rank.
 
-    ``samples`` (not a "count": counts are the items a loss is a mean over) is the step's
-    global batch, known to every rank with no communication.
+    ``layout`` says each rank's and each device's rows (the batch holds this rank's, device
+    by device); its ``samples`` (not a "count": counts are the items a loss is a mean over)
+    are the step's global batch, known to every rank with no communication.
     """
 
     batch: Any
     epoch: int
     index: int
-    samples: int
-    shares: list[int] | None = None  # per-device rows when a cost plan ordered the batch
+    layout: StepLayout
     counted: float | None = None  # the step's counted items over ranks, from Trainer(counts=)
+
+    @property
+    def samples(self) -> int:
+        return self.layout.samples
 
 
 class Prefetcher:

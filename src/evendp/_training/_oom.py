@@ -40,8 +40,9 @@ from .._core._exact import weighted_sum
 from .._core._oom_errors import device_index_of, is_oom_error
 from .._core._validate import is_int, validate_int
 from .._distributed._group import comm_device, world_size
+from .._distributed._step_layout import micro_spans, pad_micro_steps
 
-__all__ = ["OomResplit", "StepConsensus", "free_memory", "pad_plan"]
+__all__ = ["OomResplit", "StepConsensus", "free_memory"]
 
 
 class StepConsensus(Protocol):
@@ -252,7 +253,7 @@ class OomResplit:
         total: torch.Tensor | None = None
         while True:
             plan = self.plan(shares, micro_batch_sizes)
-            plan = pad_plan(
+            plan = pad_micro_steps(
                 plan, shares, agreement.micro_step_count(max(min_micro_steps, len(plan)))
             )
             try:
@@ -286,10 +287,7 @@ class OomResplit:
         [[(0, 2), (0, 1)], [(2, 3), (1, 1)]]
         """
         self._sizes = sizes = self._first_sizes(shares, micro_batch_sizes)
-        return [
-            [(min(k * z, n), min((k + 1) * z, n)) for n, z in zip(shares, sizes, strict=True)]
-            for k in range(_micro_steps(shares, sizes))
-        ]
+        return micro_spans(shares, sizes)
 
     def after_oom(self, error: RuntimeError, shares: Sequence[int]) -> bool:
         """After ``error`` ended an attempt at the last :meth:`plan` of ``shares``: ``True``
@@ -366,23 +364,6 @@ class OomResplit:
             total = part if total is None else total + part
         # The total stays on its device: reading it is the caller's choice (when logging).
         return torch.zeros(()) if total is None else total
-
-
-def pad_plan(
-    plan: list[list[tuple[int, int]]], shares: Sequence[int], steps: int
-) -> list[list[tuple[int, int]]]:
-    """``plan`` with empty micro-steps (every span empty) appended up to ``steps``: under DDP
-    or FSDP2 every rank runs as many forward and backward passes as the others.
-
-    >>> pad_plan([[(0, 2)]], [2], 3)
-    [[(0, 2)], [(2, 2)], [(2, 2)]]
-    """
-    return plan + [[(n, n) for n in shares] for _ in range(steps - len(plan))]
-
-
-def _micro_steps(shares: Sequence[int], sizes: Sequence[int]) -> int:
-    """The micro-steps the largest share needs at its micro-batch size."""
-    return max((math.ceil(n / size) for n, size in zip(shares, sizes, strict=True) if n), default=0)
 
 
 def free_memory() -> None:

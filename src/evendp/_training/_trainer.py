@@ -50,7 +50,6 @@ from .._core import _defaults as defaults
 from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
-from .._core._cost import split_by_cost
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
@@ -67,6 +66,7 @@ from .._distributed._stalled import (
     set_comm_timeout,
 )
 from .._distributed._step_count import StepWeight, display_due, sample_counts
+from .._distributed._step_layout import StepLayout, pad_micro_steps
 from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from .._parallel._scatter import map_tensors, row_count
 from .._planning._balance import (
@@ -78,7 +78,7 @@ from .._planning._balance import (
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
-from ._oom import free_memory, pad_plan
+from ._oom import free_memory
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._stateful import OomCaps, RngState
 from ._strategies import pick_strategy
@@ -626,34 +626,25 @@ class Trainer:
         # puts a resumed run exactly where it stopped.
         while True:
             self.sampler.set_epoch(epoch)
-            for i, indices in enumerate(self.sampler):
+            for i, _ in enumerate(self.sampler):
                 if i < skip:
                     continue
-                indices, shares = self._by_cost(list(indices))
-                batch = self.collate(indices)
+                layout = self._on_devices(self.sampler.layout(i))
+                batch = self.collate(layout.rank_indices(self.rank))
                 if self._pin:
                     batch = pin(batch)
                 # Every rank knows every rank's share: the global count needs no all-reduce.
-                counted = None
-                if self._counts is not None:  # per-sample counts: the same on every rank
-                    counted = sum(self._counts[j] for j in self.sampler.step_indices)
-                yield Prepared(batch, epoch, i, self.sampler.samples_in_step(i), shares, counted)
+                counted = None if self._counts is None else layout.count(self._counts)
+                yield Prepared(batch, epoch, i, layout, counted)
             epoch, skip = epoch + 1, 0
 
-    def _by_cost(self, indices: list[int]) -> tuple[list[int], list[int] | None]:
-        """The step's indices ordered device by device as the cost plan assigns them, and
-        each device's rows (``None`` without costs: the strategy splits by weights)."""
-        capacities = self.strategy.shares(len(indices))
-        # One device has nothing to balance, but its cap (max_costs) is still checked.
-        if self._costs is None or (len(capacities) < 2 and self._max_costs is None):
-            return indices, None
+    def _on_devices(self, layout: StepLayout) -> StepLayout:
+        """The step's layout with each rank's rows on its devices: by the strategy's weights,
+        or by cost with those as capacities (``costs=``; ``max_costs`` caps each device)."""
         try:
-            plan = split_by_cost(
-                [self._costs[i] for i in indices], capacities, max_costs=self._max_costs
-            )
+            return layout.on_devices(self.strategy.shares, self._costs, self._max_costs)
         except EvendpError as err:
-            raise EvendpError(f"a step of {len(indices)} samples: {err}") from None
-        return [indices[j] for share in plan for j in share], [len(share) for share in plan]
+            raise EvendpError(f"a step of {layout.samples} samples: {err}") from None
 
     def _stand_in_for_empty(self) -> Batch:
         """One real sample for a rank with no rows: models may reject an empty batch."""
@@ -751,13 +742,9 @@ class Trainer:
         return total * weight.wait() / self.world
 
     def _train_step(
-        self,
-        batch: Batch,
-        samples: int,
-        planned: list[int] | None = None,
-        counted: float | None = None,
+        self, batch: Batch, layout: StepLayout, counted: float | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
-        """One optimizer step on this process's ``batch``; ``samples`` in the step over ranks.
+        """One optimizer step on this process's ``batch``, its rows as ``layout`` places them.
 
         Returns this process's part of the global batch's mean loss (on the device; ``None``
         when an OOM skipped the step everywhere) and the step's skip flag (the non-finite
@@ -767,8 +754,10 @@ class Trainer:
         self._warn_uncounted_once(batch)
         n = _batch_len(batch)
         batch = strategy.place(batch)
-        shares = strategy.shares(n) if planned is None else planned  # planned: by cost
-        weight = self._step_weight(batch, samples, counted)  # world / the global count
+        shares = layout.device_rows(self.rank)
+        if sum(shares) != n:  # a batch function that makes rows of its own (packing)
+            shares = strategy.shares(n)
+        weight = self._step_weight(batch, layout.samples, counted)  # world / the global count
         strategy.zero_grad()
         total = self._accumulate(batch, shares, weight)  # None: an OOM left nothing to run
         failed, total = strategy.agree_step(total is None, total)
@@ -800,7 +789,7 @@ class Trainer:
         caps = [math.ceil(s / self.config.accum) if s else None for s in shares]
         while True:
             plan = self.guard.plan(shares, caps)
-            plan = pad_plan(plan, shares, self.strategy.micro_step_count(len(plan)))
+            plan = pad_micro_steps(plan, shares, self.strategy.micro_step_count(len(plan)))
             try:
                 return self._run_micro_steps(batch, shares, plan, weight)
             except RuntimeError as error:  # torch.OutOfMemoryError is one
@@ -966,9 +955,7 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss, skipped = self._train_step(
-                        item.batch, item.samples, item.shares, item.counted
-                    )
+                    loss, skipped = self._train_step(item.batch, item.layout, item.counted)
                     if self.balancer.step() and self.rank == 0:  # every rank alike: resplit
                         bar.say(self._resplit_line())
                     state.step += 1
