@@ -49,6 +49,7 @@ EXPECTED_ALL = {
     "global_mean",
     "init_distributed",
     "is_stand_in",
+    "share_loss",
     "list_devices",
     "live_memory",
     "load_checkpoint",

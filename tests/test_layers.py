@@ -255,3 +255,43 @@ def test_public_names_keep_reporting_the_package(name: str) -> None:
     obj = getattr(evendp, name)
     if isinstance(obj, type) or callable(obj):
         assert obj.__module__ == "evendp"
+
+
+def exactness_imports(root: Path) -> list[str]:
+    """Imports of the exactness core (``evendp._core._exact``) by the integrations, and of
+    its building blocks (``weighted_sum``, ``zero_weight``) by any module outside ``_core``:
+    the weighting is :func:`evendp.share_loss`, called through the face by the adapters."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        me = module_name(path, root)
+        if part_of(me) == "_core":
+            continue
+        for node, target in _from_imports(path, root):
+            names = {a.name for a in node.names}
+            core = target == "evendp._core._exact" or (
+                target == "evendp._core" and "_exact" in names
+            )
+            if not core:
+                continue
+            if part_of(me) == "integrations" or names & {"weighted_sum", "zero_weight"}:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} imports {target}")
+    return found
+
+
+def test_the_exactness_weighting_is_called_through_one_function() -> None:
+    assert exactness_imports(SRC) == []
+
+
+def test_the_exactness_check_fails_on_an_integration_importing_the_core(tmp_path: Path) -> None:
+    root = tmp_path / "evendp"
+    for pkg in ("_core", "integrations", "_training"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "_core" / "_exact.py").write_text("def weighted_sum(m, c):\n    return m * c\n")
+    (root / "integrations" / "x.py").write_text("from .._core._exact import share_loss\n")
+    (root / "_training" / "y.py").write_text("from .._core._exact import weighted_sum\n")
+    assert exactness_imports(root) == [
+        "evendp/_training/y.py:1 imports evendp._core._exact",
+        "evendp/integrations/x.py:1 imports evendp._core._exact",
+    ]

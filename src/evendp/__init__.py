@@ -28,7 +28,7 @@ if TYPE_CHECKING or not _ON_DEMAND:
         PlanError,
         TrainingError,
     )
-    from ._core._exact import is_stand_in
+    from ._core._exact import is_stand_in, share_loss
     from ._core._split import split_sizes
     from ._distributed._batch_plan import batch_sizes_from_env, parse_batch_sizes
     from ._distributed._engine_mean import EngineMean
@@ -82,6 +82,7 @@ __all__ = [
     "parse_batch_sizes",
     "StepMean",
     "is_stand_in",
+    "share_loss",
     # planning
     "DeviceMemory",
     "DevicePlan",

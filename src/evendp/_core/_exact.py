@@ -6,6 +6,8 @@ each share's mean by its count over the step's global count, never by 1 / (numbe
 A share with no counted item contributes exactly 0 and never a NaN (its mean is 0 / 0).
 Every path of the package calls these functions instead of writing the rule again:
 
+- :func:`share_loss`: the weighting every surface calls, a share's mean times its count
+  times one over the global count, an exact connected 0 for a stand-in or no items;
 - :func:`weighted_sum`: a share's mean times its count, an exact connected 0 for no items;
 - :func:`zero_weight`: a loss that joins backward and its collectives with weight 0;
 - :func:`combine_means`: per-share means -> the mean over all their items;
@@ -40,6 +42,7 @@ __all__ = [
     "combine_means",
     "is_stand_in",
     "mean_scale",
+    "share_loss",
     "stand_in_batch",
     "step_count",
     "sum_on",
@@ -94,6 +97,33 @@ def weighted_sum(mean: torch.Tensor, count: Count) -> torch.Tensor:
     if count > 0:
         return mean.to(dtype) * count
     return zero_weight(mean)
+
+
+def share_loss(
+    mean: torch.Tensor, count: Count, scale: Count = 1, *, stand_in: bool = False
+) -> torch.Tensor:
+    """A share's part of the whole batch's mean: ``mean * count * scale``, the one weighting
+    every surface of evendp calls (the Trainer, the OOM re-split, ``StepMean``, ``EngineMean``,
+    evaluation and each integration).
+
+    ``mean`` is the share's mean over its ``count`` counted items (samples, non-ignored
+    tokens); ``scale`` is one over the step's global count, times the ranks where the
+    framework averages gradients over them (1 where a later step divides, as
+    :meth:`evendp.StepMean.finish` does). A stand-in share (``stand_in=True``, see
+    :func:`evendp.is_stand_in`) or one with no items gives an exact 0 connected to the graph,
+    never NaN. A tensor ``count`` or ``scale`` is never read on the host.
+
+    >>> share_loss(torch.tensor(0.5), 4, 1 / 8)  # 4 of the step's 8 items, at mean 0.5
+    tensor(0.2500)
+    >>> share_loss(torch.tensor(float("nan")), 0), share_loss(torch.tensor(3.0), 1, stand_in=True)
+    (tensor(0.), tensor(0.))
+    """
+    if stand_in:
+        return zero_weight(mean)
+    part = weighted_sum(mean, count)
+    if isinstance(scale, numbers.Number) and scale == 1:
+        return part
+    return part * scale
 
 
 def combine_means(

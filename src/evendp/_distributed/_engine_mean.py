@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .._core._errors import EvendpError
-from .._core._exact import averaged_scale, is_stand_in, weighted_sum
+from .._core._exact import averaged_scale, is_stand_in, share_loss
 from .._core._validate import validate_callable
 from ._group import global_count, world_size
 from ._step_mean import count_rows
@@ -125,7 +125,7 @@ class EngineMean:
         self._left -= 1
         # DeepSpeed steps on the boundary: the last micro-batch of this step, short or not.
         self.engine.set_gradient_accumulation_boundary(self._left == 0)
-        local_sum = weighted_sum(loss, self._count(batch))
+        local_sum = share_loss(loss, self._count(batch))
         ranks = world_size(self.group)
         scale = averaged_scale(
             self._total,

@@ -26,7 +26,7 @@ from torch import nn
 
 from .._core._counting import holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
-from .._core._exact import is_stand_in, weighted_sum
+from .._core._exact import is_stand_in, share_loss
 from .._core._validate import validate_callable
 from ._group import all_reduce_sum, comm_device, world_size
 
@@ -113,7 +113,7 @@ class StepMean:
                 uncounted_warning("StepMean(count_fn=None)", stacklevel=2)
         count = 0 if is_stand_in(batch) else self.count_fn(batch)
         self._count = self._count + (count.detach() if isinstance(count, torch.Tensor) else count)
-        local_sum = weighted_sum(loss, count)
+        local_sum = share_loss(loss, count)
         self._sum = self._sum + local_sum.detach().to(torch.float64)
         return local_sum
 

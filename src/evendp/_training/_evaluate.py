@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .._core._calls import as_args, as_batch, model_mode
 from .._core._errors import EvendpError
-from .._core._exact import weighted_sum
+from .._core._exact import share_loss
 from .._parallel._scatter import map_tensors, row_count
 
 __all__ = ["EvalFn", "evaluate_devices", "evaluate_ranks", "loss_eval_fn"]
@@ -54,7 +54,7 @@ def loss_eval_fn(
         count = _count_of(batch, count_fn)
         loss = loss_fn(model, batch)
         # An empty share's mean is NaN (0/0): it counts nothing and adds exactly nothing.
-        return {"loss": (weighted_sum(loss.detach().double(), count), count)}
+        return {"loss": (share_loss(loss.detach().double(), count), count)}
 
     return eval_fn
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._core._errors import EvendpError
-from .._core._exact import weighted_sum
+from .._core._exact import share_loss
 from .._core._oom_errors import device_index_of, is_oom_error
 from .._core._validate import is_int, validate_int
 from .._distributed._group import comm_device, world_size
@@ -357,7 +357,7 @@ class OomResplit:
             self.micro_step = k
             loss = chunk_loss(spans)  # () mean over the micro-step's samples (or their sum)
             if not summed:
-                loss = weighted_sum(loss, sum(b - a for a, b in spans))
+                loss = share_loss(loss, sum(b - a for a, b in spans))
             scaled = loss * weight
             backward(scaled)
             part = scaled.detach().float()

@@ -53,7 +53,7 @@ from .._core._calls import as_args, as_batch
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
-from .._core._exact import weighted_sum, zero_weight
+from .._core._exact import share_loss
 from .._core._validate import validate_count, validate_float, validate_int
 from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
 from .._distributed._interrupt import StopFlag, late_signal
@@ -265,7 +265,7 @@ class _LossModule(nn.Module):
         count = _batch_len(batch) if self.count_fn is None else self.count_fn(batch)
         if not isinstance(count, (int, float, torch.Tensor)):
             count = torch.as_tensor(count)  # e.g. a NumPy integer
-        return weighted_sum(loss, count)
+        return share_loss(loss, count)
 
 
 def _keep_batchnorm_fp32(model: nn.Module) -> None:
@@ -823,7 +823,8 @@ class Trainer:
                     summed = strategy.forward(_rows(batch, mine), rows).float()
                 else:  # a rank with nothing left still runs: one stand-in sample, weight 0
                     stand_in = self._stand_in_for_empty()
-                    summed = zero_weight(strategy.forward(stand_in, strategy.shares(1)))
+                    one = strategy.forward(stand_in, strategy.shares(1))
+                    summed = share_loss(one, 0, stand_in=True)
             loss = summed * weight.wait()  # the count's all-reduce ran during the forward
             with self._timed("backward"):
                 strategy.backward(loss)

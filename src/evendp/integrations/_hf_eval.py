@@ -18,7 +18,6 @@ import torch
 
 import evendp
 
-from .._core._exact import weighted_sum
 from .._distributed._group import all_reduce_sum, world_size
 
 __all__ = ["EvalMeans", "EvalPieces"]
@@ -68,7 +67,7 @@ class EvalMeans:
         if summed:
             mean = all_reduce_sum(part, None) if world_size() > 1 else part
         else:
-            mean = evendp.global_mean(weighted_sum(part, count), count)
+            mean = evendp.global_mean(evendp.share_loss(part, count), count)
         self.means.append(float(mean))
         return mean.to(loss.dtype)
 

@@ -42,7 +42,6 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._core._exact import weighted_sum
 from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
 from ._interleave import InterleavedBatchSampler
@@ -171,7 +170,7 @@ class UnevenAccelerator(Accelerator):
             scale = weight
         else:  # Accelerator.backward divides by the accumulation steps: undone here.
             scale = weight * self.gradient_accumulation_steps
-        super().backward(weighted_sum(loss, scale), **kwargs)
+        super().backward(evendp.share_loss(loss, scale), **kwargs)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Every rank's rows of what the batch an uneven loader yielded last gave, each once

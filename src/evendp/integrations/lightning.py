@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._deprecation import REMOVAL, UNSET
-from .._core._exact import weighted_sum
 from .._distributed._group import comm_device
 from .._planning._balance import NoBalance, step_balancer
 from ._epoch import RelayedBatchSampler
@@ -212,8 +211,8 @@ class UnevenGradient(pl.Callback):
             weight = 0  # a stand-in (or empty) share: weight exactly 0
         # The exact core's weighting: a share with no counted item adds 0, never NaN x 0.
         with torch.no_grad():
-            self._sum = self._sum + weighted_sum(loss.detach().double() * unscale, weight)
-        loss.copy_(weighted_sum(loss, weight))
+            self._sum = self._sum + evendp.share_loss(loss.detach().double() * unscale, weight)
+        loss.copy_(evendp.share_loss(loss, weight))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

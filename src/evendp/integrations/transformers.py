@@ -55,7 +55,6 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._counting import label_shift
-from .._core._exact import is_stand_in, weighted_sum, zero_weight
 from .._distributed._batch_plan import validate_batch_sizes_option
 from .._distributed._group import comm_device
 from .._planning._balance import (
@@ -91,7 +90,7 @@ def count_rows(inputs: Mapping[str, Any]) -> int:
     >>> count_rows({"input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)})
     3
     """
-    if is_stand_in(inputs):
+    if evendp.is_stand_in(inputs):
         return 0
     tensors = [inputs["labels"]] if "labels" in inputs else list(inputs.values())
     for value in tensors:
@@ -115,7 +114,7 @@ def count_labels(inputs: Mapping[str, Any], shift: bool = False) -> int | torch.
     tensor(3)
     """
     labels = inputs.get("labels")
-    if is_stand_in(inputs) or not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+    if evendp.is_stand_in(inputs) or not isinstance(labels, torch.Tensor) or labels.dim() == 0:
         return count_rows(inputs)
     counted = labels[..., 1:] if shift and labels.dim() > 1 else labels
     return counted.ne(-100).sum()
@@ -123,7 +122,7 @@ def count_labels(inputs: Mapping[str, Any], shift: bool = False) -> int | torch.
 
 def _uncounted(batch: Any) -> Any:
     """A stand-in batch as the Trainer's token count must see it: every label ignored."""
-    if not (is_stand_in(batch) and isinstance(batch, Mapping)):
+    if not (evendp.is_stand_in(batch) and isinstance(batch, Mapping)):
         return batch
     ignored = {
         k: torch.full_like(v.as_subclass(torch.Tensor), -100)
@@ -507,7 +506,7 @@ class UnevenTrainer(transformers.Trainer):
             loss = means.add(loss / self.accelerator.num_processes, 0, summed=True)
         elif loss is not None:  # the same on every rank: the batches' keys are the same
             loss = means.add(loss, count)
-        if is_stand_in(inputs):
+        if evendp.is_stand_in(inputs):
             logits, labels = no_rows(logits), no_rows(labels)
         return loss, logits, labels
 
@@ -630,15 +629,15 @@ class UnevenTrainer(transformers.Trainer):
         A stand-in batch (an empty share) weighs exactly 0.
         """
         step_count = self._step_count if model.training else None
-        stand_in = is_stand_in(inputs)
+        stand_in = evendp.is_stand_in(inputs)
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
         # return_outputs as asked: some subclasses (TRL's) run an extra forward for outputs.
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
         if step_count is not None:
-            loss = evendp.ddp_loss(weighted_sum(loss, count), count, step_count)
+            loss = evendp.ddp_loss(evendp.share_loss(loss, count), count, step_count)
         elif stand_in and model.training:
-            loss = zero_weight(loss)
+            loss = evendp.share_loss(loss, 0, stand_in=True)
         return (loss, result[1]) if isinstance(result, tuple) else loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
