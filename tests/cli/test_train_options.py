@@ -34,6 +34,7 @@ SAMPLES = {
     "--comm-timeout": "90",
     "--checkpoint-every": "3",
     "--lr": "0.01",
+    "--warmup-steps": "4",
     "--model": "tests.training._rehearse_model:make",
     "--seed": "5",
     "--n-layer": "2",
@@ -216,10 +217,11 @@ def test_the_config_builder_copies_every_option_named_like_a_field() -> None:
     from evendp.cli._train_args import train_config
 
     argv = ["train", *BASE, "--mode", "ddp", "--seed", "5", "--comm-timeout", "90"]
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args([*argv, "--warmup-steps", "4"])
     args.grad_clip = 0.5
     one = train_config(args, every_step=True)
     ranks = train_config(args, every_step=False, batch_sizes=[12, 4])
+    assert one.warmup_steps == ranks.warmup_steps == 4  # a field and its flag, nothing else
     assert (one.seed, one.grad_clip, one.batch_size, one.log_every) == (5, 0.5, 16, 1)
     assert one.comm_timeout != 90 and one.batch_sizes is None  # rank-only: not in one process
     assert (ranks.seed, ranks.grad_clip, ranks.batch_sizes, ranks.log_every) == (

@@ -32,6 +32,16 @@ CASES: dict[str, dict[str, Any]] = {
     "z2_empty": {"model": "mlp", "sizes": [0, 4], "accum": 2, "stage": 2, "steps": 5, "opt": None},
     # ZeRO-3, a tiny GPT-2 with padding and -100 labels, counted tokens, two micro-steps.
     "z3_gpt2": {"model": "gpt2", "sizes": [1, 3], "accum": 2, "stage": 3, "steps": 5, "opt": "sgd"},
+    # ZeRO-2, TrainConfig(warmup_steps=3): the schedule built on the engine's own optimizer.
+    "z2_warmup": {
+        "model": "mlp",
+        "sizes": [1, 3],
+        "accum": 1,
+        "stage": 2,
+        "steps": 4,
+        "opt": None,
+        "warmup": 3,
+    },
     # ZeRO-3 with momentum (optimizer state): straight, and saved at 2 then resumed to 4.
     "z3_straight": {
         "model": "mlp",
@@ -114,6 +124,7 @@ def trainer(case: dict[str, Any], *, strategy: str | None, **extra: Any) -> even
     settings: dict[str, Any] = {
         "steps": case["steps"], "batch_size": 4, "accum": case["accum"], "lr": 0.01,
         "grad_clip": 1.0, "progress": False, "max_nonfinite_steps": 0,
+        "warmup_steps": case.get("warmup", 0),
     }  # fmt: skip
     if strategy is not None:
         settings.update(

@@ -297,6 +297,32 @@ def test_skipped_steps_do_not_dilute_the_samples_per_step() -> None:
     assert report.global_batch == 8
 
 
+def _bigram_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]).view(-1, 5), batch[1].view(-1))
+
+
+def test_warmup_steps_ramp_the_learning_rate_then_hold_it() -> None:
+    """TrainConfig(warmup_steps=3): lr/3, 2lr/3, then lr, from the Trainer's own schedule;
+    with a scheduler of the user's too, refused in one line."""
+    data = CharWindows(torch.randint(0, 5, (60,)), block_size=4)
+    cfg = TrainConfig(steps=4, batch_size=4, lr=0.3, progress=False, warmup_steps=3)
+    trainer = Trainer(nn.Embedding(5, 5), data, cfg, device_ids=["cpu"], loss_fn=_bigram_loss)
+    rates: list[float] = []  # the rate each update ran at (the schedule may step a step late)
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, *_: rates.append(opt.param_groups[0]["lr"])
+    )
+    trainer.fit()
+    assert rates == pytest.approx([0.1, 0.2, 0.3, 0.3])
+    own = torch.optim.SGD(nn.Embedding(5, 5).parameters(), lr=0.1)
+    with pytest.raises(EvendpError, match=r"warmup_steps=3 builds.*scheduler= was given"):
+        Trainer(
+            nn.Embedding(5, 5), data, cfg, loss_fn=_bigram_loss, optimizer=own,
+            scheduler=torch.optim.lr_scheduler.StepLR(own, 1),
+        )  # fmt: skip
+    with pytest.raises(EvendpError, match="warmup_steps"):
+        TrainConfig(warmup_steps=-1)
+
+
 def test_config_validation() -> None:
     with pytest.raises(EvendpError, match="amp"):
         TrainConfig(amp="fp8")  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from torch import nn
 
 from ._nonfinite import NonFiniteGate, gradient_norm
 
-__all__ = ["OptimizerStep", "default_optimizer", "takes_found_inf"]
+__all__ = ["OptimizerStep", "default_optimizer", "run_schedule", "takes_found_inf"]
 
 
 def default_optimizer(params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -41,6 +41,26 @@ def default_optimizer(params: Any, lr: float, weight_decay: float) -> torch.opti
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except RuntimeError:  # a device without the fused kernel
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def run_schedule(optimizer: torch.optim.Optimizer, scheduler: Any | None, warmup_steps: int) -> Any:
+    """The run's learning-rate schedule: ``scheduler``, else a linear warmup over
+    ``warmup_steps`` optimizer steps (``lr * k / warmup_steps`` for step ``k``, then ``lr``),
+    else none. DeepSpeed's engine builds it on its own optimizer through the same function.
+
+    >>> opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    >>> warmup = run_schedule(opt, None, 4)
+    >>> rates = []
+    >>> for _ in range(5):
+    ...     rates.append(opt.param_groups[0]["lr"]); opt.step(); warmup.step()
+    >>> rates, run_schedule(opt, None, 0)
+    ([0.25, 0.5, 0.75, 1.0, 1.0], None)
+    """
+    if scheduler is not None or not warmup_steps:
+        return scheduler
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda done: min(1.0, (done + 1) / warmup_steps)
+    )
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:

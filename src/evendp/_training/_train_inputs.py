@@ -44,6 +44,7 @@ def validate_config(config: Any) -> None:
     """Every field of a ``TrainConfig``: types, ranges, and the fields that need each other."""
     for name in ("steps", "batch_size", "accum"):
         validate_int(name, getattr(config, name), minimum=1, example=f"{name}=8")
+    validate_int("warmup_steps", config.warmup_steps, minimum=0, example="warmup_steps=100")
     # "auto": planned per rank at start (evendp._planning._balance); a list: the plan's check
     validate_batch_sizes_option(config.batch_sizes)
     validate_float("lr", config.lr, minimum=0, example="lr=3e-4")
@@ -127,6 +128,13 @@ def validate_trainer_args(
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise EvendpError(
             f"scheduler must have a step() method (a torch.optim.lr_scheduler), got {scheduler!r}"
+        )
+    warmup = getattr(config, "warmup_steps", 0)  # a TrainConfig by now (mypy: an object)
+    if scheduler is not None and warmup:
+        raise EvendpError(
+            f"warmup_steps={warmup} builds the run's learning-rate schedule, but "
+            "scheduler= was given too; put the warmup in your scheduler (e.g. "
+            "torch.optim.lr_scheduler.LinearLR) or pass warmup_steps=0"
         )
     if device_ids is not None and (
         isinstance(device_ids, str | bytes) or not isinstance(device_ids, Sequence)

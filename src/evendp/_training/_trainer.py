@@ -114,6 +114,9 @@ class TrainConfig:
     accum: int = 1
     lr: float = defaults.LR
     weight_decay: float = 0.0
+    # Steps of linear learning-rate warmup (lr * k / warmup_steps at step k), then constant;
+    # 0: none. For the Trainer's own schedule: with scheduler= put the warmup in it.
+    warmup_steps: int = 0
     grad_clip: float | None = 1.0
     amp: Literal["none", "bf16", "fp16"] = "none"
     activation_checkpointing: bool = False

@@ -165,6 +165,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         f"{defaults.rate_text(defaults.LR)}, TrainConfig's, from evendp {REMOVAL})",
     )
     p.add_argument(
+        "--warmup-steps",
+        type=bounded_int("--warmup-steps", 0, 10_000_000, 100),
+        default=0,
+        help="steps of linear learning-rate warmup, then the constant rate (default 0: none)",
+    )
+    p.add_argument(
         "--seed",
         type=bounded_int("--seed", 0, 2**63 - 1, defaults.SEED),
         default=defaults.SEED,

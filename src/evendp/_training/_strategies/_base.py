@@ -19,7 +19,7 @@ from ..._distributed._step_count import StepWeight
 from .._checkpointer import CheckpointFormat, WholeFile
 from .._evaluate import EvalFn
 from .._oom import OomResplit
-from .._optimizer_step import OptimizerStep, default_optimizer
+from .._optimizer_step import OptimizerStep, default_optimizer, run_schedule
 
 __all__ = ["StopSource", "Strategy"]
 
@@ -148,8 +148,9 @@ class Strategy(abc.ABC):
         built = optimizer or default_optimizer(
             self.model.parameters(), config.lr, config.weight_decay
         )
+        schedule = run_schedule(built, scheduler, config.warmup_steps)
         self.stepper = OptimizerStep(
-            self.model, built, scheduler, amp=config.amp, grad_clip=config.grad_clip,
+            self.model, built, schedule, amp=config.amp, grad_clip=config.grad_clip,
             max_nonfinite_steps=config.max_nonfinite_steps, where=where,
             device_type=self.device.type,
         )  # fmt: skip

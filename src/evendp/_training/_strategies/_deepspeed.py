@@ -58,7 +58,7 @@ from .._checkpoint import (
 )
 from .._checkpointer import CheckpointFormat, Verify, WholeFile
 from .._nonfinite import NonFiniteGate
-from .._optimizer_step import default_optimizer
+from .._optimizer_step import default_optimizer, run_schedule
 from .._safe_read import Refused, check_archive
 from ._base import Costs
 from ._ranks import RankStrategy
@@ -308,6 +308,15 @@ class DeepSpeed(RankStrategy):
         if optimizer is None and "optimizer" not in ds:
             optimizer = default_optimizer(self.model.parameters(), config.lr, config.weight_decay)
         self._gate.where = where
+        if config.warmup_steps and "scheduler" in ds:
+            raise _refuse(
+                f'warmup_steps={config.warmup_steps} and the DeepSpeed config\'s "scheduler" '
+                "section both set the learning-rate schedule; pass one"
+            )
+        if scheduler is None and config.warmup_steps:  # built on the engine's own optimizer
+            scheduler = functools.partial(
+                run_schedule, scheduler=None, warmup_steps=config.warmup_steps
+            )
         try:
             engine, *_ = deepspeed.initialize(
                 model=self.wrapped, optimizer=optimizer, lr_scheduler=scheduler, config=ds
