@@ -9,6 +9,12 @@ re-split's micro-batch caps (:class:`OomCaps`). The Trainer names its parts in o
 style of torchtitan's ``states={...}``; :mod:`evendp._training._checkpointer` saves and resumes
 them.
 
+A part is the run's, one state for all ranks (rank 0 saves it), unless wrapped in
+:class:`PerRank`: then every rank saves its own and restores its own (the generators, which
+differ by rank). A per-rank part the checkpoint holds nothing of for this rank (a rank the
+saved run did not have) keeps its fresh state, and its ``without_saved(why, rank)``, when it
+has one, says so (:class:`RngState` reseeds with a warning).
+
 ``load_state_dict`` may return a one-line note of what it could not restore (a split saved for
 another number of ranks, left at its fresh value): the resume prints it. torch's own parts
 return ``None``, which says nothing.
@@ -19,10 +25,10 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from .._core._validate import shown
-from ._checkpoint import rng_state, set_rng_state
+from ._checkpoint import rng_state, set_rng_state, without_saved_rng
 from ._oom import OomResplit
 
-__all__ = ["OomCaps", "RngState", "Stateful"]
+__all__ = ["OomCaps", "PerRank", "RngState", "Stateful"]
 
 
 @runtime_checkable
@@ -39,11 +45,28 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+class PerRank:
+    """``part``, saved by every rank into its own channel and restored by each from its own.
+
+    >>> PerRank(RngState()).part.what
+    'RNG state'
+    """
+
+    def __init__(self, part: Stateful) -> None:
+        self.part = part
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.part.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        return self.part.load_state_dict(state_dict)
+
+
 class RngState:
     """This process's random generators (torch, CUDA when used, ``random``, numpy when imported).
 
-    Each rank saves its own: the checkpoint format keeps one per rank. ``reseed`` is what a
-    rank the saved run did not have seeds torch and ``random`` with (with a warning).
+    A per-rank part (:class:`PerRank`): each rank saves its own. ``reseed`` is what a rank
+    with no saved generators of its own seeds torch and ``random`` with (with a warning).
 
     >>> import torch
     >>> rng = RngState(reseed=7)
@@ -51,6 +74,9 @@ class RngState:
     >>> rng.load_state_dict(saved); torch.equal(a, torch.rand(1))
     True
     """
+
+    #: What a message calls this part.
+    what = "RNG state"
 
     def __init__(self, reseed: int | None = None) -> None:
         self.reseed = reseed
@@ -60,6 +86,10 @@ class RngState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_rng_state(state_dict)
+
+    def without_saved(self, why: str, rank: int) -> None:
+        """No generators saved for this rank (``why``): warn, and reseed with ``reseed``."""
+        without_saved_rng(why, rank, self.reseed)
 
 
 class OomCaps:
