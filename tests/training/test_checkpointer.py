@@ -15,7 +15,7 @@ from evendp._planning._speed import SpeedBalancer
 from evendp._training._checkpoint import CorruptCheckpoint, previous_path
 from evendp._training._checkpointer import Checkpointer, DcpShards, WholeFile
 from evendp._training._oom import OomResplit
-from evendp._training._stateful import OomCaps, RngState
+from evendp._training._stateful import OomCaps, PerRank, RngState
 from evendp._training._strategies._fsdp2 import FSDP2
 from evendp._training._strategies._oom_safe_ddp import OomSafeDDP
 from evendp._training._train_state import TrainState
@@ -127,3 +127,72 @@ def test_a_hostile_balancer_state_falls_back_to_the_previous_checkpoint(tmp_path
     with pytest.raises(CorruptCheckpoint, match="field balancer: recent") as caught:
         Checkpointer(WholeFile()).resume(path, _parts(net, _balancer()))
     assert "\n" not in str(caught.value) and "ckpt.prev.pt" in str(caught.value)
+
+
+class _Count:
+    """A rank's own counter, a per-rank part: what it saved and what it was given back."""
+
+    def __init__(self, value: int) -> None:
+        self.value, self.loaded = value, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict["value"]
+
+
+def _ranked(rank: int, count: _Count, steps: int = 0) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": torch.nn.Linear(2, 1), "train": TrainState(devices=2, step=steps),
+            "rng": PerRank(RngState(reseed=rank)), "count": PerRank(count)}  # fmt: skip
+
+
+def test_each_rank_saves_its_per_rank_parts_in_its_own_file_and_restores_its_own(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    for rank in (0, 1):
+        Checkpointer(WholeFile(), rank=rank).save(path, _ranked(rank, _Count(10 + rank), 3))
+    mine = [torch.load(tmp_path / f"ckpt.rng{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [m["count"] for m in mine] == [{"value": 10}, {"value": 11}]
+    assert "rng" not in mine[0] and "rng" in mine[1]  # rank 0's generators: ckpt.pt's field
+    assert sorted(torch.load(path, weights_only=True)) == PAYLOAD_KEYS  # ckpt.pt as before
+    for rank in (0, 1):
+        count = _Count(0)
+        notes = Checkpointer(WholeFile(), rank=rank).resume(path, _ranked(rank, count))
+        assert count.loaded == 10 + rank and notes == [f"resumed from {path} at step 3"]
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_768fa7a"
+
+
+def test_a_checkpoint_written_at_768fa7a_resumes_on_each_rank(tmp_path: Path) -> None:
+    """On-disk compatibility: rank 0's generators in ckpt.pt, rank 1's in ckpt.rng1.pt (the
+    fixture's seeds 7 and 8); a per-rank part the old files lack keeps its fresh state."""
+    import random
+    import shutil
+
+    path = tmp_path / "ckpt.pt"
+    shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
+    for rank in (0, 1):
+        torch.manual_seed(7 + rank)
+        random.seed(7 + rank)
+        expected = (torch.rand(3), random.random())
+        torch.manual_seed(99)
+        net, count = torch.nn.Linear(2, 1), _Count(5)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+        train = TrainState(devices=2)
+        parts = {"model": net, "optimizer": optimizer, "train": train,
+                 "rng": PerRank(RngState(reseed=rank)), "count": PerRank(count)}  # fmt: skip
+        config = {"global_batch": 8, "mode": "ddp"}
+        notes = Checkpointer(WholeFile(), rank=rank, run_config=config).resume(path, parts)
+        assert notes == [f"resumed from {path} at step 3"]
+        drawn = torch.rand(3), random.random()
+        assert torch.equal(drawn[0], expected[0]) and drawn[1] == expected[1], rank
+        saved = torch.load(path, weights_only=True)["model"]
+        assert all(torch.equal(saved[k], v) for k, v in net.state_dict().items())
+        assert (train.step, train.epoch, train.batch_in_epoch) == (3, 1, 2)
+        assert train.losses == [2.5, 2.0, 1.5] and train.samples == [5, 3]
+        assert optimizer.state_dict()["state"][0]["step"] == 1
+        assert count.loaded is None and count.value == 5  # fresh: no such part then

@@ -85,6 +85,7 @@ def _pair_worker(rank: int, port: int, out: str) -> None:
         (ddp / "ckpt.pt").unlink()  # as if the latest were lost: resume from the previous one
     dist.barrier()
     results["ddp_resumed"] = _fit(_gpt(0.2), steps=9, out_dir=ddp, resume=True).losses
+    results["ddp_data"] = _own_data(rank, ddp)
     # 2. A signal on one rank: every rank stops after the same step and saves (both DDPs).
     for safe, signum in ((True, signal.SIGINT), (False, signal.SIGTERM)):
         where = root / f"stop-{safe}"
@@ -110,6 +111,15 @@ def _pair_worker(rank: int, port: int, out: str) -> None:
     results.update(_fault_scenarios(rank, root, fsdp, ddp))
     torch.save(results, root / f"rank{rank}.pt")
     finish_distributed()
+
+
+def _own_data(rank: int, where: Path) -> tuple[Any, Any, list[str]]:
+    """This rank's data position as its own file holds it, and as a resume restored it."""
+    saved = torch.load(where / f"ckpt.rng{rank}.pt", weights_only=True).get("data")
+    cfg = TrainConfig(lr=1e-2, progress=False, batch_sizes=[5, 3], steps=9, out_dir=where)
+    trainer = Trainer(_gpt(0.2), _data(), cfg, loss_fn=_loss)
+    trainer.resume()
+    return saved, trainer._checkpointed()["data"].state_dict(), trainer.state.notes
 
 
 def _outcome(action: Any) -> tuple[str, str]:
@@ -273,6 +283,14 @@ def test_resume_from_the_previous_checkpoint_restores_each_ranks_dropout(
     assert r0["ddp_resumed"] == r1["ddp_resumed"]
     assert r0["ddp_resumed"][:4] == r0["ddp_first"][:4]
     _close(r0["ddp_resumed"], r0["ddp_straight"], 1e-5)
+
+
+def test_each_rank_resumes_its_own_data_position(pair: tuple[Path, list[Any]]) -> None:
+    _, ranks = pair
+    for rank, results in enumerate(ranks):
+        saved, restored, notes = results["ddp_data"]
+        assert saved == {"rank": rank, "epoch": 0, "batch_in_epoch": 9, "batch_sizes": [5, 3]}
+        assert restored == saved and notes[-1].endswith("at step 9"), notes
 
 
 @pytest.mark.parametrize("safe", [True, False], ids=["oom-safe-ddp", "ddp"])

@@ -406,11 +406,12 @@ def test_a_deepspeed_runs_corrupt_position_falls_back_to_its_previous_copy(
     """Issue 34: a corrupt ckpt.ds/state.pt beside an intact state.prev.pt stopped the resume's
     first look naming a ckpt.prev.ds that does not exist; it takes state.prev.pt."""
     from evendp._training._checkpointer import WholeFile
+    from evendp._training._train_state import TrainState
 
     ckpt = tmp_path / "ckpt.ds"
     ckpt.mkdir()
     for step in (2, 4):
-        WholeFile().save(ckpt / "state.pt", {"model": torch.nn.Module()}, rank=0, step=step,
+        WholeFile().save(ckpt / "state.pt", {"train": TrainState(devices=1, step=step)}, rank=0,
                          extra={"global_batch": 4}, keep_previous=True)  # fmt: skip
     (ckpt / "state.pt").write_bytes(b"garbled")
     found, step, extra = resumable_checkpoint(ckpt)  # type: ignore[misc]

@@ -45,6 +45,7 @@ from ._safe_read import Refused, check_archive, check_kind, read_dcp_metadata, s
 __all__ = [
     "CorruptCheckpoint",
     "disk_error",
+    "FIELDS",
     "first_good",
     "fix_for",
     "latest_checkpoint",
@@ -54,13 +55,19 @@ __all__ = [
     "make_private_dir",
     "previous_path",
     "rank_rng_path",
+    "read_rank_file",
     "read_state_file",
+    "read_whole",
     "resumable_checkpoint",
     "rng_state",
     "save_checkpoint",
+    "save_rank_file",
     "save_rank_rng",
     "save_sharded_checkpoint",
     "set_rng_state",
+    "STATE_FIELDS",
+    "without_saved_rng",
+    "write_whole",
 ]
 
 T = TypeVar("T")
@@ -295,20 +302,39 @@ def save_checkpoint(
     3
     """
     _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
+    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+    present = {name: part for name, part in parts.items() if part is not None}
+    return write_whole(path, present, step=step, extra=extra or {}, keep_previous=keep_previous)
+
+
+#: ``ckpt.pt``'s own fields, each the state of the part of that name (``rng``: the writer's
+#: generators); any other state is plain data in its ``extra``.
+FIELDS = ("model", "optimizer", "scaler", "scheduler", "rng")
+
+
+def write_whole(
+    path: str | Path,
+    parts: Mapping[str, Any],
+    *,
+    step: int,
+    extra: Mapping[str, Any],
+    keep_previous: bool,
+) -> Path:
+    """:func:`save_checkpoint` of the parts named by :data:`FIELDS` (others are not looked
+    at): an absent model is saved as an empty one, absent generators as this process's."""
     target = Path(path)
     make_private_dir(target.parent)
-    _refuse_non_finite(target, step, model.state_dict(), optimizer)
+    states = {name: parts[name].state_dict() for name in FIELDS if name in parts}
+    _refuse_non_finite(target, step, states.get("model", {}), None, states.get("optimizer"))
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
         "step": int(step),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": rng_state(),
-        "extra": dict(extra or {}),
+        **{name: states.get(name) for name in FIELDS},
+        "extra": dict(extra),
     }
+    payload["model"] = states.get("model", {})
+    payload["rng"] = states.get("rng") or rng_state()
     payload["sha256"] = content_digest(payload)
     return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
 
@@ -316,6 +342,7 @@ def save_checkpoint(
 def _refuse_non_finite(
     target: Path, step: int, model_state: Any, optimizer: Any, optimizer_state: Any = None
 ) -> None:
+    # ``optimizer_state``: the optimizer's state dict (whole or its "state"), else read here.
     bad = first_non_finite(model_state, "model")
     if optimizer_state is None and optimizer is not None:
         optimizer_state = optimizer.state_dict().get("state", {})
@@ -393,6 +420,25 @@ def rank_rng_path(path: str | Path, rank: int) -> Path:
     return p.with_name(f"{p.stem}.rng{rank}{p.suffix}")
 
 
+#: The keys of a rank's file that are not a part's state.
+_RANK_FILE_KEYS = frozenset({"format", "step", "sha256", "extra", "version", "world_size"})
+
+
+def save_rank_file(
+    target: Path, step: int, states: Mapping[str, Any], previous: Path | None
+) -> Path:
+    """One rank's per-rank parts for ``step``, each under its name (``rng``, where every
+    evendp kept a rank's generators, is one), written atomically; the file at ``target`` is
+    first moved to ``previous`` (unless ``None``)."""
+    reserved = sorted(_RANK_FILE_KEYS & states.keys())
+    if reserved:
+        raise EvendpError(f"a per-rank part may not be named {reserved[0]!r}: rename the part")
+    make_private_dir(target.parent)
+    payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), **states}
+    payload["sha256"] = content_digest(payload)
+    return _atomic_save(payload, target, previous=previous)
+
+
 def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
     """Save this process's RNG states for ``step`` beside checkpoint ``path``, keeping the last.
 
@@ -402,11 +448,8 @@ def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
     becomes the RNG file of :func:`previous_path` (``ckpt.prev.rng{rank}.pt``), rotated with
     the checkpoint, so a resume from the previous checkpoint finds this rank's state too.
     """
-    target = rank_rng_path(path, rank)
-    make_private_dir(target.parent)
-    payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": rng_state()}
-    payload["sha256"] = content_digest(payload)
-    return _atomic_save(payload, target, previous=rank_rng_path(previous_path(path), rank))
+    previous = rank_rng_path(previous_path(path), rank)
+    return save_rank_file(rank_rng_path(path, rank), step, {"rng": rng_state()}, previous)
 
 
 def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = None) -> bool:
@@ -431,6 +474,24 @@ def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = N
     >>> "reseeded" in str(caught[0].message)
     True
     """
+    payload, why = read_rank_file(path, rank, step, rng=True)
+    if payload is not None:
+        set_rng_state(payload["rng"])
+        return True
+    without_saved_rng(f"its RNG {why}", rank, reseed)
+    return False
+
+
+def read_rank_file(
+    path: str | Path, rank: int, step: int, *, rng: bool
+) -> tuple[dict[str, Any] | None, str]:
+    """Rank ``rank``'s file of checkpoint ``path`` at ``step``, or ``None`` and why not.
+
+    The rank's file of the other checkpoint (``ckpt.prev.rng{rank}.pt`` beside ``ckpt.pt``,
+    and the reverse) is taken when it holds ``step``: after a crash between two ranks'
+    writes it is the exact state. A garbled file is an error, never skipped silently.
+    ``rng``: the file must hold generators (a rank's file of a run with an ``rng`` part).
+    """
     source = rank_rng_path(path, rank)
     other = Path(path)
     other = current_path(other) if is_previous(other) else previous_path(other)
@@ -440,25 +501,21 @@ def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = N
         if not candidate.exists():
             continue
         try:
-            payload = _read_rng(candidate)
+            payload = _read_rank(candidate, rng=rng)
         except CheckpointError as exc:
             unreadable = unreadable or exc
             continue
         if int(payload["step"]) == int(step):
-            set_rng_state(payload["rng"])
-            return True
+            return payload, ""
         if candidate == source:
             found = int(payload["step"])
     if unreadable is not None:  # never reseed over a garbled file silently
         raise unreadable
     why = "is missing" if found is None else f"holds step {found}"
-    _without_saved_rng(
-        f"its RNG file {str(source)!r} for the checkpoint at step {step} {why}", rank, reseed
-    )
-    return False
+    return None, f"file {str(source)!r} for the checkpoint at step {step} {why}"
 
 
-def _without_saved_rng(why: str, rank: int, reseed: int | None) -> None:
+def without_saved_rng(why: str, rank: int, reseed: int | None) -> None:
     """No saved generator state for this rank: say so, and seed with ``reseed`` if given."""
     what = "kept the state seeded at start" if reseed is None else f"reseeded with {reseed}"
     warnings.warn(
@@ -502,12 +559,18 @@ def _require_rng(path: Path, payload: Mapping[str, Any], what: str, fix: str) ->
 
 
 def _read_rng(path: Path) -> dict[str, Any]:
+    return _read_rank(path, rng=True)
+
+
+def _read_rank(path: Path, *, rng: bool) -> dict[str, Any]:
+    """A rank's file (its per-rank parts), whole; ``rng``: its generators among them."""
     fix = (
         "delete it to resume with the checkpoint writer's generator states on this rank "
         "(random draws there then differ from an uninterrupted run's)"
     )
     payload = _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix, cap=_SMALL_FILE)
-    _require_rng(path, payload, "rank RNG file", fix)
+    if rng:
+        _require_rng(path, payload, "rank RNG file", fix)
     _verify_digest(path, payload, "rank RNG file", fix)
     return payload
 
@@ -765,10 +828,20 @@ def _check_optimizer_fields(
                 raise Refused(f"{where}: must be a tensor or a number, got {shown(value)}")
 
 
-def _state_limit(model: torch.nn.Module) -> int:
+#: How each field is checked against this run's part before anything loads.
+_FIELD_CHECKS: dict[str, Callable[[Path, str, Any, Any], None]] = {
+    "model": lambda path, _, model, saved: _validate_model_state(path, model, saved),
+    "optimizer": lambda path, _, optimizer, saved: _validate_optimizer_state(
+        path, optimizer, saved
+    ),
+}
+
+
+def _state_limit(model: torch.nn.Module | None) -> int:
     """The most bytes a checkpoint of ``model`` unpacks to: its state, an optimizer's few
     copies of it (AdamW keeps two), generator states and the loss history, with room."""
-    own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    states = {} if model is None else model.state_dict()
+    own = sum(t.numel() * t.element_size() for t in states.values())
     return 8 * own + (64 << 20)
 
 
@@ -791,31 +864,54 @@ def load_checkpoint(
     before anything is loaded. (See :func:`save_checkpoint` for an example.)
     """
     _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
+    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler,
+             "rng": _Generators() if restore_rng else None}  # fmt: skip
+    present = {name: part for name, part in parts.items() if part is not None}
+    return read_whole(path, present, verify=verify)
+
+
+class _Generators:
+    """This process's generators as a part (``load_checkpoint``'s ``restore_rng``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_rng_state(state_dict)
+
+
+def read_whole(
+    path: str | Path,
+    parts: Mapping[str, Any],
+    *,
+    verify: Callable[[Path, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """:func:`load_checkpoint` into the parts named by :data:`FIELDS` (others are not looked
+    at): every one is checked against its saved state before any loads."""
     p = Path(path)
-    payload = _read(p, limit=_state_limit(model))
+    payload = _read(p, limit=_state_limit(parts.get("model")))
     if verify is not None:
         verify(p, dict(payload.get("extra") or {}))
-    _validate_model_state(p, model, payload["model"])
-    if optimizer is not None:
-        _validate_optimizer_state(p, optimizer, payload.get("optimizer"))
+    fields = {name: parts[name] for name in FIELDS if name in parts}
+    for name, part in fields.items():
+        _FIELD_CHECKS.get(name, _check_kind)(p, name, part, payload.get(name))
+    for name, part in fields.items():
+        if payload.get(name) is not None:  # a scaler or scheduler the writer had none of
+            part.load_state_dict(payload[name])
+    return {"step": int(payload["step"]), "extra": dict(payload.get("extra") or {})}
+
+
+def _check_kind(path: Path, name: str, part: Any, saved: Any) -> None:
+    """A saved scaler's or scheduler's state of the kind of ours (the generators were checked
+    as the file was read)."""
+    if saved is None or name == "rng":
+        return
     try:
-        for name, ours in (("scaler", scaler), ("scheduler", scheduler)):
-            if ours is not None and payload.get(name) is not None:
-                check_kind(name, ours.state_dict(), payload[name])
+        check_kind(name, part.state_dict(), saved)
     except Refused as exc:
         raise CorruptCheckpoint(
-            f"checkpoint {str(p)!r} is refused: field {exc}; {fix_for(p)}"
+            f"checkpoint {str(path)!r} is refused: field {exc}; {fix_for(path)}"
         ) from None
-    model.load_state_dict(payload["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(payload["optimizer"])
-    if scaler is not None and payload.get("scaler") is not None:
-        scaler.load_state_dict(payload["scaler"])
-    if scheduler is not None and payload.get("scheduler") is not None:
-        scheduler.load_state_dict(payload["scheduler"])
-    if restore_rng:
-        set_rng_state(payload["rng"])
-    return {"step": int(payload["step"]), "extra": dict(payload.get("extra") or {})}
 
 
 # -- sharded (FSDP2) checkpoints through torch.distributed.checkpoint ----------------------------
@@ -827,24 +923,29 @@ def _rng_file(folder: Path, rank: int) -> Path:
     return folder / f"rng{rank}.pt"
 
 
+#: The parts a sharded checkpoint keeps in ``state.pt`` (``model`` and ``optimizer`` are
+#: DCP's shards).
+STATE_FIELDS = ("scaler", "scheduler")
+
+
 def save_sharded_checkpoint(
     path: str | Path,
+    parts: Mapping[str, Any],
+    own: Mapping[str, Any],
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None = None,
-    scheduler: Any | None = None,
-    step: int = 0,
-    extra: Mapping[str, Any] | None = None,
-    keep_previous: bool = True,
+    step: int,
+    extra: Mapping[str, Any],
+    keep_previous: bool,
 ) -> Path:
-    """Save an FSDP2 model and optimizer with ``torch.distributed.checkpoint``, sharded.
+    """Save an FSDP2 ``parts["model"]`` and ``parts["optimizer"]`` with
+    ``torch.distributed.checkpoint``, sharded.
 
-    A collective: every rank calls it. The ranks write their shards, their own RNG states
-    (``rng{rank}.pt``) and rank 0 the run's position (``state.pt``) into a temporary folder
-    beside ``path``; once all have written, rank 0 moves the current folder to
-    :func:`previous_path` and renames the new one into place, so a complete checkpoint exists
-    at every instant and the RNG files rotate with it. No rank gathers the full model.
+    A collective: every rank calls it. The ranks write their shards, their per-rank states
+    ``own`` (``rng{rank}.pt``, each state under its part's name) and rank 0 the run's position
+    and :data:`STATE_FIELDS` (``state.pt``) into a temporary folder beside ``path``; once all
+    have written, rank 0 moves the current folder to :func:`previous_path` and renames the new
+    one into place, so a complete checkpoint exists at every instant and the rank files
+    rotate with it. No rank gathers the full model.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -855,7 +956,7 @@ def save_sharded_checkpoint(
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
     rank = dist.get_rank()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(parts["model"], parts["optimizer"])
     # Every rank checks its own shards; the ranks agree before anything is written.
     agreed(lambda: _refuse_non_finite(target, step, model_state, None, optim_state), True)
 
@@ -880,18 +981,15 @@ def save_sharded_checkpoint(
                 cause = OSError(0, _first_sentence(str(cause)))
             raise disk_error(target, cause, "write") from None
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
-        rng: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), "rng": rng_state()}
-        rng["sha256"] = content_digest(rng)
-        _atomic_save(rng, _rng_file(tmp, rank), previous=None)
+        save_rank_file(_rng_file(tmp, rank), step, own, previous=None)
         if rank == 0:
             state: dict[str, Any] = {
                 "format": _FORMAT,
                 "version": _VERSION,
                 "step": int(step),
                 "world_size": dist.get_world_size(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "extra": dict(extra or {}),
+                **{n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS},
+                "extra": dict(extra),
             }
             state["sha256"] = content_digest(state)
             _atomic_save(state, tmp / _STATE_FILE, previous=None)
@@ -923,20 +1021,15 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(
-    path: str | Path,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None = None,
-    scheduler: Any | None = None,
-    reseed: int | None = None,
+    path: str | Path, parts: Mapping[str, Any], *, rng: bool
 ) -> dict[str, Any]:
-    """Restore a folder written by :func:`save_sharded_checkpoint`, on any world size.
+    """Restore a folder written by :func:`save_sharded_checkpoint` into ``parts``, on any
+    world size.
 
-    A collective. DCP reshards the saved model and optimizer onto this run's ranks; this
-    rank's RNG states are restored from its own file, or, when the run was saved with fewer
-    ranks, reseeded with ``reseed`` and a warning. Returns ``{"step", "extra",
-    "world_size"}``.
+    A collective. DCP reshards the saved model and optimizer onto this run's ranks. Returns
+    ``{"step", "extra", "world_size", "own"}``: ``own`` is this rank's file (its per-rank
+    states by name; ``rng``: it must hold generators), ``None`` when the run was saved by
+    fewer ranks.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -946,6 +1039,7 @@ def load_sharded_checkpoint(
 
     folder = Path(path)
     meta = agreed(lambda: read_state_file(folder), distributed=True)
+    model, optimizer = parts["model"], parts["optimizer"]
     model_state, optim_state = get_state_dict(model, optimizer)
     agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)
 
@@ -973,23 +1067,16 @@ def load_sharded_checkpoint(
 
     agreed(shards, distributed=True)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    if scaler is not None and meta.get("scaler") is not None:
-        scaler.load_state_dict(meta["scaler"])
-    if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    rank = dist.get_rank()
-    rng_file = _rng_file(folder, rank)
-    rng = agreed(lambda: _read_rng(rng_file) if rng_file.exists() else None, distributed=True)
-    if rng is not None:
-        set_rng_state(rng["rng"])
-    else:
-        saved_by = f"{meta.get('world_size')} rank(s)"
-        why = f"the checkpoint {str(folder)!r} was saved by {saved_by} and holds no RNG state"
-        _without_saved_rng(f"{why} for this rank", rank, reseed)
+    for name in STATE_FIELDS:
+        if name in parts and meta.get(name) is not None:
+            parts[name].load_state_dict(meta[name])
+    own = _rng_file(folder, dist.get_rank())
+    mine = agreed(lambda: _read_rank(own, rng=rng) if own.exists() else None, distributed=True)
     return {
         "step": int(meta["step"]),
         "extra": dict(meta.get("extra") or {}),
         "world_size": int(meta.get("world_size", 0)),
+        "own": mine,
     }
 
 

@@ -3,26 +3,33 @@
 The Trainer names the run's parts in one dict, in the style of torchtitan's ``states={...}``::
 
     {"model": ..., "optimizer": ..., "scheduler": ..., "scaler": ..., "train": TrainState,
-     "rng": RngState, "guard": OomCaps, "balancer": SpeedBalancer}
+     "rng": PerRank(RngState), "guard": OomCaps, "balancer": SpeedBalancer}
 
 (a part that is ``None``, no scheduler or no scaler, is simply absent). :class:`Checkpointer`
-saves and resumes them; *where* they go on disk is a :class:`CheckpointFormat`, an object the
-strategy supplies (``Strategy.checkpoint_format``):
+loops over them whatever they are: every part is the run's, saved once for all ranks, unless it
+is a :class:`~evendp._training._stateful.PerRank`, which every rank saves into its own channel
+and restores from its own (the generators are one; so can any part be). *Where* each goes on
+disk is a :class:`CheckpointFormat`, an object the strategy supplies
+(``Strategy.checkpoint_format``), which owns its file code:
 
-- :class:`WholeFile` (one process, DDP): rank 0 writes ``ckpt.pt``, every other rank its own
-  generators in ``ckpt.rng{rank}.pt`` (no collective but the agreement on errors); at a
-  resume the ranks of other machines take rank 0's ``ckpt.pt`` over the process group.
+- :class:`WholeFile` (one process, DDP): rank 0 writes ``ckpt.pt``; every rank's per-rank
+  parts go in its own ``ckpt.rng{rank}.pt``, each under its name (no collective but the
+  agreement on errors), except rank 0's ``rng``, ``ckpt.pt``'s own field; at a resume the
+  ranks of other machines take rank 0's ``ckpt.pt`` over the process group.
 - :class:`DcpShards` (FSDP2): a collective ``torch.distributed.checkpoint`` save into the
-  ``ckpt.dcp`` folder, each rank its shards and generators, rank 0 ``state.pt``.
+  ``ckpt.dcp`` folder, each rank its shards and its per-rank parts (``rng{rank}.pt``), rank 0
+  ``state.pt``.
 
-The layout is the one every evendp has written, so older checkpoints resume. The model,
-optimizer, scaler and scheduler are the format's own fields, checked against this run's objects
-before anything loads (:mod:`evendp._training._checkpoint`); ``rng`` is one per rank. Every
-other part is plain data in the checkpoint's ``extra``: ``train`` and ``guard`` keep their keys
-at its top level, where they have always been (``epoch``, ``batch_in_epoch``, ``losses``,
-``samples``, ``micro_batch_sizes``, ``resplits``, ``skipped``; the train part's ``step`` is the
-checkpoint's own ``step``), any other part sits under its name (``extra["balancer"]``). So one
-more part is one more entry in the Trainer's dict. A part that refuses its saved state (a
+The layout is the one every evendp has written, so older checkpoints resume (a per-rank part
+an older file lacks keeps its fresh state). A part named by one of the format's fields
+(``ckpt.pt``: ``model``, ``optimizer``, ``scaler``, ``scheduler``, ``rng``; ``ckpt.dcp``: the
+shards and ``state.pt``'s ``scaler``, ``scheduler``) is stored there and checked against this
+run's object before anything loads (:mod:`evendp._training._checkpoint`). Every other shared
+part is plain data in the checkpoint's ``extra``: ``train`` and ``guard`` keep their keys at
+its top level, where they have always been (``epoch``, ``batch_in_epoch``, ``losses``,
+``samples``, ``micro_batch_sizes``, ``resplits``, ``skipped``; the train part's ``step`` is
+the checkpoint's own ``step``), any other part sits under its name (``extra["balancer"]``). So
+one more part is one more entry in the Trainer's dict. A part that refuses its saved state (a
 ``ValueError``, ``TypeError`` or ``KeyError`` from ``load_state_dict``) makes the checkpoint
 corrupt: the resume falls back to the previous one, as for a garbled file.
 """
@@ -38,27 +45,30 @@ from .._core._errors import CheckpointError
 from .._distributed._rank0_files import rank0_files
 from .._distributed._rank_errors import agreed
 from ._checkpoint import (
+    FIELDS,
+    STATE_FIELDS,
     UNVERIFIED,
     CorruptCheckpoint,
     first_good,
     fix_for,
-    load_checkpoint,
-    load_rank_rng,
     load_sharded_checkpoint,
     previous_path,
+    rank_rng_path,
+    read_rank_file,
     read_state_file,
-    save_checkpoint,
-    save_rank_rng,
+    read_whole,
+    save_rank_file,
     save_sharded_checkpoint,
+    write_whole,
 )
-from ._stateful import Stateful
+from ._stateful import PerRank, Stateful
 
 __all__ = ["CheckpointFormat", "Checkpointer", "DcpShards", "WholeFile"]
 
-#: Parts the format stores as its own checked fields (the rest are plain data in ``extra``).
-TENSOR_PARTS = ("model", "optimizer", "scaler", "scheduler")
 #: Parts whose keys sit at the top of ``extra``, where every evendp has kept them.
 _FLAT = ("train", "guard")
+#: What a sharded checkpoint stores as its own fields (the rest is plain data in ``extra``).
+_SHARDED = ("model", "optimizer", *STATE_FIELDS)
 #: ``verify(found, extra)``: refuse a checkpoint whose saved configuration does not fit the run.
 Verify = Callable[[Path, dict[str, Any]], None]
 
@@ -69,15 +79,90 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _tensors(parts: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: parts.get(name) for name in TENSOR_PARTS}
+def split(parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run's parts and this rank's own (:class:`PerRank`, unwrapped), by name."""
+    shared = {n: p for n, p in parts.items() if not isinstance(p, PerRank)}
+    own = {n: p.part for n, p in parts.items() if isinstance(p, PerRank)}
+    return shared, own
+
+
+def step_of(parts: Mapping[str, Any]) -> int:
+    """The step the parts are at (the ``train`` part's), 0 without one."""
+    for name in _FLAT:
+        if name in parts and "step" in (state := parts[name].state_dict()):
+            return int(state["step"])
+    return 0
+
+
+def plain_data(
+    parts: Mapping[str, Any], fields: tuple[str, ...], extra: Mapping[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """The checkpoint's ``step`` and its ``extra``: the parts not among ``fields`` as plain
+    data (``train`` and ``guard`` flat), then ``extra``."""
+    step, data = 0, {}
+    for name, part in parts.items():
+        if name in fields:
+            continue
+        state = dict(part.state_dict())
+        if name in _FLAT:
+            step = int(state.pop("step", step))
+            data.update(state)
+        else:
+            data[name] = state
+    data.update(extra)
+    return step, data
+
+
+def restore(found: Path, name: str, part: Any, saved: Any) -> list[str]:
+    """``part.load_state_dict(saved)``, its note; a refusal makes ``found`` corrupt."""
+    try:
+        if not isinstance(saved, dict):
+            raise TypeError(f"must be a dict, got {type(saved).__name__}")
+        note = part.load_state_dict(saved)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptCheckpoint(
+            f"checkpoint {str(found)!r} is refused: field {name}: {exc}; {fix_for(found)}"
+        ) from None
+    return [note] if isinstance(note, str) else []
+
+
+def restore_plain(
+    found: Path, parts: Mapping[str, Any], fields: tuple[str, ...], info: Mapping[str, Any]
+) -> list[str]:
+    """The parts not among ``fields`` from ``extra``; a part the file has none of keeps its
+    fresh state (a checkpoint older than the part)."""
+    extra, said = info["extra"], []
+    for name, part in parts.items():
+        saved = {**extra, "step": info["step"]} if name in _FLAT else extra.get(name)
+        if name not in fields and saved is not None:
+            said += restore(found, name, part, saved)
+    return said
+
+
+def restore_own(
+    found: Path, own: Mapping[str, Any], saved: Mapping[str, Any] | None, missing: str, rank: int
+) -> list[str]:
+    """This rank's parts from its ``saved`` states; one it has none of keeps its fresh state
+    and hears why (``missing`` when nothing was saved for this rank, its ``{what}`` the part's
+    name in words)."""
+    said: list[str] = []
+    for name, part in own.items():
+        if saved is not None and name in saved:
+            said += restore(found, name, part, saved[name])
+            continue
+        what = getattr(part, "what", f"{name!r} state")
+        why = missing if saved is None else f"the checkpoint {str(found)!r} holds no {{what}}"
+        if callable(getattr(part, "without_saved", None)):  # else: fresh, nothing to say
+            part.without_saved(why.replace("{what}", what), rank)
+    return said
 
 
 class CheckpointFormat(abc.ABC):
     """Where the parts go on disk: a strategy's ``checkpoint_format``.
 
-    ``parts`` hold the format's fields by name (:data:`TENSOR_PARTS`, and ``rng``, this rank's
-    generators, when present); ``extra`` is every other part as plain data.
+    ``parts`` hold every part by name, this rank's :class:`PerRank` ones among them; the
+    format decides where each is stored. ``extra`` is plain data saved beside them (the run's
+    configuration).
     """
 
     #: The checkpoint's name in ``out_dir`` (a file or a folder).
@@ -92,7 +177,6 @@ class CheckpointFormat(abc.ABC):
         parts: Mapping[str, Any],
         *,
         rank: int,
-        step: int,
         extra: dict[str, Any],
         keep_previous: bool,
     ) -> Path | None:
@@ -108,21 +192,23 @@ class CheckpointFormat(abc.ABC):
     def load(
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
-        """Check, then restore the format's fields from ``path`` (every rank calls it):
-        ``{"step": int, "extra": dict}`` (and ``"notes"``, lines on what it fell back past
-        inside ``path``). :class:`CorruptCheckpoint` when it cannot be read back whole;
-        ``verify`` runs on the saved ``extra`` before anything is loaded."""
+        """Check, then restore ``parts`` from ``path`` (every rank calls it): ``{"step": int,
+        "extra": dict, "said": [lines]}`` (``said``: the parts' notes; ``"notes"``: lines on
+        what it fell back past inside ``path``). :class:`CorruptCheckpoint` when it cannot be
+        read back whole; ``verify`` runs on the saved ``extra`` before anything is loaded."""
 
 
 class WholeFile(CheckpointFormat):
-    """``ckpt.pt``, written by rank 0 alone, beside each other rank's ``ckpt.rng{rank}.pt``.
+    """``ckpt.pt``, written by rank 0 alone, beside each rank's ``ckpt.rng{rank}.pt``.
 
     >>> import tempfile, torch
+    >>> from evendp._training._train_state import TrainState
     >>> path = Path(tempfile.mkdtemp()) / WholeFile.name
-    >>> net = torch.nn.Linear(1, 1)
-    >>> WholeFile().save(path, {"model": net}, rank=0, step=2, extra={}, keep_previous=True).name
+    >>> net, state = torch.nn.Linear(1, 1), TrainState(devices=1, step=2)
+    >>> parts = {"model": net, "train": state}
+    >>> WholeFile().save(path, parts, rank=0, extra={}, keep_previous=True).name
     'ckpt.pt'
-    >>> WholeFile().load(path, {"model": net}, rank=0, verify=lambda p, e: None)["step"]
+    >>> WholeFile().load(path, parts, rank=0, verify=lambda p, e: None)["step"]
     2
     """
 
@@ -134,20 +220,33 @@ class WholeFile(CheckpointFormat):
         parts: Mapping[str, Any],
         *,
         rank: int,
-        step: int,
         extra: dict[str, Any],
         keep_previous: bool,
     ) -> Path | None:
-        def write() -> Path | None:
-            if rank != 0:  # no collective: a fault on one rank cannot hang the others
-                if parts.get("rng") is not None:
-                    save_rank_rng(path, rank, step)
-                return None
-            return save_checkpoint(
-                path, **_tensors(parts), step=step, extra=extra, keep_previous=keep_previous
-            )
+        shared, own = split(parts)
+
+        def write() -> Path | None:  # no collective: a fault on one rank cannot hang the others
+            step, data = plain_data(shared, FIELDS, extra)
+            if rank == 0:
+                whole = {**shared, **self._in_file(own, rank)}
+                write_whole(path, whole, step=step, extra=data, keep_previous=keep_previous)
+            mine = {n: p.state_dict() for n, p in self._in_rank_file(own, rank).items()}
+            if mine:
+                previous = rank_rng_path(previous_path(path), rank)
+                save_rank_file(rank_rng_path(path, rank), step, mine, previous)
+            return path if rank == 0 else None
 
         return agreed(write, _distributed())  # a failed write on one rank stops every rank
+
+    @staticmethod
+    def _in_file(own: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """Rank 0's per-rank parts ``ckpt.pt`` has a field for (``rng``: where rank 0's
+        generators have always been)."""
+        return {n: p for n, p in own.items() if n in FIELDS} if rank == 0 else {}
+
+    @classmethod
+    def _in_rank_file(cls, own: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        return {n: p for n, p in own.items() if n not in cls._in_file(own, rank)}
 
     def candidates(self, path: Path) -> tuple[list[Path], list[str]]:
         """Rank 0's: a rank on another machine whose ``--out`` lacks rank 0's file (or holds
@@ -159,25 +258,25 @@ class WholeFile(CheckpointFormat):
     def load(
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
-        distributed, rng = _distributed(), parts.get("rng")
-        info = agreed(
-            lambda: load_checkpoint(
-                path, **_tensors(parts), restore_rng=rng is not None, verify=verify
-            ),
-            distributed,
-        )
+        distributed, (shared, own) = _distributed(), split(parts)
+        whole = {**shared, **self._in_file(own, rank)}
+        info = agreed(lambda: read_whole(path, whole, verify=verify), distributed)
+        said = agreed(lambda: restore_plain(path, shared, FIELDS, info), distributed)
+        mine = self._in_rank_file(own, rank)
 
-        def own_rng() -> None:
-            if rank != 0 and rng is not None:  # load_checkpoint restored rank 0's generators
-                load_rank_rng(path, rank, info["step"], reseed=getattr(rng, "reseed", None))
+        def own_parts() -> list[str]:
+            if not mine:
+                return []
+            saved, why = read_rank_file(path, rank, info["step"], rng="rng" in mine)
+            return restore_own(path, mine, saved, f"its {{what}} {why}", rank)
 
-        agreed(own_rng, distributed)  # every rank joins: a garbled file stops all
-        return info
+        said += agreed(own_parts, distributed)  # every rank joins: a garbled file stops all
+        return {**info, "said": said}
 
 
 class DcpShards(CheckpointFormat):
     """The ``ckpt.dcp`` folder of ``torch.distributed.checkpoint`` shards (FSDP2): every rank
-    writes its shards and its generators, rank 0 the run's position (``state.pt``); it
+    writes its shards and its per-rank parts, rank 0 the run's position (``state.pt``); it
     resumes on any number of ranks. A collective."""
 
     name = "ckpt.dcp"
@@ -189,21 +288,30 @@ class DcpShards(CheckpointFormat):
         parts: Mapping[str, Any],
         *,
         rank: int,
-        step: int,
         extra: dict[str, Any],
         keep_previous: bool,
     ) -> Path | None:
+        shared, own = split(parts)
+        step, data = plain_data(shared, _SHARDED, extra)
+        mine = {name: part.state_dict() for name, part in own.items()}
         return save_sharded_checkpoint(
-            path, **_tensors(parts), step=step, extra=extra, keep_previous=keep_previous
+            path, shared, mine, step=step, extra=data, keep_previous=keep_previous
         )
 
     def load(
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
+        shared, own = split(parts)
         meta = agreed(lambda: read_state_file(path), True)
         agreed(lambda: verify(path, dict(meta.get("extra") or {})), True)
-        rng = parts.get("rng")
-        return load_sharded_checkpoint(path, **_tensors(parts), reseed=getattr(rng, "reseed", None))
+        info = load_sharded_checkpoint(path, shared, rng="rng" in own)
+        said = agreed(lambda: restore_plain(path, shared, _SHARDED, info), True)
+        missing = (
+            f"the checkpoint {str(path)!r} was saved by {info['world_size']} rank(s) and holds "
+            "no {what} for this rank"
+        )
+        said += agreed(lambda: restore_own(path, own, info["own"], missing, rank), True)
+        return {**info, "said": said}
 
 
 class Checkpointer:
@@ -236,30 +344,15 @@ class Checkpointer:
     def save(self, path: Path, parts: Mapping[str, Any]) -> Path | None:
         """Write ``parts`` (``None`` ones left out) as this step's checkpoint at ``path``."""
         present = {name: part for name, part in parts.items() if part is not None}
-        step, extra = self._extra(present)
+        for name, part in present.items():
+            if not isinstance(part, Stateful):
+                raise TypeError(f"the checkpoint part {name!r} has no state_dict/load_state_dict")
         saved = self.format.save(
-            path, present, rank=self.rank, step=step, extra=extra,
+            path, present, rank=self.rank, extra=dict(self.run_config),
             keep_previous=not self._latest_bad,
         )  # fmt: skip
         self._latest_bad = False
         return saved
-
-    def _extra(self, parts: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        """The checkpoint's ``step`` and the plain-data parts as its ``extra``."""
-        step, extra = 0, {}
-        for name, part in parts.items():
-            if name in TENSOR_PARTS or name == "rng":
-                continue
-            if not isinstance(part, Stateful):
-                raise TypeError(f"the checkpoint part {name!r} has no state_dict/load_state_dict")
-            state = dict(part.state_dict())
-            if name in _FLAT:
-                step = int(state.pop("step", step))
-                extra.update(state)
-            else:
-                extra[name] = state
-        extra.update(self.run_config)
-        return step, extra
 
     def resume(self, path: Path, parts: Mapping[str, Any]) -> list[str] | None:
         """Load the latest good checkpoint at ``path`` into ``parts``: what it restored and
@@ -270,10 +363,9 @@ class Checkpointer:
         if not candidates:
             return None
         present = {name: part for name, part in parts.items() if part is not None}
-        distributed = self.format.collective or _distributed()
         # A mismatch with the run (CheckpointError) falls through: exit 2, no fallback.
-        found, (info, said), skipped = first_good(
-            candidates, lambda p: self._load(p, present, distributed)
+        found, info, skipped = first_good(
+            candidates, lambda p: self.format.load(p, present, rank=self.rank, verify=self._check)
         )
         self._latest_bad = found != path
         notes = fetched + [f"{s}; fell back to the previous checkpoint" for s in skipped]
@@ -283,38 +375,7 @@ class Checkpointer:
             notes.append(
                 f"{found} was written by an older evendp without a checksum: loaded unverified"
             )
-        return notes + said
-
-    def _load(
-        self, found: Path, parts: Mapping[str, Any], distributed: bool
-    ) -> tuple[dict[str, Any], list[str]]:
-        """The format's fields, then the plain-data parts, from ``found``; their notes."""
-        info = self.format.load(found, parts, rank=self.rank, verify=self._check)
-        return info, agreed(lambda: self._load_parts(found, parts, info), distributed)
-
-    def _load_parts(
-        self, found: Path, parts: Mapping[str, Any], info: Mapping[str, Any]
-    ) -> list[str]:
-        """Restore the plain-data parts from ``extra``; a part the file has none of keeps its
-        fresh state (a checkpoint older than the part)."""
-        extra, said = info["extra"], []
-        for name, part in parts.items():
-            if name in TENSOR_PARTS or name == "rng":
-                continue
-            saved = {**extra, "step": info["step"]} if name in _FLAT else extra.get(name)
-            if saved is None:
-                continue
-            try:
-                if not isinstance(saved, dict):
-                    raise TypeError(f"must be a dict, got {type(saved).__name__}")
-                note = part.load_state_dict(saved)
-            except (ValueError, TypeError, KeyError) as exc:
-                raise CorruptCheckpoint(
-                    f"checkpoint {str(found)!r} is refused: field {name}: {exc}; {fix_for(found)}"
-                ) from None
-            if isinstance(note, str):
-                said.append(note)
-        return said
+        return notes + info["said"]
 
     def _check(self, found: Path, saved: dict[str, Any]) -> None:
         """The run's configuration against the saved one: another global batch is refused."""

@@ -5,9 +5,16 @@ A part is anything with ``state_dict()`` and ``load_state_dict(sd)``, the shape 
 scaler, the run's position (:class:`~evendp._training._train_state.TrainState`), a speed
 balancer (:class:`~evendp.SpeedBalancer`). Two parts that hold no such methods of their own
 get a small adapter here: this process's random generators (:class:`RngState`) and the OOM
-re-split's micro-batch caps (:class:`OomCaps`). The Trainer names its parts in one dict, in the
+re-split's micro-batch caps (:class:`OomCaps`), and this rank's place in the data
+(:class:`SamplerPosition`). The Trainer names its parts in one dict, in the
 style of torchtitan's ``states={...}``; :mod:`evendp._training._checkpointer` saves and resumes
 them.
+
+A part is the run's, one state for all ranks (rank 0 saves it), unless wrapped in
+:class:`PerRank`: then every rank saves its own and restores its own (the generators, which
+differ by rank). A per-rank part the checkpoint holds nothing of for this rank (a rank the
+saved run did not have) keeps its fresh state, and its ``without_saved(why, rank)``, when it
+has one, says so (:class:`RngState` reseeds with a warning).
 
 ``load_state_dict`` may return a one-line note of what it could not restore (a split saved for
 another number of ranks, left at its fresh value): the resume prints it. torch's own parts
@@ -18,11 +25,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from .._core._validate import shown
-from ._checkpoint import rng_state, set_rng_state
+from .._core._validate import is_int, shown
+from .._distributed._sampler import UnevenBatchSampler
+from ._checkpoint import rng_state, set_rng_state, without_saved_rng
 from ._oom import OomResplit
+from ._train_state import TrainState
 
-__all__ = ["OomCaps", "RngState", "Stateful"]
+__all__ = ["OomCaps", "PerRank", "RngState", "SamplerPosition", "Stateful"]
 
 
 @runtime_checkable
@@ -39,11 +48,28 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+class PerRank:
+    """``part``, saved by every rank into its own channel and restored by each from its own.
+
+    >>> PerRank(RngState()).part.what
+    'RNG state'
+    """
+
+    def __init__(self, part: Stateful) -> None:
+        self.part = part
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.part.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        return self.part.load_state_dict(state_dict)
+
+
 class RngState:
     """This process's random generators (torch, CUDA when used, ``random``, numpy when imported).
 
-    Each rank saves its own: the checkpoint format keeps one per rank. ``reseed`` is what a
-    rank the saved run did not have seeds torch and ``random`` with (with a warning).
+    A per-rank part (:class:`PerRank`): each rank saves its own. ``reseed`` is what a rank
+    with no saved generators of its own seeds torch and ``random`` with (with a warning).
 
     >>> import torch
     >>> rng = RngState(reseed=7)
@@ -51,6 +77,9 @@ class RngState:
     >>> rng.load_state_dict(saved); torch.equal(a, torch.rand(1))
     True
     """
+
+    #: What a message calls this part.
+    what = "RNG state"
 
     def __init__(self, reseed: int | None = None) -> None:
         self.reseed = reseed
@@ -60,6 +89,10 @@ class RngState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_rng_state(state_dict)
+
+    def without_saved(self, why: str, rank: int) -> None:
+        """No generators saved for this rank (``why``): warn, and reseed with ``reseed``."""
+        without_saved_rng(why, rank, self.reseed)
 
 
 class OomCaps:
@@ -101,3 +134,58 @@ class OomCaps:
             note = "the saved OOM micro-batch caps are per device: not applied here"
         guard.resplits, guard.skipped = counts["resplits"], counts["skipped"]
         return note
+
+
+class SamplerPosition:
+    """This rank's place in the data: its rank, the epoch and the batches trained in it, the
+    per-rank batch sizes in force; a per-rank part, as torchtitan keeps a data loader's state
+    per data-parallel rank.
+
+    The sampler is deterministic in (seed, epoch), so the position itself is the run's (the
+    ``train`` part, restored first): each rank's own record must agree with it, else the
+    checkpoint is torn (refused: the resume falls back); the sampler is set to its epoch, and
+    a note says when the data is split otherwise now.
+
+    >>> sampler, train = UnevenBatchSampler(8, [3, 1], rank=1), TrainState(devices=2, epoch=2)
+    >>> saved = SamplerPosition(sampler, train).state_dict(); saved
+    {'rank': 1, 'epoch': 2, 'batch_in_epoch': 0, 'batch_sizes': [3, 1]}
+    >>> SamplerPosition(sampler, TrainState(devices=2, epoch=2)).load_state_dict(saved)
+    >>> sampler.epoch
+    2
+    >>> SamplerPosition(sampler, TrainState(devices=2)).load_state_dict(saved)
+    Traceback (most recent call last):
+    ValueError: rank 1 saved epoch 2, batch 0, the run is at epoch 0, batch 0
+    """
+
+    def __init__(self, sampler: UnevenBatchSampler, train: TrainState) -> None:
+        self.sampler, self.train = sampler, train
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.sampler.rank,
+            "epoch": self.train.epoch,
+            "batch_in_epoch": self.train.batch_in_epoch,
+            "batch_sizes": list(self.sampler.batch_sizes),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> str | None:
+        saved: list[Any] = [state_dict.get(k) for k in ("rank", "epoch", "batch_in_epoch")]
+        if not all(is_int(v) and v >= 0 for v in saved):  # read from a file: checked
+            raise ValueError(f"rank, epoch, batch_in_epoch: must be counts, got {shown(saved)}")
+        rank, epoch, batch = (int(v) for v in saved)
+        train, sampler = self.train, self.sampler
+        if rank != sampler.rank:
+            raise ValueError(f"rank {sampler.rank} holds rank {rank}'s record")
+        if (epoch, batch) != (train.epoch, train.batch_in_epoch):
+            raise ValueError(
+                f"rank {rank} saved epoch {epoch}, batch {batch}, the run is at epoch "
+                f"{train.epoch}, batch {train.batch_in_epoch}"
+            )
+        sampler.set_epoch(epoch)
+        sizes = state_dict.get("batch_sizes")
+        if sizes == list(sampler.batch_sizes):
+            return None
+        return (
+            f"rank {rank}: the data was split {shown(sizes)} when saved, "
+            f"{list(sampler.batch_sizes)} now: the remaining samples follow this run's split"
+        )

@@ -80,7 +80,7 @@ from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
 from ._oom import free_memory
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
-from ._stateful import OomCaps, RngState
+from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
 from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 from ._train_state import TrainState
@@ -609,7 +609,8 @@ class Trainer:
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "train": self.state,
-            "rng": RngState(reseed=self.config.seed * 1_000_003 + self.rank),
+            "rng": PerRank(RngState(reseed=self.config.seed * 1_000_003 + self.rank)),
+            "data": PerRank(SamplerPosition(self.sampler, self.state)) if self.world > 1 else None,
             "guard": OomCaps(self.guard),
             "balancer": self.balancer if self.balancer.active else None,
             "nonfinite": self.strategy.nonfinite_gate,

@@ -56,7 +56,7 @@ from .._checkpoint import (
     make_private_dir,
     previous_path,
 )
-from .._checkpointer import CheckpointFormat, Verify, WholeFile
+from .._checkpointer import CheckpointFormat, Verify, WholeFile, step_of
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer, run_schedule
 from .._safe_read import Refused, check_archive
@@ -416,13 +416,13 @@ class DeepSpeedFiles(CheckpointFormat):
         parts: Mapping[str, Any],
         *,
         rank: int,
-        step: int,
         extra: dict[str, Any],
         keep_previous: bool,
     ) -> Path | None:
         """DeepSpeed's files of this step (every rank its partitions; 0700/0600 like every
         checkpoint of evendp's), then evendp's state."""
-        engine, tag = self._strategy.engine, f"step{step}"
+        engine, step = self._strategy.engine, step_of(parts)
+        tag = f"step{step}"
         make_private_dir(path)
         failed = _WriteFailures()
         with _private_files(), failed.kept(engine):
@@ -434,7 +434,7 @@ class DeepSpeedFiles(CheckpointFormat):
                 shutil.rmtree(path / tag, ignore_errors=True)
             raise
         WholeFile().save(
-            path / _STATE, _position(parts), rank=rank, step=step, extra=extra,
+            path / _STATE, _position(parts), rank=rank, extra=extra,
             keep_previous=keep_previous and not self._fell_back,
         )  # fmt: skip
         self._fell_back = False
@@ -554,10 +554,13 @@ def _private_files() -> Iterator[None]:
         os.umask(before)
 
 
+#: The parts DeepSpeed's own files keep (evendp's ``state.pt`` holds the others).
+_ENGINE_PARTS = ("model", "optimizer", "scaler", "scheduler")
+
+
 def _position(parts: Mapping[str, Any]) -> dict[str, Any]:
-    # The weights, optimizer and schedule are in DeepSpeed's files: evendp's state file keeps
-    # the run's position (and each rank's generators) around an empty model.
-    return {"model": nn.Module(), "rng": parts.get("rng")}
+    """The parts evendp's files keep: the run's position, each rank's generators..."""
+    return {name: part for name, part in parts.items() if name not in _ENGINE_PARTS}
 
 
 def _verify(folder: Path) -> None:
