@@ -49,6 +49,7 @@ __all__ = [
     "inline_for_balance",
     "rank_batch_plan",
     "rank_memory",
+    "planned_rank_sizes",
     "say_auto_sizes",
     "sizes_from_capacities",
     "split_per_step",
@@ -363,6 +364,39 @@ def say_auto_sizes(
         file=sys.stderr,
         flush=True,
     )
+
+
+def planned_rank_sizes(
+    model: nn.Module | None,
+    example: Callable[[], Any],
+    global_batch: int,
+    *,
+    memory: str | Sequence[Any] | None = None,
+    where: str = "batch_sizes='auto'",
+    **plan_options: Any,
+) -> tuple[list[int], list[int]]:
+    """``batch_sizes="auto"`` for a surface that takes per-rank sizes (``UnevenTrainer``, the
+        integrations' ``uneven_dataloader``): :func:`auto_batch_sizes` on ``example()``, said once
+        by :func:`say_auto_sizes`. ``where`` names the call that needs ``model`` in the refusal;
+    ``plan_options`` go to the planner.
+
+        >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+        >>> sizes, _ = planned_rank_sizes(
+        ...     net, lambda: torch.randn(1, 64), 32, memory="64MiB", cuda_context=0)
+        >>> sizes
+        [32]
+    """
+    if model is None:
+        raise EvendpError(
+            f"{where} plans the model's step on a training sample, but no model was given; "
+            "pass model= (the module whose first output is the loss) or explicit sizes"
+        )
+    initialized = dist.is_available() and dist.is_initialized()
+    sizes, caps = auto_batch_sizes(
+        model, example(), global_batch=global_batch, memory=memory, **plan_options
+    )
+    say_auto_sizes(sizes, caps, dist.get_rank() if initialized else 0)
+    return sizes, caps
 
 
 def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ import evendp
 
 from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
+from ._auto_sizes import auto_loader_sizes
 from ._interleave import InterleavedBatchSampler
 from ._rows import gather_rows, no_rows
 from .deepspeed import fill_auto_micro_batch
@@ -249,8 +250,10 @@ def _validate_accelerator(accelerator: object, batch_sizes: list[int]) -> Accele
 def uneven_dataloader(
     accelerator: Accelerator,
     dataset: Any,
-    batch_sizes: Sequence[int] | None = None,
+    batch_sizes: Sequence[int] | Literal["auto"] | None = None,
     *,
+    model: torch.nn.Module | None = None,
+    memory: str | Sequence[Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     shuffle: bool = True,
     seed: int = 0,
@@ -266,8 +269,11 @@ def uneven_dataloader(
     Every rank yields the same number of batches; over all ranks each sample comes once per
     epoch (``drop_last=False``), in one permutation seeded by ``seed + epoch`` (Accelerate's
     ``DataLoaderShard`` sets the epoch when it starts iterating). ``batch_sizes`` defaults to
-    ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to ``batch_size`` on every rank. A
-    rank may get an empty batch in the short last step (always when its size is 0):
+    ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to ``batch_size`` on every rank;
+    ``"auto"`` splits ``batch_size * world`` by each rank's memory (``memory=`` or
+    ``EVENDP_MEMORY``, else the GPU's free memory), planned for ``model`` on one collated
+    sample, as ``UnevenTrainer``. A rank may get an empty batch in the short last step
+    (always when its size is 0):
     ``collate_fn`` is wrapped in :class:`evendp.EmptySafeCollate`; with an
     :class:`UnevenAccelerator` it is a stand-in (one real sample, weight exactly 0 in its
     ``backward``), else a real, zero-length batch (the ``ddp_loss`` recipe counts its 0
@@ -287,6 +293,11 @@ def uneven_dataloader(
     >>> [batch[0].tolist() for batch in loader]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
+    if batch_sizes == "auto" and isinstance(accelerator, Accelerator):
+        batch_sizes = auto_loader_sizes(
+            dataset, model=model, batch_size=batch_size, world=accelerator.num_processes,
+            memory=memory, collate_fn=collate_fn, where="uneven_dataloader",
+        )  # fmt: skip
     if batch_sizes is None and isinstance(accelerator, Accelerator):
         world = accelerator.num_processes
         default = None if batch_size is None else [batch_size] * world

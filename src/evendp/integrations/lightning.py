@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -35,6 +35,7 @@ import evendp
 from .._core._deprecation import REMOVAL, UNSET
 from .._distributed._group import comm_device
 from .._planning._balance import NoBalance, step_balancer
+from ._auto_sizes import auto_loader_sizes
 from ._epoch import RelayedBatchSampler
 
 __all__ = [
@@ -86,8 +87,10 @@ def logged_count(batch: Any, count_fn: Callable[[Any], int] | None = None) -> fl
 
 def uneven_dataloader(
     dataset: Any,
-    batch_sizes: Sequence[int] | None = None,
+    batch_sizes: Sequence[int] | Literal["auto"] | None = None,
     *,
+    model: torch.nn.Module | None = None,
+    memory: str | Sequence[Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     shuffle: bool = True,
     seed: int = 0,
@@ -100,8 +103,10 @@ def uneven_dataloader(
     """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step (call it in a hook).
 
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
-    ``batch_size`` on every rank. The rank comes from the process group when there is one,
-    else it is 0 with one batch size.
+    ``batch_size`` on every rank; ``"auto"`` splits ``batch_size * world`` by each rank's
+    memory (``memory=`` or ``EVENDP_MEMORY``, else the GPU's free memory), planned for
+    ``model`` on one collated sample, as ``UnevenTrainer``. The rank comes from the process
+    group when there is one, else it is 0 with one batch size.
     ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
     samples to ranks by padded cost; ``max_tokens`` makes each step a token budget (see
     :class:`evendp.UnevenBatchSampler`); :class:`SpeedBalance` moves samples by speed.
@@ -111,9 +116,15 @@ def uneven_dataloader(
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else 1
     sizes = batch_sizes
+    if sizes == "auto":
+        sizes = auto_loader_sizes(
+            dataset, model=model, batch_size=batch_size, world=world, memory=memory,
+            collate_fn=collate_fn,
+            where="uneven_dataloader",
+        )  # fmt: skip
     if sizes is None:
-        world = torch.distributed.get_world_size() if distributed else 1
         default = None if batch_size is None else [batch_size] * world
         sizes = evendp.batch_sizes_from_env(world, default=default)
     sampler = evendp.UnevenBatchSampler(

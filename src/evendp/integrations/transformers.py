@@ -59,8 +59,7 @@ from .._distributed._batch_plan import validate_batch_sizes_option
 from .._distributed._group import comm_device
 from .._planning._balance import (
     NoBalance,
-    auto_batch_sizes,
-    say_auto_sizes,
+    planned_rank_sizes,
     step_balancer,
     time_forward,
     validate_balance,
@@ -376,13 +375,11 @@ class UnevenTrainer(transformers.Trainer):
                 "batch_sizes='auto' plans the model's step on a training sample; pass model= "
                 "and train_dataset= (not model_init)"
             )
-        example = self.data_collator([self.train_dataset[0]])
+        dataset = self.train_dataset
         global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
-        sizes, caps = auto_batch_sizes(
-            self.model, example, global_batch=global_batch, memory=memory
+        return planned_rank_sizes(
+            self.model, lambda: self.data_collator([dataset[0]]), global_batch, memory=memory
         )
-        say_auto_sizes(sizes, caps, self.args.process_index)
-        return sizes, caps
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.

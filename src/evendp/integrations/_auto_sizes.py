@@ -1,0 +1,51 @@
+"""``batch_sizes="auto"`` for the integrations' ``uneven_dataloader``: the one meaning of
+"auto" (each rank's share planned from its memory) that ``TrainConfig`` and ``UnevenTrainer``
+have, planned on one collated sample of the dataset."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.utils.data import default_collate
+
+import evendp
+
+from .._planning._balance import planned_rank_sizes
+
+__all__ = ["auto_loader_sizes"]
+
+
+def auto_loader_sizes(
+    dataset: Any,
+    *,
+    model: nn.Module | None,
+    batch_size: int | None,
+    world: int,
+    memory: str | Sequence[Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    where: str,
+) -> list[int]:
+    """Every rank's share of ``batch_size * world`` samples, planned for ``model`` on
+    ``collate_fn([dataset[0]])`` against each rank's memory (``memory``: declared, e.g.
+    ``"24GiB"`` for this rank; ``None``: ``EVENDP_MEMORY``, else the GPU's free memory)."""
+    if batch_size is None:
+        raise evendp.EvendpError(
+            f"{where}: batch_sizes='auto' splits batch_size * world samples by each rank's "
+            "memory, but batch_size=None; pass batch_size= (each rank's mean share, as "
+            "per_device_train_batch_size)"
+        )
+    if len(dataset) == 0:
+        raise evendp.EvendpError(
+            f"{where}: batch_sizes='auto' plans on a sample of the data, but it is empty"
+        )
+    collate = default_collate if collate_fn is None else collate_fn
+    sizes, _ = planned_rank_sizes(
+        model,
+        lambda: collate([dataset[0]]),  # read only when planning
+        batch_size * world,
+        memory=memory,
+        where=f"{where}(batch_sizes='auto')",
+    )
+    return sizes
