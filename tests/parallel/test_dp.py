@@ -685,7 +685,7 @@ class FlatCE(nn.Module):
 def test_modules_are_replicated_only_when_they_hold_tensors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import evendp._parallel._dp as dp
+    import evendp._parallel._criterion as dp
 
     _, parts, _, labels = _lm_scattered([1, 1])
     copied: list[nn.Module] = []

@@ -169,8 +169,10 @@ def _predict_devices(
         wrapped = BalancedDataParallel(model, device_ids, weights=weights)
     loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collate)
     outputs = []
-    for batch in loader:
+    for step, batch in enumerate(loader):
         with _no_grad(inference_mode):
+            if step == 0 and weights == "auto":  # planned forward-only, on the first batch
+                call(wrapped.plan_weights, batch)
             # A scalar per device (a loss) has no rows to order; _concat names that below.
             out = map_tensors(call(wrapped, batch), lambda t: t.detach().cpu())
         outputs.append(out)
