@@ -685,7 +685,7 @@ class FlatCE(nn.Module):
 def test_modules_are_replicated_only_when_they_hold_tensors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import evendp._parallel._dp as dp
+    import evendp._parallel._criterion as dp
 
     _, parts, _, labels = _lm_scattered([1, 1])
     copied: list[nn.Module] = []
@@ -823,3 +823,167 @@ def test_per_row_strings_go_to_their_replica_and_come_back_in_row_order() -> Non
     )
     assert names == [f"N{i}" for i in range(6)]
     torch.testing.assert_close(loss, model.lin(x).mean())
+
+
+# ---------------------------------------------------------------- weights="auto", planned ahead
+
+#: Declared memory for three virtual devices: the planner splits a tiny GPT-2 unevenly in it.
+AUTO_MEMORY = "8MiB,4MiB,2MiB"
+
+
+def _tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: one device's masks
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _lm_batch(rows: int = 6) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (rows, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, 5:] = -100  # padding: shares count different numbers of tokens
+    return {"input_ids": ids, "labels": labels}
+
+
+class _PlannerCalls:
+    """Counts the planner's calls (what ``weights="auto"`` plans through) and passes them on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import evendp._planning._plan as plan_pkg
+
+        self.calls = 0
+        real = plan_pkg.auto_weights
+
+        def counted(*args: object, **kwargs: object) -> list[float]:
+            self.calls += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(plan_pkg, "auto_weights", counted)
+
+
+def _future_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+@pytest.mark.parametrize("memory", [None, AUTO_MEMORY], ids=["undeclared", "declared"])
+def test_auto_planned_at_construction_or_by_plan_weights_as_the_first_forward_planned(
+    memory: str | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33: "auto" plans before the first forward (example=, or plan_weights), with no
+    warning, the same weights a first forward planned, said as the Trainer says its split;
+    forwards after it do not plan again."""
+    if memory is None:
+        monkeypatch.delenv("EVENDP_MEMORY", raising=False)
+    else:
+        monkeypatch.setenv("EVENDP_MEMORY", memory)
+    planner = _PlannerCalls(monkeypatch)
+    model, batch = _tiny_gpt2(), _lm_batch()
+    lazy = BalancedDataParallel(copy.deepcopy(model), ["cpu"] * 3, weights="auto")
+    with pytest.warns(FutureWarning):
+        lazy(**batch)  # the deprecated way: planned inside the first forward
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = BalancedDataParallel(model, ["cpu"] * 3, weights="auto", example=batch)
+        stepwise = BalancedDataParallel(copy.deepcopy(model), ["cpu"] * 3, weights="auto")
+        chosen = stepwise.plan_weights(**batch)
+    assert _future_warnings(caught) == []
+    assert built.weights == chosen == stepwise.weights == lazy.weights
+    if memory is None:
+        assert built.weights == [1.0, 1.0, 1.0]  # CPU devices: no memory to read, even
+    else:
+        assert built.split(6) == [3, 2, 1]  # the declared memory, planned
+    assert planner.calls == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for wrapped in (built, stepwise, built):
+            wrapped(**batch)
+    assert planner.calls == 3 and _future_warnings(caught) == []  # no planning in forward
+    said = capsys.readouterr().err
+    line = f"evendp: weights='auto' planned {built.split(6)} per device for a global batch of 6"
+    assert said.count(line) == 3, said
+    if memory is not None:
+        assert f"(declared memory {memory})" in said
+
+
+def test_a_forward_while_unplanned_warns_once_with_the_fix_and_plans_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("EVENDP_MEMORY", raising=False)
+    planner = _PlannerCalls(monkeypatch)
+    wrapped = BalancedDataParallel(MLP(), ["cpu"] * 3, weights="auto")
+    x = torch.randn(7, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped(x)
+        wrapped(x)
+    [message] = _future_warnings(caught)
+    assert "example=" in message and "plan_weights(" in message, message
+    assert caught[0].filename == __file__  # it points at the user's call
+    assert wrapped.weights == [1.0, 1.0, 1.0] and wrapped.last_sizes == [3, 2, 2]
+    assert planner.calls == 1
+    wrapped.weights = "auto"  # plan again: at the next explicit step
+    assert wrapped.weights is None and planner.calls == 1
+    assert wrapped.plan_weights(x) == [1.0, 1.0, 1.0] and planner.calls == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        wrapped(x)
+    assert planner.calls == 2
+
+
+def test_construction_time_auto_keeps_the_gradient_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EVENDP_MEMORY", AUTO_MEMORY)
+    model, batch = _tiny_gpt2(), _lm_batch()
+    reference = copy.deepcopy(model)
+    wrapped = BalancedDataParallel(model, ["cpu"] * 3, weights="auto", example=batch)
+    loss = wrapped(**batch).loss
+    assert wrapped.last_sizes == [3, 2, 1]  # uneven, and the shares count unequal tokens
+    want = reference(**batch).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert _relative_error(p.grad, q.grad) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"example": (torch.randn(2, 5),)}, r"weights are not 'auto'.*drop example="),
+        ({"weights": "auto", "example": 3}, r"got a int; pass a tuple.*example=\(x,\)"),
+    ],
+)
+def test_a_bad_example_names_the_fix(kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(EvendpError, match=fragment):
+        BalancedDataParallel(MLP(), ["cpu"] * 2, **kwargs)  # type: ignore[arg-type]
+
+
+def test_plan_weights_takes_one_batch_as_forward_does() -> None:
+    wrapped = BalancedDataParallel(MLP(), ["cpu"] * 2, weights="auto")
+    with pytest.raises(EvendpError, match="all positionally or all as keywords"):
+        wrapped.plan_weights(torch.randn(3, 5), y=torch.randn(3))
+    with pytest.raises(EvendpError, match="no tensor with a batch dimension"):
+        wrapped.plan_weights(3)
+    assert wrapped.weights is None  # nothing planned
+
+
+def test_plan_weights_plans_forward_only_under_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    import evendp._planning._plan as plan_pkg
+
+    seen: list[bool] = []
+
+    def record(*args: object, no_grad: bool = False, **kwargs: object) -> list[float]:
+        seen.append(no_grad)
+        return [1.0, 1.0]
+
+    monkeypatch.setattr(plan_pkg, "auto_weights", record)
+    x = torch.randn(5, 5)
+    with torch.no_grad():
+        BalancedDataParallel(MLP(), ["cpu"] * 2, weights="auto").plan_weights(x)
+        BalancedDataParallel(MLP(), ["cpu"] * 2, weights="auto", example=(x,))
+    BalancedDataParallel(MLP(), ["cpu"] * 2, weights="auto").plan_weights(x)
+    assert seen == [True, True, False]

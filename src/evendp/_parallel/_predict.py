@@ -1,7 +1,7 @@
 """Inference over a dataset on uneven devices: outputs back in dataset order, whatever the split.
 
 One process: the batches run through :class:`BalancedDataParallel` (each device takes its
-weighted share; ``weights="auto"`` plans a forward-only step from live memory). Under
+weighted share; ``weights="auto"`` plans a forward-only step on the first batch). Under
 ``torchrun``: every rank runs its own uneven share of each step (``UnevenBatchSampler``
 without shuffling) and returns its part, in order, with the dataset indices it covers.
 """
@@ -169,8 +169,10 @@ def _predict_devices(
         wrapped = BalancedDataParallel(model, device_ids, weights=weights)
     loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collate)
     outputs = []
-    for batch in loader:
+    for step, batch in enumerate(loader):
         with _no_grad(inference_mode):
+            if step == 0 and weights == "auto":  # planned forward-only, on the first batch
+                call(wrapped.plan_weights, batch)
             # A scalar per device (a loss) has no rows to order; _concat names that below.
             out = map_tensors(call(wrapped, batch), lambda t: t.detach().cpu())
         outputs.append(out)
@@ -202,7 +204,8 @@ def predict(
 
     - One process (no group, or ``device_ids`` given): each step of ``batch_size`` samples
       runs through :class:`BalancedDataParallel` over ``device_ids`` split by ``weights``
-      (``"auto"``: planned forward-only from live memory; ``None``: even). Returns all
+      (``"auto"``: planned forward-only on the first batch, for each device's memory as
+      :class:`BalancedDataParallel` reads it; ``None``: even). Returns all
       outputs, ``indices`` = ``0..len(data)-1``.
     - Under ``torchrun``: each step's ``batch_size`` samples are split over the ranks by
       ``weights`` (one per rank; default ``EVENDP_BATCH_SIZES`` from ``evendp launch``, else

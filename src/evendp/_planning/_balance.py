@@ -40,7 +40,9 @@ from ._memory import DeviceMemory, live_memory, parse_memory
 from ._speed import SpeedBalancer, balance_sizes
 
 __all__ = [
+    "auto_memory",
     "device_sizes_for_memory",
+    "device_weights_for_memory",
     "BALANCES",
     "ENV_MEMORY",
     "NoBalance",
@@ -300,10 +302,9 @@ def device_sizes_for_memory(
     (``mode="dp"``, ``model`` on ``batch`` as :func:`evendp.plan` takes them), and where each
     device's memory came from.
 
-    The memory is declared (``memory``, else ``EVENDP_MEMORY``: one entry per device, or one
-    for all), else read live on CUDA devices. Virtual CPU devices declare none: they split
-    evenly, as ``BalancedDataParallel(weights="auto")`` does there, and the note says how to
-    plan them.
+    The memory is :func:`auto_memory`'s: declared (``memory``, else ``EVENDP_MEMORY``), else
+    read live on CUDA devices. Virtual CPU devices declare none: they split evenly, as
+    ``BalancedDataParallel(weights="auto")`` does there, and the note says how to plan them.
 
     >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
     >>> cpu = [torch.device("cpu")] * 2
@@ -312,32 +313,81 @@ def device_sizes_for_memory(
     """
     from ._plan import plan  # the planner pulls in fake tensors: only when asked
 
-    env = os.environ if environ is None else environ
-    spec = memory if memory is not None else env.get(ENV_MEMORY) or None
+    memories, source = auto_memory(devices, memory, environ)
     cuda = all(d.type == "cuda" for d in devices)
-    if spec is None and not cuda:
-        even = balance_sizes(global_batch, [1.0] * len(devices))
-        note = f"no memory to read on CPU devices: even (declare {ENV_MEMORY}=24MiB,12MiB to plan)"
-        return even, note
-    if spec is None:  # --- GPU only: live free memory, as BalancedDataParallel's "auto"
-        from ._planner import auto_weights
+    if memories is None and not cuda:
+        return balance_sizes(global_batch, [1.0] * len(devices)), source
+    if memories is None:  # --- GPU only: live free memory, as BalancedDataParallel's "auto"
+        from ._plan import auto_weights
 
         weights = auto_weights(model, list(devices), batch, gather_output=False)
-        sizes = balance_sizes(global_batch, [1.0 / w if w else 1e9 for w in weights])
-        return sizes, "each device's free memory"
-    else:
-        memories = parse_memory(spec)
-        if len(memories) == 1:
-            memories = memories * len(devices)
-        if len(memories) != len(devices):
-            raise EvendpError(
-                f"memory spec {shown(spec)} has {len(memories)} entries for {len(devices)} "
-                f"devices; give one per device (or one for all), e.g. {ENV_MEMORY}=24GiB,12GiB"
-            )
-        source = f"declared memory {spec}"
+        return balance_sizes(global_batch, [1.0 / w if w else 1e9 for w in weights]), source
     options: dict[str, Any] = {} if cuda else {"cuda_context": 0}  # CPU: no CUDA context
     planned = plan(model, batch, memories, mode="dp", batch_size=global_batch, **options)
     return list(planned.split), source
+
+
+def device_weights_for_memory(
+    model: nn.Module,
+    example: Any,
+    devices: Sequence[torch.device],
+    *,
+    output_device: int = 0,
+    gather_output: bool = True,
+    no_grad: bool = False,
+    memory: str | Sequence[Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[float], str]:
+    """``BalancedDataParallel(weights="auto")``: per-device weights (the largest split that
+    fits, :func:`evendp._planning._plan.auto_weights` planning the program that runs) for
+    :func:`auto_memory`'s memory, the Trainer's, and where that memory came from.
+
+    >>> cpu = [torch.device("cpu")] * 2
+    >>> weights, _ = device_weights_for_memory(nn.Linear(4, 2), torch.randn(3, 4), cpu,
+    ...                                        environ={})
+    >>> weights
+    [1.0, 1.0]
+    """
+    from ._plan import auto_weights  # the planner pulls in fake tensors: only when asked
+
+    memories, source = auto_memory(devices, memory, environ)
+    # Declared memory is planned ahead, as plan() does (0.05); live memory keeps 0.1 back.
+    margin = 0.1 if memories is None else 0.05
+    weights = auto_weights(
+        model, list(devices), example, output_device=output_device, safety_margin=margin,
+        gather_output=gather_output, no_grad=no_grad, memory=memories,
+    )  # fmt: skip
+    return weights, source
+
+
+def auto_memory(
+    devices: Sequence[torch.device],
+    memory: str | Sequence[Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[DeviceMemory] | None, str]:
+    """Where one process's ``"auto"`` gets each device's memory, and a note saying where:
+    declared (``memory``, else ``EVENDP_MEMORY``: one entry per device, or one for all), else
+    ``None``: read live on CUDA devices, none on virtual CPU ones (they split evenly).
+
+    >>> auto_memory([torch.device("cpu")] * 2, "2MiB")[1]
+    'declared memory 2MiB'
+    """
+    env = os.environ if environ is None else environ
+    spec = memory if memory is not None else env.get(ENV_MEMORY) or None
+    if spec is None:
+        if all(d.type == "cuda" for d in devices):
+            return None, "each device's free memory"
+        note = f"no memory to read on CPU devices: even (declare {ENV_MEMORY}=24MiB,12MiB to plan)"
+        return None, note
+    memories = parse_memory(spec)
+    if len(memories) == 1:
+        memories = memories * len(devices)
+    if len(memories) != len(devices):
+        raise EvendpError(
+            f"memory spec {shown(spec)} has {len(memories)} entries for {len(devices)} "
+            f"devices; give one per device (or one for all), e.g. {ENV_MEMORY}=24GiB,12GiB"
+        )
+    return memories, f"declared memory {spec}"
 
 
 def say_auto_sizes(

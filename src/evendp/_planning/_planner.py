@@ -523,6 +523,7 @@ def auto_weights(
     gather_output: bool = True,
     criterion: Callable[..., torch.Tensor] | None = None,
     no_grad: bool = False,
+    memory: Sequence[DeviceMemory] | None = None,
 ) -> list[float]:
     """Per-device weights for ``BalancedDataParallel(weights="auto")``, from live memory.
 
@@ -539,7 +540,9 @@ def auto_weights(
     ran under ``torch.no_grad`` or ``torch.inference_mode``) it plans a forward only: no
     gradients, optimizer state or saved activations, so each device takes a larger share.
     ``safety_margin`` is 0.1, twice :func:`plan`'s: live free memory is what other processes
-    left a moment ago, and they keep allocating.
+    left a moment ago, and they keep allocating. ``memory`` (one :class:`DeviceMemory` per
+    device, e.g. ``EVENDP_MEMORY``'s) replaces the live read, on any device, and keeps
+    room for a CUDA context on GPUs (the memory was declared, not read after it).
 
     >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
     [1.0, 1.0, 1.0]
@@ -549,22 +552,14 @@ def auto_weights(
     ]
     if not devices:
         raise EvendpError("device_ids is empty; pass the devices BalancedDataParallel uses")
-    if any(d.type != "cuda" for d in devices):
+    cuda = all(d.type == "cuda" for d in devices)
+    context = DEFAULT_CONTEXT if cuda else 0  # declared memory: the context is not yet taken
+    if memory is not None:
+        mems = list(memory)
+    elif not cuda:
         return [1.0] * len(devices)
-    # --- GPU-only path below (tests reach it with a fake live_memory). ---
-    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in devices]
-    live = {m.name: m for m in live_memory(sorted(set(indices)))}
-    resident: dict[int, int] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.device.type == "cuda":
-            resident[t.device.index] = (
-                resident.get(t.device.index, 0) + t.numel() * t.element_size()
-            )
-    mems = []
-    for i in indices:
-        repeats = indices.count(i)  # virtual devices share one GPU's memory
-        free = live[f"cuda:{i}"].free + resident.get(i, 0)
-        mems.append(DeviceMemory(f"cuda:{i}", free // repeats))
+    else:  # --- GPU-only path (tests reach it with a fake live_memory) ---
+        mems, context = _live_free_memory(module, devices), 0  # the live read is after it
     if no_grad:
         # Forward only: DP gathers the outputs on output_device and nothing flows back. No
         # training plan beside it (plan(no_grad=True) adds one): only the split is used.
@@ -574,7 +569,7 @@ def auto_weights(
                 module, example_inputs, _Fleet.of(mems), mode="dp", criterion=None, optimizer=None,
                 batch_size=None, amp=None, checkpointing=False, gradient_as_bucket_view=False,
                 gather=gather_output, output_device=output_device, safety_margin=safety_margin,
-                context=0, no_grad=True,
+                context=context, no_grad=True,
             )  # fmt: skip
         return [float(n) for n in forward.split]
     batch: Any
@@ -595,6 +590,24 @@ def auto_weights(
         gather_output=gather_output,
         output_device=output_device,
         safety_margin=safety_margin,
-        cuda_context=0,
+        cuda_context=context,
     )
     return [float(n) for n in result.split]
+
+
+def _live_free_memory(module: nn.Module, devices: list[torch.device]) -> list[DeviceMemory]:
+    """Each CUDA device's live free memory, plus the module's own tensors already there;
+    repeated (virtual) devices share one GPU's memory."""
+    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in devices]
+    live = {m.name: m for m in live_memory(sorted(set(indices)))}
+    resident: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type == "cuda":
+            resident[t.device.index] = (
+                resident.get(t.device.index, 0) + t.numel() * t.element_size()
+            )
+    mems = []
+    for i in indices:
+        free = live[f"cuda:{i}"].free + resident.get(i, 0)
+        mems.append(DeviceMemory(f"cuda:{i}", free // indices.count(i)))
+    return mems

@@ -1,0 +1,173 @@
+"""``ParallelCriterion``: a loss on every device from a :class:`Scattered`, combined exactly.
+
+Each device scores its own outputs against its share of the targets (no gather on one device);
+the per-device means are weighted by what each one counts, so the loss, and its gradient, equal
+one device's on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from .._core._counting import holds_ignored, uncounted_warning
+from .._core._exact import combine_means
+from ._dp_checks import (
+    Count,
+    validate_callable,
+    validate_count,
+    validate_losses,
+    validate_reduction,
+    validate_target_rows,
+)
+from ._replicate import parallel_apply, replicate
+from ._scatter import row_count, scatter
+from ._scattered import Scattered, validate_scattered
+
+__all__ = ["ParallelCriterion"]
+
+
+class ParallelCriterion(nn.Module):
+    """Compute a loss on every device from a :class:`Scattered` and combine it exactly.
+
+    Targets are scattered with the same sizes as the outputs. ``criterion`` is any callable
+    ``criterion(output, *targets, **kwargs)``: a function, a lambda, ``functools.partial`` or
+    an ``nn.Module`` (copied to each device only when it has parameters or buffers).
+
+    With ``reduction="mean"`` (the criterion returns a per-device mean) the result is
+    ``sum_i c_i * loss_i / sum_i c_i``, where ``c_i = count_fn(output_i, *targets_i,
+    **kwargs_i)`` is the number of items device ``i``'s mean is over. Default count: the
+    samples, except for ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` with ``reduction="mean"``,
+    whose own denominator is used (targets not equal to ``ignore_index``, weighted by
+    ``weight``); any other criterion whose targets hold ``-100`` (ignored labels) is
+    weighted by samples with a warning, once, naming ``count_fn``
+    (:func:`evendp.count_tokens`). A device whose count is 0 contributes nothing (never its
+    NaN). With ``reduction="sum"`` (the criterion returns a per-device sum) the result is the
+    plain sum.
+
+    Language-model logits (N, L, V) with -100 on padding, split [2, 1] over two devices:
+
+    >>> from evendp import BalancedDataParallel
+    >>> torch.manual_seed(0) and None
+    >>> lm_head = nn.Linear(8, 11)                      # hidden (N, L, 8) -> logits (N, L, 11)
+    >>> model = BalancedDataParallel(lm_head, ["cpu", "cpu"], weights=[2, 1],
+    ...                              gather_output=False)
+    >>> hidden, labels = torch.randn(3, 5, 8), torch.randint(0, 11, (3, 5))
+    >>> labels[0, 2:] = -100                            # padding: row 0 has 2 real tokens
+    >>> def token_loss(logits, labels):                 # the mean over real tokens
+    ...     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    >>> criterion = ParallelCriterion(token_loss, count_fn=lambda out, y: (y != -100).sum())
+    >>> loss = criterion(model(hidden), labels)
+    >>> torch.allclose(loss, token_loss(lm_head(hidden), labels))
+    True
+    """
+
+    def __init__(
+        self,
+        criterion: Callable[..., torch.Tensor],
+        reduction: Literal["mean", "sum"] = "mean",
+        count_fn: Callable[..., Count] | None = None,
+    ) -> None:
+        super().__init__()
+        validate_reduction(reduction, has_count_fn=count_fn is not None)
+        self.criterion = validate_callable("criterion", criterion)
+        self.reduction = reduction
+        self.count_fn = validate_callable("count_fn", count_fn)
+        self._count_checked = False  # targets with ignored labels and no count: warned once
+
+    def forward(self, scattered: Scattered, *targets: Any, **kwargs: Any) -> torch.Tensor:
+        validate_scattered(scattered)
+        target_total = row_count((targets, kwargs), scattered.dim)
+        validate_target_rows(target_total, scattered.sizes, scattered.dim)
+        shards = _pair_with_targets(scattered, targets, kwargs)
+        raw_counts = self._raw_counts(shards, targets, kwargs, len(scattered.sizes))
+        losses = parallel_apply(self._criteria(scattered.devices), shards, scattered.devices)
+        validate_losses(losses)
+        return self._combine(losses, raw_counts, scattered)
+
+    def _raw_counts(
+        self, shards: list[Any], targets: Any, kwargs: Any, num_devices: int
+    ) -> list[Any] | None:
+        """Each device's count, before its loss runs (``None``: weigh by samples)."""
+        count_fn = self.count_fn or _builtin_count_fn(self.criterion)
+        if count_fn is None and self.reduction == "mean" and num_devices > 1:
+            self._check_uncounted(targets, kwargs)
+        if count_fn is None:
+            return None
+        with torch.no_grad():
+            return [count_fn(*a, **kw) for a, kw in shards]
+
+    def _combine(
+        self, losses: list[torch.Tensor], raw_counts: list[Any] | None, scattered: Scattered
+    ) -> torch.Tensor:
+        if self.reduction == "sum":
+            sums = [loss.to(scattered.output_device) for loss in losses]
+            return torch.stack(sums).sum()
+        if raw_counts is None:
+            counts = [float(n) for n in scattered.sizes]
+        else:
+            counts = [
+                validate_count(value, "count_fn", f"device {device} (output {i})", n)
+                for i, (value, device, n) in enumerate(
+                    zip(raw_counts, scattered.devices, scattered.sizes, strict=True)
+                )
+            ]
+        return combine_means(losses, counts, scattered.output_device)
+
+    def _check_uncounted(self, targets: Any, kwargs: Any) -> None:
+        """Once: warn when targets hold ignored labels that a count by samples weighs
+        wrongly (a host read, once)."""
+        if not self._count_checked:
+            self._count_checked = True
+            if holds_ignored((targets, kwargs)):
+                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=6)
+
+    def _criteria(self, devices: list[torch.device]) -> list[nn.Module]:
+        criterion = self.criterion
+        if isinstance(criterion, nn.Module) and _has_state(criterion):
+            return replicate(criterion, devices, not torch.is_grad_enabled())
+        # A function, or a module with nothing to copy: the same callable on every device.
+        return cast(list[nn.Module], [criterion] * len(devices))
+
+
+def _pair_with_targets(scattered: Scattered, targets: Any, kwargs: Any) -> list[Any]:
+    """Each device's ``((output, *targets), kwargs)``: the targets scattered as the outputs."""
+    target_shards = scatter((targets, kwargs), scattered.sizes, scattered.devices, scattered.dim)
+    return [
+        ((output, *shard_targets), shard_kwargs)
+        for output, (shard_targets, shard_kwargs) in zip(
+            scattered.outputs, target_shards, strict=True
+        )
+    ]
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _builtin_count_fn(criterion: Callable[..., Any]) -> Callable[..., Count] | None:
+    """The denominator of a built-in criterion's mean, where it is not the samples."""
+    if isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)) and criterion.reduction == "mean":
+        return functools.partial(_class_loss_count, criterion)
+    return None
+
+
+def _class_loss_count(
+    criterion: nn.CrossEntropyLoss | nn.NLLLoss, output: Any, *targets: Any, **kwargs: Any
+) -> Count:
+    """What ``CrossEntropyLoss``/``NLLLoss`` divide by: the weight of non-ignored targets."""
+    target = targets[0] if targets else kwargs.get("target")
+    if not isinstance(target, torch.Tensor):
+        return 1  # nothing to read: one share, one mean (the criterion will complain itself)
+    if target.is_floating_point():  # class probabilities: the mean is over positions
+        return target.numel() // target.shape[1] if target.dim() > 1 else 1
+    valid = target != criterion.ignore_index
+    weight = criterion.weight
+    if weight is None:
+        return valid.sum()
+    return (weight.to(target.device)[target.masked_fill(~valid, 0)] * valid).sum()
