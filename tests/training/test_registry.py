@@ -4,6 +4,7 @@ read it, and a run in one process is always ``dp``."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 from pathlib import Path
 
@@ -13,8 +14,15 @@ from torch import nn
 
 from evendp import TrainConfig
 from evendp._core._errors import EvendpError
-from evendp._training._strategies import STRATEGIES, pick_strategy, rank_strategy_names
+from evendp._training._checkpointer import CheckpointFormat
+from evendp._training._strategies import (
+    STRATEGIES,
+    StrategyEntry,
+    pick_strategy,
+    rank_strategy_names,
+)
 from evendp._training._strategies._balanced_dp import BalancedDP
+from evendp._training._strategies._base import Strategy
 from evendp.cli import build_parser
 
 DOCS = Path(__file__).parents[2] / "docs" / "training.md"
@@ -51,17 +59,29 @@ def test_one_process_is_dp_whatever_the_config_names() -> None:
     assert next(model.parameters()).device == torch.device("cpu")
 
 
+def _format_name(entry: StrategyEntry) -> str:
+    """The checkpoint name the strategy an entry builds writes, read from its module's classes
+    (no process group needed): its class's format, or the module's own format class where the
+    format is built per instance (DeepSpeed's)."""
+    module = importlib.import_module(entry.module, "evendp._training._strategies")
+    classes = [c for c in vars(module).values() if isinstance(c, type)]
+    strategy = next(
+        c for c in classes
+        if issubclass(c, Strategy) and c.__module__ == module.__name__ and c.name == entry.name
+    )  # fmt: skip
+    found = strategy.checkpoint_format
+    if isinstance(found, property):
+        found = next(
+            c
+            for c in classes
+            if issubclass(c, CheckpointFormat) and c.__module__ == module.__name__
+        )
+    return str(found.name)
+
+
 def test_each_entrys_checkpoint_name_is_its_strategys_format() -> None:
     """The command line checks ``OUT/<checkpoint_name>`` before any strategy is built: the
-    registry's name must be the one the strategy's format writes."""
-    from evendp._training._strategies._ddp import DDP
-    from evendp._training._strategies._deepspeed import DeepSpeedFiles
-    from evendp._training._strategies._fsdp2 import FSDP2
-
-    formats = {
-        "dp": BalancedDP.checkpoint_format.name,
-        "ddp": DDP.checkpoint_format.name,
-        "fsdp2": FSDP2.checkpoint_format.name,
-        "deepspeed": DeepSpeedFiles.name,
-    }
-    assert {n: e.checkpoint_name for n, e in STRATEGIES.items()} == formats
+    registry's name must be the one the strategy's format writes (every entry, none listed
+    here by hand)."""
+    for name, entry in STRATEGIES.items():
+        assert entry.checkpoint_name == _format_name(entry), name

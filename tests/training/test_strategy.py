@@ -16,12 +16,23 @@ import torch.distributed as dist
 from torch import nn
 
 from evendp._distributed._group import all_reduce_gradients
+from evendp._training._strategies import rank_strategy_names
 from evendp._training._trainer import TrainConfig, Trainer
 from tests._helpers import run_ranks, tiny_gpt2_config
 
 N, L, VOCAB = 41, 6, 64
 SIZES = [3, 5]  # 41 samples: five steps of 8, then a short step of 1 with an empty share
-MODES = ["safe", "plain", "fsdp2"]
+#: Every strategy of ranks this launch runs, read from the registry ("ddp" twice: OOM-safe and
+#: torch's; DeepSpeed's engine has a launch of its own, test_strategy_deepspeed.py).
+_VARIANTS = {"ddp": ["safe", "plain"], "deepspeed": []}
+MODES = [mode for name in rank_strategy_names() for mode in _VARIANTS.get(name, [name])]
+
+
+def _strategy(mode: str) -> dict[str, Any]:
+    """The TrainConfig settings of a mode of this launch."""
+    if mode in ("safe", "plain"):
+        return {"strategy": "ddp", "oom_resplit": mode == "safe"}
+    return {"strategy": mode}
 
 
 def _bert() -> nn.Module:
@@ -104,6 +115,19 @@ class _TokenLM(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, 7), y.reshape(-1))
 
 
+def _params(model: nn.Module, sharded: bool = False) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.full_tensor() if sharded else p).detach().reshape(-1)  # type: ignore[operator]
+            for p in model.parameters()
+        ]
+    )
+
+
+def _token_count(batch: Any) -> torch.Tensor:
+    return (batch[1] != -100).sum()
+
+
 class _Tokens(torch.utils.data.Dataset[Any]):
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(2)
@@ -137,8 +161,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             batch_sizes=SIZES,
             lr=0.0,
             grad_clip=None,
-            oom_resplit=mode != "plain",
-            strategy="fsdp2" if mode == "fsdp2" else "ddp",
+            **_strategy(mode),
             progress=False,
         )
         trainer = Trainer(model, data, cfg, loss_fn=_bert_loss)
@@ -156,8 +179,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.manual_seed(0)
         model = _gpt2()
         cfg = TrainConfig(
-            steps=6, batch_sizes=SIZES, lr=0.0, grad_clip=None, oom_resplit=mode != "plain",
-            strategy="fsdp2" if mode == "fsdp2" else "ddp", progress=False,
+            steps=6, batch_sizes=SIZES, lr=0.0, grad_clip=None, progress=False,
+            **_strategy(mode),
         )  # fmt: skip
         trainer = Trainer(model, _Texts(), cfg, loss_fn=_gpt2_loss, count_fn=_gpt2_count)
         trainer.sampler.set_epoch(0)
@@ -205,6 +228,15 @@ def _worker(rank: int, port: int, out: str) -> None:
         "grads": _grads(model),
         "indices": both,
     }
+    # 2c) Every mode trains (AdamW, clipping) as one process does.
+    for mode in MODES:
+        settings = {"steps": 2, "batch_sizes": [5, 3], "lr": 0.05, "progress": False}
+        torch.manual_seed(0)
+        model = _TokenLM()
+        cfg = TrainConfig(**settings, **_strategy(mode))  # type: ignore[arg-type]
+        trained = Trainer(model, tokens, cfg, count_fn=_token_count)
+        trained.fit()
+        results[f"trained-{mode}"] = _params(model, sharded=mode == "fsdp2")
     # 3) Buckets: three gradients, buckets of 40 bytes (a lone one in place, two flattened).
     params = [nn.Parameter(torch.zeros(n)) for n in (3, 4, 12)]
     for p in params:
@@ -297,6 +329,20 @@ def test_an_oom_no_rank_survives_skips_the_step_on_every_rank(
     for r in (r0, r1):
         assert float((r["grads"] - expected).norm() / expected.norm()) <= 1e-5
     assert abs(r0["losses"][0] - float(loss.detach())) <= 1e-5 * float(loss.detach())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", MODES)
+def test_every_strategy_trains_as_one_process(results: list[dict[str, Any]], mode: str) -> None:
+    """Two AdamW steps with clipping on ranks of [5, 3] equal one process on the batch of 8."""
+    torch.manual_seed(0)
+    ref = _TokenLM()
+    cfg = TrainConfig(steps=2, batch_size=8, lr=0.05, progress=False)
+    Trainer(ref, _Tokens(), cfg, device_ids=["cpu"], count_fn=_token_count).fit()
+    want = _params(ref)
+    runs = [r[f"trained-{mode}"] for r in results]
+    for got in runs:
+        assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
 @pytest.mark.multiprocess
