@@ -228,7 +228,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         "grads": _grads(model),
         "indices": both,
     }
-    # 2c) Every mode trains (AdamW, clipping) as one process does.
+    # 2c) Every mode trains (AdamW, clipping) as one process does; ZeRO-1's sharded state
+    # also resumes: saved at step 1 (every rank's slice gathered on rank 0), then step 2.
     for mode in MODES:
         settings = {"steps": 2, "batch_sizes": [5, 3], "lr": 0.05, "progress": False}
         torch.manual_seed(0)
@@ -237,6 +238,18 @@ def _worker(rank: int, port: int, out: str) -> None:
         trained = Trainer(model, tokens, cfg, count_fn=_token_count)
         trained.fit()
         results[f"trained-{mode}"] = _params(model, sharded=mode == "fsdp2")
+        if mode == "zero1":  # this rank's AdamW holds moments for its slice only
+            results["zero1-held"] = len(trained.optimizer.optim.state)  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    first = TrainConfig(steps=1, batch_sizes=[5, 3], lr=0.05, progress=False, strategy="zero1",
+                        out_dir=out, checkpoint_every=1)  # fmt: skip
+    Trainer(_TokenLM(), tokens, first, count_fn=_token_count).fit()
+    torch.manual_seed(1)  # another start: the resume must restore the weights and the moments
+    model = _TokenLM()
+    again = TrainConfig(steps=2, batch_sizes=[5, 3], lr=0.05, progress=False, strategy="zero1",
+                        out_dir=out, checkpoint_every=1, resume=True)  # fmt: skip
+    Trainer(model, tokens, again, count_fn=_token_count).fit()
+    results["resumed-zero1"] = _params(model)
     # 3) Buckets: three gradients, buckets of 40 bytes (a lone one in place, two flattened).
     params = [nn.Parameter(torch.zeros(n)) for n in (3, 4, 12)]
     for p in params:
@@ -333,16 +346,24 @@ def test_an_oom_no_rank_survives_skips_the_step_on_every_rank(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", MODES)
-def test_every_strategy_trains_as_one_process(results: list[dict[str, Any]], mode: str) -> None:
-    """Two AdamW steps with clipping on ranks of [5, 3] equal one process on the batch of 8."""
+def test_every_strategy_trains_as_one_process_and_zero1_resumes(
+    results: list[dict[str, Any]], mode: str
+) -> None:
+    """Two AdamW steps with clipping on ranks of [5, 3] equal one process on the batch of 8;
+    for ZeRO-1 (its moments sharded) also a run saved at step 1 and resumed to step 2."""
     torch.manual_seed(0)
     ref = _TokenLM()
     cfg = TrainConfig(steps=2, batch_size=8, lr=0.05, progress=False)
     Trainer(ref, _Tokens(), cfg, device_ids=["cpu"], count_fn=_token_count).fit()
     want = _params(ref)
     runs = [r[f"trained-{mode}"] for r in results]
+    if mode == "zero1":
+        runs += [r["resumed-zero1"] for r in results]
     for got in runs:
         assert float((got - want).norm() / want.norm()) <= 1e-5
+    if mode == "zero1":  # the moments are split: each rank holds some, together all
+        held = [r["zero1-held"] for r in results]
+        assert all(held) and sum(held) == len(list(ref.parameters()))
 
 
 @pytest.mark.multiprocess

@@ -87,6 +87,13 @@ STRATEGIES: dict[str, StrategyEntry] = {
             checkpoint_spread=True,
         ),
         StrategyEntry(
+            "zero1",
+            "._zero1",
+            "build",
+            "one process per device, OOM-safe DDP with AdamW's state sharded over the ranks "
+            "(torch's ZeroRedundancyOptimizer: ZeRO stage 1)",
+        ),
+        StrategyEntry(
             "deepspeed",
             "._deepspeed",
             "build",
