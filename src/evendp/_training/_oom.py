@@ -1,7 +1,7 @@
 """Surviving ``torch.OutOfMemoryError`` without changing the math: exact micro-batch re-splits.
 
 A step's share of ``n`` samples runs as micro-batches ``[start, stop)``; each micro-batch's
-loss, summed over its counted items (:func:`evendp._core._exact.weighted_sum`), is weighted by
+loss, summed over its counted items (:func:`evendp.share_loss`), is weighted by
 ``weight`` (1 / global count, times the world size under DDP's averaging) before ``backward``,
 so the accumulated gradient is the gradient of the global mean however the share is cut. When
 a micro-batch runs out of memory, the step's gradients are dropped (an OOM inside ``backward``
@@ -220,7 +220,7 @@ class OomResplit:
         ``min_micro_steps`` pads the step with empty micro-steps (every span empty) up to that
         many: under DDP or FSDP2 every rank must run forward and backward as often as the
         others, even with no samples. An empty micro-step backpropagates an exact zero
-        connected to the loss (:func:`evendp._core._exact.weighted_sum`: never the NaN of a mean
+        connected to the loss (:func:`evendp.share_loss`: never the NaN of a mean
         over no samples), so DDP's and FSDP2's collectives pair up.
 
         ``summed=True``: ``chunk_loss`` returns the loss already *summed* over its counted
