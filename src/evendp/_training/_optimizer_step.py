@@ -1,7 +1,8 @@
 """The optimizer's part of a step: backward, unscale, clip, the non-finite gate, step, schedule.
 
-One object per run, built by the strategy (:meth:`Strategy.build_optimizer`) after it wrapped
-the model, so FSDP2's sharded parameters are the ones optimized. The default optimizer is
+evendp's :class:`~evendp._training._stepper.Stepper`: one object per run, built by the strategy
+(:meth:`Strategy.build_stepper`) after it wrapped the model, so FSDP2's sharded parameters are
+the ones optimized; the Trainer calls it. The default optimizer is
 AdamW, fused where this torch has it for the parameters' device: its update takes the
 non-finite gate's ``found_inf`` flag on the device, so a step needs no host read.
 
@@ -138,6 +139,11 @@ class OptimizerStep:
         if self.scheduler is not None:
             self._unscheduled = skipped
         return skipped
+
+    @property
+    def skipped(self) -> int:
+        """Steps the non-finite gate skipped so far (a host read)."""
+        return self.gate.skipped
 
     def settle(self) -> None:
         """Where the Trainer reads anyway (log steps, checkpoints, the end): the pending

@@ -486,7 +486,8 @@ class Trainer:
         out = config.out_dir
         where = "" if out is None else f"; the last good checkpoint is in {out}"
         # Built after wrapping: FSDP2 replaces the parameters with sharded ones.
-        strategy.build_optimizer(optimizer, scheduler, config, where=where)
+        #: Backward and the update (:class:`~evendp._training._stepper.Stepper`).
+        self.stepper = strategy.build_stepper(optimizer, scheduler, config, where=where)
         # A dataset without batch(indices) is collated per sample; an empty share (a rank of
         # size 0, or the short last step) gives zero-length tensors rather than an IndexError.
         # An explicit collate_fn wins over the dataset's batch(indices).
@@ -522,10 +523,10 @@ class Trainer:
     step = property(lambda self: self.state.step)
     losses = property(lambda self: self.state.losses)
     samples = property(lambda self: self.state.samples)
-    # The optimizer's part of the step is the strategy's (built after wrapping).
-    optimizer = property(lambda self: self.strategy.optimizer)
-    scheduler = property(lambda self: self.strategy.scheduler)
-    scaler = property(lambda self: self.strategy.scaler)
+    # The optimizer's part of the step is the stepper's (built after wrapping).
+    optimizer = property(lambda self: self.stepper.optimizer)
+    scheduler = property(lambda self: self.stepper.scheduler)
+    scaler = property(lambda self: self.stepper.scaler)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -613,7 +614,7 @@ class Trainer:
             "data": PerRank(SamplerPosition(self.sampler, self.state)) if self.world > 1 else None,
             "guard": OomCaps(self.guard),
             "balancer": self.balancer if self.balancer.active else None,
-            "nonfinite": self.strategy.nonfinite_gate,
+            "nonfinite": self.stepper.gate,
         }
 
     # -- data --------------------------------------------------------------------------------
@@ -762,15 +763,18 @@ class Trainer:
         if sum(shares) != n:  # a batch function that makes rows of its own (packing)
             shares = strategy.shares(n)
         weight = self._step_weight(batch, layout.samples, counted)  # world / the global count
-        strategy.zero_grad()
+        strategy.start_step()  # every process, whatever its share
+        self.stepper.zero_grad()
         total = self._accumulate(batch, shares, weight)  # None: an OOM left nothing to run
+        strategy.reduce_gradients(total is None, total)  # every process, whatever happened
         failed, total = strategy.agree_step(total is None, total)
         if failed or total is None:  # an OOM on some process: every process skips the step
-            strategy.zero_grad()
+            self.stepper.zero_grad()
             self.guard.skipped += 1
             return None, True
+        strategy.apply_gradients()  # the reduced gradients into .grad (OOM-safe DDP)
         with self._timed("optimizer"):
-            skipped = strategy.optimizer_step(self.state.step + 1)
+            skipped = self.stepper.step(self.state.step + 1)
         # The step's mean, or this rank's part of it (the strategy sums the parts when read).
         return total / self.world, skipped
 
@@ -799,7 +803,7 @@ class Trainer:
             except RuntimeError as error:  # torch.OutOfMemoryError is one
                 retry = self.guard.after_oom(error, shares)  # re-raises anything else
             # Outside the except block, so the failed graph's frames can be freed.
-            self.strategy.zero_grad()
+            self.stepper.zero_grad()
             free_memory()
             if not retry:
                 return None
@@ -831,7 +835,7 @@ class Trainer:
                     summed = share_loss(one, 0, stand_in=True)
             loss = summed * weight.wait()  # the count's all-reduce ran during the forward
             with self._timed("backward"):
-                strategy.backward(loss)
+                strategy.backward(self.stepper, loss)
             total = total + loss.detach()
         return total
 
@@ -848,12 +852,12 @@ class Trainer:
         """Where the host reads (log steps, checkpoints, the report): the steps' losses and
         skip flags, summed over processes in one collective, and what the optimizer step left
         pending (the schedule; the non-finite gate's verdict, which may stop the run)."""
-        self.strategy.settle()
+        self.stepper.settle()
         self.state.flush(self.strategy.reduce_losses)
 
     def _skipped_steps(self) -> int:
         """Steps skipped so far: by an OOM everywhere, or by the non-finite gate (a read)."""
-        return self.guard.skipped + self.strategy.skipped_steps()
+        return self.guard.skipped + self.stepper.skipped
 
     def _samples_ran(self, stepped: bool) -> list[int]:
         """Per device, the samples the last step trained (none when it was skipped)."""
@@ -1010,7 +1014,7 @@ class Trainer:
         cfg, state = self.config, self.state
         if not display_due(state.step, start_step, cfg.steps, cfg.log_every):
             return shown  # no host read, no collective: the report still gets every loss
-        self.strategy.settle()
+        self.stepper.settle()
         if not reads:
             return shown
         self._read_pending()

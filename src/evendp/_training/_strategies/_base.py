@@ -1,5 +1,5 @@
 """The contract of a strategy: every decision that differs between ways of running a step,
-from wrapping the model to backward and the optimizer step."""
+from wrapping the model to the gradients' reduction; the update is the stepper's it builds."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .._checkpointer import CheckpointFormat, WholeFile
 from .._evaluate import EvalFn
 from .._oom import OomResplit
 from .._optimizer_step import OptimizerStep, default_optimizer, run_schedule
+from .._stepper import Stepper
 
 __all__ = ["StopSource", "Strategy"]
 
@@ -38,24 +39,27 @@ class Strategy(abc.ABC):
 
     Setup: :meth:`wrap` the loss module, build the :meth:`sampler` (and :meth:`device_costs`
     for a cost plan inside this process), the :meth:`guard` for OOM re-splits,
-    :meth:`check_optimizer` and :meth:`build_optimizer`. Each step (the Trainer's loop)::
+    :meth:`check_optimizer` and :meth:`build_stepper` (the
+    :class:`~evendp._training._stepper.Stepper` the Trainer calls). Each step (the Trainer's
+    loop)::
 
         batch = strategy.place(batch); shares = strategy.shares(n)
         weight = strategy.count_weight(count)          # or known: samples, counts=
-        strategy.zero_grad()
+        strategy.start_step(); stepper.zero_grad()
         for k, spans in enumerate(plan):               # guard.plan + micro_step_count padding
             with strategy.sync(last=k == len(plan) - 1):
                 summed = strategy.forward(rows, sizes)
-            strategy.backward(summed * weight)
+            strategy.backward(stepper, summed * weight)
+        strategy.reduce_gradients(failed, total)       # what backward did not reduce
         failed, total = strategy.agree_step(failed, total)   # step or skip everywhere
-        skipped = strategy.optimizer_step(step)        # reduce, unscale, clip, gate, step
+        strategy.apply_gradients()                     # the reduced gradients into .grad
+        skipped = stepper.step(step)                   # unscale, clip, gate, step
         ... strategy.agree_stop(step)                  # between steps
 
     Losses and samples are summed over processes by :meth:`reduce_losses` and
-    :meth:`reduce_samples` when read, where :meth:`settle` also resolves what the optimizer
-    step left on the device. Also evaluation (:meth:`evaluate`), the checkpoint's on-disk
-    format (:attr:`checkpoint_format`, in which the Trainer's checkpointer writes the run's
-    parts), the report's device names and peak memory.
+    :meth:`reduce_samples` when read. Also evaluation (:meth:`evaluate`), the checkpoint's
+    on-disk format (:attr:`checkpoint_format`, in which the Trainer's checkpointer writes the
+    run's parts), the report's device names and peak memory.
 
     Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
     one-rank-per-device strategies of
@@ -67,8 +71,6 @@ class Strategy(abc.ABC):
     name: str
     #: How the run's state is laid out on disk (its name in ``out_dir`` too): one file.
     checkpoint_format: CheckpointFormat = WholeFile()
-    #: The optimizer step (:meth:`build_optimizer`).
-    stepper: OptimizerStep
     #: The parts of a step besides the forward that run without waiting for another rank
     #: (``"backward"``, ``"optimizer"``): the speed balancer times them with the forward. A
     #: part with a collective inside (DDP's bucketed backward, FSDP2's clipping, DeepSpeed's
@@ -132,29 +134,28 @@ class Strategy(abc.ABC):
         """Refuse an optimizer this strategy cannot use (one built before sharding)."""
         return None
 
-    def build_optimizer(
+    def build_stepper(
         self,
         optimizer: torch.optim.Optimizer | None,
         scheduler: Any | None,
         config: Any,
         *,
         where: str = "",
-    ) -> OptimizerStep:
-        """The run's optimizer step (after :meth:`wrap`: FSDP2's parameters are sharded by
-        then): ``optimizer``, else AdamW with ``config.lr`` and ``config.weight_decay``;
-        fp16 loss scaling, clipping, the non-finite gate and the schedule
-        (:class:`~evendp._training._optimizer_step.OptimizerStep`). ``where`` names the last
-        good checkpoint for the gate's message."""
+    ) -> Stepper:
+        """The run's stepper, which the Trainer calls (after :meth:`wrap`: FSDP2's parameters
+        are sharded by then): ``optimizer``, else AdamW with ``config.lr`` and
+        ``config.weight_decay``; fp16 loss scaling, clipping, the non-finite gate and the
+        schedule (:class:`~evendp._training._optimizer_step.OptimizerStep`). ``where`` names
+        the last good checkpoint for the gate's message."""
         built = optimizer or default_optimizer(
             self.model.parameters(), config.lr, config.weight_decay
         )
         schedule = run_schedule(built, scheduler, config.warmup_steps)
-        self.stepper = OptimizerStep(
+        return OptimizerStep(
             self.model, built, schedule, amp=config.amp, grad_clip=config.grad_clip,
             max_nonfinite_steps=config.max_nonfinite_steps, where=where,
             device_type=self.device.type,
         )  # fmt: skip
-        return self.stepper
 
     @abc.abstractmethod
     def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
@@ -202,58 +203,30 @@ class Strategy(abc.ABC):
         """How many micro-steps this process runs when its shares need ``planned``."""
         return planned
 
+    def start_step(self) -> None:
+        """Before a step's first micro-step, on every process whatever its share."""
+        return None
+
+    def backward(self, stepper: Stepper, loss: torch.Tensor) -> None:
+        """The stepper's backward of one micro-step's loss (weighted by the step's weight),
+        with what this strategy runs around it."""
+        stepper.backward(loss)
+
+    def reduce_gradients(self, failed: bool, total: torch.Tensor | None) -> None:
+        """After a step's micro-steps, on every process whatever happened (``failed``: an OOM
+        left nothing to run here): the gradient reduction backward did not finish (DDP and
+        FSDP2 reduce inside it; one process has nothing to reduce)."""
+        return None
+
     def agree_step(
         self, failed: bool, total: torch.Tensor | None
     ) -> tuple[bool, torch.Tensor | None]:
-        """After a step's micro-steps: whether every process skips it, and the step's total."""
+        """After :meth:`reduce_gradients`: whether every process skips the step, and its total."""
         return failed, total
 
-    def zero_grad(self) -> None:
-        """Drop the gradients (before a step, and after an attempt an OOM ended)."""
-        self.stepper.zero_grad()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-step's loss, already weighted by the step's weight."""
-        self.stepper.backward(loss)
-
-    def reduce_gradients(self) -> None:
-        """After the step's backward: make the gradients the step's (DDP/FSDP2 already did)."""
+    def apply_gradients(self) -> None:
+        """Once every process agreed to step: make ``.grad`` the step's reduced gradients."""
         return None
-
-    def optimizer_step(self, step: int) -> torch.Tensor | bool:
-        """Make the gradients the step's and update the weights for step ``step`` (1-based):
-        the 0/1 flag of a step the non-finite gate skipped (a device tensor, not read)."""
-        self.reduce_gradients()
-        return self.stepper.step(step)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer :meth:`build_optimizer` built or took."""
-        return self.stepper.optimizer
-
-    @property
-    def scheduler(self) -> Any | None:
-        return self.stepper.scheduler
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """fp16's loss scaler (``None`` otherwise)."""
-        return self.stepper.scaler
-
-    @property
-    def nonfinite_gate(self) -> Any | None:
-        """The non-finite gate's counters as a checkpoint part (``None``: the strategy's
-        engine keeps its own)."""
-        return self.stepper.gate
-
-    def skipped_steps(self) -> int:
-        """Steps the non-finite gate skipped so far (a host read)."""
-        return self.stepper.gate.skipped
-
-    def settle(self) -> None:
-        """Where the Trainer reads the host anyway (log steps, checkpoints, the end): what the
-        optimizer step left pending (the schedule, the non-finite gate's verdict)."""
-        self.stepper.settle()
 
     # -- what the loop reads -----------------------------------------------------------------
 

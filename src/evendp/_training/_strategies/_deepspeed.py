@@ -63,7 +63,14 @@ from .._safe_read import Refused, check_archive
 from ._base import Costs
 from ._ranks import RankStrategy
 
-__all__ = ["DeepSpeed", "DeepSpeedFiles", "build", "check_strategy_config", "deepspeed_config"]
+__all__ = [
+    "DeepSpeed",
+    "DeepSpeedFiles",
+    "EngineStep",
+    "build",
+    "check_strategy_config",
+    "deepspeed_config",
+]
 
 #: Settings evendp fills in from the run (the user may leave them out or say "auto").
 _OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -243,7 +250,8 @@ def _reading_safely(engine: Any) -> Iterator[None]:
 
 class DeepSpeed(RankStrategy):
     """One process per device, the model inside a DeepSpeed engine (ZeRO stage from the
-    config): ``engine.backward`` and ``engine.step`` replace evendp's optimizer step.
+    config): ``engine.backward`` and ``engine.step`` replace evendp's optimizer step (the
+    run's stepper is :class:`EngineStep`).
 
     ZeRO-2 and 3 reduce (and ZeRO-3 gathers) inside every micro-step's forward or backward, so
     an OOM is fatal and every rank runs as many micro-steps as the most any rank runs (an
@@ -262,8 +270,6 @@ class DeepSpeed(RankStrategy):
         self._accum = int(config.accum)
         self._forward_collectives = self._ds["zero_optimization"].get("stage", 0) == 3
         self._batch_sizes: list[int] = []
-        self._gate = NonFiniteGate(config.max_nonfinite_steps)
-        self._gated = config.max_nonfinite_steps > 0
         self._format = DeepSpeedFiles(self)
         self.engine: Any = None
 
@@ -287,16 +293,17 @@ class DeepSpeed(RankStrategy):
         self._batch_sizes = list(built[0].batch_sizes)  # DeepSpeed's logged micro-batch
         return built
 
-    def build_optimizer(
+    def build_stepper(
         self,
         optimizer: torch.optim.Optimizer | None,
         scheduler: Any | None,
         config: Any,
         *,
         where: str = "",
-    ) -> Any:
+    ) -> EngineStep:
         """``deepspeed.initialize`` on the loss module: ``optimizer``, else the config's
-        ``"optimizer"`` section, else AdamW with ``config.lr`` and ``config.weight_decay``."""
+        ``"optimizer"`` section, else AdamW with ``config.lr`` and ``config.weight_decay``;
+        the engine, stepped by :class:`EngineStep`."""
         import deepspeed
 
         ds = deepspeed_config(config, self._batch_sizes or [1] * self.world)
@@ -307,7 +314,6 @@ class DeepSpeed(RankStrategy):
             )
         if optimizer is None and "optimizer" not in ds:
             optimizer = default_optimizer(self.model.parameters(), config.lr, config.weight_decay)
-        self._gate.where = where
         if config.warmup_steps and "scheduler" in ds:
             raise _refuse(
                 f'warmup_steps={config.warmup_steps} and the DeepSpeed config\'s "scheduler" '
@@ -333,7 +339,7 @@ class DeepSpeed(RankStrategy):
                 "checkpoint engine settings"
             )
         self.engine = self.wrapped = engine
-        return engine
+        return EngineStep(engine, NonFiniteGate(config.max_nonfinite_steps, where))
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -346,22 +352,39 @@ class DeepSpeed(RankStrategy):
         # ZeRO-2/3 communicate in every micro-step's backward (ZeRO-3 in forward too).
         return max(planned, self._accum)
 
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:  # type: ignore[override]
+        """DeepSpeed's files of each step beside evendp's ``state.pt``
+        (:class:`DeepSpeedFiles`)."""
+        return self._format
+
+
+class EngineStep:
+    """DeepSpeed's engine as the run's :class:`~evendp._training._stepper.Stepper`: its
+    backward (no division by accumulation steps), its step (ZeRO's reduce, clipping, the
+    update, the schedule) and its count of the steps it skipped on a non-finite norm, which
+    the non-finite gate counts in a row (``max_nonfinite_steps``; read where DeepSpeed read
+    them)."""
+
+    #: fp16's loss scale is DeepSpeed's, inside its optimizer.
+    scaler = None
+
+    def __init__(self, engine: Any, gate: NonFiniteGate) -> None:
+        self.engine, self.gate = engine, gate
+
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
     def backward(self, loss: torch.Tensor) -> None:
         # ``loss`` carries world / count (averaged_scale with divided_by=1): DeepSpeed's mean
         # over the ranks finishes it, and no division by accumulation steps may follow.
-        self._post_stop()  # a stop request before the step's last collective: as RankStrategy
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def optimizer_step(self, step: int) -> torch.Tensor | bool:
-        before = self.engine.skipped_steps
-        self.engine.step()
-        skipped = self.engine.skipped_steps != before  # DeepSpeed read its norm already
-        if self._gated:
-            self._gate.found(torch.tensor(math.inf if skipped else 0.0), step)
-        return skipped
+    def step(self, step: int) -> bool:
+        return optimizer_step(self.engine, self.gate if self.gate.limit > 0 else None, step)
+
+    def settle(self) -> None:
+        self.gate.check()
 
     @property
     def optimizer(self) -> Any:
@@ -373,25 +396,20 @@ class DeepSpeed(RankStrategy):
         return self.engine.lr_scheduler
 
     @property
-    def scaler(self) -> None:
-        """None: fp16's loss scale is DeepSpeed's, inside its optimizer."""
-        return None
-
-    def skipped_steps(self) -> int:
+    def skipped(self) -> int:
         return int(self.engine.skipped_steps)
 
-    def settle(self) -> None:
-        self._gate.check()
 
-    @property
-    def nonfinite_gate(self) -> NonFiniteGate:
-        return self._gate
-
-    @property
-    def checkpoint_format(self) -> CheckpointFormat:  # type: ignore[override]
-        """DeepSpeed's files of each step beside evendp's ``state.pt``
-        (:class:`DeepSpeedFiles`)."""
-        return self._format
+def optimizer_step(engine: Any, gate: NonFiniteGate | None, step: int) -> bool:
+    """``engine.step()`` for step ``step``: whether DeepSpeed skipped it on a non-finite norm
+    (it read the norm already), counted by ``gate`` (``None``: no gate). The host reads inside
+    are DeepSpeed's own, which the host-read test names by this function."""
+    before = engine.skipped_steps
+    engine.step()
+    skipped = engine.skipped_steps != before
+    if gate is not None:
+        gate.found(torch.tensor(math.inf if skipped else 0.0), step)
+    return skipped
 
 
 class DeepSpeedFiles(CheckpointFormat):
@@ -576,7 +594,7 @@ def _verify(folder: Path) -> None:
 
 def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> DeepSpeed:
     """The registry's ``"deepspeed"``: the config checked now, the engine built with the
-    optimizer (:meth:`DeepSpeed.build_optimizer`)."""
+    optimizer (:meth:`DeepSpeed.build_stepper`)."""
     strategy = DeepSpeed(model, config)
     try:
         import deepspeed  # noqa: F401

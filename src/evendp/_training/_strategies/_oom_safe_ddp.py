@@ -10,6 +10,10 @@ then the step's flags): during the last backward each bucket goes as soon as it 
 the reduction overlaps backward as DDP's does; a rank that failed launches the rest at the end
 of its step, and the flags say whether the result is used, reduced again (a rank's launched
 copy was stale: it retried after an OOM) or dropped (an OOM with nothing left to try).
+
+The three are the verbs the Trainer calls in turn: ``reduce_gradients`` (the buckets backward
+did not launch, the flags in the last one), ``agree_step`` (the flags read: step or skip) and
+``apply_gradients`` (the result into ``.grad``, or reduced again).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from ..._distributed._grad_buckets import GradientBuckets
 from ..._distributed._group import BUCKET_BYTES, comm_device
 from .._oom import OomResplit
+from .._stepper import Stepper
 from ._base import signal_of, stop_votes
 from ._ranks import RankStrategy
 
@@ -38,6 +43,8 @@ class OomSafeDDP(RankStrategy):
 
     _votes: tuple[float, float] | None = None  # the last step's summed stop votes, read
     _buckets: GradientBuckets | None = None
+    _flags: torch.Tensor | None = None  # the step's flags, reduced, until agree_step reads them
+    _stale = False  # whether some rank's launched bucket was stale (the flags, read)
     _last = True  # whether the micro-step running now is the step's last
     #: Bytes per gradient bucket (DDP's 25 MiB).
     bucket_bytes = BUCKET_BYTES
@@ -50,7 +57,7 @@ class OomSafeDDP(RankStrategy):
 
     def _gradient_buckets(self, *, recheck: bool = False) -> GradientBuckets:
         """The buckets of the parameters being trained: built at first use (the model is
-        final after wrap), and again at a step's start (``recheck``, from :meth:`zero_grad`,
+        final after wrap), and again at a step's start (``recheck``, from :meth:`start_step`,
         which every rank runs, empty share or not) when that set changed (layers unfrozen,
         on every rank alike, as their optimizers are)."""
         current = self._buckets
@@ -62,49 +69,61 @@ class OomSafeDDP(RankStrategy):
             self._buckets = current
         return current
 
+    def start_step(self) -> None:
+        if self.world > 1:
+            self._gradient_buckets(recheck=True)
+
     def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         self._last = last  # only the last micro-step's gradients are final
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, stepper: Stepper, loss: torch.Tensor) -> None:
         if not self._last or self.world == 1:  # one rank: nothing to reduce
-            return super().backward(loss)
+            return super().backward(stepper, loss)
         with self._gradient_buckets().overlapping():  # each bucket goes once ready
-            super().backward(loss)
+            super().backward(stepper, loss)
 
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        if self.world > 1:
-            self._gradient_buckets(recheck=True)
-
-    def agree_step(
-        self, failed: bool, total: torch.Tensor | None
-    ) -> tuple[bool, torch.Tensor | None]:
-        # One rank has nothing to reduce: no buckets, its flags are the sums.
+    def reduce_gradients(self, failed: bool, total: torch.Tensor | None) -> None:
+        """The buckets backward did not launch, then the step's flags ``[OOM, loss total,
+        SIGINT, SIGTERM, stale]`` riding in the last one (the same collectives on every rank,
+        whatever failed); one rank has nothing to reduce: its flags are the sums."""
         buckets = self._gradient_buckets() if self.world > 1 else None
         where = comm_device()
         mine = torch.zeros((), device=where) if total is None else total.to(where).float()
         stale = buckets is not None and buckets.stale
         failed_stale = torch.tensor([float(failed), float(stale)], device=where)
         votes = stop_votes(self._stop_source(), where)
-        flags = torch.cat([failed_stale[:1], mine.reshape(1), votes, failed_stale[1:]])
+        self._flags = torch.cat([failed_stale[:1], mine.reshape(1), votes, failed_stale[1:]])
         if buckets is not None:
-            buckets.finish(flags, failed=failed)
+            buckets.finish(self._flags, failed=failed)
+
+    def agree_step(
+        self, failed: bool, total: torch.Tensor | None
+    ) -> tuple[bool, torch.Tensor | None]:
+        """The flags that rode with the gradients, summed: skip on every rank when any
+        failed (the reduction dropped), else the step's total over every rank."""
+        flags, self._flags = self._flags, None
+        assert flags is not None, "reduce_gradients runs before agree_step"
         # The one host read of a step, the flags together: whether a rank failed decides
         # the retry arithmetic's next plan and the skipped count, which the host keeps; a
         # stale copy anywhere makes every rank reduce again (data every rank has).
         failed_anywhere, _, sigint, sigterm, stale_anywhere = flags.tolist()
-        self._votes = (sigint, sigterm)
-        if buckets is not None:
-            if failed_anywhere:
-                buckets.discard()
-            elif stale_anywhere:
-                buckets.reduce_again()
-            else:
-                buckets.apply()
-        if failed_anywhere:
-            return True, None
-        return False, flags[1]  # the step's total over every rank
+        self._votes, self._stale = (sigint, sigterm), bool(stale_anywhere)
+        if not failed_anywhere:
+            return False, flags[1]
+        if self._buckets is not None and self.world > 1:
+            self._buckets.discard()  # host bookkeeping only: nothing to wait for
+        return True, None
+
+    def apply_gradients(self) -> None:
+        """The reduced buckets into ``.grad``, or, where some rank's launched copy was stale
+        (agreed in the flags, so on every rank alike), one more all-reduce of ``.grad``."""
+        if self._buckets is None or self.world == 1:
+            return
+        if self._stale:
+            self._buckets.reduce_again()
+        else:
+            self._buckets.apply()
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         return parts  # already summed over ranks in the step's own all-reduce

@@ -20,6 +20,7 @@ from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks
 from .._oom import OomResplit
+from .._stepper import Stepper
 from ._base import Batch, Costs, StopSource, Strategy, agreed_signal, build_sampler, stop_votes
 
 __all__ = ["RankStrategy"]
@@ -129,12 +130,12 @@ class RankStrategy(Strategy):
         self._post_stop()  # received after the step's last backward: stop after the next one
         return self._notice.due(step)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, stepper: Stepper, loss: torch.Tensor) -> None:
         # A request received before this backward stops every rank after this very step: no
         # rank can finish the step before this rank joins the step's last gradient
         # collective, which comes after the notice.
         self._post_stop()
-        super().backward(loss)
+        super().backward(stepper, loss)
 
     def _post_stop(self) -> None:
         mine = self._stop_source()

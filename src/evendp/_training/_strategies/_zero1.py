@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..._core._errors import EvendpError
 from .._checkpointer import WholeFile
-from .._optimizer_step import OptimizerStep
+from .._stepper import Stepper
 from ._oom_safe_ddp import OomSafeDDP
 
 __all__ = ["Zero1", "build"]
@@ -61,21 +61,21 @@ class Zero1(OomSafeDDP):
                 "weight_decay come from TrainConfig) or use strategy='ddp'"
             )
 
-    def build_optimizer(
+    def build_stepper(
         self,
         optimizer: torch.optim.Optimizer | None,
         scheduler: Any | None,
         config: Any,
         *,
         where: str = "",
-    ) -> OptimizerStep:
+    ) -> Stepper:
         sharded = ZeroRedundancyOptimizer(
             self.model.parameters(),
             optimizer_class=torch.optim.AdamW,
             lr=config.lr,
             weight_decay=config.weight_decay,
         )
-        return super().build_optimizer(sharded, scheduler, config, where=where)
+        return super().build_stepper(sharded, scheduler, config, where=where)
 
 
 def build(model: Any, config: Any, device_ids: Any, weights: Any) -> Zero1:
