@@ -255,6 +255,11 @@ def _cases() -> dict[str, Callable[[], Case]]:
         "StepMean": lambda: (evendp.StepMean, [], {"count_fn": None, "group": None}),
         "EngineMean": lambda: (evendp.EngineMean, [_Engine()], {"count_fn": None, "group": None}),
         "is_stand_in": lambda: (evendp.is_stand_in, [torch.ones(2)], {}),
+        "share_loss": lambda: (
+            evendp.share_loss,
+            [torch.tensor(0.5), 4, 0.125],
+            {"stand_in": False},
+        ),
         "rehearse": lambda: (
             evendp.rehearse,
             [_Regress(), _Pairs(), evendp.TrainConfig(steps=1, batch_size=4, progress=False)],

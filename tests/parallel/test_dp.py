@@ -954,7 +954,7 @@ def test_construction_time_auto_keeps_the_gradient_exact(monkeypatch: pytest.Mon
     ("kwargs", "fragment"),
     [
         ({"example": (torch.randn(2, 5),)}, r"weights are not 'auto'.*drop example="),
-        ({"weights": "auto", "example": 3}, r"got a int; pass a tuple.*example=\(x,\)"),
+        ({"weights": "auto", "example": 3}, r"got an int; pass a tuple.*example=\(x,\)"),
     ],
 )
 def test_a_bad_example_names_the_fix(kwargs: dict[str, object], fragment: str) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from evendp._core._errors import EvendpError
 from evendp._distributed._group import all_reduce_gradients
 from evendp._training._strategies import rank_strategy_names
 from evendp._training._trainer import TrainConfig, Trainer
@@ -250,6 +251,13 @@ def _worker(rank: int, port: int, out: str) -> None:
                         out_dir=out, checkpoint_every=1, resume=True)  # fmt: skip
     Trainer(model, tokens, again, count_fn=_token_count).fit()
     results["resumed-zero1"] = _params(model)
+    other = torch.optim.SGD(_TokenLM().parameters(), lr=0.1)  # a scheduler zero1 cannot use
+    try:
+        Trainer(_TokenLM(), tokens, TrainConfig(batch_sizes=[5, 3], strategy="zero1"),
+                scheduler=torch.optim.lr_scheduler.StepLR(other, 1))  # fmt: skip
+        results["zero1-scheduler"] = "accepted"
+    except EvendpError as refused:
+        results["zero1-scheduler"] = str(refused)
     # 3) Buckets: three gradients, buckets of 40 bytes (a lone one in place, two flattened).
     params = [nn.Parameter(torch.zeros(n)) for n in (3, 4, 12)]
     for p in params:
@@ -364,6 +372,8 @@ def test_every_strategy_trains_as_one_process_and_zero1_resumes(
     if mode == "zero1":  # the moments are split: each rank holds some, together all
         held = [r["zero1-held"] for r in results]
         assert all(held) and sum(held) == len(list(ref.parameters()))
+        for r in results:  # a scheduler of another optimizer would set no rate: refused
+            assert "pass warmup_steps=" in r["zero1-scheduler"], r["zero1-scheduler"]
 
 
 @pytest.mark.multiprocess

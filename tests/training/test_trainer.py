@@ -202,6 +202,25 @@ def test_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
+def test_a_resume_keeps_this_runs_optimizer_implementation(tmp_path: Path) -> None:
+    """A checkpoint from an unfused AdamW (ZeRO-1's, or a user's) resumed by a run whose
+    AdamW is fused: the saved groups' 'fused': None must not turn it unfused under the
+    device-side gate (torch asserted on found_inf at the first step)."""
+    data = CharWindows(torch.randint(0, 5, (60,)), block_size=4)
+    cfg = TrainConfig(steps=1, batch_size=4, progress=False, out_dir=tmp_path, checkpoint_every=1)
+    model = nn.Embedding(5, 5)
+    unfused = torch.optim.AdamW(model.parameters(), lr=0.01, fused=False)
+    Trainer(model, data, cfg, device_ids=["cpu"], loss_fn=_bigram_loss, optimizer=unfused).fit()
+    again = TrainConfig(
+        steps=2, batch_size=4, progress=False, out_dir=tmp_path, checkpoint_every=1, resume=True
+    )
+    resumed = Trainer(nn.Embedding(5, 5), data, again, device_ids=["cpu"], loss_fn=_bigram_loss)
+    fused = resumed.optimizer.param_groups[0]["fused"]
+    resumed.fit()
+    assert resumed.state.step == 2
+    assert resumed.optimizer.param_groups[0]["fused"] == fused
+
+
 def test_ctrl_c_saves_and_returns(tmp_path: Path) -> None:
     calls = {"n": 0}
 

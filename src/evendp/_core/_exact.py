@@ -29,11 +29,16 @@ connected, leaves such shares out of the graph entirely.)
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from ._errors import EvendpError
+from ._shown import shown
+from ._validate import validate_bool
 
 __all__ = [
     "Count",
@@ -118,12 +123,36 @@ def share_loss(
     >>> share_loss(torch.tensor(float("nan")), 0), share_loss(torch.tensor(3.0), 1, stand_in=True)
     (tensor(0.), tensor(0.))
     """
+    _validate_share(mean, count, scale, stand_in)
     if stand_in:
         return zero_weight(mean)
     part = weighted_sum(mean, count)
     if isinstance(scale, numbers.Number) and scale == 1:
         return part
     return part * scale
+
+
+def _validate_share(mean: Any, count: Any, scale: Any, stand_in: Any) -> None:
+    """``share_loss``'s arguments: a one-value tensor, counts and scale >= 0 (a tensor is
+    taken as is: reading it would wait for the device)."""
+    if not isinstance(mean, torch.Tensor) or mean.numel() != 1:
+        raise EvendpError(
+            f"share_loss: mean must be a one-value tensor (the share's mean loss), got "
+            f"{shown(mean)}"
+        )
+    for name, value in (("count", count), ("scale", scale)):
+        if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            ok = False
+        else:
+            ok = math.isfinite(float(value)) and float(value) >= 0
+        if not ok:
+            raise EvendpError(
+                f"share_loss: {name} must be a finite number >= 0 or a tensor, got "
+                f"{shown(value)}; e.g. share_loss(loss, 4, 1 / 8)"
+            )
+    validate_bool("stand_in", stand_in)
 
 
 def combine_means(

@@ -218,7 +218,8 @@ def validate_fixed_total(sizes: list[int], total: int, dim: int) -> None:
 def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {list(value.shape)}"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def validate_batch_rows(total: int | None, dim: int) -> int:

@@ -426,15 +426,15 @@ def planned_rank_sizes(
     **plan_options: Any,
 ) -> tuple[list[int], list[int]]:
     """``batch_sizes="auto"`` for a surface that takes per-rank sizes (``UnevenTrainer``, the
-        integrations' ``uneven_dataloader``): :func:`auto_batch_sizes` on ``example()``, said once
-        by :func:`say_auto_sizes`. ``where`` names the call that needs ``model`` in the refusal;
+    integrations' ``uneven_dataloader``): :func:`auto_batch_sizes` on ``example()``, said once
+    by :func:`say_auto_sizes`. ``where`` names the call that needs ``model`` in the refusal;
     ``plan_options`` go to the planner.
 
-        >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
-        >>> sizes, _ = planned_rank_sizes(
-        ...     net, lambda: torch.randn(1, 64), 32, memory="64MiB", cuda_context=0)
-        >>> sizes
-        [32]
+    >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    >>> sizes, _ = planned_rank_sizes(
+    ...     net, lambda: torch.randn(1, 64), 32, memory="64MiB", cuda_context=0)
+    >>> sizes
+    [32]
     """
     if model is None:
         raise EvendpError(

@@ -896,9 +896,34 @@ def read_whole(
     for name, part in fields.items():
         _FIELD_CHECKS.get(name, _check_kind)(p, name, part, payload.get(name))
     for name, part in fields.items():
-        if payload.get(name) is not None:  # a scaler or scheduler the writer had none of
+        if payload.get(name) is None:  # a scaler or scheduler the writer had none of
+            continue
+        if name == "optimizer":
+            load_optimizer_state(part, payload[name])
+        else:
             part.load_state_dict(payload[name])
     return {"step": int(payload["step"]), "extra": dict(payload.get("extra") or {})}
+
+
+#: How an optimizer runs, not what it learned: this run's, whatever the checkpoint's writer
+#: used (a fused AdamW resumed from ZeroRedundancyOptimizer's unfused one stays fused).
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: Any, state: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, keeping this run's implementation flags in each
+    parameter group (``load_state_dict`` takes the saved groups whole).
+
+    >>> net = torch.nn.Linear(1, 1)
+    >>> saved = torch.optim.AdamW(net.parameters(), foreach=False).state_dict()
+    >>> mine = torch.optim.AdamW(net.parameters(), foreach=True)
+    >>> load_optimizer_state(mine, saved); mine.param_groups[0]["foreach"]
+    True
+    """
+    kept = [{k: g[k] for k in _IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, kept, strict=True):
+        group.update(flags)
 
 
 def _check_kind(path: Path, name: str, part: Any, saved: Any) -> None:

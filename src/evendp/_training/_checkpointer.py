@@ -167,8 +167,6 @@ class CheckpointFormat(abc.ABC):
 
     #: The checkpoint's name in ``out_dir`` (a file or a folder).
     name: str
-    #: Whether saving and loading are collectives (every rank reads and writes its own part).
-    collective: bool = False
 
     @abc.abstractmethod
     def save(
@@ -280,7 +278,6 @@ class DcpShards(CheckpointFormat):
     resumes on any number of ranks. A collective."""
 
     name = "ckpt.dcp"
-    collective = True
 
     def save(
         self,

@@ -114,9 +114,6 @@ class TrainConfig:
     accum: int = 1
     lr: float = defaults.LR
     weight_decay: float = 0.0
-    # Steps of linear learning-rate warmup (lr * k / warmup_steps at step k), then constant;
-    # 0: none. For the Trainer's own schedule: with scheduler= put the warmup in it.
-    warmup_steps: int = 0
     grad_clip: float | None = 1.0
     amp: Literal["none", "bf16", "fp16"] = "none"
     activation_checkpointing: bool = False
@@ -143,6 +140,9 @@ class TrainConfig:
     # Under torchrun: seconds a collective waits for the other ranks, from the first step on;
     # past it the run stops (RankStalled, exit 1) instead of hanging. None: the group's own.
     comm_timeout: float | None = DEFAULT_COMM_TIMEOUT_S
+    # Steps of linear learning-rate warmup (lr * k / warmup_steps at step k), then constant;
+    # 0: none. For the Trainer's own schedule: with scheduler= put the warmup in it.
+    warmup_steps: int = 0  # last: a new field never shifts the positional ones
 
     def __post_init__(self) -> None:
         validate_config(self)  # every field, at construction (evendp._training._train_inputs)

@@ -293,7 +293,8 @@ def uneven_dataloader(
     >>> [batch[0].tolist() for batch in loader]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
-    if batch_sizes == "auto" and isinstance(accelerator, Accelerator):
+    auto = isinstance(batch_sizes, str) and batch_sizes == "auto"
+    if auto and isinstance(accelerator, Accelerator):
         batch_sizes = auto_loader_sizes(
             dataset, model=model, batch_size=batch_size, world=accelerator.num_processes,
             memory=memory, collate_fn=collate_fn, where="uneven_dataloader",

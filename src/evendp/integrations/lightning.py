@@ -118,7 +118,7 @@ def uneven_dataloader(
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else 1
     sizes = batch_sizes
-    if sizes == "auto":
+    if isinstance(sizes, str) and sizes == "auto":
         sizes = auto_loader_sizes(
             dataset, model=model, batch_size=batch_size, world=world, memory=memory,
             collate_fn=collate_fn,

@@ -348,7 +348,7 @@ class UnevenTrainer(transformers.Trainer):
         # Checked like every evendp batch-size list: one non-negative int per rank.
         validate_batch_sizes_option(batch_sizes)
         self._caps: list[int] | None = None  # per-rank memory caps, when planned
-        if batch_sizes == "auto":
+        if isinstance(batch_sizes, str) and batch_sizes == "auto":
             self.batch_sizes, self._caps = self._auto_sizes(memory)
         else:
             self.batch_sizes = (

@@ -419,7 +419,6 @@ class DeepSpeedFiles(CheckpointFormat):
     weights, optimizer and schedule live in DeepSpeed's files only. A collective."""
 
     name = "ckpt.ds"
-    collective = True
 
     def __init__(self, strategy: DeepSpeed) -> None:
         self._strategy = strategy

@@ -40,9 +40,14 @@ class ConsolidatedFile(WholeFile):
         keep_previous: bool,
     ) -> Path | None:
         optimizer = parts.get("optimizer")
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.consolidate_state_dict(to=0)
-        return super().save(path, parts, rank=rank, extra=extra, keep_previous=keep_previous)
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            return super().save(path, parts, rank=rank, extra=extra, keep_previous=keep_previous)
+        optimizer.consolidate_state_dict(to=0)
+        try:
+            return super().save(path, parts, rank=rank, extra=extra, keep_previous=keep_previous)
+        finally:  # rank 0 would hold every rank's slice until the next save: torch keeps
+            # the consolidated list in this attribute (set at its construction, torch 2.x)
+            optimizer._all_state_dicts = []  # type: ignore[attr-defined]
 
 
 class Zero1(OomSafeDDP):
@@ -69,6 +74,12 @@ class Zero1(OomSafeDDP):
         *,
         where: str = "",
     ) -> Stepper:
+        if scheduler is not None:  # built on another optimizer: it would never reach this one
+            raise EvendpError(
+                "strategy='zero1' builds its own sharded AdamW, so a scheduler= (built on "
+                "another optimizer) would never set its rate; pass warmup_steps= for a "
+                "warmup, or use strategy='ddp' with your optimizer and scheduler"
+            )
         sharded = ZeroRedundancyOptimizer(
             self.model.parameters(),
             optimizer_class=torch.optim.AdamW,
