@@ -341,7 +341,7 @@ def test_min_micro_steps_runs_empty_micro_steps_with_zero_not_nan_gradients() ->
     seen = []
 
     def chunk_loss(spans: list[tuple[int, int]]) -> torch.Tensor:
-        seen.append((guard.micro_step, guard.micro_step_count, spans))
+        seen.append((guard.micro_step, guard.micro_steps, spans))
         a, b = spans[0]
         return nn.functional.cross_entropy(net(x[a:b]), y[a:b])
 
@@ -354,3 +354,14 @@ def test_min_micro_steps_runs_empty_micro_steps_with_zero_not_nan_gradients() ->
         assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))
     with pytest.raises(EvendpError, match="min_micro_steps"):
         guard.run_shares([1], chunk_loss, weight=1.0, zero_grad=net.zero_grad, min_micro_steps=-1)
+
+
+def test_micro_step_count_is_the_deprecated_spelling_of_micro_steps() -> None:
+    """issue 33: one meaning per name; ``micro_step_count`` is the strategies' agreement (a
+    method), the guard's count of the attempt's micro-steps is ``micro_steps``."""
+    guard = OomResplit()
+    guard.run(4, lambda a, b: torch.ones((), requires_grad=True), weight=0.25,
+              zero_grad=lambda: None, micro_batch_size=2)  # fmt: skip
+    assert guard.micro_steps == 2
+    with pytest.deprecated_call(match="use OomResplit.micro_steps"):
+        assert guard.micro_step_count == 2

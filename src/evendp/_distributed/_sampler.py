@@ -335,8 +335,8 @@ class UnevenBatchSampler:
         """The step last yielded, over every rank: the same indices on every rank, no comm.
 
         With a count per sample (e.g. its non-ignored tokens) their sum over these indices is
-        the step's global count, known to every rank without an all-reduce. They come rank by rank (the
-        step's layout: with ``costs``, as the cost split gave them to ranks).
+        the step's global count, known to every rank without an all-reduce. They come rank by
+        rank (the step's layout: with ``costs``, as the cost split gave them to ranks).
 
         >>> sampler = UnevenBatchSampler(6, [1, 2], rank=0, world_size=2, shuffle=False)
         >>> next(iter(sampler)), sampler.step_indices

@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .._core._deprecation import warn_renamed
 from .._core._errors import EvendpError
 from .._core._exact import share_loss
 from .._core._oom_errors import device_index_of, is_oom_error
@@ -145,8 +146,15 @@ class OomResplit:
         #: While ``chunk_loss`` runs: the index of this micro-step and how many the attempt
         #: runs, so a caller can sync gradients on the last one only.
         self.micro_step = 0
-        self.micro_step_count = 0
+        self.micro_steps = 0
         self._sizes: list[int] = []  # the last plan's micro-batch per device
+
+    @property
+    def micro_step_count(self) -> int:
+        """Deprecated spelling of :attr:`micro_steps` (``micro_step_count`` is the strategies'
+        agreement on it, a method)."""
+        warn_renamed("OomResplit.micro_step_count", "OomResplit.micro_steps", stacklevel=2)
+        return self.micro_steps
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -351,7 +359,7 @@ class OomResplit:
         backward: Callable[[torch.Tensor], None],
         summed: bool,
     ) -> torch.Tensor:
-        self.micro_step_count = len(plan)
+        self.micro_steps = len(plan)
         total: torch.Tensor | None = None  # summed on the loss's device: one copy at the end
         for k, spans in enumerate(plan):
             self.micro_step = k
