@@ -17,6 +17,7 @@ process group.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,10 @@ from .._core._validate import is_int, shown, validate_bool, validate_int
 from ._batch_plan import ENV_BATCH_SIZES, MAX_BATCH, MAX_RANKS, BatchPlan, validate_batch_plan
 from ._launch_notes import note_sizes_read
 from ._step_layout import StepLayout, layout_step
+
+#: Steps whose whole layout a sampler keeps: a loader's workers sample num_workers *
+#: prefetch_factor steps ahead (16 with 8 workers), the training loop reads the current one.
+KEPT_LAYOUTS = 64
 
 __all__ = [
     "ENV_BATCH_SIZES",
@@ -326,9 +331,11 @@ class UnevenBatchSampler:
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0
-        # Each step's layout yielded this epoch (kept after the epoch ends: a DataLoader
-        # samples ahead of the training loop that asks).
-        self._layouts: list[StepLayout] = []
+        # Every rank's rows in each step yielded this epoch, and the last steps' whole
+        # layouts (kept after the epoch ends: a DataLoader samples ahead of the loop that
+        # asks; the indices of a whole epoch would be a second copy of the permutation).
+        self._rows: list[tuple[int, ...]] = []
+        self._recent: collections.deque[StepLayout] = collections.deque(maxlen=KEPT_LAYOUTS)
 
     @property
     def step_indices(self) -> list[int]:
@@ -342,7 +349,7 @@ class UnevenBatchSampler:
         >>> next(iter(sampler)), sampler.step_indices
         ([0], [0, 1, 2])
         """
-        return list(self._layouts[-1].indices) if self._layouts else []
+        return list(self._recent[-1].indices) if self._recent else []
 
     def layout(self, step: int) -> StepLayout:
         """Step ``step``'s (0-based, of the epoch being iterated) :class:`StepLayout`: every
@@ -352,14 +359,24 @@ class UnevenBatchSampler:
         >>> [s.layout(step).rank_rows for step, _ in enumerate(s)]
         [(1, 2), (1, 1)]
         """
+        self._check_sampled(step)
+        first_kept = len(self._rows) - len(self._recent)
+        if step < first_kept:
+            raise EvendpError(
+                f"step {step}'s layout is no longer kept (the last {KEPT_LAYOUTS} steps' are, "
+                f"from step {first_kept}); read it when its batch arrives, or its sizes with "
+                "sizes_in_step(step)"
+            )
+        return self._recent[step - first_kept]
+
+    def _check_sampled(self, step: int) -> None:
         validate_int("step", step, minimum=0)
-        if step >= len(self._layouts):
+        if step >= len(self._rows):
             raise EvendpError(
                 f"step {step} has not been sampled yet this epoch (steps 0 to "
-                f"{len(self._layouts) - 1} have); count steps from 0 in each epoch, "
+                f"{len(self._rows) - 1} have); count steps from 0 in each epoch, "
                 "e.g. `for step, batch in enumerate(loader)`"
             )
-        return self._layouts[step]
 
     def _set_sizes(self, sizes: list[int]) -> None:
         self._sizes = sizes
@@ -438,7 +455,8 @@ class UnevenBatchSampler:
         >>> [(batch, s.sizes_in_step(step)) for step, batch in enumerate(s)]
         [([0], [1, 3]), ([4, 7], [2, 2])]
         """
-        return list(self.layout(step).rank_rows)
+        self._check_sampled(step)
+        return list(self._rows[step])
 
     def _permutation(self) -> list[int]:
         # One generator seeded identically on every rank: the same permutation everywhere.
@@ -476,7 +494,7 @@ class UnevenBatchSampler:
         n = self.num_samples
         self._cursor = 0
         self._steps_done = 0
-        self._layouts = []
+        self._rows, self._recent = [], collections.deque(maxlen=KEPT_LAYOUTS)
         # Sizes are re-read every step so set_batch_sizes takes effect at the next yield.
         while True:
             remaining = n - self._cursor
@@ -487,7 +505,8 @@ class UnevenBatchSampler:
             layout = self._layout(step)
             self._cursor += step_total
             self._steps_done += 1
-            self._layouts.append(layout)
+            self._rows.append(layout.rank_rows)
+            self._recent.append(layout)
             yield layout.rank_indices(self.rank)
         self._cursor = 0
         self._steps_done = 0
