@@ -83,6 +83,11 @@ class StepLayout:
         """Each rank's share over its devices: ``capacities(n)`` rows each (the devices'
         weights), or with ``costs`` by padded cost with those capacities
         (:func:`~evendp._core._cost.split_by_cost`, ``max_costs`` capping each device)."""
+        if costs is None:  # by weights: the indices keep their order, only the rows change
+            rows_by_weight = tuple(tuple(capacities(n)) for n in self.rank_rows)
+            if rows_by_weight == self.rows:  # one device per rank: this very layout
+                return self
+            return StepLayout(self.indices, rows_by_weight)
         indices: list[int] = []
         rows: list[tuple[int, ...]] = []
         for rank in range(len(self.rows)):
