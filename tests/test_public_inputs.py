@@ -367,10 +367,12 @@ NO_ARGUMENTS = {"finish_distributed", "list_devices", "Callback"}
 
 # Documented answers that are not refusals: the loss value itself is the caller's and passes
 # through (a NaN loss stays NaN, GradScaler's business); ``global_mean`` over no samples is
-# NaN (its docstring); ``init_distributed(None)`` chooses a backend and then needs torchrun's
-# variables (torch's own error); a list is a dataset to ``predict`` and what the model makes
-# of its samples is the model's.
+# NaN (its docstring); ``share_loss``'s mean is the caller's, and a tensor scale is never read
+# on the host (a NaN one stays NaN); ``init_distributed(None)`` chooses a backend and then
+# needs torchrun's variables (torch's own error); a list is a dataset to ``predict`` and what
+# the model makes of its samples is the model's.
 PASSED_THROUGH = {("ddp_loss", 0), ("global_mean", 0), ("global_mean", 1)}
+PASSED_THROUGH |= {("share_loss", 0), ("share_loss", 2)}
 SKIPPED = {("init_distributed", 0, "None"), ("predict", 1, "[-1]")}
 
 
