@@ -486,8 +486,8 @@ def rank_batch_plan(
     BatchPlan(sizes=(4, 3, 3), caps=None, source='even')
     """
     validate_batch_sizes_option(batch_sizes)
-    if batch_sizes == "auto":
-        sizes, caps = auto_batch_sizes(model(), example(), global_batch=global_batch)
+    if batch_sizes == "auto":  # planned and said as on every surface that takes sizes
+        sizes, caps = planned_rank_sizes(model(), example, global_batch)
         return BatchPlan.of(sizes, caps, "planned for memory", world_size)
     if batch_sizes:
         return BatchPlan.of(batch_sizes, world_size=world_size)

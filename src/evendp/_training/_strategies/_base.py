@@ -283,15 +283,13 @@ def build_sampler(
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
     from ..._distributed._plan_agreement import agreed_plan
-    from ..._planning._balance import rank_batch_plan, say_auto_sizes, step_balancer
+    from ..._planning._balance import rank_batch_plan, step_balancer
 
     def plan_it() -> Any:
         return rank_batch_plan(requested, config.batch_size, world, model=model, example=example)
 
     # Ranks: one plan on every rank, or every rank stops (two nodes given other sizes).
     plan = agreed_plan(plan_it, world) if distributed and world > 1 else plan_it()
-    if plan.source == "planned for memory":  # what "auto" chose, said once (rank 0)
-        say_auto_sizes(plan.sizes, plan.caps, rank)
     sampler = UnevenBatchSampler(
         data, list(plan.sizes), rank=rank, world_size=world, seed=config.seed, costs=costs,
         max_costs=max_costs, max_tokens=max_tokens,
