@@ -125,7 +125,7 @@ def ddp_run(args: argparse.Namespace) -> dict[str, object]:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     half = args.batch // 2
     sampler = UnevenBatchSampler(args.steps * args.batch, [half, half], rank=rank, shuffle=False)
-    balancer = None if args.worker == "even" else SpeedBalancer(sampler, warmup=3)
+    balancer = None if args.worker == "even" else SpeedBalancer(sampler.batch_sizes, warmup=3)
     busy, times, sizes = None, [], []
     for step, idx in enumerate(sampler):
         slowed = args.worker != "midrun" or step >= args.slow_at
@@ -154,8 +154,8 @@ def ddp_run(args: argparse.Namespace) -> dict[str, object]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if balancer is not None:
-            balancer.step()
+        if balancer is not None and balancer.step():
+            sampler.set_batch_sizes(balancer.batch_sizes)
         times.append(time.perf_counter())
         sizes.append(len(rows))
     stop(busy)

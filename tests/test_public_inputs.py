@@ -91,7 +91,6 @@ Case = tuple[Callable[..., Any], list[Any], dict[str, Any]]
 
 
 def _cases() -> dict[str, Callable[[], Case]]:
-    sampler = lambda: evendp.UnevenBatchSampler(range(10), [2, 3], rank=0, world_size=2)  # noqa: E731
     return {
         "BalancedDataParallel": lambda: (
             evendp.BalancedDataParallel,
@@ -181,7 +180,7 @@ def _cases() -> dict[str, Callable[[], Case]]:
         ),
         "SpeedBalancer": lambda: (
             evendp.SpeedBalancer,
-            [sampler()],
+            [[4, 4]],
             {"caps": None, "warmup": 3, "every": 1, "window": 5, "tolerance": 0.05, "min_size": 1},
         ),
         "balance_sizes": lambda: (

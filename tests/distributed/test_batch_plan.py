@@ -72,7 +72,7 @@ def test_the_launchers_plan_reaches_the_rank_through_one_variable(
     assert BatchPlan.from_env() == BatchPlan((3, 5), (6, 9), "env")
     assert batch_sizes_from_env() == [3, 5] and caps_from_env() == [6, 9]
     sampler = UnevenBatchSampler(range(64), batch_sizes_from_env(), rank=0)
-    assert SpeedBalancer(sampler).caps == [6, 9]
+    assert SpeedBalancer(sampler.batch_sizes).caps == [6, 9]
 
 
 def test_a_rank_parses_the_text_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +90,7 @@ def test_a_rank_parses_the_text_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "3,5;caps=6,9")
     monkeypatch.setenv("WORLD_SIZE", "2")
     sampler = UnevenBatchSampler(range(64), batch_sizes_from_env(), rank=0)
-    assert SpeedBalancer(sampler).caps == [6, 9] and BatchPlan.from_env() is not None
+    assert SpeedBalancer(sampler.batch_sizes).caps == [6, 9] and BatchPlan.from_env() is not None
     assert calls == ["3,5", "6,9"]  # the sizes and the caps of one text, once
 
 

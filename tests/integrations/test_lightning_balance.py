@@ -96,7 +96,7 @@ def test_speed_balance_times_the_optimizer_step_too() -> None:
             from evendp.integrations.lightning import _balanced_sampler
 
             sampler = _balanced_sampler(trainer.train_dataloader)
-            self.balancer = evendp.SpeedBalancer(sampler, warmup=10**6, gather=gather)
+            self.balancer = evendp.SpeedBalancer(sampler.batch_sizes, warmup=10**6, gather=gather)
 
     loader = uneven_dataloader(Data(), [4], shuffle=False)
     _fit(loader, Recording(), optimizer_s=0.05)

@@ -239,15 +239,14 @@ def test_speed_balancer_reads_caps_from_launch_env(
 
     def balancer() -> SpeedBalancer:
         sizes = batch_sizes_from_env()
-        sampler = UnevenBatchSampler(range(4 * batch), sizes, rank=0, world_size=3)
         # Rank 2 (the small-memory one) is ten times faster than the others.
         timings = [(1.0, sizes[0]), (1.0, sizes[1]), (0.1, sizes[2])]
-        return SpeedBalancer(sampler, warmup=2, gather=lambda mine: timings)
+        return SpeedBalancer(sizes, warmup=2, gather=lambda mine: timings)
 
     capped = balancer()
     assert capped.caps == caps
     assert [capped.step() for _ in range(2)] == [False, True]
-    got = capped.sampler.batch_sizes
+    got = capped.batch_sizes
     assert sum(got) == batch and got[2] == caps[2]  # speed wants more; memory says no
     assert all(n <= c for n, c in zip(got, caps, strict=True))
 
@@ -255,25 +254,25 @@ def test_speed_balancer_reads_caps_from_launch_env(
     free = balancer()  # without the caps the same timings would overfill rank 2
     assert free.caps is None
     free.step(), free.step()
-    assert free.sampler.batch_sizes[2] > caps[2]
+    assert free.batch_sizes[2] > caps[2]
 
 
 def test_speed_balancer_env_caps_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=6")
     with pytest.raises(EvendpError, match="1 caps for 2 ranks"):
-        SpeedBalancer(sampler)
+        SpeedBalancer(sampler.batch_sizes)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=4,x")
     with pytest.raises(EvendpError, match="'x' is not an int"):
-        SpeedBalancer(sampler)
+        SpeedBalancer(sampler.batch_sizes)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=3,6")
     with pytest.raises(
         EvendpError, match=r"rank 0 takes 4 samples per step but its memory holds 3"
     ):
-        SpeedBalancer(sampler)
+        SpeedBalancer(sampler.batch_sizes)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=6,9")
-    assert SpeedBalancer(sampler).caps == [6, 9]
-    assert SpeedBalancer(sampler, caps=[8, 8]).caps == [8, 8]  # explicit caps win
+    assert SpeedBalancer(sampler.batch_sizes).caps == [6, 9]
+    assert SpeedBalancer(sampler.batch_sizes, caps=[8, 8]).caps == [8, 8]  # explicit caps win
 
 
 def test_speed_balancer_still_reads_the_deprecated_caps_variable(
@@ -285,21 +284,21 @@ def test_speed_balancer_still_reads_the_deprecated_caps_variable(
     monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
     monkeypatch.setenv("EVENDP_BATCH_CAPS", "6,6")
     with pytest.deprecated_call(match="EVENDP_BATCH_SIZES='3,5;caps=48,24'"):
-        assert SpeedBalancer(sampler).caps == [6, 6]
+        assert SpeedBalancer(sampler.batch_sizes).caps == [6, 6]
     monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,3")
     with (
         pytest.deprecated_call(),
         pytest.raises(EvendpError, match=r"fewer than the global batch 8.*from EVENDP_BATCH_CAPS"),
     ):
-        SpeedBalancer(sampler)
+        SpeedBalancer(sampler.batch_sizes)
     monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,x")
     with pytest.deprecated_call(), pytest.raises(EvendpError, match="'x' is not an int"):
-        SpeedBalancer(sampler)
+        SpeedBalancer(sampler.batch_sizes)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4")  # the sizes' channel has no caps: the old
     with pytest.deprecated_call(), pytest.raises(EvendpError, match="EVENDP_BATCH_CAPS='3,x'"):
-        SpeedBalancer(sampler)
+        SpeedBalancer(sampler.batch_sizes)
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=7,7")  # ... but the new one wins
-    assert SpeedBalancer(sampler).caps == [7, 7]
+    assert SpeedBalancer(sampler.batch_sizes).caps == [7, 7]
 
 
 def test_command_single_node_gets_free_port_never_29500(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -591,7 +590,7 @@ def test_a_script_that_reads_the_sizes_gets_no_warning(
         "import sys, evendp\n"
         "from evendp import UnevenBatchSampler\n"
         "sizes = [int(v) for v in sys.argv[1].split(',')]  # parsed by hand, then used\n"
-        "UnevenBatchSampler(range(8), sizes, rank=0)\n"
+        "sampler = UnevenBatchSampler(range(8), sizes, rank=0)  # alive at the end: found\n"
     )
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "EVENDP_BATCH_SIZES"}
@@ -605,7 +604,10 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from evendp import UnevenBatchSampler, batch_sizes_from_env
+    from evendp._distributed import _first_step, _launch_notes
     from evendp._distributed._launch_notes import sizes_were_read
+
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
 
     outcome = tmp_path / "outcome.json"
     monkeypatch.setenv("EVENDP_OUTCOME", str(outcome))
@@ -616,8 +618,16 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     batch_sizes_from_env()
     assert sizes_were_read(outcome)
     (tmp_path / "sizes-read").unlink()
-    UnevenBatchSampler(8, [1, 3], rank=1)
-    assert sizes_were_read(outcome)
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
+    # A script that parsed the sizes itself: its sampler takes them. The sampler touches no
+    # file; the launcher's wrapper finds it at the first step (or the end) and marks.
+    kept = UnevenBatchSampler(8, [1, 3], rank=1)
+    assert not sizes_were_read(outcome)
+    assert _first_step._read_through_a_sampler() and sizes_were_read(outcome)
+    (tmp_path / "sizes-read").unlink()
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
+    del kept
+    assert not _first_step._read_through_a_sampler() and not sizes_were_read(outcome)
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="lists sockets through /proc")

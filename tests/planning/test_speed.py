@@ -104,7 +104,8 @@ class Timings:
 def balancer_with(sizes: list[int], **kwargs: Any) -> tuple[UnevenBatchSampler, SpeedBalancer]:
     sampler = UnevenBatchSampler(10_000, sizes, rank=0, world_size=len(sizes))
     kwargs.setdefault("gather", Timings())  # gather=None: this one process's own timings
-    return sampler, SpeedBalancer(sampler, **kwargs)
+    balancer = SpeedBalancer(sampler.batch_sizes, on_resplit=sampler.set_batch_sizes, **kwargs)
+    return sampler, balancer
 
 
 def feed(b: SpeedBalancer, sampler: UnevenBatchSampler, per_sample: list[float]) -> bool:
@@ -253,7 +254,43 @@ def test_balancer_argument_errors() -> None:
         ({"gather": [(1.0, 4), (1.0, 4)]}, "gather must be a function"),
     ]:
         with pytest.raises(EvendpError, match=message):
-            SpeedBalancer(sampler, **kwargs)
+            SpeedBalancer(sampler.batch_sizes, **kwargs)
+
+
+def test_the_balancer_returns_the_split_and_touches_no_sampler() -> None:
+    """Issue 33: the balancer decides the next split, the loop applies it."""
+    sampler = UnevenBatchSampler(10_000, [4, 4], rank=0, world_size=2)
+    slow_rank_1 = lambda mine: [(0.4, 4), (1.2, 4)]  # noqa: E731
+    balancer = SpeedBalancer(sampler.batch_sizes, warmup=2, gather=slow_rank_1)
+    assert [balancer.step() for _ in range(2)] == [False, True]
+    assert balancer.batch_sizes == [6, 2] and sampler.batch_sizes == [4, 4]
+    applied: list[list[int]] = []
+    told = SpeedBalancer([4, 4], warmup=2, gather=slow_rank_1, on_resplit=applied.append)
+    told.step(), told.step()
+    assert applied == [[6, 2]] and told.batch_sizes == [6, 2]
+
+
+def test_a_balancer_over_a_sampler_still_resplits_it_with_a_deprecation() -> None:
+    sampler = UnevenBatchSampler(10_000, [4, 4], rank=0, world_size=2)
+    with pytest.deprecated_call(match=r"pass its sizes and apply the split"):
+        balancer = SpeedBalancer(sampler, warmup=2, gather=lambda mine: [(0.4, 4), (1.2, 4)])
+    balancer.step(), balancer.step()
+    assert sampler.batch_sizes == [6, 2] == balancer.batch_sizes
+    with pytest.deprecated_call(match="SpeedBalancer.sampler is deprecated"):
+        assert balancer.sampler is sampler
+
+
+@pytest.mark.parametrize(
+    ("sizes", "knobs", "message"),
+    [
+        ("4,4", {}, "batch_sizes must be a list of ints >= 0, got '4,4'; e.g. sampler.batch_sizes"),
+        ([0, 0], {}, r"batch_sizes=\[0, 0\] holds no sample"),
+        ([4, 4], {"on_resplit": 5}, "on_resplit must be a function of the new split"),
+    ],
+)
+def test_a_bad_starting_split_is_named(sizes: Any, knobs: dict[str, Any], message: str) -> None:
+    with pytest.raises(EvendpError, match=message):
+        SpeedBalancer(sizes, **knobs)
 
 
 def test_measure_records_time() -> None:
@@ -282,7 +319,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     reference = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     sampler = UnevenBatchSampler(N, [8, 8], rank=rank, world_size=2, shuffle=False)
-    balancer = SpeedBalancer(sampler, caps=[14, 14], warmup=3)
+    balancer = SpeedBalancer(sampler.batch_sizes, caps=[14, 14], warmup=3)
     sizes, errors = [], []
     for step, idx in enumerate(sampler):
         # Phase 1: rank 1 is 4x slower per sample. Phase 2: rank 0 becomes 3x slower than 1.
@@ -306,7 +343,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         errors.append(float((num / den) ** 0.5))
         ddp.zero_grad()
         sizes.append([len(every_idx[0]), len(every_idx[1])])
-        balancer.step()
+        if balancer.step():  # the hand loop's recipe: the next steps take the new split
+            sampler.set_batch_sizes(balancer.batch_sizes)
     if rank == 0:
         Path(out).write_text(
             json.dumps({"sizes": sizes, "errors": errors, "history": balancer.history})

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from evendp._core._digest import content_digest
-from evendp._distributed._sampler import UnevenBatchSampler
 from evendp._planning._speed import SpeedBalancer
 from evendp._training._checkpoint import CorruptCheckpoint, previous_path
 from evendp._training._checkpointer import Checkpointer, DcpShards, WholeFile
@@ -36,9 +35,8 @@ EXTRA_KEYS = [
 
 def _balancer(sizes: list[int] | None = None, timings: Any = None) -> SpeedBalancer:
     """A rank-0 balancer of 2 ranks; ``timings``: every rank's fixed (seconds, samples)."""
-    sampler = UnevenBatchSampler(64, sizes or [4, 4], rank=0, world_size=2)
     gather = None if timings is None else (lambda mine: timings)
-    return SpeedBalancer(sampler, warmup=2, gather=gather)
+    return SpeedBalancer(sizes or [4, 4], warmup=2, gather=gather)
 
 
 def _parts(net: torch.nn.Module, balancer: SpeedBalancer, steps: int = 0) -> dict[str, Any]:
@@ -76,7 +74,7 @@ def test_the_speed_split_round_trips_and_a_resumed_balancer_does_not_restart(
     balancer = _balancer(timings=[(0.4, 4), (1.2, 4)])  # rank 1 three times slower
     for _ in range(3):
         balancer.step()
-    assert balancer.sampler.batch_sizes == [6, 2]
+    assert balancer.batch_sizes == [6, 2]
     Checkpointer(WholeFile()).save(path, _parts(torch.nn.Linear(2, 1), balancer, steps=3))
     assert torch.load(path, weights_only=True)["extra"]["balancer"]["batch_sizes"] == [6, 2]
 
@@ -85,7 +83,7 @@ def test_the_speed_split_round_trips_and_a_resumed_balancer_does_not_restart(
     parts = _parts(torch.nn.Linear(2, 1), fresh)
     notes = Checkpointer(WholeFile()).resume(path, parts)
     assert notes == [f"resumed from {path} at step 3"]
-    assert fresh.sampler.batch_sizes == [6, 2] and parts["train"].step == 3
+    assert fresh.batch_sizes == [6, 2] and parts["train"].step == 3
     assert (fresh.steps, fresh.history) == (3, balancer.history)
     assert fresh.seconds_per_sample == balancer.seconds_per_sample
     # Its first step in this process is not measured, then it goes on from its saved times:
@@ -96,12 +94,12 @@ def test_the_speed_split_round_trips_and_a_resumed_balancer_does_not_restart(
 
 def test_a_split_for_other_ranks_is_not_applied_and_said(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
-    three = SpeedBalancer(UnevenBatchSampler(64, [3, 3, 2], rank=0, world_size=3))
+    three = SpeedBalancer([3, 3, 2])
     Checkpointer(WholeFile()).save(path, _parts(torch.nn.Linear(2, 1), three))
     two = _balancer()
     notes = Checkpointer(WholeFile()).resume(path, _parts(torch.nn.Linear(2, 1), two))
     assert notes is not None and "is for 3 ranks" in notes[-1] and "not applied" in notes[-1]
-    assert two.sampler.batch_sizes == [4, 4] and two.steps == 0
+    assert two.batch_sizes == [4, 4] and two.steps == 0
 
 
 def _tamper(path: Path, **balancer: Any) -> None:
@@ -122,7 +120,7 @@ def test_a_hostile_balancer_state_falls_back_to_the_previous_checkpoint(tmp_path
     notes = Checkpointer(WholeFile()).resume(path, _parts(net, fresh))
     assert notes is not None and "field balancer: batch_sizes" in notes[0]
     assert "fell back" in notes[0] and f"resumed from {previous_path(path)} at step 1" in notes
-    assert fresh.sampler.batch_sizes == [5, 3]
+    assert fresh.batch_sizes == [5, 3]
     _tamper(previous_path(path), recent=[[float("nan")], [1.0]])
     with pytest.raises(CorruptCheckpoint, match="field balancer: recent") as caught:
         Checkpointer(WholeFile()).resume(path, _parts(net, _balancer()))

@@ -8,7 +8,9 @@ optimizer-step hook is set, once the script imports ``torch.optim``. At the firs
 ``optimizer.step()`` of the process, when nothing in it read the sizes
 (:func:`~evendp._distributed._launch_notes.sizes_read_here`), rank 0 prints one warning naming
 the port: ``UnevenTrainer`` under an HF ``Trainer`` (read from the calling frames), the
-Lightning, Accelerate or DeepSpeed adapters, else ``UnevenBatchSampler``. With
+Lightning, Accelerate or DeepSpeed adapters, else ``UnevenBatchSampler``. A script that parsed
+the sizes itself has read them when one of its samplers takes them (looked for here, at the
+first step and at the end, so the sampler itself touches no file and no variable). With
 ``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
 all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
 leaves at that step; the launcher exits 2.
@@ -16,6 +18,7 @@ leaves at that step; the launcher exits 2.
 
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -25,7 +28,7 @@ import sys
 from types import FrameType, ModuleType
 from typing import Any
 
-from ._launch_notes import note_sizes_told, sizes_read_here, write_outcome
+from ._launch_notes import note_sizes_read, note_sizes_told, sizes_read_here, write_outcome
 
 __all__ = ["ENV_STRICT", "MODULE", "port_for", "unported_line"]
 
@@ -95,6 +98,33 @@ def _calling_modules(frame: FrameType | None) -> list[str]:
     return names
 
 
+def _read_through_a_sampler() -> bool:
+    """Whether this process read the launcher's sizes, or built an ``UnevenBatchSampler``
+    with them however it parsed them (then it is marked read for the launcher)."""
+    if sizes_read_here():
+        return True
+    sampler_module = sys.modules.get("evendp._distributed._sampler")
+    text = os.environ.get("EVENDP_BATCH_SIZES", "")
+    if sampler_module is None or not text:
+        return False
+    from .._core._errors import EvendpError
+    from ._batch_plan import BatchPlan
+
+    try:
+        launched = list(BatchPlan.parse(text).sizes)
+    except EvendpError:  # not ours to judge here: batch_sizes_from_env names a bad value
+        return False
+    kind = sampler_module.UnevenBatchSampler
+    # Once per process (its first step, its end): a walk over the live objects, not a
+    # registry every sampler would write to. type(), not isinstance: that would ask each
+    # object its __class__, and some answer with a warning (torch's reduce_op).
+    live = (o for o in gc.get_objects() if issubclass(type(o), kind))
+    if any(o.batch_sizes == launched for o in live):
+        note_sizes_read()
+        return True
+    return False
+
+
 def _agreed_unread(unread: bool) -> bool:
     """Whether any rank took its step unread (one all-reduce when a process group is up)."""
     import torch
@@ -120,7 +150,7 @@ class _FirstStep:
             self.handle.remove()
         self.handle = None
         strict = os.environ.get(ENV_STRICT) == "1"
-        unread = not sizes_read_here()
+        unread = not _read_through_a_sampler()
         if strict:  # it ends ranks: decided by every rank alike
             unread = _agreed_unread(unread)
         if not unread:
@@ -183,7 +213,12 @@ def main(argv: list[str]) -> None:
         sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register))
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    ran: dict[str, Any] = {}
+    try:
+        ran = runpy.run_path(script, run_name="__main__")  # its globals: alive for the look
+    finally:  # a script that never stepped may still have sampled with the sizes
+        _read_through_a_sampler()
+        ran.clear()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,8 +30,7 @@ from .._core._cost import validate_caps, validate_costs
 from .._core._errors import EvendpError
 from .._core._exact import stand_in_batch
 from .._core._validate import is_int, shown, validate_bool, validate_int
-from ._batch_plan import ENV_BATCH_SIZES, MAX_BATCH, MAX_RANKS, BatchPlan, validate_batch_plan
-from ._launch_notes import note_sizes_read
+from ._batch_plan import validate_batch_plan
 from ._step_layout import StepLayout, layout_step
 
 #: Steps whose whole layout a sampler keeps: a loader's workers sample num_workers *
@@ -40,9 +38,6 @@ from ._step_layout import StepLayout, layout_step
 KEPT_LAYOUTS = 64
 
 __all__ = [
-    "ENV_BATCH_SIZES",
-    "MAX_BATCH",
-    "MAX_RANKS",
     "EmptySafeCollate",
     "UnevenBatchSampler",
 ]
@@ -226,20 +221,6 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _note_if_launched(sizes: list[int]) -> None:
-    """A sampler built with the sizes ``evendp launch`` set has read them, however the
-    script parsed them (``evendp launch`` warns when no rank did)."""
-    text = os.environ.get(ENV_BATCH_SIZES)
-    if not text:
-        return
-    try:
-        launched = BatchPlan.parse(text)
-    except EvendpError:
-        return  # not ours to judge here: batch_sizes_from_env names a bad value
-    if list(launched.sizes) == sizes:
-        note_sizes_read()
-
-
 def _steps(remaining: int, global_batch: int, drop_last: bool) -> int:
     """Steps needed for ``remaining`` indices at ``global_batch`` per step."""
     if remaining <= 0:
@@ -327,7 +308,6 @@ class UnevenBatchSampler:
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._set_sizes(sizes)
-        _note_if_launched(sizes)
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0

@@ -125,30 +125,30 @@ def split_per_step(
 
 
 def step_balancer(
-    sampler: Any,
+    batch_sizes: Sequence[int],
     balance: object,
     *,
     distributed: bool = True,
     caps: Sequence[int] | None = None,
+    on_resplit: Callable[[list[int]], None] | None = None,
     **knobs: Any,
 ) -> SpeedBalancer | NoBalance:
     """The balancer a run calls at its step boundaries: speed balance or nothing.
 
-    ``sampler`` has ``batch_sizes`` and ``set_batch_sizes`` (:class:`evendp.UnevenBatchSampler`,
-    or the integrations' samplers). ``caps`` bound each rank by its memory (``None``: the caps
-    ``evendp launch --model`` left in ``EVENDP_BATCH_SIZES``, else no bound). One process (not
-    ``distributed``) has no ranks to balance: nothing. ``knobs`` go to
-    :class:`~evendp.SpeedBalancer` (``warmup``, ``every``, ``window``, ``tolerance``).
+    ``batch_sizes``: the split the run starts with (the sampler's). ``caps`` bound each rank
+    by its memory (``None``: the caps ``evendp launch --model`` left in
+    ``EVENDP_BATCH_SIZES``, else no bound). One process (not ``distributed``) has no ranks to
+    balance: nothing. ``on_resplit`` and ``knobs`` go to :class:`~evendp.SpeedBalancer`
+    (``warmup``, ``every``, ``window``, ``tolerance``).
 
-    >>> from evendp import UnevenBatchSampler
-    >>> step_balancer(UnevenBatchSampler(8, [2, 2], rank=0), "speed").world_size
+    >>> step_balancer([2, 2], "speed").world_size
     2
-    >>> step_balancer(UnevenBatchSampler(8, [4], rank=0), "speed", distributed=False).active
+    >>> step_balancer([4], "speed", distributed=False).active
     False
     """
     if validate_balance(balance) == "none" or not distributed:
         return NoBalance()
-    return SpeedBalancer(sampler, caps, **knobs)
+    return SpeedBalancer(batch_sizes, caps, on_resplit=on_resplit, **knobs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ sample. :func:`balance_sizes` picks integer ``n_i`` (summing to the global batch
 its memory cap) that minimize that maximum. :class:`SpeedBalancer` measures each rank's step
 during training, shares it with one small ``all_gather``, fits ``a_i`` and ``c_i`` from the
 sizes the run has tried (:func:`fit_step_time`; until a rank has run two sizes, ``c_i = 0``:
-its seconds per sample) and applies new sizes through ``UnevenBatchSampler.set_batch_sizes``
-on every rank at the same step. The global
+its seconds per sample) and returns the next split, the same on every rank at the same step;
+whoever owns the loader applies it (``UnevenBatchSampler.set_batch_sizes``). The global
 batch never changes and ``ddp_loss`` weights each rank by its sample count, so the gradient
 stays the exact full-batch gradient whatever the split.
 """
@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .._core._deprecation import REMOVAL, warn_renamed
 from .._core._errors import EvendpError, InputError
 from .._core._validate import (
     shown,
@@ -227,12 +229,37 @@ def _checked_state(
 
 
 class _Sampler(Protocol):
-    """What the balancer needs from a sampler (``UnevenBatchSampler`` has it)."""
+    """A sampler a balancer could once re-split itself (``UnevenBatchSampler`` is one)."""
 
     @property
     def batch_sizes(self) -> list[int]: ...
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None: ...
+
+
+def _starting_split(
+    batch_sizes: Sequence[int] | _Sampler,
+) -> tuple[list[int], Callable[[list[int]], None] | None]:
+    """The split a balancer starts from, and (deprecated) the sampler it re-split itself."""
+    if callable(getattr(batch_sizes, "set_batch_sizes", None)):
+        sampler: Any = batch_sizes
+        warnings.warn(
+            "SpeedBalancer(sampler) re-splitting the sampler itself is deprecated and goes in "
+            f"evendp {REMOVAL}; pass its sizes and apply the split the balancer returns: "
+            "balancer = SpeedBalancer(sampler.batch_sizes); if balancer.step(): "
+            "sampler.set_batch_sizes(balancer.batch_sizes)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return list(sampler.batch_sizes), sampler.set_batch_sizes
+    validate_numbers("batch_sizes", batch_sizes, integral=True, example="sampler.batch_sizes")
+    sizes = [int(n) for n in batch_sizes]  # type: ignore[union-attr]
+    if sum(sizes) < 1:
+        raise EvendpError(
+            f"batch_sizes={shown(sizes)} holds no sample; give one size per rank, at least one "
+            "sample in all (e.g. sampler.batch_sizes)"
+        )
+    return sizes, None
 
 
 def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> None:
@@ -253,16 +280,19 @@ class SpeedBalancer:
     Wrap the part of each step that does not wait on other ranks (the forward and the local
     loss; not ``backward()`` under DDP, whose gradient all-reduce waits for the slowest rank)
     in ``with balancer.measure(n):`` where ``n`` is this rank's sample count, and call
-    ``balancer.step()`` once per step on every rank. Every ``every`` steps the ranks exchange
+    ``balancer.step()`` once per step on every rank: when it returns True the next steps take
+    :attr:`batch_sizes`, which the loop applies (``sampler.set_batch_sizes``). The balancer
+    decides the split; it holds no sampler. Every ``every`` steps the ranks exchange
     their timings (one ``all_gather`` of two numbers, started at one exchange and read at the
     next, so no rank waits for it), take each rank's median step time at each of its last
     sizes over the last ``window`` exchanges (one step slowed by the OS or a page fault is
     ignored; a lasting change wins after ``window // 2 + 1`` exchanges), fit ``a n + c`` to
     them (:meth:`step_model`), and from step ``warmup`` on, apply :func:`balance_sizes` when
     it predicts a step at least ``tolerance`` faster than the current split. Every rank
-    computes the same sizes from the same gathered numbers, so all
-    call ``set_batch_sizes`` with the same list at the same step. The first step's timing is
-    dropped (it pays one-off allocation and warm-up costs).
+    computes the same sizes from the same gathered numbers, so all apply the same list at the
+    same step. The first step's timing is dropped (it pays one-off allocation and warm-up
+    costs). ``on_resplit`` (e.g. ``sampler.set_batch_sizes``) is called with each new split,
+    for a loop that applies it in one place (the integrations' helpers do).
 
     ``caps``: the most samples each rank's memory holds (from ``evendp.plan`` or measured).
     ``None`` reads them from the caps ``evendp launch --model`` writes into
@@ -273,13 +303,11 @@ class SpeedBalancer:
     ``(seconds, samples)`` to every rank's, in rank order (a framework's own gather, or
     timings measured elsewhere).
 
-    >>> from evendp._distributed._sampler import UnevenBatchSampler
-    >>> sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
     >>> slow_rank_1 = lambda mine: [(0.4, 4), (1.2, 4)]  # rank 1 three times slower
-    >>> balancer = SpeedBalancer(sampler, warmup=2, gather=slow_rank_1)
+    >>> balancer = SpeedBalancer([4, 4], warmup=2, gather=slow_rank_1)
     >>> [balancer.step() for _ in range(3)]  # step 1 dropped, 2 re-splits, 3 keeps it
     [False, True, False]
-    >>> sampler.batch_sizes
+    >>> balancer.batch_sizes
     [6, 2]
     """
 
@@ -288,7 +316,7 @@ class SpeedBalancer:
 
     def __init__(
         self,
-        sampler: _Sampler,
+        batch_sizes: Sequence[int] | _Sampler,
         caps: Sequence[int] | None = None,
         *,
         warmup: int = 3,
@@ -298,6 +326,7 @@ class SpeedBalancer:
         min_size: int = 1,
         group: Any = None,
         gather: Callable[[tuple[float, float]], Sequence[tuple[float, float]]] | None = None,
+        on_resplit: Callable[[list[int]], None] | None = None,
     ) -> None:
         _validate_knobs(warmup, every, window, tolerance)
         if gather is not None and not callable(gather):
@@ -305,13 +334,16 @@ class SpeedBalancer:
                 f"gather must be a function (seconds, samples) -> every rank's pairs, or None "
                 f"(one all_gather over group), got {gather!r}"
             )
-        self.sampler = sampler
-        if not callable(getattr(sampler, "set_batch_sizes", None)):
+        if on_resplit is not None and not callable(on_resplit):
             raise EvendpError(
-                f"sampler must be an evendp.UnevenBatchSampler (batch_sizes and "
-                f"set_batch_sizes), got {type(sampler).__name__}"
+                f"on_resplit must be a function of the new split (e.g. sampler.set_batch_sizes) "
+                f"or None, got {on_resplit!r}"
             )
-        sizes = list(sampler.batch_sizes)
+        sizes, applies = _starting_split(batch_sizes)
+        self._apply = [f for f in (applies, on_resplit) if f is not None]
+        # What `sampler` still answers (deprecated): the sampler re-split through a method.
+        self._sampler = next((getattr(f, "__self__", None) for f in self._apply), None)
+        self._sizes = sizes
         self.total = sum(sizes)
         self.world_size = len(sizes)
         source = ""
@@ -417,8 +449,21 @@ class SpeedBalancer:
         work.wait()
         return [(float(p[0]), float(p[1])) for p in before], counted
 
+    @property
+    def sampler(self) -> Any:
+        """Deprecated: the sampler this balancer re-splits, if any; read :attr:`batch_sizes`."""
+        warn_renamed("SpeedBalancer.sampler", "SpeedBalancer.batch_sizes", stacklevel=2)
+        return self._sampler
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The split the next steps take (a copy): the starting sizes, a loaded checkpoint's,
+        or the last re-split's."""
+        return list(self._sizes)
+
     def step(self) -> bool:
-        """Close this step's measurement; maybe re-split. Returns True when sizes changed."""
+        """Close this step's measurement; maybe re-split. True when :attr:`batch_sizes`
+        changed: the loop applies them from its next step."""
         self.steps += 1
         if self._first:
             # Drop this process's first step whatever `every` is: one-off costs (allocations,
@@ -439,8 +484,8 @@ class SpeedBalancer:
         timings, steps = exchanged
         if len(timings) != self.world_size:
             raise EvendpError(
-                f"the process group has {len(timings)} ranks but the sampler has "
-                f"{self.world_size} batch sizes; build the sampler with one size per rank"
+                f"the process group has {len(timings)} ranks but the balancer has "
+                f"{self.world_size} batch sizes; start it from one size per rank"
             )
         for i, (seconds, samples) in enumerate(timings):
             if samples > 0 and seconds > 0:
@@ -475,8 +520,7 @@ class SpeedBalancer:
     def sizes_at(self, step: int) -> list[int]:
         """The per-rank sizes step ``step`` (1-based, counted by :meth:`step`) was split into.
 
-        >>> from evendp._distributed._sampler import UnevenBatchSampler
-        >>> b = SpeedBalancer(UnevenBatchSampler(64, [4, 4], rank=0, world_size=2))
+        >>> b = SpeedBalancer([4, 4])
         >>> b.history.append((2, [6, 2]))  # re-split after step 2
         >>> [b.sizes_at(s) for s in (1, 2, 3)]
         [[4, 4], [4, 4], [6, 2]]
@@ -488,32 +532,29 @@ class SpeedBalancer:
         from the start: the current sizes, the steps taken, each rank's recent seconds per
         sample and the history of splits.
 
-        >>> from evendp._distributed._sampler import UnevenBatchSampler
-        >>> b = SpeedBalancer(UnevenBatchSampler(64, [4, 4], rank=0, world_size=2))
-        >>> sorted(b.state_dict())
+        >>> sorted(SpeedBalancer([4, 4]).state_dict())
         ['batch_sizes', 'history', 'recent', 'steps']
         """
         return {
-            "batch_sizes": list(self.sampler.batch_sizes),
+            "batch_sizes": list(self._sizes),
             "steps": self.steps,
             "recent": [list(times) for times in self._recent],
             "history": [[done, list(sizes)] for done, sizes in self.history],
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> str | None:
-        """Go on from a saved :meth:`state_dict`: its split applies from the next step.
+        """Go on from a saved :meth:`state_dict`: its split is :attr:`batch_sizes`, for the
+        loop to apply from the next step (``on_resplit`` is called with it).
 
         A split saved for another number of ranks, another global batch or past this run's
         memory caps is not applied (the returned note says so; the run starts from its
         configured split); a malformed one is an :class:`~evendp.InputError` (a ``ValueError``)
         and changes nothing.
 
-        >>> from evendp._distributed._sampler import UnevenBatchSampler
-        >>> sampler = UnevenBatchSampler(64, [4, 4], rank=0, world_size=2)
-        >>> b = SpeedBalancer(sampler)
+        >>> b = SpeedBalancer([4, 4])
         >>> b.load_state_dict({"batch_sizes": [6, 2], "steps": 5, "recent": [[0.1], [0.3]],
         ...                    "history": [[0, [4, 4]], [3, [6, 2]]]})
-        >>> sampler.batch_sizes, b.steps, b.seconds_per_sample
+        >>> b.batch_sizes, b.steps, b.seconds_per_sample
         ([6, 2], 5, [0.1, 0.3])
         >>> b.load_state_dict({"batch_sizes": [3, 3, 2], "steps": 5, "recent": [],
         ...                    "history": [[0, [3, 3, 2]]]})  # doctest: +ELLIPSIS
@@ -525,7 +566,7 @@ class SpeedBalancer:
             return f"the saved speed split {sizes} {why}: not applied, the split is measured again"
         if len(recent) != self.world_size:
             raise InputError(f"recent: must hold one list per rank, got {len(recent)}")
-        self.sampler.set_batch_sizes(sizes)
+        self._resplit(sizes)
         self._gathering = None  # figures gathered before the load are not this run's
         self.steps = steps
         self._recent = [deque(times, maxlen=self.window) for times in recent]
@@ -550,7 +591,7 @@ class SpeedBalancer:
         if self.steps < self.warmup or model is None:
             return False
         rates, fixed = [a for a, _ in model], [c for _, c in model]
-        current = list(self.sampler.batch_sizes)
+        current = list(self._sizes)
         proposed = balance_sizes(self.total, rates, self.caps, self.min_size, fixed)
 
         def slowest(sizes: list[int]) -> float:  # the step's predicted time
@@ -561,6 +602,11 @@ class SpeedBalancer:
         # split flip back and forth.
         if proposed == current or then > now * (1 - self.tolerance):
             return False
-        self.sampler.set_batch_sizes(proposed)
+        self._resplit(proposed)
         self.history.append((self.steps, proposed))
         return True
+
+    def _resplit(self, sizes: list[int]) -> None:
+        self._sizes = list(sizes)
+        for apply in self._apply:
+            apply(list(sizes))

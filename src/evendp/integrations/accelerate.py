@@ -345,14 +345,16 @@ def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
     >>> from accelerate import Accelerator
     >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
     >>> balancer = speed_balancer(uneven_dataloader(Accelerator(cpu=True), data, [4]))
-    >>> balancer.sampler.batch_sizes
+    >>> balancer.batch_sizes
     [4]
     """
     sampler: Any = loader
     for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> ours
         sampler = getattr(sampler, "batch_sampler", None)
         if isinstance(sampler, InterleavedBatchSampler):
-            return evendp.SpeedBalancer(sampler, **knobs)
+            # The user's loop calls step(): the loader's split changes where it is decided.
+            knobs.setdefault("on_resplit", sampler.set_batch_sizes)
+            return evendp.SpeedBalancer(sampler.batch_sizes, **knobs)
     raise evendp.EvendpError(
         f"speed_balancer needs a loader from uneven_dataloader, got {type(loader).__name__}; "
         "build it with evendp.integrations.accelerate.uneven_dataloader(accelerator, ...)"

@@ -290,7 +290,11 @@ class SpeedBalance(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sampler = _balanced_sampler(trainer.train_dataloader)
         self.balancer = step_balancer(
-            sampler, "speed", distributed=trainer.world_size > 1, **self.knobs
+            sampler.batch_sizes,
+            "speed",
+            distributed=trainer.world_size > 1,
+            on_resplit=sampler.set_batch_sizes,  # Lightning's loop: applied where decided
+            **self.knobs,
         )
 
     def on_train_batch_start(

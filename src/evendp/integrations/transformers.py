@@ -403,9 +403,13 @@ class UnevenTrainer(transformers.Trainer):
             **settings,
         )
         # Bound to the loader training iterates: speed moves samples in its sampler.
-        world = max(1, self.args.world_size)
+        world, sampler = max(1, self.args.world_size), _balanced_sampler(loader)
         self.balancer = step_balancer(
-            _balanced_sampler(loader), self.balance, distributed=world > 1, caps=self._caps
+            sampler.batch_sizes,
+            self.balance,
+            distributed=world > 1,
+            caps=self._caps,
+            on_resplit=sampler.set_batch_sizes,  # HF's loop: applied where decided
         )
         return loader
 

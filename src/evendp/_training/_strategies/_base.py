@@ -296,7 +296,9 @@ def build_sampler(
     )  # fmt: skip
     # balance="speed": at step boundaries samples move from slow ranks to fast ones.
     caps = None if plan.caps is None else list(plan.caps)
-    balancer = step_balancer(sampler, config.balance, distributed=distributed, caps=caps)
+    balancer = step_balancer(
+        sampler.batch_sizes, config.balance, distributed=distributed, caps=caps
+    )
     _validate_batch_fits(data, sampler.batch_sizes, distributed)
     _warn_unused_batch_sizes(config, distributed)
     return sampler, balancer
