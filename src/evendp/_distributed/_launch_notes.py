@@ -4,7 +4,8 @@ and that training began.
 ``evendp launch --batch-sizes 1,3`` prints the sizes and exports ``EVENDP_BATCH_SIZES``; a
 script that never reads them (not ported, or reading its own ``--batch``) runs its own sizes
 while the log says otherwise. So whatever reads them on a rank (:func:`batch_sizes_from_env`,
-an :class:`UnevenBatchSampler` built with those sizes) leaves a mark in the launcher's private
+``evendp train``'s ranks, the launcher's wrapper finding an :class:`UnevenBatchSampler` built
+with those sizes: :mod:`._first_step`) leaves a mark in the launcher's private
 outcome folder (the folder of ``EVENDP_OUTCOME``, wherever the launcher made it), and the
 launcher warns when a run ended with no mark (:func:`sizes_were_read`).
 

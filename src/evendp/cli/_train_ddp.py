@@ -394,6 +394,7 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     ``EVENDP_BATCH_SIZES``, else (the user's own torchrun) ``--batch`` split evenly. ``--batch``
     is the global batch: a plan that sums to another one is refused, not trained."""
     from .._distributed._batch_plan import BatchPlan, global_batch_size
+    from .._distributed._launch_notes import note_sizes_read
 
     launched = OPTIONS_ENV in os.environ  # by evendp train: the sizes came from its flags
     given = BatchPlan.from_env(environ={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
@@ -407,6 +408,7 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     plan = BatchPlan.from_env(world)
     if plan is None:
         return BatchPlan.even(args.batch, world)
+    note_sizes_read()  # this rank trains with the launcher's sizes: it does not warn
     # evendp train --mode ddp planned the sizes for its --batch; under the user's own torchrun
     # a --batch other than the default was given, and must agree with the sizes set by hand.
     if launched or args.batch != DEFAULT_BATCH:
