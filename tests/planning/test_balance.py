@@ -159,7 +159,10 @@ def _speed_resumed(rank: int, out: Path) -> dict[str, Any]:
         )
         trainer.fit()
         key = "resumed" if resume else "stopped"
-        result[key] = {"first": first.sizes, "history": list(trainer.balancer.history)}
+        result[key] = {
+            "first": first.sizes, "history": list(trainer.balancer.history),
+            "notes": list(trainer.state.notes),
+        }  # fmt: skip
     result["params"] = _params(model)
     result["last"] = trainer.sampler.batch_sizes
     if rank == 0:
@@ -284,6 +287,8 @@ def test_a_resumed_speed_run_goes_on_with_its_saved_split(ranks: list[dict[str, 
     saved = stopped["history"][-1][1]
     assert stopped["first"] == SIZES and saved != SIZES  # it moved before the stop
     assert resumed["first"] == saved  # the first resumed step: the saved split, not the even
+    # ... and the data position restored after it sees that split: no note says otherwise.
+    assert not any("was split" in note for note in resumed["notes"]), resumed["notes"]
     assert resumed["history"][: len(stopped["history"])] == stopped["history"]
     assert ranks[1]["resumed"]["resumed"] == resumed  # every rank alike
     # report.json: each resumed step's per-rank sizes, from the saved split on.

@@ -590,7 +590,7 @@ def test_a_script_that_reads_the_sizes_gets_no_warning(
         "import sys, evendp\n"
         "from evendp import UnevenBatchSampler\n"
         "sizes = [int(v) for v in sys.argv[1].split(',')]  # parsed by hand, then used\n"
-        "sampler = UnevenBatchSampler(range(8), sizes, rank=0)  # alive at the end: found\n"
+        "UnevenBatchSampler(range(8), sizes, rank=0)\n"
     )
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "EVENDP_BATCH_SIZES"}
@@ -604,7 +604,7 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from evendp import UnevenBatchSampler, batch_sizes_from_env
-    from evendp._distributed import _first_step, _launch_notes
+    from evendp._distributed import _first_step, _launch_notes, _sampler
     from evendp._distributed._launch_notes import sizes_were_read
 
     monkeypatch.setattr(_launch_notes, "_read_here", False)
@@ -619,15 +619,13 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     assert sizes_were_read(outcome)
     (tmp_path / "sizes-read").unlink()
     monkeypatch.setattr(_launch_notes, "_read_here", False)
-    # A script that parsed the sizes itself: its sampler takes them. The sampler touches no
-    # file; the launcher's wrapper finds it at the first step (or the end) and marks.
-    kept = UnevenBatchSampler(8, [1, 3], rank=1)
+    # A script that parsed the sizes itself: a sampler built with them. The sampler touches
+    # no file; the launcher's wrapper asks at the first step (or the end) and marks.
+    monkeypatch.setattr(_sampler, "_SIZES_BUILT", set())  # no sampler built yet in the script
+    assert not _first_step._read_through_a_sampler() and not sizes_were_read(outcome)
+    UnevenBatchSampler(8, [1, 3], rank=1)
     assert not sizes_were_read(outcome)
     assert _first_step._read_through_a_sampler() and sizes_were_read(outcome)
-    (tmp_path / "sizes-read").unlink()
-    monkeypatch.setattr(_launch_notes, "_read_here", False)
-    del kept
-    assert not _first_step._read_through_a_sampler() and not sizes_were_read(outcome)
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="lists sockets through /proc")

@@ -9,8 +9,9 @@ optimizer-step hook is set, once the script imports ``torch.optim``. At the firs
 (:func:`~evendp._distributed._launch_notes.sizes_read_here`), rank 0 prints one warning naming
 the port: ``UnevenTrainer`` under an HF ``Trainer`` (read from the calling frames), the
 Lightning, Accelerate or DeepSpeed adapters, else ``UnevenBatchSampler``. A script that parsed
-the sizes itself has read them when one of its samplers takes them (looked for here, at the
-first step and at the end, so the sampler itself touches no file and no variable). With
+the sizes itself has read them when it built a sampler with them (the sampler keeps the sizes
+it was built with in memory; asked here at the first step and at the end, so the sampler
+itself touches no file and no variable). With
 ``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
 all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
 leaves at that step; the launcher exits 2.
@@ -18,7 +19,6 @@ leaves at that step; the launcher exits 2.
 
 from __future__ import annotations
 
-import gc
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -114,15 +114,10 @@ def _read_through_a_sampler() -> bool:
         launched = list(BatchPlan.parse(text).sizes)
     except EvendpError:  # not ours to judge here: batch_sizes_from_env names a bad value
         return False
-    kind = sampler_module.UnevenBatchSampler
-    # Once per process (its first step, its end): a walk over the live objects, not a
-    # registry every sampler would write to. type(), not isinstance: that would ask each
-    # object its __class__, and some answer with a warning (torch's reduce_op).
-    live = (o for o in gc.get_objects() if issubclass(type(o), kind))
-    if any(o.batch_sizes == launched for o in live):
-        note_sizes_read()
-        return True
-    return False
+    if not sampler_module.sampled_with(launched):
+        return False
+    note_sizes_read()
+    return True
 
 
 def _agreed_unread(unread: bool) -> bool:
@@ -213,12 +208,10 @@ def main(argv: list[str]) -> None:
         sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register))
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    ran: dict[str, Any] = {}
     try:
-        ran = runpy.run_path(script, run_name="__main__")  # its globals: alive for the look
+        runpy.run_path(script, run_name="__main__")
     finally:  # a script that never stepped may still have sampled with the sizes
         _read_through_a_sampler()
-        ran.clear()
 
 
 if __name__ == "__main__":

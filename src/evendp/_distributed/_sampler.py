@@ -33,6 +33,11 @@ from .._core._validate import is_int, shown, validate_bool, validate_int
 from ._batch_plan import validate_batch_plan
 from ._step_layout import StepLayout, layout_step
 
+#: The per-rank sizes of every sampler built in this process, in memory only: the launcher's
+#: wrapper (:mod:`._first_step`) asks whether a script sampled with the sizes it set, however
+#: the script parsed them. The sampler itself reads no variable and writes no file.
+_SIZES_BUILT: set[tuple[int, ...]] = set()
+
 #: Steps whose whole layout a sampler keeps: a loader's workers sample num_workers *
 #: prefetch_factor steps ahead (16 with 8 workers), the training loop reads the current one.
 KEPT_LAYOUTS = 64
@@ -221,6 +226,16 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
+def sampled_with(sizes: Sequence[int]) -> bool:
+    """Whether a sampler of this process was built with ``sizes`` (the launcher's check).
+
+    >>> _ = UnevenBatchSampler(8, [3, 5], rank=0)
+    >>> sampled_with([3, 5]), sampled_with([5, 3])
+    (True, False)
+    """
+    return tuple(sizes) in _SIZES_BUILT
+
+
 def _steps(remaining: int, global_batch: int, drop_last: bool) -> int:
     """Steps needed for ``remaining`` indices at ``global_batch`` per step."""
     if remaining <= 0:
@@ -308,6 +323,7 @@ class UnevenBatchSampler:
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._set_sizes(sizes)
+        _SIZES_BUILT.add(tuple(sizes))
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0
@@ -393,7 +409,8 @@ class UnevenBatchSampler:
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         """New per-rank sizes from the next step this sampler yields on; coverage stays exact.
 
-        Call it on every rank at the same step with the same sizes (a speed balancer does).
+        Call it on every rank at the same step with the same sizes (a speed balancer's split:
+        ``SpeedBalancer(..., on_resplit=sampler.set_batch_sizes)``).
         With ``DataLoader(num_workers>0)`` the loader samples ``num_workers * prefetch_factor``
         batches ahead, so the change reaches the training loop that many steps later; it is
         the same step on every rank as long as all ranks use the same loader settings.

@@ -130,16 +130,17 @@ def step_balancer(
     *,
     distributed: bool = True,
     caps: Sequence[int] | None = None,
-    on_resplit: Callable[[list[int]], None] | None = None,
+    apply: Callable[[list[int]], None] | None = None,
     **knobs: Any,
 ) -> SpeedBalancer | NoBalance:
     """The balancer a run calls at its step boundaries: speed balance or nothing.
 
-    ``batch_sizes``: the split the run starts with (the sampler's). ``caps`` bound each rank
+    ``batch_sizes``: the split the run starts with (the sampler's); ``apply`` (the sampler's
+    ``set_batch_sizes``) takes each new split, a checkpoint's too. ``caps`` bound each rank
     by its memory (``None``: the caps ``evendp launch --model`` left in
     ``EVENDP_BATCH_SIZES``, else no bound). One process (not ``distributed``) has no ranks to
-    balance: nothing. ``on_resplit`` and ``knobs`` go to :class:`~evendp.SpeedBalancer`
-    (``warmup``, ``every``, ``window``, ``tolerance``).
+    balance: nothing. ``knobs`` go to :class:`~evendp.SpeedBalancer` (``warmup``, ``every``,
+    ``window``, ``tolerance``, an ``on_resplit`` of the caller's, called after ``apply``).
 
     >>> step_balancer([2, 2], "speed").world_size
     2
@@ -148,7 +149,27 @@ def step_balancer(
     """
     if validate_balance(balance) == "none" or not distributed:
         return NoBalance()
-    return SpeedBalancer(batch_sizes, caps, on_resplit=on_resplit, **knobs)
+    return SpeedBalancer(batch_sizes, caps, **applied_by(apply, knobs))
+
+
+def applied_by(apply: Callable[[list[int]], None] | None, knobs: dict[str, Any]) -> dict[str, Any]:
+    """A balancer's ``knobs`` with ``apply`` (the loader's ``set_batch_sizes``) taking each new
+    split where it is decided, before the caller's own ``on_resplit`` among ``knobs``.
+
+    >>> said = []
+    >>> knobs = applied_by(said.append, {"on_resplit": lambda s: said.append(sum(s))})
+    >>> knobs["on_resplit"]([6, 2]); said
+    [[6, 2], 8]
+    """
+    theirs = knobs.get("on_resplit")
+    if apply is None or theirs is None or not callable(theirs):  # a bad value: named there
+        return {**knobs, "on_resplit": apply if theirs is None else theirs}
+
+    def both(sizes: list[int]) -> None:
+        apply(sizes)
+        theirs(sizes)
+
+    return {**knobs, "on_resplit": both}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -341,8 +341,12 @@ class SpeedBalancer:
             )
         sizes, applies = _starting_split(batch_sizes)
         self._apply = [f for f in (applies, on_resplit) if f is not None]
-        # What `sampler` still answers (deprecated): the sampler re-split through a method.
-        self._sampler = next((getattr(f, "__self__", None) for f in self._apply), None)
+        # A sampler passed in place of the sizes (deprecated): its split is read from it, as
+        # before; else the sampler an on_resplit method re-splits, for the deprecated
+        # `sampler` attribute only.
+        self._given: Any = batch_sizes if applies is not None else None
+        owner = getattr(on_resplit, "__self__", None)
+        self._sampler = self._given or (owner if hasattr(owner, "set_batch_sizes") else None)
         self._sizes = sizes
         self.total = sum(sizes)
         self.world_size = len(sizes)
@@ -459,6 +463,8 @@ class SpeedBalancer:
     def batch_sizes(self) -> list[int]:
         """The split the next steps take (a copy): the starting sizes, a loaded checkpoint's,
         or the last re-split's."""
+        if self._given is not None:  # deprecated: a sampler may be re-split elsewhere too
+            return list(self._given.batch_sizes)
         return list(self._sizes)
 
     def step(self) -> bool:
@@ -536,7 +542,7 @@ class SpeedBalancer:
         ['batch_sizes', 'history', 'recent', 'steps']
         """
         return {
-            "batch_sizes": list(self._sizes),
+            "batch_sizes": self.batch_sizes,
             "steps": self.steps,
             "recent": [list(times) for times in self._recent],
             "history": [[done, list(sizes)] for done, sizes in self.history],
@@ -591,7 +597,7 @@ class SpeedBalancer:
         if self.steps < self.warmup or model is None:
             return False
         rates, fixed = [a for a, _ in model], [c for _, c in model]
-        current = list(self._sizes)
+        current = self.batch_sizes
         proposed = balance_sizes(self.total, rates, self.caps, self.min_size, fixed)
 
         def slowest(sizes: list[int]) -> float:  # the step's predicted time

@@ -571,8 +571,6 @@ class Trainer:
         notes = self._checkpointer.resume(path, self._checkpointed())
         if notes is None:
             return False
-        if self.balancer.active:  # the saved speed split, where it fits this run
-            self.sampler.set_batch_sizes(self.balancer.batch_sizes)
         self.state.notes = notes
         self._saved_step = self.state.step
         if self.rank == 0:
@@ -967,10 +965,9 @@ class Trainer:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
                     loss, skipped = self._train_step(item.batch, item.layout, item.counted)
-                    if self.balancer.step():  # every rank alike: the next steps' split
-                        self.sampler.set_batch_sizes(self.balancer.batch_sizes)
-                        if self.rank == 0:
-                            bar.say(self._resplit_line())
+                    # Every rank alike; a new split goes to the sampler (its on_resplit).
+                    if self.balancer.step() and self.rank == 0:
+                        bar.say(self._resplit_line())
                     state.step += 1
                     for line in self._oom_lines():  # this rank's own re-splits, if any
                         bar.say(line)

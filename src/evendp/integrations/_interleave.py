@@ -49,7 +49,7 @@ class InterleavedBatchSampler:
 
     @property
     def batch_sizes(self) -> list[int]:
-        """The per-rank sizes in force (a speed balancer reads and sets them)."""
+        """The per-rank sizes in force (a speed balancer starts from them)."""
         return self.ranks[0].batch_sizes
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:

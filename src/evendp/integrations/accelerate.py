@@ -44,6 +44,7 @@ import evendp
 
 from .._distributed._group import settle_group
 from .._distributed._step_mean import count_rows
+from .._planning._balance import applied_by
 from ._auto_sizes import auto_loader_sizes
 from ._interleave import InterleavedBatchSampler
 from ._rows import gather_rows, no_rows
@@ -353,8 +354,9 @@ def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
         sampler = getattr(sampler, "batch_sampler", None)
         if isinstance(sampler, InterleavedBatchSampler):
             # The user's loop calls step(): the loader's split changes where it is decided.
-            knobs.setdefault("on_resplit", sampler.set_batch_sizes)
-            return evendp.SpeedBalancer(sampler.batch_sizes, **knobs)
+            return evendp.SpeedBalancer(
+                sampler.batch_sizes, **applied_by(sampler.set_batch_sizes, knobs)
+            )
     raise evendp.EvendpError(
         f"speed_balancer needs a loader from uneven_dataloader, got {type(loader).__name__}; "
         "build it with evendp.integrations.accelerate.uneven_dataloader(accelerator, ...)"

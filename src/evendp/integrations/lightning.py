@@ -293,7 +293,7 @@ class SpeedBalance(pl.Callback):
             sampler.batch_sizes,
             "speed",
             distributed=trainer.world_size > 1,
-            on_resplit=sampler.set_batch_sizes,  # Lightning's loop: applied where decided
+            apply=sampler.set_batch_sizes,  # Lightning's loop: applied where decided
             **self.knobs,
         )
 

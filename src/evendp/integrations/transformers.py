@@ -409,7 +409,7 @@ class UnevenTrainer(transformers.Trainer):
             self.balance,
             distributed=world > 1,
             caps=self._caps,
-            on_resplit=sampler.set_batch_sizes,  # HF's loop: applied where decided
+            apply=sampler.set_batch_sizes,  # HF's loop: applied where decided
         )
         return loader
 

@@ -297,8 +297,9 @@ def build_sampler(
     # balance="speed": at step boundaries samples move from slow ranks to fast ones.
     caps = None if plan.caps is None else list(plan.caps)
     balancer = step_balancer(
-        sampler.batch_sizes, config.balance, distributed=distributed, caps=caps
-    )
+        sampler.batch_sizes, config.balance, distributed=distributed, caps=caps,
+        apply=sampler.set_batch_sizes,  # a new split, a resumed one too, from the next step
+    )  # fmt: skip
     _validate_batch_fits(data, sampler.batch_sizes, distributed)
     _warn_unused_batch_sizes(config, distributed)
     return sampler, balancer
