@@ -61,6 +61,7 @@ from ._checkpoint import (
     save_sharded_checkpoint,
     write_whole,
 )
+from ._checkpoint_names import DCP_SHARDS, WHOLE_FILE
 from ._stateful import PerRank, Stateful
 
 __all__ = ["CheckpointFormat", "Checkpointer", "DcpShards", "WholeFile"]
@@ -210,7 +211,7 @@ class WholeFile(CheckpointFormat):
     2
     """
 
-    name = "ckpt.pt"
+    name = WHOLE_FILE
 
     def save(
         self,
@@ -277,7 +278,7 @@ class DcpShards(CheckpointFormat):
     writes its shards and its per-rank parts, rank 0 the run's position (``state.pt``); it
     resumes on any number of ranks. A collective."""
 
-    name = "ckpt.dcp"
+    name = DCP_SHARDS
 
     def save(
         self,

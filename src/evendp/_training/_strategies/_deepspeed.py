@@ -56,6 +56,7 @@ from .._checkpoint import (
     make_private_dir,
     previous_path,
 )
+from .._checkpoint_names import DEEPSPEED_FILES
 from .._checkpointer import CheckpointFormat, Verify, WholeFile, step_of
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer, run_schedule
@@ -418,7 +419,7 @@ class DeepSpeedFiles(CheckpointFormat):
     plain-data parts, rank 0; its previous copy ``state.prev.pt``) and ``state.rng<R>.pt``. The
     weights, optimizer and schedule live in DeepSpeed's files only. A collective."""
 
-    name = "ckpt.ds"
+    name = DEEPSPEED_FILES
 
     def __init__(self, strategy: DeepSpeed) -> None:
         self._strategy = strategy

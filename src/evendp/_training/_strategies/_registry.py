@@ -11,6 +11,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._checkpoint_names import DCP_SHARDS, DEEPSPEED_FILES, WHOLE_FILE
+
 if TYPE_CHECKING:  # the names are read without torch (evendp train's launcher)
     import torch
     from torch import nn
@@ -31,7 +33,7 @@ class StrategyEntry:
     builder: str  # a function (model, config, device_ids, weights) -> Strategy
     summary: str  # one line for --help and the docs
     ranks: bool = True  # one process per device under torchrun
-    checkpoint_name: str = "ckpt.pt"  # in out_dir
+    checkpoint_name: str = WHOLE_FILE  # in out_dir: the format's name (_checkpoint_names)
     takes_config: bool = False  # reads TrainConfig.strategy_config
     config_check: str | None = None  # a function (strategy_config) -> None that refuses one
     plans_memory: bool = False  # evendp train --memory: the planner models its memory
@@ -83,7 +85,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "build",
             "one process per device, fully_shard per repeated "
             "block; sharded checkpoints in OUT/ckpt.dcp",
-            checkpoint_name="ckpt.dcp",
+            checkpoint_name=DCP_SHARDS,
             checkpoint_spread=True,
         ),
         StrategyEntry(
@@ -99,7 +101,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "build",
             "one process per device, a DeepSpeed ZeRO engine (stage from "
             "--strategy-config, default 2); checkpoints in OUT/ckpt.ds",
-            checkpoint_name="ckpt.ds",
+            checkpoint_name=DEEPSPEED_FILES,
             checkpoint_spread=True,
             takes_config=True,
             config_check="check_strategy_config",
