@@ -346,7 +346,10 @@ class SpeedBalancer:
         # `sampler` attribute only.
         self._given: Any = batch_sizes if applies is not None else None
         owner = getattr(on_resplit, "__self__", None)
-        self._sampler = self._given or (owner if hasattr(owner, "set_batch_sizes") else None)
+        if self._given is None and hasattr(owner, "set_batch_sizes"):
+            self._sampler: Any = owner
+        else:  # not its truth value: a sampler's is its length
+            self._sampler = self._given
         self._sizes = sizes
         self.total = sum(sizes)
         self.world_size = len(sizes)

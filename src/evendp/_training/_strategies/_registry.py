@@ -84,7 +84,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "._fsdp2",
             "build",
             "one process per device, fully_shard per repeated "
-            "block; sharded checkpoints in OUT/ckpt.dcp",
+            f"block; sharded checkpoints in OUT/{DCP_SHARDS}",
             checkpoint_name=DCP_SHARDS,
             checkpoint_spread=True,
         ),
@@ -100,7 +100,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "._deepspeed",
             "build",
             "one process per device, a DeepSpeed ZeRO engine (stage from "
-            "--strategy-config, default 2); checkpoints in OUT/ckpt.ds",
+            f"--strategy-config, default 2); checkpoints in OUT/{DEEPSPEED_FILES}",
             checkpoint_name=DEEPSPEED_FILES,
             checkpoint_spread=True,
             takes_config=True,
