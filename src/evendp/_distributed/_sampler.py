@@ -229,8 +229,8 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
 def sampled_with(sizes: Sequence[int]) -> bool:
     """Whether a sampler of this process was built with ``sizes`` (the launcher's check).
 
-    >>> _ = UnevenBatchSampler(8, [3, 5], rank=0)
-    >>> sampled_with([3, 5]), sampled_with([5, 3])
+    >>> _ = UnevenBatchSampler(2000, [997, 991], rank=0)
+    >>> sampled_with([997, 991]), sampled_with([991, 997])  # no sampler took the second
     (True, False)
     """
     return tuple(sizes) in _SIZES_BUILT
