@@ -341,15 +341,8 @@ class SpeedBalancer:
             )
         sizes, applies = _starting_split(batch_sizes)
         self._apply = [f for f in (applies, on_resplit) if f is not None]
-        # A sampler passed in place of the sizes (deprecated): its split is read from it, as
-        # before; else the sampler an on_resplit method re-splits, for the deprecated
-        # `sampler` attribute only.
+        # A sampler passed in place of the sizes (deprecated): its split is read from it.
         self._given: Any = batch_sizes if applies is not None else None
-        owner = getattr(on_resplit, "__self__", None)
-        if self._given is None and hasattr(owner, "set_batch_sizes"):
-            self._sampler: Any = owner
-        else:  # not its truth value: a sampler's is its length
-            self._sampler = self._given
         self._sizes = sizes
         self.total = sum(sizes)
         self.world_size = len(sizes)
@@ -460,7 +453,8 @@ class SpeedBalancer:
     def sampler(self) -> Any:
         """Deprecated: the sampler this balancer re-splits, if any; read :attr:`batch_sizes`."""
         warn_renamed("SpeedBalancer.sampler", "SpeedBalancer.batch_sizes", stacklevel=2)
-        return self._sampler
+        owner = next((getattr(f, "__self__", None) for f in self._apply), None)
+        return owner if hasattr(owner, "set_batch_sizes") else None
 
     @property
     def batch_sizes(self) -> list[int]:
