@@ -13,6 +13,7 @@ Issue 52's figures on main 15dd415: 202 calls, 106 distinct functions, 22 files,
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -65,7 +66,8 @@ def trace(strategy: str) -> StepTrace:
             "gloo", init_method=f"file://{store}/rendezvous", rank=0, world_size=1
         )
         try:
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+            layers = (torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+            model = torch.nn.Sequential(*layers)
             config = evendp.TrainConfig(
                 steps=TRACED_STEP + 2, batch_size=8, strategy=strategy, progress=False
             )
@@ -87,7 +89,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     calls = trace(args.strategy).calls
     files = [file for file, _ in calls]
-    changes = sum(1 for a, b in zip(files, files[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(files) if a != b)
     distinct = Counter(calls)
     print(
         f"one steady {args.strategy} step: {len(calls)} calls, {len(distinct)} distinct "
