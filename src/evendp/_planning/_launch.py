@@ -562,7 +562,6 @@ def launch_with_outcome(
         torchrun = _watching_first_step(torchrun, len(script_args), passthrough)
     for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
-    cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
     if trainer:  # ranks in lockstep end together: a node that does not come is lost
         child_env[ENV_EXIT_WAIT] = str(EXIT_WAIT_S)
     escalate = ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
@@ -576,6 +575,9 @@ def launch_with_outcome(
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
         child_env[ENV_TORCHRUN_LOG] = str(Path(folder) / "torchrun.log")  # kept on a fault
+        # torchrun's per-rank error files: here, not in a torchelastic_* folder left in /tmp.
+        logs = ["--log-dir", str(Path(folder) / "torchrun")]
+        cmd = [sys.executable, str(QUIET_TORCHRUN), *logs, *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
         world = None if plan.batch_sizes is None else len(plan.batch_sizes)
         nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
         even = world is not None and world == plan.nproc_per_node * nodes
