@@ -30,7 +30,8 @@ from .._core._calls import call
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
-from .._core._split import split_sizes
+from .._core._split import largest_remainder
+from .._core._validate import validate_int
 from ._dp_checks import (
     Count,
     DeviceLike,
@@ -265,7 +266,8 @@ class BalancedDataParallel(nn.Module):
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
-        return split_sizes(total, self._weights or [1.0] * len(self.device_ids))
+        validate_int("total", total, minimum=0, example="32")  # the weights: when assigned
+        return largest_remainder(total, self._weights or [1.0] * len(self.device_ids))
 
     @contextlib.contextmanager
     def fixed_sizes(self, sizes: Sequence[int]) -> Iterator[None]:
@@ -321,7 +323,9 @@ class BalancedDataParallel(nn.Module):
         else:
             if self._unplanned:
                 raise EvendpError(_UNPLANNED)
-            self.last_sizes = self.split(total)
+            # The weights were checked when assigned, the rows by _check_inputs: not again.
+            weights = self._weights or [1.0] * len(self.device_ids)
+            self.last_sizes = largest_remainder(total, weights)
         active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
         devices = [self.device_ids[i] for i in active]
         return _Split(active, devices, [self.last_sizes[i] for i in active])
