@@ -1,12 +1,17 @@
-"""Repository-level pytest configuration: files that must not be imported for doctests, and
-doctests of public objects collected where they are defined."""
+"""Repository-level pytest configuration: files that must not be imported for doctests,
+doctests of public objects collected where they are defined, and a suite that leaves nothing
+in the temporary folder."""
 
 from __future__ import annotations
 
 import doctest
 import importlib.util
 import inspect
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,6 +70,76 @@ def _deepspeed_imported_before_integration_doctests(request: Any) -> Iterator[No
     if integration and importlib.util.find_spec("deepspeed") is not None:
         import deepspeed  # noqa: F401
     yield
+
+
+@pytest.fixture(autouse=True)
+def _doctest_temp_folder(request: Any) -> Iterator[None]:
+    # The docstrings' examples make folders as a reader would (tempfile.mkdtemp()); under the
+    # suite each example makes them in a folder of its own, removed after it.
+    if not isinstance(request.node, pytest.DoctestItem):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="evendp-doctest-") as folder:
+        before, tempfile.tempdir = tempfile.tempdir, folder
+        try:
+            yield
+        finally:
+            tempfile.tempdir = before
+
+
+# --- the temporary folder: the suite leaves nothing in it -------------------------------------
+# The run (its xdist workers, every rank and command it starts) gets a temporary folder of its
+# own (TMPDIR), removed at the end: whatever a test, a rank or a library leaves there goes with
+# it, and only this run writes there, so what is left is this run's, with or without workers.
+# A folder of evendp's left in it (``evendp-*``) is a leak to fix at its source: the run fails,
+# naming it. Others are listed (a library's), except torch's own: torchrun's per-launch log
+# folders and inductor's cache.
+_SUITE_TMP: list[tuple[Path, str | None]] = []
+_TORCH_FOLDERS = ("torchelastic_", "torchinductor_")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own temp-path factory is configured
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker writes in its controller's folder (inherited TMPDIR)
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None:
+        factory.getbasetemp()  # pytest's tmp_path stays where pytest keeps it (and xdist's)
+    root = Path(tempfile.mkdtemp(prefix="evendp-suite-"))
+    root.chmod(0o755)  # as /tmp is to the tests that run a command as another user
+    _SUITE_TMP.append((root, os.environ.get("TMPDIR")))
+    os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = None  # read again from TMPDIR
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not _SUITE_TMP:
+        return
+    root, before = _SUITE_TMP.pop()
+    private = f"evendp-{os.geteuid()}"  # evendp's own per-user folder: kept by design
+    left = sorted(p.name for p in root.iterdir() if p.name != private)
+    shutil.rmtree(root, ignore_errors=True)
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    ours = [name for name in left if name.startswith("evendp-")]
+    others = [name for name in left if name not in ours and not name.startswith(_TORCH_FOLDERS)]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and (ours or others):
+        reporter.line("")  # after the progress line
+    if others and reporter is not None:
+        reporter.write_line(f"left in the temporary folder (removed): {', '.join(others)}")
+    if ours:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter is not None:
+            reporter.write_line(
+                f"FAILED: the suite left {len(ours)} evendp folder(s) in the temporary folder: "
+                f"{', '.join(ours[:10])}; remove each where it is made (tmp_path, "
+                "TemporaryDirectory)",
+                red=True,
+            )
 
 
 # --- scheduling under pytest-xdist (make test runs `-n 2 --dist loadfile`: a module's tests on

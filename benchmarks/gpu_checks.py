@@ -177,8 +177,9 @@ def step_weights_auto(dry: bool) -> dict[str, Any]:
 
     device = _gpu_only(dry)
     net = _mlp().to(device)
-    wrapped = BalancedDataParallel(net, [device, device], weights="auto")
-    out = wrapped(torch.randn(64, 32, device=device))
+    x = torch.randn(64, 32, device=device)
+    wrapped = BalancedDataParallel(net, [device, device], weights="auto", example=(x,))
+    out = wrapped(x)
     return {"output_shape": list(out.shape), "split": list(getattr(wrapped, "last_sizes", []))}
 
 

@@ -67,10 +67,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--out", type=Path, help="save each rank's final parameters here")
     cli = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="evendp-hf-") as output_dir:  # nothing is saved
+        train(cli, output_dir)
 
+
+def train(cli: argparse.Namespace, output_dir: str) -> None:
     model = make_model()
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="evendp-hf-"),
+        output_dir=output_dir,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_train_epochs=2,

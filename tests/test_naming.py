@@ -1,4 +1,4 @@
-"""One meaning per name: plan's gather_output and amp spellings match the rest of evendp."""
+"""One meaning per name: plan's amp spellings match the rest of evendp."""
 
 from __future__ import annotations
 
@@ -11,15 +11,6 @@ from evendp._core._amp import amp_dtype
 
 NET = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
 MEMORY = "64MiB,64MiB"
-
-
-def test_plan_gather_is_the_deprecated_spelling_of_gather_output() -> None:
-    new = plan(NET, torch.randn(1, 16), MEMORY, gather_output=False, cuda_context=0)
-    with pytest.deprecated_call(match=r"plan\(gather=\.\.\.\).*gather_output"):
-        old = plan(NET, torch.randn(1, 16), MEMORY, gather=False, cuda_context=0)
-    assert old.split == new.split
-    with pytest.raises(EvendpError, match="both gather="):
-        plan(NET, torch.randn(1, 16), MEMORY, gather=False, gather_output=False)
 
 
 def test_plan_takes_the_train_config_amp_spellings() -> None:

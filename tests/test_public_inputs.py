@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,10 +81,23 @@ def _nvml(pci_order: bool = False) -> FakeNvml:
     return FakeNvml([FakeGpu("A", 16 * GiB, 1 * GiB), FakeGpu("B", 16 * GiB, 2 * GiB)])
 
 
-def _tmp() -> Path:
-    import tempfile
+# The module's scratch folder (set by the _scratch fixture, removed when the module ends): a
+# case's files land in a fresh folder inside it, never loose in the temp folder.
+_ROOT: list[Path] = []
 
-    return Path(tempfile.mkdtemp(prefix="evendp-inputs-"))
+
+@pytest.fixture(autouse=True, scope="module")
+def _scratch() -> Iterator[None]:
+    with tempfile.TemporaryDirectory(prefix="evendp-inputs-") as root:
+        _ROOT[:] = [Path(root)]
+        try:
+            yield
+        finally:
+            _ROOT.clear()
+
+
+def _tmp() -> Path:
+    return Path(tempfile.mkdtemp(dir=_ROOT[0]))
 
 
 # name -> (callable, positional arguments, keyword arguments, arguments hypothesis replaces)
@@ -339,10 +353,8 @@ def _alarm(seconds: int) -> Iterator[None]:
 
 @contextmanager
 def _in_tmp_dir() -> Iterator[None]:
-    import tempfile
-
     before = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="evendp-inputs-") as tmp:
+    with tempfile.TemporaryDirectory(dir=_ROOT[0]) as tmp:
         os.chdir(tmp)
         try:
             yield

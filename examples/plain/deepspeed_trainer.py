@@ -62,9 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps")
     parser.add_argument("--resume", help="a checkpoint folder to resume from")
-    parser.add_argument("--output-dir", default=tempfile.mkdtemp(prefix="evendp-ds-"))
+    parser.add_argument("--output-dir", help="checkpoints (default: a folder removed at the end)")
     cli = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="evendp-ds-") as scratch:
+        train(cli, cli.output_dir or scratch)
 
+
+def train(cli: argparse.Namespace, output_dir: str) -> None:
     deepspeed = {  # what --deepspeed ds_config.json holds; "auto": from TrainingArguments
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         "zero_allow_untested_optimizer": True,  # torch.optim SGD
     }
     args = TrainingArguments(
-        output_dir=cli.output_dir,
+        output_dir=output_dir,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_train_epochs=2,

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from evendp._core._errors import EvendpError
-from evendp._distributed._batch_plan import batch_sizes_from_env
+from evendp._distributed._batch_plan import batch_sizes_from_env, caps_from_env
 from evendp._planning._balance import rank_memory
-from evendp._planning._speed import batch_caps_from_env
 from evendp.cli import main
 
 HUGE = "1" + "0" * 26  # 10**26 samples
@@ -85,10 +84,10 @@ def test_a_400_kb_value_is_echoed_cut_short(value: str, capsys: pytest.CaptureFi
     [
         (lambda: rank_memory(rank=0, world_size=2), {"EVENDP_MEMORY": "5000000x1GiB"}, "1000000"),
         (lambda: batch_sizes_from_env(), {"EVENDP_BATCH_SIZES": f"3,{HUGE}"}, "1000000000"),
-        # The caps ride in EVENDP_BATCH_SIZES (EVENDP_BATCH_CAPS, deprecated, reads the same).
-        (lambda: batch_caps_from_env(), {"EVENDP_BATCH_SIZES": f"3,3;caps=3,{HUGE}"}, "1000000000"),
+        # The caps ride in EVENDP_BATCH_SIZES.
+        (lambda: caps_from_env(), {"EVENDP_BATCH_SIZES": f"3,3;caps=3,{HUGE}"}, "1000000000"),
         (
-            lambda: batch_caps_from_env(),
+            lambda: caps_from_env(),
             {"EVENDP_BATCH_SIZES": "3;caps=" + "7" * 100_000},
             "(100000 char",
         ),

@@ -276,13 +276,9 @@ def test_the_first_step_names_uneven_trainer_under_an_hf_trainer(
     assert _launch_notes.sizes_were_told(tmp_path / "outcome.json")
 
 
-def test_old_devices_flag_is_hidden_but_still_accepted(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    assert main(["launch", "--help"]) == 0
-    help_text = capsys.readouterr().out
-    assert "--gpus" in help_text and "--devices" not in help_text
+def test_the_old_devices_flag_is_refused_naming_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--devices", "0,1", "--dry-run", "t.py"]) == 2
-    err = capsys.readouterr().err
-    assert "--devices is deprecated" in err and "write --gpus 0,1" in err
-    assert "--gpus [0, 1] asks for GPUs but no NVIDIA driver" in err
+    assert capsys.readouterr().err == (
+        "evendp launch: error: unknown option --devices (did you mean --gpus?); "
+        "see 'evendp launch --help'\n"
+    )

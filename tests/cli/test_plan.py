@@ -91,18 +91,14 @@ def test_bad_input_exits_2(
     assert needle in err
 
 
-def test_old_devices_flag_is_hidden_but_still_accepted(
+def test_the_old_devices_flag_is_refused_naming_memory(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["plan", "--help"]) == 0
-    help_text = capsys.readouterr().out
-    assert "--memory" in help_text and "--devices" not in help_text
-    argv = ["plan", "--model", "tests.cli.test_plan:counted_model", "--batch", "16", "--json"]
-    assert main([*argv, "--devices", "1GiB"]) == 0
-    captured = capsys.readouterr()
-    assert "--devices is deprecated" in captured.err and "write --memory 1GiB" in captured.err
-    assert sum(json.loads(captured.out)["split"]) == 16
-    assert main([*argv, "--devices", "1GiB", "--memory", "1GiB"]) == 2
+    assert main(["plan", "--model", "tests.cli.test_plan:counted_model", "--devices", "1GiB"]) == 2
+    assert capsys.readouterr().err == (
+        "evendp plan: error: unknown option --devices (did you mean --memory?); "
+        "see 'evendp plan --help'\n"
+    )
 
 
 def test_missing_memory_on_a_cpu_machine_names_the_flag(

@@ -3,7 +3,7 @@
 The launcher writes the plan (sizes and caps) into ``EVENDP_BATCH_SIZES``; a rank reads it
 back through ``batch_sizes_from_env``, the sampler and the speed balancer, and the text is
 parsed once. ``batch_size`` and ``batch_sizes`` have one meaning (the global batch, its
-shares); a contradiction is refused on the command line and deprecated in ``TrainConfig``.
+shares); a contradiction is refused, on the command line and in ``TrainConfig``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ def test_the_launchers_plan_reaches_the_rank_through_one_variable(
     capped = BatchPlan(launched.batch_plan.sizes, (6, 9), "planned for memory")
     assert list(capped.env()) == ["EVENDP_BATCH_SIZES"]  # one channel, caps included
     # Rank side: what torchrun's rank sees in its environment.
-    monkeypatch.delenv("EVENDP_BATCH_CAPS", raising=False)
     for key, value in {**capped.env(), "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     assert BatchPlan.from_env() == BatchPlan((3, 5), (6, 9), "env")
@@ -105,15 +104,6 @@ def test_the_launcher_parses_batch_sizes_once(monkeypatch: pytest.MonkeyPatch) -
     assert calls == ["2,7"]
 
 
-def test_the_deprecated_caps_variable_is_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EVENDP_BATCH_SIZES", "3,5")
-    monkeypatch.setenv("EVENDP_BATCH_CAPS", "6,9")
-    with pytest.deprecated_call(match="EVENDP_BATCH_CAPS is deprecated"):
-        assert BatchPlan.from_env(2) == BatchPlan((3, 5), (6, 9), "env")
-    monkeypatch.setenv("EVENDP_BATCH_SIZES", "3,5;caps=7,7")  # the one channel wins
-    assert caps_from_env(2) == [7, 7]
-
-
 # ---------------------------------------------------------------------------------------------
 # batch_size and batch_sizes: one meaning
 
@@ -136,14 +126,13 @@ def test_the_default_is_a_plain_32_everywhere_but_the_check() -> None:
 
 
 @pytest.mark.parametrize("given", [10, 32])  # 32 given is told apart from the default
-def test_a_contradiction_in_python_is_deprecated(given: int) -> None:
-    with pytest.deprecated_call(
+def test_a_contradiction_in_python_is_refused(given: int) -> None:
+    with pytest.raises(
+        EvendpError,
         match=rf"batch_size={given} \(the global batch per step\) contradicts "
-        r"batch_sizes=\[3, 5\] \(each rank's share, 8 in all\).*refused from evendp 0.3.0; "
-        r"pass batch_size=8"
+        r"batch_sizes=\[3, 5\] \(each rank's share, 8 in all\); pass batch_size=8",
     ):
-        config = TrainConfig(batch_size=given, batch_sizes=[3, 5])
-    assert config.batch_size == given  # as before, until it is refused
+        TrainConfig(batch_size=given, batch_sizes=[3, 5])
 
 
 def test_a_contradiction_on_the_command_line_is_refused() -> None:

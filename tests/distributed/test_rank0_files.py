@@ -35,7 +35,13 @@ def _case(draw: Any) -> tuple[list[int], list[bool], dict[int, list[str]]]:
 @given(st.data())
 def test_every_rank_ends_with_rank_0s_bytes_and_one_answer(data: Any) -> None:
     machines, held, kinds = _case(data.draw)
-    base = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as tmp:  # one per example, removed after it
+        _every_rank_ends_with_rank_0s_bytes(Path(tmp), machines, held, kinds)
+
+
+def _every_rank_ends_with_rank_0s_bytes(
+    base: Path, machines: list[int], held: list[bool], kinds: dict[int, list[str]]
+) -> None:
     folders = {m: base / f"machine{m}" for m in (0, 1, 2)}
     for m, folder in folders.items():
         folder.mkdir()

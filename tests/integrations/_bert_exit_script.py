@@ -12,7 +12,6 @@ import atexit
 import gc
 import json
 import sys
-import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -72,7 +71,7 @@ def main(out: Path) -> None:
         intermediate_size=32, max_position_embeddings=32, num_labels=2, pad_token_id=0,
     )  # fmt: skip
     args = transformers.TrainingArguments(
-        tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=2, report_to="none",
+        str(out / "trainer_output"), per_device_train_batch_size=2, max_steps=2, report_to="none",
         use_cpu=True, ddp_backend="gloo", save_strategy="no", logging_strategy="no",
         disable_tqdm=True,
     )  # fmt: skip

@@ -14,7 +14,6 @@ import faulthandler
 import os
 import runpy
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -73,7 +72,7 @@ def degenerate(out: Path, deepspeed: dict[str, Any] | None, batch_sizes: list[in
     port = runpy.run_path(str(EXAMPLES / "deepspeed_trainer.py"), run_name="port")
     data = [{"input_ids": torch.arange(n) % 60 + 1} for n in DEGENERATE]
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="evendp-ds-degenerate-"),
+        output_dir=str(out / "trainer_output"),  # inside the test's folder: nothing left behind
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         num_train_epochs=2,

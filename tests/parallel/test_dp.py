@@ -440,7 +440,8 @@ def test_auto_weights_plan_on_the_first_batch_and_stay_exact() -> None:
     reference = copy.deepcopy(net)
     x, y = torch.randn(7, 5), torch.randn(7, 3)
     wrapped = BalancedDataParallel(net, ["cpu"] * 3, weights="auto")
-    assert wrapped.weights is None  # planned lazily, from the first real batch
+    assert wrapped.weights is None  # planned when asked, on the first real batch
+    wrapped.plan_weights(x)
     nn.functional.mse_loss(wrapped(x), y).backward()
     nn.functional.mse_loss(reference(x), y).backward()
     # Virtual CPU devices have no memory to read: the planner gives equal weights.
@@ -463,42 +464,6 @@ def test_an_empty_batch_gives_the_module_output_and_a_zero_summed_loss() -> None
     loss = ParallelCriterion(nn.MSELoss(reduction="sum"), "sum")(parts, torch.randn(0, 2))
     assert loss.item() == 0.0
     assert gather(parts).shape == (0, 2)
-
-
-# ---------------------------------------------------------------- renamed arguments
-
-
-def test_old_keyword_spellings_still_work_with_a_deprecation_warning() -> None:
-    with pytest.deprecated_call(match=r"chunk_sizes=\.\.\.\) is deprecated.*weights="):
-        wrapped = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, chunk_sizes=[3, 1])
-    with pytest.deprecated_call(match=r"gather=\.\.\.\) is deprecated.*gather_output="):
-        scattered = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, gather=False)
-    assert wrapped.weights == [3.0, 1.0]
-    assert scattered.gather_output is False
-    assert isinstance(scattered(torch.randn(4, 2)), Scattered)
-    wrapped(torch.randn(8, 2))
-    assert wrapped.last_sizes == [6, 2]
-
-
-def test_old_attribute_spellings_read_and_write_the_new_ones() -> None:
-    wrapped = BalancedDataParallel(nn.Linear(2, 1), ["cpu"] * 2, weights=[1, 1])
-    with pytest.deprecated_call(match="chunk_sizes"):
-        assert wrapped.chunk_sizes == [1.0, 1.0]
-    with pytest.deprecated_call(match="chunk_sizes"):
-        wrapped.chunk_sizes = [1, 3]
-    assert wrapped.weights == [1.0, 3.0]
-    with pytest.deprecated_call(match="gather"):
-        assert wrapped.gather is True
-    with pytest.deprecated_call(match="gather"):
-        wrapped.gather = False
-    assert wrapped.gather_output is False
-
-
-def test_old_and_new_spelling_together_are_refused() -> None:
-    with pytest.raises(EvendpError, match="pass only weights="):
-        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], weights=[1], chunk_sizes=[1])
-    with pytest.raises(EvendpError, match="pass only gather_output="):
-        BalancedDataParallel(nn.Linear(2, 1), ["cpu"], gather_output=False, gather=False)
 
 
 def test_the_old_positional_signature_gets_the_new_call_in_its_error() -> None:
@@ -865,73 +830,60 @@ class _PlannerCalls:
         monkeypatch.setattr(plan_pkg, "auto_weights", counted)
 
 
-def _future_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-
-
 @pytest.mark.parametrize("memory", [None, AUTO_MEMORY], ids=["undeclared", "declared"])
-def test_auto_planned_at_construction_or_by_plan_weights_as_the_first_forward_planned(
+def test_auto_planned_at_construction_or_by_plan_weights_alike(
     memory: str | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 33: "auto" plans before the first forward (example=, or plan_weights), with no
-    warning, the same weights a first forward planned, said as the Trainer says its split;
-    forwards after it do not plan again."""
+    """Issue 33: "auto" plans before the first forward (example=, or plan_weights), the same
+    weights either way, said as the Trainer says its split; forwards after it do not plan
+    again."""
     if memory is None:
         monkeypatch.delenv("EVENDP_MEMORY", raising=False)
     else:
         monkeypatch.setenv("EVENDP_MEMORY", memory)
     planner = _PlannerCalls(monkeypatch)
     model, batch = _tiny_gpt2(), _lm_batch()
-    lazy = BalancedDataParallel(copy.deepcopy(model), ["cpu"] * 3, weights="auto")
-    with pytest.warns(FutureWarning):
-        lazy(**batch)  # the deprecated way: planned inside the first forward
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        built = BalancedDataParallel(model, ["cpu"] * 3, weights="auto", example=batch)
-        stepwise = BalancedDataParallel(copy.deepcopy(model), ["cpu"] * 3, weights="auto")
-        chosen = stepwise.plan_weights(**batch)
-    assert _future_warnings(caught) == []
-    assert built.weights == chosen == stepwise.weights == lazy.weights
+    built = BalancedDataParallel(model, ["cpu"] * 3, weights="auto", example=batch)
+    stepwise = BalancedDataParallel(copy.deepcopy(model), ["cpu"] * 3, weights="auto")
+    chosen = stepwise.plan_weights(**batch)
+    assert built.weights == chosen == stepwise.weights
     if memory is None:
         assert built.weights == [1.0, 1.0, 1.0]  # CPU devices: no memory to read, even
     else:
         assert built.split(6) == [3, 2, 1]  # the declared memory, planned
-    assert planner.calls == 3
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for wrapped in (built, stepwise, built):
-            wrapped(**batch)
-    assert planner.calls == 3 and _future_warnings(caught) == []  # no planning in forward
+    assert planner.calls == 2
+    for wrapped in (built, stepwise, built):
+        wrapped(**batch)
+    assert planner.calls == 2  # no planning in forward
     said = capsys.readouterr().err
     line = f"evendp: weights='auto' planned {built.split(6)} per device for a global batch of 6"
-    assert said.count(line) == 3, said
+    assert said.count(line) == 2, said
     if memory is not None:
         assert f"(declared memory {memory})" in said
 
 
-def test_a_forward_while_unplanned_warns_once_with_the_fix_and_plans_as_before(
+def test_a_forward_while_unplanned_is_refused_with_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Issue 52: "auto" plans only when asked; a forward that would have to plan is refused
+    in one message naming both ways to ask, and plans nothing."""
     monkeypatch.delenv("EVENDP_MEMORY", raising=False)
     planner = _PlannerCalls(monkeypatch)
     wrapped = BalancedDataParallel(MLP(), ["cpu"] * 3, weights="auto")
     x = torch.randn(7, 5)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.raises(EvendpError, match=r"no weights yet.*example=\(x,\).*plan_weights\(x\)"):
         wrapped(x)
+    assert wrapped.weights is None and wrapped.last_sizes == [] and planner.calls == 0
+    with wrapped.fixed_sizes([3, 2, 2]):  # sizes given: nothing to plan
         wrapped(x)
-    [message] = _future_warnings(caught)
-    assert "example=" in message and "plan_weights(" in message, message
-    assert caught[0].filename == __file__  # it points at the user's call
-    assert wrapped.weights == [1.0, 1.0, 1.0] and wrapped.last_sizes == [3, 2, 2]
-    assert planner.calls == 1
+    assert planner.calls == 0
+    assert wrapped.plan_weights(x) == [1.0, 1.0, 1.0] and planner.calls == 1
+    wrapped(x)
+    assert wrapped.last_sizes == [3, 2, 2] and planner.calls == 1
     wrapped.weights = "auto"  # plan again: at the next explicit step
-    assert wrapped.weights is None and planner.calls == 1
-    assert wrapped.plan_weights(x) == [1.0, 1.0, 1.0] and planner.calls == 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
+    with pytest.raises(EvendpError, match="no weights yet"):
         wrapped(x)
-    assert planner.calls == 2
+    assert wrapped.plan_weights(x) == [1.0, 1.0, 1.0] and planner.calls == 2
 
 
 def test_construction_time_auto_keeps_the_gradient_exact(monkeypatch: pytest.MonkeyPatch) -> None:

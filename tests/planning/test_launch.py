@@ -275,32 +275,6 @@ def test_speed_balancer_env_caps_errors(monkeypatch: pytest.MonkeyPatch) -> None
     assert SpeedBalancer(sampler.batch_sizes, caps=[8, 8]).caps == [8, 8]  # explicit caps win
 
 
-def test_speed_balancer_still_reads_the_deprecated_caps_variable(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A script under the user's own torchrun may set EVENDP_BATCH_CAPS by hand (docs/devices.md
-    # said so): read, with a DeprecationWarning naming the new spelling.
-    sampler = UnevenBatchSampler(range(64), [4, 4], rank=0, world_size=2)
-    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
-    monkeypatch.setenv("EVENDP_BATCH_CAPS", "6,6")
-    with pytest.deprecated_call(match="EVENDP_BATCH_SIZES='3,5;caps=48,24'"):
-        assert SpeedBalancer(sampler.batch_sizes).caps == [6, 6]
-    monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,3")
-    with (
-        pytest.deprecated_call(),
-        pytest.raises(EvendpError, match=r"fewer than the global batch 8.*from EVENDP_BATCH_CAPS"),
-    ):
-        SpeedBalancer(sampler.batch_sizes)
-    monkeypatch.setenv("EVENDP_BATCH_CAPS", "3,x")
-    with pytest.deprecated_call(), pytest.raises(EvendpError, match="'x' is not an int"):
-        SpeedBalancer(sampler.batch_sizes)
-    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4")  # the sizes' channel has no caps: the old
-    with pytest.deprecated_call(), pytest.raises(EvendpError, match="EVENDP_BATCH_CAPS='3,x'"):
-        SpeedBalancer(sampler.batch_sizes)
-    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4,4;caps=7,7")  # ... but the new one wins
-    assert SpeedBalancer(sampler.batch_sizes).caps == [7, 7]
-
-
 def test_command_single_node_gets_free_port_never_29500(monkeypatch: pytest.MonkeyPatch) -> None:
     ports = iter([29500, 41234])
 

@@ -127,7 +127,7 @@ def test_auto_weights_under_no_grad_plan_a_forward(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_weights_auto_plans_forward_only_when_the_first_call_has_no_grad(
+def test_weights_auto_plans_forward_only_when_planned_with_no_grad(
     monkeypatch: pytest.MonkeyPatch, grad: bool
 ) -> None:
     seen: list[bool] = []
@@ -139,8 +139,9 @@ def test_weights_auto_plans_forward_only_when_the_first_call_has_no_grad(
     monkeypatch.setattr(plan_pkg, "auto_weights", record)
     dp = BalancedDataParallel(nn.Linear(4, 2), ["cpu", "cpu"], weights="auto")
     with torch.set_grad_enabled(grad):
-        dp(torch.randn(5, 4))
+        dp.plan_weights(torch.randn(5, 4))
     assert seen == [not grad]
     with torch.inference_mode():
-        BalancedDataParallel(nn.Linear(4, 2), ["cpu", "cpu"], weights="auto")(torch.randn(5, 4))
+        x = torch.randn(5, 4)
+        BalancedDataParallel(nn.Linear(4, 2), ["cpu", "cpu"], weights="auto", example=(x,))
     assert seen == [not grad, True]

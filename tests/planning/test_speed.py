@@ -270,18 +270,6 @@ def test_the_balancer_returns_the_split_and_touches_no_sampler() -> None:
     assert applied == [[6, 2]] and told.batch_sizes == [6, 2]
 
 
-def test_a_balancer_over_a_sampler_still_resplits_it_with_a_deprecation() -> None:
-    sampler = UnevenBatchSampler(10_000, [4, 4], rank=0, world_size=2)
-    with pytest.deprecated_call(match=r"pass its sizes and apply the split"):
-        balancer = SpeedBalancer(sampler, warmup=2, gather=lambda mine: [(0.4, 4), (1.2, 4)])
-    balancer.step(), balancer.step()
-    assert sampler.batch_sizes == [6, 2] == balancer.batch_sizes
-    with pytest.deprecated_call(match="SpeedBalancer.sampler is deprecated"):
-        assert balancer.sampler is sampler
-    sampler.set_batch_sizes([5, 3])  # re-split elsewhere: read from the sampler, as before
-    assert balancer.state_dict()["batch_sizes"] == [5, 3] == balancer.batch_sizes
-
-
 def test_the_loaders_split_is_applied_before_a_callers_own_on_resplit() -> None:
     from evendp._planning._balance import step_balancer
 
@@ -294,9 +282,6 @@ def test_the_loaders_split_is_applied_before_a_callers_own_on_resplit() -> None:
     )  # fmt: skip
     balancer.step(), balancer.step()
     assert seen == [([6, 2], [6, 2])]  # the sampler had it when the caller was told
-    trainers = step_balancer(sampler.batch_sizes, "speed", apply=sampler.set_batch_sizes)
-    with pytest.deprecated_call():  # the Trainer's balancer still names its sampler
-        assert trainers.sampler is sampler  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

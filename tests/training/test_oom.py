@@ -356,12 +356,10 @@ def test_min_micro_steps_runs_empty_micro_steps_with_zero_not_nan_gradients() ->
         guard.run_shares([1], chunk_loss, weight=1.0, zero_grad=net.zero_grad, min_micro_steps=-1)
 
 
-def test_micro_step_count_is_the_deprecated_spelling_of_micro_steps() -> None:
+def test_the_guards_count_of_the_attempts_micro_steps_is_micro_steps() -> None:
     """issue 33: one meaning per name; ``micro_step_count`` is the strategies' agreement (a
     method), the guard's count of the attempt's micro-steps is ``micro_steps``."""
     guard = OomResplit()
     guard.run(4, lambda a, b: torch.ones((), requires_grad=True), weight=0.25,
               zero_grad=lambda: None, micro_batch_size=2)  # fmt: skip
-    assert guard.micro_steps == 2
-    with pytest.deprecated_call(match="use OomResplit.micro_steps"):
-        assert guard.micro_step_count == 2
+    assert guard.micro_steps == 2 and not hasattr(guard, "micro_step_count")

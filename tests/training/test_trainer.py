@@ -590,16 +590,7 @@ def test_fsdp2_refuses_a_prebuilt_optimizer() -> None:
         refuse_prebuilt_optimizer(torch.optim.SGD(model.parameters(), 0.1))
 
 
-# --- the devices= spelling, fp16's skipped steps, count-weighted (token) losses -------------
-
-
-def test_devices_is_the_deprecated_spelling_of_device_ids() -> None:
-    cfg = TrainConfig(steps=1, batch_size=4, progress=False)
-    with pytest.deprecated_call(match="device_ids"):
-        trainer = Trainer(TinyLM(), _data(), cfg, devices=["cpu", "cpu"])
-    assert [str(d) for d in trainer.wrapped.device_ids] == ["cpu", "cpu"]
-    with pytest.raises(EvendpError, match="pass only device_ids="):
-        Trainer(TinyLM(), _data(), cfg, devices=["cpu"], device_ids=["cpu"])
+# --- fp16's skipped steps, count-weighted (token) losses ------------------------------------
 
 
 def test_fp16_does_not_advance_the_schedule_when_the_scaler_skips_the_step() -> None:

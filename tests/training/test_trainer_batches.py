@@ -75,7 +75,7 @@ def test_a_dict_dataset_with_strings_trains_on_three_devices_as_on_one() -> None
     assert all(len(names) == n for n, names in three.seen)
 
 
-def test_loss_fn_and_count_fn_get_the_dict_and_the_old_form_warns() -> None:
+def test_loss_fn_and_count_fn_get_the_dict() -> None:
     got: list[type] = []
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -89,12 +89,6 @@ def test_loss_fn_and_count_fn_get_the_dict_and_the_old_form_warns() -> None:
 
     _fit(["cpu"] * 2, None, loss_fn=loss_fn, count_fn=count_fn)
     assert got and all(issubclass(t, dict) for t in got)
-
-    def old_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-        return model(**batch[0])  # type: ignore[no-any-return]  # the (dict,) of evendp 0.1
-
-    with pytest.warns(DeprecationWarning, match=r"batch\[0\]"):
-        _fit(["cpu"] * 2, None, loss_fn=old_loss)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,12 @@ a dict, a tuple or a single tensor becomes a model's arguments.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
 
-from ._deprecation import REMOVAL
-
-__all__ = ["DictBatch", "as_args", "as_batch", "call", "model_mode"]
+__all__ = ["as_args", "as_batch", "call", "model_mode"]
 
 
 def call(module: Callable[..., Any], inputs: Any) -> Any:
@@ -42,56 +39,22 @@ def as_args(batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
-class DictBatch(dict[str, Any]):
-    """A dict batch as ``loss_fn`` and ``count_fn`` get it: the dict itself.
-
-    Up to evendp 0.1 the Trainer handed them ``(batch,)``, a one-tuple around the dict; code
-    that still reads ``batch[0]`` gets the dict back, with a ``DeprecationWarning``, until
-    the release that drops the old spellings. (Why this and not a flag or a look at the
-    function's signature: both spellings look the same in a signature, and the old form only
-    ever read ``batch[0]``, an int key no dict batch of keywords holds.)
-
-    >>> import warnings
-    >>> batch = DictBatch({"x": 1})
-    >>> batch["x"], isinstance(batch, dict)
-    (1, True)
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     batch[0]["x"]
-    1
-    >>> caught[0].category.__name__
-    'DeprecationWarning'
-    """
-
-    def __missing__(self, key: Any) -> Any:
-        if type(key) is int and key == 0:
-            warnings.warn(
-                "loss_fn/count_fn read batch[0], the old (dict,) form of a dict batch; the "
-                f"batch is now the dict itself (batch['input_ids']), and batch[0] goes in "
-                f"evendp {REMOVAL}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return self
-        raise KeyError(key)
-
-
 def as_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """The batch as ``loss_fn`` and ``count_fn`` take it, from how a loss module was called.
 
     The strategies call it with :func:`as_args` (a dict batch as its one argument), the
-    planner with :func:`call` (a dict as keywords): a dict comes back as a :class:`DictBatch`;
-    a tuple batch as the tuple of its items, a tensor batch as ``(tensor,)`` as before.
+    planner with :func:`call` (a dict as keywords): a dict comes back as a plain ``dict``;
+    a tuple batch as the tuple of its items, a tensor batch as ``(tensor,)``.
 
     >>> as_batch(({"x": 1},), {}), as_batch((), {"x": 1}), as_batch((1, 2), {})
     ({'x': 1}, {'x': 1}, (1, 2))
     """
     if kwargs and not args:
-        return DictBatch(kwargs)
+        return dict(kwargs)
     if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
-        return DictBatch(args[0])
+        return dict(args[0])
     if kwargs:
-        return (*args, DictBatch(kwargs))
+        return (*args, dict(kwargs))
     return args
 
 

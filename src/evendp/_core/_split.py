@@ -15,6 +15,7 @@ from ._errors import EvendpError
 from ._validate import validate_int
 
 __all__ = [
+    "largest_remainder",
     "split_even",
     "split_sizes",
     "validate_weights",
@@ -66,7 +67,16 @@ def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
     [2, 0, 1]
     """
     validate_int("total", total, minimum=0, example="32")
-    values = validate_weights(weights)
+    return largest_remainder(total, validate_weights(weights))
+
+
+def largest_remainder(total: int, values: Sequence[float]) -> list[int]:
+    """:func:`split_sizes` of a count and weights checked where they were given (a step's
+    split: the weights were checked once, not again every step).
+
+    >>> largest_remainder(7, [1.0, 1.0, 1.0])
+    [3, 2, 2]
+    """
     # Relative to the largest weight first: tiny (subnormal) or huge weights would make
     # total / sum overflow to infinity.
     largest = max(values)

@@ -5,26 +5,23 @@ Trainer, ``evendp train --mode ddp``), as a :class:`BatchPlan` checked by one fu
 :func:`validate_batch_plan`. They reach the ranks through one environment variable,
 ``EVENDP_BATCH_SIZES`` (the public interface of user scripts: ``batch_sizes_from_env``,
 ``UnevenBatchSampler``), whose text :meth:`BatchPlan.parse` alone reads: ``"3,5"``, or with
-each rank's memory cap (``evendp launch --model``) ``"3,5;caps=48,24"``. ``EVENDP_BATCH_CAPS``,
-the caps' old variable, is still read, with a DeprecationWarning.
+each rank's memory cap (``evendp launch --model``) ``"3,5;caps=48,24"``.
 
 ``batch_size`` (the global batch per optimizer step) and ``batch_sizes`` (per rank) have one
 meaning everywhere: given only the sizes, the global batch is their sum; given both,
-``sum(batch_sizes)`` must be ``batch_size`` (:func:`global_batch_size`: refused on the command
-line, deprecated in ``TrainConfig``, where it used to run).
+``sum(batch_sizes)`` must be ``batch_size`` (:func:`global_batch_size`: a contradiction is
+refused, on the command line and in ``TrainConfig``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from .._core._defaults import BATCH, NotGiven
-from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import is_int, shown, validate_instance, validate_int
 from ._launch_notes import note_sizes_read
@@ -32,7 +29,6 @@ from ._launch_notes import note_sizes_read
 __all__ = [
     "CAPS_MARK",
     "DEFAULT_BATCH_SIZE",
-    "ENV_BATCH_CAPS",
     "ENV_BATCH_SIZES",
     "MAX_BATCH",
     "MAX_RANKS",
@@ -48,8 +44,6 @@ __all__ = [
 #: Set by ``evendp launch`` (one int per rank, comma separated; ``;caps=`` and one memory cap
 #: per rank when the launcher planned them) and read by ``batch_sizes_from_env``.
 ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
-#: The caps' own variable before they joined ``EVENDP_BATCH_SIZES``: read, deprecated.
-ENV_BATCH_CAPS = "EVENDP_BATCH_CAPS"
 CAPS_MARK = ";caps="
 
 #: The most samples one rank takes per step, and the most ranks: past them a size is a typo
@@ -189,11 +183,9 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None =
     shares, the global batch is their sum; given both, they must agree. ``"auto"`` and
     ``None`` split ``batch_size``. (A ``batch_size`` not given stays marked as such.)
 
-    ``cli``: on the command line, the sizes' spelling (``"--batch-sizes "``,
-    ``"EVENDP_BATCH_SIZES="``) beside ``--batch``; a contradiction there is refused
-    (:class:`EvendpError`). In Python (``TrainConfig``) a contradiction used to run,
-    training ``sum(batch_sizes)`` under torchrun and ``batch_size`` in one process: it still
-    does, with a DeprecationWarning, and is refused from evendp 0.3.0.
+    A contradiction is refused (:class:`EvendpError`), named as the caller spelled it: ``cli``
+    on the command line, the sizes' spelling (``"--batch-sizes "``, ``"EVENDP_BATCH_SIZES="``)
+    beside ``--batch``; else (``TrainConfig``) the keywords.
 
     >>> global_batch_size(DEFAULT_BATCH_SIZE, [3, 5]), global_batch_size(8, [3, 5])
     (8, 8)
@@ -201,6 +193,10 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None =
     Traceback (most recent call last):
     ...
     evendp.InputError: --batch 10 (the global batch per step) contradicts --batch-sizes 3,5 ...
+    >>> global_batch_size(10, [3, 5])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: batch_size=10 (the global batch per step) contradicts batch_sizes=[3, 5] ...
     """
     if batch_sizes is None or isinstance(batch_sizes, str):
         return batch_size
@@ -215,16 +211,12 @@ def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None =
             f"--batch {batch_size} (the global batch per step) contradicts {cli}{sizes} "
             f"(each rank's share, {total} in all); give --batch {total}, or only one of them"
         )
-    warnings.warn(
+    raise EvendpError(
         f"batch_size={shown(batch_size)} (the global batch per step) contradicts "
-        f"batch_sizes={shown(batch_sizes)} (each rank's share, {total} in all): torchrun trains "
-        f"{total} a step, one process {batch_size}. This is deprecated and refused from evendp "
-        f"{REMOVAL}; pass batch_size={total}, or drop batch_size (it is then "
-        "sum(batch_sizes)), or drop batch_sizes to split batch_size evenly",
-        DeprecationWarning,
-        stacklevel=4,  # TrainConfig(...) -> __post_init__ -> here: the caller's line
+        f"batch_sizes={shown(batch_sizes)} (each rank's share, {total} in all); pass "
+        f"batch_size={total}, or drop batch_size (it is then sum(batch_sizes)), or drop "
+        "batch_sizes to split batch_size evenly"
     )
-    return batch_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +340,8 @@ class BatchPlan:
         var: str = ENV_BATCH_SIZES,
         environ: Mapping[str, str] | None = None,
     ) -> BatchPlan | None:
-        """The plan the launcher left in ``var`` (``None``: not set), its caps included (also
-        from the deprecated ``EVENDP_BATCH_CAPS``). ``world_size`` defaults to ``WORLD_SIZE``.
+        """The plan the launcher left in ``var`` (``None``: not set), its caps included.
+        ``world_size`` defaults to ``WORLD_SIZE``.
 
         >>> BatchPlan.from_env(environ={"EVENDP_BATCH_SIZES": "3,5;caps=4,8"}).caps
         (4, 8)
@@ -366,19 +358,9 @@ class BatchPlan:
         if text is None or not text.strip():
             return None
         try:
-            plan = cls.parse(text, world_size, source="env")
+            return cls.parse(text, world_size, source="env")
         except EvendpError as err:
             raise EvendpError(f"{var}={shown(text)} is invalid: {err}") from None
-        if plan.caps is None and var == ENV_BATCH_SIZES:
-            old = _old_caps(plan.world_size, env)
-            if old is not None:
-                try:
-                    plan = cls.of(plan.sizes, old, "env")
-                except EvendpError as err:
-                    raise EvendpError(
-                        f"{ENV_BATCH_CAPS}={shown(env[ENV_BATCH_CAPS])}: {err}"
-                    ) from None
-        return plan
 
 
 @functools.lru_cache(maxsize=16)
@@ -391,24 +373,6 @@ def _parse_text(text: str) -> BatchPlan:
     return BatchPlan.of(sizes, caps)
 
 
-def _old_caps(world_size: int | None, env: Mapping[str, str]) -> list[int] | None:
-    """The caps of the deprecated ``EVENDP_BATCH_CAPS`` (``None`` when unset)."""
-    text = env.get(ENV_BATCH_CAPS, "")
-    if not text.strip():
-        return None
-    warnings.warn(
-        f"{ENV_BATCH_CAPS} is deprecated and goes in evendp {REMOVAL}; the caps now ride in "
-        f"{ENV_BATCH_SIZES} (e.g. {ENV_BATCH_SIZES}='3,5;caps=48,24', as evendp launch writes "
-        "them), or pass caps= to SpeedBalancer",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    try:
-        return _validate_caps(_ints(text, text, "caps", "'48,48,24'"), world_size)
-    except EvendpError as err:
-        raise EvendpError(f"{ENV_BATCH_CAPS}={shown(text)}: {err}") from None
-
-
 def caps_from_env(
     world_size: int | None = None, *, environ: Mapping[str, str] | None = None
 ) -> list[int] | None:
@@ -419,11 +383,8 @@ def caps_from_env(
     >>> caps_from_env(environ={"EVENDP_BATCH_SIZES": "3,5"}) is None
     True
     """
-    env = os.environ if environ is None else environ
-    if env.get(ENV_BATCH_SIZES, "").strip():
-        plan = BatchPlan.from_env(world_size, environ=env)
-        return None if plan is None or plan.caps is None else list(plan.caps)
-    return _old_caps(world_size, env)
+    plan = BatchPlan.from_env(world_size, environ=environ)
+    return None if plan is None or plan.caps is None else list(plan.caps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ input :mod:`._dp_checks`'.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -29,10 +28,10 @@ from torch import nn
 from .._core._batchnorm import warn_if_batchnorm_split_unevenly
 from .._core._calls import call
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
-from .._core._deprecation import REMOVAL, UNSET, renamed_argument, warn_renamed
 from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
-from .._core._split import split_sizes
+from .._core._split import largest_remainder
+from .._core._validate import validate_int
 from ._dp_checks import (
     Count,
     DeviceLike,
@@ -62,14 +61,12 @@ Weights = Sequence[float] | Literal["auto"] | None
 
 
 # PyTorch's message when BatchNorm in training mode gets one value per channel.
-_NAME = "BalancedDataParallel"
 _BATCHNORM_ONE_VALUE = "Expected more than 1 value per channel when training"
-# Said once per plan that a forward had to make itself (planning moved out of forward).
-_PLANNED_IN_FORWARD = (
-    "BalancedDataParallel(weights='auto') planned its weights inside forward, on this batch; "
-    f"planning there is deprecated and goes in evendp {REMOVAL}. Pass example= (the batch "
-    "as forward takes it, e.g. example=(x,)) to BalancedDataParallel, or call "
-    "model.plan_weights(x) before the first forward"
+# A forward of weights="auto" before any plan: planning is asked for, never done in forward.
+_UNPLANNED = (
+    "BalancedDataParallel(weights='auto') has no weights yet: it plans before the first "
+    "forward, not inside it; pass example= (the batch as forward takes it, e.g. example=(x,)) "
+    "to BalancedDataParallel, or call model.plan_weights(x) before this forward"
 )
 
 
@@ -110,9 +107,8 @@ class BalancedDataParallel(nn.Module):
         example: with ``weights="auto"``, one batch as ``forward`` takes it, planned on
             now: a tuple of positional inputs (``example=(x,)``), a dict of keyword inputs
             (``example={"input_ids": ids, "labels": labels}``) or one tensor. Without it,
-            call :meth:`plan_weights` before the first forward.
-        chunk_sizes: deprecated alias of ``weights``.
-        gather: deprecated alias of ``gather_output``.
+            call :meth:`plan_weights` before the first forward (a forward before any plan
+            is refused).
 
     A replica that returns a floating scalar (a mean loss computed inside ``forward``) is
     combined as ``sum_i c_i * loss_i / sum_i c_i`` with ``c_i`` its count: the same value,
@@ -171,15 +167,9 @@ class BalancedDataParallel(nn.Module):
         count_fn: Callable[..., Count] | None = None,
         *,
         example: Any = None,
-        chunk_sizes: Weights = UNSET,
-        gather: bool = UNSET,
     ) -> None:
         super().__init__()
         validate_module(module, device_ids)
-        weights = renamed_argument(_NAME, "chunk_sizes", "weights", chunk_sizes, weights)
-        gather_output = renamed_argument(
-            _NAME, "gather", "gather_output", gather, gather_output, default=True
-        )
         self.module = module
         self.device_ids = validate_devices(device_ids)
         self.output_device = (
@@ -214,8 +204,8 @@ class BalancedDataParallel(nn.Module):
     @property
     def weights(self) -> list[float] | None:
         """Per-device weights (``None``: even; after ``"auto"``, what the planner chose).
-        Assigning validates them; assigning ``"auto"`` plans again at the next
-        :meth:`plan_weights` (or, deprecated, the next forward)."""
+        Assigning validates them; after assigning ``"auto"``, call :meth:`plan_weights`
+        before the next forward."""
         return self._weights
 
     @weights.setter
@@ -253,29 +243,6 @@ class BalancedDataParallel(nn.Module):
                        source=source)  # fmt: skip
         return list(weights)
 
-    @property
-    def chunk_sizes(self) -> list[float] | None:
-        """Deprecated alias of :attr:`weights`."""
-        warn_renamed(f"{_NAME}.chunk_sizes", f"{_NAME}.weights", stacklevel=2)
-        return self._weights
-
-    @chunk_sizes.setter
-    def chunk_sizes(self, value: Weights) -> None:
-        # nn.Module.__setattr__ sits between the caller and this setter.
-        warn_renamed(f"{_NAME}.chunk_sizes", f"{_NAME}.weights", stacklevel=3)
-        self.weights = value
-
-    @property
-    def gather(self) -> bool:
-        """Deprecated alias of :attr:`gather_output`."""
-        warn_renamed(f"{_NAME}.gather", f"{_NAME}.gather_output", stacklevel=2)
-        return self.gather_output
-
-    @gather.setter
-    def gather(self, value: bool) -> None:
-        warn_renamed(f"{_NAME}.gather", f"{_NAME}.gather_output", stacklevel=3)
-        self.gather_output = validate_flag("gather_output", value)
-
     def set_replica_context(
         self, hook: Callable[[int], contextlib.AbstractContextManager[Any]] | None
     ) -> None:
@@ -299,7 +266,8 @@ class BalancedDataParallel(nn.Module):
 
     def split(self, total: int) -> list[int]:
         """The per-device sample counts for a batch of ``total`` samples."""
-        return split_sizes(total, self._weights or [1.0] * len(self.device_ids))
+        validate_int("total", total, minimum=0, example="32")  # the weights: when assigned
+        return largest_remainder(total, self._weights or [1.0] * len(self.device_ids))
 
     @contextlib.contextmanager
     def fixed_sizes(self, sizes: Sequence[int]) -> Iterator[None]:
@@ -331,7 +299,7 @@ class BalancedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # As nn.DataParallel.forward: split, scatter, replicate, run the replicas, gather.
         total, where = self._check_inputs(inputs, kwargs)
-        split = self._split_batch(total, inputs, kwargs)
+        split = self._split_batch(total)
         shards = self._scatter(inputs, kwargs, split, where)
         raw_counts = self._raw_counts(shards)  # before forward: nothing waits for them yet
         replicas = self._replicas(split.devices, include_home=split.active[0] == 0)
@@ -348,15 +316,16 @@ class BalancedDataParallel(nn.Module):
         total, where = row_count_and_devices((inputs, kwargs), self.dim)
         return validate_batch_rows(total, self.dim), where
 
-    def _split_batch(self, total: int, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> _Split:
+    def _split_batch(self, total: int) -> _Split:
         if self._sizes is not None:
             validate_fixed_total(self._sizes, total, self.dim)
             self.last_sizes = list(self._sizes)
         else:
-            if self._unplanned:  # the old lazy "auto": one release more, with a warning
-                warnings.warn(_PLANNED_IN_FORWARD, FutureWarning, stacklevel=5)
-                self.plan_weights(*inputs, **kwargs)
-            self.last_sizes = self.split(total)
+            if self._unplanned:
+                raise EvendpError(_UNPLANNED)
+            # The weights were checked when assigned, the rows by _check_inputs: not again.
+            weights = self._weights or [1.0] * len(self.device_ids)
+            self.last_sizes = largest_remainder(total, weights)
         active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
         devices = [self.device_ids[i] for i in active]
         return _Split(active, devices, [self.last_sizes[i] for i in active])

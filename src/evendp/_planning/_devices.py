@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError, NvmlUnavailableError
 from .._core._units import parse_bytes
 from .._core._validate import is_int, validate_int
@@ -288,7 +287,6 @@ def select_devices(
     min_free: int | float | str | None = None,
     *,
     nvml: Any = None,
-    ids: Any = UNSET,
 ) -> dict[int, int]:
     """Make the chosen GPUs the only visible ones; returns ``{physical id: logical id}``.
 
@@ -324,9 +322,8 @@ def select_devices(
     >>> for k, v in old.items():
     ...     _ = os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     """
-    ids = renamed_argument("select_devices", "ids", "gpu_ids", ids, gpu_ids)  # old name: 0.3.0
-    if ids is not None:
-        _validate_id_list(ids)
+    if gpu_ids is not None:
+        _validate_id_list(gpu_ids)
     if _cuda_initialized():
         raise EvendpError(
             "CUDA is already initialized in this process, so CUDA_VISIBLE_DEVICES can no "
@@ -338,12 +335,12 @@ def select_devices(
     try:
         devices = list_devices(nvml)
     except NvmlUnavailableError as exc:
-        if ids is None or count is not None or min_free is not None:
+        if gpu_ids is None or count is not None or min_free is not None:
             raise EvendpError(
                 f"cannot choose GPUs by count or free memory: {exc}; pass gpu_ids=[...] "
                 "explicitly, or run on CPU"
             ) from exc
-        physical = list(ids)
+        physical = list(gpu_ids)
         _validate_selection([DeviceInfo(i, "", "", 0, 0) for i in physical], None, physical)
         warnings.warn(
             f"select_devices(gpu_ids={physical}): no NVIDIA driver found ({exc}), so these "
@@ -357,14 +354,14 @@ def select_devices(
         driver = True
         allowed = _allowed(devices, saved[_VISIBLE])
         hidden = {d.index for d in devices} - {d.index for d in allowed}
-        outside = [i for i in ids or [] if i in hidden]
+        outside = [i for i in gpu_ids or [] if i in hidden]
         if outside:
             raise EvendpError(
                 f"GPU {outside[0]} is outside CUDA_VISIBLE_DEVICES={saved[_VISIBLE]!r}, set "
                 f"before the call (by a scheduler?); choose among physical ids "
                 f"{[d.index for d in allowed]}"
             )
-        chosen = choose_devices(allowed, count, ids, min_free)
+        chosen = choose_devices(allowed, count, gpu_ids, min_free)
         physical = [d.index for d in chosen]
         # UUIDs name the same GPUs whatever order CUDA numbers them in.
         names = [d.uuid or str(d.index) for d in chosen]

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._split import split_even, split_sizes
 from .._core._validate import shown, validate_int
@@ -281,7 +280,6 @@ def plan_launch(
     example_batch: Any = None,
     memory: str | Sequence[int | str] | None = None,
     plan_options: Mapping[str, Any] | None = None,
-    devices: Any = UNSET,
 ) -> LaunchPlan:
     """Decide ranks, devices and per-rank batch sizes for this node (no process started).
 
@@ -306,8 +304,6 @@ def plan_launch(
     ``batch`` is split evenly, because one node cannot see the others' memory. ``batch`` with
     ``batch_sizes`` must be their sum (``batch`` is the global batch, the sizes its shares).
 
-    ``devices=`` is the old name of ``gpu_ids`` (deprecated; goes in 0.3.0).
-
     >>> p = plan_launch(nproc=2, batch_sizes="3,5", nvml=False)
     >>> p.nproc_per_node, p.batch_sizes, p.env["EVENDP_BATCH_SIZES"]
     (2, [3, 5], '3,5')
@@ -323,7 +319,6 @@ def plan_launch(
     >>> sorted(p.env), p.batch_plan.source
     (['EVENDP_BATCH_SIZES'], 'planned for memory')
     """
-    gpu_ids = renamed_argument("plan_launch", "devices", "gpu_ids", devices, gpu_ids)
     count = _validate_nproc(nproc)
     nodes = _fixed_nnodes(nnodes)
     if batch is not None:
@@ -567,7 +562,6 @@ def launch_with_outcome(
         torchrun = _watching_first_step(torchrun, len(script_args), passthrough)
     for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
-    cmd = [sys.executable, str(QUIET_TORCHRUN), *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
     if trainer:  # ranks in lockstep end together: a node that does not come is lost
         child_env[ENV_EXIT_WAIT] = str(EXIT_WAIT_S)
     escalate = ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
@@ -581,6 +575,9 @@ def launch_with_outcome(
         outcome = Path(folder) / "outcome.json"
         child_env[ENV_OUTCOME] = str(outcome)
         child_env[ENV_TORCHRUN_LOG] = str(Path(folder) / "torchrun.log")  # kept on a fault
+        # torchrun's per-rank error files: here, not in a torchelastic_* folder left in /tmp.
+        logs = ["--log-dir", str(Path(folder) / "torchrun")]
+        cmd = [sys.executable, str(QUIET_TORCHRUN), *logs, *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
         world = None if plan.batch_sizes is None else len(plan.batch_sizes)
         nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
         even = world is not None and world == plan.nproc_per_node * nodes

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 from .._core._amp import amp_dtype
-from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
 from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
@@ -155,8 +154,6 @@ def plan(
     cuda_context: int | str = DEFAULT_CONTEXT,
     no_grad: bool = False,
     seq_len: int | None = None,
-    devices: Any = UNSET,
-    gather: Any = UNSET,
 ) -> Plan:
     """Predict every device's memory for a training step and choose the per-device split.
 
@@ -182,7 +179,7 @@ def plan(
         gradient_as_bucket_view: DDP's option; without it buckets cost one more gradient.
         gather_output: DP only; ``False`` when the loss is computed per device
             (``ParallelCriterion``), so no outputs are gathered (the same name as
-            :class:`BalancedDataParallel`'s; ``gather=`` is the deprecated spelling).
+            :class:`BalancedDataParallel`'s).
         safety_margin: each device may use ``free * (1 - safety_margin)``. 0.05 here, for
             a plan made ahead of a run on the free memory you state; ``weights="auto"``
             (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
@@ -197,8 +194,6 @@ def plan(
             rows are padded to at most ``seq_len``: the example batch's sequence dimension
             (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
             (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
-        devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
-        gather: the old name of ``gather_output`` (deprecated; goes in 0.3.0).
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
     solves again on every new measurement. When a recommended size still lies beyond the
@@ -217,11 +212,7 @@ def plan(
     >>> inference.no_grad, inference.global_batch > inference.training.global_batch
     (True, True)
     """
-    memory = renamed_argument("plan", "devices", "memory", devices, memory)
     amp = amp_dtype(amp)
-    gather_output = renamed_argument(
-        "plan", "gather", "gather_output", gather, gather_output, default=True
-    )
     mems = _validate_memory_specs(memory)
     k = len(mems)
     _validate_options(mode, safety_margin, output_device, k, batch_size)

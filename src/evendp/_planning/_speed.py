@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import statistics
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._core._deprecation import REMOVAL, warn_renamed
 from .._core._errors import EvendpError, InputError
 from .._core._validate import (
     shown,
@@ -41,8 +38,6 @@ from .._core._validate import (
     validate_sequence,
 )
 from .._distributed._batch_plan import (
-    CAPS_MARK,
-    ENV_BATCH_CAPS,
     ENV_BATCH_SIZES,
     MAX_BATCH,
     MAX_RANKS,
@@ -50,15 +45,11 @@ from .._distributed._batch_plan import (
 )
 from .._distributed._group import comm_device, rank_cuda_device, world_size
 
-__all__ = ["SpeedBalancer", "balance_sizes", "batch_caps_from_env", "fit_step_time"]
+__all__ = ["SpeedBalancer", "balance_sizes", "fit_step_time"]
 
 #: How many of a rank's most recent sizes the step-time model is fitted over: the re-splits
 #: give new sizes, and sizes from long ago may come from another speed of the machine.
 FIT_SIZES = 3
-
-#: Each rank's memory cap as ``evendp launch --model`` left it: the caps in
-#: ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``), else the deprecated ``EVENDP_BATCH_CAPS``.
-batch_caps_from_env = caps_from_env
 
 
 def _validate_balance_inputs(
@@ -228,38 +219,16 @@ def _checked_state(
     return sizes, steps, [list(t) for t in recent], changes
 
 
-class _Sampler(Protocol):
-    """A sampler a balancer could once re-split itself (``UnevenBatchSampler`` is one)."""
-
-    @property
-    def batch_sizes(self) -> list[int]: ...
-
-    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None: ...
-
-
-def _starting_split(
-    batch_sizes: Sequence[int] | _Sampler,
-) -> tuple[list[int], Callable[[list[int]], None] | None]:
-    """The split a balancer starts from, and (deprecated) the sampler it re-split itself."""
-    if callable(getattr(batch_sizes, "set_batch_sizes", None)):
-        sampler: Any = batch_sizes
-        warnings.warn(
-            "SpeedBalancer(sampler) re-splitting the sampler itself is deprecated and goes in "
-            f"evendp {REMOVAL}; pass its sizes and apply the split the balancer returns: "
-            "balancer = SpeedBalancer(sampler.batch_sizes); if balancer.step(): "
-            "sampler.set_batch_sizes(balancer.batch_sizes)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return list(sampler.batch_sizes), sampler.set_batch_sizes
+def _starting_split(batch_sizes: Sequence[int]) -> list[int]:
+    """The split a balancer starts from, checked."""
     validate_numbers("batch_sizes", batch_sizes, integral=True, example="sampler.batch_sizes")
-    sizes = [int(n) for n in batch_sizes]  # type: ignore[union-attr]
+    sizes = [int(n) for n in batch_sizes]
     if sum(sizes) < 1:
         raise EvendpError(
             f"batch_sizes={shown(sizes)} holds no sample; give one size per rank, at least one "
             "sample in all (e.g. sampler.batch_sizes)"
         )
-    return sizes, None
+    return sizes
 
 
 def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> None:
@@ -296,8 +265,8 @@ class SpeedBalancer:
 
     ``caps``: the most samples each rank's memory holds (from ``evendp.plan`` or measured).
     ``None`` reads them from the caps ``evendp launch --model`` writes into
-    ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``; the old ``EVENDP_BATCH_CAPS`` is still read,
-    deprecated), so speed never moves a rank past its memory; with no caps there is no limit.
+    ``EVENDP_BATCH_SIZES`` (``"3,5;caps=48,24"``), so speed never moves a rank past its
+    memory; with no caps there is no limit.
     ``min_size`` keeps every rank busy enough to be measured. ``gather``: how the timings
     are exchanged when not by one ``all_gather`` over ``group``: a function from this rank's
     ``(seconds, samples)`` to every rank's, in rank order (a framework's own gather, or
@@ -316,7 +285,7 @@ class SpeedBalancer:
 
     def __init__(
         self,
-        batch_sizes: Sequence[int] | _Sampler,
+        batch_sizes: Sequence[int],
         caps: Sequence[int] | None = None,
         *,
         warmup: int = 3,
@@ -339,22 +308,15 @@ class SpeedBalancer:
                 f"on_resplit must be a function of the new split (e.g. sampler.set_batch_sizes) "
                 f"or None, got {on_resplit!r}"
             )
-        sizes, applies = _starting_split(batch_sizes)
-        self._apply = [f for f in (applies, on_resplit) if f is not None]
-        # A sampler passed in place of the sizes (deprecated): its split is read from it.
-        self._given: Any = batch_sizes if applies is not None else None
+        sizes = _starting_split(batch_sizes)
+        self._on_resplit = on_resplit
         self._sizes = sizes
         self.total = sum(sizes)
         self.world_size = len(sizes)
         source = ""
         if caps is None:
             caps = caps_from_env(self.world_size)
-            var = (
-                ENV_BATCH_SIZES
-                if CAPS_MARK in os.environ.get(ENV_BATCH_SIZES, "")
-                else ENV_BATCH_CAPS
-            )
-            source = f" (from {var}, set by evendp launch --model)" if caps else ""
+            source = f" (from {ENV_BATCH_SIZES}, set by evendp launch --model)" if caps else ""
         # Validate caps and min_size against the global batch once, up front.
         try:
             _validate_balance_inputs(self.total, [1.0] * self.world_size, caps, min_size)
@@ -450,18 +412,9 @@ class SpeedBalancer:
         return [(float(p[0]), float(p[1])) for p in before], counted
 
     @property
-    def sampler(self) -> Any:
-        """Deprecated: the sampler this balancer re-splits, if any; read :attr:`batch_sizes`."""
-        warn_renamed("SpeedBalancer.sampler", "SpeedBalancer.batch_sizes", stacklevel=2)
-        owner = next((getattr(f, "__self__", None) for f in self._apply), None)
-        return owner if hasattr(owner, "set_batch_sizes") else None
-
-    @property
     def batch_sizes(self) -> list[int]:
         """The split the next steps take (a copy): the starting sizes, a loaded checkpoint's,
         or the last re-split's."""
-        if self._given is not None:  # deprecated: a sampler may be re-split elsewhere too
-            return list(self._given.batch_sizes)
         return list(self._sizes)
 
     def step(self) -> bool:
@@ -611,5 +564,5 @@ class SpeedBalancer:
 
     def _resplit(self, sizes: list[int]) -> None:
         self._sizes = list(sizes)
-        for apply in self._apply:
-            apply(list(sizes))
+        if self._on_resplit is not None:
+            self._on_resplit(list(sizes))

@@ -35,7 +35,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .._core._deprecation import warn_renamed
 from .._core._errors import EvendpError
 from .._core._exact import share_loss
 from .._core._oom_errors import device_index_of, is_oom_error
@@ -148,13 +147,6 @@ class OomResplit:
         self.micro_step = 0
         self.micro_steps = 0
         self._sizes: list[int] = []  # the last plan's micro-batch per device
-
-    @property
-    def micro_step_count(self) -> int:
-        """Deprecated spelling of :attr:`micro_steps` (``micro_step_count`` is the strategies'
-        agreement on it, a method)."""
-        warn_renamed("OomResplit.micro_step_count", "OomResplit.micro_steps", stacklevel=2)
-        return self.micro_steps
 
     @property
     def micro_batch_size(self) -> int | None:

@@ -51,7 +51,6 @@ from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
-from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError
 from .._core._exact import share_loss
 from .._core._validate import validate_count, validate_float, validate_int
@@ -339,15 +338,13 @@ class Trainer:
         data: a map-style dataset; a ``batch(indices)`` method is used when present.
         config: a :class:`TrainConfig`.
         device_ids: one process: the device list for BalancedDataParallel (repeats are
-            virtual devices). DDP: ignored (the model's device is used). ``devices=`` is the
-            deprecated spelling.
+            virtual devices). DDP: ignored (the model's device is used).
         weights: per-device weights for the split (``None``: even; ``"auto"``, as
             ``TrainConfig(batch_sizes="auto")`` in one process: the planner's split for each
             device's memory, declared in ``EVENDP_MEMORY`` or read live on GPUs, printed).
         loss_fn: ``loss_fn(model, batch) -> mean loss``; default :func:`default_loss`.
-            The batch is what the dataset's collate made: a dict as the dict itself (the old
-            ``(dict,)`` form answers ``batch[0]`` with a DeprecationWarning), a tuple as the
-            tuple, a lone tensor as ``(tensor,)``. ``count_fn`` gets the same batch.
+            The batch is what the dataset's collate made: a dict as the dict itself, a
+            tuple as the tuple, a lone tensor as ``(tensor,)``. ``count_fn`` gets the same batch.
         count_fn: ``count_fn(batch) -> counted items`` (int or 0-dim tensor) that
             ``loss_fn``'s mean is over, e.g. non-ignored tokens (:func:`evendp.count_tokens`);
             ``None``: samples, except that the default loss of a Hugging Face model whose
@@ -433,7 +430,6 @@ class Trainer:
         scheduler: Any | None = None,
         eval_data: Dataset[Any] | None = None,
         eval_fn: EvalFn | None = None,
-        devices: Any = UNSET,
         costs: Sequence[float] | Callable[[Any], float] | None = None,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         max_costs: Sequence[float] | None = None,
@@ -441,7 +437,6 @@ class Trainer:
         counts: Sequence[float] | Callable[[Any], float] | None = None,
         callbacks: Sequence[Any] | None = None,
     ) -> None:
-        device_ids = renamed_argument("Trainer", "devices", "device_ids", devices, device_ids)
         validate_trainer_args(
             model, data, config, TrainConfig, loss_fn=loss_fn, count_fn=count_fn,
             optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,

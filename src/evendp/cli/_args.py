@@ -36,8 +36,14 @@ class CleanParser(argparse.ArgumentParser):
     argparse's own form (usage block, then ``error: argument --x: ...``) becomes
     ``PROG: error: MESSAGE; see 'PROG --help'``. A mistyped option or choice (a subcommand
     too) gets the closest valid one, as click and git do: ``evendp train: error: unknown
-    option --batch-size (did you mean --batch?); see 'evendp train --help'``.
+    option --batch-size (did you mean --batch?); see 'evendp train --help'``. ``renamed``
+    maps an option's old spelling to its new one (evendp is 0.x: the old one is refused, and
+    named the new one as a typo would be).
     """
+
+    def __init__(self, *args: Any, renamed: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.renamed = dict(renamed or {})
 
     def format_help(self) -> str:
         """The help page without reStructuredText markup (module docstrings are reused)."""
@@ -74,7 +80,7 @@ class CleanParser(argparse.ArgumentParser):
         named = []
         for word in options:
             flag = word.split("=", 1)[0]
-            close = suggest(flag, valid)
+            close = self.renamed.get(flag) or suggest(flag, valid)
             named.append(flag + (f" (did you mean {close}?)" if close else ""))
         plural = "s" if len(named) > 1 else ""
         return f"unknown option{plural} {', '.join(named)}"

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import shown
 from .._distributed._first_step import ENV_STRICT
@@ -37,25 +36,11 @@ def _gpu_list(text: str) -> list[int]:
         ) from None
 
 
-def _gpu_ids(args: argparse.Namespace) -> list[int] | None:
-    """``--gpus``, or the deprecated ``--devices`` with a warning on stderr."""
-    if args.old_devices is None:
-        return args.gpus
-    if args.gpus is not None:
-        raise EvendpError("--devices is the old name of --gpus; pass only --gpus")
-    ids = ",".join(map(str, args.old_devices))
-    print(
-        f"evendp launch: warning: --devices is deprecated and goes in evendp {REMOVAL}; "
-        f"write --gpus {ids}",
-        file=sys.stderr,
-    )
-    return args.old_devices
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``evendp launch``."""
     parser = subparsers.add_parser(
         "launch",
+        renamed={"--devices": "--gpus"},
         help="run a script under torchrun with per-rank batch sizes (EVENDP_BATCH_SIZES)",
         description=(
             "Choose GPUs (freest first, or --gpus), compute each rank's batch size "
@@ -79,10 +64,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
     parser.add_argument(
         "--gpus", type=_gpu_list, help="physical GPU ids (nvidia-smi order), e.g. 2,3"
-    )
-    # The old spelling: accepted (with a warning) until 0.3.0, no longer advertised.
-    parser.add_argument(
-        "--devices", dest="old_devices", type=_gpu_list, default=None, help=argparse.SUPPRESS
     )
     parser.add_argument("--min-free", help="skip GPUs with less free memory, e.g. 8GiB")
     parser.add_argument(
@@ -118,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
     try:
         validate_passed_numbers(passthrough)
-        gpu_ids = _gpu_ids(args)
+        gpu_ids = args.gpus
         if not args.dry_run:
             _validate_script(args.script, passthrough)
         sizes = _validate_texts(args)

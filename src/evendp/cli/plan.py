@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import validate_int
 from ._args import bounded_int, memory_text, say_error, say_units
@@ -22,6 +20,7 @@ def add_parser(subparsers: Any) -> None:
     """Register ``evendp plan``."""
     p = subparsers.add_parser(
         "plan",
+        renamed={"--devices": "--memory"},
         help="predict per-device memory and choose the split (no GPU needed)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -33,14 +32,6 @@ def add_parser(subparsers: Any) -> None:
         type=memory_text("--memory"),
         help="free memory per device, e.g. '24GiB,24GiB-10GiB,2x12GiB' (TOTAL-USED means "
         "another job holds USED); default: the live GPUs",
-    )
-    # The old spelling: accepted (with a warning) until 0.3.0, no longer advertised.
-    p.add_argument(
-        "--devices",
-        dest="old_devices",
-        default=None,
-        type=memory_text("--devices"),
-        help=argparse.SUPPRESS,
     )
     p.add_argument(
         "--mode",
@@ -66,26 +57,9 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _memory_argument(args: argparse.Namespace) -> str | None:
-    """``--memory``, or the deprecated ``--devices`` with a warning on stderr."""
-    if args.old_devices is None:
-        return args.memory
-    if args.memory is not None:
-        raise EvendpError(
-            f"--devices is the old name of --memory; pass only --memory {args.memory}"
-        )
-    print(
-        f"evendp plan: warning: --devices is deprecated and goes in evendp {REMOVAL}; "
-        f"write --memory {args.old_devices}",
-        file=sys.stderr,
-    )
-    return args.old_devices
-
-
 def run(args: argparse.Namespace) -> int:
     """Plan and print; 2 on bad input."""
     try:
-        memory = _memory_argument(args)
         say_units("evendp plan", "--memory", args.memory)
         if args.plot:  # before planning: the picture must be writable
             from ._paths import check_out_file
@@ -99,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan(
             spec.make,
             spec.batch,
-            memory_specs(memory),
+            memory_specs(args.memory),
             mode=args.mode,
             criterion=spec.criterion,
             batch_size=args.batch,
