@@ -36,7 +36,6 @@ import itertools
 import math
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -124,8 +123,8 @@ class TrainConfig:
     # path); None: its defaults.
     strategy_config: dict[str, Any] | str | Path | None = None
     out_dir: str | Path | None = None
-    # 0: only at the end and on Ctrl-C (with out_dir: every 50 steps from evendp 0.3.0)
-    checkpoint_every: int = defaults.NotGiven(defaults.CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL)
+    # With out_dir: steps between checkpoints (0: only at the end and on Ctrl-C)
+    checkpoint_every: int = defaults.NotGiven(defaults.CHECKPOINT_EVERY)
     resume: bool = False
     seed: int = defaults.SEED
     progress: bool = True
@@ -156,8 +155,6 @@ class TrainConfig:
             "comm_timeout", self.comm_timeout, positive=True, allow_none=True,
             example="comm_timeout=600 (seconds; None: the process group's own)",
         )  # fmt: skip
-        if self.out_dir is not None and isinstance(self.checkpoint_every, defaults.NotGiven):
-            warnings.warn(defaults.checkpoint_every_note(), FutureWarning, stacklevel=3)
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .._core import _defaults as defaults
 from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import shown
@@ -24,8 +25,9 @@ from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
 
-# The global batch when nothing sizes the ranks: split evenly on CPU, by free memory on GPUs.
-_DEFAULT_BATCH = 32
+# The global batch when nothing sizes the ranks (TrainConfig's and evendp train's): split
+# evenly on CPU, by free memory on GPUs.
+_DEFAULT_BATCH = defaults.BATCH
 
 
 def _gpu_list(text: str) -> list[int]:
