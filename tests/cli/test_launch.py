@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
+import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -192,6 +195,51 @@ def test_launch_ddp_uneven_reports_exact_global_losses() -> None:
     assert len(got) == len(want) == 16  # ceil(60 / 8) steps per epoch
     for g, w in zip(got, want, strict=True):
         assert abs(g - w) <= 1e-5 * max(1.0, abs(w))  # printed with 6 decimals
+
+
+def _docs_trainer_script() -> str:
+    """The script docs/training.md shows under "Under a launcher" (its first Python block)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text.split("### Under a launcher", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.multiprocess
+def test_the_docs_trainer_script_trains_the_launchers_sizes_as_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: ``Trainer(model, data, TrainConfig(strategy="ddp", ...)).fit()`` under
+    ``evendp launch --batch-sizes 12,4`` trained each rank alone ("dp on 1 device"), rank 1
+    died with ``RunDirBusy``. Now the Trainer starts the group and takes the launcher's sizes:
+    one run of ``[12, 4]``, rank 0 writing, no warning, the weights one process's on the whole
+    16 samples. A launch of its own: the only one running evendp's own Trainer in a script."""
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text(_docs_trainer_script())
+    launched, alone = tmp_path / "launched", tmp_path / "alone"
+    launched.mkdir()
+    alone.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "12,4"]
+    proc = subprocess.run(
+        [*cmd, str(script)], env=env, cwd=launched, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert said == ["evendp launch: 2 rank(s) on this machine, CPU (gloo); batch sizes [12, 4]"]
+    report = json.loads((launched / "runs/launched/report.json").read_text())
+    assert report["mode"] == "ddp" and report["batch_sizes_per_step"] == [[12, 4]] * 3
+    # The same script in one process (this one): "ddp" runs dp there, on the whole 16.
+    monkeypatch.chdir(alone)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="evendp")
+        runpy.run_path(str(script), run_name="__main__")
+    got = torch.load(launched / "runs/launched/ckpt.pt", weights_only=True)["model"]
+    want = torch.load(alone / "runs/launched/ckpt.pt", weights_only=True)["model"]
+    assert got.keys() == want.keys()
+    diff = torch.cat([(got[k] - want[k]).flatten() for k in want]).norm()
+    assert diff <= 1e-5 * torch.cat([w.flatten() for w in want.values()]).norm()
 
 
 @pytest.mark.multiprocess

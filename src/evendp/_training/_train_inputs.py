@@ -55,9 +55,9 @@ def validate_config(config: Any) -> None:
         example="grad_clip=1.0 (None: no clipping)",
     )  # fmt: skip
     validate_choice("amp", config.amp, AMP_MODES)
-    from ._strategies import rank_strategy_names  # the registry: the one list of names
+    from ._strategies import strategy_names  # the registry: the one list of names
 
-    validate_choice("strategy", config.strategy, rank_strategy_names())
+    validate_choice("strategy", config.strategy, strategy_names())
     for name in _FLAGS:
         validate_bool(name, getattr(config, name))
     validate_path("out_dir", config.out_dir, allow_none=True)

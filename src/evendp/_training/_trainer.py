@@ -77,6 +77,7 @@ from .._planning._balance import (
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
+from ._launched import join_launch
 from ._oom import free_memory
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
@@ -117,7 +118,8 @@ class TrainConfig:
     amp: Literal["none", "bf16", "fp16"] = "none"
     activation_checkpointing: bool = False
     oom_resplit: bool = True
-    # Under torchrun, a name of the strategy registry: "ddp", "fsdp2" (one process: "dp").
+    # A name of the strategy registry: under a launcher "ddp", "fsdp2", ...; in one process
+    # every name runs "dp" (BalancedDataParallel over device_ids).
     strategy: str = "ddp"
     # The strategy's own settings, for a strategy that reads some (a dict, or a JSON file's
     # path); None: its defaults.
@@ -444,6 +446,8 @@ class Trainer:
             optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,
             device_ids=device_ids, weights=weights,
         )  # fmt: skip
+        # Under a launcher (evendp launch, torchrun): the ranks' process group, started here.
+        join_launch(config.strategy)
         self.config = config
         self.model = model
         self.data = data
