@@ -213,17 +213,35 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.then(module)
 
 
-def main(argv: list[str]) -> None:
-    """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``python script`` would."""
-    script, *args = argv
-    if "torch.optim.optimizer" in sys.modules:
-        _register(sys.modules["torch.optim.optimizer"])
+def _watch(name: str, then: Any) -> None:
+    """``then(module)`` once the module ``name`` is imported: now, if it already is."""
+    if name in sys.modules:
+        then(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register))
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+def main(argv: list[str]) -> None:
+    """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``python script`` would.
+
+    On several machines the ranks also agree on the launcher's plan once the script starts
+    its process group (:mod:`._launch_agreement`). An :class:`~evendp.EvendpError` that
+    escapes the script (bad input: a config that contradicts the launcher's sizes) is said in
+    one line, not one traceback per rank (:func:`~._launch_agreement.end_on`).
+    """
+    from .._core._errors import EvendpError
+    from ._launch_agreement import agree_when_the_group_starts, end_on
+
+    script, *args = argv
+    _watch("torch.optim.optimizer", _register)
+    agree_when_the_group_starts(_watch)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
+    except EvendpError as error:
+        _read_through_a_sampler()
+        end_on(error)
     finally:  # a script that never stepped may still have sampled with the sizes
         _read_through_a_sampler()
 
