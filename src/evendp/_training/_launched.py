@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from torch import nn
+
 from .._core._errors import EvendpError
 
 __all__ = ["LAUNCH_VARS", "join_launch", "launched_world"]
@@ -54,14 +56,16 @@ def launched_world(environ: Any = None) -> int | None:
         ) from None
 
 
-def join_launch(strategy: str) -> None:
+def join_launch(strategy: str, model: nn.Module) -> None:
     """Start the default process group when a launcher started this process and none is up,
-    so that the Trainer runs ``strategy`` across the launched ranks.
+    so that the Trainer runs ``strategy`` across the launched ranks. A ``model`` still on the
+    CPU moves to the rank's GPU when the group is NCCL's (as the HF Trainer moves it to its
+    device): a script written for one process runs unchanged.
 
     A one-process strategy (``"dp"``) among several launched ranks is refused: each rank
     would train alone.
 
-    >>> join_launch("ddp")  # no launcher here: nothing to do
+    >>> join_launch("ddp", nn.Linear(2, 1))  # no launcher here: nothing to do
     """
     import torch.distributed as dist
 
@@ -80,8 +84,10 @@ def join_launch(strategy: str) -> None:
             f"this script as rank {os.environ['RANK']} of {world}; pass a strategy for ranks "
             f"({ranked}), e.g. TrainConfig(strategy='ddp'), or run the script with python alone"
         )
-    init_distributed()
+    device = init_distributed()
     _end_at_exit()
+    if device.type == "cuda" and all(p.device.type == "cpu" for p in model.parameters()):
+        model.to(device)
 
 
 def _end_at_exit() -> None:
