@@ -324,6 +324,34 @@ def test_the_first_step_names_uneven_trainer_under_an_hf_trainer(
     assert _launch_notes.sizes_were_told(tmp_path / "outcome.json")
 
 
+@pytest.mark.parametrize(
+    ("modules", "what"),
+    [
+        (["evendp._training._optimizer_step", "evendp._training._trainer"], "evendp's Trainer"),
+        (["transformers.trainer", "evendp.integrations.transformers"], "evendp's UnevenTrainer"),
+        (["transformers.trainer", "accelerate.optimizer"], "an HF Trainer"),
+        (["lightning.pytorch.loops.optimization"], "a Lightning Trainer"),
+        (["accelerate.optimizer"], "an Accelerate loop"),
+    ],
+)
+def test_the_first_step_never_sends_a_framework_user_to_the_sampler(
+    modules: list[str], what: str
+) -> None:
+    """Issue 51: evendp's own Trainer (its frames are evendp's, and the launcher's wrapper is
+    on every rank's stack) was told to port to ``UnevenBatchSampler`` and ``ddp_loss``."""
+    from evendp._distributed._first_step import port_for
+
+    wrapper = [
+        "torch.optim.adamw",
+        *modules,
+        "__main__",
+        "runpy",
+        "evendp._distributed._first_step",
+    ]
+    said, fix = port_for(wrapper)
+    assert said == what and "UnevenBatchSampler" not in fix and "ddp_loss" not in fix
+
+
 def test_old_devices_flag_is_hidden_but_still_accepted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
