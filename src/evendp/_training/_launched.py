@@ -70,7 +70,7 @@ def join_launch(strategy: str, model: nn.Module) -> None:
     import torch.distributed as dist
 
     from .._distributed._group import init_distributed
-    from ._strategies import STRATEGIES
+    from ._strategies import STRATEGIES, rank_strategy_names
 
     world = launched_world()
     if world is None or not dist.is_available() or dist.is_initialized():
@@ -78,12 +78,14 @@ def join_launch(strategy: str, model: nn.Module) -> None:
     if not STRATEGIES[strategy].ranks:
         if world == 1:
             return  # one rank: one process, over its own device_ids
-        ranked = ", ".join(repr(n) for n, e in STRATEGIES.items() if e.ranks)
-        raise EvendpError(
+        refused = EvendpError(
             f"strategy={strategy!r} runs one process over device_ids, but a launcher started "
             f"this script as rank {os.environ['RANK']} of {world}; pass a strategy for ranks "
-            f"({ranked}), e.g. TrainConfig(strategy='ddp'), or run the script with python alone"
+            f"({', '.join(map(repr, rank_strategy_names()))}), e.g. "
+            "TrainConfig(strategy='ddp'), or run the script with python alone"
         )
+        refused.every_rank = True  # the same script and WORLD_SIZE on every rank
+        raise refused
     device = init_distributed()
     _end_at_exit()
     if device.type == "cuda" and all(p.device.type == "cpu" for p in model.parameters()):
