@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
+import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -194,6 +197,51 @@ def test_launch_ddp_uneven_reports_exact_global_losses() -> None:
         assert abs(g - w) <= 1e-5 * max(1.0, abs(w))  # printed with 6 decimals
 
 
+def _docs_trainer_script() -> str:
+    """The script docs/training.md shows under "Under a launcher" (its first Python block)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text.split("### Under a launcher", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.multiprocess
+def test_the_docs_trainer_script_trains_the_launchers_sizes_as_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: ``Trainer(model, data, TrainConfig(strategy="ddp", ...)).fit()`` under
+    ``evendp launch --batch-sizes 12,4`` trained each rank alone ("dp on 1 device"), rank 1
+    died with ``RunDirBusy``. Now the Trainer starts the group and takes the launcher's sizes:
+    one run of ``[12, 4]``, rank 0 writing, no warning, the weights one process's on the whole
+    16 samples. A launch of its own: the only one running evendp's own Trainer in a script."""
+    monkeypatch.delenv("EVENDP_BATCH_SIZES", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text(_docs_trainer_script())
+    launched, alone = tmp_path / "launched", tmp_path / "alone"
+    launched.mkdir()
+    alone.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "evendp", "launch", "--nproc", "2", "--batch-sizes", "12,4"]
+    proc = subprocess.run(
+        [*cmd, str(script)], env=env, cwd=launched, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert said == ["evendp launch: 2 rank(s) on this machine, CPU (gloo); batch sizes [12, 4]"]
+    report = json.loads((launched / "runs/launched/report.json").read_text())
+    assert report["mode"] == "ddp" and report["batch_sizes_per_step"] == [[12, 4]] * 3
+    # The same script in one process (this one): "ddp" runs dp there, on the whole 16.
+    monkeypatch.chdir(alone)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="evendp")
+        runpy.run_path(str(script), run_name="__main__")
+    got = torch.load(launched / "runs/launched/ckpt.pt", weights_only=True)["model"]
+    want = torch.load(alone / "runs/launched/ckpt.pt", weights_only=True)["model"]
+    assert got.keys() == want.keys()
+    diff = torch.cat([(got[k] - want[k]).flatten() for k in want]).norm()
+    assert diff <= 1e-5 * torch.cat([w.flatten() for w in want.values()]).norm()
+
+
 @pytest.mark.multiprocess
 def test_an_unported_script_that_ignores_the_sizes_gets_a_warning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -274,6 +322,34 @@ def test_the_first_step_names_uneven_trainer_under_an_hf_trainer(
     assert told[0].startswith("evendp launch: warning: ") and "--strict" in told[0]
     # Marked as told: the launcher does not warn a second time when the run ends.
     assert _launch_notes.sizes_were_told(tmp_path / "outcome.json")
+
+
+@pytest.mark.parametrize(
+    ("modules", "what"),
+    [
+        (["evendp._training._optimizer_step", "evendp._training._trainer"], "evendp's Trainer"),
+        (["transformers.trainer", "evendp.integrations.transformers"], "evendp's UnevenTrainer"),
+        (["transformers.trainer", "accelerate.optimizer"], "an HF Trainer"),
+        (["lightning.pytorch.loops.optimization"], "a Lightning Trainer"),
+        (["accelerate.optimizer"], "an Accelerate loop"),
+    ],
+)
+def test_the_first_step_never_sends_a_framework_user_to_the_sampler(
+    modules: list[str], what: str
+) -> None:
+    """Issue 51: evendp's own Trainer (its frames are evendp's, and the launcher's wrapper is
+    on every rank's stack) was told to port to ``UnevenBatchSampler`` and ``ddp_loss``."""
+    from evendp._distributed._first_step import port_for
+
+    wrapper = [
+        "torch.optim.adamw",
+        *modules,
+        "__main__",
+        "runpy",
+        "evendp._distributed._first_step",
+    ]
+    said, fix = port_for(wrapper)
+    assert said == what and "UnevenBatchSampler" not in fix and "ddp_loss" not in fix
 
 
 def test_the_old_devices_flag_is_refused_naming_gpus(capsys: pytest.CaptureFixture[str]) -> None:

@@ -368,6 +368,56 @@ def test_nodes_started_with_other_weights_both_stop_naming_the_option(tmp_path: 
         assert "Traceback" not in output and "frame #" not in output, output
 
 
+# A user's script under evendp launch: it reads the launcher's sizes after starting its group.
+_READS_SIZES = """
+import torch.distributed as dist
+import evendp
+
+evendp.init_distributed("gloo")
+print(f"rank {dist.get_rank()} trains {evendp.batch_sizes_from_env()}", flush=True)
+evendp.finish_distributed()
+"""
+
+
+def test_launch_machines_started_with_other_batch_sizes_both_stop_naming_the_option(
+    tmp_path: Path,
+) -> None:
+    """Issue 51: two machines under ``evendp launch`` (a user's script, one rank each) with
+    ``--batch-sizes 1,3`` and ``3,1`` both exited 0, each rank training its own machine's
+    reading. The ranks now compare the launcher's plan and shared options once the script's
+    group starts (the agreement ``evendp train`` runs): both machines exit 2 within 30 s, one
+    line each naming the option and both values. A launch pair of its own: ``evendp launch``
+    runs a user's script, which no ``evendp train`` pair does."""
+    script = tmp_path / "reads.py"
+    script.write_text(_READS_SIZES)
+    port = free_port()
+    started = time.monotonic()
+    procs = []
+    for node, sizes in ((0, "1,3"), (1, "3,1")):
+        argv = [sys.executable, "-m", "evendp", "launch", "--nproc", "1", "--nnodes", "2",
+                "--node-rank", str(node), "--master-addr", MASTER, "--master-port", str(port),
+                "--batch-sizes", sizes, str(script)]  # fmt: skip
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=_ENV, cwd=tmp_path))  # fmt: skip
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    took = time.monotonic() - started
+    assert [proc.returncode for proc in procs] == [2, 2], outputs
+    assert took < 30, (took, outputs)
+    for node, output in enumerate(outputs):
+        sizes = "[1, 3]" if node == 0 else "[3, 1]"
+        assert output.splitlines() == [
+            f"evendp launch: 1 rank(s) on this machine, CPU (gloo); batch sizes {sizes}",
+            "evendp launch: error: node 1 was started with other options than node 0: "
+            "--batch-sizes is '3,1' there (rank 1), '1,3' on node 0; start every machine with "
+            "the same options but --node-rank, --nproc, --gpus, --min-free and the rendezvous "
+            "address",
+        ], output  # no rank trained, no traceback, nothing else
+
+
 def test_a_refusing_node_says_when_node_0_was_not_reached(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

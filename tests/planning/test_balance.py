@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import evendp
+from evendp._core._errors import EvendpError
+from evendp._distributed._batch_plan import BatchPlan
 from evendp._planning._balance import NoBalance, rank_batch_plan, sizes_from_capacities
 from evendp._training._report import plot_panels
 from tests._helpers import run_ranks, torchrun_env
@@ -342,6 +344,36 @@ def test_one_process_and_bad_options() -> None:
         _config(balance="fast")
     with pytest.raises(evendp.EvendpError, match="expected 'auto'"):
         _config(batch_sizes="max")
+
+
+def test_the_launchers_sizes_are_the_plan_unless_the_config_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 51: the Trainer under ``evendp launch --batch-sizes 12,4`` trained an even split
+    of its own batch. The launcher's plan (caps too) is the run's, read (the launcher does not
+    warn); sizes or a global batch in the config that contradict it are refused, naming both."""
+    from evendp._core._defaults import NotGiven
+    from evendp._distributed import _launch_notes
+
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
+    launched = BatchPlan((12, 4), caps=(20, 8))
+
+    def plan(sizes: object, batch: int) -> BatchPlan:
+        return rank_batch_plan(sizes, batch, 2, model=Net, example=list, launched=launched)  # type: ignore[arg-type]
+
+    assert plan(None, NotGiven(32)) == launched and _launch_notes.sizes_read_here()
+    assert plan([12, 4], NotGiven(16)) == launched
+    assert plan(None, 16) == launched  # the global batch given, and their sum
+    fix = "drop it to train the launcher's EVENDP_BATCH_SIZES=12,4, or start the launcher with"
+    for sizes, batch, said in (
+        ([8, 8], NotGiven(16), "TrainConfig(batch_sizes=[8, 8]) contradicts"),
+        ("auto", NotGiven(32), "TrainConfig(batch_sizes='auto') contradicts"),
+        (None, 32, "TrainConfig(batch_size=32) contradicts the launcher's batch sizes [12, 4] "
+                   "(16 a step); "),
+    ):  # fmt: skip
+        with pytest.raises(EvendpError) as refused:
+            plan(sizes, batch)
+        assert str(refused.value).startswith(said) and fix in str(refused.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU rank's planning (no CUDA here)")

@@ -12,14 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from evendp import TrainConfig
+from evendp import TrainConfig, Trainer
 from evendp._core._errors import EvendpError
 from evendp._training._checkpointer import CheckpointFormat
+from evendp._training._launched import join_launch
 from evendp._training._strategies import (
     STRATEGIES,
     StrategyEntry,
     pick_strategy,
     rank_strategy_names,
+    strategy_names,
 )
 from evendp._training._strategies._balanced_dp import BalancedDP
 from evendp._training._strategies._base import Strategy
@@ -28,14 +30,40 @@ from evendp.cli import build_parser
 DOCS = Path(__file__).parents[2] / "docs" / "training.md"
 
 
-def test_trainconfig_takes_exactly_the_registrys_rank_strategies() -> None:
-    for name in rank_strategy_names():
+def test_trainconfig_takes_exactly_the_registrys_names() -> None:
+    """Issue 51: the docs' table names ``dp``, which ``TrainConfig(strategy="dp")`` refused."""
+    assert strategy_names() == tuple(STRATEGIES)
+    for name in strategy_names():
         assert TrainConfig(strategy=name).strategy == name
     with pytest.raises(EvendpError) as refused:
         TrainConfig(strategy="zero3")
-    for name in rank_strategy_names():
+    for name in strategy_names():
         assert repr(name) in str(refused.value)
     assert "dp" not in rank_strategy_names() and not STRATEGIES["dp"].ranks
+
+
+_LAUNCHED = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "1"}  # fmt: skip
+
+
+def test_a_one_process_strategy_among_launched_ranks_is_refused_before_any_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each rank would train alone: said in one line, before a process group is started."""
+    for name, value in _LAUNCHED.items():
+        monkeypatch.setenv(name, value)
+    cfg = TrainConfig(strategy="dp", progress=False)
+    with pytest.raises(EvendpError) as refused:
+        Trainer(nn.Linear(2, 1), [(torch.ones(2), torch.ones(1))] * 4, cfg)
+    assert str(refused.value).startswith(
+        "strategy='dp' runs one process over device_ids, but a launcher started this script as "
+        "rank 1 of 2; pass a strategy for ranks ('ddp', 'fsdp2', "
+    )
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one launched rank: one process, as asked
+    monkeypatch.setenv("RANK", "0")
+    join_launch("dp", nn.Linear(2, 1))
+    assert not torch.distributed.is_initialized()
 
 
 def test_the_command_lines_modes_are_the_registrys_names() -> None:

@@ -1,37 +1,27 @@
-"""One home for the defaults that ``TrainConfig`` and ``evendp train`` share (issue 36).
+"""One home for the defaults that ``TrainConfig`` and the command line share (issues 36, 51).
 
-Both read these names: ``TrainConfig``'s fields and the command line's options (declared
-without importing torch: this module needs the standard library only). Two defaults
-differed; each moves to the one value below in evendp
-:data:`~evendp._core._deprecation.REMOVAL`, and until then the surface that changes says so
-where the change would matter:
+Every surface reads these names: ``TrainConfig``'s fields, ``evendp train``'s options and
+``evendp launch``'s ``--batch`` (declared without importing torch: this module needs the
+standard library only). One value per option, the same everywhere:
 
-* ``LR``: ``TrainConfig``'s (torch's ``AdamW`` default). ``evendp train`` ran 3e-3
-  (``CLI_LR_UNTIL_REMOVAL``); a run without ``--lr`` says it will be 1e-3.
-* ``CHECKPOINT_EVERY``: ``evendp train``'s. ``TrainConfig`` saved only at the end
-  (``CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL``); one with an ``out_dir`` and no
-  ``checkpoint_every`` warns that it will save every 50 steps.
+* ``LR``: torch's ``AdamW`` default, for ``TrainConfig(lr=)`` and ``evendp train --lr``.
+* ``CHECKPOINT_EVERY``: steps between checkpoints wherever there is a folder to save in
+  (``TrainConfig(out_dir=)``, ``evendp train --out``); without a folder nothing is saved.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._deprecation import REMOVAL
-
 __all__ = [
     "BATCH",
     "CHECKPOINT_EVERY",
-    "CLI_LR_UNTIL_REMOVAL",
     "COMM_TIMEOUT_S",
-    "CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL",
     "LR",
     "MIN_COMM_TIMEOUT_S",
     "NotGiven",
     "SEED",
     "STEPS",
-    "checkpoint_every_note",
-    "lr_note",
     "rate_text",
 ]
 
@@ -43,16 +33,14 @@ CHECKPOINT_EVERY = 50  # steps between checkpoints, where there is a folder to s
 COMM_TIMEOUT_S = 600.0  # seconds a collective waits for the other ranks once training runs
 MIN_COMM_TIMEOUT_S = 5.0
 
-CLI_LR_UNTIL_REMOVAL = 3e-3
-CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL = 0
-
 
 class NotGiven(int):
     """A default nobody passed (``TrainConfig.batch_size``, ``checkpoint_every``). It is the
     int it holds everywhere (arithmetic, ``repr``, JSON, pickling as a plain ``int``); only
     an ``isinstance`` check tells it apart (``global_batch_size``: so that
     ``dataclasses.replace(config, batch_sizes=...)`` derives the sum again instead of calling
-    the old one a contradiction).
+    the old one a contradiction; ``checkpoint_every``: the default needs no ``out_dir``, a
+    given one does).
 
     >>> NotGiven(32) == 32, isinstance(NotGiven(32), NotGiven), repr(NotGiven(0))
     (True, True, '0')
@@ -74,30 +62,3 @@ def rate_text(rate: float) -> str:
     ('3e-3', '1e-1')
     """
     return f"{rate:.0e}".replace("e-0", "e-").replace("e+0", "e")
-
-
-def lr_note() -> str:
-    """What ``evendp train`` says when ``--lr`` is not given.
-
-    >>> lr_note()[:50]
-    "--lr not given: 3e-3, evendp train's default until"
-    """
-    return (
-        f"--lr not given: {rate_text(CLI_LR_UNTIL_REMOVAL)}, evendp train's default until "
-        f"evendp {REMOVAL}, then {rate_text(LR)} (TrainConfig's, torch's AdamW's); pass --lr "
-        "to choose"
-    )
-
-
-def checkpoint_every_note() -> str:
-    """What ``TrainConfig(out_dir=...)`` without ``checkpoint_every`` warns.
-
-    >>> checkpoint_every_note()[:60]
-    'TrainConfig(out_dir=...) without checkpoint_every saves only'
-    """
-    return (
-        "TrainConfig(out_dir=...) without checkpoint_every saves only at the end and on "
-        f"Ctrl-C; from evendp {REMOVAL} it saves every {CHECKPOINT_EVERY} steps, as evendp "
-        f"train does. Pass checkpoint_every={CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL} to keep "
-        f"this, or {CHECKPOINT_EVERY}"
-    )

@@ -46,7 +46,9 @@ class EvendpError(Exception):
 
     Raised as itself it means bad input, and builds an :class:`InputError` (a
     :class:`ValueError`): the message names the value, what was expected and the fix.
-    ``exit_code`` is what ``evendp`` exits with.
+    ``exit_code`` is what ``evendp`` exits with; ``every_rank`` is true where evendp's ranks
+    agreed on the error, so that every rank raises it alike (a rank may then end on it
+    without leaving another waiting).
 
     >>> raise EvendpError("lr='fast' is not a number; pass a float, e.g. lr=3e-4")
     Traceback (most recent call last):
@@ -55,6 +57,7 @@ class EvendpError(Exception):
     """
 
     exit_code = 2
+    every_rank = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EvendpError:
         # The family's root stands for bad input when raised as itself (see the module doc).

@@ -7,8 +7,10 @@ evendp._distributed._first_step train.py ...``: this module runs the script as `
 optimizer-step hook is set, once the script imports ``torch.optim``. At the first
 ``optimizer.step()`` of the process, when nothing in it read the sizes
 (:func:`~evendp._distributed._launch_notes.sizes_read_here`), rank 0 prints one warning naming
-the port: ``UnevenTrainer`` under an HF ``Trainer`` (read from the calling frames), the
-Lightning, Accelerate or DeepSpeed adapters, else ``UnevenBatchSampler``. A script that parsed
+the port, read from the calling frames: evendp's own ``Trainer`` and ``UnevenTrainer`` read
+the sizes themselves (only sizes given beside the launcher's keep them from it);
+``UnevenTrainer`` under an HF ``Trainer``, the Lightning, Accelerate or DeepSpeed adapters,
+else (a loop of its own) ``UnevenBatchSampler``. A script that parsed
 the sizes itself has read them when it built a sampler with them (the sampler keeps the sizes
 it was built with in memory; asked here at the first step and at the end, so the sampler
 itself touches no file and no variable). With
@@ -37,10 +39,16 @@ MODULE = __name__
 #: Set to ``1`` by ``evendp launch --strict``: an unported script is an error at its first step.
 ENV_STRICT = "EVENDP_STRICT"
 
-# What a script trains with, told by the modules of the frames that call optimizer.step(),
-# outermost framework first (its top-level package names): the port that makes it use the
-# launcher's sizes.
+# What a script trains with, told by the modules of the frames that call optimizer.step()
+# (a package, or a module and those below it), the most specific first: the port that makes
+# it use the launcher's sizes. evendp's own Trainer and UnevenTrainer read the sizes
+# themselves: only sizes given beside the launcher's could have kept them from it.
 _PORTS = (
+    ("evendp._training", "evendp's Trainer",
+     "it takes the launcher's sizes itself under a strategy for ranks: drop "
+     "TrainConfig(batch_sizes=...) and strategy='dp'"),
+    ("evendp.integrations.transformers", "evendp's UnevenTrainer",
+     "it takes the launcher's sizes itself: drop its batch_sizes= argument"),
     ("transformers", "an HF Trainer",
      "train with evendp.integrations.transformers.UnevenTrainer in its place"),
     ("lightning pytorch_lightning", "a Lightning Trainer",
@@ -69,9 +77,15 @@ def port_for(modules: list[str]) -> tuple[str, str]:
     'its own loop'
     >>> port_for(["pytorch_lightning.loops"])[0]
     'a Lightning Trainer'
+    >>> port_for(["torch.optim.adamw", "evendp._training._stepper", "__main__",
+    ...           "evendp._distributed._first_step"])[0]
+    "evendp's Trainer"
     """
-    roots = {name.split(".")[0] for name in modules}
-    found = ((what, fix) for names, what, fix in _PORTS if roots & set(names.split()))
+
+    def calls(name: str) -> bool:
+        return any(m == name or m.startswith(name + ".") for m in modules)
+
+    found = ((what, fix) for names, what, fix in _PORTS if any(map(calls, names.split())))
     return next(found, _OWN_LOOP)
 
 
@@ -199,17 +213,35 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.then(module)
 
 
-def main(argv: list[str]) -> None:
-    """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``python script`` would."""
-    script, *args = argv
-    if "torch.optim.optimizer" in sys.modules:
-        _register(sys.modules["torch.optim.optimizer"])
+def _watch(name: str, then: Any) -> None:
+    """``then(module)`` once the module ``name`` is imported: now, if it already is."""
+    if name in sys.modules:
+        then(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register))
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+def main(argv: list[str]) -> None:
+    """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``python script`` would.
+
+    On several machines the ranks also agree on the launcher's plan once the script starts
+    its process group (:mod:`._launch_agreement`). An :class:`~evendp.EvendpError` that
+    escapes the script (bad input: a config that contradicts the launcher's sizes) is said in
+    one line, not one traceback per rank (:func:`~._launch_agreement.end_on`).
+    """
+    from .._core._errors import EvendpError
+    from ._launch_agreement import agree_when_the_group_starts, end_on
+
+    script, *args = argv
+    _watch("torch.optim.optimizer", _register)
+    agree_when_the_group_starts(_watch)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
+    except EvendpError as error:
+        _read_through_a_sampler()
+        end_on(error)
     finally:  # a script that never stepped may still have sampled with the sizes
         _read_through_a_sampler()
 

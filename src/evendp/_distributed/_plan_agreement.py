@@ -23,19 +23,28 @@ from .._core._errors import EvendpError
 from ._batch_plan import BatchPlan
 from ._group import comm_device
 
-__all__ = ["agreed_plan"]
+__all__ = ["TRAIN_OWN", "agreed_plan"]
 
 _REFUSED, _HELD = 0, 1
 _NO_CAP = -1
 
 
+#: The options of a run that are each machine's own, as ``evendp train`` names them.
+TRAIN_OWN = "--node-rank, --devices and --out"
+
+
 def agreed_plan(
-    build: Callable[[], BatchPlan], world: int, options: Mapping[str, Any] | None = None
+    build: Callable[[], BatchPlan],
+    world: int,
+    options: Mapping[str, Any] | None = None,
+    *,
+    own: str = TRAIN_OWN,
 ) -> BatchPlan:
     """This rank's plan from ``build()``, once every rank of the default group holds the same
-    one (and the same run ``options``, when given: what every machine must be started with);
-    else an :class:`EvendpError` on every rank alike, naming the ranks (and nodes) that differ
-    and what each holds. A rank whose ``build()`` raised re-raises its own error.
+    one (and the same run ``options``, when given: what every machine must be started with,
+    all but ``own``, said in the error); else an :class:`EvendpError` on every rank alike
+    (marked ``every_rank``), naming the ranks (and nodes) that differ and what each holds. A
+    rank whose ``build()`` raised re-raises its own error.
 
     One collective at start-up (and one host read of its result); a second only when the
     options differ, to name the first that does.
@@ -48,27 +57,38 @@ def agreed_plan(
     rows = _gather([*_digest(options), *_row(plan, world)], world)
     digests, rows = [row[:2] for row in rows], [row[2:] for row in rows]
     if any(d != digests[0] for d in digests):  # every rank sees it: all run the gather below
-        raise EvendpError(_options_differ(options or {}, [row[1] for row in rows]))
+        raise _every_rank(EvendpError(_options_differ(options or {}, [r[1] for r in rows], own)))
     if error is not None:
-        raise error
+        raise _every_rank(error)
     refused = [r for r, row in enumerate(rows) if row[0] == _REFUSED]
     if refused:
-        raise EvendpError(
-            f"rank {refused[0]} (node {rows[refused[0]][1]}) refused its batch plan, so no "
-            "rank trains; its own error says why (every node must be started with the same "
-            "--batch-sizes and --nproc)"
+        raise _every_rank(
+            EvendpError(
+                f"rank {refused[0]} (node {rows[refused[0]][1]}) refused its batch plan, so no "
+                "rank trains; its own error says why (every node must be started with the same "
+                "--batch-sizes and --nproc)"
+            )
         )
     first = rows[0]
     for rank, row in enumerate(rows):
         if row[2:] != first[2:]:
-            raise EvendpError(
-                f"the ranks hold different batch plans: rank 0 (node {first[1]}) has "
-                f"{_said(first, world)}, rank {rank} (node {row[1]}) has {_said(row, world)}; "
-                "start every node with the same --batch-sizes (and --nproc), one size per rank "
-                "of the whole run, node 0's ranks first"
+            raise _every_rank(
+                EvendpError(
+                    f"the ranks hold different batch plans: rank 0 (node {first[1]}) has "
+                    f"{_said(first, world)}, rank {rank} (node {row[1]}) has "
+                    f"{_said(row, world)}; start every node with the same --batch-sizes (and "
+                    "--nproc), one size per rank of the whole run, node 0's ranks first"
+                )
             )
     assert plan is not None  # this rank's row was held
     return plan
+
+
+def _every_rank(error: EvendpError) -> EvendpError:
+    """``error``, marked as raised on every rank alike (so a rank may end on it without
+    leaving another waiting: :mod:`evendp._distributed._first_step`)."""
+    error.every_rank = True
+    return error
 
 
 def _row(plan: BatchPlan | None, world: int) -> list[int]:
@@ -92,7 +112,7 @@ def _canonical(options: Mapping[str, Any]) -> str:
     return json.dumps(options, sort_keys=True, default=str)
 
 
-def _options_differ(options: Mapping[str, Any], nodes: list[int]) -> str:
+def _options_differ(options: Mapping[str, Any], nodes: list[int], own: str) -> str:
     """The line for ranks started with other options: the first rank (and its node) whose
     options are not rank 0's, and the first option that differs (one all-gather of them)."""
     every: list[Any] = [None] * len(nodes)
@@ -106,7 +126,7 @@ def _options_differ(options: Mapping[str, Any], nodes: list[int]) -> str:
                 return (
                     f"node {nodes[rank]} was started with other options than node 0: {flag} is "
                     f"{theirs.get(key)!r} there (rank {rank}), {ours.get(key)!r} on node 0; start "
-                    "every machine with the same options but --node-rank, --devices and --out"
+                    f"every machine with the same options but {own}"
                 )
     return "the ranks were started with other options"  # pragma: no cover - digests differed
 

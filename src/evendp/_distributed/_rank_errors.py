@@ -44,8 +44,9 @@ def agreed(action: Callable[[], T], distributed: bool) -> T:
     dist.all_gather_object(gathered, mine)
     first = next((g for g in gathered if g is not None), None)
     if first is not None:
-        if error is not None and (type(error), str(error)) == first:
-            raise error
-        kind, message = first
-        raise kind(message)
+        if error is None or (type(error), str(error)) != first:
+            kind, message = first
+            error = kind(message)
+        error.every_rank = True  # a rank may end on it alone
+        raise error
     return result  # type: ignore[return-value]

@@ -496,23 +496,62 @@ def rank_batch_plan(
     *,
     model: Callable[[], nn.Module],
     example: Callable[[], Any],
+    launched: BatchPlan | None = None,
 ) -> BatchPlan:
-    """The run's :class:`~evendp._distributed._batch_plan.BatchPlan`: given, even, or planned
-    for memory (``"auto"``, with each rank's cap), one size per rank of ``world_size``.
+    """The run's :class:`~evendp._distributed._batch_plan.BatchPlan`: the launcher's, given,
+    even, or planned for memory (``"auto"``, with each rank's cap), one size per rank of
+    ``world_size``.
 
-    ``model()`` and ``example()`` are called only for ``"auto"`` (the module whose first
-    scalar output is the step's loss, and one batch of the data).
+    ``launched``: the plan ``evendp launch`` left in ``EVENDP_BATCH_SIZES`` (caps included).
+    It is the run's plan when the config gives no per-rank sizes; sizes given too must be the
+    same, and a global batch given must be their sum (else an :class:`EvendpError` naming
+    both). ``model()`` and ``example()`` are called only for ``"auto"`` (the module whose
+    first scalar output is the step's loss, and one batch of the data).
 
     >>> rank_batch_plan(None, 10, 3, model=nn.Identity, example=list)
     BatchPlan(sizes=(4, 3, 3), caps=None, source='even')
+    >>> rank_batch_plan(None, 10, 2, model=nn.Identity, example=list,
+    ...                 launched=BatchPlan((12, 4))).sizes  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: TrainConfig(batch_size=10) contradicts the launcher's batch sizes ...
     """
     validate_batch_sizes_option(batch_sizes)
+    if launched is not None:
+        return _launchers_plan(launched, batch_sizes, global_batch)
     if batch_sizes == "auto":  # planned and said as on every surface that takes sizes
         sizes, caps = planned_rank_sizes(model(), example, global_batch)
         return BatchPlan.of(sizes, caps, "planned for memory", world_size)
     if batch_sizes:
         return BatchPlan.of(batch_sizes, world_size=world_size)
     return BatchPlan.even(global_batch, world_size)
+
+
+def _launchers_plan(
+    launched: BatchPlan, batch_sizes: Sequence[int] | str | None, global_batch: int
+) -> BatchPlan:
+    """The launcher's plan, which this rank now reads (the launcher does not warn); refused
+    when the config says otherwise (which would win is not the Trainer's to guess)."""
+    from .._core._defaults import NotGiven
+    from .._distributed._launch_notes import note_sizes_read
+
+    shown_sizes = ",".join(map(str, launched.sizes))
+    fix = (
+        f"drop it to train the launcher's EVENDP_BATCH_SIZES={shown_sizes}, or start the "
+        "launcher with the sizes you want (evendp launch --batch-sizes ...)"
+    )
+    if batch_sizes == "auto" or (batch_sizes and list(batch_sizes) != list(launched.sizes)):
+        raise EvendpError(
+            f"TrainConfig(batch_sizes={batch_sizes!r}) contradicts the launcher's batch sizes "
+            f"{list(launched.sizes)}; {fix}"
+        )
+    if not isinstance(global_batch, NotGiven) and global_batch != launched.global_batch:
+        raise EvendpError(
+            f"TrainConfig(batch_size={global_batch}) contradicts the launcher's batch sizes "
+            f"{list(launched.sizes)} ({launched.global_batch} a step); {fix}"
+        )
+    note_sizes_read()
+    return launched
 
 
 def inline_for_balance(balancer: SpeedBalancer | NoBalance, asked: int | None, depth: int) -> int:

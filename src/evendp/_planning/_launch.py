@@ -640,10 +640,11 @@ def _warn_sizes_unread(sizes: list[int]) -> None:
     """The run finished, but no rank read the sizes the launcher printed: say so."""
     print(
         f"evendp launch: warning: no rank read the batch sizes {sizes} set in "
-        f"{ENV_BATCH_SIZES}, so the script ran with batch sizes of its own, not these. Read "
-        "them in the script: evendp.batch_sizes_from_env() (e.g. "
-        "UnevenBatchSampler(data, evendp.batch_sizes_from_env()), or "
-        "TrainConfig(batch_sizes=evendp.batch_sizes_from_env()))",
+        f"{ENV_BATCH_SIZES}, so the script ran with batch sizes of its own, not these. "
+        "evendp's Trainer and UnevenTrainer read them by themselves; a loop of your own reads "
+        "them with evendp.batch_sizes_from_env() (UnevenBatchSampler(data, "
+        "evendp.batch_sizes_from_env())); Lightning and Accelerate with "
+        "evendp.integrations' uneven_dataloader (docs/integrations.md)",
         file=sys.stderr,
         flush=True,
     )

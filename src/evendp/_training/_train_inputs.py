@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._core._amp import AMP_MODES
+from .._core._defaults import NotGiven
 from .._core._errors import EvendpError
 from .._core._validate import (
     validate_bool,
@@ -54,9 +55,9 @@ def validate_config(config: Any) -> None:
         example="grad_clip=1.0 (None: no clipping)",
     )  # fmt: skip
     validate_choice("amp", config.amp, AMP_MODES)
-    from ._strategies import rank_strategy_names  # the registry: the one list of names
+    from ._strategies import strategy_names  # the registry: the one list of names
 
-    validate_choice("strategy", config.strategy, rank_strategy_names())
+    validate_choice("strategy", config.strategy, strategy_names())
     for name in _FLAGS:
         validate_bool(name, getattr(config, name))
     validate_path("out_dir", config.out_dir, allow_none=True)
@@ -69,7 +70,9 @@ def validate_config(config: Any) -> None:
     validate_int("prefetch", config.prefetch, minimum=0, allow_none=True, example="prefetch=2")
     validate_int("eval_every", config.eval_every, minimum=0, example="eval_every=100")
     validate_int("log_every", config.log_every, minimum=1, example="log_every=10")
-    if (config.resume or config.checkpoint_every) and config.out_dir is None:
+    # The default checkpoint_every saves where there is a folder; a given one needs it.
+    given_every = config.checkpoint_every and not isinstance(config.checkpoint_every, NotGiven)
+    if (config.resume or given_every) and config.out_dir is None:
         raise EvendpError("resume and checkpoint_every need out_dir, where checkpoints live")
 
 

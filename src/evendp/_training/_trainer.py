@@ -36,7 +36,6 @@ import itertools
 import math
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,6 +76,7 @@ from .._planning._balance import (
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
+from ._launched import join_launch
 from ._oom import free_memory
 from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
@@ -117,14 +117,15 @@ class TrainConfig:
     amp: Literal["none", "bf16", "fp16"] = "none"
     activation_checkpointing: bool = False
     oom_resplit: bool = True
-    # Under torchrun, a name of the strategy registry: "ddp", "fsdp2" (one process: "dp").
+    # A name of the strategy registry: under a launcher "ddp", "fsdp2", ...; in one process
+    # every name runs "dp" (BalancedDataParallel over device_ids).
     strategy: str = "ddp"
     # The strategy's own settings, for a strategy that reads some (a dict, or a JSON file's
     # path); None: its defaults.
     strategy_config: dict[str, Any] | str | Path | None = None
     out_dir: str | Path | None = None
-    # 0: only at the end and on Ctrl-C (with out_dir: every 50 steps from evendp 0.3.0)
-    checkpoint_every: int = defaults.NotGiven(defaults.CONFIG_CHECKPOINT_EVERY_UNTIL_REMOVAL)
+    # With out_dir: steps between checkpoints (0: only at the end and on Ctrl-C)
+    checkpoint_every: int = defaults.NotGiven(defaults.CHECKPOINT_EVERY)
     resume: bool = False
     seed: int = defaults.SEED
     progress: bool = True
@@ -155,8 +156,6 @@ class TrainConfig:
             "comm_timeout", self.comm_timeout, positive=True, allow_none=True,
             example="comm_timeout=600 (seconds; None: the process group's own)",
         )  # fmt: skip
-        if self.out_dir is not None and isinstance(self.checkpoint_every, defaults.NotGiven):
-            warnings.warn(defaults.checkpoint_every_note(), FutureWarning, stacklevel=3)
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -442,6 +441,8 @@ class Trainer:
             optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,
             device_ids=device_ids, weights=weights,
         )  # fmt: skip
+        # Under a launcher (evendp launch, torchrun): the ranks' process group, started here.
+        join_launch(config.strategy, model)
         self.config = config
         self.model = model
         self.data = data

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from .._core import _defaults as defaults
-from .._core._deprecation import REMOVAL
 from .._core._errors import EvendpError
 from .._core._validate import json_data, shown
 from .._training._strategies import STRATEGIES
@@ -160,9 +159,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr",
         type=bounded_float("--lr", 0.0, 10.0, "3e-3"),
-        default=None,  # said when not given: the default changes (defaults.lr_note)
-        help=f"AdamW learning rate (default {defaults.rate_text(defaults.CLI_LR_UNTIL_REMOVAL)}; "
-        f"{defaults.rate_text(defaults.LR)}, TrainConfig's, from evendp {REMOVAL})",
+        default=defaults.LR,
+        help=f"AdamW learning rate (default {defaults.rate_text(defaults.LR)})",
     )
     p.add_argument(
         "--warmup-steps",
@@ -486,7 +484,6 @@ def train_config(
     given = {_FIELD_OF.get(dest, dest): value for dest, value in vars(args).items()}
     fields = {name: value for name, value in given.items() if name in names}
     fields.update(
-        lr=defaults.CLI_LR_UNTIL_REMOVAL if args.lr is None else args.lr,  # said after the run
         progress=not args.no_progress,
         resume=args.resume or args.resume_or_start or torchrun_restarted(),
         log_every=1 if every_step else 10,

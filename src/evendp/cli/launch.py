@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import shown
 from .._distributed._first_step import ENV_STRICT
+from .._distributed._launch_agreement import ENV_LAUNCH_OPTIONS
 from .._planning._launch import (
     PASSTHROUGH_OPTIONS,
     launch,
@@ -23,8 +26,9 @@ from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
 
-# The global batch when nothing sizes the ranks: split evenly on CPU, by free memory on GPUs.
-_DEFAULT_BATCH = 32
+# The global batch when nothing sizes the ranks (TrainConfig's and evendp train's): split
+# evenly on CPU, by free memory on GPUs.
+_DEFAULT_BATCH = defaults.BATCH
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -147,10 +151,32 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(torchrun_command(plan, args.script, args.script_args, passthrough)))
             return 0
         env = {**os.environ, ENV_STRICT: "1"} if args.strict else None
+        if str(args.nnodes or 1) != "1":  # several machines: their ranks compare these
+            env = {**(env or os.environ), ENV_LAUNCH_OPTIONS: _shared_options(args, sizes)}
         return launch(args.script, args.script_args, plan=plan, passthrough=passthrough, env=env)
     except EvendpError as exc:
         say_error("evendp launch", exc)
         return 2
+
+
+#: What every machine of a run must be started with (what the launcher plans from, and what
+#: decides how the ranks run); the rest (--node-rank, --nproc, --gpus...) is each machine's.
+_SHARED = ("batch", "batch_sizes", "strict", "nnodes", "max_restarts")
+
+
+def _shared_options(args: argparse.Namespace, sizes: list[int] | None) -> str:
+    """The options the ranks of every machine compare (JSON), sizes as read (``1, 3`` is
+    ``1,3``).
+
+    >>> ns = argparse.Namespace(batch=None, batch_sizes=" 1, 3", strict=False, nnodes="2",
+    ...                         max_restarts=None)
+    >>> _shared_options(ns, [1, 3])
+    '{"batch": null, "batch_sizes": "1,3", "strict": false, "nnodes": "2", "max_restarts": null}'
+    """
+    shared = {key: getattr(args, key) for key in _SHARED}
+    if sizes is not None:
+        shared["batch_sizes"] = ",".join(map(str, sizes))
+    return json.dumps(shared)
 
 
 def _validate_script(script: str, passthrough: dict[str, object]) -> None:

@@ -72,16 +72,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train and write the report; exit code 0, 2 for bad input, 130/143 after SIGINT/SIGTERM."""
-    from evendp.cli._train_args import is_launched_rank
-
     claimed: list[Any] = []  # what undoes this run's claim of --out (fresh_start_check)
     code = _checked(args, claimed)
     if code == 2 and claimed:  # refused, here or by the ranks, before anything was written:
         claimed[0]()  # no folder left holding only evendp's marker
-    if code == 0 and args.lr is None and not is_launched_rank():  # a run that trained
-        from evendp._core._defaults import lr_note
-
-        print(f"evendp train: note: {lr_note()}", file=sys.stderr)  # its default changes
     return code
 
 

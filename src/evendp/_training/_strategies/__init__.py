@@ -33,6 +33,12 @@ from __future__ import annotations
 
 # Only the registry here: each strategy's module (and torch) loads when a run picks it, so
 # the command line's launcher reads the names without importing torch.
-from ._registry import STRATEGIES, StrategyEntry, pick_strategy, rank_strategy_names
+from ._registry import (
+    STRATEGIES,
+    StrategyEntry,
+    pick_strategy,
+    rank_strategy_names,
+    strategy_names,
+)
 
-__all__ = ["STRATEGIES", "StrategyEntry", "pick_strategy", "rank_strategy_names"]
+__all__ = ["STRATEGIES", "StrategyEntry", "pick_strategy", "rank_strategy_names", "strategy_names"]

@@ -282,11 +282,16 @@ def build_sampler(
 ) -> tuple[UnevenBatchSampler, Any]:
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
+    from ..._distributed._batch_plan import BatchPlan
     from ..._distributed._plan_agreement import agreed_plan
     from ..._planning._balance import rank_batch_plan, step_balancer
 
     def plan_it() -> Any:
-        return rank_batch_plan(requested, config.batch_size, world, model=model, example=example)
+        # Ranks: the sizes a launcher left (evendp launch), unless the config gives its own.
+        launched = BatchPlan.from_env(world) if distributed else None
+        return rank_batch_plan(
+            requested, config.batch_size, world, model=model, example=example, launched=launched
+        )
 
     # Ranks: one plan on every rank, or every rank stops (two nodes given other sizes).
     plan = agreed_plan(plan_it, world) if distributed and world > 1 else plan_it()

@@ -21,7 +21,13 @@ if TYPE_CHECKING:  # the names are read without torch (evendp train's launcher)
 
     DeviceIds = list[str | int | torch.device] | None
 
-__all__ = ["STRATEGIES", "StrategyEntry", "pick_strategy", "rank_strategy_names"]
+__all__ = [
+    "STRATEGIES",
+    "StrategyEntry",
+    "pick_strategy",
+    "rank_strategy_names",
+    "strategy_names",
+]
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,17 @@ STRATEGIES: dict[str, StrategyEntry] = {
 }
 
 
+def strategy_names() -> tuple[str, ...]:
+    """Every strategy's name: ``TrainConfig.strategy``'s and ``evendp train --mode``'s choices.
+
+    >>> strategy_names()[:3]
+    ('dp', 'ddp', 'fsdp2')
+    """
+    return tuple(STRATEGIES)
+
+
 def rank_strategy_names() -> tuple[str, ...]:
-    """The strategies for ranks under torchrun: ``TrainConfig.strategy``'s choices.
+    """The strategies for ranks under torchrun (one process per device).
 
     >>> rank_strategy_names()[:2]
     ('ddp', 'fsdp2')
@@ -126,8 +141,16 @@ def pick_strategy(
     weights: list[float] | Literal["auto"] | None,
 ) -> Strategy:
     """The way of running a step for this process: no process group means one process
-    (``"dp"``), else ``config.strategy``."""
+    (``"dp"``, whichever strategy is named), else ``config.strategy``, one for ranks."""
     import torch.distributed as dist
 
+    from ..._core._errors import EvendpError
+
     ranks = dist.is_available() and dist.is_initialized()
+    if ranks and not STRATEGIES[config.strategy].ranks:
+        raise EvendpError(
+            f"strategy={config.strategy!r} runs one process over device_ids, but this process "
+            f"is rank {dist.get_rank()} of {dist.get_world_size()} (a process group is up); "
+            f"pass a strategy for ranks ({', '.join(map(repr, rank_strategy_names()))})"
+        )
     return STRATEGIES[config.strategy if ranks else "dp"].build(model, config, device_ids, weights)

@@ -1,0 +1,116 @@
+"""The Trainer under a launcher (``evendp launch``, torchrun): one run of ranks, not one run per
+process.
+
+A script that builds ``Trainer(model, data, TrainConfig(strategy="ddp"))`` and calls ``fit()``
+is started by the launcher once per rank. As the HF Trainer and Lightning do, the Trainer
+then starts the default process group itself (:func:`join_launch`, when torchrun's variables
+are set and no group is up yet), so its ranks train as one run (rank 0 writes ``out_dir``)
+with the strategy the config names. The launcher's per-rank sizes (``EVENDP_BATCH_SIZES``)
+are the run's plan unless the config gives its own
+(:func:`~evendp._planning._balance.rank_batch_plan` decides; a contradiction is refused).
+
+A group the Trainer started is ended when the script ends normally
+(:func:`~evendp._distributed._group.finish_distributed`, at exit: every rank done, the
+group destroyed before the interpreter tears gloo down); after an exception that escaped
+the script it is left alone (a barrier would wait for ranks that may never come).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any
+
+from torch import nn
+
+from .._core._errors import EvendpError
+
+__all__ = ["LAUNCH_VARS", "join_launch", "launched_world"]
+
+#: What torchrun (and so ``evendp launch``) sets in every rank it starts.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+_failed = False  # an exception escaped the script: no barrier at exit
+
+
+def launched_world(environ: Any = None) -> int | None:
+    """The ranks a launcher started this process among (``WORLD_SIZE``); ``None``: no
+    launcher (some of :data:`LAUNCH_VARS` missing).
+
+    >>> launched_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+    ...                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
+    2
+    >>> launched_world({}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    if not all(env.get(name, "").strip() for name in LAUNCH_VARS):
+        return None
+    try:
+        return int(env["WORLD_SIZE"])
+    except ValueError:
+        raise EvendpError(
+            f"WORLD_SIZE={env['WORLD_SIZE']!r} is not an int; it is torchrun's (the number of "
+            "ranks): start the script with evendp launch or torchrun, not with these set by hand"
+        ) from None
+
+
+def join_launch(strategy: str, model: nn.Module) -> None:
+    """Start the default process group when a launcher started this process and none is up,
+    so that the Trainer runs ``strategy`` across the launched ranks. A ``model`` still on the
+    CPU moves to the rank's GPU when the group is NCCL's (as the HF Trainer moves it to its
+    device): a script written for one process runs unchanged.
+
+    A one-process strategy (``"dp"``) among several launched ranks is refused: each rank
+    would train alone.
+
+    >>> join_launch("ddp", nn.Linear(2, 1))  # no launcher here: nothing to do
+    """
+    import torch.distributed as dist
+
+    from .._distributed._group import init_distributed
+    from ._strategies import STRATEGIES, rank_strategy_names
+
+    world = launched_world()
+    if world is None or not dist.is_available() or dist.is_initialized():
+        return
+    if not STRATEGIES[strategy].ranks:
+        if world == 1:
+            return  # one rank: one process, over its own device_ids
+        refused = EvendpError(
+            f"strategy={strategy!r} runs one process over device_ids, but a launcher started "
+            f"this script as rank {os.environ['RANK']} of {world}; pass a strategy for ranks "
+            f"({', '.join(map(repr, rank_strategy_names()))}), e.g. "
+            "TrainConfig(strategy='ddp'), or run the script with python alone"
+        )
+        refused.every_rank = True  # the same script and WORLD_SIZE on every rank
+        raise refused
+    device = init_distributed()
+    _end_at_exit()
+    if device.type == "cuda" and all(p.device.type == "cpu" for p in model.parameters()):
+        model.to(device)
+
+
+def _end_at_exit() -> None:
+    """End the group this module started once the script is done: at exit, unless an
+    exception escaped it (then the other ranks may never reach the barrier)."""
+    hook = sys.excepthook
+
+    def note_failure(*args: Any) -> None:
+        global _failed
+        _failed = True
+        hook(*args)
+
+    sys.excepthook = note_failure
+    atexit.register(_finish)
+
+
+def _finish() -> None:
+    import torch.distributed as dist
+
+    from .._distributed._group import finish_distributed
+
+    if _failed or not (dist.is_available() and dist.is_initialized()):
+        return
+    finish_distributed()
