@@ -4,7 +4,7 @@ Checked the way OpenSSH's ``StrictModes`` checks the files a daemon trusts, and 
 kernel's ``fs.protected_symlinks`` refuses links planted in a shared folder; evendp checks
 owners and mode bits itself (``lstat``), so the refusals hold for root too, whom the
 operating system lets through everywhere. For a run folder ``F`` (``--out``,
-``TrainConfig(out_dir=...)``, ``evendp launch --run-dir``):
+``TrainConfig(out_dir=...)``, the launcher's ``run_dir``):
 
 - every symbolic link on the way to ``F`` is owned by this user or by root (another user's
   link can point the run at any folder of this user's: another run, whose checkpoints
@@ -170,8 +170,8 @@ def _check_itself(path: str | Path, real: Path, flag: str) -> None:
     )
     if info.st_uid != os.geteuid():
         raise UntrustedFolder(
-            f"{flag} {named} belongs to {describe_owner(info.st_uid)}, not to you "
-            f"({describe_owner(os.geteuid())}): its owner could replace the run's checkpoints "
+            f"{flag} {named} belongs to {describe_owner(info.st_uid)}, not to you, "
+            f"{describe_owner(os.geteuid())}: its owner could replace the run's checkpoints "
             "between runs; give a new --out (evendp creates it 0700, yours alone)"
         )
     if info.st_mode & 0o022:
