@@ -385,3 +385,23 @@ def test_neither_checkpoint_readable_ends_the_way_the_message_says(
     assert "deleted 2 checkpoint file(s)" in capsys.readouterr().out
     assert not (out / "ckpt.pt").is_symlink() and not (out / "ckpt.prev.pt").exists()
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 1
+
+
+@needs_root
+def test_a_marker_another_user_left_is_not_evendps(tmp_path: Path) -> None:
+    """Left while the folder was open to them (then ``chmod go-w`` as the refusal says): their
+    marker does not make the folder a run's, and is never taken for evendp's own."""
+    import shutil
+
+    from evendp._core._errors import EvendpError
+    from evendp.cli._run_folder import MARKER, claim_out_dir
+
+    out = tmp_path / "R"
+    out.mkdir(mode=0o700)
+    (out / MARKER).write_text("{}")
+    shutil.chown(out / MARKER, OTHER_UID, OTHER_UID)
+    with pytest.raises(EvendpError) as info:
+        claim_out_dir(str(out), overwrite=False)
+    said = str(info.value)
+    assert f"{MARKER} there is a file of uid {OTHER_UID}, not the marker evendp writes" in said
+    assert "remove it if the folder is yours" in said and "\n" not in said

@@ -248,7 +248,7 @@ def _mark(folder: Path) -> None:
     if os.path.lexists(marker):
         kind = "a folder" if marker.is_dir() else "not a regular file"
         if stat.S_ISREG(marker.lstat().st_mode):
-            kind = f"a file of {describe_owner(marker.lstat().st_uid)}'s"
+            kind = f"a file of {describe_owner(marker.lstat().st_uid)}"
         what = "a symbolic link" if marker.is_symlink() else kind
         raise EvendpError(
             f"--out {shown(str(folder))}: {MARKER} there is {what}, not the marker evendp "
