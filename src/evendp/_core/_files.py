@@ -10,6 +10,7 @@ size (``fstat``) before a byte of it is read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -172,8 +173,9 @@ def _kind(mode: int) -> str:
 
 def mkdir_private(folder: Path) -> None:
     """Create ``folder`` and its missing parents 0700, whatever the umask: a run's files are
-    its owner's (folders that exist already keep their mode). An ``OSError`` is the caller's
-    to word.
+    its owner's (folders that exist already keep their mode). A missing folder that someone
+    else makes first (between a run's check of its folder and its first save) is refused, not
+    written into: a ``PermissionError``. An ``OSError`` is the caller's to word.
 
     >>> import tempfile
     >>> new = Path(tempfile.mkdtemp()) / "a" / "b"
@@ -187,6 +189,13 @@ def mkdir_private(folder: Path) -> None:
         missing.append(here)
         here = here.parent
     for part in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another rank made it meanwhile
+        try:
             part.mkdir(mode=0o700)
-            os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not
+        except FileExistsError:  # made meanwhile: by another rank, or by another user
+            info = os.lstat(part)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                raise PermissionError(
+                    errno.EPERM, f"made meanwhile by uid {info.st_uid}, not by you", str(part)
+                ) from None
+            continue
+        os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not
