@@ -114,24 +114,23 @@ def _resolve(path: str, flag: str) -> tuple[Path, int]:
             continue
         except OSError as exc:  # not a folder on the way, no permission: the writer says it
             raise UntrustedFolder(
-                f"{flag} {shown(path)}: cannot look at {shown(str(step))} "
-                f"({exc.strerror or type(exc).__name__}); give an --out in a folder of yours"
+                f"{_set(flag, path)}: cannot look at {shown(str(step))} "
+                f"({exc.strerror or type(exc).__name__}); give a {flag} in a folder of yours"
             ) from None
         if not stat.S_ISLNK(info.st_mode):
             here = step
             continue
         if not trusted_owner(info):
             raise UntrustedFolder(
-                f"{flag} {shown(path)}: {shown(str(step))} is a symbolic link owned by "
+                f"{_set(flag, path)}: {shown(str(step))} is a symbolic link owned by "
                 f"{describe_owner(info.st_uid)}, neither you nor root: its owner can point it "
                 "at any folder, one of your other runs among them; give the real path of a "
-                f"folder of yours, e.g. {flag} "
-                f"{shown(os.path.expanduser('~/runs/' + step.name))}"
+                f"folder of yours, e.g. {_set(flag, os.path.expanduser('~/runs/' + step.name))}"
             )
         hops += 1
         if hops > _MAX_LINKS:
             raise UntrustedFolder(
-                f"{flag} {shown(path)}: more than {_MAX_LINKS} symbolic links on the way "
+                f"{_set(flag, path)}: more than {_MAX_LINKS} symbolic links on the way "
                 f"(a loop at {shown(str(step))}); give the folder's real path"
             )
         target = Path(os.readlink(step))
@@ -139,6 +138,15 @@ def _resolve(path: str, flag: str) -> tuple[Path, int]:
             here = Path("/")
         parts.extendleft(reversed(target.parts[1:] if target.is_absolute() else target.parts))
     return here, missing
+
+
+def _set(flag: str, value: str) -> str:
+    """``--out 'x'`` for a command's flag, ``out_dir='x'`` for a field.
+
+    >>> _set("--out", "runs/x"), _set("out_dir", "runs/x")
+    ("--out 'runs/x'", "out_dir='runs/x'")
+    """
+    return f"{flag} {shown(value)}" if flag.startswith("-") else f"{flag}={shown(value)}"
 
 
 def _check_above(path: str | Path, folder: Path, flag: str) -> None:
@@ -154,9 +162,9 @@ def _check_above(path: str | Path, folder: Path, flag: str) -> None:
         )
     if why is not None:
         raise UntrustedFolder(
-            f"{flag} {shown(str(path))}: the folder {shown(str(folder))} above it {why}: "
+            f"{_set(flag, str(path))}: the folder {shown(str(folder))} above it {why}: "
             "another user could rename the run folder away and put another in its place; "
-            "give an --out in a folder only you (or root) can change"
+            f"give a {flag} in a folder only you (or root) can change"
         )
 
 
@@ -165,18 +173,18 @@ def _check_itself(path: str | Path, real: Path, flag: str) -> None:
     info = os.lstat(real)
     if not stat.S_ISDIR(info.st_mode):
         return  # a file: the writer's own check says so
-    named = shown(str(path)) + (
+    named = _set(flag, str(path)) + (
         "" if str(real) == str(path) else f" (the folder {shown(str(real))})"
     )
     if info.st_uid != os.geteuid():
         raise UntrustedFolder(
-            f"{flag} {named} belongs to {describe_owner(info.st_uid)}, not to you, "
+            f"{named} belongs to {describe_owner(info.st_uid)}, not to you, "
             f"{describe_owner(os.geteuid())}: its owner could replace the run's checkpoints "
-            "between runs; give a new --out (evendp creates it 0700, yours alone)"
+            f"between runs; give a new {flag} (evendp creates it 0700, yours alone)"
         )
     if info.st_mode & 0o022:
         raise UntrustedFolder(
-            f"{flag} {named} is writable by group or others (mode "
+            f"{named} is writable by group or others (mode "
             f"{oct(info.st_mode & 0o7777)}): anyone who can write there could plant or replace "
-            f"the run's checkpoints; run `chmod go-w {real!s}` (or 700), or give a new --out"
+            f"the run's checkpoints; run `chmod go-w {real!s}` (or 700), or give a new {flag}"
         )

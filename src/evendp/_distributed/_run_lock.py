@@ -294,9 +294,9 @@ def trainer_lock(
     """
     if out_dir is None:
         return contextlib.nullcontext()
+    trusted_run_folder(out_dir, "out_dir")  # said by the field's name (hold_run_dir: --out)
     if distributed and os.environ.get(ENV_RUN_LOCK) != str(_lock_path(out_dir)):
-        trusted_run_folder(out_dir)  # unlocked, but checked like every run folder
-        return contextlib.nullcontext()
+        return contextlib.nullcontext()  # unlocked, but checked like every run folder
     return hold_run_dir(out_dir)
 
 
