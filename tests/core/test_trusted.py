@@ -42,13 +42,38 @@ def test_a_sticky_folder_open_to_all_above_the_run_is_fine(tmp_path: Path) -> No
     assert trusted_run_folder(shared / "new") == shared.resolve() / "new"
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
-def test_a_run_folder_writable_by_group_or_others_is_refused(tmp_path: Path, mode: int) -> None:
+@pytest.mark.parametrize("mode", [0o777, 0o702, 0o1777])
+def test_a_run_folder_writable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
     out = tmp_path / "out"
     out.mkdir()
     out.chmod(mode)
     said = _refused(out, f"(mode {oct(mode)})", "writable by group or others", "chmod go-w")
     assert str(out) in said
+
+
+@needs_root
+def test_a_run_folder_writable_by_a_shared_group_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, -1, OTHER_UID)  # a group of others (here: no such group, so not private)
+    out.chmod(0o770)
+    _refused(out, "(mode 0o770)", "writable by group or others")
+
+
+def test_a_group_of_ones_own_alone_may_write(tmp_path: Path) -> None:
+    """Where the umask is 002 (user private groups: Debian, Ubuntu), ``mkdir`` makes folders
+    0775 of the user's own group of one member: writable by the user alone, so accepted (as
+    Debian's OpenSSH accepts them)."""
+    from evendp._core._trusted import _private_group
+
+    if not _private_group(os.getegid(), os.geteuid()):
+        pytest.skip(f"this user's group (gid {os.getegid()}) has other members")
+    above = tmp_path / "runs"
+    above.mkdir()
+    above.chmod(0o775)
+    (above / "x").mkdir()
+    (above / "x").chmod(0o775)
+    assert trusted_run_folder(above / "x") == above.resolve() / "x"
 
 
 def test_a_folder_above_the_run_open_to_others_and_not_sticky_is_refused(tmp_path: Path) -> None:

@@ -10,11 +10,12 @@ operating system lets through everywhere. For a run folder ``F`` (``--out``,
   link can point the run at any folder of this user's: another run, whose checkpoints
   ``--overwrite`` would delete);
 - every existing folder above ``F`` (after the links) is owned by this user or by root, and is
-  not writable by group or others unless it is sticky (``/tmp``: others may add names there,
+  not writable by group (unless the group is the owner's private one, of one member: umask
+  002 systems) or others unless it is sticky (``/tmp``: others may add names there,
   but not rename or delete this user's): whoever can rename ``F`` away can put another folder
   in its place between two runs;
-- ``F`` itself, when it exists, is owned by this user and not writable by group or others
-  (sticky or not: anyone who can write there can plant a checkpoint).
+- ``F`` itself, when it exists, is owned by this user and not writable by group (its private
+  group aside) or others (sticky or not: anyone who can write there can plant a checkpoint).
 
 :func:`trusted_run_folder` returns ``F``'s real path: what a run deletes it deletes there, and
 says it by that name. A refusal is one line (:class:`UntrustedFolder`, exit 2) naming the path,
@@ -140,6 +141,37 @@ def _resolve(path: str, flag: str) -> tuple[Path, int]:
     return here, missing
 
 
+def _open_to_others(info: os.stat_result) -> bool:
+    """Whether someone other than the owner can write there: others can, or its group can and
+    is not the owner's private group (the user's own group of one member, made with the
+    account where the umask is 002: writable by the owner alone, as Debian's OpenSSH accepts).
+    """
+    if info.st_mode & 0o002:
+        return True
+    return bool(info.st_mode & 0o020) and not _private_group(info.st_gid, info.st_uid)
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` has exactly one member, user ``uid`` (its primary group or its
+    only listed member); an unknown group is not private.
+
+    >>> _private_group(-1, 0)
+    False
+    """
+    try:
+        import grp
+        import pwd
+
+        group = grp.getgrgid(gid)
+        owner = pwd.getpwuid(uid).pw_name
+        primary = [p.pw_uid for p in pwd.getpwall() if p.pw_gid == gid]
+    except (ImportError, KeyError, OverflowError):
+        return False
+    if any(member != uid for member in primary) or any(m != owner for m in group.gr_mem):
+        return False
+    return bool(primary) or group.gr_mem == [owner]
+
+
 def _set(flag: str, value: str) -> str:
     """``--out 'x'`` for a command's flag, ``out_dir='x'`` for a field.
 
@@ -155,7 +187,7 @@ def _check_above(path: str | Path, folder: Path, flag: str) -> None:
     why = None
     if not trusted_owner(info):
         why = f"belongs to {describe_owner(info.st_uid)}, not to you or root"
-    elif info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+    elif _open_to_others(info) and not info.st_mode & stat.S_ISVTX:
         why = (
             f"is writable by group or others (mode {oct(info.st_mode & 0o7777)}) and not "
             "sticky (chmod +t, as /tmp)"
@@ -182,7 +214,7 @@ def _check_itself(path: str | Path, real: Path, flag: str) -> None:
             f"{describe_owner(os.geteuid())}: its owner could replace the run's checkpoints "
             f"between runs; give a new {flag} (evendp creates it 0700, yours alone)"
         )
-    if info.st_mode & 0o022:
+    if _open_to_others(info):
         raise UntrustedFolder(
             f"{named} is writable by group or others (mode "
             f"{oct(info.st_mode & 0o7777)}): anyone who can write there could plant or replace "
