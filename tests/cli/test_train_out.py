@@ -3,6 +3,7 @@ checked before any work, and contradictory options are refused (exit 2, one line
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from evendp.cli import main
+from tests._other_user import OTHER_UID, as_other, needs_root, shared_folder
 
 TINY = ["--devices", "cpu", "--batch", "4", "--steps", "1", "--no-progress", "--no-plan",
         "--n-layer", "1", "--n-embd", "16", "--block-size", "16",
@@ -283,3 +285,123 @@ def test_a_refused_run_leaves_nothing_behind(
         assert "--batch 100000 is more than the" in capfd.readouterr().err  # a rank's, too
     assert not new.exists()
     assert kept.is_dir() and list(kept.iterdir()) == []  # there before: kept, and empty
+
+
+# -- issue 53: a second user on the same machine -----------------------------------------------
+
+
+def _a_run(folder: Path) -> dict[str, bytes]:
+    """A run folder as a run leaves it (its marker and two checkpoints); its bytes by name."""
+    from evendp.cli._run_folder import MARKER
+
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / MARKER).write_text("{}")
+    (folder / "ckpt.pt").write_bytes(b"the baseline's step 4")
+    (folder / "ckpt.prev.pt").write_bytes(b"the baseline's step 2")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@needs_root
+def test_an_out_another_user_made_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's first case: ``--out`` made by the other user, 0777, trained in with no word."""
+    shared = shared_folder(tmp_path)
+
+    def plant() -> None:
+        os.mkdir("a1")
+        os.chmod("a1", 0o777)
+
+    as_other(shared, plant)
+    for resume in ([], ["--resume"]):
+        assert main(["train", *TINY, *resume, "--out", str(shared / "a1")]) == 2
+        err = _one_line(capsys)
+        assert f"--out {str(shared / 'a1')!r} belongs to uid {OTHER_UID}" in err, err
+        assert "give a new --out" in err and "Traceback" not in err, err
+    assert list((shared / "a1").iterdir()) == []
+
+
+@needs_root
+def test_overwrite_through_another_users_link_leaves_the_other_run_intact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's second case: the other user's link to the victim's baseline run, and the
+    victim's ``--out LINK --overwrite`` deleted the baseline's checkpoints."""
+    shared = shared_folder(tmp_path)
+    baseline = tmp_path / "runs" / "baseline"
+    before = _a_run(baseline)
+    as_other(shared, lambda: os.symlink(baseline, "a4"))
+    for extra in (["--overwrite"], ["--resume"], []):
+        assert main(["train", *TINY, *extra, "--out", str(shared / "a4")]) == 2
+        err = _one_line(capsys)
+        assert f"is a symbolic link owned by uid {OTHER_UID}" in err, err
+        assert "give the real path of a folder of yours" in err, err
+    assert {p.name: p.read_bytes() for p in baseline.iterdir()} == before  # byte for byte
+
+
+def test_overwrite_through_ones_own_link_says_the_real_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link of the user's own is followed, and what --overwrite deleted is said by the
+    folder it deleted in, not by the link."""
+    import argparse
+
+    from evendp.cli._train_args import fresh_start_check
+
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    baseline = tmp_path / "runs" / "baseline"
+    _a_run(baseline)
+    (tmp_path / "latest").symlink_to(baseline)
+    args = argparse.Namespace(
+        out=str(tmp_path / "latest"), overwrite=True, resume=False, resume_or_start=False
+    )
+    fresh_start_check(args)
+    said = capsys.readouterr().out
+    assert f"deleted 2 checkpoint file(s) in {str(baseline)!r}: ckpt.prev.pt, ckpt.pt" in said
+    assert sorted(p.name for p in baseline.iterdir()) == [".evendp-run.json"]
+
+
+def test_neither_checkpoint_readable_ends_the_way_the_message_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ckpt.pt`` a link to /dev/zero, ``ckpt.prev.pt`` a FIFO: the resume says "neither can
+    be resumed ... or --overwrite to delete them", and --overwrite then does (it refused
+    the FIFO); /dev/zero is never opened for writing, the link is removed, not followed."""
+    from evendp.cli._run_folder import MARKER
+
+    out = tmp_path / "R"
+    out.mkdir(mode=0o700)
+    (out / MARKER).write_text("{}")
+    (out / "ckpt.pt").symlink_to("/dev/zero")
+    os.mkfifo(out / "ckpt.prev.pt")
+    assert main(["train", *TINY, "--resume", "--out", str(out)]) == 2
+    err = _one_line(capsys)
+    assert "a link to '/dev/zero', a character device" in err and "a FIFO" in err, err
+    assert "neither can be resumed" in err and "--overwrite to delete them" in err, err
+    assert main(["train", *TINY, "--out", str(out)]) == 2  # a fresh run: told --overwrite
+    assert "or pass --overwrite to delete it" in _one_line(capsys)
+    assert main(["train", *TINY, "--overwrite", "--out", str(out)]) == 0
+    assert "deleted 2 checkpoint file(s)" in capsys.readouterr().out
+    assert not (out / "ckpt.pt").is_symlink() and not (out / "ckpt.prev.pt").exists()
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 1
+
+
+@needs_root
+def test_a_marker_another_user_left_is_not_evendps(tmp_path: Path) -> None:
+    """Left while the folder was open to them (then ``chmod go-w`` as the refusal says): their
+    marker does not make the folder a run's, and is never taken for evendp's own."""
+    import shutil
+
+    from evendp._core._errors import EvendpError
+    from evendp.cli._run_folder import MARKER, claim_out_dir
+
+    out = tmp_path / "R"
+    out.mkdir(mode=0o700)
+    (out / MARKER).write_text("{}")
+    shutil.chown(out / MARKER, OTHER_UID, OTHER_UID)
+    with pytest.raises(EvendpError) as info:
+        claim_out_dir(str(out), overwrite=False)
+    said = str(info.value)
+    assert f"{MARKER} there is a file of uid {OTHER_UID}, not the marker evendp writes" in said
+    assert "remove it if the folder is yours" in said and "\n" not in said

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from evendp._core._files import open_append, replace_file
+from tests._other_user import OTHER_UID, as_other, needs_root, shared_folder
 
 
 def test_replace_removes_a_killed_writers_temporary_file_and_leaves_none_of_its_own(
@@ -53,3 +54,26 @@ def test_append_to_a_regular_file_appends(tmp_path: Path) -> None:
     with os.fdopen(fd, "w") as f:
         f.write("1\n")
     assert path.read_text() == "step\n1\n"
+
+
+@needs_root
+def test_a_folder_another_user_makes_first_is_not_written_into(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 53: a run checks its missing ``--out`` at its start and makes it at its first
+    save; another user who makes it in between (in a shared sticky folder) is refused, not
+    joined."""
+    from evendp._core._files import mkdir_private
+
+    shared = shared_folder(tmp_path)
+    made = Path.mkdir
+
+    def raced(self: Path, *args: object, **kwargs: object) -> None:
+        if self.name == "run":  # the other user is quicker, between the look and the mkdir
+            as_other(shared, lambda: os.mkdir("run", 0o777))
+        made(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", raced)
+    with pytest.raises(PermissionError, match=f"made meanwhile by uid {OTHER_UID}"):
+        mkdir_private(shared / "run" / "deeper")
+    assert list((shared / "run").iterdir()) == []

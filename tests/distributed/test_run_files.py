@@ -321,3 +321,32 @@ def test_another_user_reaches_the_store_as_documented_but_not_the_runs_files(
         assert oct(out.stat().st_mode & 0o777) == "0o700"
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_torchruns_log_is_created_0600_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 53: torchrun's log files in the private run folder were 0644 (opened with the
+    umask's mode); created 0600 now, the kept one (renamed beside the outcome folder) too."""
+    import logging
+
+    from evendp._distributed._torchrun import _quiet
+
+    outcome = tmp_path / "evendp-outcome-x"
+    outcome.mkdir(mode=0o700)
+    old = os.umask(0)
+    try:
+        log = _quiet.log_to_file(str(outcome / "torchrun.log"))
+    finally:
+        os.umask(old)
+    try:
+        assert oct((outcome / "torchrun.log").stat().st_mode & 0o777) == "0o600"
+        kept = _quiet.keep_log(log, "torchrun's report")
+        assert kept.parent == tmp_path and oct(kept.stat().st_mode & 0o777) == "0o600"
+        assert kept.read_text() == "torchrun's report\n"
+    finally:
+        log.close()
+        for name in _quiet._TORCHRUN_LOGGERS:  # the handlers log_to_file added, gone
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if getattr(handler, "stream", None) is log:
+                    logger.removeHandler(handler)
+            logger.propagate = True

@@ -495,6 +495,7 @@ def test_a_killed_rank_is_one_line_not_torchruns_report(tmp_path: Path) -> None:
     kept = Path(said[0].rsplit("(its report: ", 1)[1].rstrip(")"))
     try:
         assert oct(kept.parent.stat().st_mode & 0o777) == "0o700", kept
+        assert oct(kept.stat().st_mode & 0o777) == "0o600", kept  # issue 53: was 0644
         report = kept.read_text()
         assert "ChildFailedError" in report or "exitcode" in report, report
         assert "local_rank" in report, report

@@ -19,6 +19,7 @@ from evendp._training._strategies._fsdp2 import FSDP2
 from evendp._training._strategies._oom_safe_ddp import OomSafeDDP
 from evendp._training._train_state import TrainState
 from evendp._training._trainer import TrainConfig, Trainer
+from tests._other_user import needs_root
 from tests.training.test_trainer import TinyLM, _data
 
 # What ckpt.pt has held since checkpoints had a digest: a stable surface (files in --out).
@@ -194,3 +195,66 @@ def test_a_checkpoint_written_at_768fa7a_resumes_on_each_rank(tmp_path: Path) ->
         assert train.losses == [2.5, 2.0, 1.5] and train.samples == [5, 3]
         assert optimizer.state_dict()["state"][0]["step"] == 1
         assert count.loaded is None and count.value == 5  # fresh: no such part then
+
+
+def _odd(kind: str, path: Path) -> str:
+    """Put an odd file of ``kind`` at ``path`` (a good checkpoint there before); what the
+    fallback line must say about it."""
+    import os
+    import shutil
+
+    good = path.read_bytes()
+    path.unlink()
+    if kind == "fifo":  # issue 53: resumed from the previous checkpoint without a word
+        os.mkfifo(path)
+        return "it is a FIFO, not a regular file"
+    if kind == "link_to_a_device":
+        path.symlink_to("/dev/zero")
+        return "it is a link to '/dev/zero', a character device"
+    if kind == "dangling_link":
+        path.symlink_to(path.with_name("gone.pt"))
+        return "which does not exist"
+    if kind == "folder":
+        path.mkdir()
+        return "it is a folder, not a regular file"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return "not a torch.save zip archive"
+    if kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+        return "is unreadable"
+    assert kind == "another_users"  # left there while the folder was open to them
+    from tests._other_user import OTHER_UID
+
+    path.write_bytes(good)
+    shutil.chown(path, OTHER_UID, OTHER_UID)
+    return f"it belongs to uid {OTHER_UID}, not to you"
+
+
+_ODD_KINDS = [
+    "fifo", "link_to_a_device", "dangling_link", "folder", "empty", "truncated",
+    pytest.param("another_users", marks=needs_root),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", _ODD_KINDS)
+def test_every_fallback_from_an_odd_checkpoint_is_said_in_one_line(
+    tmp_path: Path, kind: str
+) -> None:
+    """Issue 53, item 3: whatever sits at ``ckpt.pt``, the resume takes ``ckpt.prev.pt`` and
+    says which file it skipped, why, and what it used instead."""
+    path = tmp_path / "ckpt.pt"
+    net = torch.nn.Linear(2, 1)
+    for step in (1, 2):
+        Checkpointer(WholeFile()).save(
+            path, {"model": net, "train": TrainState(devices=1, step=step)}
+        )
+    why = _odd(kind, path)
+    state = TrainState(devices=1)
+    notes = Checkpointer(WholeFile()).resume(path, {"model": net, "train": state})
+    assert notes is not None and state.step == 1
+    fell = [n for n in notes if "fell back" in n]
+    assert len(fell) == 1 and "\n" not in fell[0], notes
+    assert fell[0].startswith(f"checkpoint {str(path)!r}") or str(path) in fell[0], fell
+    assert why in fell[0], fell
+    assert fell[0].endswith(f"fell back to the previous checkpoint {str(previous_path(path))!r}")

@@ -10,6 +10,7 @@ size (``fstat``) before a byte of it is read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -105,10 +106,13 @@ def open_append(path: Path) -> int | None:
     return fd
 
 
-def open_regular(path: str | Path, cap: int | None = None) -> IO[bytes]:
+def open_regular(path: str | Path, cap: int | None = None, *, mine: bool = False) -> IO[bytes]:
     """``path`` opened for reading, once it is known to be a regular file of at most ``cap``
     bytes: opened non-blocking (a FIFO or a device answers at once instead of waiting for a
     writer), checked with ``fstat`` on the open descriptor (the file read is the file checked).
+    ``mine``: it must belong to this user too (a run's own files: what another user put in a
+    run folder while it was open to them is not read). :class:`NotReadable` says why not, a
+    link named with its target.
 
     >>> d = Path(tempfile.mkdtemp()); _ = (d / "f").write_bytes(b"abc")
     >>> with open_regular(d / "f", cap=3) as f: f.read()
@@ -117,16 +121,36 @@ def open_regular(path: str | Path, cap: int | None = None) -> IO[bytes]:
     Traceback (most recent call last):
     ...
     evendp._core._files.NotReadable: it is a FIFO, not a regular file
+    >>> (d / "zero").symlink_to("/dev/zero"); open_regular(d / "zero")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp._core._files.NotReadable: it is a link to '/dev/zero', a character device, not a ...
     >>> open_regular(d / "f", cap=2)
     Traceback (most recent call last):
     ...
     evendp._core._files.NotReadable: it is 3 bytes, more than the 2 such a file can be
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    link = os.readlink(path) if os.path.islink(path) else None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if link is None:
+            raise
+        raise NotReadable(f"it is a link to {link!r}, which does not exist") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise NotReadable(f"it is {_kind(info.st_mode)}, not a regular file")
+            what = (
+                _kind(info.st_mode)
+                if link is None
+                else f"a link to {link!r}, {_kind(info.st_mode)}"
+            )
+            raise NotReadable(f"it is {what}, not a regular file")
+        if mine and info.st_uid != os.geteuid():
+            raise NotReadable(
+                f"it belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}): another "
+                "user wrote it"
+            )
         if cap is not None and info.st_size > cap:
             raise NotReadable(f"it is {info.st_size} bytes, more than the {cap} such a file can be")
         os.set_blocking(fd, True)
@@ -149,8 +173,9 @@ def _kind(mode: int) -> str:
 
 def mkdir_private(folder: Path) -> None:
     """Create ``folder`` and its missing parents 0700, whatever the umask: a run's files are
-    its owner's (folders that exist already keep their mode). An ``OSError`` is the caller's
-    to word.
+    its owner's (folders that exist already keep their mode). A missing folder that someone
+    else makes first (between a run's check of its folder and its first save) is refused, not
+    written into: a ``PermissionError``. An ``OSError`` is the caller's to word.
 
     >>> import tempfile
     >>> new = Path(tempfile.mkdtemp()) / "a" / "b"
@@ -164,6 +189,13 @@ def mkdir_private(folder: Path) -> None:
         missing.append(here)
         here = here.parent
     for part in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another rank made it meanwhile
+        try:
             part.mkdir(mode=0o700)
-            os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not
+        except FileExistsError:  # made meanwhile: by another rank, or by another user
+            info = os.lstat(part)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                raise PermissionError(
+                    errno.EPERM, f"made meanwhile by uid {info.st_uid}, not by you", str(part)
+                ) from None
+            continue
+        os.chmod(part, 0o700)  # mkdir's mode is masked by the umask; chmod's is not

@@ -90,7 +90,7 @@ def _mark(name: str) -> None:
     # Several ranks may mark at once: any one mark is enough. An OSError: the launcher (or
     # its folder) is gone, and nobody is left to warn.
     with contextlib.suppress(OSError):
-        (Path(outcome).parent / name).touch(exist_ok=True)
+        (Path(outcome).parent / name).touch(mode=0o600, exist_ok=True)  # private, as all
 
 
 def sizes_were_read(outcome: Path) -> bool:

@@ -48,7 +48,7 @@ def rank0_files(
     ([False], [])
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [p.is_file() for p in paths], []
+        return [os.path.lexists(p) for p in paths], []
     rank, device = dist.get_rank(), comm_device()
     facts = torch.stack([_facts(p) for p in paths]) if rank == 0 else torch.zeros(len(paths), 6)
     facts = facts.to(torch.int64).to(device)
@@ -79,7 +79,7 @@ def rank0_files(
 
 def _facts(path: Path) -> torch.Tensor:
     """``[held, size, digest...]`` of rank 0's ``path``."""
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything there (a FIFO, a link): its load says why not
         return torch.zeros(6, dtype=torch.int64)
     try:
         data = _read(path)
@@ -89,7 +89,7 @@ def _facts(path: Path) -> torch.Tensor:
 
 
 def _read(path: Path) -> bytes:
-    with open_regular(path) as source:  # no FIFO, no link's target outside the folder
+    with open_regular(path, mine=True) as source:  # no FIFO, no link's target outside the folder
         return source.read()
 
 

@@ -19,7 +19,9 @@ ranks, told by ``EVENDP_RUN_LOCK``) join with shared locks of their own. A secon
 of them lives and refuses with one line naming the holder.
 
 ``evendp train`` (every mode), ``evendp launch``'s ranks and the Trainer with ``out_dir``
-take it; in one process a second :func:`hold_run_dir` of the same folder is a no-op.
+take it; in one process a second :func:`hold_run_dir` of the same folder is a no-op. Before
+it is taken, the folder is checked: no other local user may control it
+(:func:`~evendp._core._trusted.trusted_run_folder`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import CheckpointError
+from .._core._trusted import trusted_run_folder
 from ._run_files import open_private, owned_by_me, run_files_dir
 
 __all__ = [
@@ -151,6 +154,7 @@ def hold_run_dir(out_dir: str | Path, command: str | None = None) -> Iterator[Pa
     True
     """
 
+    trusted_run_folder(out_dir)  # no other user's folder, nor a link of theirs on the way
     path = _lock_path(out_dir)
     key = str(path)
     if key in _held:  # this process holds it already (the CLI around the Trainer)
@@ -288,10 +292,11 @@ def trainer_lock(
     >>> with trainer_lock(None, distributed=False):
     ...     pass
     """
-    if out_dir is None or (
-        distributed and os.environ.get(ENV_RUN_LOCK) != str(_lock_path(out_dir))
-    ):
+    if out_dir is None:
         return contextlib.nullcontext()
+    trusted_run_folder(out_dir, "out_dir")  # said by the field's name (hold_run_dir: --out)
+    if distributed and os.environ.get(ENV_RUN_LOCK) != str(_lock_path(out_dir)):
+        return contextlib.nullcontext()  # unlocked, but checked like every run folder
     return hold_run_dir(out_dir)
 
 

@@ -151,7 +151,7 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
     >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
     True
     """
-    candidates = [c for c in _positions(Path(path)) if c.exists()]
+    candidates = [c for c in _positions(Path(path)) if os.path.lexists(c)]
     if not candidates:
         return None
 
@@ -533,7 +533,7 @@ def _read(path: Path, limit: int | None = None, *, position_only: bool = False) 
     step, ``extra`` and generator states without reading a tensor's data (tensors come back
     on the meta device, the digest unchecked: the full load checks it)."""
     fix = fix_for(path)
-    if not path.exists():  # a FIFO or a folder is there: refused by what it is, below
+    if not os.path.lexists(path):  # a FIFO, a folder, a link: refused by what it is, below
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
     cap = None if limit is None else limit + _ARCHIVE_SLACK
     payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit, cap, meta=position_only)
@@ -602,7 +602,7 @@ def _load_tagged(
     :class:`CorruptCheckpoint`, from which a resume falls back; both messages end with ``fix``.
     """
     try:
-        with open_regular(path, cap) as source:
+        with open_regular(path, cap, mine=True) as source:
             check_archive(source, limit)  # before torch.load: no zip bomb, no legacy format
             location = "meta" if meta else "cpu"
             payload = torch.load(source, map_location=location, weights_only=True)

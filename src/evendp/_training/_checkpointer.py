@@ -37,6 +37,7 @@ corrupt: the resume falls back to the previous one, as for a garbled file.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,8 @@ class CheckpointFormat(abc.ABC):
     def candidates(self, path: Path) -> tuple[list[Path], list[str]]:
         """The checkpoints a resume may take, latest first (every rank the same list), and
         lines on how they came here: ``path`` and its previous copy where they exist."""
-        return [p for p in (path, previous_path(path)) if p.exists()], []
+        # Anything at the name (a FIFO, a dangling link): its load says why it is skipped.
+        return [p for p in (path, previous_path(path)) if os.path.lexists(p)], []
 
     @abc.abstractmethod
     def load(
@@ -366,7 +368,9 @@ class Checkpointer:
             candidates, lambda p: self.format.load(p, present, rank=self.rank, verify=self._check)
         )
         self._latest_bad = found != path
-        notes = fetched + [f"{s}; fell back to the previous checkpoint" for s in skipped]
+        notes = fetched + [
+            f"{s}; fell back to the previous checkpoint {str(found)!r}" for s in skipped
+        ]
         notes += info.get("notes", [])  # the format's own fallbacks inside one checkpoint
         notes.append(f"resumed from {found} at step {info['step']}")
         if str(found) in UNVERIFIED:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
-from .._core._files import NotReadable, open_append, open_regular, replace_file
+from .._core._files import NotReadable, mkdir_private, open_append, open_regular, replace_file
 from .._core._validate import validate_instance, validate_path
 from ._callbacks import Callback
 
@@ -169,6 +169,9 @@ class TensorBoardLogger(MetricLogger):
         if self._writer is None:  # made at the first write: ranks > 0 create no file
             from torch.utils.tensorboard import SummaryWriter
 
+            # TensorBoard opens its event file with the umask's mode, later, in its own
+            # thread: a new log_dir is made 0700 first, so the file is this user's alone.
+            mkdir_private(self.log_dir)
             self._writer = SummaryWriter(str(self.log_dir))
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)

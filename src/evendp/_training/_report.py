@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from .._core._files import replace_file
+from .._core._files import mkdir_private, replace_file
 from .._core._table import format_bytes
 
 __all__ = [
@@ -343,7 +343,7 @@ def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:
     from rich.console import Console
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    mkdir_private(out)  # 0700 when new, like every folder of a run
     paths = {"json": out / "report.json", "txt": out / "report.txt", "png": out / "report.png"}
     replace_file(paths["json"], (json.dumps(report.to_dict(), indent=2) + "\n").encode())
     console = Console(record=True, width=130, file=io.StringIO())

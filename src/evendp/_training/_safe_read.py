@@ -169,7 +169,7 @@ def read_dcp_metadata(path: str | Path) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        opened = open_regular(path, _MAX_METADATA)
+        opened = open_regular(path, _MAX_METADATA, mine=True)
     except NotReadable as exc:
         raise Refused(f".metadata: {exc}") from None
     with opened as f:
@@ -219,7 +219,7 @@ def safe_dcp() -> tuple[type, type]:
             for item in plan.items:
                 info = self.storage_data[item.storage_index]
                 try:
-                    with open_regular(Path(self.path) / info.relative_path) as f:
+                    with open_regular(Path(self.path) / info.relative_path, mine=True) as f:
                         check_archive(_Slice(f, info.offset, info.length))  # type: ignore[arg-type]
                 except (Refused, NotReadable) as exc:
                     raise Refused(f"{item.storage_index.fqn}: {exc}") from None

@@ -12,15 +12,17 @@ import tempfile
 from pathlib import Path
 
 from .._core._errors import EvendpError
+from .._core._trusted import trusted_run_folder
 from .._core._validate import shown, validate_path
 
 __all__ = ["check_out_dir", "check_out_file"]
 
 
 def check_out_dir(flag: str, path: str) -> None:
-    """``path`` is a folder, or can be made one, and files can be written in it.
+    """``path`` is a folder, or can be made one, no other local user controls it
+    (:func:`~evendp._core._trusted.trusted_run_folder`), and files can be written in it.
 
-    >>> check_out_dir("--out", tempfile.gettempdir())
+    >>> check_out_dir("--out", tempfile.mkdtemp())
     >>> check_out_dir("--out", "/proc/evendp-run")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -33,6 +35,7 @@ def check_out_dir(flag: str, path: str) -> None:
             f"{flag} {shown(path)} is a file, not a folder; give a folder (created if missing), "
             f"e.g. {flag} runs/x"
         )
+    trusted_run_folder(path, flag)
     _check_writable(flag, path, _nearest_existing(target))
 
 

@@ -8,7 +8,11 @@ would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files of
 folder (unmarked, a ``ckpt.pt`` may be another program's: refused), by their exact names
 (``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a folder
 only when everything in it is what a run writes there, and never follows a link: a user's
-``ckpt.backups/`` or ``ckpt.notes.txt`` stays. An ``--out`` that is a dangling link is refused.
+``ckpt.backups/`` or ``ckpt.notes.txt`` stays. A link, a FIFO or a device node at a checkpoint's
+name in a marked folder (what a resume refuses) is removed by its name, never opened nor
+followed. It all happens in the folder ``--out`` resolves to, once no other user controls it
+(:func:`~evendp._core._trusted.trusted_run_folder`), and is said by that real path. An
+``--out`` that is a dangling link is refused.
 """
 
 from __future__ import annotations
@@ -17,13 +21,22 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 from .._core._errors import EvendpError
 from .._core._files import mkdir_private
+from .._core._trusted import describe_owner, trusted_run_folder
 from .._core._validate import shown
 
-__all__ = ["MARKER", "claim_out_dir", "evendp_checkpoints", "foreign_entries", "unclaim_out_dir"]
+__all__ = [
+    "MARKER",
+    "claim_out_dir",
+    "evendp_checkpoints",
+    "foreign_entries",
+    "odd_checkpoints",
+    "unclaim_out_dir",
+]
 
 MARKER = ".evendp-run.json"
 
@@ -80,6 +93,27 @@ def evendp_checkpoints(out: Path) -> list[Path]:
     return found
 
 
+def odd_checkpoints(out: Path) -> list[Path]:
+    """What sits at a checkpoint's name in ``out`` that is neither a file nor a folder: a
+    link (to anything), a FIFO, a socket, a device node. A resume refuses each, and
+    ``--overwrite`` removes each by its name (``unlink``: never opened, never followed).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); os.mkfifo(d / "ckpt.prev.pt")
+    >>> (d / "ckpt.pt").symlink_to("/dev/zero"); [p.name for p in odd_checkpoints(d)]
+    ['ckpt.prev.pt', 'ckpt.pt']
+    """
+    if not out.is_dir():
+        return []
+    return [
+        entry
+        for entry in sorted(out.iterdir())
+        if _CHECKPOINT.fullmatch(entry.name)
+        and not stat.S_ISDIR(mode := entry.lstat().st_mode)
+        and not stat.S_ISREG(mode)
+    ]
+
+
 def _written_by_a_run(folder: Path) -> bool:
     """Whether all ``folder`` (a ``ckpt.dcp`` or ``ckpt.ds``) holds is what a run writes there:
     regular files of the format's names, and for DeepSpeed its step folders."""
@@ -103,44 +137,58 @@ def _is_folder(path: Path) -> bool:
 
 
 def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
-    """Before a fresh run's first work: refuse an ``out`` that is a dangling link or holds
-    files that are not a run's; with ``overwrite``, delete evendp's checkpoints there (returned),
-    else refuse when there are any. Then mark ``out`` as a run folder."""
-    folder = Path(out)
-    if folder.is_symlink() and not folder.exists():
+    """Before a fresh run's first work: refuse an ``out`` that another user controls
+    (:func:`~evendp._core._trusted.trusted_run_folder`), is a dangling link or holds files
+    that are not a run's; with ``overwrite``, delete evendp's checkpoints there (returned, by
+    their real paths: in the folder ``out`` resolves to), else refuse when there are any. Then
+    mark ``out`` as a run folder."""
+    folder = trusted_run_folder(out)  # every deletion below is in this real folder
+    given = Path(out)
+    if given.is_symlink() and not given.exists():
         raise EvendpError(
-            f"--out {shown(out)} is a link to {shown(os.readlink(folder))}, which does not "
+            f"--out {shown(out)} is a link to {shown(os.readlink(given))}, which does not "
             "exist; create its target, or give another --out"
         )
     foreign = foreign_entries(folder)
     if foreign:
         listed = ", ".join(shown(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise EvendpError(
-            f"--out {shown(out)} holds files that are not an evendp run's ({listed}); its "
-            "report and checkpoint files would replace same-named ones; give an empty or new "
-            "folder, e.g. --out runs/x"
+            f"--out {_named(out, folder)} holds files that are not an evendp run's ({listed}); "
+            "its report and checkpoint files would replace same-named ones; give an empty or "
+            "new folder, e.g. --out runs/x"
         )
-    found = evendp_checkpoints(folder)
-    _refuse_lookalikes(folder, found)
-    if found and overwrite and not _is_marker(folder / MARKER):
+    marked = _is_marker(folder / MARKER)
+    found, odd = evendp_checkpoints(folder), odd_checkpoints(folder)
+    _refuse_lookalikes(folder, found + odd if overwrite and marked else found, marked)
+    found = sorted(found + odd)
+    if found and overwrite and not marked:
         raise EvendpError(
-            f"--overwrite deletes the checkpoints of a run folder, but {shown(out)} has no "
-            f"{MARKER} (every evendp train run writes one), so its {found[0].name} may be "
+            f"--overwrite deletes the checkpoints of a run folder, but {_named(out, folder)} has "
+            f"no {MARKER} (every evendp train run writes one), so its {found[0].name} may be "
             "another program's; delete it yourself if it is a run's, or give another --out"
         )
     if found and not overwrite:
         raise EvendpError(
-            f"--out {shown(out)} holds another run's checkpoint ({found[0].name}); continue it "
-            "with --resume (or --resume-or-start), train into a fresh --out, or pass "
-            "--overwrite to delete it and start over"
+            f"--out {_named(out, folder)} holds another run's checkpoint ({found[0].name}); "
+            "continue it with --resume (or --resume-or-start), train into a fresh --out, or "
+            "pass --overwrite to delete it and start over"
         )
     for path in found:
-        if path.is_dir():
+        if path in odd:
+            path.unlink()  # the link or the FIFO itself: never opened, never followed
+        elif path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
     _mark(folder)
     return found
+
+
+def _named(out: str, folder: Path) -> str:
+    """``out`` as given, and the real folder when it differs (a link of the user's own)."""
+    if os.path.abspath(out) == str(folder):
+        return shown(out)
+    return f"{shown(out)} (the folder {shown(str(folder))})"
 
 
 def unclaim_out_dir(out: str, *, created: bool) -> None:
@@ -156,26 +204,34 @@ def unclaim_out_dir(out: str, *, created: bool) -> None:
             folder.rmdir()
 
 
-def _refuse_lookalikes(folder: Path, found: list[Path]) -> None:
-    """A checkpoint name evendp would write to that is not a run's file (a link, a folder of
-    other files): never replaced, never written into."""
+def _refuse_lookalikes(folder: Path, found: list[Path], marked: bool) -> None:
+    """A checkpoint name evendp would write to that is not a run's file (a link, a FIFO, a
+    folder of other files): never replaced, never written into. In a run folder (``marked``)
+    a link or a special file can go with ``--overwrite`` (an ``unlink``: its target stays)."""
     if not folder.is_dir():
         return
+    odd = odd_checkpoints(folder)
     for entry in sorted(folder.iterdir()):
         if _CHECKPOINT.fullmatch(entry.name) and entry not in found:
             what = "a link" if entry.is_symlink() else "not a file an evendp run writes"
             if not entry.is_symlink() and entry.is_dir():
                 what = "a folder holding files an evendp run does not write"
+            also = ", or pass --overwrite to delete it" if marked and entry in odd else ""
             raise EvendpError(
                 f"--out {shown(str(folder))}: {entry.name} there is {what}; a run would write "
-                "its checkpoint there: move it away, or pass another --out"
+                f"its checkpoint there: move it away{also}, or pass another --out"
             )
 
 
 def _is_marker(path: Path) -> bool:
-    """evendp's marker: a regular file, not a link to one (a planted link to any file would
-    let foreign files through the check)."""
-    return path.is_file() and not path.is_symlink()
+    """evendp's marker: a regular file of this user's, not a link to one (a planted link to
+    any file would let foreign files through the check, and so would another user's marker,
+    planted while the folder was open to them)."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
 
 
 def _mark(folder: Path) -> None:
@@ -191,6 +247,8 @@ def _mark(folder: Path) -> None:
         return
     if os.path.lexists(marker):
         kind = "a folder" if marker.is_dir() else "not a regular file"
+        if stat.S_ISREG(marker.lstat().st_mode):
+            kind = f"a file of {describe_owner(marker.lstat().st_uid)}"
         what = "a symbolic link" if marker.is_symlink() else kind
         raise EvendpError(
             f"--out {shown(str(folder))}: {MARKER} there is {what}, not the marker evendp "

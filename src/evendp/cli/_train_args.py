@@ -393,8 +393,10 @@ def resume_check(args: argparse.Namespace) -> int | None:
     node = int(getattr(args, "node_rank", 0) or 0)
     if node > 0 and not STRATEGIES[args.mode].checkpoint_spread:
         return None  # rank 0's checkpoint, on node 0: its launcher checks, its ranks send it
+    from evendp._core._trusted import trusted_run_folder
     from evendp._training._checkpoint import resumable_checkpoint  # torch: only to resume
 
+    trusted_run_folder(args.out)  # nothing is read from a folder another user controls
     # The checkpoint the resume will take: a corrupt latest one falls back to the previous.
     resumable = resumable_checkpoint(_checkpoint_in(args))
     if resumable is None:
@@ -454,10 +456,10 @@ def fresh_start_check(args: argparse.Namespace) -> Callable[[], None] | None:
 
     created = not os.path.lexists(args.out)
     found = claim_out_dir(args.out, overwrite=args.overwrite)
-    if found:
+    if found:  # said by the real folder's path: a link of the user's names another
         print(
             f"evendp train: --overwrite: deleted {len(found)} checkpoint file(s) in "
-            f"{shown(args.out)}: {', '.join(p.name for p in found)}"
+            f"{shown(str(found[0].parent))}: {', '.join(p.name for p in found)}"
         )
     return lambda: unclaim_out_dir(args.out, created=created)
 

@@ -220,7 +220,7 @@ def safe_load(path: str | Path, map_location: Any = None) -> Any:
     admitted."""
     where = Path(path)
     try:
-        with open_regular(where) as source:
+        with open_regular(where, mine=True) as source:
             check_archive(source)
             with torch.serialization.safe_globals(_data_classes()):
                 return torch.load(source, map_location=map_location, weights_only=True)
@@ -467,7 +467,7 @@ class DeepSpeedFiles(CheckpointFormat):
         first; when either is corrupt or hostile, the previous position (``state.prev.pt``) and
         its step's files."""
         latest = path / _STATE
-        candidates = [p for p in (latest, previous_path(latest)) if p.exists()]
+        candidates = [p for p in (latest, previous_path(latest)) if os.path.lexists(p)]
         if not candidates:
             raise CorruptCheckpoint(f"checkpoint {str(path)!r} has no {_STATE}")
 
