@@ -156,6 +156,18 @@ def test_memory_entries_must_match_the_ranks(
     assert "--memory" in err and "--devices 'cpu,cpu'" in err and "--nproc" not in err
 
 
+def test_memory_too_small_for_one_sample_is_said_in_readable_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51: 1 KiB budgets were "0.00 GiB"; every figure takes the unit that shows it."""
+    argv = ["train", *BASE, "--memory", "1KiB,1KiB", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not even one sample fits" in err
+    assert "GiB" not in err and "may use 972 B" in err  # 1 KiB less the planner's 5% margin
+    assert " MiB for one sample" in err or " KiB for one sample" in err
+
+
 def test_memory_and_weights_together_are_refused_under_ddp(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
