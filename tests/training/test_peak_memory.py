@@ -21,6 +21,7 @@ from evendp import TrainConfig, Trainer
 from evendp._training import _peak_memory
 from evendp._training._rehearse import attach_budgets
 from evendp._training._report import plot_panels, write_report
+from tests._helpers import requires_cuda
 
 MIB = 1 << 20
 DATA = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randn(20))
@@ -129,3 +130,19 @@ def test_whole_mean_shares_are_written_as_integers(tmp_path: Path) -> None:
     # Nothing was measured on these CPU devices: null, and the table says so.
     assert [d["peak_bytes"] for d in data["devices"]] == [None, None]
     assert str(report.table()).count("not measured") == 2
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_a_repeated_gpu_reports_its_allocators_reserved_peak_once() -> None:
+    """On a real GPU: one row for cuda:0's two replicas, its figure the allocator's own peak
+    reserved (not allocated), read after the run."""
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=2, batch_size=6, progress=False)
+    model = nn.Linear(3, 1).cuda()
+    report = Trainer(model, DATA, cfg, device_ids=["cuda:0", "cuda:0"], weights=[2, 1],
+                     loss_fn=_mse).fit()  # fmt: skip
+    (row,) = report.device_rows()
+    assert (row.name, row.replicas, row.peak_kind) == ("cuda:0", 2, "reserved")
+    assert row.peak_bytes == torch.cuda.max_memory_reserved(0)
+    assert row.peak_bytes >= torch.cuda.max_memory_allocated(0) > 0

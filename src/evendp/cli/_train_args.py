@@ -345,10 +345,9 @@ def _validate_nodes(args: argparse.Namespace) -> None:
             )
         return
     if not STRATEGIES[args.mode].ranks:
-        *some, last = _rank_modes()
         raise EvendpError(
             f"--nnodes {args.nnodes} runs ranks on several machines; use --mode "
-            f"{', '.join(some)} or {last} (--mode {args.mode} is one process)"
+            f"{_rank_modes(' or ')} (--mode {args.mode} is one process)"
         )
     if args.node_rank is None or args.master_addr is None:
         raise EvendpError(
