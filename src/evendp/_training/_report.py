@@ -377,7 +377,7 @@ def _shows(panel: Any, report: TrainReport) -> bool:
     if panel is _plot_split:  # where the split moved, or no memory panel shows the shares
         several = any(len(sizes) > 1 for sizes in report.batch_sizes_per_step)
         return several and (
-            _resplits(report.batch_sizes_per_step) > 0 or not _shows(_plot_memory, report)
+            _split_changes(report.batch_sizes_per_step) > 0 or not _shows(_plot_memory, report)
         )
     rows = report.device_rows()
     bars = [_memory_bars(d) for d in rows]
@@ -398,15 +398,17 @@ def _plot_loss(ax: Any, report: TrainReport) -> None:
 
 def _plot_split(ax: Any, report: TrainReport) -> None:
     """Each rank's batch size at each step this run trained, stacked (the global batch on
-    top): a speed re-split shows as a step where the bands change width."""
+    top): a speed re-split, or a split by cost, shows as a step where the bands change
+    width."""
     split = report.batch_sizes_per_step
     first = report.steps - len(split) + 1  # a resumed run's steps keep their numbers
     # Step k spans [k, k + 1): the last step (a short one too) gets its width.
     steps = range(first, first + len(split) + 1)
     ranks = list(zip(*split, split[-1], strict=True))
     ax.stackplot(steps, ranks, labels=_replica_labels(report.replicas), step="post")
-    changes = _resplits(split)
-    ax.set_title("Split over steps" + (f" ({changes} re-split{'s' * (changes != 1)})"))
+    changes = _split_changes(split)
+    # A change: a speed re-split, or a split by cost that moves with the step's samples.
+    ax.set_title("Split over steps" + (f" ({changes} change{'s' * (changes != 1)})"))
     ax.set_xlabel("step")
     ax.set_ylabel("samples per step")
     ax.set_ylim(0, max(sum(s) for s in split) * 1.25)  # room for the legend
@@ -414,10 +416,10 @@ def _plot_split(ax: Any, report: TrainReport) -> None:
     ax.grid(alpha=0.3)
 
 
-def _resplits(split: list[list[int]]) -> int:
-    """How often the split of a whole step changed (an epoch's short step is no re-split).
+def _split_changes(split: list[list[int]]) -> int:
+    """How often the split of a whole step changed (an epoch's short step is no change).
 
-    >>> _resplits([[6, 6], [9, 3], [9, 3], [2, 1]])
+    >>> _split_changes([[6, 6], [9, 3], [9, 3], [2, 1]])
     1
     """
     return sum(a != b and sum(a) == sum(b) for a, b in itertools.pairwise(split))
