@@ -83,6 +83,16 @@ def test_a_repeated_device_is_one_row_with_one_reserved_peak_beside_its_summed_p
     assert data["batch_sizes_per_step"] == [[4, 2]] * 3
 
 
+def test_the_progress_bar_shows_each_gpus_peak_once(
+    fake_gpu: dict[str, list[torch.device]],
+) -> None:
+    """Two replicas of one GPU: one figure; two GPUs that read alike: two figures."""
+    one, _ = _fit(["cpu:0", "cpu:0"], [2, 1], steps=1)
+    two, _ = _fit(["cpu", "cpu"], [2, 1], steps=1)  # cpu:0 and cpu:1, as cuda:0 and cuda:1
+    assert one._memory_text() == "136.0 MiB"
+    assert two._memory_text() == "136.0 MiB 136.0 MiB"
+
+
 def test_the_picture_names_what_was_measured(fake_gpu: dict[str, list[torch.device]]) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

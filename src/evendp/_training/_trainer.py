@@ -886,10 +886,10 @@ class Trainer:
     def _memory_text(self) -> str:
         if self.memory_budgets is not None:  # virtual CPU devices: one measured peak each
             return "/".join("-" if p is None else format_bytes(p) for p in self._peaks())
-        peaks = dict.fromkeys(
-            p for p in self.strategy.peak_memory() if p is not None
-        )  # virtual devices share one GPU: show it once
-        return " ".join(format_bytes(p) for p in peaks) if peaks else "-"
+        # Replicas of one GPU share its figure: one per device (two GPUs may read alike).
+        peaks = dict(zip(self.device_names, self.strategy.peak_memory(), strict=True))
+        shown = [format_bytes(p) for p in peaks.values() if p is not None]
+        return " ".join(shown) if shown else "-"
 
     def _callbacks_anywhere(self) -> bool:
         """Whether any rank has callbacks: under torchrun one all-reduce at the start, so a

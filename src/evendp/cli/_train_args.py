@@ -206,8 +206,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--log-to",
         choices=("csv", "tensorboard"),
         default=None,
-        help="also write one row per step (step, loss) to OUT/metrics.csv or, through "
-        "torch.utils.tensorboard (pip install tensorboard), to OUT/tensorboard",
+        help="also write one row per step (step, loss, lr, each measured device's peak) to "
+        "OUT/metrics.csv or, through torch.utils.tensorboard (pip install tensorboard), to "
+        "OUT/tensorboard",
     )
     p.add_argument(
         "--balance",
