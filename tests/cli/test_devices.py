@@ -7,6 +7,7 @@ import json
 import pytest
 
 import evendp._planning._devices as devices_mod
+from evendp._core._units import format_bytes
 from evendp.cli import main
 from tests.planning.test_devices import FakeNvml, mixed_gpus
 
@@ -53,7 +54,7 @@ def test_one_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert "NVIDIA H100 80GB HBM3" in out
     assert "00000000:10:00.0" in out
-    assert "1 GPU(s), 80.0 GiB free" in out
+    assert "1 GPU(s), 80.00 GiB free in all" in out
 
 
 def test_eight_mixed_gpus(
@@ -68,7 +69,7 @@ def test_eight_mixed_gpus(
     for i, (row, gpu) in enumerate(zip(rows, gpus, strict=True)):
         assert f"00000000:{0x10 + i:02X}:00.0" in row
         assert gpu.name in row
-        assert f"{gpu.free / 2**30:.1f}" in row
+        assert format_bytes(gpu.free) in row  # with its unit (a column had GiB fixed)
         for pid, _ in gpu.pids:
             assert str(pid) in row
 

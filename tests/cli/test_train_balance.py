@@ -40,5 +40,5 @@ def test_ddp_speed_balance_trains_the_same_global_batch_on_two_machines(tmp_path
 def test_speed_balance_needs_ranks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--mode", "dp", "--balance", "speed", "--devices", "cpu,cpu"]) == 2
     err = capsys.readouterr().err
-    assert "--balance speed balances ranks; use it with --mode ddp or fsdp2" in err
+    assert "--balance speed balances ranks; use it with --mode ddp, fsdp2, zero1 or" in err
     assert "Traceback" not in err

@@ -257,7 +257,10 @@ def test_ddp_modes_launch_uneven_cpu_ranks_ddp(runs: dict[str, Any]) -> None:
     """Moved from test_train.py: a --mode ddp launch on uneven CPU ranks (3:1)."""
     for report in [seg["report"] for seg in runs["segments"]] + [runs["report"]]:
         assert report["mode"] == "ddp" and report["steps_run"] > 0
-        assert {tuple(sizes) for sizes in report["batch_sizes_per_step"]} == {(12, 4)}
+        # Every whole step is [12, 4]; an epoch's short last step is there as it ran.
+        split = report["batch_sizes_per_step"]
+        assert {tuple(s) for s in split if sum(s) == 16} == {(12, 4)}
+        assert all(sum(s) < 16 for s in split if tuple(s) != (12, 4))
 
 
 @pytest.mark.multiprocess

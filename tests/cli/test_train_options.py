@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from evendp._training._strategies import STRATEGIES
+from evendp._training._strategies import STRATEGIES, rank_strategy_names
 from evendp.cli import build_parser, main
-from evendp.cli._train_args import OPTIONS_ENV, options_from_env, validate_args
+from evendp.cli._train_args import (
+    MACHINE_OPTIONS,
+    OPTIONS_ENV,
+    options_from_env,
+    run_options,
+    validate_args,
+)
 from evendp.cli._train_ddp import plan_ranks
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--max-chars", "600000"]
@@ -156,6 +163,18 @@ def test_memory_entries_must_match_the_ranks(
     assert "--memory" in err and "--devices 'cpu,cpu'" in err and "--nproc" not in err
 
 
+def test_memory_too_small_for_one_sample_is_said_in_readable_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51: 1 KiB budgets were "0.00 GiB"; every figure takes the unit that shows it."""
+    argv = ["train", *BASE, "--memory", "1KiB,1KiB", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not even one sample fits" in err
+    assert "GiB" not in err and "may use 972 B" in err  # 1 KiB less the planner's 5% margin
+    assert " MiB for one sample" in err or " KiB for one sample" in err
+
+
 def test_memory_and_weights_together_are_refused_under_ddp(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -270,7 +289,8 @@ def test_the_nodes_options_reach_torchrun_and_size_every_nodes_ranks(
         (["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--memory", "8MiB,8MiB"],
          "--memory plans this machine's ranks only"),
         (["--mode", "dp", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"],
-         "use --mode ddp"),
+         f"use --mode {', '.join(rank_strategy_names()[:-1])} or {rank_strategy_names()[-1]} "
+         "(--mode dp is one process)"),
     ],
     ids=["node-rank", "memory", "dp"],
 )  # fmt: skip
@@ -281,3 +301,35 @@ def test_the_nodes_options_are_checked_in_one_line(
     assert main(["train", *mode, *BASE, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and words in err, err
+
+
+def _train_help() -> str:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return " ".join(sub.choices["train"].format_help().split())  # argparse's wrapping undone
+
+
+def test_help_names_the_modes_that_run_ranks_as_the_registry_lists_them() -> None:
+    """Issue 51: --max-restarts and --comm-timeout said "ddp/fsdp2" while zero1 and deepspeed
+    run ranks too. Every list of two or more modes in evendp train's help (options, groups,
+    description) that names only modes with ranks names all of them, in the registry's order,
+    and the options only ranks take say so first."""
+    ranks = list(rank_strategy_names())
+    assert len(ranks) >= 3 and "dp" not in ranks
+    names = "|".join(sorted(STRATEGIES, key=len, reverse=True))
+    lists = re.finditer(rf"\b(?:{names})(?:(?:\s*[,/|]\s*|\s+or\s+)(?:{names})\b)+", _train_help())
+    found = [re.findall(rf"\b(?:{names})\b", m.group(0)) for m in lists]
+    only_ranks = [f for f in found if not set(f) - set(ranks)]
+    assert only_ranks and all(f == ranks for f in only_ranks), only_ranks
+    helps = {a.dest: a.help or "" for a in _train_actions()}
+    for dest in ("max_restarts", "comm_timeout", "balance"):
+        assert helps[dest].startswith(f"--mode {', '.join(ranks)}:"), helps[dest]
+
+
+def test_help_says_what_the_machines_of_a_run_must_share() -> None:
+    """Issue 51: the help said --devices must be the same on every machine; the plans'
+    agreement leaves it each machine's own (MACHINE_OPTIONS) and compares --weights."""
+    text = _train_help()
+    assert "devices" in MACHINE_OPTIONS and "its own --devices" in text
+    assert "weights" in run_options(argparse.Namespace(weights="3,1", devices="cpu"))
+    assert "--weights (one weight per rank of the whole run, node 0's first) and every " \
+        "other option the same everywhere" in text  # fmt: skip

@@ -186,8 +186,9 @@ def test_choose_devices(fake: FakeNvml, kwargs: dict[str, object], expected: lis
         ({"ids": [1, 1]}, "repeat"),
         ({"ids": []}, "empty"),
         ({"ids": [0], "count": 1}, "not both"),
-        ({"ids": [0], "min_free": "4GiB"}, "GPU 0 has 2.0 GiB free"),
-        ({"min_free": "100GiB"}, "found 0"),
+        ({"ids": [0], "min_free": "4GiB"}, "GPU 0 has 2.00 GiB free"),
+        ({"min_free": "100GiB"}, "with at least 100.00 GiB free, found 0"),
+        ({"count": 5, "min_free": "512MiB"}, "with at least 512.0 MiB free"),  # not "0.5 GiB"
         ({"min_free": "lots"}, "cannot read memory size"),
     ],
 )

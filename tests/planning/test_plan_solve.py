@@ -69,7 +69,9 @@ def test_a_zero_budget_device_gets_no_samples_when_it_holds_nothing_fixed() -> N
 
 
 def test_budgets_too_small_for_one_sample_raise() -> None:
-    with pytest.raises(PlanError, match="not even one sample fits"):
+    # Each figure in a unit that shows it (issue 51: it was "needs 0.00 GiB ... 0.00 GiB").
+    needs = r"device 0 needs 11\.0 KiB for one sample, may use 10\.5 KiB; device 1 needs"
+    with pytest.raises(PlanError, match=needs):
         _solve(_model(per_sample=KiB, fixed=10 * KiB), [int(10.5 * KiB)] * 2, None)
     # A device that cannot even hold the model (DDP: every rank does) makes any batch infeasible.
     with pytest.raises(PlanError, match="not even one sample fits"):

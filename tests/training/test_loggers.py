@@ -131,7 +131,7 @@ def test_budgeted_devices_log_their_measured_peaks(tmp_path: Path) -> None:
     report = trainer.fit()
     header = (tmp_path / "m.csv").read_text().splitlines()[0].split(",")
     assert header == ["step", "loss", "lr", "memory/cpu:0", "memory/cpu:1"]
-    peaks = [d.forward_peak_bytes for d in report.devices]
+    peaks = [d.peak_bytes for d in report.devices]
     assert all(p and p < 2**20 for p in peaks)
     assert [d.budget_bytes for d in report.devices] == [2**20, 2**20]
     assert "-" not in trainer._memory_text() and trainer._memory_text().count("/") == 1

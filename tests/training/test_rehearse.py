@@ -34,7 +34,7 @@ def test_a_user_model_rehearses_24mib_12mib(tmp_path: Path) -> None:
     # The planner's split trains, every forward within its budget, no OOM re-split needed.
     shares = [d.samples_per_step for d in devices]
     assert sum(shares) == 48 and shares[0] > shares[1]
-    assert all(d.forward_peak_bytes <= d.budget_bytes for d in devices)
+    assert all(d.peak_bytes <= d.budget_bytes and d.peak_kind == "forward" for d in devices)
     assert all(d.planned_bytes and d.even_planned_bytes for d in devices)
     assert report.resplits == 0 and report.steps == 2
     assert (tmp_path / "report.json").is_file() and (tmp_path / "report.png").is_file()

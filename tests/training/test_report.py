@@ -27,9 +27,15 @@ def _report(measured: bool) -> TrainReport:
             3 * 2**30 if measured else None,
             2 * 2**30,
             4 * 2**30,
+            peak_kind="reserved" if measured else None,
         ),
         DeviceStat(
-            "cuda:1" if measured else "cpu:1", 8, 2**30 if measured else None, 2**30, 4 * 2**30
+            "cuda:1" if measured else "cpu:1",
+            8,
+            2**30 if measured else None,
+            2**30,
+            4 * 2**30,
+            peak_kind="reserved" if measured else None,
         ),
     ]
     return TrainReport(
@@ -55,11 +61,12 @@ def _text(table: object, width: int = 120) -> str:
 def test_table_rows_and_memory_columns() -> None:
     text = _text(_report(measured=True).table())
     assert "cuda:0" in text and "cuda:1" in text
-    assert "peak, measured" in text and "3.00 GiB" in text and "4.00 GiB" in text
+    assert "peak reserved, measured" in text and "3.00 GiB" in text and "4.00 GiB" in text
     assert "67%" in text and "33%" in text
     cpu = _text(_report(measured=False).table())
-    # No measured figure: no measured column, and the planned one keeps its name.
-    assert "measured" not in cpu and "peak, planned" in cpu and "2.00 GiB" in cpu
+    # No measured figure: the measured column says so, the planned one keeps its name.
+    assert "reserved" not in cpu and "peak, planned" in cpu and "2.00 GiB" in cpu
+    assert cpu.count("not measured") == 2
 
 
 def test_write_report_files(tmp_path: Path) -> None:
@@ -133,9 +140,11 @@ def test_format_bytes() -> None:
 def _budgeted() -> TrainReport:
     mib = 2**20
     devices = [
-        DeviceStat("cpu:0", 12, None, 33 * mib, 30 * mib, 48 * mib, 31 * mib, 11, 27 * mib),
-        DeviceStat("cpu:1", 12, None, 30 * mib, 28 * mib, 48 * mib, 29 * mib, 11, 27 * mib),
-        DeviceStat("cpu:2", 8, None, 20 * mib, 25 * mib, 24 * mib, 20 * mib, 10, 24.3 * mib, True),
+        DeviceStat("cpu:0", 12, 31 * mib, 33 * mib, 30 * mib, 48 * mib, "forward", 11, 27 * mib),
+        DeviceStat("cpu:1", 12, 29 * mib, 30 * mib, 28 * mib, 48 * mib, "forward", 11, 27 * mib),
+        DeviceStat(
+            "cpu:2", 8, 20 * mib, 20 * mib, 25 * mib, 24 * mib, "forward", 10, 24.3 * mib, True
+        ),
     ]
     return TrainReport(devices, losses=[4.0, 3.0], steps=2, global_batch=32, model="GPT 3x64")
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from evendp._core._errors import EvendpError
 from evendp._distributed._group import finish_distributed
+from evendp._training import _peak_memory
 from evendp._training._trainer import TrainConfig, Trainer
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.stdlib_text import CharWindows
@@ -421,6 +422,10 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         real_update(bar, step, loss, samples, memory)
 
     TrainProgress.update = update  # type: ignore[method-assign]
+    # A fake GPU memory reader, a figure of its own on each rank: the report must gather
+    # every rank's peak (each rank reads only its own GPU). Put back below (a pooled rank).
+    real_reader = _peak_memory.reserved_peak
+    _peak_memory.reserved_peak = lambda device: (rank + 1) << 20
     for name, sizes, steps in EMPTY_CASES:
         for mode in EMPTY_MODES:
             torch.manual_seed(0)
@@ -451,7 +456,10 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
                 "losses": report.losses,
                 "samples": [d.samples_per_step for d in report.devices],
                 "shown": list(shown),
+                "split": report.batch_sizes_per_step,
+                "peaks": [(d.peak_bytes, d.peak_kind) for d in report.devices],
             }
+    _peak_memory.reserved_peak = real_reader
     # BatchNorm on uneven ranks: rank 0 warns, as one process does for its devices (issue 36).
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -580,6 +588,11 @@ def test_a_rank_with_no_samples_neither_hangs_nor_changes_the_gradient(
     assert r0["shown"] == r1["shown"] == [len(i) for i in per_step[:steps]]
     total = sum(len(i) for i in per_step[:steps])
     assert sum(r0["samples"]) * steps == pytest.approx(total)
+    # The report's split is what each rank trained at each step, the short last step too.
+    split = [[len(i) for i in parts] for parts in zip(*r0["indices"], strict=True)][:steps]
+    assert r0["split"] == r1["split"] == split
+    # Each rank's GPU peak (a fake reader: no GPU here) is in the report, not rank 0's alone.
+    assert r0["peaks"] == r1["peaks"] == [(1 << 20, "reserved"), (2 << 20, "reserved")]
 
 
 def test_fsdp2_refuses_a_prebuilt_optimizer() -> None:

@@ -1,4 +1,4 @@
-"""Tables and byte counts for people: what ``print`` shows of a plan or a report.
+"""Tables for people: what ``print`` shows of a plan or a report.
 
 ``Plan.table()`` and ``TrainReport.table()`` return a :class:`PrintableTable`, a
 ``rich.table.Table`` that a console renders as before and that ``print``/``str`` render as
@@ -12,24 +12,13 @@ import io
 from rich.console import Console
 from rich.table import Table
 
+# Byte counts are written by the units module (their one home, beside the reader); re-exported
+# here for the table code that always imported it from this module.
+from ._units import format_bytes
+
 __all__ = ["PrintableTable", "format_bytes"]
 
 _WIDTH = 120  # wide enough for a plan of 6 devices; str() has no terminal to ask
-
-
-def format_bytes(n: float | None) -> str:
-    """Human-readable bytes (binary units, as ``nvidia-smi``); ``None`` is shown as a dash.
-
-    >>> format_bytes(1536), format_bytes(3 * 2**30), format_bytes(48 * 2**20), format_bytes(None)
-    ('1.5 KiB', '3.00 GiB', '48.0 MiB', '-')
-    """
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            value = n / scale
-            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 class PrintableTable(Table):

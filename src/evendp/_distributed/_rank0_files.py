@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .._core._digest import digest_words
 from .._core._files import mkdir_private, open_regular, replace_file
-from .._core._table import format_bytes
+from .._core._units import format_bytes
 from ._group import comm_device
 
 __all__ = ["rank0_files"]

@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core._errors import EvendpError, PlanError
-from .._core._table import format_bytes
-from .._core._units import parse_bytes
+from .._core._units import format_bytes, parse_bytes
 from .._core._validate import shown
 from .._distributed._batch_plan import BatchPlan, validate_batch_sizes_option
 from .._distributed._group import comm_device

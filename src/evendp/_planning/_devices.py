@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core._errors import EvendpError, NvmlUnavailableError
-from .._core._units import parse_bytes
+from .._core._units import format_bytes, parse_bytes
 from .._core._validate import is_int, validate_int
 
 __all__ = [
@@ -202,7 +202,7 @@ def choose_devices(
         short = [d for d in chosen if d.free_memory < floor]
         if short:
             raise EvendpError(
-                f"GPU {short[0].index} has {short[0].free_memory / 2**30:.1f} GiB free, under "
+                f"GPU {short[0].index} has {format_bytes(short[0].free_memory)} free, under "
                 f"min_free={min_free!r}; pick other ids or lower min_free"
             )
         return chosen
@@ -213,10 +213,10 @@ def choose_devices(
     )
     wanted = len(ranked) if count is None else count
     if len(ranked) < wanted or not ranked:
-        have = ", ".join(f"{d.index}: {d.free_memory / 2**30:.1f} GiB" for d in devices) or "none"
+        have = ", ".join(f"{d.index}: {format_bytes(d.free_memory)}" for d in devices) or "none"
         raise EvendpError(
             f"asked for {wanted if count is not None else 'at least 1'} GPU(s) with at least "
-            f"{floor / 2**30:.1f} GiB free, found {len(ranked)} (free memory by id: {have}); "
+            f"{format_bytes(floor)} free, found {len(ranked)} (free memory by id: {have}); "
             "lower count or min_free, or free memory on the busy devices"
         )
     return ranked[:wanted]

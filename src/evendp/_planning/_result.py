@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from .._core._units import byte_unit
 from ._solve import Mode
 
 __all__ = ["KINDS", "DevicePlan", "DeviceRows", "Plan"]
@@ -270,7 +271,7 @@ class Plan:
         backward, few gradients exist yet, and the row is far below the parameters' size.
         """
         from .._core._table import PrintableTable as Table
-        from .._core._table import format_bytes as gib
+        from .._core._units import format_bytes as gib
 
         title, caption = self._title(), self._caption()
         lines = [*title.splitlines(), *caption.splitlines()]
@@ -341,15 +342,14 @@ class Plan:
         ax = fig.subplots()
         width = 0.38
         colors = [colormaps["tab10"](c) for c in range(10)]
-        top = (
-            max(
-                max(sum(d.breakdown.values()), sum(d.even_breakdown.values()), d.budget)
-                for _, d, _ in columns
-            )
-            / 2**30
+        most = max(
+            max(sum(d.breakdown.values()), sum(d.even_breakdown.values()), d.budget)
+            for _, d, _ in columns
         )
+        unit, scale = byte_unit(most)  # the axis in the unit of its largest figure
+        top = most / scale
         for j, (_, d, _) in enumerate(columns):
-            budget = d.budget / 2**30
+            budget = d.budget / scale
             ax.hlines(budget, j - width, j + width, colors="black", linestyles="--")
             for offset, parts, count in (
                 (-width / 2, d.breakdown, d.samples),
@@ -357,7 +357,7 @@ class Plan:
             ):
                 bottom = 0.0
                 for c, kind in enumerate(KINDS):
-                    h = parts.get(kind, 0) / 2**30
+                    h = parts.get(kind, 0) / scale
                     if h:
                         ax.bar(
                             j + offset,
@@ -384,7 +384,7 @@ class Plan:
                 )
         ax.set_ylim(0, top * 1.25 if top else 1)  # room for the counts and the legend
         ax.set_xticks(range(len(columns)), [label for label, _, _ in columns])
-        ax.set_ylabel("GiB (left: evendp, right hatched: even split; dashed: budget)")
+        ax.set_ylabel(f"{unit} (left: evendp, right hatched: even split; dashed: budget)")
         ax.set_title(
             f"{self.mode}{' no_grad' if self.no_grad else ''}: batch {self.global_batch} vs "
             f"even {self.even_global_batch} (numbers: samples per device)\n"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._core._errors import PlanError
+from .._core._units import format_bytes
 
 __all__ = [
     "Curve",
@@ -263,8 +264,8 @@ def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> li
         raise PlanError(
             "not even one sample fits: "
             + "; ".join(
-                f"device {s.start + j} needs {model.peak(s.start, 1, 1) / 2**30:.2f} GiB for "
-                f"one sample, may use {s.budget / 2**30:.2f} GiB"
+                f"device {s.start + j} needs {format_bytes(model.peak(s.start, 1, 1))} for "
+                f"one sample, may use {format_bytes(s.budget)}"
                 for s in spans
                 for j in range(min(s.count, 3))  # a long run of equal devices: its first ones
             )

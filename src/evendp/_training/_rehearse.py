@@ -204,8 +204,8 @@ def rehearse(
             ``count_fn``, ``collate_fn``, ``callbacks``, ...).
 
     Returns the :class:`TrainReport` (written to ``config.out_dir`` when set), with each
-    device's budget, measured forward peak (``forward_peak_bytes``), the planner's peaks and
-    the even split's share, measured forward and ``even_oom``.
+    device's budget, measured forward peak (``peak_bytes``, ``peak_kind="forward"``), the
+    planner's peaks and the even split's share, measured forward and ``even_oom``.
 
     >>> from evendp import TrainConfig
     >>> torch.manual_seed(0) and None
@@ -220,7 +220,7 @@ def rehearse(
     the even split [32, 32] (what nn.DataParallel runs) fails: virtual device cpu:1 ...
     >>> [d.even_oom for d in report.devices], [d.samples_per_step for d in report.devices]
     ([False, True], [48.0, 16.0])
-    >>> all(d.forward_peak_bytes <= d.budget_bytes for d in report.devices)
+    >>> all(d.peak_bytes <= d.budget_bytes for d in report.devices)
     True
     """
     from ._trainer import Trainer

@@ -3,9 +3,16 @@
 The PNG's left panel shows, per device, its memory budget as a line, evendp's split under it
 and an even split of the same global batch (what ``nn.DataParallel`` runs) beside it; the
 right panel the loss curve (and the validation curve when there is one). Every figure says
-where it comes from: *measured* (the CUDA allocator's peak on a GPU; on budgeted virtual CPU
-devices the enforced forward peak of :mod:`evendp._training._budget`) or *planned* (the memory
-planner's forward+backward peak). One is never shown under the other's name.
+where it comes from: *measured* (on a GPU the CUDA allocator's peak reserved bytes,
+:mod:`evendp._training._peak_memory`; on budgeted virtual CPU devices the enforced forward
+peak of :mod:`evendp._training._budget`) or *planned* (the memory planner's forward+backward
+peak). One is never shown under the other's name.
+
+Memory is a physical device's: the replicas of one GPU in one process (``device_ids=["cuda:0",
+"cuda:0"]``) share its allocator, so the table, the picture and ``report.json`` show one row
+for that GPU ("cuda:0 (2 replicas)") with its one measured peak beside the sum of its replicas'
+planned peaks (:meth:`TrainReport.device_rows`); each replica's own share of every step stays
+in ``batch_sizes_per_step``, named by ``replicas``.
 """
 
 from __future__ import annotations
@@ -15,19 +22,24 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
 from .._core._files import mkdir_private, replace_file
-from .._core._table import format_bytes
+from .._core._units import byte_unit, format_bytes
 
 __all__ = [
+    "FORWARD",
+    "NOT_MEASURED",
+    "PEAK_KINDS",
+    "RESERVED",
     "DeviceStat",
     "TrainProgress",
     "TrainReport",
     "format_bytes",
+    "on_devices",
     "plot_panels",
     "write_report",
 ]
@@ -42,25 +54,107 @@ def _count(x: float) -> str:
     return f"{x:g}" if float(x).is_integer() else f"{x:.1f}"
 
 
+#: The kinds of measured peak (``DeviceStat.peak_kind``): the CUDA allocator's peak reserved
+#: bytes (:mod:`evendp._training._peak_memory`), or a budgeted virtual device's enforced
+#: forward peak (:mod:`evendp._training._budget`).
+RESERVED, FORWARD = "reserved", "forward"
+PEAK_KINDS = (RESERVED, FORWARD)
+
+# What a cell says where nothing was measured (a CPU device without a budget, another rank's).
+NOT_MEASURED = "not measured"
+
+
 @dataclass
 class DeviceStat:
-    """One device's share and memory in a run (memory figures in bytes, ``None`` if unknown)."""
+    """One device's share and memory in a run (memory figures in bytes, ``None`` if unknown).
+
+    ``samples`` is what the device trained in the steps run (a count), ``samples_per_step``
+    its mean per step. ``peak_bytes`` is the measured peak, of kind ``peak_kind``
+    (:data:`PEAK_KINDS`): ``"reserved"`` the CUDA allocator's peak reserved bytes of the
+    device, ``"forward"`` a budgeted virtual device's enforced forward peak. ``replicas``:
+    how many of the run's replicas the device holds (one GPU repeated in ``device_ids``).
+    """
 
     name: str
     samples_per_step: float
-    peak_bytes: int | None = None  # measured by the CUDA allocator
+    peak_bytes: int | None = None  # measured, of kind peak_kind
     planned_bytes: int | None = None  # planner, our split
     even_planned_bytes: int | None = None  # planner, an even split of the same batch
     budget_bytes: int | None = None  # the device's declared memory (a virtual device's budget)
-    forward_peak_bytes: int | None = None  # measured: enforced forward peak, budgeted devices
+    peak_kind: str | None = None  # what peak_bytes measures: one of PEAK_KINDS
     even_samples: int | None = None  # an even split's share of the same batch
     even_forward_peak_bytes: int | None = None  # measured for the even split (at the OOM: so far)
     even_oom: bool = False  # the even split ran out of this device's budget
+    samples: int | None = None  # samples trained in the steps run (None: not counted)
+    replicas: int = 1  # the run's replicas on this device
+
+
+def _total(values: list[int | None]) -> int | None:
+    """The sum of the replicas' figures, ``None`` unless every replica has one."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _merged(group: list[DeviceStat]) -> DeviceStat:
+    """The replicas of one device as one row: shares and planned figures summed, the
+    device's one measured peak (every replica reads the same allocator) kept once."""
+    peaks = [d.peak_bytes for d in group if d.peak_bytes is not None]
+    first = group[0]
+    return replace(
+        first,
+        samples_per_step=sum(d.samples_per_step for d in group),
+        peak_bytes=max(peaks) if peaks else None,
+        planned_bytes=_total([d.planned_bytes for d in group]),
+        even_planned_bytes=_total([d.even_planned_bytes for d in group]),
+        budget_bytes=_total([d.budget_bytes for d in group]),
+        even_samples=_total([d.even_samples for d in group]),
+        even_forward_peak_bytes=_total([d.even_forward_peak_bytes for d in group]),
+        even_oom=any(d.even_oom for d in group),
+        samples=_total([d.samples for d in group]),
+        replicas=sum(d.replicas for d in group),
+    )
+
+
+def on_devices(replicas: list[DeviceStat]) -> list[DeviceStat]:
+    """One row per device: the replicas that share a name (one GPU repeated in
+    ``device_ids``) merged, in the order each device first appears.
+
+    >>> rows = on_devices([DeviceStat("cuda:0", 12, 2**27, 3 << 20, peak_kind="reserved"),
+    ...                    DeviceStat("cuda:0", 4, 2**27, 1 << 20, peak_kind="reserved")])
+    >>> [(d.name, d.replicas, d.samples_per_step, d.peak_bytes, d.planned_bytes) for d in rows]
+    [('cuda:0', 2, 16, 134217728, 4194304)]
+    """
+    groups: dict[Any, list[DeviceStat]] = {}
+    for i, d in enumerate(replicas):
+        # A budgeted virtual device is its own device, whatever its name: its own budget.
+        groups.setdefault(i if d.peak_kind == FORWARD else d.name, []).append(d)
+    return [g[0] if len(g) == 1 else _merged(g) for g in groups.values()]
+
+
+def _row_name(d: DeviceStat) -> str:
+    """A device's name in the table and the picture; a repeated GPU says it is one.
+
+    >>> _row_name(DeviceStat("cuda:0", 16, replicas=2)), _row_name(DeviceStat("cpu:1", 8))
+    ('cuda:0 (2 replicas)', 'cpu:1')
+    """
+    return d.name if d.replicas == 1 else f"{d.name} ({d.replicas} replicas)"
+
+
+def _json_count(x: float) -> int | float:
+    """A mean count for ``report.json``: an integer when whole (every step the same).
+
+    >>> _json_count(12.0), _json_count(11.9333)
+    (12, 11.9333)
+    """
+    return int(x) if float(x).is_integer() else x
 
 
 @dataclass
 class TrainReport:
     """The outcome of a run: per-device figures, the loss curve and the OOM counters.
+
+    ``devices`` holds one :class:`DeviceStat` per replica (each entry of ``device_ids`` in
+    one process; each rank across ranks); what is shown and written has one row per device
+    (:meth:`device_rows`).
 
     >>> r = TrainReport([DeviceStat("cpu:0", 16), DeviceStat("cpu:1", 8)], losses=[4.6, 2.1])
     >>> r.first_loss, r.final_loss
@@ -87,9 +181,25 @@ class TrainReport:
     #: Steps this call ran (``None``: all of ``steps``); the per-step figures, samples/s and
     #: ``elapsed_s`` are over these only.
     steps_run: int | None = None
-    #: Per step this call ran, each rank's batch size (the split, which ``balance="speed"``
-    #: changes at step boundaries; one process: one entry, the global batch).
+    #: Per step this call ran, each replica's batch size: in one process each device's share
+    #: of the step (one entry per entry of ``device_ids``), across ranks each rank's (the
+    #: split, which ``balance="speed"`` changes at step boundaries). Short steps included.
     batch_sizes_per_step: list[list[int]] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> list[str]:
+        """What each column of :attr:`batch_sizes_per_step` is: the replica's device name
+        (``rank<r>`` across ranks), one per entry of :attr:`devices`.
+
+        >>> TrainReport([DeviceStat("cuda:0", 3), DeviceStat("cuda:0", 1)]).replicas
+        ['cuda:0', 'cuda:0']
+        """
+        return [d.name for d in self.devices]
+
+    def device_rows(self) -> list[DeviceStat]:
+        """One row per device (the table's, the picture's, ``report.json``'s ``devices``):
+        :attr:`devices` with the replicas of one GPU merged (:func:`on_devices`)."""
+        return on_devices(self.devices)
 
     @property
     def first_loss(self) -> float | None:
@@ -110,30 +220,27 @@ class TrainReport:
         table.add_column("device")
         table.add_column("samples/step", justify="right")
         table.add_column("share", justify="right")
-        columns = [  # only the columns some device has a figure for
-            ("budget", lambda d: d.budget_bytes),
-            ("peak, measured", lambda d: d.peak_bytes),
-            ("fwd peak, measured", lambda d: d.forward_peak_bytes),
-            ("peak, planned", lambda d: d.planned_bytes),
-            ("even split", lambda d: d.even_samples),
-            ("even fwd, measured", lambda d: d.even_forward_peak_bytes),
-            ("even peak, planned", lambda d: d.even_planned_bytes),
-        ]
-        shown = [(n, f) for n, f in columns if any(f(d) is not None for d in self.devices)]
+        rows = self.device_rows()
+        shown = _memory_columns(rows)
         for name, _ in shown:
             table.add_column(name, justify="right")
-        total = sum(d.samples_per_step for d in self.devices) or 1.0
-        for d in self.devices:
+        total = sum(d.samples_per_step for d in rows) or 1.0
+        for d in rows:
             cells = []
             for name, get in shown:
                 value = get(d)
                 if name == "even split":
                     cells.append("-" if value is None else f"{value:g}")
+                elif value is None and name in _MEASURED:
+                    cells.append(NOT_MEASURED)
                 else:
                     oom = name.startswith("even fwd") and d.even_oom
                     cells.append(format_bytes(value) + (" OOM" if oom else ""))
             table.add_row(
-                d.name, _count(d.samples_per_step), f"{d.samples_per_step / total:.0%}", *cells
+                _row_name(d),
+                _count(d.samples_per_step),
+                f"{d.samples_per_step / total:.0%}",
+                *cells,
             )
         return table
 
@@ -142,10 +249,15 @@ class TrainReport:
 
         >>> TrainReport([DeviceStat("cpu:0", 2)], steps=5, global_batch=2, model="GPT").title()
         'evendp dp: GPT on 1 device (cpu:0), global batch 2, 5 steps'
+        >>> TrainReport([DeviceStat("cuda:0", 3), DeviceStat("cuda:0", 1)], global_batch=4).title()
+        'evendp dp: on 1 device (cuda:0 with 2 replicas), global batch 4, 0 steps'
         """
-        names = ", ".join(d.name for d in self.devices)
+        rows = self.device_rows()
+        names = ", ".join(
+            d.name if d.replicas == 1 else f"{d.name} with {d.replicas} replicas" for d in rows
+        )
         what = f"{self.model} on " if self.model else "on "
-        count = len(self.devices)
+        count = len(rows)
         resumed = "" if self.ran == self.steps else f" ({self.ran} this run)"
         precision = "" if self.amp == "none" else f", {self.amp} autocast"
         return (
@@ -185,8 +297,49 @@ class TrainReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``report.json``."""
         data = asdict(self)
+        data["devices"] = [
+            {**asdict(d), "samples_per_step": _json_count(d.samples_per_step)}
+            for d in self.device_rows()
+        ]
+        data["replicas"] = self.replicas
         data["first_loss"], data["final_loss"] = self.first_loss, self.final_loss
         return data
+
+
+# The measured columns: a cell without a figure there says "not measured", never a dash.
+_MEASURED = ("peak reserved, measured", "fwd peak, measured", "peak, measured")
+
+
+def _memory_columns(rows: list[DeviceStat]) -> list[tuple[str, Any]]:
+    """The memory columns some row has a figure for, measured ones by their kind; when no
+    row measured anything, one "peak, measured" column saying so (it also holds a peak of
+    no known kind).
+
+    >>> [n for n, _ in _memory_columns([DeviceStat("rank0", 16), DeviceStat("rank1", 16)])]
+    ['peak, measured']
+    """
+
+    def measured(kind: str) -> Any:
+        return lambda d: d.peak_bytes if d.peak_kind == kind else None
+
+    columns = [
+        ("budget", lambda d: d.budget_bytes),
+        ("peak reserved, measured", measured(RESERVED)),
+        ("fwd peak, measured", measured(FORWARD)),
+        ("peak, planned", lambda d: d.planned_bytes),
+        ("even split", lambda d: d.even_samples),
+        ("even fwd, measured", lambda d: d.even_forward_peak_bytes),
+        ("even peak, planned", lambda d: d.even_planned_bytes),
+    ]
+    shown = [(n, f) for n, f in columns if any(f(d) is not None for d in rows)]
+    unnamed = [d for d in rows if d.peak_bytes is not None and d.peak_kind not in PEAK_KINDS]
+    if unnamed or all(d.peak_bytes is None for d in rows):  # a figure of no known kind, or none
+        after_budget = int(any(d.budget_bytes is not None for d in rows))
+        shown.insert(
+            after_budget,
+            ("peak, measured", lambda d: None if d.peak_kind in PEAK_KINDS else d.peak_bytes),
+        )
+    return shown
 
 
 def _plot(report: TrainReport, png: IO[bytes]) -> None:
@@ -208,7 +361,8 @@ def _plot(report: TrainReport, png: IO[bytes]) -> None:
 
 def plot_panels(report: TrainReport) -> list[Any]:
     """``report.png``'s panels, left to right: memory where measured or planned (not on a
-    CPU's ranks), the split over steps where several ranks share a step, the loss always.
+    CPU's ranks), the split over steps where several replicas share a step and the split
+    moved (or no memory panel shows each device's share), the loss always.
 
     >>> r = TrainReport([DeviceStat("cpu:0", 3), DeviceStat("cpu:1", 1)], losses=[2.0, 1.0],
     ...                 steps=2, batch_sizes_per_step=[[2, 2], [3, 1]])
@@ -220,11 +374,15 @@ def plot_panels(report: TrainReport) -> list[Any]:
 
 def _shows(panel: Any, report: TrainReport) -> bool:
     """Whether an optional panel has figures for this run."""
-    if panel is _plot_split:
-        return any(len(sizes) > 1 for sizes in report.batch_sizes_per_step)
-    bars = [_memory_bars(d) for d in report.devices]
+    if panel is _plot_split:  # where the split moved, or no memory panel shows the shares
+        several = any(len(sizes) > 1 for sizes in report.batch_sizes_per_step)
+        return several and (
+            _split_changes(report.batch_sizes_per_step) > 0 or not _shows(_plot_memory, report)
+        )
+    rows = report.device_rows()
+    bars = [_memory_bars(d) for d in rows]
     return any(v is not None for b in bars for v in b.values()) or any(
-        d.budget_bytes is not None for d in report.devices
+        d.budget_bytes is not None for d in rows
     )
 
 
@@ -240,19 +398,42 @@ def _plot_loss(ax: Any, report: TrainReport) -> None:
 
 def _plot_split(ax: Any, report: TrainReport) -> None:
     """Each rank's batch size at each step this run trained, stacked (the global batch on
-    top): a speed re-split shows as a step where the bands change width."""
+    top): a speed re-split, or a split by cost, shows as a step where the bands change
+    width."""
     split = report.batch_sizes_per_step
     first = report.steps - len(split) + 1  # a resumed run's steps keep their numbers
-    steps = range(first, first + len(split))
-    ranks = list(zip(*split, strict=True))
-    ax.stackplot(steps, ranks, labels=[f"rank {r}" for r in range(len(ranks))], step="post")
-    changes = sum(a != b for a, b in itertools.pairwise(split))
-    ax.set_title("Split over steps" + (f" ({changes} re-split{'s' * (changes != 1)})"))
+    # Step k spans [k, k + 1): the last step (a short one too) gets its width.
+    steps = range(first, first + len(split) + 1)
+    ranks = list(zip(*split, split[-1], strict=True))
+    ax.stackplot(steps, ranks, labels=_replica_labels(report.replicas), step="post")
+    changes = _split_changes(split)
+    # A change: a speed re-split, or a split by cost that moves with the step's samples.
+    ax.set_title("Split over steps" + (f" ({changes} change{'s' * (changes != 1)})"))
     ax.set_xlabel("step")
     ax.set_ylabel("samples per step")
     ax.set_ylim(0, max(sum(s) for s in split) * 1.25)  # room for the legend
     ax.legend(fontsize=8, loc="upper right", ncols=min(len(ranks), 4))
     ax.grid(alpha=0.3)
+
+
+def _split_changes(split: list[list[int]]) -> int:
+    """How often the split of a whole step changed (an epoch's short step is no change).
+
+    >>> _split_changes([[6, 6], [9, 3], [9, 3], [2, 1]])
+    1
+    """
+    return sum(a != b and sum(a) == sum(b) for a, b in itertools.pairwise(split))
+
+
+def _replica_labels(names: list[str]) -> list[str]:
+    """The split's bands: each replica's device, numbered where one device holds several.
+
+    >>> _replica_labels(["rank0", "rank1"]), _replica_labels(["cuda:0", "cuda:0"])
+    (['rank0', 'rank1'], ['cuda:0 #0', 'cuda:0 #1'])
+    """
+    if len(set(names)) == len(names):
+        return list(names)
+    return [f"{name} #{i}" for i, name in enumerate(names)]
 
 
 # (label, colour, hatch) per bar kind; measured bars are solid, planned ones hatched.
@@ -265,9 +446,8 @@ _BARS = {
 
 
 def _memory_bars(d: DeviceStat) -> dict[str, int | None]:
-    measured = d.peak_bytes if d.peak_bytes is not None else d.forward_peak_bytes
     return {
-        "ours_measured": measured,
+        "ours_measured": d.peak_bytes,
         "ours_planned": d.planned_bytes,
         "even_measured": d.even_forward_peak_bytes,
         "even_planned": d.even_planned_bytes,
@@ -275,46 +455,50 @@ def _memory_bars(d: DeviceStat) -> dict[str, int | None]:
 
 
 def _plot_memory(ax: Any, report: TrainReport) -> None:
-    """Per device: the budget as a line, evendp's split and the even split as bars (MiB)."""
-    bars = [_memory_bars(d) for d in report.devices]
+    """Per device: the budget as a line, evendp's split and the even split as bars."""
+    rows = report.device_rows()
+    bars = [_memory_bars(d) for d in rows]
     kinds = [k for k in _BARS if any(b[k] is not None for b in bars)]
-    xs = range(len(report.devices))
+    xs = range(len(rows))
+    figures = [v or 0 for b in bars for v in b.values()] + [d.budget_bytes or 0 for d in rows]
+    unit, scale = byte_unit(max(figures))  # the axis in the unit of its largest figure
     width = 0.8 / max(len(kinds), 1)
     top = 0.0
     for j, kind in enumerate(kinds):
         label, colour, hatch = _BARS[kind]
-        if kind == "ours_measured" and all(d.peak_bytes is None for d in report.devices):
-            label = "evendp split, measured (forward)"
+        if kind == "ours_measured":  # what was measured: "reserved", "forward" or both
+            measured = dict.fromkeys(d.peak_kind for d in rows if d.peak_kind is not None)
+            label = f"evendp split, measured ({', '.join(measured)})"
         if kind == "even_measured":
-            oom = any(d.even_oom for d in report.devices)
+            oom = any(d.even_oom for d in rows)
             label = "even split, measured (forward" + (", until OOM)" if oom else ")")
         offsets = [x - 0.4 + width * (j + 0.5) for x in xs]
-        heights = [(b[kind] or 0) / 2**20 for b in bars]
+        heights = [(b[kind] or 0) / scale for b in bars]
         top = max(top, *heights)
         ax.bar(
             offsets, heights, width * 0.92, label=label, color=colour if hatch is None else "white",
             edgecolor=colour, hatch=hatch, linewidth=1.2,
         )  # fmt: skip
         if kind == "even_measured":
-            for x, d, h in zip(offsets, report.devices, heights, strict=True):
+            for x, d, h in zip(offsets, rows, heights, strict=True):
                 if d.even_oom:
                     ax.annotate("OOM", (x, h), ha="center", va="bottom", fontsize=8,
                                 color="tab:red", fontweight="bold", xytext=(0, 6),
                                 textcoords="offset points")  # fmt: skip
     budget_drawn = False
-    for x, d in zip(xs, report.devices, strict=True):
+    for x, d in zip(xs, rows, strict=True):
         if d.budget_bytes is not None:
-            y = d.budget_bytes / 2**20
+            y = d.budget_bytes / scale
             top = max(top, y)
             ax.hlines(y, x - 0.45, x + 0.45, colors="tab:red", linewidth=2,
                       label=None if budget_drawn else "budget")  # fmt: skip
             budget_drawn = True
     labels = []
-    for d in report.devices:
+    for d in rows:
         even = "" if d.even_samples is None else f"\neven: {d.even_samples:g}"
-        labels.append(f"{d.name}\nevendp: {_count(d.samples_per_step)}/step{even}")
+        labels.append(f"{_row_name(d)}\nevendp: {_count(d.samples_per_step)}/step{even}")
     ax.set_xticks(list(xs), labels, fontsize=9)
-    ax.set_ylabel("MiB")
+    ax.set_ylabel(unit)
     ax.set_ylim(0, top * 1.4 if top else 1)  # room for the legend above the budget lines
     ax.set_title("Per-device memory for one step")
     ax.grid(axis="y", alpha=0.3)

@@ -73,12 +73,21 @@ from .._planning._balance import (
     split_per_step,
     validate_balance,
 )
+from . import _peak_memory
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
 from ._launched import join_launch
 from ._oom import free_memory
-from ._report import DeviceStat, TrainProgress, TrainReport, format_bytes, write_report
+from ._report import (
+    FORWARD,
+    RESERVED,
+    DeviceStat,
+    TrainProgress,
+    TrainReport,
+    format_bytes,
+    write_report,
+)
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
 from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
@@ -505,6 +514,7 @@ class Trainer:
         self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
+        self._splits: list[list[int]] = []  # the report's batch_sizes_per_step (one fit's)
         self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
         self.eval_data = eval_data
         self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
@@ -872,10 +882,10 @@ class Trainer:
     def _memory_text(self) -> str:
         if self.memory_budgets is not None:  # virtual CPU devices: one measured peak each
             return "/".join("-" if p is None else format_bytes(p) for p in self._peaks())
-        peaks = dict.fromkeys(
-            p for p in self.strategy.peak_memory() if p is not None
-        )  # virtual devices share one GPU: show it once
-        return " ".join(format_bytes(p) for p in peaks) if peaks else "-"
+        # Replicas of one GPU share its figure: one per device (two GPUs may read alike).
+        peaks = dict(zip(self.device_names, self.strategy.peak_memory(), strict=True))
+        shown = [format_bytes(p) for p in peaks.values() if p is not None]
+        return " ".join(shown) if shown else "-"
 
     def _callbacks_anywhere(self) -> bool:
         """Whether any rank has callbacks: under torchrun one all-reduce at the start, so a
@@ -939,6 +949,8 @@ class Trainer:
         start_step = state.step
         # What ran before this call (a resumed checkpoint's counts) stays out of its report.
         before = (list(state.samples), self._skipped_steps())
+        self._splits = []  # per step this call runs, each replica's rows
+        _peak_memory.reset_peaks(self.strategy.devices)  # the report's peak is this call's
         self.model.train()
         # A signal during start-up (caught by the command line's flag) stops before step one.
         signum: int | None = self.strategy.agree_stop(state.step, starting=True)
@@ -965,6 +977,8 @@ class Trainer:
                     if self.balancer.step() and self.rank == 0:
                         bar.say(self._resplit_line())
                     state.step += 1
+                    # Each replica's rows this step, as every rank laid them out (the report's).
+                    self._splits.append([n for rows in item.layout.rows for n in rows])
                     for line in self._oom_lines():  # this rank's own re-splits, if any
                         bar.say(line)
                     # The loss is this process's part: reduce_losses makes it the step's. A
@@ -1027,27 +1041,31 @@ class Trainer:
         the steps it ran (``before``: the samples and skipped steps it started from)."""
         self._read_pending()
         samples = [a - b for a, b in zip(self.state.samples, before[0], strict=True)]
-        samples = self.strategy.reduce_samples(samples)  # each rank counted only its own
+        # Each rank counted only its own samples and read only its own GPU's peak: one
+        # reduction gathers both (a peak travels as bytes + 1, 0 for none).
+        n = len(samples)
+        mine = [0 if p is None else p + 1 for p in self.strategy.peak_memory()]
+        gathered = self.strategy.reduce_samples(samples + mine)
+        samples, peaks = gathered[:n], [None if v == 0 else v - 1 for v in gathered[n:]]
         # Skipped steps trained no samples.
         done = max(steps_run - (self._skipped_steps() - before[1]), 1)
-        peaks = self.strategy.peak_memory()
         stats = [
-            DeviceStat(name, samples[i] / done, peaks[i])
+            DeviceStat(name, samples[i] / done, peaks[i], samples=samples[i],
+                       peak_kind=None if peaks[i] is None else RESERVED)
             for i, name in enumerate(self.device_names)
-        ]
+        ]  # fmt: skip
         budgets = self.memory_budgets
         if budgets is not None:  # virtual devices: the budget and its enforced forward peak
             stats = [
-                replace(s, budget_bytes=b, forward_peak_bytes=p)
+                replace(s, budget_bytes=b, peak_bytes=p, peak_kind=None if p is None else FORWARD)
                 for s, b, p in zip(stats, budgets.budgets, budgets.peaks, strict=True)
             ]
-        per_step = sum(s.samples_per_step for s in stats)
         return TrainReport(
             devices=stats,
             losses=self.state.losses,
             steps=self.state.step,
             steps_run=steps_run,
-            global_batch=round(per_step),
+            global_batch=sum(self.sampler.batch_sizes),  # a step's, not a short step's mean
             samples_per_s=sum(samples) / max(elapsed, 1e-9),
             elapsed_s=elapsed,
             resplits=self.guard.resplits,
@@ -1058,7 +1076,7 @@ class Trainer:
             amp=self.config.amp,
             signal=signum,
             eval=list(self.evals),
-            batch_sizes_per_step=split_per_step(self.balancer, self.sampler, steps_run),
+            batch_sizes_per_step=list(self._splits),
         )
 
 

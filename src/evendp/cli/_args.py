@@ -310,7 +310,7 @@ def say_units(command: str, flag: str, text: str | None) -> None:
     found = decimal_sizes(text)
     if not found:
         return
-    from .._core._table import format_bytes
+    from .._core._units import format_bytes
 
     read = ", ".join(f"{word} = {format_bytes(n)}" for word, n in found)
     print(

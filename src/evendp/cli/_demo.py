@@ -43,17 +43,15 @@ def with_figures(
     config: Any,
     devices: list[Any],
     memory: list[int] | None,
-    budgets: Any,
     even: Any,
     planned: Any,
 ) -> list[Any]:
-    """The report's ``DeviceStat``s with the budgets, measured peaks and planned peaks added."""
+    """The report's ``DeviceStat``s (one per replica) with the declared memory, the even
+    split's probe and the planned peaks added (the Trainer measured the peaks)."""
     figures: list[Figures] = [{} for _ in devices]
     for i, f in enumerate(figures):
         if memory is not None:
             f["budget_bytes"] = memory[i]
-        if budgets is not None:
-            f["forward_peak_bytes"] = budgets.peaks[i]
         if even is not None:
             f["even_samples"], f["even_forward_peak_bytes"], f["even_oom"] = even[i]
     ours = [round(d.samples_per_step) for d in devices]

@@ -19,7 +19,7 @@ from typing import Any
 from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import json_data, shown
-from .._training._strategies import STRATEGIES
+from .._training._strategies import STRATEGIES, rank_strategy_names
 from ._args import bounded_float, bounded_int, memory_text
 
 __all__ = [
@@ -131,8 +131,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=bounded_int("--max-restarts", 0, 100, 1),
         default=0,
-        help="ddp/fsdp2: times torchrun restarts the ranks after one fails; they resume from "
-        "the last checkpoint (default 0)",
+        help=f"--mode {_rank_modes()}: times torchrun restarts the ranks after one fails; they "
+        "resume from the last checkpoint (default 0)",
     )
     _add_node_options(p)
     p.add_argument(
@@ -146,8 +146,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         ),
         default=defaults.COMM_TIMEOUT_S,
         metavar="SECONDS",
-        help="ddp/fsdp2: how long a rank waits for the others in a collective once training "
-        "runs; a rank silent for longer (hung, stopped) ends the run, naming it, exit 1 "
+        help=f"--mode {_rank_modes()}: how long a rank waits for the others in a collective "
+        "once training runs; a rank silent for longer (hung, stopped) ends the run, naming it, "
+        "exit 1 "
         f"(at least {defaults.MIN_COMM_TIMEOUT_S:g}; default {defaults.COMM_TIMEOUT_S:g})",
     )
     p.add_argument(
@@ -203,15 +204,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--log-to",
         choices=("csv", "tensorboard"),
         default=None,
-        help="also write one row per step (step, loss) to OUT/metrics.csv or, through "
-        "torch.utils.tensorboard (pip install tensorboard), to OUT/tensorboard",
+        help="also write one row per step (step, loss, lr, each measured device's peak) to "
+        "OUT/metrics.csv or, through torch.utils.tensorboard (pip install tensorboard), to "
+        "OUT/tensorboard",
     )
     p.add_argument(
         "--balance",
         choices=("none", "speed"),
         default="none",
-        help="--mode ddp/fsdp2: 'speed' moves samples from slow ranks to fast ones at step "
-        "boundaries, the same samples per step and the same gradient (default none)",
+        help=f"--mode {_rank_modes()}: 'speed' moves samples from slow ranks to fast ones at "
+        "step boundaries, the same samples per step and the same gradient (default none)",
     )
     p.add_argument(
         "--model",
@@ -237,16 +239,25 @@ _NODE_OPTIONS: tuple[tuple[str, tuple[int, int, int] | None, int | None, str], .
 )  # fmt: skip
 
 
-def _rank_modes() -> list[str]:
-    """The ``--mode`` values that run ranks, from the strategy registry."""
-    return [name for name, entry in STRATEGIES.items() if entry.ranks]
+def _rank_modes(last: str = ", ") -> str:
+    """The ``--mode`` values that run ranks, as the strategy registry lists them (``last``:
+    what joins the last one).
+
+    >>> _rank_modes(), _rank_modes(" or ")
+    ('ddp, fsdp2, zero1, deepspeed', 'ddp, fsdp2, zero1 or deepspeed')
+    """
+    *first, final = rank_strategy_names()
+    return ", ".join(first) + last + final if first else final
 
 
 def _add_node_options(p: argparse.ArgumentParser) -> None:
+    # --devices is each machine's own (MACHINE_OPTIONS); --weights, like every other option,
+    # must agree on every machine (the plans' agreement compares them).
     nodes = p.add_argument_group(
-        f"several machines (ranks: --mode {', '.join(_rank_modes())})",
-        "the same command on every machine, each with its --node-rank; --devices and --weights "
-        "(one weight per rank of the whole run, node 0's first) the same everywhere",
+        f"several machines (ranks: --mode {_rank_modes()})",
+        "the same command on every machine, each with its --node-rank and its own --devices "
+        "(machines may hold different numbers); --weights (one weight per rank of the whole "
+        "run, node 0's first) and every other option the same everywhere",
     )
     for flag, bounds, default, text in _NODE_OPTIONS:
         kind: Callable[[str], Any] = str if bounds is None else bounded_int(flag, *bounds)
@@ -275,13 +286,13 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.balance != "none" and args.mode == "dp":
         raise EvendpError(
-            f"--balance {args.balance} balances ranks; use it with --mode ddp or fsdp2 (one "
-            "process splits by --weights)"
+            f"--balance {args.balance} balances ranks; use it with --mode {_rank_modes(' or ')} "
+            "(one process splits by --weights)"
         )
     _validate_nodes(args)
     if args.max_restarts and args.mode == "dp":
         raise EvendpError(
-            "--max-restarts restarts torchrun's ranks; use it with --mode ddp or fsdp2"
+            f"--max-restarts restarts torchrun's ranks; use it with --mode {_rank_modes(' or ')}"
         )
     if args.strategy_config is not None and not STRATEGIES[args.mode].takes_config:
         takers = [n for n, e in STRATEGIES.items() if e.takes_config]
@@ -333,10 +344,9 @@ def _validate_nodes(args: argparse.Namespace) -> None:
             )
         return
     if not STRATEGIES[args.mode].ranks:
-        *some, last = _rank_modes()
         raise EvendpError(
             f"--nnodes {args.nnodes} runs ranks on several machines; use --mode "
-            f"{', '.join(some)} or {last} (--mode {args.mode} is one process)"
+            f"{_rank_modes(' or ')} (--mode {args.mode} is one process)"
         )
     if args.node_rank is None or args.master_addr is None:
         raise EvendpError(

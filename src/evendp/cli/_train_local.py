@@ -53,7 +53,7 @@ def run_local(args: argparse.Namespace) -> int:
     even = run_checks(args, trainer, budgets)
     report = trainer.fit()
     report.model = demo_model_name(args)
-    report.devices = with_figures(args, config, report.devices, memory, budgets, even, planned)
+    report.devices = with_figures(args, config, report.devices, memory, even, planned)
     paths = write_report(report, args.out)
     if logger is not None:
         paths["metrics"] = logger[1]

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from .._core._units import format_bytes
 from .._planning._devices import DeviceInfo, NvmlUnavailableError, list_devices
 
 if TYPE_CHECKING:  # rich loads when a table is drawn, not for every evendp command
@@ -29,10 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f}"
-
-
 def render_table(devices: list[DeviceInfo]) -> Table:
     """A rich table with one row per device."""
     from rich.table import Table
@@ -42,24 +39,24 @@ def render_table(devices: list[DeviceInfo]) -> Table:
         ("id", "right"),
         ("PCI bus", "left"),
         ("name", "left"),
-        ("total GiB", "right"),
-        ("free GiB", "right"),
+        ("total", "right"),
+        ("free", "right"),
         ("used %", "right"),
         ("util %", "right"),
-        ("processes (pid: GiB)", "left"),
+        ("processes (pid: memory)", "left"),
     ]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for d in devices:
         procs = ", ".join(
-            f"{p.pid}" + ("" if p.used_memory is None else f": {_gib(p.used_memory)}")
+            f"{p.pid}" + ("" if p.used_memory is None else f": {format_bytes(p.used_memory)}")
             for p in d.processes
         )
         table.add_row(
             str(d.index),
             d.pci_bus_id,
             d.name,
-            _gib(d.total_memory),
-            _gib(d.free_memory),
+            format_bytes(d.total_memory),
+            format_bytes(d.free_memory),
             f"{100 * d.used_memory / d.total_memory:.0f}" if d.total_memory else "-",
             "-" if d.utilization is None else str(d.utilization),
             procs or "-",
@@ -92,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(render_table(devices))
     total_free = sum(d.free_memory for d in devices)
     console.print(
-        f"{len(devices)} GPU(s), {_gib(total_free)} GiB free in all. Pick some with "
+        f"{len(devices)} GPU(s), {format_bytes(total_free)} free in all. Pick some with "
         "evendp.select_devices(count=..., gpu_ids=[...]) before CUDA starts."
     )
     return 0

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, get_args
 
 from .._core._errors import EvendpError
 from .._core._validate import validate_int
+from .._planning._solve import Mode
 from ._args import bounded_int, memory_text, say_error, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
@@ -35,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--mode",
-        choices=("dp", "ddp"),
+        choices=get_args(Mode),  # the modes the planner models, from the planner
         default="dp",
         help="dp: one process (device 0 holds the optimizer and the gathered outputs); "
         "ddp: one process per device (default dp)",

@@ -13,12 +13,12 @@ device, and the report (table, JSON, PNG in runs/demo) shows both against the bu
 A budget counts each replica's forward allocations plus its parameters (and, on the first
 device, gradients and optimizer state); backward's transient allocations are not counted.
 
---mode ddp|fsdp2 starts one process per device under torchrun (through evendp launch's
+Every --mode but dp starts one process per device under torchrun (through evendp launch's
 planning). Exit code 2 on bad input, 1 when a run fails (a NaN loss that stays, a full disk,
 a stalled rank), 130 after SIGINT (Ctrl-C) and 143 after SIGTERM: the step in
 progress finishes on every rank, a checkpoint is saved, and --resume continues.
---max-restarts N (ddp/fsdp2) lets torchrun restart the ranks after one dies; the restarted
-ranks resume from the last checkpoint.
+--max-restarts N (a mode with ranks) lets torchrun restart the ranks after one dies; the
+restarted ranks resume from the last checkpoint.
 """
 
 from __future__ import annotations

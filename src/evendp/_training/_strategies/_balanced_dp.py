@@ -19,6 +19,7 @@ from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
+from .. import _peak_memory
 from .._evaluate import EvalFn, evaluate_devices
 from ._base import Batch, Costs, Strategy, build_sampler
 
@@ -168,10 +169,7 @@ class BalancedDP(Strategy):
         )  # fmt: skip
 
     def peak_memory(self) -> list[int | None]:
-        return [
-            int(torch.cuda.max_memory_allocated(d)) if d.type == "cuda" else None
-            for d in self.dp.device_ids
-        ]
+        return _peak_memory.device_peaks(list(self.dp.device_ids))
 
 
 def build(

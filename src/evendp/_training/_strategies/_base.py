@@ -263,7 +263,8 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def peak_memory(self) -> list[int | None]:
-        """Per device of the report, the peak allocated bytes (``None``: not a GPU here)."""
+        """Per device of the report, its GPU's peak reserved bytes (``None``: not a GPU, or
+        another rank's); replicas on one GPU each give that GPU's one figure."""
 
 
 def build_sampler(

@@ -18,6 +18,7 @@ from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
+from .. import _peak_memory
 from .._evaluate import EvalFn, evaluate_ranks
 from .._oom import OomResplit
 from .._stepper import Stepper
@@ -165,9 +166,5 @@ class RankStrategy(Strategy):
     _forward_collectives = False
 
     def peak_memory(self) -> list[int | None]:
-        mine = (
-            int(torch.cuda.max_memory_allocated(self.device))
-            if self.device.type == "cuda"
-            else None
-        )
+        (mine,) = _peak_memory.device_peaks([self.device])
         return [mine if r == self.rank else None for r in range(self.world)]
