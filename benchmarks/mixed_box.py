@@ -3,9 +3,10 @@ different size, planned by evendp and trained, against the even split and the be
 by trial.
 
 Rank r's caching allocator is capped at ``--memory``'s r-th entry (default 8 GiB and 4 GiB)
-minus the rank's measured CUDA context (``torch.cuda.set_per_process_memory_fraction``), so
-the two processes are a large and a small device. GPT-2 124M from ``transformers`` (sequence
-512, bf16 autocast, AdamW) trains with ``evendp.Trainer`` (the default OOM-safe DDP):
+minus a process's CUDA context, measured on rank 0 alone
+(``torch.cuda.set_per_process_memory_fraction``), so the two processes are a large and a
+small device. GPT-2 124M from ``transformers`` (sequence 512, bf16 autocast, AdamW) trains
+with ``evendp.Trainer`` (the default OOM-safe DDP):
 
 * planned: each rank plans its own memory (the public ``evendp.plan``, ``mode="ddp"``: the
   most samples it holds, as ``batch_sizes="auto"`` does) and the Trainer trains those shares
@@ -120,8 +121,12 @@ def worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     memories = [parse_bytes(m) for m in args.memory.split(",")]
     context = 0
     if not args.smoke:
+        # Measured on rank 0 while rank 1 has not touched CUDA (free memory is the GPU's, both
+        # processes' together); the two processes load the same libraries.
+        if rank == 0:
+            context = context_bytes()
+        context = _gather(context)[0]
         torch.cuda.set_device(0)
-        context = context_bytes()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction((memories[rank] - context) / total, 0)
     began = time.perf_counter()
@@ -134,11 +139,10 @@ def worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     ran_everywhere = sum(_gather(int(planned_ran))) == dist.get_world_size()
     largest, rounds = _best_by_trial(box, int(mine), 2 if args.smoke else args.rounds)
     best = _gather(largest)
-    contexts = _gather(context)
     if rank == 0:
         even = 2 * min(best)
         figures = {
-            "memory": args.memory, "contexts": contexts, "planned": planned,
+            "memory": args.memory, "context_bytes": context, "planned": planned,
             "planned_global": sum(planned), "planned_ran": ran_everywhere, "best": best,
             "best_global": sum(best), "ratio": sum(planned) / sum(best) if sum(best) else None,
             "even_best_global": even, "even_ratio": even / sum(best) if sum(best) else None,
