@@ -17,15 +17,29 @@ from typing import Any
 import pytest
 
 from tests._gc import freeze_survivors
-from tests._markdown import markdown_sybil
+from tests._optional import skip_when_an_extra_is_missing, unread_markdown
 
 collect_ignore = ["src/evendp/__main__.py"]
 # tests/test_suite_tiers.py runs a hung test in a pytest of its own.
 pytest_plugins = ["pytester"]
 _INTEGRATIONS = "src/evendp/integrations"
 
-# Every code block of README.md and docs/*.md runs (or is checked) as a test: tests/_markdown.py.
-pytest_collect_file = markdown_sybil.pytest()
+# Every code block of README.md and docs/*.md runs (or is checked) as a test: tests/_markdown.py,
+# through Sybil. Collecting imports nothing optional (tests/_optional.py): without Sybil, a dev
+# extra, each Markdown file is one skipped item; a module importing a missing extra skips.
+if importlib.util.find_spec("sybil") is not None:
+    from tests._markdown import markdown_sybil
+
+    pytest_collect_file = markdown_sybil.pytest()
+else:
+    pytest_collect_file = unread_markdown
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.CollectReport]:
+    """A module that imports a dev extra not installed here is skipped, not an error."""
+    skip_when_an_extra_is_missing(collector)
+    return (yield)
 
 
 def _defining_module(obj: Any) -> str | None:

@@ -474,9 +474,71 @@ def step_integration(dry: bool) -> dict[str, Any]:
     return {"rel_err": err}
 
 
+def _script(name: str, dry: bool, *argv: str, timeout: float = 240) -> Any:
+    """Run ``benchmarks/NAME`` with ``--json`` and return what it wrote. Dry: the script is
+    imported here (no torch start-up of its own), then the step is a skip: its figures need
+    the GPU."""
+    if dry:
+        import importlib
+
+        importlib.import_module(name.removesuffix(".py"))  # benchmarks/ is sys.path[0]
+        raise Skip("GPU only (the script imports)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "figures.json")
+        _run([sys.executable, f"benchmarks/{name}", *argv, "--json", str(out)], timeout)
+        return json.loads(out.read_text())
+
+
+def step_capped_batch(dry: bool) -> dict[str, Any]:
+    """A planned batch under a real cap (GPT-2 124M bf16 and the conv net, 8 and 20 GiB):
+    the planned batch must train and be at least 0.9 of the largest that does."""
+    rows = _script("capped_batch.py", dry)
+    figures = {"rows": rows}
+    bad = [r for r in rows if not r["planned_ran"] or (r["ratio"] or 0) < 0.9]
+    if bad:
+        raise Failed(
+            "planned/largest under the cap: "
+            + "; ".join(
+                f"{r['model']} {r['memory_gib']:g} GiB planned {r['planned']}, largest "
+                f"{r['largest']}, ran {r['planned_ran']}"
+                for r in bad
+            )
+        )
+    return figures
+
+
+def step_mixed_box(dry: bool) -> dict[str, Any]:
+    """Two gloo ranks on the GPU capped at 8 and 4 GiB: the planned split trains, at a global
+    batch of at least 0.9 of the best split found by trial."""
+    figures = _script("mixed_box.py", dry)
+    if not figures["planned_ran"] or (figures["ratio"] or 0) < 0.9:
+        raise Failed(
+            f"planned {figures['planned']} (ran {figures['planned_ran']}) against the best "
+            f"by trial {figures['best']}: ratio {figures['ratio']}"
+        )
+    return figures
+
+
+def step_step_costs(dry: bool) -> dict[str, Any]:
+    """GPT-2 124M bf16 steady steps: the Trainer against a plain loop, UnevenTrainer against
+    the HF Trainer (ratios, no threshold), and host syncs per step counted by CUDA; fails when
+    UnevenTrainer syncs more often than the HF Trainer it extends."""
+    figures = _script("step_costs.py", dry)
+    runs = figures["runs"]
+    if (runs["uneven"]["syncs_per_step"] or 0) > (runs["hf"]["syncs_per_step"] or 0):
+        raise Failed(
+            f"UnevenTrainer {runs['uneven']['syncs_per_step']} host syncs per step against the "
+            f"HF Trainer's {runs['hf']['syncs_per_step']}"
+        )
+    return figures
+
+
 STEPS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "env": step_env,
     "gpu-tests": step_gpu_tests,
+    "capped-batch": step_capped_batch,
+    "mixed-box": step_mixed_box,
+    "step-costs": step_step_costs,
     "exact-repeated": step_exact_repeated,
     "autocast-streams": step_autocast_streams,
     "weights-auto": step_weights_auto,

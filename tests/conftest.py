@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
-from hypothesis import HealthCheck, settings
 
 from tests._extensions import EXTENSIONS_DIR
 from tests._pool import close_pool
@@ -19,16 +19,26 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
 # suite's refusals wait 3 s (tests/cli/test_train_nodes.py gives its pairs the real wait).
 os.environ.setdefault("EVENDP_TELL_WAIT_S", "3")
 
-# Shared 2-core machines make wall-clock deadlines flaky; correctness is what is tested.
-# "dev" explores new examples on every run; CI (CI=true) replays a fixed seed so a landing is
-# decided by the code, not by the draw; "thorough" (HYPOTHESIS_PROFILE=thorough) searches hard.
-_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
-settings.register_profile("dev", **_COMMON)
-settings.register_profile("ci", derandomize=True, **_COMMON)
-settings.register_profile("thorough", max_examples=400, **_COMMON)
-settings.load_profile(
-    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
-)
+
+def _hypothesis_profiles() -> None:
+    """Shared 2-core machines make wall-clock deadlines flaky; correctness is what is tested.
+    "dev" explores new examples on every run; CI (CI=true) replays a fixed seed so a landing
+    is decided by the code, not by the draw; "thorough" (HYPOTHESIS_PROFILE=thorough) searches
+    hard. Hypothesis is a dev extra: without it (a bare GPU machine) its tests skip."""
+    if importlib.util.find_spec("hypothesis") is None:
+        return
+    from hypothesis import HealthCheck, settings
+
+    common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+    settings.register_profile("dev", **common)
+    settings.register_profile("ci", derandomize=True, **common)
+    settings.register_profile("thorough", max_examples=400, **common)
+    settings.load_profile(
+        os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+    )
+
+
+_hypothesis_profiles()
 
 # Variables evendp or torchrun may set; restored after every test.
 _ENV_KEYS = (

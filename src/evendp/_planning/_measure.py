@@ -10,7 +10,6 @@ results are :class:`Point` records: plain numbers that :mod:`._solve` turns into
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate
 from .._core._calls import call
 from .._core._errors import EvendpError, PlanError
+from ._fake_model import fake_cpu_copy, off_cpu
 
 __all__ = [
     "ModelLike",
@@ -146,9 +146,8 @@ def _apply_checkpointing(model: nn.Module, which: bool | Callable[[nn.Module], b
 
 def _fresh_model(setup: _Setup) -> nn.Module:
     model = setup.make_model()
-    if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
-        with setup.fake_mode:  # fake cuda tensors cannot run backward without a GPU
-            model = model.to("cpu")
+    if off_cpu(model):  # a factory's GPU or meta tensors: fake cpu ones (see _fake_model)
+        model = fake_cpu_copy(model, setup.fake_mode)
     if setup.no_grad:
         model.eval()  # inference: dropout off, BatchNorm reads its running statistics
         return model  # checkpointing only trades memory saved for backward: none here
@@ -334,12 +333,11 @@ def sample_output(setup: _Setup, n: int) -> Any:
 def _validate_model(model: Any) -> Callable[[Any], nn.Module]:
     """A function of the fake mode that returns a fresh fake copy of the model."""
     if isinstance(model, nn.Module):
-        from torch._subclasses.fake_tensor import FakeCopyMode
 
         def copy_fake(fake_mode: Any) -> nn.Module:
-            # Deep copy through FakeCopyMode: fake parameters, no real memory.
-            with FakeCopyMode(fake_mode):
-                return copy.deepcopy(model)
+            # Fake cpu tensors from each tensor's metadata, wherever the model sits (a GPU,
+            # meta): no real memory, and the user's module is never moved.
+            return fake_cpu_copy(model, fake_mode)
 
         return copy_fake
     if callable(model):

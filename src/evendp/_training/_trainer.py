@@ -342,7 +342,9 @@ class Trainer:
     """Train ``model`` on ``data`` with balanced DP (one process) or uneven DDP (torchrun).
 
     Args:
-        model: on ``device_ids[0]`` (one process) or on this rank's device (DDP).
+        model: anywhere but ``meta``: moved, when it is elsewhere, to ``device_ids[0]``
+            (one process) or under NCCL to this rank's GPU, and said in one line (under
+            gloo a rank runs where the model sits).
         data: a map-style dataset; a ``batch(indices)`` method is used when present.
         config: a :class:`TrainConfig`.
         device_ids: one process: the device list for BalancedDataParallel (repeats are

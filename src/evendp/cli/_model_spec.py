@@ -293,7 +293,9 @@ def _user(spec: str) -> ModelSpec:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
-        with FakeTensorMode():  # a probe: find out what the factory returns, on fake memory
+        # A probe: what the factory returns, on fake memory. A factory that builds on meta
+        # makes some real meta tensors there (BatchNorm's counter): allowed in, as the planner's.
+        with FakeTensorMode(allow_non_fake_inputs=True):
             made = factory()
     except Exception as exc:  # the user's factory can raise anything
         raise EvendpError(

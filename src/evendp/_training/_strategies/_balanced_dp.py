@@ -18,10 +18,12 @@ from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
+from ..._parallel._dp_checks import validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
 from .. import _peak_memory
 from .._evaluate import EvalFn, evaluate_devices
 from ._base import Batch, Costs, Strategy, build_sampler
+from ._placement import place_model
 
 __all__ = ["BalancedDP", "build"]
 
@@ -47,6 +49,8 @@ class BalancedDP(Strategy):
         device_ids: list[str | int | torch.device] | None,
         weights: list[float] | Literal["auto"] | None,
     ) -> None:
+        # The model goes to the first device (BalancedDataParallel itself would refuse it).
+        place_model(model, validate_devices(device_ids)[0], "device_ids[0]")
         super().__init__(model)
         self._device_ids = device_ids
         self._weights = weights  # "auto": planned with the sampler, from the first batch

@@ -23,6 +23,7 @@ from .._evaluate import EvalFn, evaluate_ranks
 from .._oom import OomResplit
 from .._stepper import Stepper
 from ._base import Batch, Costs, StopSource, Strategy, agreed_signal, build_sampler, stop_votes
+from ._placement import place_model
 
 __all__ = ["RankStrategy"]
 
@@ -46,6 +47,8 @@ class RankStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, model: nn.Module) -> None:
+        if dist.get_backend() == "nccl":  # NCCL reduces on the rank's own GPU: the model too
+            place_model(model, comm_device(), "this rank's GPU", say=dist.get_rank() == 0)
         super().__init__(model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device_names = [f"rank{r}" for r in range(self.world)]
