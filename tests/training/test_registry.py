@@ -62,7 +62,7 @@ def test_a_one_process_strategy_among_launched_ranks_is_refused_before_any_group
     assert not torch.distributed.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "1")  # one launched rank: one process, as asked
     monkeypatch.setenv("RANK", "0")
-    join_launch("dp", nn.Linear(2, 1))
+    join_launch("dp")
     assert not torch.distributed.is_initialized()
 
 

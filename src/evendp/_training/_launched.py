@@ -22,8 +22,6 @@ import os
 import sys
 from typing import Any
 
-from torch import nn
-
 from .._core._errors import EvendpError
 
 __all__ = ["LAUNCH_VARS", "join_launch", "launched_world"]
@@ -56,16 +54,15 @@ def launched_world(environ: Any = None) -> int | None:
         ) from None
 
 
-def join_launch(strategy: str, model: nn.Module) -> None:
+def join_launch(strategy: str) -> None:
     """Start the default process group when a launcher started this process and none is up,
-    so that the Trainer runs ``strategy`` across the launched ranks. A ``model`` still on the
-    CPU moves to the rank's GPU when the group is NCCL's (as the HF Trainer moves it to its
-    device): a script written for one process runs unchanged.
+    so that the Trainer runs ``strategy`` across the launched ranks (the strategy then moves
+    the model to the rank's device: ``_strategies/_placement.py``).
 
     A one-process strategy (``"dp"``) among several launched ranks is refused: each rank
     would train alone.
 
-    >>> join_launch("ddp", nn.Linear(2, 1))  # no launcher here: nothing to do
+    >>> join_launch("ddp")  # no launcher here: nothing to do
     """
     import torch.distributed as dist
 
@@ -86,10 +83,8 @@ def join_launch(strategy: str, model: nn.Module) -> None:
         )
         refused.every_rank = True  # the same script and WORLD_SIZE on every rank
         raise refused
-    device = init_distributed()
+    init_distributed()
     _end_at_exit()
-    if device.type == "cuda" and all(p.device.type == "cpu" for p in model.parameters()):
-        model.to(device)
 
 
 def _end_at_exit() -> None:

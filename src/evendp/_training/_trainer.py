@@ -453,7 +453,7 @@ class Trainer:
             device_ids=device_ids, weights=weights,
         )  # fmt: skip
         # Under a launcher (evendp launch, torchrun): the ranks' process group, started here.
-        join_launch(config.strategy, model)
+        join_launch(config.strategy)
         self.config = config
         self.model = model
         self.data = data
