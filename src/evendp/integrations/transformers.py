@@ -24,9 +24,10 @@ What changes against ``transformers.Trainer``, through its documented overridabl
 * ``get_total_train_batch_size``: ``sum(batch_sizes) * gradient_accumulation_steps``, so the
   logged total batch and samples/s are true.
 * ``get_eval_dataloader``, ``get_test_dataloader``, ``evaluation_loop``, ``prediction_step``:
-  each evaluation batch of ``per_device_eval_batch_size * world_size`` rows is split like
-  training, its loss taken over all ranks and each row gathered once (:mod:`._hf_eval`):
-  ``evaluate``/``predict`` give one process's metrics and predictions.
+  each evaluation batch of ``per_device_eval_batch_size`` rows (one process's batch, whatever
+  the world size) is split like training, its loss taken over all ranks and each row gathered
+  once (:mod:`._hf_eval`): ``evaluate``/``predict`` give the metrics and predictions of the
+  same script in one process.
 
 A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
 ``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
@@ -423,8 +424,9 @@ class UnevenTrainer(transformers.Trainer):
         return self._eval_loader(super().get_test_dataloader(test_dataset))
 
     def _eval_loader(self, base: DataLoader) -> DataLoader:
-        """``base``'s dataset in pieces of ``eval_batch_size * world_size`` rows split like
-        training; a dataset without a length keeps the Trainer's own loader."""
+        """``base``'s dataset in batches of ``eval_batch_size`` rows (one process's: a token
+        loss's batch mean depends on which rows share a batch), each split like training; a
+        dataset without a length keeps the Trainer's own loader."""
         if not hasattr(base.dataset, "__len__"):
             return base
         if self.args.batch_eval_metrics:
@@ -433,9 +435,8 @@ class UnevenTrainer(transformers.Trainer):
                 "which UnevenTrainer's exact evaluation (batches split over the ranks) does "
                 "not give; set batch_eval_metrics=False"
             )
-        world = max(1, self.args.world_size)
         pieces = EvalPieces(
-            len(base.dataset), self.args.eval_batch_size * world, self.batch_sizes,
+            len(base.dataset), self.args.eval_batch_size, self.batch_sizes,
             self.args.process_index,
         )  # fmt: skip
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
@@ -456,7 +457,8 @@ class UnevenTrainer(transformers.Trainer):
         metric_key_prefix: str = "eval",
     ) -> Any:
         """The Trainer's loop over an exact evaluation loader: rows gathered each once, in
-        dataset order; ``<prefix>_loss`` the row-weighted mean of the batches' losses."""
+        dataset order; ``<prefix>_loss`` the mean of the batches' losses over all ranks,
+        weighted as the same loop weighs them in one process."""
         options: dict[str, Any] = {
             "prediction_loss_only": prediction_loss_only, "ignore_keys": ignore_keys,
             "metric_key_prefix": metric_key_prefix,
@@ -467,7 +469,10 @@ class UnevenTrainer(transformers.Trainer):
         _validate_eval_composition(type(self))
         if self._probe_pending and len(pieces):  # whether the loss uses the count, as in training
             self._probe_loss_kwargs([next(iter(dataloader))])
-        self._eval_means = EvalMeans(pieces)
+        # One process's loop repeats each batch's loss eval_batch_size times; gather_for_metrics
+        # (the Trainer's) cuts a short last batch's to its rows, gather (Seq2SeqTrainer's
+        # evaluate and predict set it) keeps them: that batch then weighs as a full one.
+        self._eval_means = EvalMeans(pieces, by_rows=self._gathers_for_metrics())
         self.gather_function = functools.partial(gather_rows, self.accelerator)
         try:
             output = super().evaluation_loop(dataloader, description, **options)
@@ -478,6 +483,13 @@ class UnevenTrainer(transformers.Trainer):
         if f"{metric_key_prefix}_loss" in metrics and means is not None and means.means:
             metrics[f"{metric_key_prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
         return output
+
+    def _gathers_for_metrics(self) -> bool:
+        """Whether the loop gathers with ``gather_for_metrics`` (the Trainer's default)."""
+        function = getattr(self, "gather_function", None)
+        if isinstance(function, functools.partial):  # use_gather_object=, at construction
+            function = function.func
+        return bool(function == self.accelerator.gather_for_metrics)
 
     def prediction_step(
         self,
