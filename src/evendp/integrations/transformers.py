@@ -56,8 +56,9 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._counting import label_shift
+from .._core._validate import validate_count
 from .._distributed._batch_plan import validate_batch_sizes_option
-from .._distributed._group import comm_device
+from .._distributed._group import all_reduce_sum, comm_device
 from .._planning._balance import (
     NoBalance,
     planned_rank_sizes,
@@ -554,9 +555,27 @@ class UnevenTrainer(transformers.Trainer):
         self._step_count = None
         self._steps += 1
         if not self._token_path(num_items):
-            local = sum((self.count_fn(batch) for batch in batches), start=0)
-            self._step_count = evendp.global_count(local)
+            local = sum((self._checked_count(batch) for batch in batches), start=0)
+            self._step_count = self._global_count(local)
         return batches, num_items
+
+    def _checked_count(self, inputs: Mapping[str, Any]) -> int | torch.Tensor:
+        """``count_fn(inputs)``, a whole number >= 0. A tensor's value is read at the first
+        step only (as evendp's Trainer does): on a GPU each read waits for the device, and
+        the HF Trainer reads no count at a steady step."""
+        count = self.count_fn(inputs)
+        first = self._steps <= 1 or not isinstance(count, torch.Tensor)
+        validate_count("count_fn(inputs)", count, check_values=first)
+        return count
+
+    def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
+        """The step's count summed over ranks, on the loss's device: one all-reduce, and no
+        copy to or from the host in one process (``global_count``'s default device there is
+        the CPU, a copy that waits for the GPU at every step)."""
+        device = self.args.device
+        count = torch.as_tensor(local, device=device).detach().reshape(())
+        count = count.to(torch.float64 if count.is_floating_point() else torch.int64)
+        return all_reduce_sum(count, None) if max(1, self.args.world_size) > 1 else count
 
     def _probe_loss_kwargs(self, batches: list[Any]) -> None:
         """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
@@ -648,7 +667,13 @@ class UnevenTrainer(transformers.Trainer):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
         if step_count is not None:
-            loss = evendp.ddp_loss(evendp.share_loss(loss, count), count, step_count)
+            # ddp_loss's weighting, world / the step's count, with a count already checked:
+            # ddp_loss would read its value again, on the host, at every step. A step that
+            # counted nothing anywhere weighs every share by its count, 0.
+            mean = loss if loss.dtype in (torch.float32, torch.float64) else loss.float()
+            world = max(1, self.args.world_size)
+            total = step_count.to(device=mean.device, dtype=torch.float64).clamp(min=1)
+            loss = evendp.share_loss(mean, count, (world / total).to(mean.dtype))
         elif stand_in and model.training:
             loss = evendp.share_loss(loss, 0, stand_in=True)
         return (loss, result[1]) if isinstance(result, tuple) else loss
