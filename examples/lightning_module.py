@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         max_epochs=cli.epochs,
         accumulate_grad_batches=2,
         use_distributed_sampler=False,  # keep evendp's batch sampler as it is
-        callbacks=[UnevenGradient(reduction="mean")],  # also logs the global "loss"
+        callbacks=[UnevenGradient()],  # also logs the global "loss"
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

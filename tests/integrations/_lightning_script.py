@@ -10,6 +10,7 @@ with sizes [0, 4]; there the model refuses 0 rows, as GPT-2 does.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def fit_scheduled_and_validated(data: Any, model: torch.nn.Module) -> dict:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS,
         accumulate_grad_batches=ACCUM, use_distributed_sampler=False, num_sanity_val_steps=0,
-        check_val_every_n_epoch=EPOCHS, callbacks=[UnevenGradient(reduction="mean"), Rates()],
+        check_val_every_n_epoch=EPOCHS, callbacks=[UnevenGradient(), Rates()],
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
@@ -128,6 +129,110 @@ def fit_scheduled_and_validated(data: Any, model: torch.nn.Module) -> dict:
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "val_loss_of_every_row": want,
     }
+
+
+# Lightning's examples/pytorch/basics/transformer.py in miniature (issue 51): its demo
+# Transformer, blocks of tokens, loaders built in main() before fit starts the group,
+# gradient_clip_val=0.25, SGD 0.1, "train_loss" and "val_loss" logged.
+BLOCKS, BLOCK, VOCAB, CLIP = 14, 5, 17, 0.25
+VAL = 6  # the last 6 blocks validate (steps of 4 and 2 rows); the first 8 train
+
+
+class Blocks(torch.utils.data.Dataset):
+    """WikiText2's items: (tokens, the same tokens one ahead), ``BLOCK`` long."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(11)
+        self.tokens = torch.randint(0, VOCAB, (BLOCKS * BLOCK + 1,), generator=g)
+
+    def __len__(self) -> int:
+        return BLOCKS
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[i * BLOCK : (i + 1) * BLOCK + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def tiny_transformer() -> torch.nn.Module:
+    from lightning.pytorch.demos import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(vocab_size=VOCAB, ninp=8, nhead=2, nhid=16, nlayers=1, dropout=0.0)
+
+
+def transformer_loaders() -> tuple[Any, Any]:
+    """What transformer.py's main() builds before fit, ported: no process group yet. The
+    validation loader is built as Lightning's own launcher's first process builds it, without
+    ``RANK``/``WORLD_SIZE`` (so as rank 0 of ``[1, 3]`` on both ranks, until fit)."""
+    from evendp.integrations.lightning import uneven_dataloader
+
+    data = Blocks()
+    train = torch.utils.data.Subset(data, range(BLOCKS - VAL))
+    val = torch.utils.data.Subset(data, range(BLOCKS - VAL, BLOCKS))
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        val_loader = uneven_dataloader(val, shuffle=False)
+    finally:
+        os.environ.update(saved)
+    return uneven_dataloader(train, seed=SEED), val_loader
+
+
+def fit_transformer(loaders: tuple[Any, Any], clip: float | None, max_steps: int = -1) -> dict:
+    """transformer.py's LanguageModel and Trainer on loaders built before fit; the first
+    optimizer step's gradients as the optimizer sees them (after clipping)."""
+    import lightning.pytorch as pl
+
+    from evendp.integrations.lightning import UnevenGradient, logged_count
+
+    grads: list[list[torch.Tensor]] = []
+
+    class LanguageModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_transformer()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, target = batch
+            output = self.model(inputs, target)
+            return F.nll_loss(output, target.view(-1))  # "train_loss": UnevenGradient logs it
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            inputs, target = batch
+            loss = F.nll_loss(self.model(inputs, target), target.view(-1))
+            self.log("val_loss", loss, batch_size=logged_count(batch), sync_dist=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+            def first(opt: Any, *_: Any) -> None:
+                if not grads:
+                    grads.append([p.grad.detach().clone() for p in self.model.parameters()])
+
+            optimizer.register_step_post_hook(first)  # after the closure and the clipping
+            return optimizer
+
+    module = LanguageModel()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, max_steps=max_steps,
+        gradient_clip_val=clip, use_distributed_sampler=False, num_sanity_val_steps=0,
+        callbacks=[UnevenGradient(log_name="train_loss")], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, *loaders)
+    metrics = trainer.callback_metrics
+    return {
+        "grads": grads[0],
+        "params": [p.detach().clone() for p in module.model.parameters()],
+        "train_loss": float(metrics["train_loss"]),
+        "val_loss": float(metrics["val_loss"]) if "val_loss" in metrics else None,
+        "names": sorted(metrics),
+    }
+
+
+def main_transformer(out: Path, loaders: tuple[Any, Any]) -> None:
+    """Both fits of transformer.py's pattern: clipped (to the end) and unclipped (one step)."""
+    result = {"clip": fit_transformer(loaders, CLIP), "free": fit_transformer(loaders, None, 1)}
+    torch.save(result, out / f"transformer{torch.distributed.get_rank()}.pt")
 
 
 def main(out: Path) -> None:

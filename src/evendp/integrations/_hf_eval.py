@@ -1,12 +1,18 @@
 """Exact evaluation for :class:`~evendp.integrations.transformers.UnevenTrainer`.
 
-One process evaluates batches of ``B`` rows in dataset order and reports the mean of each
-batch's loss weighted by its rows. Here each batch of ``B = per_device_eval_batch_size *
-world_size`` rows is split over the ranks like training (``batch_sizes``' proportions, zeros
-included; an empty piece runs a stand-in row and yields no row); the batch's loss is the mean
-over its counted items on all ranks (one all-reduce per batch), and the rows come back in
-dataset order, each once. So ``eval_loss``, the predictions and the labels are those of one
-process evaluating with ``per_device_eval_batch_size = B``.
+One process evaluates batches of ``B = per_device_eval_batch_size`` rows in dataset order; a
+batch's loss is the mean over its counted items (a seq2seq or causal LM's non-ignored label
+tokens), and ``eval_loss`` is the mean of the batches' losses, each repeated ``B`` times by the
+Trainer's loop: ``gather_for_metrics`` (the Trainer's) cuts a short last batch's repeats to its
+rows, ``gather`` (``Seq2SeqTrainer``'s) keeps all ``B``. So ``eval_loss`` depends on which rows
+share a batch and on that choice. Here each of those same batches of ``B`` rows is split over
+the ranks like training (``batch_sizes``' proportions, zeros included; an empty piece runs a
+stand-in row and yields no row); the batch's loss is the mean over its counted items on all
+ranks (one all-reduce per batch), the batches are weighted as the same loop weighs them in one
+process, and the rows come back in dataset order, each once. So ``eval_loss``, the predictions
+and the labels are those of the same script in one process, whatever the world size. (Batches
+of ``B * world_size`` rows, each weighted by its rows, gave a tiny Marian's 13 rows under
+``Seq2SeqTrainer`` on ``[1, 3]`` 5.44997 where one process gives 5.53057.)
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ class EvalPieces:
 class EvalMeans:
     """Each evaluation batch's loss over all ranks, and the run's ``eval_loss`` from them."""
 
-    def __init__(self, pieces: EvalPieces) -> None:
+    def __init__(self, pieces: EvalPieces, *, by_rows: bool = True) -> None:
         self.pieces = pieces
+        self.by_rows = by_rows  # a short last batch weighs its rows, else a full batch's
         self.means: list[float] = []
 
     def add(
@@ -72,17 +79,19 @@ class EvalMeans:
         return mean.to(loss.dtype)
 
     def value(self, drop_nonfinite: bool) -> float:
-        """The row-weighted mean of the batches' losses (one process's ``eval_loss``); with
-        ``drop_nonfinite`` (``logging_nan_inf_filter``) batches whose loss is not finite are
-        left out, as the Trainer leaves out their rows.
+        """The mean of the batches' losses weighted as one process's loop weighs them: each
+        batch by its rows (``by_rows``), else every batch alike; with ``drop_nonfinite``
+        (``logging_nan_inf_filter``) batches whose loss is not finite are left out.
 
         >>> means = EvalMeans(EvalPieces(5, 4, [1], 0))
         >>> means.means = [1.0, 2.0]
-        >>> means.value(True)
-        1.2
+        >>> means.value(True), EvalMeans(means.pieces, by_rows=False).value.__name__
+        (1.2, 'value')
         """
         rows = self.pieces.batch_rows[: len(self.means)]
-        kept = [(r, m) for r, m in zip(rows, self.means, strict=True)]
+        if not self.by_rows:
+            rows = [self.pieces.batch] * len(rows)
+        kept = list(zip(rows, self.means, strict=True))
         if drop_nonfinite and any(math.isfinite(m) for _, m in kept):
             kept = [(r, m) for r, m in kept if math.isfinite(m)]
         return sum(r * m for r, m in kept) / sum(r for r, _ in kept)

@@ -22,7 +22,6 @@ instead of re-instantiating it around a ``DistributedSampler``:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -32,11 +31,10 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._core._deprecation import REMOVAL, UNSET
 from .._distributed._group import comm_device
 from .._planning._balance import NoBalance, step_balancer
 from ._auto_sizes import auto_loader_sizes
-from ._epoch import RelayedBatchSampler
+from ._deferred import DeferredBatchSampler
 
 __all__ = [
     "SpeedBalance",
@@ -100,7 +98,7 @@ def uneven_dataloader(
     batch_size: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
-    """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step (call it in a hook).
+    """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step.
 
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
     ``batch_size`` on every rank; ``"auto"`` splits ``batch_size * world`` by each rank's
@@ -115,32 +113,36 @@ def uneven_dataloader(
     >>> [b[0].tolist() for b in uneven_dataloader(data, [4], shuffle=False)]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    world = torch.distributed.get_world_size() if distributed else 1
-    sizes = batch_sizes
-    if isinstance(sizes, str) and sizes == "auto":
-        sizes = auto_loader_sizes(
-            dataset, model=model, batch_size=batch_size, world=world, memory=memory,
-            collate_fn=collate_fn,
-            where="uneven_dataloader",
-        )  # fmt: skip
-    if sizes is None:
-        default = None if batch_size is None else [batch_size] * world
-        sizes = evendp.batch_sizes_from_env(world, default=default)
-    sampler = evendp.UnevenBatchSampler(
-        dataset,
-        sizes,
-        rank=None if distributed else 0,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        costs=costs,
-        max_tokens=max_tokens,
-    )
+    auto = isinstance(batch_sizes, str) and batch_sizes == "auto"
+
+    def build(rank: int, world: int | None) -> evendp.UnevenBatchSampler:
+        sizes = batch_sizes
+        if auto:
+            sizes = auto_loader_sizes(
+                dataset, model=model, batch_size=batch_size, world=world or 1, memory=memory,
+                collate_fn=collate_fn, where="uneven_dataloader",
+            )  # fmt: skip
+        if sizes is None:
+            default = None if batch_size is None else [batch_size] * (world or 1)
+            sizes = evendp.batch_sizes_from_env(world, default=default)
+        return evendp.UnevenBatchSampler(
+            dataset,
+            sizes,  # type: ignore[arg-type]
+            rank=rank,
+            world_size=world,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            costs=costs,
+            max_tokens=max_tokens,
+        )
+
     return DataLoader(
         dataset,
-        # Lightning calls set_epoch on batch_sampler.sampler only: the relay carries it.
-        batch_sampler=RelayedBatchSampler(sampler),
+        # Built for the rank known now, again at first use under a process group that says
+        # otherwise (a loader built in main(), before fit); Lightning calls set_epoch on
+        # batch_sampler.sampler only: the deferred sampler relays it.
+        batch_sampler=DeferredBatchSampler(build, regroup=auto),
         # An empty share (a size of 0, the short last step) is one real sample of weight 0.
         collate_fn=evendp.EmptySafeCollate(dataset, collate_fn, stand_in=True),
         **loader_kwargs,
@@ -163,10 +165,7 @@ class UnevenGradient(pl.Callback):
     accumulation steps and DDP's by the world size), and the step's global mean loss is
     logged as ``log_name`` (default ``"loss"``, ``None`` to not log), the same on every rank.
 
-    Until evendp 0.3.0 ``reduction`` defaults to ``"sum"`` with a ``DeprecationWarning``; it
-    then becomes ``"mean"``.
-
-    >>> UnevenGradient(reduction="mean").count_fn((torch.zeros(5, 2),))
+    >>> UnevenGradient().count_fn((torch.zeros(5, 2),))
     5
     """
 
@@ -174,18 +173,9 @@ class UnevenGradient(pl.Callback):
         self,
         count_fn: Callable[[Any], int | torch.Tensor] | None = None,
         *,
-        reduction: str = UNSET,
+        reduction: str = "mean",
         log_name: str | None = "loss",
     ) -> None:
-        if reduction is UNSET:
-            warnings.warn(
-                "UnevenGradient's default reduction='sum' (training_step returns a summed loss) "
-                f"becomes 'mean' in evendp {REMOVAL}; pass reduction='mean' (training_step "
-                "returns the usual mean) or reduction='sum'",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            reduction = "sum"
         if reduction not in _REDUCTIONS:
             raise evendp.EvendpError(
                 f"reduction must be 'mean' or 'sum' (what training_step returns), got {reduction!r}"
@@ -256,7 +246,7 @@ def _amp_scale(trainer: pl.Trainer) -> float:
 def _balanced_sampler(loader: Any) -> Any:
     """The sampler with ``set_batch_sizes`` inside a loader from :func:`uneven_dataloader`."""
     sampler = loader
-    for _ in range(4):  # DataLoader -> RelayedBatchSampler -> UnevenBatchSampler
+    for _ in range(4):  # DataLoader -> DeferredBatchSampler -> UnevenBatchSampler
         sampler = getattr(sampler, "batch_sampler", None)
         if hasattr(sampler, "set_batch_sizes"):
             return sampler

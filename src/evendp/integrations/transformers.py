@@ -24,9 +24,10 @@ What changes against ``transformers.Trainer``, through its documented overridabl
 * ``get_total_train_batch_size``: ``sum(batch_sizes) * gradient_accumulation_steps``, so the
   logged total batch and samples/s are true.
 * ``get_eval_dataloader``, ``get_test_dataloader``, ``evaluation_loop``, ``prediction_step``:
-  each evaluation batch of ``per_device_eval_batch_size * world_size`` rows is split like
-  training, its loss taken over all ranks and each row gathered once (:mod:`._hf_eval`):
-  ``evaluate``/``predict`` give one process's metrics and predictions.
+  each evaluation batch of ``per_device_eval_batch_size`` rows (one process's batch, whatever
+  the world size) is split like training, its loss taken over all ranks and each row gathered
+  once (:mod:`._hf_eval`): ``evaluate``/``predict`` give the metrics and predictions of the
+  same script in one process.
 
 A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
 ``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
@@ -55,8 +56,9 @@ from torch.utils.data import DataLoader
 import evendp
 
 from .._core._counting import label_shift
+from .._core._validate import validate_count
 from .._distributed._batch_plan import validate_batch_sizes_option
-from .._distributed._group import comm_device
+from .._distributed._group import all_reduce_sum, comm_device
 from .._planning._balance import (
     NoBalance,
     planned_rank_sizes,
@@ -423,8 +425,9 @@ class UnevenTrainer(transformers.Trainer):
         return self._eval_loader(super().get_test_dataloader(test_dataset))
 
     def _eval_loader(self, base: DataLoader) -> DataLoader:
-        """``base``'s dataset in pieces of ``eval_batch_size * world_size`` rows split like
-        training; a dataset without a length keeps the Trainer's own loader."""
+        """``base``'s dataset in batches of ``eval_batch_size`` rows (one process's: a token
+        loss's batch mean depends on which rows share a batch), each split like training; a
+        dataset without a length keeps the Trainer's own loader."""
         if not hasattr(base.dataset, "__len__"):
             return base
         if self.args.batch_eval_metrics:
@@ -433,9 +436,8 @@ class UnevenTrainer(transformers.Trainer):
                 "which UnevenTrainer's exact evaluation (batches split over the ranks) does "
                 "not give; set batch_eval_metrics=False"
             )
-        world = max(1, self.args.world_size)
         pieces = EvalPieces(
-            len(base.dataset), self.args.eval_batch_size * world, self.batch_sizes,
+            len(base.dataset), self.args.eval_batch_size, self.batch_sizes,
             self.args.process_index,
         )  # fmt: skip
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
@@ -456,7 +458,8 @@ class UnevenTrainer(transformers.Trainer):
         metric_key_prefix: str = "eval",
     ) -> Any:
         """The Trainer's loop over an exact evaluation loader: rows gathered each once, in
-        dataset order; ``<prefix>_loss`` the row-weighted mean of the batches' losses."""
+        dataset order; ``<prefix>_loss`` the mean of the batches' losses over all ranks,
+        weighted as the same loop weighs them in one process."""
         options: dict[str, Any] = {
             "prediction_loss_only": prediction_loss_only, "ignore_keys": ignore_keys,
             "metric_key_prefix": metric_key_prefix,
@@ -467,7 +470,10 @@ class UnevenTrainer(transformers.Trainer):
         _validate_eval_composition(type(self))
         if self._probe_pending and len(pieces):  # whether the loss uses the count, as in training
             self._probe_loss_kwargs([next(iter(dataloader))])
-        self._eval_means = EvalMeans(pieces)
+        # One process's loop repeats each batch's loss eval_batch_size times; gather_for_metrics
+        # (the Trainer's) cuts a short last batch's to its rows, gather (Seq2SeqTrainer's
+        # evaluate and predict set it) keeps them: that batch then weighs as a full one.
+        self._eval_means = EvalMeans(pieces, by_rows=self._gathers_for_metrics())
         self.gather_function = functools.partial(gather_rows, self.accelerator)
         try:
             output = super().evaluation_loop(dataloader, description, **options)
@@ -478,6 +484,13 @@ class UnevenTrainer(transformers.Trainer):
         if f"{metric_key_prefix}_loss" in metrics and means is not None and means.means:
             metrics[f"{metric_key_prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
         return output
+
+    def _gathers_for_metrics(self) -> bool:
+        """Whether the loop gathers with ``gather_for_metrics`` (the Trainer's default)."""
+        function = getattr(self, "gather_function", None)
+        if isinstance(function, functools.partial):  # use_gather_object=, at construction
+            function = function.func
+        return bool(function == self.accelerator.gather_for_metrics)
 
     def prediction_step(
         self,
@@ -542,9 +555,27 @@ class UnevenTrainer(transformers.Trainer):
         self._step_count = None
         self._steps += 1
         if not self._token_path(num_items):
-            local = sum((self.count_fn(batch) for batch in batches), start=0)
-            self._step_count = evendp.global_count(local)
+            local = sum((self._checked_count(batch) for batch in batches), start=0)
+            self._step_count = self._global_count(local)
         return batches, num_items
+
+    def _checked_count(self, inputs: Mapping[str, Any]) -> int | torch.Tensor:
+        """``count_fn(inputs)``, a whole number >= 0. A tensor's value is read at the first
+        step only (as evendp's Trainer does): on a GPU each read waits for the device, and
+        the HF Trainer reads no count at a steady step."""
+        count = self.count_fn(inputs)
+        first = self._steps <= 1 or not isinstance(count, torch.Tensor)
+        validate_count("count_fn(inputs)", count, check_values=first)
+        return count
+
+    def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
+        """The step's count summed over ranks, on the loss's device: one all-reduce, and no
+        copy to or from the host in one process (``global_count``'s default device there is
+        the CPU, a copy that waits for the GPU at every step)."""
+        device = self.args.device
+        count = torch.as_tensor(local, device=device).detach().reshape(())
+        count = count.to(torch.float64 if count.is_floating_point() else torch.int64)
+        return all_reduce_sum(count, None) if max(1, self.args.world_size) > 1 else count
 
     def _probe_loss_kwargs(self, batches: list[Any]) -> None:
         """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
@@ -636,7 +667,13 @@ class UnevenTrainer(transformers.Trainer):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
         if step_count is not None:
-            loss = evendp.ddp_loss(evendp.share_loss(loss, count), count, step_count)
+            # ddp_loss's weighting, world / the step's count, with a count already checked:
+            # ddp_loss would read its value again, on the host, at every step. A step that
+            # counted nothing anywhere weighs every share by its count, 0.
+            mean = loss if loss.dtype in (torch.float32, torch.float64) else loss.float()
+            world = max(1, self.args.world_size)
+            total = step_count.to(device=mean.device, dtype=torch.float64).clamp(min=1)
+            loss = evendp.share_loss(mean, count, (world / total).to(mean.dtype))
         elif stand_in and model.training:
             loss = evendp.share_loss(loss, 0, stand_in=True)
         return (loss, result[1]) if isinstance(result, tuple) else loss
