@@ -376,6 +376,32 @@ def test_the_launchers_sizes_are_the_plan_unless_the_config_says_otherwise(
         assert str(refused.value).startswith(said) and fix in str(refused.value)
 
 
+def test_a_configs_own_sizes_win_over_the_launchers_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``evendp launch --nproc 2 script.py`` with no --batch, --batch-sizes or --model exports
+    an even split of its default batch: a script whose config gives sizes or a batch of its
+    own trains those (the launcher's split was a guess, not the user's), and the launcher is
+    told they were read; without the launcher's default mark they are refused as above."""
+    from evendp._core._defaults import NotGiven
+    from evendp._distributed import _launch_notes
+    from evendp._distributed._launch_notes import ENV_BATCH_DEFAULTED
+
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
+    launched = BatchPlan((16, 16))
+
+    def plan(sizes: object, batch: int) -> BatchPlan:
+        return rank_batch_plan(sizes, batch, 2, model=Net, example=list, launched=launched)  # type: ignore[arg-type]
+
+    monkeypatch.setenv(ENV_BATCH_DEFAULTED, "1")
+    assert plan([2, 3], NotGiven(5)).sizes == (2, 3) and _launch_notes.sizes_read_here()
+    assert plan(None, 12).sizes == (6, 6)
+    assert plan(None, NotGiven(32)) == launched  # nothing of its own: the launcher's
+    monkeypatch.delenv(ENV_BATCH_DEFAULTED)
+    with pytest.raises(EvendpError, match=r"batch_sizes=\[2, 3\]\) contradicts"):
+        plan([2, 3], NotGiven(5))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU rank's planning (no CUDA here)")
 def test_auto_sizes_on_cpu_budgets_charge_no_cuda_context_and_a_small_budget_says_so() -> None:
     """Issue 36: batch_sizes="auto" with declared budgets of 24MiB on CPU ranks failed with

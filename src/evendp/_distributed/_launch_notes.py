@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ENV_BATCH_DEFAULTED",
     "ENV_OUTCOME",
     "note_sizes_read",
     "note_sizes_told",
@@ -42,6 +43,9 @@ __all__ = [
 #: Where rank 0 leaves the run's exit code for the launcher (a file in the launcher's private
 #: folder). ``_torchrun/_quiet.py`` spells it itself (a test keeps them equal).
 ENV_OUTCOME = "EVENDP_OUTCOME"
+#: Set to ``1`` by ``evendp launch`` when its ``EVENDP_BATCH_SIZES`` is its own default (no
+#: --batch, --batch-sizes or --model given): a script's own sizes then win over it.
+ENV_BATCH_DEFAULTED = "EVENDP_BATCH_DEFAULTED"
 _MARK = "sizes-read"
 _TOLD = "sizes-told"
 _TRAINING = "training"

@@ -504,8 +504,9 @@ def rank_batch_plan(
     ``launched``: the plan ``evendp launch`` left in ``EVENDP_BATCH_SIZES`` (caps included).
     It is the run's plan when the config gives no per-rank sizes; sizes given too must be the
     same, and a global batch given must be their sum (else an :class:`EvendpError` naming
-    both). ``model()`` and ``example()`` are called only for ``"auto"`` (the module whose
-    first scalar output is the step's loss, and one batch of the data).
+    both), unless the launcher's sizes were its own default (``EVENDP_BATCH_DEFAULTED``):
+    then the config's sizes or batch win. ``model()`` and ``example()`` are called only for
+    ``"auto"`` (the module whose first scalar output is the step's loss, and one batch of the data).
 
     >>> rank_batch_plan(None, 10, 3, model=nn.Identity, example=list)
     BatchPlan(sizes=(4, 3, 3), caps=None, source='even')
@@ -516,7 +517,7 @@ def rank_batch_plan(
     evendp.InputError: TrainConfig(batch_size=10) contradicts the launcher's batch sizes ...
     """
     validate_batch_sizes_option(batch_sizes)
-    if launched is not None:
+    if launched is not None and not _config_overrides_default(launched, batch_sizes, global_batch):
         return _launchers_plan(launched, batch_sizes, global_batch)
     if batch_sizes == "auto":  # planned and said as on every surface that takes sizes
         sizes, caps = planned_rank_sizes(model(), example, global_batch)
@@ -524,6 +525,22 @@ def rank_batch_plan(
     if batch_sizes:
         return BatchPlan.of(batch_sizes, world_size=world_size)
     return BatchPlan.even(global_batch, world_size)
+
+
+def _config_overrides_default(
+    launched: BatchPlan, batch_sizes: Sequence[int] | str | None, global_batch: int
+) -> bool:
+    """Whether the config's own sizes or batch replace the launcher's default ones (the
+    launcher was given none: its sizes are a guess, the script's are the user's choice)."""
+    from .._core._defaults import NotGiven
+    from .._distributed._launch_notes import ENV_BATCH_DEFAULTED, note_sizes_read
+
+    if os.environ.get(ENV_BATCH_DEFAULTED) != "1":
+        return False
+    overrides = bool(batch_sizes) or not isinstance(global_batch, NotGiven)
+    if overrides:
+        note_sizes_read()  # read, and replaced on purpose: the launcher need not warn
+    return overrides
 
 
 def _launchers_plan(

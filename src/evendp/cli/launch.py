@@ -14,6 +14,7 @@ from .._core._errors import EvendpError
 from .._core._validate import shown
 from .._distributed._first_step import ENV_STRICT
 from .._distributed._launch_agreement import ENV_LAUNCH_OPTIONS
+from .._distributed._launch_notes import ENV_BATCH_DEFAULTED
 from .._planning._launch import (
     PASSTHROUGH_OPTIONS,
     launch,
@@ -151,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(torchrun_command(plan, args.script, args.script_args, passthrough)))
             return 0
         env = {**os.environ, ENV_STRICT: "1"} if args.strict else None
+        if batch == _DEFAULT_BATCH and args.batch is None:  # a script's own sizes win
+            env = {**(env or os.environ), ENV_BATCH_DEFAULTED: "1"}
         if str(args.nnodes or 1) != "1":  # several machines: their ranks compare these
             env = {**(env or os.environ), ENV_LAUNCH_OPTIONS: _shared_options(args, sizes)}
         return launch(args.script, args.script_args, plan=plan, passthrough=passthrough, env=env)
