@@ -24,6 +24,7 @@ from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate
 from .._core._calls import call
 from .._core._errors import EvendpError, PlanError
+from ._allocator import Trace
 
 __all__ = [
     "ModelLike",
@@ -48,12 +49,33 @@ def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class _Tracker(MemTracker):
-        """MemTracker whose peak can be restarted, so each phase gets its own peak."""
+        """MemTracker whose peak can be restarted, so each phase gets its own peak, and
+        which records the step's storage events in order for :mod:`._allocator`."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.trace = Trace()
 
         def reset_peak(self) -> None:
             # Private fields of MemTracker (torch >= 2.4): the running peak and its snapshot.
             self._peak_mem_snap = self.get_tracker_snapshot()
             self._peak_mem = {d: s["Total"] for d, s in self._peak_mem_snap.items()}
+
+        def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
+            # MemTracker's one place where a storage's bytes come and go (torch >= 2.4).
+            super()._update_snap(u_type, winfo, *args, **kwargs)
+            self.trace.storage(u_type.name, winfo, kwargs.get("old_mem_consumed"))
+
+        def __exit__(self, *args: Any) -> None:
+            super().__exit__(*args)
+            if self._depth == 0:
+                self.trace.close()  # what dies after the step (model, optimizer) is not in it
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            # After the op: its outputs exist, then the library call takes its workspace.
+            self.trace.op(func, self._mod_tracker.is_bw, args)
+            return out
 
     return _Tracker
 
@@ -178,6 +200,7 @@ class Point:
     forward_end: dict[str, float]  # after forward (and the DP hand-off): params, activations
     output_bytes: int
     static: dict[str, int]  # params, grads, optimizer, optimizer_extra (optimizer-step temps)
+    trace: Trace | None = None  # the step's storage events in order (see ._allocator)
 
 
 def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
@@ -195,6 +218,7 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
             batch = setup.make_batch(n)
             inputs, targets = batch if setup.criterion is not None else (batch, None)
             tracker.reset_peak()
+            tracker.trace.mark_step()  # the batch is in; the step begins
             with setup.autocast():
                 output = call(model, inputs)
                 output_bytes = _nbytes(output)
@@ -238,7 +262,7 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
         "optimizer": optimizer_bytes,
         "optimizer_extra": extra,
     }
-    return Point(n, fwbw, forward_end, output_bytes, static)
+    return Point(n, fwbw, forward_end, output_bytes, static, tracker.trace)
 
 
 def measure_forward(setup: _Setup, n: int) -> Point:

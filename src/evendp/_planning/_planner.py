@@ -19,6 +19,7 @@ from .._core._deprecation import UNSET, renamed_argument
 from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
 from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
+from ._allocator import CudaAllocatorModel, monotone_allocator, with_allocator
 from ._measure import (
     ModelLike,
     OptimizerFactory,
@@ -155,6 +156,7 @@ def plan(
     cuda_context: int | str = DEFAULT_CONTEXT,
     no_grad: bool = False,
     seq_len: int | None = None,
+    allocator: CudaAllocatorModel | str | None = "auto",
     devices: Any = UNSET,
     gather: Any = UNSET,
 ) -> Plan:
@@ -197,6 +199,14 @@ def plan(
             rows are padded to at most ``seq_len``: the example batch's sequence dimension
             (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
             (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
+        allocator: what a device's memory holds beyond its tensors. ``"auto"``: on CUDA
+            devices (any ``cuda_context`` but 0) the peak is what PyTorch's CUDA caching
+            allocator reserves, replayed step by step (:mod:`evendp._planning._allocator`:
+            rounding, segments, cuBLAS/cuDNN workspaces, fragmentation) for the live GPU's
+            architecture, or Hopper's (the largest workspaces) for declared memory; with
+            ``cuda_context=0`` (CPU virtual devices) what the tensors hold. A
+            ``CudaAllocatorModel`` chooses the architecture and allocator setting; ``None``
+            counts tensors only.
         devices: the old name of ``memory`` (deprecated; goes in 0.3.0).
         gather: the old name of ``gather_output`` (deprecated; goes in 0.3.0).
 
@@ -245,6 +255,7 @@ def plan(
         context=parse_bytes(cuda_context),
         seq_len=seq_len,
     )
+    common["allocator"] = _validate_allocator(allocator, common["context"], mems)
     # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
     # call that may run under torch.inference_mode or torch.no_grad).
     with torch.inference_mode(False), torch.enable_grad():
@@ -285,6 +296,7 @@ def _plan_step(
     context: int,
     no_grad: bool,
     seq_len: int | None = None,
+    allocator: CudaAllocatorModel | None = None,
 ) -> Plan:
     """One plan (a training step, or a forward under ``no_grad``) on validated options."""
     start = time.perf_counter()
@@ -304,7 +316,8 @@ def _plan_step(
 
     def on_replica(n: int) -> None:
         _note(f"{step} of {n} samples on one device")
-        replica[n] = measure_replica(setup, n, variant)
+        point = measure_replica(setup, n, variant)
+        replica[n] = point if allocator is None else with_allocator(point, allocator)
 
     def on_output_device(n: int) -> None:
         assert sample is not None  # needs_crit measured it first
@@ -323,8 +336,9 @@ def _plan_step(
 
     def solve() -> tuple[MemoryModel, list[Segment]]:
         mdl = _build_model(
-            mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
-        )
+            mode, output_device, monotone_allocator(replica), crit, gradient_as_bucket_view,
+            context, needs_crit,
+        )  # fmt: skip
         # Per distinct device (budget and role), not per device: see solve_spans.
         return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch_size)
 
@@ -372,6 +386,7 @@ def _plan_step(
             "gather": gather,
             "output_device": output_device,
             "cuda_context": context,
+            "allocator": None if allocator is None else _allocator_name(allocator),
         },
         no_grad,
     )
@@ -383,7 +398,31 @@ def _plan_step(
     with planning_errors("running the model on fake tensors at a shorter width"):
         _note(f"{step} of 4 samples at width {seq_len // 2}")
         shorter = measure_replica(short, 4, variant)
+        shorter = shorter if allocator is None else with_allocator(shorter, allocator)
     return _with_token_caps(result, sol, seq_len, replica, shorter)
+
+
+def _validate_allocator(allocator: Any, context: int, mems: _Fleet) -> CudaAllocatorModel | None:
+    """``plan(allocator=)``: ``"auto"``, ``None`` or a :class:`CudaAllocatorModel`."""
+    if allocator is None or isinstance(allocator, CudaAllocatorModel):
+        return allocator
+    if allocator != "auto":
+        raise EvendpError(
+            f"allocator must be 'auto', None or a CudaAllocatorModel, got {allocator!r}; "
+            "e.g. allocator='auto'"
+        )
+    names = mems.names or []
+    if context == 0 and not any(n.startswith("cuda") for n in names):
+        return None  # CPU virtual devices: their budget counts what tensors hold
+    cuda = [int(n.split(":")[1]) for n in names if n.startswith("cuda:")]
+    if cuda and torch.cuda.is_available():  # --- GPU-only: the live device's architecture ---
+        return CudaAllocatorModel.live(cuda[0])
+    return CudaAllocatorModel()  # declared (or stood-in) GPUs: Hopper's, the largest workspaces
+
+
+def _allocator_name(model: CudaAllocatorModel) -> str:
+    setting = "expandable" if model.config.expandable_segments else "segments"
+    return f"cuda sm{model.major}x, {setting}"
 
 
 def _sum(segments: list[Segment], name: str) -> int:

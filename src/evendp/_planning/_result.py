@@ -26,12 +26,13 @@ KINDS: tuple[str, ...] = (
     "gathered_grad",
     "loss",
     "buckets",
+    "allocator",
     "cuda_context",
 )
 
 #: How the table and the chart name a kind, where its key alone would mislead: the rows are
 #: what is live at the peak moment, and few gradients exist yet then (JSON keeps the keys).
-KIND_LABELS: dict[str, str] = {"grads": "grads at peak"}
+KIND_LABELS: dict[str, str] = {"grads": "grads at peak", "allocator": "allocator (CUDA)"}
 
 
 @dataclass(frozen=True)
