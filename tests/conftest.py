@@ -41,6 +41,7 @@ _ENV_KEYS = (
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
     "EVENDP_BATCH_SIZES",
+    "PYTORCH_CUDA_ALLOC_CONF",  # evendp's CLI chooses the allocator setting when unset
 )
 
 

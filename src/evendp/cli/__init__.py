@@ -114,6 +114,8 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
         if early.signum is not None:
             return exit_code(early.signum)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
+    if args.command in _CUDA_COMMANDS:
+        _choose_allocator_setting()
     try:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
@@ -124,6 +126,30 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
 
 # The commands that run training (or launch it): a signal stops them at a step boundary.
 _KEEP_SIGNALS = ("train", "launch")
+
+# The commands that plan or run on GPUs: they choose the CUDA allocator's setting first.
+_CUDA_COMMANDS = ("train", "launch", "plan")
+
+
+def _choose_allocator_setting() -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set it: here, at
+    the command's start, because the allocator reads it once when CUDA initialises (nothing
+    has touched CUDA yet), and the processes ``launch`` and ``train`` start inherit it. The
+    planner models the setting in force (``evendp._planning._allocator``). Said once, where
+    a GPU is present."""
+    from .._planning._allocator import alloc_conf_default
+
+    chosen = alloc_conf_default()
+    if chosen is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():  # a CPU-only machine has no allocator to speak of
+        print(
+            f"evendp: PYTORCH_CUDA_ALLOC_CONF={chosen} (set by evendp, so the allocator "
+            "reserves close to what tensors use; set PYTORCH_CUDA_ALLOC_CONF to choose another)",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":  # pragma: no cover
