@@ -25,6 +25,7 @@ from .._core._blocks import block_predicate
 from .._core._calls import call
 from .._core._errors import EvendpError, PlanError
 from ._allocator import Trace
+from ._kernels import gpu_kernels
 
 __all__ = [
     "ModelLike",
@@ -144,6 +145,7 @@ class _Setup:
     checkpointing: bool | Callable[[nn.Module], bool]
     fake_mode: Any = None
     no_grad: bool = False  # forward only: no gradients, optimizer state or saved activations
+    gpu: bool = False  # planned for a CUDA GPU: attention saves what its fused kernels save
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.amp is None:
@@ -219,7 +221,7 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
             inputs, targets = batch if setup.criterion is not None else (batch, None)
             tracker.reset_peak()
             tracker.trace.mark_step()  # the batch is in; the step begins
-            with setup.autocast():
+            with setup.autocast(), gpu_kernels(setup.gpu):
                 output = call(model, inputs)
                 output_bytes = _nbytes(output)
                 if variant == "handoff":

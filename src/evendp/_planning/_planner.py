@@ -189,7 +189,8 @@ def plan(
             a plan made ahead of a run on the free memory you state; ``weights="auto"``
             (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
             processes on the GPU keep changing.
-        cuda_context: bytes per device for the CUDA context and library workspaces.
+        cuda_context: bytes per device for the CUDA context (0: a CPU virtual device). The
+            libraries' workspaces are the allocator model's (``allocator``).
         no_grad: plan a forward-only step (inference, evaluation, feature extraction under
             ``torch.no_grad``, model in eval mode): no gradients, no optimizer state, no
             activations saved for backward; ``optimizer`` and ``checkpointing`` are ignored.
@@ -303,6 +304,7 @@ def _plan_step(
     if seq_len is not None:
         batch = at_width(batch, seq_len)
     setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
+    setup.gpu = allocator is not None  # a GPU's kernels: see ._kernels
     if mode == "ddp" or not gather:
         variant = "keep"
     else:
@@ -395,6 +397,7 @@ def _plan_step(
     short = make_setup(
         model, at_width(batch, seq_len // 2), criterion, optimizer, amp, checkpointing, no_grad
     )
+    short.gpu = setup.gpu
     with planning_errors("running the model on fake tensors at a shorter width"):
         _note(f"{step} of 4 samples at width {seq_len // 2}")
         shorter = measure_replica(short, 4, variant)
