@@ -107,3 +107,35 @@ def test_first_step_within_its_plan_changes_nothing() -> None:
     assert sizes == [None, 4, None]
     with pytest.raises(InputError, match="one budget per planned device"):
         FirstStepCheck(planned=[1, 2], budgets=[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibration_and_the_reserved_plan_on_a_real_gpu() -> None:  # pragma: no cover
+    # --- GPU-only: the real allocator against the line and the model. ---
+    from evendp._planning._allocator import AllocatorConfig, CudaAllocatorModel, reserved_peak
+    from evendp._planning._calibrate import CudaMeasurer
+    from evendp._planning._measure import make_setup, measure_replica
+
+    net = LMHead(8_000, 64, n_embd=128).cuda()
+    opt = torch.optim.AdamW(net.parameters())
+
+    def step(n: int) -> None:
+        x, y = (t.cuda() for t in net.example_batch(n))
+        lm_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    c = calibrate(CudaMeasurer(0, step), (8, 16))
+    assert c.line.per_sample > 0 and c.context > 0
+    real = CudaMeasurer(0, step).reserved_after(32)
+    assert c.line.at(32) <= real * 1.10  # a convex peak: the line from below, near it
+    setup = make_setup(lambda: LMHead(8_000, 64, n_embd=128), net.example_batch(2), lm_loss,
+                       torch.optim.AdamW, None, False)  # fmt: skip
+    trace = measure_replica(setup, 32, "keep").trace
+    assert trace is not None
+    # The real figure holds everything reserved: parameters, optimizer state, the two cuBLAS
+    # workspaces (made by the calibration's steps, kept since) and the step's blocks.
+    planned = reserved_peak(trace, major=CudaAllocatorModel.live(0).major,
+                            config=AllocatorConfig.current()).planned  # fmt: skip
+    assert real <= planned <= 1.25 * real  # never under the real allocator

@@ -39,6 +39,9 @@ from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_
 __all__ = ["auto_weights", "plan", "progress_to"]
 _MAX_ROUNDS = 4
 
+#: ``plan(safety_margin=None)`` where tensors are counted (no allocator model).
+DEFAULT_MARGIN = 0.05
+
 _Say = Callable[[str], None]
 #: Where the planner says what it is measuring; ``None`` (the default): silent.
 _PROGRESS: ContextVar[_Say | None] = ContextVar("evendp_plan_progress", default=None)
@@ -152,7 +155,7 @@ def plan(
     gradient_as_bucket_view: bool = False,
     gather_output: bool = True,
     output_device: int = 0,
-    safety_margin: float = 0.05,
+    safety_margin: float | None = None,
     cuda_context: int | str = DEFAULT_CONTEXT,
     no_grad: bool = False,
     seq_len: int | None = None,
@@ -185,8 +188,11 @@ def plan(
         gather_output: DP only; ``False`` when the loss is computed per device
             (``ParallelCriterion``), so no outputs are gathered (the same name as
             :class:`BalancedDataParallel`'s; ``gather=`` is the deprecated spelling).
-        safety_margin: each device may use ``free * (1 - safety_margin)``. 0.05 here, for
-            a plan made ahead of a run on the free memory you state; ``weights="auto"``
+        safety_margin: each device may use ``free * (1 - safety_margin)``. ``None`` (the
+            default): 0.05 where tensors are counted (CPU devices, ``allocator=None``), for
+            a plan made ahead of a run on the free memory you state; 0 where the CUDA
+            allocator is modelled, whose fitted fragmentation allowance is that margin
+            (docs/planner.md: stacking both planned 6 where 7 runs). ``weights="auto"``
             (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
             processes on the GPU keep changing.
         cuda_context: bytes per device for the CUDA context (0: a CPU virtual device). The
@@ -235,6 +241,10 @@ def plan(
     )
     mems = _validate_memory_specs(memory)
     k = len(mems)
+    context = parse_bytes(cuda_context)
+    replay = _validate_allocator(allocator, context, mems)
+    if safety_margin is None:
+        safety_margin = DEFAULT_MARGIN if replay is None else 0.0
     _validate_options(mode, safety_margin, output_device, k, batch_size)
     if not isinstance(no_grad, bool):
         raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
@@ -253,10 +263,10 @@ def plan(
         gather=gather_output,
         output_device=output_device,
         safety_margin=safety_margin,
-        context=parse_bytes(cuda_context),
+        context=context,
         seq_len=seq_len,
+        allocator=replay,
     )
-    common["allocator"] = _validate_allocator(allocator, common["context"], mems)
     # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
     # call that may run under torch.inference_mode or torch.no_grad).
     with torch.inference_mode(False), torch.enable_grad():
