@@ -11,6 +11,7 @@ from evendp._planning._calibrate import (
     FirstStepCheck,
     Line,
     calibrate,
+    calibrated_split,
     calibration_sizes,
 )
 from evendp._training._oom import OomResplit
@@ -139,3 +140,14 @@ def test_calibration_and_the_reserved_plan_on_a_real_gpu() -> None:  # pragma: n
     planned = reserved_peak(trace, major=CudaAllocatorModel.live(0).major,
                             config=AllocatorConfig.current()).planned  # fmt: skip
     assert real <= planned <= 1.25 * real  # never under the real allocator
+
+
+def test_the_measured_line_only_ever_lowers_a_planned_share() -> None:
+    mib = 1 << 20
+    steep = calibrate(_Fake(fixed=1000 * mib, per_sample=100 * mib), (2, 4))  # more than planned
+    flat = calibrate(_Fake(fixed=1000 * mib, per_sample=10 * mib), (2, 4))  # less than planned
+    split, notes = calibrated_split([20, 20, 20], [4000 * mib] * 3, [steep, flat, None])
+    # steep: (4000 - 500 context - 1000) / 100 = 25 >= 20 kept; flat keeps its 20 too.
+    assert split == [20, 20, 20] and notes == []
+    split, notes = calibrated_split([20, 20], [2500 * mib] * 2, [steep, flat])
+    assert split == [10, 20] and len(notes) == 1 and notes[0].startswith("evendp: device 0")

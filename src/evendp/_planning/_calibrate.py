@@ -41,6 +41,7 @@ __all__ = [
     "Line",
     "Measurer",
     "calibrate",
+    "calibrated_split",
     "calibration_sizes",
 ]
 
@@ -143,6 +144,34 @@ def calibrate(measurer: Measurer, sizes: Sequence[int]) -> Calibration:
     return Calibration(
         Line(int(peaks[0] - slope * a), slope, (a, b)), int(measurer.context_bytes())
     )
+
+
+def calibrated_split(
+    split: Sequence[int], free: Sequence[int], calibrations: Sequence[Calibration | None]
+) -> tuple[list[int], list[str]]:
+    """A plan's ``split`` held to each device's measured line: device ``i`` takes at most
+    ``line.cap(free[i] - context)`` samples (``free``: its free bytes read before this
+    process's CUDA context existed; ``None``: not calibrated, kept). The plan keeps the
+    larger of its model and the line, so a share is only ever lowered; each lowered device
+    is said in one line.
+
+    >>> line = Line(fixed=1000, per_sample=100.0, sizes=(2, 4))
+    >>> calibrated_split([12, 12], [2500, 2500], [Calibration(line, 500), None])
+    ([10, 12], ['evendp: device 0 measured 1000 B + 100 B per sample: 10 samples fit, not 12'])
+    """
+    out, notes = [], []
+    for i, (n, cal) in enumerate(zip(split, calibrations, strict=True)):
+        if cal is None:
+            out.append(int(n))
+            continue
+        cap = cal.line.cap(int(free[i]) - cal.context)
+        if cap < n:
+            notes.append(
+                f"evendp: device {i} measured {format_bytes(cal.line.fixed)} + "
+                f"{format_bytes(cal.line.per_sample)} per sample: {cap} samples fit, not {n}"
+            )
+        out.append(min(int(n), cap))
+    return out, notes
 
 
 class FirstStepCheck:
