@@ -346,13 +346,13 @@ def _plan_step(
             for n in (2, 4):
                 on_output_device(n)
 
-    def solve() -> tuple[MemoryModel, list[Segment]]:
+    def solve(batch: int | None) -> tuple[MemoryModel, list[Segment]]:
         mdl = _build_model(
             mode, output_device, monotone_allocator(replica), crit, gradient_as_bucket_view,
             context, needs_crit,
         )  # fmt: skip
         # Per distinct device (budget and role), not per device: see solve_spans.
-        return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch_size)
+        return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch)
 
     def beyond_measured(sol: list[Segment]) -> tuple[set[int], set[int]]:
         """Recommended sizes past the largest measured one: replica sizes, global batches."""
@@ -367,18 +367,30 @@ def _plan_step(
             want_crit = {t for t in totals if t > max(crit)}
         return want_rep, want_crit
 
-    mdl, sol = solve()
-    for _ in range(_MAX_ROUNDS):
-        want_rep, want_crit = beyond_measured(sol)
-        if not want_rep and not want_crit:
-            break
-        with planning_errors("running the model on fake tensors"):
-            # The largest only: every chord below it interpolates, an upper bound there.
-            for n in sorted(want_rep)[-1:]:
-                on_replica(n)
-            for n in sorted(want_crit)[-1:]:
-                on_output_device(n)
-        mdl, sol = solve()  # the answer always rests on the last measurement
+    def refine(batch: int | None) -> tuple[MemoryModel, list[Segment]]:
+        mdl, sol = solve(batch)
+        for _ in range(_MAX_ROUNDS):
+            want_rep, want_crit = beyond_measured(sol)
+            if not want_rep and not want_crit:
+                break
+            with planning_errors("running the model on fake tensors"):
+                # The largest only: every chord below it interpolates, an upper bound there.
+                for n in sorted(want_rep)[-1:]:
+                    on_replica(n)
+                for n in sorted(want_crit)[-1:]:
+                    on_output_device(n)
+            mdl, sol = solve(batch)  # the answer always rests on the last measurement
+        return mdl, sol
+
+    if batch_size is not None and allocator is not None:
+        try:
+            solve(batch_size)
+        except PlanError:
+            # The allocator's bytes step with its segments, so the chord through the first
+            # small sizes is no guide far beyond them: a batch that does not fit there is
+            # judged on measurements at the largest that fits, as a plan without it is.
+            refine(None)
+    mdl, sol = refine(batch_size)
     extrapolated = any(beyond_measured(sol))
     result = _to_plan(
         mdl,
