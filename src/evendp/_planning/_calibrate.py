@@ -252,7 +252,26 @@ class CudaMeasurer:  # pragma: no cover - GPU-only: tests use fake Measurers
         return int(torch.cuda.max_memory_reserved(self.device))
 
     def context_bytes(self) -> int:
+        """This process's bytes on the device outside the allocator: NVML's count for this
+        process (other processes on a shared GPU excluded) minus what the allocator has
+        reserved; without NVML, the device's used bytes minus it (a GPU of its own)."""
+        import os
+
         import torch
 
+        reserved = torch.cuda.memory_reserved(self.device)
+        try:
+            from ._devices import _load_nvml
+
+            nvml = _load_nvml()
+            nvml.nvmlInit()
+            props = torch.cuda.get_device_properties(self.device)
+            domain, bus, dev = (getattr(props, f"pci_{k}_id") for k in ("domain", "bus", "device"))
+            handle = nvml.nvmlDeviceGetHandleByPciBusId(f"{domain:08X}:{bus:02X}:{dev:02X}.0")
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    return int(proc.usedGpuMemory - reserved)
+        except Exception:  # NVML missing or unable: the device-wide reading below
+            pass
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(total - free - torch.cuda.memory_reserved(self.device))
+        return int(total - free - reserved)
