@@ -251,6 +251,8 @@ class Plan:
         ]
         if any(d.breakdown.get("grads", 0) for _, d, _ in self.columns()):
             lines.append("grads at peak: the gradients that exist then (few early in backward)")
+        if any(d.breakdown.get("allocator", 0) for _, d, _ in self.columns()):
+            lines.append("allocator: CUDA's caching allocator reserves it beyond the tensors")
         lines.append(
             f"budget = free x (1 - {self.safety_margin:g}); "
             f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"
