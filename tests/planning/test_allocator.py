@@ -190,3 +190,12 @@ def test_evendp_chooses_expandable_segments_only_when_the_user_did_not() -> None
     assert AllocatorConfig.parse(env["PYTORCH_CUDA_ALLOC_CONF"]).expandable_segments
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     assert A.alloc_conf_default(mine) is None and mine["PYTORCH_CUDA_ALLOC_CONF"].endswith("False")
+
+
+def test_a_forward_only_plan_counts_the_allocator_too() -> None:
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = CudaAllocatorModel(9, AllocatorConfig())
+    p = evendp.plan(net, torch.randn(1, 64), "2GiB", mode="ddp", no_grad=True, allocator=model)
+    # One workspace (the forward's thread) and the small pool's segments, at least.
+    assert p.devices[0].breakdown["allocator"] >= 32 * MiB
+    assert p.safety_margin == 0.0

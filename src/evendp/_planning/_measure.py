@@ -282,6 +282,7 @@ def measure_forward(setup: _Setup, n: int) -> Point:
         batch = setup.make_batch(n)
         inputs, targets = batch if setup.criterion is not None else (batch, None)
         tracker.reset_peak()
+        tracker.trace.mark_step()
         with torch.no_grad(), setup.autocast():
             output = call(model, inputs)
             output_bytes = _nbytes(output)
@@ -303,6 +304,7 @@ def measure_forward(setup: _Setup, n: int) -> Point:
         {"params": float(fwd_params), "activations": float(fwd["Total"] - fwd_params)},
         output_bytes,
         {"params": params, "grads": 0, "optimizer": 0, "optimizer_extra": 0},
+        tracker.trace,
     )
 
 
