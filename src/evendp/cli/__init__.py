@@ -8,6 +8,7 @@ sets ``func``) and the function it points to, ``run(args) -> int``. Bad input ex
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -132,24 +133,35 @@ _CUDA_COMMANDS = ("train", "launch", "plan")
 
 
 def _choose_allocator_setting() -> None:
-    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set it: here, at
-    the command's start, because the allocator reads it once when CUDA initialises (nothing
-    has touched CUDA yet), and the processes ``launch`` and ``train`` start inherit it. The
-    planner models the setting in force (``evendp._planning._allocator``). Said once, where
-    a GPU is present."""
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` on a machine with a GPU, unless the
+    user set it: here, at the command's start, because the allocator reads it once when CUDA
+    initialises (nothing has touched CUDA yet), and the processes ``launch`` and ``train``
+    start inherit it. The planner models the setting in force
+    (``evendp._planning._allocator``). Said once. A machine with no GPU has no allocator to
+    set (and plans for declared GPUs with the default setting, which reserves no less)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or not _has_gpu():
+        return
     from .._planning._allocator import alloc_conf_default
 
     chosen = alloc_conf_default()
-    if chosen is None:
-        return
-    import torch
+    print(
+        f"evendp: PYTORCH_CUDA_ALLOC_CONF={chosen} (set by evendp, so the allocator reserves "
+        "close to what tensors use; set PYTORCH_CUDA_ALLOC_CONF to choose another)",
+        file=sys.stderr,
+    )
 
-    if torch.cuda.is_available():  # a CPU-only machine has no allocator to speak of
-        print(
-            f"evendp: PYTORCH_CUDA_ALLOC_CONF={chosen} (set by evendp, so the allocator "
-            "reserves close to what tensors use; set PYTORCH_CUDA_ALLOC_CONF to choose another)",
-            file=sys.stderr,
-        )
+
+def _has_gpu() -> bool:
+    """Whether this machine has a GPU, asked without initialising CUDA's allocator: NVML
+    (no CUDA context), else the driver's device count."""
+    from .._planning._devices import list_devices
+
+    try:
+        return bool(list_devices())
+    except Exception:  # no NVML here: the driver's count does not start the allocator
+        import torch
+
+        return torch.cuda.is_available()
 
 
 if __name__ == "__main__":  # pragma: no cover
