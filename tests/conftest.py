@@ -52,6 +52,7 @@ _ENV_KEYS = (
     "LOCAL_WORLD_SIZE",
     "EVENDP_BATCH_SIZES",
     "EVENDP_BATCH_DEFAULTED",
+    "PYTORCH_CUDA_ALLOC_CONF",  # evendp's CLI chooses the allocator setting when unset
 )
 
 

@@ -23,7 +23,9 @@ from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate
 from .._core._calls import call
 from .._core._errors import EvendpError, PlanError
+from ._allocator import Trace
 from ._fake_model import fake_cpu_copy, off_cpu
+from ._kernels import gpu_kernels
 
 __all__ = [
     "ModelLike",
@@ -48,12 +50,33 @@ def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class _Tracker(MemTracker):
-        """MemTracker whose peak can be restarted, so each phase gets its own peak."""
+        """MemTracker whose peak can be restarted, so each phase gets its own peak, and
+        which records the step's storage events in order for :mod:`._allocator`."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.trace = Trace()
 
         def reset_peak(self) -> None:
             # Private fields of MemTracker (torch >= 2.4): the running peak and its snapshot.
             self._peak_mem_snap = self.get_tracker_snapshot()
             self._peak_mem = {d: s["Total"] for d, s in self._peak_mem_snap.items()}
+
+        def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
+            # MemTracker's one place where a storage's bytes come and go (torch >= 2.4).
+            super()._update_snap(u_type, winfo, *args, **kwargs)
+            self.trace.storage(u_type.name, winfo, kwargs.get("old_mem_consumed"))
+
+        def __exit__(self, *args: Any) -> None:
+            super().__exit__(*args)
+            if self._depth == 0:
+                self.trace.close()  # what dies after the step (model, optimizer) is not in it
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            # After the op: its outputs exist, then the library call takes its workspace.
+            self.trace.op(func, self._mod_tracker.is_bw, args)
+            return out
 
     return _Tracker
 
@@ -122,6 +145,7 @@ class _Setup:
     checkpointing: bool | Callable[[nn.Module], bool]
     fake_mode: Any = None
     no_grad: bool = False  # forward only: no gradients, optimizer state or saved activations
+    gpu: bool = False  # planned for a CUDA GPU: attention saves what its fused kernels save
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.amp is None:
@@ -177,6 +201,7 @@ class Point:
     forward_end: dict[str, float]  # after forward (and the DP hand-off): params, activations
     output_bytes: int
     static: dict[str, int]  # params, grads, optimizer, optimizer_extra (optimizer-step temps)
+    trace: Trace | None = None  # the step's storage events in order (see ._allocator)
 
 
 def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
@@ -194,7 +219,8 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
             batch = setup.make_batch(n)
             inputs, targets = batch if setup.criterion is not None else (batch, None)
             tracker.reset_peak()
-            with setup.autocast():
+            tracker.trace.mark_step()  # the batch is in; the step begins
+            with setup.autocast(), gpu_kernels(setup.gpu):
                 output = call(model, inputs)
                 output_bytes = _nbytes(output)
                 if variant == "handoff":
@@ -237,7 +263,7 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
         "optimizer": optimizer_bytes,
         "optimizer_extra": extra,
     }
-    return Point(n, fwbw, forward_end, output_bytes, static)
+    return Point(n, fwbw, forward_end, output_bytes, static, tracker.trace)
 
 
 def measure_forward(setup: _Setup, n: int) -> Point:
@@ -255,6 +281,7 @@ def measure_forward(setup: _Setup, n: int) -> Point:
         batch = setup.make_batch(n)
         inputs, targets = batch if setup.criterion is not None else (batch, None)
         tracker.reset_peak()
+        tracker.trace.mark_step()
         with torch.no_grad(), setup.autocast():
             output = call(model, inputs)
             output_bytes = _nbytes(output)
@@ -276,6 +303,7 @@ def measure_forward(setup: _Setup, n: int) -> Point:
         {"params": float(fwd_params), "activations": float(fwd["Total"] - fwd_params)},
         output_bytes,
         {"params": params, "grads": 0, "optimizer": 0, "optimizer_extra": 0},
+        tracker.trace,
     )
 
 

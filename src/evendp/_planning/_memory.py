@@ -29,8 +29,9 @@ __all__ = [
     "parse_memory",
 ]
 
-#: The allowance per device for the CUDA context + cuBLAS/cuDNN workspaces, typical on recent
-#: GPUs (``plan(cuda_context=)``, ``--context``; CPU devices are charged none).
+#: The allowance per device for the CUDA context, typical on recent GPUs (``plan(cuda_context=)``,
+#: ``--context``; CPU devices are charged none). cuBLAS/cuDNN workspaces are modelled apart,
+#: with the caching allocator (:mod:`._allocator`).
 DEFAULT_CONTEXT = 512 << 20
 
 #: The most devices a spec may declare in all (``Nx`` repeats summed): the planner handles a

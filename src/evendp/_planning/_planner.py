@@ -18,6 +18,7 @@ from .._core._amp import amp_dtype
 from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
 from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
+from ._allocator import CudaAllocatorModel, monotone_allocator, with_allocator
 from ._measure import (
     ModelLike,
     OptimizerFactory,
@@ -36,6 +37,9 @@ from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_
 
 __all__ = ["auto_weights", "plan", "progress_to"]
 _MAX_ROUNDS = 4
+
+#: ``plan(safety_margin=None)`` where tensors are counted (no allocator model).
+DEFAULT_MARGIN = 0.05
 
 _Say = Callable[[str], None]
 #: Where the planner says what it is measuring; ``None`` (the default): silent.
@@ -150,10 +154,11 @@ def plan(
     gradient_as_bucket_view: bool = False,
     gather_output: bool = True,
     output_device: int = 0,
-    safety_margin: float = 0.05,
+    safety_margin: float | None = None,
     cuda_context: int | str = DEFAULT_CONTEXT,
     no_grad: bool = False,
     seq_len: int | None = None,
+    allocator: CudaAllocatorModel | str | None = "auto",
 ) -> Plan:
     """Predict every device's memory for a training step and choose the per-device split.
 
@@ -180,11 +185,15 @@ def plan(
         gather_output: DP only; ``False`` when the loss is computed per device
             (``ParallelCriterion``), so no outputs are gathered (the same name as
             :class:`BalancedDataParallel`'s).
-        safety_margin: each device may use ``free * (1 - safety_margin)``. 0.05 here, for
-            a plan made ahead of a run on the free memory you state; ``weights="auto"``
+        safety_margin: each device may use ``free * (1 - safety_margin)``. ``None`` (the
+            default): 0.05 where tensors are counted (CPU devices, ``allocator=None``), for
+            a plan made ahead of a run on the free memory you state; 0 where the CUDA
+            allocator is modelled, whose fitted fragmentation allowance is that margin
+            (docs/planner.md: stacking both planned 6 where 7 runs). ``weights="auto"``
             (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
             processes on the GPU keep changing.
-        cuda_context: bytes per device for the CUDA context and library workspaces.
+        cuda_context: bytes per device for the CUDA context (0: a CPU virtual device). The
+            libraries' workspaces are the allocator model's (``allocator``).
         no_grad: plan a forward-only step (inference, evaluation, feature extraction under
             ``torch.no_grad``, model in eval mode): no gradients, no optimizer state, no
             activations saved for backward; ``optimizer`` and ``checkpointing`` are ignored.
@@ -194,6 +203,14 @@ def plan(
             rows are padded to at most ``seq_len``: the example batch's sequence dimension
             (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
             (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
+        allocator: what a device's memory holds beyond its tensors. ``"auto"``: on CUDA
+            devices (any ``cuda_context`` but 0) the peak is what PyTorch's CUDA caching
+            allocator reserves, replayed step by step (:mod:`evendp._planning._allocator`:
+            rounding, segments, cuBLAS/cuDNN workspaces, fragmentation) for the live GPU's
+            architecture, or Hopper's (the largest workspaces) for declared memory; with
+            ``cuda_context=0`` (CPU virtual devices) what the tensors hold. A
+            ``CudaAllocatorModel`` chooses the architecture and allocator setting; ``None``
+            counts tensors only.
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
     solves again on every new measurement. When a recommended size still lies beyond the
@@ -215,6 +232,10 @@ def plan(
     amp = amp_dtype(amp)
     mems = _validate_memory_specs(memory)
     k = len(mems)
+    context = parse_bytes(cuda_context)
+    replay = _validate_allocator(allocator, context, mems)
+    if safety_margin is None:
+        safety_margin = DEFAULT_MARGIN if replay is None else 0.0
     _validate_options(mode, safety_margin, output_device, k, batch_size)
     if not isinstance(no_grad, bool):
         raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
@@ -233,8 +254,9 @@ def plan(
         gather=gather_output,
         output_device=output_device,
         safety_margin=safety_margin,
-        context=parse_bytes(cuda_context),
+        context=context,
         seq_len=seq_len,
+        allocator=replay,
     )
     # Plan what was asked whatever the caller's grad mode (weights="auto" plans on a first
     # call that may run under torch.inference_mode or torch.no_grad).
@@ -276,12 +298,14 @@ def _plan_step(
     context: int,
     no_grad: bool,
     seq_len: int | None = None,
+    allocator: CudaAllocatorModel | None = None,
 ) -> Plan:
     """One plan (a training step, or a forward under ``no_grad``) on validated options."""
     start = time.perf_counter()
     if seq_len is not None:
         batch = at_width(batch, seq_len)
     setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
+    setup.gpu = allocator is not None  # a GPU's kernels: see ._kernels
     if mode == "ddp" or not gather:
         variant = "keep"
     else:
@@ -295,7 +319,8 @@ def _plan_step(
 
     def on_replica(n: int) -> None:
         _note(f"{step} of {n} samples on one device")
-        replica[n] = measure_replica(setup, n, variant)
+        point = measure_replica(setup, n, variant)
+        replica[n] = point if allocator is None else with_allocator(point, allocator)
 
     def on_output_device(n: int) -> None:
         assert sample is not None  # needs_crit measured it first
@@ -312,12 +337,13 @@ def _plan_step(
             for n in (2, 4):
                 on_output_device(n)
 
-    def solve() -> tuple[MemoryModel, list[Segment]]:
+    def solve(batch: int | None) -> tuple[MemoryModel, list[Segment]]:
         mdl = _build_model(
-            mode, output_device, replica, crit, gradient_as_bucket_view, context, needs_crit
-        )
+            mode, output_device, monotone_allocator(replica), crit, gradient_as_bucket_view,
+            context, needs_crit,
+        )  # fmt: skip
         # Per distinct device (budget and role), not per device: see solve_spans.
-        return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch_size)
+        return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch)
 
     def beyond_measured(sol: list[Segment]) -> tuple[set[int], set[int]]:
         """Recommended sizes past the largest measured one: replica sizes, global batches."""
@@ -332,18 +358,30 @@ def _plan_step(
             want_crit = {t for t in totals if t > max(crit)}
         return want_rep, want_crit
 
-    mdl, sol = solve()
-    for _ in range(_MAX_ROUNDS):
-        want_rep, want_crit = beyond_measured(sol)
-        if not want_rep and not want_crit:
-            break
-        with planning_errors("running the model on fake tensors"):
-            # The largest only: every chord below it interpolates, an upper bound there.
-            for n in sorted(want_rep)[-1:]:
-                on_replica(n)
-            for n in sorted(want_crit)[-1:]:
-                on_output_device(n)
-        mdl, sol = solve()  # the answer always rests on the last measurement
+    def refine(batch: int | None) -> tuple[MemoryModel, list[Segment]]:
+        mdl, sol = solve(batch)
+        for _ in range(_MAX_ROUNDS):
+            want_rep, want_crit = beyond_measured(sol)
+            if not want_rep and not want_crit:
+                break
+            with planning_errors("running the model on fake tensors"):
+                # The largest only: every chord below it interpolates, an upper bound there.
+                for n in sorted(want_rep)[-1:]:
+                    on_replica(n)
+                for n in sorted(want_crit)[-1:]:
+                    on_output_device(n)
+            mdl, sol = solve(batch)  # the answer always rests on the last measurement
+        return mdl, sol
+
+    if batch_size is not None and allocator is not None:
+        try:
+            solve(batch_size)
+        except PlanError:
+            # The allocator's bytes step with its segments, so the chord through the first
+            # small sizes is no guide far beyond them: a batch that does not fit there is
+            # judged on measurements at the largest that fits, as a plan without it is.
+            refine(None)
+    mdl, sol = refine(batch_size)
     extrapolated = any(beyond_measured(sol))
     result = _to_plan(
         mdl,
@@ -363,6 +401,7 @@ def _plan_step(
             "gather": gather,
             "output_device": output_device,
             "cuda_context": context,
+            "allocator": None if allocator is None else _allocator_name(allocator),
         },
         no_grad,
     )
@@ -371,10 +410,35 @@ def _plan_step(
     short = make_setup(
         model, at_width(batch, seq_len // 2), criterion, optimizer, amp, checkpointing, no_grad
     )
+    short.gpu = setup.gpu
     with planning_errors("running the model on fake tensors at a shorter width"):
         _note(f"{step} of 4 samples at width {seq_len // 2}")
         shorter = measure_replica(short, 4, variant)
+        shorter = shorter if allocator is None else with_allocator(shorter, allocator)
     return _with_token_caps(result, sol, seq_len, replica, shorter)
+
+
+def _validate_allocator(allocator: Any, context: int, mems: _Fleet) -> CudaAllocatorModel | None:
+    """``plan(allocator=)``: ``"auto"``, ``None`` or a :class:`CudaAllocatorModel`."""
+    if allocator is None or isinstance(allocator, CudaAllocatorModel):
+        return allocator
+    if allocator != "auto":
+        raise EvendpError(
+            f"allocator must be 'auto', None or a CudaAllocatorModel, got {allocator!r}; "
+            "e.g. allocator='auto'"
+        )
+    names = mems.names or []
+    if context == 0 and not any(n.startswith("cuda") for n in names):
+        return None  # CPU virtual devices: their budget counts what tensors hold
+    cuda = [int(n.split(":")[1]) for n in names if n.startswith("cuda:")]
+    if cuda and torch.cuda.is_available():  # --- GPU-only: the live device's architecture ---
+        return CudaAllocatorModel.live(cuda[0])
+    return CudaAllocatorModel()  # declared (or stood-in) GPUs: Hopper's, the largest workspaces
+
+
+def _allocator_name(model: CudaAllocatorModel) -> str:
+    setting = "expandable" if model.config.expandable_segments else "segments"
+    return f"cuda sm{model.major}x, {setting}"
 
 
 def _sum(segments: list[Segment], name: str) -> int:

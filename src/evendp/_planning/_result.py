@@ -27,12 +27,13 @@ KINDS: tuple[str, ...] = (
     "gathered_grad",
     "loss",
     "buckets",
+    "allocator",
     "cuda_context",
 )
 
 #: How the table and the chart name a kind, where its key alone would mislead: the rows are
 #: what is live at the peak moment, and few gradients exist yet then (JSON keeps the keys).
-KIND_LABELS: dict[str, str] = {"grads": "grads at peak"}
+KIND_LABELS: dict[str, str] = {"grads": "grads at peak", "allocator": "allocator (CUDA)"}
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,8 @@ class Plan:
         ]
         if any(d.breakdown.get("grads", 0) for _, d, _ in self.columns()):
             lines.append("grads at peak: the gradients that exist then (few early in backward)")
+        if any(d.breakdown.get("allocator", 0) for _, d, _ in self.columns()):
+            lines.append("allocator: CUDA's caching allocator reserves it beyond the tensors")
         lines.append(
             f"budget = free x (1 - {self.safety_margin:g}); "
             f"planned in {self.seconds:.1f} s from batch sizes {self.measured_sizes}"

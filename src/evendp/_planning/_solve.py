@@ -8,8 +8,9 @@ and says so (``Plan.extrapolated``) when it could not.
 
 What it counts per device (the design's memory model): parameters, gradients, optimizer state,
 activations, outputs; on the DP output device the gathered outputs, their gradient and the
-loss computed there; DDP's gradient buckets; and a fixed allowance for the CUDA context and
-library workspaces, which a fake run cannot see.
+loss computed there; DDP's gradient buckets; on CUDA devices the caching allocator's bytes
+beyond the tensors (the kind ``allocator``, from :mod:`._allocator`: workspaces, segments,
+fragmentation); and a fixed allowance for the CUDA context, which a fake run cannot see.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ sets ``func``) and the function it points to, ``run(args) -> int``. Bad input ex
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -114,6 +115,8 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
         if early.signum is not None:
             return exit_code(early.signum)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
+    if args.command in _CUDA_COMMANDS:
+        _choose_allocator_setting()
     try:
         code: int = args.func(args)
     except EvendpError as exc:  # a subcommand's own check missed it: still one clean line
@@ -124,6 +127,41 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
 
 # The commands that run training (or launch it): a signal stops them at a step boundary.
 _KEEP_SIGNALS = ("train", "launch")
+
+# The commands that plan or run on GPUs: they choose the CUDA allocator's setting first.
+_CUDA_COMMANDS = ("train", "launch", "plan")
+
+
+def _choose_allocator_setting() -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` on a machine with a GPU, unless the
+    user set it: here, at the command's start, because the allocator reads it once when CUDA
+    initialises (nothing has touched CUDA yet), and the processes ``launch`` and ``train``
+    start inherit it. The planner models the setting in force
+    (``evendp._planning._allocator``). Said once. A machine with no GPU has no allocator to
+    set (and plans for declared GPUs with the default setting, which reserves no less)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or not _has_gpu():
+        return
+    from .._planning._allocator import alloc_conf_default
+
+    chosen = alloc_conf_default()
+    print(
+        f"evendp: PYTORCH_CUDA_ALLOC_CONF={chosen} (set by evendp, so the allocator reserves "
+        "close to what tensors use; set PYTORCH_CUDA_ALLOC_CONF to choose another)",
+        file=sys.stderr,
+    )
+
+
+def _has_gpu() -> bool:
+    """Whether this machine has a GPU, asked without initialising CUDA's allocator: NVML
+    (no CUDA context), else the driver's device count."""
+    from .._planning._devices import list_devices
+
+    try:
+        return bool(list_devices())
+    except Exception:  # no NVML here: the driver's count does not start the allocator
+        import torch
+
+        return torch.cuda.is_available()
 
 
 if __name__ == "__main__":  # pragma: no cover

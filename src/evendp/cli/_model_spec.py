@@ -126,8 +126,9 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
     parser.add_argument(
         "--margin",
         type=bounded_float("--margin", 0.0, 0.99, "0.05", low_inclusive=True),
-        default=0.05,
-        help="fraction of each device's memory kept free (default 0.05)",
+        default=None,
+        help="fraction of each device's memory kept free (default 0.05; 0 on CUDA devices, "
+        "where the allocator model's fragmentation allowance is the margin)",
     )
     parser.add_argument(
         "--context",
@@ -142,7 +143,7 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     Checked here so a bad value is named by its flag (``--margin``), not by the Python
     argument it becomes (``safety_margin``).
     """
-    if not 0.0 <= args.margin < 1.0:
+    if args.margin is not None and not 0.0 <= args.margin < 1.0:
         raise EvendpError(
             f"--margin must be in [0, 1), got {shown(args.margin)}; e.g. --margin 0.05"
         )

@@ -1,0 +1,153 @@
+"""Calibration on a live device and the first-step check, with fake measurements injected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evendp import InputError
+from evendp._planning._calibrate import (
+    Calibration,
+    FirstStepCheck,
+    Line,
+    calibrate,
+    calibrated_split,
+    calibration_sizes,
+)
+from evendp._training._oom import OomResplit
+from evendp.examples.lm_head import LMHead, lm_loss
+
+
+class _Fake:
+    """A device whose allocator reserves ``fixed + per_sample * n``; it runs out past
+    ``limit`` samples and counts what it was asked."""
+
+    def __init__(self, fixed: int, per_sample: int, limit: int = 10**9) -> None:
+        self.fixed, self.per_sample, self.limit = fixed, per_sample, limit
+        self.asked: list[int] = []
+
+    def reserved_after(self, n: int) -> int:
+        self.asked.append(n)
+        if n > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.fixed + self.per_sample * n
+
+    def context_bytes(self) -> int:
+        return 500 << 20
+
+
+def test_calibration_fits_the_line_and_reads_the_context() -> None:
+    fake = _Fake(fixed=1 << 30, per_sample=3 << 20)
+    c = calibrate(fake, calibration_sizes(64))
+    assert fake.asked == [8, 16]
+    assert c == Calibration(Line(1 << 30, float(3 << 20), (8, 16)), 500 << 20)
+    assert c.line.cap((1 << 30) + (30 << 20)) == 10
+
+
+def test_a_failed_measurement_is_named_not_guessed() -> None:
+    with pytest.raises(InputError, match=r"calibrating at 16 samples failed: OutOfMemoryError"):
+        calibrate(_Fake(1 << 30, 3 << 20, limit=12), (8, 16))
+
+
+def test_a_measurement_that_shrinks_is_refused() -> None:
+    class Shared(_Fake):  # another process freed memory between the two steps
+        def reserved_after(self, n: int) -> int:
+            return 10**9 - n
+
+    with pytest.raises(InputError, match="less memory at 16 samples"):
+        calibrate(Shared(0, 0), (8, 16))
+    with pytest.raises(InputError, match="two different batch sizes"):
+        calibrate(_Fake(0, 1), (4, 4))
+
+
+def test_first_step_over_its_plan_lowers_the_micro_batch_before_it_runs_out() -> None:
+    # A device planned at 1 GiB for 16 samples whose first step reserved 1.25 GiB, over its
+    # 1.1 GiB budget: the next step would run out past 14 samples at once (injected OOM).
+    torch.manual_seed(0)
+    net = LMHead(64, 8, n_embd=16)
+    x, y = net.example_batch(16)
+
+    def chunk_loss(start: int, stop: int) -> torch.Tensor:
+        if stop - start > 14:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return lm_loss(net(x[start:stop]), y[start:stop])
+
+    def step(guard: OomResplit) -> list[torch.Tensor]:
+        net.zero_grad()
+        guard.run(16, chunk_loss, weight=1 / 16, zero_grad=net.zero_grad)
+        return [p.grad.clone() for p in net.parameters() if p.grad is not None]
+
+    unchecked = OomResplit()
+    step(unchecked)
+    assert unchecked.resplits == 1  # without the check the device runs out, then re-splits
+
+    gib = 1 << 30
+    check = FirstStepCheck(planned=[gib], budgets=[int(1.1 * gib)])
+    caps = check.check(measured=[int(1.25 * gib)], samples=[16])
+    assert caps == [14] and len(check.notes) == 1 and "\n" not in check.notes[0]
+    assert "device 0 reserved 1.25 GiB at its first step, over its plan" in check.notes[0]
+    guard = OomResplit()
+    check.apply(caps, guard.micro_batch_sizes)
+    got = step(guard)
+    assert guard.resplits == 0 and guard.micro_batch_sizes == [14]  # lowered in time
+    net.zero_grad()
+    lm_loss(net(x), y).backward()  # one device on the whole batch: the same gradient
+    want = [p.grad for p in net.parameters() if p.grad is not None]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_first_step_within_its_plan_changes_nothing() -> None:
+    check = FirstStepCheck(planned=[100, 100, 100], budgets=[120, 120, 120])
+    sizes: list[int | None] = [None, 4, None]
+    caps = check.check(measured=[100, 99, None], samples=[8, 8, 8])
+    check.apply(caps, sizes)
+    assert caps == [None, None, None] and sizes == [None, 4, None] and check.notes == []
+    # An over-plan device keeps a smaller cap it already had (e.g. from an earlier OOM).
+    check.apply(check.check(measured=[100, 119 * 2, 100], samples=[8, 8, 8]), sizes)
+    assert sizes == [None, 4, None]
+    with pytest.raises(InputError, match="one budget per planned device"):
+        FirstStepCheck(planned=[1, 2], budgets=[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibration_and_the_reserved_plan_on_a_real_gpu() -> None:  # pragma: no cover
+    # --- GPU-only: the real allocator against the line and the model. ---
+    from evendp._planning._allocator import AllocatorConfig, CudaAllocatorModel, reserved_peak
+    from evendp._planning._calibrate import CudaMeasurer
+    from evendp._planning._measure import make_setup, measure_replica
+
+    net = LMHead(8_000, 64, n_embd=128).cuda()
+    opt = torch.optim.AdamW(net.parameters())
+
+    def step(n: int) -> None:
+        x, y = (t.cuda() for t in net.example_batch(n))
+        lm_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    c = calibrate(CudaMeasurer(0, step), (8, 16))
+    assert c.line.per_sample > 0 and c.context > 0
+    real = CudaMeasurer(0, step).reserved_after(32)
+    assert c.line.at(32) <= real * 1.10  # a convex peak: the line from below, near it
+    setup = make_setup(lambda: LMHead(8_000, 64, n_embd=128), net.example_batch(2), lm_loss,
+                       torch.optim.AdamW, None, False)  # fmt: skip
+    trace = measure_replica(setup, 32, "keep").trace
+    assert trace is not None
+    # The real figure holds everything reserved: parameters, optimizer state, the two cuBLAS
+    # workspaces (made by the calibration's steps, kept since) and the step's blocks.
+    planned = reserved_peak(trace, major=CudaAllocatorModel.live(0).major,
+                            config=AllocatorConfig.current()).planned  # fmt: skip
+    assert real <= planned <= 1.25 * real  # never under the real allocator
+
+
+def test_the_measured_line_only_ever_lowers_a_planned_share() -> None:
+    mib = 1 << 20
+    steep = calibrate(_Fake(fixed=1000 * mib, per_sample=100 * mib), (2, 4))  # more than planned
+    flat = calibrate(_Fake(fixed=1000 * mib, per_sample=10 * mib), (2, 4))  # less than planned
+    split, notes = calibrated_split([20, 20, 20], [4000 * mib] * 3, [steep, flat, None])
+    # steep: (4000 - 500 context - 1000) / 100 = 25 >= 20 kept; flat keeps its 20 too.
+    assert split == [20, 20, 20] and notes == []
+    split, notes = calibrated_split([20, 20], [2500 * mib] * 2, [steep, flat])
+    assert split == [10, 20] and len(notes) == 1 and notes[0].startswith("evendp: device 0")
