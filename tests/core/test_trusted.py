@@ -47,7 +47,13 @@ def test_a_run_folder_writable_by_others_is_refused(tmp_path: Path, mode: int) -
     out = tmp_path / "out"
     out.mkdir()
     out.chmod(mode)
-    said = _refused(out, f"(mode {oct(mode)})", "writable by group or others", "chmod go-w")
+    # A sticky folder (as /tmp) is open on purpose: the fix is a folder of one's own inside it.
+    fix = (
+        f"give a new --out inside it, e.g. '{out.resolve() / 'run'}'"
+        if mode & 0o1000
+        else "chmod go-w"
+    )
+    said = _refused(out, f"(mode {oct(mode)})", "writable by group or others", fix)
     assert str(out) in said
 
 

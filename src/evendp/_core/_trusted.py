@@ -215,8 +215,15 @@ def _check_itself(path: str | Path, real: Path, flag: str) -> None:
             f"between runs; give a new {flag} (evendp creates it 0700, yours alone)"
         )
     if _open_to_others(info):
+        # A sticky folder (/tmp) is shared on purpose: the fix is a folder of one's own in it.
+        fix = (
+            f"give a new {flag} inside it, e.g. {str(Path(real) / 'run')!r} (evendp creates it "
+            "0700, yours alone)"
+            if info.st_mode & stat.S_ISVTX
+            else f"run `chmod go-w {real!s}` (or 700), or give a new {flag}"
+        )
         raise UntrustedFolder(
             f"{named} is writable by group or others (mode "
             f"{oct(info.st_mode & 0o7777)}): anyone who can write there could plant or replace "
-            f"the run's checkpoints; run `chmod go-w {real!s}` (or 700), or give a new {flag}"
+            f"the run's checkpoints; {fix}"
         )
