@@ -33,11 +33,6 @@ from .._core._validate import is_int, shown, validate_bool, validate_int
 from ._batch_plan import validate_batch_plan
 from ._step_layout import StepLayout, layout_step
 
-#: The per-rank sizes of every sampler built in this process, in memory only: the launcher's
-#: wrapper (:mod:`._first_step`) asks whether a script sampled with the sizes it set, however
-#: the script parsed them. The sampler itself reads no variable and writes no file.
-_SIZES_BUILT: set[tuple[int, ...]] = set()
-
 #: Steps whose whole layout a sampler keeps: a loader's workers sample num_workers *
 #: prefetch_factor steps ahead (16 with 8 workers), the training loop reads the current one.
 KEPT_LAYOUTS = 64
@@ -226,16 +221,6 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def sampled_with(sizes: Sequence[int]) -> bool:
-    """Whether a sampler of this process was built with ``sizes`` (the launcher's check).
-
-    >>> _ = UnevenBatchSampler(2000, [997, 991], rank=0)
-    >>> sampled_with([997, 991]), sampled_with([991, 997])  # no sampler took the second
-    (True, False)
-    """
-    return tuple(sizes) in _SIZES_BUILT
-
-
 def _steps(remaining: int, global_batch: int, drop_last: bool) -> int:
     """Steps needed for ``remaining`` indices at ``global_batch`` per step."""
     if remaining <= 0:
@@ -323,7 +308,6 @@ class UnevenBatchSampler:
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._set_sizes(sizes)
-        _SIZES_BUILT.add(tuple(sizes))
         # Progress of the running iteration, so len() stays right after set_batch_sizes.
         self._cursor = 0
         self._steps_done = 0
