@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from evendp._core._errors import EvendpError
 from evendp._core._split import split_sizes
 from evendp._distributed._batch_plan import batch_sizes_from_env, parse_batch_sizes
-from evendp._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
+from evendp._distributed._collate import EmptySafeCollate
+from evendp._distributed._sampler import UnevenBatchSampler
 
 
 def all_ranks(n: int, sizes: list[int], **kw: object) -> list[list[list[int]]]:
