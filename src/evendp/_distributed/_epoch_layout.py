@@ -1,15 +1,10 @@
 """An epoch's steps as a pure function of (seed, epoch, sizes, costs, caps): the sampler's layout.
 
-Every rank walks ONE global order (:func:`epoch_order`: a permutation seeded by ``seed +
-epoch``, identical everywhere, optionally grouped by cost) with one global cursor: a step takes
-``sum(sizes)`` indices (or what a token budget holds: :func:`step_length`) and
-:func:`~._step_layout.layout_step` lays them out over the ranks (by count, or by cost with the
-sizes as capacities and the caps as limits). So every rank computes the same steps with no
-communication, every rank has the same number of steps and every index appears once per
-epoch. :class:`Draw` holds the options fixed for a sampler's life, checked at the boundary;
-:class:`EpochSteps` walks one epoch with these functions and keeps what it drew (every step's
-rows, the last :data:`KEPT_LAYOUTS` layouts), so a step's layout can be read after its batch
-left the sampler.
+Every rank walks one order (:func:`epoch_order`, seeded by ``seed + epoch``) with one cursor: a
+step takes ``sum(sizes)`` indices (or a token budget's: :func:`step_length`) laid out over the
+ranks by :func:`~._step_layout.layout_step`. So every rank computes the same steps with no
+communication, and every index appears once per epoch. :class:`Draw` holds a sampler's options;
+:class:`EpochSteps` walks one epoch and keeps what it drew, for reading after the batch left.
 """
 
 from __future__ import annotations
