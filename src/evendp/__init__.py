@@ -31,6 +31,7 @@ if TYPE_CHECKING or not _ON_DEMAND:
     from ._core._exact import is_stand_in, share_loss
     from ._core._split import split_sizes
     from ._distributed._batch_plan import batch_sizes_from_env, parse_batch_sizes
+    from ._distributed._collate import EmptySafeCollate
     from ._distributed._engine_mean import EngineMean
     from ._distributed._group import (
         ddp_loss,
@@ -39,7 +40,7 @@ if TYPE_CHECKING or not _ON_DEMAND:
         global_mean,
         init_distributed,
     )
-    from ._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
+    from ._distributed._sampler import UnevenBatchSampler
     from ._distributed._step_mean import StepMean
     from ._parallel._criterion import ParallelCriterion
     from ._parallel._dp import BalancedDataParallel

@@ -299,10 +299,10 @@ def test_the_first_step_names_uneven_trainer_under_an_hf_trainer(
 ) -> None:
     """The port is read from the frames that call the step: a real HF Trainer's, here."""
     transformers = pytest.importorskip("transformers")
-    from evendp._distributed import _first_step, _launch_notes, _sampler
+    from evendp._distributed import _first_step, _launch_notes
 
     monkeypatch.setattr(_launch_notes, "_read_here", False)
-    monkeypatch.setattr(_sampler, "_SIZES_BUILT", set())  # this process's earlier tests' sizes
+    monkeypatch.setattr(_first_step, "_SAMPLED", set())  # this process's earlier tests' sizes
     monkeypatch.setenv("EVENDP_BATCH_SIZES", "1,3")
     monkeypatch.setenv("EVENDP_OUTCOME", str(tmp_path / "outcome.json"))
     monkeypatch.setenv("RANK", "0")

@@ -24,8 +24,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+from evendp._distributed._collate import EmptySafeCollate
 from evendp._distributed._group import ddp_loss, finish_distributed, global_count, global_mean
-from evendp._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
+from evendp._distributed._sampler import UnevenBatchSampler
 from tests._helpers import free_port
 from tests._pool import RANKS
 

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from evendp._core._errors import EvendpError
 from evendp._core._split import split_sizes
 from evendp._distributed._batch_plan import batch_sizes_from_env, parse_batch_sizes
-from evendp._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
+from evendp._distributed._collate import EmptySafeCollate
+from evendp._distributed._sampler import UnevenBatchSampler
 
 
 def all_ranks(n: int, sizes: list[int], **kw: object) -> list[list[list[int]]]:
@@ -332,3 +333,28 @@ def test_set_batch_sizes_refuses_a_drop_last_epoch_with_no_step() -> None:
     with pytest.raises(EvendpError, match="leaves no step"):
         sampler.set_batch_sizes([4])
     assert sampler.batch_sizes == [1]  # refused sizes change nothing
+
+
+def test_a_sampler_writes_no_module_state() -> None:
+    """Issue 52: the constructor wrote a process-wide set (the launcher's handshake), which
+    broke test order once. Building, iterating and re-sizing a sampler now leaves every
+    container of every evendp module as it was; the launcher's wrapper notes sizes through a
+    hook of its own (tests/planning/test_launch.py)."""
+    import sys
+
+    def containers() -> dict[tuple[str, str], int]:
+        return {
+            (name, key): len(value)
+            for name, module in list(sys.modules.items())
+            if name.startswith("evendp")
+            for key, value in vars(module).items()
+            if isinstance(value, (set, dict, list)) and not key.startswith("__")
+        }
+
+    before = containers()
+    sampler = UnevenBatchSampler(50, [7, 11, 13], rank=2, costs=[float(i % 9) for i in range(50)])
+    list(sampler)
+    sampler.set_epoch(1)
+    sampler.set_batch_sizes([3, 5, 9])
+    assert len(sampler) == 3 and len(list(sampler)) == 3
+    assert containers() == before

@@ -159,12 +159,12 @@ def test_a_layout_counts_and_places_as_documented() -> None:
 def test_a_sampler_keeps_every_steps_sizes_but_only_the_last_layouts() -> None:
     """An epoch's whole layouts would be a second copy of its permutation (hundreds of MB
     for millions of samples): the sizes of every step stay, the last KEPT_LAYOUTS layouts."""
-    from evendp._distributed._sampler import KEPT_LAYOUTS
+    from evendp._distributed._epoch_layout import KEPT_LAYOUTS
 
     steps = KEPT_LAYOUTS + 44
     sampler = UnevenBatchSampler(2 * steps, [1, 1], rank=0, shuffle=False)
     assert len(list(sampler)) == steps
-    assert sampler.sizes_in_step(0) == [1, 1] and len(sampler._recent) == KEPT_LAYOUTS
+    assert sampler.sizes_in_step(0) == [1, 1] and len(sampler._steps.recent) == KEPT_LAYOUTS
     assert sampler.layout(steps - 1).rank_indices(1) == [2 * steps - 1]
     with pytest.raises(EvendpError, match=r"step 0's layout is no longer kept.*sizes_in_step"):
         sampler.layout(0)

@@ -579,7 +579,7 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from evendp import UnevenBatchSampler, batch_sizes_from_env
-    from evendp._distributed import _first_step, _launch_notes, _sampler
+    from evendp._distributed import _first_step, _launch_notes
     from evendp._distributed._launch_notes import sizes_were_read
 
     monkeypatch.setattr(_launch_notes, "_read_here", False)
@@ -596,7 +596,11 @@ def test_the_ranks_mark_the_launchers_folder_only_when_they_read_its_sizes(
     monkeypatch.setattr(_launch_notes, "_read_here", False)
     # A script that parsed the sizes itself: a sampler built with them. The sampler touches
     # no file; the launcher's wrapper asks at the first step (or the end) and marks.
-    monkeypatch.setattr(_sampler, "_SIZES_BUILT", set())  # no sampler built yet in the script
+    monkeypatch.setattr(_first_step, "_SAMPLED", set())  # no sampler built yet in the script
+    # The hook the wrapper installs once the script imports the sampler.
+    monkeypatch.setattr(
+        UnevenBatchSampler, "__init__", _first_step.observed(UnevenBatchSampler.__init__)
+    )
     assert not _first_step._read_through_a_sampler() and not sizes_were_read(outcome)
     UnevenBatchSampler(8, [1, 3], rank=1)
     assert not sizes_were_read(outcome)

@@ -36,7 +36,9 @@ from ._split import split_sizes, validate_weights
 from ._validate import validate_bool
 
 __all__ = [
+    "budget_step_length",
     "padded_cost",
+    "sample_costs",
     "split_by_cost",
     "validate_caps",
     "validate_costs",
@@ -92,6 +94,57 @@ def validate_caps(caps: Sequence[float] | None, devices: int, name: str) -> list
             )
         values.append(value)
     return values
+
+
+def sample_costs(data: object, length: int, costs: object) -> list[float] | None:
+    """Per-sample costs from a sequence (one per sample) or a function of ``data[i]``."""
+    if costs is None:
+        return None
+    if callable(costs):
+        if isinstance(data, int) or not hasattr(data, "__getitem__"):
+            raise EvendpError(
+                f"costs is a function of the dataset item, but data is {data!r}, not a "
+                "dataset; pass the dataset as data, or costs as a list (one number per sample)"
+            )
+        values: list[object] = []
+        for i in range(length):
+            values.append(costs(data[i]))
+        try:
+            return validate_costs(values)
+        except EvendpError as err:
+            raise EvendpError(
+                f"costs({type(data).__name__}[i]) returned a bad value: {err}"
+            ) from None
+    checked = validate_costs(costs)
+    if len(checked) != length:
+        raise EvendpError(
+            f"costs has {len(checked)} values for {length} samples; pass one cost per sample "
+            "(e.g. [len(x) for x in texts]) or a function of the dataset item"
+        )
+    return checked
+
+
+def budget_step_length(
+    costs: Sequence[float], order: Sequence[int], budget: float, start: int = 0
+) -> int:
+    """How many samples of ``order`` from ``start`` on one step takes under a token budget.
+
+    Samples are taken in order while their summed cost stays within ``budget`` (at least
+    one: the caller checks no sample alone exceeds it), as fairseq's ``max_tokens``.
+
+    >>> budget_step_length([3, 4, 2, 5], [0, 1, 2, 3], budget=9)
+    3
+    >>> budget_step_length([3, 4, 2, 5], [0, 1, 2, 3], budget=9, start=2)
+    2
+    """
+    total, taken = 0.0, 0
+    for k in range(start, len(order)):
+        i = order[k]
+        if taken and total + costs[i] > budget:
+            break
+        total += costs[i]
+        taken += 1
+    return taken
 
 
 def padded_cost(costs: Sequence[float], padded: bool = True) -> float:

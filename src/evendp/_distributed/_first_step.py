@@ -11,9 +11,10 @@ the port, read from the calling frames: evendp's own ``Trainer`` and ``UnevenTra
 the sizes themselves (only sizes given beside the launcher's keep them from it);
 ``UnevenTrainer`` under an HF ``Trainer``, the Lightning, Accelerate or DeepSpeed adapters,
 else (a loop of its own) ``UnevenBatchSampler``. A script that parsed
-the sizes itself has read them when it built a sampler with them (the sampler keeps the sizes
-it was built with in memory; asked here at the first step and at the end, so the sampler
-itself touches no file and no variable). With
+the sizes itself has read them when it built a sampler with them: the wrapper observes the
+samplers the script builds (:func:`observed`, a hook it installs on ``UnevenBatchSampler``
+once that is imported) and asks at the first step and at the end, so the sampler itself
+touches no file, no variable and no state of the launcher's. With
 ``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
 all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
 leaves at that step; the launcher exits 2.
@@ -21,23 +22,28 @@ leaves at that step; the launcher exits 2.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import Any
 
 from ._launch_notes import note_sizes_read, note_sizes_told, sizes_read_here, write_outcome
 
-__all__ = ["ENV_STRICT", "MODULE", "port_for", "unported_line"]
+__all__ = ["ENV_STRICT", "MODULE", "observed", "port_for", "unported_line"]
 
 #: The worker's entry point, as torchrun's ``-m`` names it.
 MODULE = __name__
 #: Set to ``1`` by ``evendp launch --strict``: an unported script is an error at its first step.
 ENV_STRICT = "EVENDP_STRICT"
+#: The per-rank sizes of every ``UnevenBatchSampler`` this launched process built, noted by
+#: the hook the wrapper installs (:func:`observed`); in memory only, the launcher's alone.
+_SAMPLED: set[tuple[int, ...]] = set()
 
 # What a script trains with, told by the modules of the frames that call optimizer.step()
 # (a package, or a module and those below it), the most specific first: the port that makes
@@ -112,23 +118,40 @@ def _calling_modules(frame: FrameType | None) -> list[str]:
     return names
 
 
+def observed(init: Callable[..., None]) -> Callable[..., None]:
+    """``UnevenBatchSampler.__init__`` that also notes the sizes the sampler was built with:
+    the hook the wrapper installs, so the sampler itself keeps no record for the launcher.
+    """
+
+    @functools.wraps(init)
+    def init_and_note(sampler: Any, *args: Any, **kwargs: Any) -> None:
+        init(sampler, *args, **kwargs)
+        _SAMPLED.add(tuple(sampler.batch_sizes))
+
+    return init_and_note
+
+
+def _observe_samplers(module: ModuleType) -> None:
+    sampler = module.UnevenBatchSampler
+    sampler.__init__ = observed(sampler.__init__)
+
+
 def _read_through_a_sampler() -> bool:
     """Whether this process read the launcher's sizes, or built an ``UnevenBatchSampler``
     with them however it parsed them (then it is marked read for the launcher)."""
     if sizes_read_here():
         return True
-    sampler_module = sys.modules.get("evendp._distributed._sampler")
     text = os.environ.get("EVENDP_BATCH_SIZES", "")
-    if sampler_module is None or not text:
+    if not _SAMPLED or not text:
         return False
     from .._core._errors import EvendpError
     from ._batch_plan import BatchPlan
 
     try:
-        launched = list(BatchPlan.parse(text).sizes)
+        launched = tuple(BatchPlan.parse(text).sizes)
     except EvendpError:  # not ours to judge here: batch_sizes_from_env names a bad value
         return False
-    if not sampler_module.sampled_with(launched):
+    if launched not in _SAMPLED:
         return False
     note_sizes_read()
     return True
@@ -234,6 +257,7 @@ def main(argv: list[str]) -> None:
 
     script, *args = argv
     _watch("torch.optim.optimizer", _register)
+    _watch("evendp._distributed._sampler", _observe_samplers)
     agree_when_the_group_starts(_watch)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

@@ -127,7 +127,8 @@ def _predict_ranks(
     model: nn.Module, data: Any, weights: Any, batch_size: int, collate: Callable[..., Any],
     inference_mode: bool,
 ) -> Predictions:  # fmt: skip
-    from .._distributed._sampler import EmptySafeCollate, UnevenBatchSampler
+    from .._distributed._collate import EmptySafeCollate
+    from .._distributed._sampler import UnevenBatchSampler
 
     world = dist.get_world_size()
     sizes = _rank_sizes(weights, batch_size, world)

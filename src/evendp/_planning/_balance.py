@@ -478,7 +478,7 @@ def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:
 
 def first_batch(data: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
     """The data's first sample as a one-sample batch (what the planner measures on)."""
-    from .._distributed._sampler import EmptySafeCollate
+    from .._distributed._collate import EmptySafeCollate
 
     if len(data) == 0:
         raise EvendpError("batch_sizes='auto' plans on a sample of the data, but it is empty")

@@ -49,14 +49,15 @@ from .._core import _defaults as defaults
 from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate, repeated_blocks
 from .._core._calls import as_args, as_batch
+from .._core._cost import sample_costs
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._exact import share_loss
 from .._core._validate import validate_count, validate_float, validate_int
 from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
+from .._distributed._collate import EmptySafeCollate
 from .._distributed._interrupt import StopFlag, late_signal
 from .._distributed._launch_notes import note_training
-from .._distributed._sampler import EmptySafeCollate, sample_costs
 from .._distributed._stalled import (
     DEFAULT_COMM_TIMEOUT_S,
     RankStalled,
