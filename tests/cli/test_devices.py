@@ -13,7 +13,7 @@ from tests.planning.test_devices import FakeNvml, mixed_gpus
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, stub: FakeNvml) -> None:
-    monkeypatch.setattr(devices_mod, "_load_nvml", lambda: stub)
+    monkeypatch.setattr(devices_mod, "load_nvml", lambda: stub)
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps to the terminal width
 
 

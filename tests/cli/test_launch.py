@@ -31,7 +31,7 @@ EXAMPLE = ROOT / "examples" / "ddp_uneven.py"
 
 @pytest.fixture(autouse=True)
 def no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices_mod, "_load_nvml", lambda: FakeNvml(None))
+    monkeypatch.setattr(devices_mod, "load_nvml", lambda: FakeNvml(None))
 
 
 def test_dry_run_prints_env_and_command(capsys: pytest.CaptureFixture[str]) -> None:

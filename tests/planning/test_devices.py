@@ -118,7 +118,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
             FakeGpu("D", 16 * GiB, 15 * GiB),
         ]
     )
-    monkeypatch.setattr(devices_mod, "_load_nvml", lambda: stub)
+    monkeypatch.setattr(devices_mod, "load_nvml", lambda: stub)
     monkeypatch.setattr(devices_mod, "_cuda_initialized", lambda: False)
     # A GPU host's real CUDA would see its own GPUs, not the stub's: ask no CUDA here.
     monkeypatch.setattr(devices_mod, "_cuda_device_count", lambda: None)
@@ -228,7 +228,7 @@ def test_real_cuda_check_is_used_by_default(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_select_devices_without_driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices_mod, "_load_nvml", lambda: FakeNvml(None))
+    monkeypatch.setattr(devices_mod, "load_nvml", lambda: FakeNvml(None))
     monkeypatch.setattr(devices_mod, "_cuda_initialized", lambda: False)
     assert select_devices(gpu_ids=[1, 0]) == {1: 0, 0: 1}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,0"

@@ -261,9 +261,9 @@ class CudaMeasurer:  # pragma: no cover - GPU-only: tests use fake Measurers
 
         reserved = torch.cuda.memory_reserved(self.device)
         try:
-            from ._devices import _load_nvml
+            from ._devices import load_nvml
 
-            nvml = _load_nvml()
+            nvml = load_nvml()
             nvml.nvmlInit()
             props = torch.cuda.get_device_properties(self.device)
             domain, bus, dev = (getattr(props, f"pci_{k}_id") for k in ("domain", "bus", "device"))

@@ -4,7 +4,7 @@ NVML (the library behind ``nvidia-smi``) answers "which GPUs, how much free memo
 them" without creating a CUDA context, so none of this touches CUDA: it is safe to call before
 ``torch.cuda`` starts, which is exactly when ``CUDA_VISIBLE_DEVICES`` must be set.
 
-Every NVML call goes through the module returned by :func:`_load_nvml` and is made inside
+Every NVML call goes through the module returned by :func:`load_nvml` and is made inside
 :func:`list_devices`; tests substitute a stub object with the same functions there, since
 NVML cannot run on a machine with no NVIDIA driver.
 """
@@ -23,6 +23,7 @@ from .._core._units import format_bytes, parse_bytes
 from .._core._validate import is_int, validate_int
 
 __all__ = [
+    "load_nvml",
     "DeviceInfo",
     "GpuProcess",
     "NvmlUnavailableError",
@@ -69,7 +70,7 @@ class DeviceInfo:
         return self.total_memory - self.free_memory
 
 
-def _load_nvml() -> Any:
+def load_nvml() -> Any:
     """The NVML binding; the single place tests replace with a stub module."""
     import pynvml
 
@@ -94,7 +95,7 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
     >>> isinstance(devices, list)
     True
     """
-    nvml = _load_nvml() if nvml is None else nvml
+    nvml = load_nvml() if nvml is None else nvml
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:

@@ -152,16 +152,14 @@ def _choose_allocator_setting() -> None:
 
 
 def _has_gpu() -> bool:
-    """Whether this machine has a GPU, asked without initialising CUDA's allocator: NVML
-    (no CUDA context), else the driver's device count."""
+    """Whether this machine has a GPU, asked through NVML (no CUDA context, no torch import:
+    a help or a launch answers without torch). No NVML: no NVIDIA driver, so no GPU."""
     from .._planning._devices import list_devices
 
     try:
         return bool(list_devices())
-    except Exception:  # no NVML here: the driver's count does not start the allocator
-        import torch
-
-        return torch.cuda.is_available()
+    except Exception:  # NVML ships with the driver: without it there is no CUDA device
+        return False
 
 
 if __name__ == "__main__":  # pragma: no cover
