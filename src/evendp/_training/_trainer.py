@@ -463,6 +463,7 @@ class Trainer:
             count_fn = auto_count(model)
         self.count_fn = count_fn
         self._count_checked = count_fn is not None  # else: warned once on ignored labels
+        self._amp_dtype = amp_dtype(config.amp)  # autocast's dtype (None: no autocast)
         if config.amp != "none":
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
@@ -702,10 +703,9 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = amp_dtype(self.config.amp)
-        if dtype is None:
+        if self._amp_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        return torch.autocast(self.device.type, dtype=self._amp_dtype)
 
     def _step_weight(self, batch: Batch, samples: int, counted: float | None = None) -> StepWeight:
         """``world / the step's counted items over all processes``, before the first backward.
@@ -765,7 +765,8 @@ class Trainer:
         the step (``None``: none did).
         """
         strategy, stepper = self.strategy, self.stepper
-        self._warn_uncounted_once(batch)
+        if not self._count_checked:  # the first step only
+            self._warn_uncounted_once(batch)
         n = _batch_len(batch)
         batch = strategy.place(batch)  # rows to devices
         shares = layout.device_rows(self.rank)
@@ -828,7 +829,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for k, spans in enumerate(plan):
             rows = [b - a for a, b in spans]
-            self.micro_steps.append(self._ran(rows))
+            self.micro_steps.append(self._per_device(rows, 0))  # 0 on other ranks' devices
             with strategy.micro_step(last=k == len(plan) - 1):  # sync on the last one only
                 with self._autocast(), self.balancer.measure(sum(rows)):
                     if sum(rows):
@@ -843,10 +844,6 @@ class Trainer:
                     self.stepper.backward(loss)
             total = total + loss.detach()
         return total
-
-    def _ran(self, rows: list[int]) -> list[int]:
-        """Per device of the report, the rows of a micro-step (0 on other ranks' devices)."""
-        return self._per_device(rows, 0)
 
     def _device_peaks(self) -> list[int | None]:
         """Per device of the report, its GPU's peak reserved bytes (``None``: not a GPU, or
