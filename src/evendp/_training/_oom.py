@@ -127,9 +127,13 @@ class OomResplit:
         catch: bool = True,
         *,
         devices: int = 1,
+        min_micro_steps: int = 0,
     ) -> None:
         validate_int("devices", devices, minimum=1, example="3")
         self.catch = catch
+        #: The fewest micro-steps :meth:`plan` gives (its strategy's: collectives inside
+        #: forward or backward make every rank run as many as the most any rank runs).
+        self.min_micro_steps = min_micro_steps
         #: Per device, the micro-batch that fits (``None``: its whole share); kept across steps.
         self.micro_batch_sizes = [_validate_micro("micro_batch_size", micro_batch_size)] * devices
         self.min_micro_batch_size = _validate_micro("min_micro_batch_size", min_micro_batch_size)
@@ -287,7 +291,10 @@ class OomResplit:
         [[(0, 2), (0, 1)], [(2, 3), (1, 1)]]
         """
         self._sizes = sizes = self._first_sizes(shares, micro_batch_sizes)
-        return micro_spans(shares, sizes)
+        plan = micro_spans(shares, sizes)
+        if len(plan) >= self.min_micro_steps:
+            return plan
+        return pad_micro_steps(plan, shares, self.min_micro_steps)
 
     def after_oom(self, error: RuntimeError, shares: Sequence[int]) -> bool:
         """After ``error`` ended an attempt at the last :meth:`plan` of ``shares``: ``True``

@@ -4,8 +4,9 @@ A strategy builds it (:meth:`Strategy.build_stepper`, after wrapping, so FSDP2's
 parameters are the ones optimized): evendp's
 :class:`~evendp._training._optimizer_step.OptimizerStep` (fp16 loss scaling, clipping, the
 non-finite gate, the schedule), or an engine that owns its optimizer (DeepSpeed's
-``EngineStep``). What differs between strategies around it (a stop request posted before
-backward, gradient buckets launched during it) stays the strategy's.
+``EngineStep``). The Trainer alone calls it; what differs between strategies around its
+backward (gradient buckets launched during it, gradient sync) is the context the strategy's
+``micro_step`` gives.
 """
 
 from __future__ import annotations

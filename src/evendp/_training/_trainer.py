@@ -65,7 +65,7 @@ from .._distributed._stalled import (
     set_comm_timeout,
 )
 from .._distributed._step_count import StepWeight, display_due, sample_counts
-from .._distributed._step_layout import StepLayout, pad_micro_steps
+from .._distributed._step_layout import StepLayout
 from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from .._parallel._scatter import map_tensors, row_count
 from .._planning._balance import (
@@ -464,26 +464,25 @@ class Trainer:
             count_fn = auto_count(model)
         self.count_fn = count_fn
         self._count_checked = count_fn is not None  # else: warned once on ignored labels
+        self._amp_dtype = amp_dtype(config.amp)  # autocast's dtype (None: no autocast)
         if config.amp != "none":
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
             _apply_activation_checkpointing(model)
         self.strategy = strategy = pick_strategy(model, config, device_ids, weights)
-        strategy.check_optimizer(optimizer)
         self.rank, self.world = strategy.rank, strategy.world
         self.device = strategy.device
-        strategy.wrap(_LossModule(model, loss_fn, count_fn))
+        strategy.wrap(_LossModule(model, loss_fn, count_fn), optimizer)
         self.wrapped = strategy.wrapped
         self.device_names = strategy.device_names
         if max_costs is not None and costs is None:
             raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
-        self.sampler, self.balancer = strategy.sampler(
+        self.sampler, self.balancer, device_costs, self._max_costs = strategy.sampler(
             data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
             model=lambda: _LossModule(model, loss_fn, count_fn),
             example=lambda: first_batch(data, collate_fn),
         )  # fmt: skip
         # The cost plan inside this process (one process: each device's contiguous share).
-        device_costs, self._max_costs = strategy.device_costs(costs, max_costs)
         self._costs = sample_costs(data, self.sampler.num_samples, device_costs)
         if counts is not None and count_fn is None:
             raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
@@ -705,10 +704,9 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = amp_dtype(self.config.amp)
-        if dtype is None:
+        if self._amp_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        return torch.autocast(self.device.type, dtype=self._amp_dtype)
 
     def _step_weight(self, batch: Batch, samples: int, counted: float | None = None) -> StepWeight:
         """``world / the step's counted items over all processes``, before the first backward.
@@ -757,35 +755,36 @@ class Trainer:
 
     def _train_step(
         self, batch: Batch, layout: StepLayout, counted: float | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
-        """One optimizer step on this process's ``batch``, its rows as ``layout`` places them.
+    ) -> tuple[torch.Tensor | None, torch.Tensor | bool, tuple[float, float] | None]:
+        """One optimizer step on this process's ``batch``, its rows as ``layout`` places them:
+        rows to devices, the global count, forward and backward of each micro-step with the
+        exactness weight, the reduction (agreed: step or skip), clipping and the update.
 
         Returns this process's part of the global batch's mean loss (on the device; ``None``
-        when an OOM skipped the step everywhere) and the step's skip flag (the non-finite
-        gate's, on the device: read with the losses, at log steps).
+        when an OOM skipped the step everywhere), the step's skip flag (the non-finite gate's,
+        on the device: read with the losses, at log steps) and the stop votes that rode with
+        the step (``None``: none did).
         """
-        strategy = self.strategy
-        self._warn_uncounted_once(batch)
+        strategy, stepper = self.strategy, self.stepper
+        if not self._count_checked:  # the first step only
+            self._warn_uncounted_once(batch)
         n = _batch_len(batch)
-        batch = strategy.place(batch)
+        batch = strategy.place(batch)  # rows to devices
         shares = layout.device_rows(self.rank)
         if sum(shares) != n:  # a batch function that makes rows of its own (packing)
             shares = strategy.shares(n)
         weight = self._step_weight(batch, layout.samples, counted)  # world / the global count
-        strategy.start_step()  # every process, whatever its share
-        self.stepper.zero_grad()
+        stepper.zero_grad()
         total = self._accumulate(batch, shares, weight)  # None: an OOM left nothing to run
-        strategy.reduce_gradients(total is None, total)  # every process, whatever happened
-        failed, total = strategy.agree_step(total is None, total)
-        if failed or total is None:  # an OOM on some process: every process skips the step
-            self.stepper.zero_grad()
+        end = strategy.finish_step(total is None, total)  # every process, whatever happened
+        if end.total is None:  # an OOM on some process: every process skips the step
+            stepper.zero_grad()
             self.guard.skipped += 1
-            return None, True
-        strategy.apply_gradients()  # the reduced gradients into .grad (OOM-safe DDP)
+            return None, True, end.votes
         with self._timed("optimizer"):
-            skipped = self.stepper.step(self.state.step + 1)
+            skipped = stepper.step(self.state.step + 1)  # unscale, clip, gate, update
         # The step's mean, or this rank's part of it (the strategy sums the parts when read).
-        return total / self.world, skipped
+        return end.total / self.world, skipped, end.votes
 
     def _warn_uncounted_once(self, batch: Batch) -> None:
         """Once per run without ``count_fn``: warn when the batch holds ``-100`` labels that a
@@ -805,8 +804,7 @@ class Trainer:
         nothing smaller is left to try."""
         caps = [math.ceil(s / self.config.accum) if s else None for s in shares]
         while True:
-            plan = self.guard.plan(shares, caps)
-            plan = pad_micro_steps(plan, shares, self.strategy.micro_step_count(len(plan)))
+            plan = self.guard.plan(shares, caps)  # at least as many as every rank must run
             try:
                 return self._run_micro_steps(batch, shares, plan, weight)
             except RuntimeError as error:  # torch.OutOfMemoryError is one
@@ -832,21 +830,32 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for k, spans in enumerate(plan):
             rows = [b - a for a, b in spans]
-            self.micro_steps.append(strategy.ran(rows))
-            last = k == len(plan) - 1  # gradients sync on the last micro-step only
-            with strategy.sync(last), self._autocast(), self.balancer.measure(sum(rows)):
-                if sum(rows):
-                    mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
-                    summed = strategy.forward(_rows(batch, mine), rows).float()
-                else:  # a rank with nothing left still runs: one stand-in sample, weight 0
-                    stand_in = self._stand_in_for_empty()
-                    one = strategy.forward(stand_in, strategy.shares(1))
-                    summed = share_loss(one, 0, stand_in=True)
-            loss = summed * weight.wait()  # the count's all-reduce ran during the forward
-            with self._timed("backward"):
-                strategy.backward(self.stepper, loss)
+            self.micro_steps.append(self._per_device(rows, 0))  # 0 on other ranks' devices
+            with strategy.micro_step(last=k == len(plan) - 1):  # sync on the last one only
+                with self._autocast(), self.balancer.measure(sum(rows)):
+                    if sum(rows):
+                        mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
+                        summed = strategy.forward(_rows(batch, mine), rows).float()
+                    else:  # a rank with nothing left still runs: one stand-in sample, weight 0
+                        stand_in = self._stand_in_for_empty()
+                        one = strategy.forward(stand_in, strategy.shares(1))
+                        summed = share_loss(one, 0, stand_in=True)
+                loss = summed * weight.wait()  # the count's all-reduce ran during the forward
+                with self._timed("backward"):
+                    self.stepper.backward(loss)
             total = total + loss.detach()
         return total
+
+    def _device_peaks(self) -> list[int | None]:
+        """Per device of the report, its GPU's peak reserved bytes (``None``: not a GPU, or
+        another rank's); replicas on one GPU each give that GPU's one figure."""
+        return self._per_device(_peak_memory.device_peaks(self.strategy.devices), None)
+
+    def _per_device(self, mine: list[Any], other: Any) -> list[Any]:
+        """Per device of the report (every rank's devices in rank order): this process's
+        ``mine`` in its place, ``other`` elsewhere."""
+        before = self.rank * len(mine)
+        return [other] * before + mine + [other] * (len(self.device_names) - before - len(mine))
 
     def _timed(self, part: str) -> contextlib.AbstractContextManager[Any]:
         """The speed balancer's timer around ``part`` of the step, where the strategy runs it
@@ -876,7 +885,7 @@ class Trainer:
 
     def _peaks(self) -> list[int | None]:
         """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
-        peaks = self.strategy.peak_memory()
+        peaks = self._device_peaks()
         budgets = self.memory_budgets
         if budgets is None:
             return peaks
@@ -886,7 +895,7 @@ class Trainer:
         if self.memory_budgets is not None:  # virtual CPU devices: one measured peak each
             return "/".join("-" if p is None else format_bytes(p) for p in self._peaks())
         # Replicas of one GPU share its figure: one per device (two GPUs may read alike).
-        peaks = dict(zip(self.device_names, self.strategy.peak_memory(), strict=True))
+        peaks = dict(zip(self.device_names, self._device_peaks(), strict=True))
         shown = [format_bytes(p) for p in peaks.values() if p is not None]
         return " ".join(shown) if shown else "-"
 
@@ -925,8 +934,8 @@ class Trainer:
         ``out_dir`` is set) and returns the report so far with ``interrupted=True`` and the
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
-        with self.strategy.run_lock(self.config.out_dir), StopFlag() as stop:
-            self.strategy.watch_stop(lambda: stop.signum)
+        stop = StopFlag()
+        with self.strategy.running(self.config.out_dir, lambda: stop.signum), stop:
             try:
                 return self._fit(stop)
             except RuntimeError as error:
@@ -975,7 +984,7 @@ class Trainer:
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss, skipped = self._train_step(item.batch, item.layout, item.counted)
+                    loss, skipped, votes = self._train_step(item.batch, item.layout, item.counted)
                     # Every rank alike; a new split goes to the sampler (its on_resplit).
                     if self.balancer.step() and self.rank == 0:
                         bar.say(self._resplit_line())
@@ -1001,12 +1010,12 @@ class Trainer:
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
-                    signum = self.strategy.agree_stop(state.step)
+                    signum = self.strategy.agree_stop(state.step, votes)
         except KeyboardInterrupt as error:
             # Not from a signal while the flag is active (those only set it): raised by the
             # program itself or outside the main thread. One process stops with SIGINT (the
             # step it cut is not counted); across ranks it propagates.
-            signum = self.strategy.interrupted(error)
+            signum = self.strategy.agree_stop(state.step, interrupted=error)
         elapsed = time.perf_counter() - started
         signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
         if state.step != self._saved_step:  # never a second save of the same step
@@ -1047,7 +1056,7 @@ class Trainer:
         # Each rank counted only its own samples and read only its own GPU's peak: one
         # reduction gathers both (a peak travels as bytes + 1, 0 for none).
         n = len(samples)
-        mine = [0 if p is None else p + 1 for p in self.strategy.peak_memory()]
+        mine = [0 if p is None else p + 1 for p in self._device_peaks()]
         gathered = self.strategy.reduce_samples(samples + mine)
         samples, peaks = gathered[:n], [None if v == 0 else v - 1 for v in gathered[n:]]
         # Skipped steps trained no samples.

@@ -3,9 +3,9 @@
 A strategy (:class:`Strategy`, the abstract contract) owns everything that differs between
 running a step in one process on several devices and running it across ranks: wrapping,
 this process's shares and their placement, gradient sync on the last micro-batch, what runs
-around backward, the gradients' reduction (``reduce_gradients``, ``agree_step``,
-``apply_gradients``: reduce, agree to step or skip, use), the stop agreement, the loss and
-sample-count reductions, evaluation, how the sampler splits by cost, and the checkpoint
+around a micro-step (``micro_step``), the gradients' reduction (``finish_step``: reduce, agree
+to step or skip, use; one call that returns what was agreed), the stop agreement, the loss
+and sample-count reductions, evaluation, how the sampler splits by cost, and the checkpoint
 format. It builds the run's stepper (:meth:`Strategy.build_stepper`, a
 :class:`~evendp._training._stepper.Stepper`: backward and the update, with the scaler,
 clipping, the non-finite gate and the schedule of

@@ -14,15 +14,12 @@ from torch import nn
 from ..._core._calls import as_args
 from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
-from ..._distributed._run_lock import trainer_lock
-from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
 from ..._parallel._dp_checks import validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
-from .. import _peak_memory
 from .._evaluate import EvalFn, evaluate_devices
-from ._base import Batch, Costs, Strategy, build_sampler
+from ._base import Batch, Costs, Sampling, Strategy, build_sampler
 from ._placement import place_model
 
 __all__ = ["BalancedDP", "build"]
@@ -57,12 +54,13 @@ class BalancedDP(Strategy):
         self._dp: BalancedDataParallel | None = None
         self.device_names = ["rank0"]
 
-    def wrap(self, loss_module: nn.Module) -> None:
+    def wrap(self, loss_module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         fixed = None if self._weights == "auto" else self._weights  # "auto": see sampler()
         self._dp = BalancedDataParallel(
             loss_module, self._device_ids, weights=fixed, gather_output=False
         )
         self.wrapped = self._dp
+        self.devices = list(self._dp.device_ids)
         self.device_names = [
             f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self._dp.device_ids)
         ]
@@ -74,10 +72,6 @@ class BalancedDP(Strategy):
             raise TrainingError("BalancedDP.wrap() was not called before the step")
         return self._dp
 
-    @property
-    def devices(self) -> list[torch.device]:
-        return list(self.dp.device_ids)
-
     def sampler(
         self,
         data: Any,
@@ -88,7 +82,7 @@ class BalancedDP(Strategy):
         max_tokens: float | None,
         model: Callable[[], nn.Module],
         example: Callable[[], Any],
-    ) -> tuple[UnevenBatchSampler, Any]:
+    ) -> Sampling:
         if self._weights == "auto" or (config.batch_sizes == "auto" and self._weights is None):
             option = "weights" if self._weights == "auto" else "batch_sizes"
             self._plan_weights(model(), example(), config.batch_size, option)
@@ -99,13 +93,14 @@ class BalancedDP(Strategy):
                 UserWarning,
                 stacklevel=3,
             )
-        # One process draws the whole step (its devices' cost plan is device_costs'); a
-        # token budget needs the costs here too.
-        return build_sampler(
+        # One process draws the whole step (its devices' cost plan is the costs given, which
+        # order each step's rows over the devices); a token budget needs the costs here too.
+        built = build_sampler(
             data, config, requested=[config.batch_size], rank=0, world=1, distributed=False,
             costs=costs if max_tokens is not None else None, max_costs=None,
             max_tokens=max_tokens, model=model, example=example,
         )  # fmt: skip
+        return built._replace(costs=costs, max_costs=max_costs)
 
     def _plan_weights(
         self, loss_module: nn.Module, batch: Any, global_batch: int, option: str
@@ -118,22 +113,11 @@ class BalancedDP(Strategy):
         self.dp.weights = [float(n) for n in sizes]
         say_auto_sizes(sizes, None, rank=0, option=option, per="device", source=source)
 
-    def device_costs(
-        self, costs: Costs, max_costs: Sequence[float] | None
-    ) -> tuple[Costs, Sequence[float] | None]:
-        return costs, max_costs
-
-    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
-        return trainer_lock(out_dir, distributed=False)
-
     def place(self, batch: Batch) -> Batch:
         return batch  # the scatter copies each device's rows straight from the host
 
     def shares(self, n: int) -> list[int]:
         return self.dp.split(n)
-
-    def ran(self, rows: list[int]) -> list[int]:
-        return list(rows)
 
     def count_weight(self, local: torch.Tensor) -> StepWeight:
         total = step_count(local, device=self.dp.output_device)  # one process: no collective
@@ -150,12 +134,18 @@ class BalancedDP(Strategy):
     def reduce_samples(self, samples: list[int]) -> list[int]:
         return list(samples)
 
-    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
+    def agree_stop(
+        self,
+        step: int,
+        votes: tuple[float, float] | None = None,
+        *,
+        starting: bool = False,
+        interrupted: KeyboardInterrupt | None = None,
+    ) -> int | None:
+        if interrupted is not None:
+            # The step it cut is not counted; the checkpoint is the last whole step's.
+            return int(signal.SIGINT)
         return self._stop_source()  # one process: nothing to agree on
-
-    def interrupted(self, error: KeyboardInterrupt) -> int:
-        # The step it cut is not counted; the checkpoint is the last whole step's.
-        return int(signal.SIGINT)
 
     def evaluate(
         self,
@@ -171,9 +161,6 @@ class BalancedDP(Strategy):
             model, data, eval_fn, batch_size=sum(batch_sizes), device_ids=self.dp.device_ids,
             weights=self.dp.weights, collate=collate, autocast=autocast,
         )  # fmt: skip
-
-    def peak_memory(self) -> list[int | None]:
-        return _peak_memory.device_peaks(list(self.dp.device_ids))
 
 
 def build(

@@ -1,5 +1,5 @@
-"""The contract of a strategy: every decision that differs between ways of running a step,
-from wrapping the model to the gradients' reduction; the update is the stepper's it builds."""
+"""The contract of a strategy: the capabilities a training step calls, from wrapping the model
+to the gradients' reduction; the update is the stepper's it builds."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import contextlib
 import signal
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..._core._errors import EvendpError
+from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from .._checkpointer import CheckpointFormat, WholeFile
@@ -22,7 +24,7 @@ from .._oom import OomResplit
 from .._optimizer_step import OptimizerStep, default_optimizer, run_schedule
 from .._stepper import Stepper
 
-__all__ = ["StopSource", "Strategy"]
+__all__ = ["Sampling", "StepEnd", "StopSource", "Strategy"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None
@@ -34,32 +36,54 @@ def _no_stop() -> int | None:
     return None
 
 
+class Sampling(NamedTuple):
+    """What :meth:`Strategy.sampler` builds: the sampler of this process's samples of each
+    step, the balancer the loop calls at step boundaries, and the costs (and caps) that order
+    a step's rows over this process's devices (``None``: none, the sampler already split the
+    step by cost)."""
+
+    sampler: UnevenBatchSampler
+    balancer: Any
+    costs: Costs = None
+    max_costs: Sequence[float] | None = None
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What every process agreed at a step's end (:meth:`Strategy.finish_step`).
+
+    ``total``: the step's loss total, this process's part (``None``: the step is skipped on
+    every process, an OOM left nothing to run somewhere); ``votes``: the ranks' summed
+    ``(SIGINT, SIGTERM)`` stop votes when they rode with the step (``None``: not read).
+    """
+
+    total: torch.Tensor | None
+    votes: tuple[float, float] | None = None
+
+
 class Strategy(abc.ABC):
-    """How one training step runs: the Trainer calls these, in this order, whatever the mode.
+    """The capabilities a step calls, whatever the mode: the Trainer's
+    ``_train_step`` reads top to bottom and calls these::
 
-    Setup: :meth:`wrap` the loss module, build the :meth:`sampler` (and :meth:`device_costs`
-    for a cost plan inside this process), the :meth:`guard` for OOM re-splits,
-    :meth:`check_optimizer` and :meth:`build_stepper` (the
-    :class:`~evendp._training._stepper.Stepper` the Trainer calls). Each step (the Trainer's
-    loop)::
+        batch = strategy.place(batch)                          # rows to devices
+        weight = strategy.count_weight(count)                  # or known: samples, counts=
+        for k, spans in enumerate(plan):                       # the guard's plan
+            with strategy.micro_step(last=k == len(plan) - 1): # sync on the last one only
+                loss = strategy.forward(rows, sizes) * weight.wait()
+                stepper.backward(loss)
+        end = strategy.finish_step(failed, total)              # reduced, agreed: step or skip
+        skipped = stepper.step(step)                           # unscale, clip, gate, step
+        ... strategy.agree_stop(step, end.votes)               # between steps
 
-        batch = strategy.place(batch); shares = strategy.shares(n)
-        weight = strategy.count_weight(count)          # or known: samples, counts=
-        strategy.start_step(); stepper.zero_grad()
-        for k, spans in enumerate(plan):               # guard.plan + micro_step_count padding
-            with strategy.sync(last=k == len(plan) - 1):
-                summed = strategy.forward(rows, sizes)
-            strategy.backward(stepper, summed * weight)
-        strategy.reduce_gradients(failed, total)       # what backward did not reduce
-        failed, total = strategy.agree_step(failed, total)   # step or skip everywhere
-        strategy.apply_gradients()                     # the reduced gradients into .grad
-        skipped = stepper.step(step)                   # unscale, clip, gate, step
-        ... strategy.agree_stop(step)                  # between steps
+    Setup: :meth:`wrap` the loss module (refusing an optimizer it cannot use), the
+    :meth:`sampler` (with the cost plan inside this process), :meth:`build_stepper` (the
+    :class:`~evendp._training._stepper.Stepper` the Trainer calls). Losses and samples are
+    summed over processes by :meth:`reduce_losses` and :meth:`reduce_samples` when read.
+    Also evaluation (:meth:`evaluate`) and the checkpoint's on-disk format
+    (:attr:`checkpoint_format`).
 
-    Losses and samples are summed over processes by :meth:`reduce_losses` and
-    :meth:`reduce_samples` when read. Also evaluation (:meth:`evaluate`), the checkpoint's
-    on-disk format (:attr:`checkpoint_format`, in which the Trainer's checkpointer writes the
-    run's parts), the report's device names and peak memory.
+    For each ``fit``: :meth:`running` (the run folder's lock, the stop requests' source);
+    :meth:`guard`, the OOM re-split of a step's micro-steps.
 
     Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
     one-rank-per-device strategies of
@@ -76,29 +100,37 @@ class Strategy(abc.ABC):
     #: part with a collective inside (DDP's bucketed backward, FSDP2's clipping, DeepSpeed's
     #: engine) would time the slowest rank on every rank.
     local_parts: frozenset[str] = frozenset()
+    #: Ranks of a launcher's process group: the run folder's lock is the launcher's.
+    _launched = False
+    #: Whether an OOM re-splits the step (``oom_resplit``) rather than propagating: not where
+    #: collectives inside backward would pair wrongly after a retry.
+    _survives_oom = True
+    #: The fewest micro-steps a process runs, empty share or not (collectives inside forward
+    #: or backward: every rank runs as many as the most any rank runs).
+    _min_micro_steps = 0
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.device: torch.device = next(model.parameters()).device
+        #: The devices this process runs on.
+        self.devices: list[torch.device] = [self.device]
         self.rank, self.world = 0, 1
         #: The module a step runs (the loss module, wrapped): set by :meth:`wrap`.
         self.wrapped: nn.Module = model
         self.device_names: list[str] = []
+        #: Where :meth:`agree_stop` (and a consensus riding on a step) reads this process's
+        #: stop request: the Trainer's signal flag, set by :meth:`running`.
         self._stop_source: StopSource = _no_stop
 
     # -- setup -------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def wrap(self, loss_module: nn.Module) -> None:
-        """Prepare ``loss_module`` (the model with its loss inside forward) for this strategy.
+    def wrap(self, loss_module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Prepare ``loss_module`` (the model with its loss inside forward) for this strategy,
+        first refusing an ``optimizer`` it cannot use (one built before sharding).
 
         ``loss_module(*batch)`` returns the loss of its rows *summed* over their counted items.
         """
-
-    @property
-    def devices(self) -> list[torch.device]:
-        """The devices this process runs on."""
-        return [self.device]
 
     @abc.abstractmethod
     def sampler(
@@ -111,28 +143,35 @@ class Strategy(abc.ABC):
         max_tokens: float | None,
         model: Callable[[], nn.Module],
         example: Callable[[], Any],
-    ) -> tuple[UnevenBatchSampler, Any]:
+    ) -> Sampling:
         """The sampler of this process's samples of each step (split by cost where it is),
-        and the balancer the loop calls at step boundaries (``config.balance``).
+        the balancer the loop calls at step boundaries (``config.balance``) and the cost plan
+        over this process's devices (:class:`Sampling`).
 
         ``model()`` and ``example()`` (the loss module and one batch) are for planning
         ``batch_sizes="auto"``; ``config`` is the :class:`~evendp.TrainConfig`.
         """
 
-    def device_costs(
-        self, costs: Costs, max_costs: Sequence[float] | None
-    ) -> tuple[Costs, Sequence[float] | None]:
-        """The costs (and caps) that order a step's rows over this process's devices
-        (``None``: none, the sampler already split the step by cost)."""
-        return None, None
-
     def guard(self, oom_resplit: bool) -> OomResplit:
-        """The OOM re-split of a step's shares (``oom_resplit=False``: an OOM propagates)."""
-        return OomResplit(catch=oom_resplit, devices=len(self.shares(0)))
+        """The OOM re-split of a step's micro-steps (``oom_resplit=False``, or a strategy
+        whose collectives a retry would pair wrongly: an OOM propagates)."""
+        return OomResplit(
+            catch=oom_resplit and self._survives_oom,
+            devices=len(self.shares(0)),
+            min_micro_steps=self._min_micro_steps,
+        )
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Refuse an optimizer this strategy cannot use (one built before sharding)."""
-        return None
+    @contextlib.contextmanager
+    def running(self, out_dir: Any, stop_source: StopSource) -> Any:
+        """For the life of ``fit``: the run's hold on ``out_dir`` (one writer per run folder:
+        one process takes it; ranks join their launcher's, :mod:`evendp._distributed._run_lock`),
+        and where :meth:`agree_stop` reads this process's stop request (the signal flag)."""
+        with trainer_lock(out_dir, distributed=self._launched):
+            self._stop_source = stop_source
+            try:
+                yield
+            finally:
+                self._stop_source = _no_stop
 
     def build_stepper(
         self,
@@ -157,17 +196,6 @@ class Strategy(abc.ABC):
             device_type=self.device.type,
         )  # fmt: skip
 
-    @abc.abstractmethod
-    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
-        """The run's hold on ``out_dir`` for the life of ``fit`` (one writer per run folder):
-        one process always takes it; ranks join their launcher's
-        (:mod:`evendp._distributed._run_lock`)."""
-
-    def watch_stop(self, source: StopSource) -> None:
-        """Where :meth:`agree_stop` (and a consensus riding on a step) reads this process's
-        stop request: the Trainer's signal flag."""
-        self._stop_source = source
-
     # -- one step ----------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -179,10 +207,6 @@ class Strategy(abc.ABC):
         """This process's per-device shares of a step of ``n`` local samples."""
 
     @abc.abstractmethod
-    def ran(self, rows: list[int]) -> list[int]:
-        """Per device of the report, the samples a micro-step of ``rows`` ran."""
-
-    @abc.abstractmethod
     def count_weight(self, local: torch.Tensor) -> StepWeight:
         """``world / the step's counted items over every process``, from this process's
         ``count_fn`` count ``local`` (float64, 0-dim), before the first backward.
@@ -191,42 +215,22 @@ class Strategy(abc.ABC):
         strategy for those.)
         """
 
-    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """The context of one micro-step's forward and backward (gradient sync on ``last``)."""
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around one micro-step's forward and backward: gradient sync on ``last`` only, and
+        what this strategy runs around them (buckets launched during backward)."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod
     def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
         """The micro-step's loss summed over its counted items (``rows[i]`` rows on device i)."""
 
-    def micro_step_count(self, planned: int) -> int:
-        """How many micro-steps this process runs when its shares need ``planned``."""
-        return planned
-
-    def start_step(self) -> None:
-        """Before a step's first micro-step, on every process whatever its share."""
-        return None
-
-    def backward(self, stepper: Stepper, loss: torch.Tensor) -> None:
-        """The stepper's backward of one micro-step's loss (weighted by the step's weight),
-        with what this strategy runs around it."""
-        stepper.backward(loss)
-
-    def reduce_gradients(self, failed: bool, total: torch.Tensor | None) -> None:
+    def finish_step(self, failed: bool, total: torch.Tensor | None) -> StepEnd:
         """After a step's micro-steps, on every process whatever happened (``failed``: an OOM
         left nothing to run here): the gradient reduction backward did not finish (DDP and
-        FSDP2 reduce inside it; one process has nothing to reduce)."""
-        return None
-
-    def agree_step(
-        self, failed: bool, total: torch.Tensor | None
-    ) -> tuple[bool, torch.Tensor | None]:
-        """After :meth:`reduce_gradients`: whether every process skips the step, and its total."""
-        return failed, total
-
-    def apply_gradients(self) -> None:
-        """Once every process agreed to step: make ``.grad`` the step's reduced gradients."""
-        return None
+        FSDP2 reduce inside it; one process has nothing to reduce), then whether every
+        process steps. Unless the returned total is ``None`` (skipped everywhere), ``.grad``
+        holds the step's reduced gradients."""
+        return StepEnd(None if failed else total)
 
     # -- what the loop reads -----------------------------------------------------------------
 
@@ -239,14 +243,19 @@ class Strategy(abc.ABC):
         """Per device of the report, the samples trained, from this process's counts."""
 
     @abc.abstractmethod
-    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
+    def agree_stop(
+        self,
+        step: int,
+        votes: tuple[float, float] | None = None,
+        *,
+        starting: bool = False,
+        interrupted: KeyboardInterrupt | None = None,
+    ) -> int | None:
         """The stop signal every process stops with, the same on every process, or ``None``,
-        with ``step`` steps done (``starting``: before this run's first step)."""
-
-    @abc.abstractmethod
-    def interrupted(self, error: KeyboardInterrupt) -> int:
-        """A ``KeyboardInterrupt`` that no signal flag caught: the signal to stop with, or
-        re-raise it where the other processes could not agree on it."""
+        with ``step`` steps done (``starting``: before this run's first step; ``votes``: the
+        step's :attr:`StepEnd.votes`, read already). ``interrupted``: a
+        ``KeyboardInterrupt`` that no signal flag caught: the signal to stop with, or
+        re-raised where the other processes could not agree on it."""
 
     @abc.abstractmethod
     def evaluate(
@@ -260,11 +269,6 @@ class Strategy(abc.ABC):
         autocast: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> dict[str, float]:
         """Every sample of ``data`` once over all devices and processes: ``{name: value}``."""
-
-    @abc.abstractmethod
-    def peak_memory(self) -> list[int | None]:
-        """Per device of the report, its GPU's peak reserved bytes (``None``: not a GPU, or
-        another rank's); replicas on one GPU each give that GPU's one figure."""
 
 
 def build_sampler(
@@ -280,7 +284,7 @@ def build_sampler(
     max_tokens: float | None,
     model: Callable[[], nn.Module],
     example: Callable[[], Any],
-) -> tuple[UnevenBatchSampler, Any]:
+) -> Sampling:
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
     from ..._distributed._batch_plan import BatchPlan
@@ -308,7 +312,7 @@ def build_sampler(
     )  # fmt: skip
     _validate_batch_fits(data, sampler.batch_sizes, distributed)
     _warn_unused_batch_sizes(config, distributed)
-    return sampler, balancer
+    return Sampling(sampler, balancer)
 
 
 def _validate_batch_fits(data: Any, batch_sizes: Sequence[int], distributed: bool) -> None:

@@ -23,18 +23,16 @@ class DDP(RankStrategy):
     # Its backward all-reduces in buckets (it waits for the slowest rank); the optimizer
     # step, on gradients already averaged, is this rank's own.
     local_parts = frozenset({"optimizer"})
+    _min_micro_steps = 1  # DDP's reducer waits for every rank's backward
 
-    def wrap(self, loss_module: nn.Module) -> None:
+    def wrap(self, loss_module: nn.Module, optimizer: Any = None) -> None:
         self.wrapped = nn.parallel.DistributedDataParallel(loss_module, **_no_buffer_sync())
 
-    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         ddp = self.wrapped
         if last or not isinstance(ddp, nn.parallel.DistributedDataParallel):
             return contextlib.nullcontext()
         return ddp.no_sync()
-
-    def micro_step_count(self, planned: int) -> int:
-        return max(planned, 1)  # DDP's reducer waits for every rank's backward
 
 
 def _no_buffer_sync() -> dict[str, Any]:

@@ -48,7 +48,6 @@ from ..._core._files import NotReadable, open_regular
 from ..._core._validate import json_data, shown
 from ..._distributed._engine_mean import config_micro_batch
 from ..._distributed._rank_errors import agreed
-from ..._distributed._sampler import UnevenBatchSampler
 from .._checkpoint import (
     CorruptCheckpoint,
     disk_error,
@@ -61,7 +60,7 @@ from .._checkpointer import CheckpointFormat, Verify, WholeFile, step_of
 from .._nonfinite import NonFiniteGate
 from .._optimizer_step import default_optimizer, run_schedule
 from .._safe_read import Refused, check_archive
-from ._base import Costs
+from ._base import Costs, Sampling
 from ._ranks import RankStrategy
 
 __all__ = [
@@ -268,7 +267,8 @@ class DeepSpeed(RankStrategy):
     def __init__(self, model: nn.Module, config: Any) -> None:
         super().__init__(model)
         self._ds = deepspeed_config(config)  # refused here, before any engine is built
-        self._accum = int(config.accum)
+        # ZeRO-2/3 communicate in every micro-step's backward (ZeRO-3 in forward too).
+        self._min_micro_steps = int(config.accum)
         self._forward_collectives = self._ds["zero_optimization"].get("stage", 0) == 3
         self._batch_sizes: list[int] = []
         self._format = DeepSpeedFiles(self)
@@ -286,7 +286,7 @@ class DeepSpeed(RankStrategy):
         max_tokens: float | None,
         model: Callable[[], nn.Module],
         example: Callable[[], Any],
-    ) -> tuple[UnevenBatchSampler, Any]:
+    ) -> Sampling:
         built = super().sampler(
             data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
             model=model, example=example,
@@ -344,14 +344,10 @@ class DeepSpeed(RankStrategy):
 
     # -- one step ----------------------------------------------------------------------------
 
-    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         # The Trainer marks the boundary: ZeRO reduces (and steps) on the last micro-step.
         self.engine.set_gradient_accumulation_boundary(last)
         return contextlib.nullcontext()
-
-    def micro_step_count(self, planned: int) -> int:
-        # ZeRO-2/3 communicate in every micro-step's backward (ZeRO-3 in forward too).
-        return max(planned, self._accum)
 
     @property
     def checkpoint_format(self) -> CheckpointFormat:  # type: ignore[override]

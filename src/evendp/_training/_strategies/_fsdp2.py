@@ -42,13 +42,11 @@ class FSDP2(RankStrategy):
 
     def __init__(self, model: nn.Module, accum: int, blocks: Callable[[], list[nn.Module]]):
         super().__init__(model)
-        self._accum = accum  # the most micro-steps any share is cut into
+        self._min_micro_steps = accum  # the most micro-steps any share is cut into
         self._blocks = blocks
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def wrap(self, loss_module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         refuse_prebuilt_optimizer(optimizer)
-
-    def wrap(self, loss_module: nn.Module) -> None:
         super().wrap(loss_module)
         from torch.distributed.fsdp import fully_shard
 
@@ -57,12 +55,9 @@ class FSDP2(RankStrategy):
             fully_shard(block)
         fully_shard(self.model)
 
-    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
         return contextlib.nullcontext()
-
-    def micro_step_count(self, planned: int) -> int:
-        return max(planned, self._accum)
 
 
 def build(model: nn.Module, config: Any, device_ids: Any, weights: Any) -> FSDP2:

@@ -11,9 +11,9 @@ the reduction overlaps backward as DDP's does; a rank that failed launches the r
 of its step, and the flags say whether the result is used, reduced again (a rank's launched
 copy was stale: it retried after an OOM) or dropped (an OOM with nothing left to try).
 
-The three are the verbs the Trainer calls in turn: ``reduce_gradients`` (the buckets backward
-did not launch, the flags in the last one), ``agree_step`` (the flags read: step or skip) and
-``apply_gradients`` (the result into ``.grad``, or reduced again).
+One call ends a step, :meth:`OomSafeDDP.finish_step`: the buckets backward did not launch,
+the flags in the last one, the flags read (:func:`agree_step`: step or skip), the result into
+``.grad`` (or reduced again); it returns what was agreed, and nothing waits in an attribute.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import torch
 
 from ..._distributed._grad_buckets import GradientBuckets
 from ..._distributed._group import BUCKET_BYTES, comm_device
-from .._oom import OomResplit
-from .._stepper import Stepper
-from ._base import signal_of, stop_votes
+from ._base import StepEnd, signal_of, stop_votes
 from ._ranks import RankStrategy
 
 __all__ = ["OomSafeDDP"]
@@ -41,25 +39,19 @@ class OomSafeDDP(RankStrategy):
     device), the step's one host read. When any rank failed, all drop the
     result and skip: the reduction was wasted, never wrong."""
 
-    _votes: tuple[float, float] | None = None  # the last step's summed stop votes, read
     _buckets: GradientBuckets | None = None
-    _flags: torch.Tensor | None = None  # the step's flags, reduced, until agree_step reads them
-    _stale = False  # whether some rank's launched bucket was stale (the flags, read)
-    _last = True  # whether the micro-step running now is the step's last
     #: Bytes per gradient bucket (DDP's 25 MiB).
     bucket_bytes = BUCKET_BYTES
     # No collective waited for in backward (its buckets' all-reduces run beside it) or in
     # the optimizer step: both are this rank's own compute.
     local_parts = frozenset({"backward", "optimizer"})
-
-    def guard(self, oom_resplit: bool) -> OomResplit:
-        return OomResplit(catch=oom_resplit)
+    _survives_oom = True
 
     def _gradient_buckets(self, *, recheck: bool = False) -> GradientBuckets:
         """The buckets of the parameters being trained: built at first use (the model is
-        final after wrap), and again at a step's start (``recheck``, from :meth:`start_step`,
-        which every rank runs, empty share or not) when that set changed (layers unfrozen,
-        on every rank alike, as their optimizers are)."""
+        final after wrap), and again between steps (``recheck``, at the last micro-step or
+        the step's end, which every rank reaches, empty share or not) when that set changed
+        (layers unfrozen, on every rank alike, as their optimizers are)."""
         current = self._buckets
         fresh = current is not None and not current._launched  # not mid-step
         if current is None or (recheck and fresh and not current.holds(self.model.parameters())):
@@ -69,67 +61,62 @@ class OomSafeDDP(RankStrategy):
             self._buckets = current
         return current
 
-    def start_step(self) -> None:
-        if self.world > 1:
-            self._gradient_buckets(recheck=True)
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        if not last or self.world == 1:  # only the last micro-step's gradients are final
+            return contextlib.nullcontext()
+        return self._gradient_buckets(recheck=True).overlapping()  # each bucket goes once ready
 
-    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        self._last = last  # only the last micro-step's gradients are final
-        return contextlib.nullcontext()
-
-    def backward(self, stepper: Stepper, loss: torch.Tensor) -> None:
-        if not self._last or self.world == 1:  # one rank: nothing to reduce
-            return super().backward(stepper, loss)
-        with self._gradient_buckets().overlapping():  # each bucket goes once ready
-            super().backward(stepper, loss)
-
-    def reduce_gradients(self, failed: bool, total: torch.Tensor | None) -> None:
+    def finish_step(self, failed: bool, total: torch.Tensor | None) -> StepEnd:
         """The buckets backward did not launch, then the step's flags ``[OOM, loss total,
         SIGINT, SIGTERM, stale]`` riding in the last one (the same collectives on every rank,
-        whatever failed); one rank has nothing to reduce: its flags are the sums."""
-        buckets = self._gradient_buckets() if self.world > 1 else None
+        whatever failed; one rank has nothing to reduce: its flags are the sums), read once
+        (:func:`agree_step`)."""
+        buckets = self._gradient_buckets(recheck=True) if self.world > 1 else None
         where = comm_device()
         mine = torch.zeros((), device=where) if total is None else total.to(where).float()
         stale = buckets is not None and buckets.stale
         failed_stale = torch.tensor([float(failed), float(stale)], device=where)
         votes = stop_votes(self._stop_source(), where)
-        self._flags = torch.cat([failed_stale[:1], mine.reshape(1), votes, failed_stale[1:]])
+        flags = torch.cat([failed_stale[:1], mine.reshape(1), votes, failed_stale[1:]])
         if buckets is not None:
-            buckets.finish(self._flags, failed=failed)
-
-    def agree_step(
-        self, failed: bool, total: torch.Tensor | None
-    ) -> tuple[bool, torch.Tensor | None]:
-        """The flags that rode with the gradients, summed: skip on every rank when any
-        failed (the reduction dropped), else the step's total over every rank."""
-        flags, self._flags = self._flags, None
-        assert flags is not None, "reduce_gradients runs before agree_step"
-        # The one host read of a step, the flags together: whether a rank failed decides
-        # the retry arithmetic's next plan and the skipped count, which the host keeps; a
-        # stale copy anywhere makes every rank reduce again (data every rank has).
-        failed_anywhere, _, sigint, sigterm, stale_anywhere = flags.tolist()
-        self._votes, self._stale = (sigint, sigterm), bool(stale_anywhere)
-        if not failed_anywhere:
-            return False, flags[1]
-        if self._buckets is not None and self.world > 1:
-            self._buckets.discard()  # host bookkeeping only: nothing to wait for
-        return True, None
-
-    def apply_gradients(self) -> None:
-        """The reduced buckets into ``.grad``, or, where some rank's launched copy was stale
-        (agreed in the flags, so on every rank alike), one more all-reduce of ``.grad``."""
-        if self._buckets is None or self.world == 1:
-            return
-        if self._stale:
-            self._buckets.reduce_again()
-        else:
-            self._buckets.apply()
+            buckets.finish(flags, failed=failed)
+        return agree_step(flags, buckets)
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         return parts  # already summed over ranks in the step's own all-reduce
 
-    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
-        votes, self._votes = self._votes, None
+    def agree_stop(
+        self,
+        step: int,
+        votes: tuple[float, float] | None = None,
+        *,
+        starting: bool = False,
+        interrupted: KeyboardInterrupt | None = None,
+    ) -> int | None:
+        if starting or interrupted is not None:
+            return super().agree_stop(step, starting=starting, interrupted=interrupted)
         if votes is None:  # no step agreed since the last call: a collective of its own
-            return super().agree_stop(step, starting=True)
+            self._done = step
+            return self._vote_now()
         return signal_of(*votes)
+
+
+def agree_step(flags: torch.Tensor, buckets: GradientBuckets | None) -> StepEnd:
+    """The flags that rode with the gradients, summed: skip on every rank when any failed
+    (the reduction dropped), else the reduced buckets into ``.grad`` or, where some rank's
+    launched copy was stale (agreed in the flags, so on every rank alike), one more
+    all-reduce of ``.grad``; the step's total over every rank and the stop votes."""
+    # The one host read of a step, the flags together: whether a rank failed decides the
+    # retry arithmetic's next plan and the skipped count, which the host keeps; a stale copy
+    # anywhere makes every rank reduce again (data every rank has).
+    failed_anywhere, _, sigint, sigterm, stale_anywhere = flags.tolist()
+    if failed_anywhere:
+        if buckets is not None:
+            buckets.discard()  # host bookkeeping only: nothing to wait for
+        return StepEnd(None, (sigint, sigterm))
+    if buckets is not None:
+        if stale_anywhere:
+            buckets.reduce_again()
+        else:
+            buckets.apply()
+    return StepEnd(flags[1], (sigint, sigterm))

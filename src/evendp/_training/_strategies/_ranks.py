@@ -13,16 +13,11 @@ from torch import nn
 from ..._core._batchnorm import warn_if_batchnorm_split_unevenly
 from ..._core._calls import as_args
 from ..._distributed._group import comm_device
-from ..._distributed._run_lock import trainer_lock
-from ..._distributed._sampler import UnevenBatchSampler
 from ..._distributed._step_count import StepWeight
 from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
-from .. import _peak_memory
 from .._evaluate import EvalFn, evaluate_ranks
-from .._oom import OomResplit
-from .._stepper import Stepper
-from ._base import Batch, Costs, StopSource, Strategy, agreed_signal, build_sampler, stop_votes
+from ._base import Batch, Costs, Sampling, Strategy, agreed_signal, build_sampler, stop_votes
 from ._placement import place_model
 
 __all__ = ["RankStrategy"]
@@ -45,6 +40,9 @@ class RankStrategy(Strategy):
     """
 
     name = "ddp"
+    _launched = True
+    # An OOM in one rank's backward would leave the others in its collectives.
+    _survives_oom = False
 
     def __init__(self, model: nn.Module) -> None:
         if dist.get_backend() == "nccl":  # NCCL reduces on the rank's own GPU: the model too
@@ -55,7 +53,7 @@ class RankStrategy(Strategy):
         self._notice: StopNotice | None = None
         self._done = 0  # steps done, as of the last agree_stop
 
-    def wrap(self, loss_module: nn.Module) -> None:
+    def wrap(self, loss_module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         for t in self.model.state_dict().values():  # start from rank 0's weights, as DDP does
             dist.broadcast(t, src=0)
         self.wrapped = loss_module
@@ -70,7 +68,7 @@ class RankStrategy(Strategy):
         max_tokens: float | None,
         model: Callable[[], nn.Module],
         example: Callable[[], Any],
-    ) -> tuple[UnevenBatchSampler, Any]:
+    ) -> Sampling:
         # The ranks split each step by cost: every rank computes the same plan.
         built = build_sampler(
             data, config, requested=config.batch_sizes, rank=self.rank, world=self.world,
@@ -81,13 +79,6 @@ class RankStrategy(Strategy):
             warn_if_batchnorm_split_unevenly(self.model, built[0].batch_sizes, "batch_sizes")
         return built
 
-    def run_lock(self, out_dir: Any) -> contextlib.AbstractContextManager[Any]:
-        return trainer_lock(out_dir, distributed=True)
-
-    def guard(self, oom_resplit: bool) -> OomResplit:
-        # An OOM in one rank's backward would leave the others in its collectives.
-        return OomResplit(catch=False)
-
     def place(self, batch: Batch) -> Batch:
         """This rank's batch on its device (the copy runs ahead when the batch is pinned)."""
         return map_tensors(batch, lambda t: to_device(t, self.device))
@@ -95,16 +86,18 @@ class RankStrategy(Strategy):
     def shares(self, n: int) -> list[int]:
         return [n]
 
-    def ran(self, rows: list[int]) -> list[int]:
-        return [rows[0] if r == self.rank else 0 for r in range(self.world)]
-
     def count_weight(self, local: torch.Tensor) -> StepWeight:
         # One all-reduce, started now and waited for after the first forward (it overlaps
         # the forward), read on no host.
         return StepWeight(self.world, local, self.device)
 
     def forward(self, part: Batch, rows: list[int]) -> torch.Tensor:
-        return self.wrapped(*as_args(part))
+        summed = self.wrapped(*as_args(part))
+        # A request received by now (before this micro-step's backward) stops every rank
+        # after this very step: no rank can finish the step before this rank joins the
+        # step's last gradient collective, which comes after the notice.
+        self._post_stop()
+        return summed
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
         """Sum ``parts`` over ranks: one all-reduce for every step not read yet.
@@ -119,35 +112,36 @@ class RankStrategy(Strategy):
         summed = _all_reduce(torch.tensor(samples, dtype=torch.float64))
         return [int(v) for v in summed.tolist()]
 
-    def watch_stop(self, source: StopSource) -> None:
-        super().watch_stop(source)
-        self._notice = StopNotice(group_store())  # one per fit: the same key on every rank
-
-    def agree_stop(self, step: int, *, starting: bool = False) -> int | None:
+    def agree_stop(
+        self,
+        step: int,
+        votes: tuple[float, float] | None = None,
+        *,
+        starting: bool = False,
+        interrupted: KeyboardInterrupt | None = None,
+    ) -> int | None:
         """Before the first step (``starting``): one tiny all-reduce of ``[SIGINT seen,
-        SIGTERM seen]`` (SIGINT wins when both came). After a step: the store's stop notice,
-        no collective and no read of a tensor (:class:`StopNotice`): every rank stops after
-        the same step."""
+        SIGTERM seen]`` (SIGINT wins when both came), and this fit's stop notice. After a
+        step: the store's stop notice, no collective and no read of a tensor
+        (:class:`StopNotice`): every rank stops after the same step."""
+        if interrupted is not None:
+            raise interrupted  # the other ranks could not agree on it: it propagates
         self._done = step
+        if starting:
+            self._notice = StopNotice(group_store())  # one per fit: the same key on every rank
         if starting or self._notice is None:
-            return agreed_signal(_all_reduce(stop_votes(self._stop_source(), comm_device())))
+            return self._vote_now()
         self._post_stop()  # received after the step's last backward: stop after the next one
         return self._notice.due(step)
 
-    def backward(self, stepper: Stepper, loss: torch.Tensor) -> None:
-        # A request received before this backward stops every rank after this very step: no
-        # rank can finish the step before this rank joins the step's last gradient
-        # collective, which comes after the notice.
-        self._post_stop()
-        super().backward(stepper, loss)
+    def _vote_now(self) -> int | None:
+        """The ranks' stop votes in one all-reduce of their own."""
+        return agreed_signal(_all_reduce(stop_votes(self._stop_source(), comm_device())))
 
     def _post_stop(self) -> None:
         mine = self._stop_source()
         if mine is not None and self._notice is not None:
             self._notice.post(mine, self._done)  # stop after the step following _done
-
-    def interrupted(self, error: KeyboardInterrupt) -> int:
-        raise error  # the other ranks could not agree on it: it propagates
 
     def evaluate(
         self,
@@ -167,7 +161,3 @@ class RankStrategy(Strategy):
     #: Whether forward itself runs collectives (FSDP2's all-gathers): then evaluation runs a
     #: rank's empty shares too.
     _forward_collectives = False
-
-    def peak_memory(self) -> list[int | None]:
-        (mine,) = _peak_memory.device_peaks([self.device])
-        return [mine if r == self.rank else None for r in range(self.world)]

@@ -58,13 +58,14 @@ class Zero1(OomSafeDDP):
     # The update broadcasts each rank's slice: it waits for the others (not a local part).
     local_parts = frozenset({"backward"})
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def wrap(self, loss_module: torch.nn.Module, optimizer: Any = None) -> None:
         if optimizer is not None:
             raise EvendpError(
                 f"strategy='zero1' shards its own AdamW over the ranks, but optimizer="
                 f"{type(optimizer).__name__} was given; pass optimizer=None (lr and "
                 "weight_decay come from TrainConfig) or use strategy='ddp'"
             )
+        super().wrap(loss_module)
 
     def build_stepper(
         self,
