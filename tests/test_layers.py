@@ -339,7 +339,6 @@ INTEGRATION_PRIVATE_IMPORTS = {
     "integrations/transformers.py: evendp._planning._balance.NoBalance",
     "integrations/transformers.py: evendp._planning._balance.planned_rank_sizes",
     "integrations/transformers.py: evendp._planning._balance.step_balancer",
-    "integrations/transformers.py: evendp._planning._balance.time_forward",
     "integrations/transformers.py: evendp._planning._balance.validate_balance",
 }
 

@@ -63,9 +63,9 @@ from .._planning._balance import (
     NoBalance,
     planned_rank_sizes,
     step_balancer,
-    time_forward,
     validate_balance,
 )
+from ._forward_timer import time_forward
 from ._hf_eval import EvalMeans, EvalPieces
 from ._interleave import InterleavedBatchSampler
 from ._rows import RowsGather, gather_rows, no_rows
