@@ -334,8 +334,6 @@ INTEGRATION_PRIVATE_IMPORTS = {
     "integrations/transformers.py: evendp._core._counting.label_shift",
     "integrations/transformers.py: evendp._core._validate.validate_count",
     "integrations/transformers.py: evendp._distributed._batch_plan.validate_batch_sizes_option",
-    "integrations/transformers.py: evendp._distributed._group.all_reduce_sum",
-    "integrations/transformers.py: evendp._distributed._group.comm_device",
     "integrations/transformers.py: evendp._planning._balance.NoBalance",
     "integrations/transformers.py: evendp._planning._balance.planned_rank_sizes",
     "integrations/transformers.py: evendp._planning._balance.step_balancer",
