@@ -326,7 +326,6 @@ INTEGRATION_PRIVATE_IMPORTS = {
     "integrations/accelerate.py: evendp._distributed._step_mean.count_rows",
     "integrations/accelerate.py: evendp._planning._balance.applied_by",
     "integrations/deepspeed.py: evendp._distributed._engine_mean.config_micro_batch",
-    "integrations/lightning.py: evendp._distributed._group.comm_device",
     "integrations/lightning.py: evendp._planning._balance.NoBalance",
     "integrations/lightning.py: evendp._planning._balance.step_balancer",
     "integrations/transformers.py: evendp._core._counting.label_shift",
