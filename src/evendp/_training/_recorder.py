@@ -9,6 +9,7 @@ strategy, OOM guard, speed balancer and evaluations) at the points a fit calls i
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -71,6 +72,15 @@ class Recorder:
         return self.trainer.guard.skipped + self.trainer.stepper.skipped
 
     # -- lines and text ----------------------------------------------------------------------
+
+    def say_resumed(self, notes: list[str], received: list[str]) -> None:
+        """A resume's notes (rank 0), and the files this rank received from rank 0 (each
+        rank: on another machine they are said there)."""
+        rank = self.trainer.rank
+        for note in notes if rank == 0 else []:
+            print(f"evendp: {note}", file=sys.stderr, flush=True)
+        for note in received:
+            print(f"evendp: rank {rank}: {note}", file=sys.stderr, flush=True)
 
     def resplit_line(self) -> str:
         """What the speed balancer just decided: the step, the split before and after (its

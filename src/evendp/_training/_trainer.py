@@ -34,7 +34,6 @@ import functools
 import inspect
 import itertools
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -573,11 +572,7 @@ class Trainer:
             return False
         self.state.notes = notes
         self._saved_step = self.state.step
-        if self.rank == 0:
-            for note in notes:
-                print(f"evendp: {note}", file=sys.stderr, flush=True)
-        for note in self._checkpointer.received:  # on another machine: said there
-            print(f"evendp: rank {self.rank}: {note}", file=sys.stderr, flush=True)
+        self.recorder.say_resumed(notes, self._checkpointer.received)
         return True
 
     def _checkpointed(self) -> dict[str, Any]:
