@@ -134,4 +134,6 @@ def test_budgeted_devices_log_their_measured_peaks(tmp_path: Path) -> None:
     peaks = [d.peak_bytes for d in report.devices]
     assert all(p and p < 2**20 for p in peaks)
     assert [d.budget_bytes for d in report.devices] == [2**20, 2**20]
-    assert "-" not in trainer._memory_text() and trainer._memory_text().count("/") == 1
+    assert (
+        "-" not in trainer.recorder.memory_text() and trainer.recorder.memory_text().count("/") == 1
+    )

@@ -89,8 +89,8 @@ def test_the_progress_bar_shows_each_gpus_peak_once(
     """Two replicas of one GPU: one figure; two GPUs that read alike: two figures."""
     one, _ = _fit(["cpu:0", "cpu:0"], [2, 1], steps=1)
     two, _ = _fit(["cpu", "cpu"], [2, 1], steps=1)  # cpu:0 and cpu:1, as cuda:0 and cuda:1
-    assert one._memory_text() == "136.0 MiB"
-    assert two._memory_text() == "136.0 MiB 136.0 MiB"
+    assert one.recorder.memory_text() == "136.0 MiB"
+    assert two.recorder.memory_text() == "136.0 MiB 136.0 MiB"
 
 
 def test_the_picture_names_what_was_measured(fake_gpu: dict[str, list[torch.device]]) -> None:

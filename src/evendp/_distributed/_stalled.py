@@ -58,6 +58,23 @@ _KILL_GRACE_S = 5.0  # between the SIGTERM and the SIGKILL of a rank that did no
 class RankStalled(TrainingError):
     """A collective waited past the timeout: another rank stopped answering (exit 1)."""
 
+    @classmethod
+    def of(
+        cls, error: BaseException, rank: int, timeout: float | None, out_dir: object
+    ) -> RankStalled:
+        """What rank ``rank`` says when a collective (``error``) waited past ``timeout``.
+
+        >>> print(RankStalled.of(RuntimeError("Timed out waiting 20000ms"), 1, 20.0, None))
+        rank 1: another rank stopped answering (a collective waited past comm_timeout=20.0: \
+Timed out waiting 20000ms); stopped without saving
+        """
+        said = str(error).strip().splitlines()[-1][-160:] if str(error).strip() else ""
+        where = f"; the last good checkpoint is in {str(out_dir)!r}" if out_dir is not None else ""
+        return cls(
+            f"rank {rank}: another rank stopped answering (a collective waited past "
+            f"comm_timeout={timeout}: {said}); stopped without saving{where}"
+        )
+
 
 # What gloo (and NCCL's watchdog) say when a collective waited past its timeout. Not a peer
 # that died ("Connection reset by peer"): torchrun sees that one itself, and restarts the

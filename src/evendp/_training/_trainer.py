@@ -34,10 +34,8 @@ import functools
 import inspect
 import itertools
 import math
-import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,7 +69,6 @@ from .._parallel._scatter import map_tensors, row_count
 from .._planning._balance import (
     first_batch,
     inline_for_balance,
-    split_per_step,
     validate_balance,
 )
 from . import _peak_memory
@@ -80,15 +77,8 @@ from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
 from ._launched import join_launch
 from ._oom import free_memory
-from ._report import (
-    FORWARD,
-    RESERVED,
-    DeviceStat,
-    TrainProgress,
-    TrainReport,
-    format_bytes,
-    write_report,
-)
+from ._recorder import Recorder
+from ._report import TrainReport, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
 from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
@@ -516,7 +506,6 @@ class Trainer:
         self.state.run_config = {"global_batch": global_batch, "mode": self.strategy.name}
         #: The last step's micro-steps: per micro-step, the samples each device ran.
         self.micro_steps: list[list[int]] = []
-        self._splits: list[list[int]] = []  # the report's batch_sizes_per_step (one fit's)
         self._saved_step: int | None = None  # the step of the checkpoint on disk, if known
         self.eval_data = eval_data
         self.eval_fn = eval_fn if eval_fn is not None else loss_eval_fn(loss_fn, count_fn)
@@ -526,6 +515,8 @@ class Trainer:
         #: A :class:`~evendp._training._budget.MemoryBudgets` enforced on the virtual devices
         #: (set by :func:`evendp.rehearse`): its measured peaks join the bar and the report.
         self.memory_budgets: Any = None
+        #: What the run shows and reports (:class:`~evendp._training._recorder.Recorder`).
+        self.recorder = Recorder(self)
 
     # The run's position lives in self.state; these read it under the old names.
     step = property(lambda self: self.state.step)
@@ -581,33 +572,8 @@ class Trainer:
             return False
         self.state.notes = notes
         self._saved_step = self.state.step
-        if self.rank == 0:
-            for note in notes:
-                print(f"evendp: {note}", file=sys.stderr, flush=True)
-        for note in self._checkpointer.received:  # on another machine: said there
-            print(f"evendp: rank {self.rank}: {note}", file=sys.stderr, flush=True)
+        self.recorder.say_resumed(notes, self._checkpointer.received)
         return True
-
-    def _resplit_line(self) -> str:
-        """What the speed balancer just decided: the step, the split before and after (its
-        history), and the per-sample times it went by."""
-        (_, before), (step, after) = self.balancer.history[-2:]
-        times = self.balancer.seconds_per_sample
-        said = ", ".join("-" if t is None else f"{t * 1e3:.3g}" for t in times)
-        return (
-            f"evendp: step {step}: speed re-split {list(before)} -> {list(after)} (ms per "
-            f"sample by rank: {said})"
-        )
-
-    def _oom_lines(self) -> list[str]:
-        """The OOM guard's notes of the step just done (a re-split, a skip), each naming the
-        step and, on several ranks, this rank; emptied once said."""
-        if not self.guard.notes:  # nearly every step: nothing to say
-            return []
-        where = f"step {self.state.step}" + (f", rank {self.rank}" if self.world > 1 else "")
-        lines = [f"evendp: {where}: {note}" for note in self.guard.notes]
-        self.guard.notes.clear()
-        return lines
 
     def _checkpointed(self) -> dict[str, Any]:
         """The run's state, by part (:mod:`evendp._training._stateful`); ``None``: not in
@@ -695,11 +661,6 @@ class Trainer:
         return self.eval_data is not None and (
             step == self.config.steps or bool(every and step % every == 0)
         )
-
-    def _eval_text(self) -> str:
-        if not self.evals:
-            return ""
-        return "".join(f" val {k} {v:.4f}" for k, v in self.evals[-1]["metrics"].items())
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -873,58 +834,17 @@ class Trainer:
         self.stepper.settle()
         self.state.flush(self.strategy.reduce_losses)
 
-    def _skipped_steps(self) -> int:
-        """Steps skipped so far: by an OOM everywhere, or by the non-finite gate (a read)."""
-        return self.guard.skipped + self.stepper.skipped
-
     def _samples_ran(self, stepped: bool) -> list[int]:
         """Per device, the samples the last step trained (none when it was skipped)."""
         if not stepped or not self.micro_steps:
             return [0] * len(self.device_names)
         return [sum(c) for c in zip(*self.micro_steps, strict=True)]
 
-    def _peaks(self) -> list[int | None]:
-        """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
-        peaks = self._device_peaks()
-        budgets = self.memory_budgets
-        if budgets is None:
-            return peaks
-        return [p if p is not None else b for p, b in zip(peaks, budgets.peaks, strict=True)]
-
-    def _memory_text(self) -> str:
-        if self.memory_budgets is not None:  # virtual CPU devices: one measured peak each
-            return "/".join("-" if p is None else format_bytes(p) for p in self._peaks())
-        # Replicas of one GPU share its figure: one per device (two GPUs may read alike).
-        peaks = dict(zip(self.device_names, self._device_peaks(), strict=True))
-        shown = [format_bytes(p) for p in peaks.values() if p is not None]
-        return " ".join(shown) if shown else "-"
-
     def _callbacks_anywhere(self) -> bool:
         """Whether any rank has callbacks: under torchrun one all-reduce at the start, so a
         logger on rank 0 alone still has every rank join the loss reads of its ``on_log``."""
         mine = int(bool(self.callbacks))
         return (mine if self.world == 1 else sum(self.strategy.reduce_samples([mine]))) > 0
-
-    def _log_metrics(self, loss: torch.Tensor | None) -> dict[str, float]:
-        """What ``on_log`` gets: the step's loss (read already), the lr, measured peaks."""
-        metrics: dict[str, float] = {}
-        if loss is not None:
-            metrics["loss"] = self.state.last_loss
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        (sizes,) = split_per_step(self.balancer, self.sampler, 1)  # the step's, not the next
-        if len(sizes) > 1:  # each rank's batch size (speed balance moves the split)
-            metrics.update({f"split/rank{r}": float(n) for r, n in enumerate(sizes)})
-        for name, peak in zip(self.device_names, self._peaks(), strict=True):
-            if peak is not None:
-                metrics[f"memory/{name}"] = float(peak)
-        return metrics
-
-    def _micro_text(self) -> str:
-        # Shown only once an OOM (or a resumed run) capped some device's micro-batches.
-        caps = self.guard.micro_batch_sizes
-        if all(c is None for c in caps):
-            return ""
-        return " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
 
     def fit(self) -> TrainReport:
         """Run until ``config.steps`` optimizer steps are done; return the report.
@@ -941,17 +861,9 @@ class Trainer:
             except RuntimeError as error:
                 if self.world == 1 or not is_comm_failure(error):
                     raise
-                raise RankStalled(self._stalled_text(error)) from None
-
-    def _stalled_text(self, error: RuntimeError) -> str:
-        """What a rank says when a collective waited past ``comm_timeout``."""
-        said = str(error).strip().splitlines()[-1][-160:] if str(error).strip() else ""
-        out = self.config.out_dir
-        where = f"; the last good checkpoint is in {str(out)!r}" if out is not None else ""
-        return (
-            f"rank {self.rank}: another rank stopped answering (a collective waited past "
-            f"comm_timeout={self.config.comm_timeout}: {said}); stopped without saving{where}"
-        )
+                raise RankStalled.of(
+                    error, self.rank, self.config.comm_timeout, self.config.out_dir
+                ) from None
 
     def _fit(self, stop: StopFlag) -> TrainReport:
         cfg, state = self.config, self.state
@@ -959,9 +871,6 @@ class Trainer:
         if cfg.resume:
             self.resume()
         start_step = state.step
-        # What ran before this call (a resumed checkpoint's counts) stays out of its report.
-        before = (list(state.samples), self._skipped_steps())
-        self._splits = []  # per step this call runs, each replica's rows
         _peak_memory.reset_peaks(self.strategy.devices)  # the report's peak is this call's
         self.model.train()
         # A signal during start-up (caught by the command line's flag) stops before step one.
@@ -970,13 +879,12 @@ class Trainer:
             # Every rank is here (start-up skew is over): a rank silent for longer ends the run.
             set_comm_timeout(cfg.comm_timeout)
         note_training()  # the launcher may now wait for a stop as long as the timeout says
-        show = cfg.progress and self.rank == 0
         shown: float | None = None  # the loss on the bar, read on display steps only
-        started = time.perf_counter()
+        # What ran before this call (a resumed checkpoint's counts) stays out of its report.
+        bar = self.recorder.start()
         prepared = Prefetcher(
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
         )
-        bar = TrainProgress(cfg.steps, enabled=show, start=state.step)
         reads = self._callbacks_anywhere() or cfg.progress  # the ranks agree: the reads pair
         self.callbacks.call("on_fit_start", self)
         try:
@@ -987,11 +895,10 @@ class Trainer:
                     loss, skipped, votes = self._train_step(item.batch, item.layout, item.counted)
                     # Every rank alike; a new split goes to the sampler (its on_resplit).
                     if self.balancer.step() and self.rank == 0:
-                        bar.say(self._resplit_line())
+                        bar.say(self.recorder.resplit_line())
                     state.step += 1
-                    # Each replica's rows this step, as every rank laid them out (the report's).
-                    self._splits.append([n for rows in item.layout.rows for n in rows])
-                    for line in self._oom_lines():  # this rank's own re-splits, if any
+                    # This rank's own re-splits, if any; the step's split joins the report.
+                    for line in self.recorder.step_done(item.layout):
                         bar.say(line)
                     # The loss is this process's part: reduce_losses makes it the step's. A
                     # step the gate skipped on the device is dropped when the flags are read.
@@ -1002,11 +909,8 @@ class Trainer:
                     self.callbacks.call("on_step_end", self, state.step)
                     if self._eval_due():
                         self._evaluate()
-                    text = self._memory_text() + self._micro_text() if show else ""
-                    bar.update(
-                        state.step, None if loss is None else shown, item.samples,
-                        text + self._eval_text(),
-                    )  # fmt: skip
+                    bar_text = self.recorder.bar_text() if bar.enabled else ""
+                    bar.update(state.step, None if loss is None else shown, item.samples, bar_text)
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
@@ -1016,11 +920,11 @@ class Trainer:
             # program itself or outside the main thread. One process stops with SIGINT (the
             # step it cut is not counted); across ranks it propagates.
             signum = self.strategy.agree_stop(state.step, interrupted=error)
-        elapsed = time.perf_counter() - started
+        elapsed = self.recorder.elapsed()
         signum = late_signal(signum, state.step >= cfg.steps, self.rank)  # finished anyway
         if state.step != self._saved_step:  # never a second save of the same step
             self.save()
-        report = self._report(state.step - start_step, elapsed, signum, before)
+        report = self.recorder.report(elapsed, signum)
         # The same files evendp train writes; a resumed run that had nothing left to do
         # leaves the report it finished with untouched.
         if cfg.out_dir is not None and self.rank == 0 and state.step != start_step:
@@ -1043,53 +947,8 @@ class Trainer:
         self._read_pending()
         if cfg.progress and self.rank == 0 and loss is not None:
             shown = state.last_loss
-        self.callbacks.call("on_log", self, state.step, self._log_metrics(loss))
+        self.callbacks.call("on_log", self, state.step, self.recorder.log_metrics(loss))
         return shown
-
-    def _report(
-        self, steps_run: int, elapsed: float, signum: int | None, before: tuple[list[int], int]
-    ) -> TrainReport:
-        """This call's figures: samples per device per step, throughput and time count only
-        the steps it ran (``before``: the samples and skipped steps it started from)."""
-        self._read_pending()
-        samples = [a - b for a, b in zip(self.state.samples, before[0], strict=True)]
-        # Each rank counted only its own samples and read only its own GPU's peak: one
-        # reduction gathers both (a peak travels as bytes + 1, 0 for none).
-        n = len(samples)
-        mine = [0 if p is None else p + 1 for p in self._device_peaks()]
-        gathered = self.strategy.reduce_samples(samples + mine)
-        samples, peaks = gathered[:n], [None if v == 0 else v - 1 for v in gathered[n:]]
-        # Skipped steps trained no samples.
-        done = max(steps_run - (self._skipped_steps() - before[1]), 1)
-        stats = [
-            DeviceStat(name, samples[i] / done, peaks[i], samples=samples[i],
-                       peak_kind=None if peaks[i] is None else RESERVED)
-            for i, name in enumerate(self.device_names)
-        ]  # fmt: skip
-        budgets = self.memory_budgets
-        if budgets is not None:  # virtual devices: the budget and its enforced forward peak
-            stats = [
-                replace(s, budget_bytes=b, peak_bytes=p, peak_kind=None if p is None else FORWARD)
-                for s, b, p in zip(stats, budgets.budgets, budgets.peaks, strict=True)
-            ]
-        return TrainReport(
-            devices=stats,
-            losses=self.state.losses,
-            steps=self.state.step,
-            steps_run=steps_run,
-            global_batch=sum(self.sampler.batch_sizes),  # a step's, not a short step's mean
-            samples_per_s=sum(samples) / max(elapsed, 1e-9),
-            elapsed_s=elapsed,
-            resplits=self.guard.resplits,
-            skipped_steps=self._skipped_steps(),
-            micro_batch_size=self.guard.micro_batch_size,
-            interrupted=signum is not None,
-            mode=self.strategy.name,
-            amp=self.config.amp,
-            signal=signum,
-            eval=list(self.evals),
-            batch_sizes_per_step=list(self._splits),
-        )
 
 
 def _validate_collate_fn(collate_fn: Any) -> Any:

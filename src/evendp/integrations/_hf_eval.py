@@ -21,10 +21,9 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 import evendp
-
-from .._distributed._group import all_reduce_sum, world_size
 
 __all__ = ["EvalMeans", "EvalPieces"]
 
@@ -72,7 +71,9 @@ class EvalMeans:
         rank's part of the batch's loss already (its sum over a count of every rank's)."""
         part = loss.detach().float()
         if summed:
-            mean = all_reduce_sum(part, None) if world_size() > 1 else part
+            mean = part
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(mean)  # on the loss's device: the rank's GPU under NCCL
         else:
             mean = evendp.global_mean(evendp.share_loss(part, count), count)
         self.means.append(float(mean))

@@ -32,7 +32,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .._distributed._group import finish_distributed, settle_group
+import evendp
+
+from .._distributed._group import settle_group
 
 __all__ = ["release_at_exit", "release_wrappers"]
 
@@ -66,7 +68,7 @@ def release_wrappers(trainer: Any) -> None:
 def _at_exit() -> None:
     failing = getattr(sys, "last_value", None) is not None  # an uncaught exception: no barrier
     if not failing and dist.is_available() and dist.is_initialized():
-        finish_distributed()
+        evendp.finish_distributed()
 
 
 def release_at_exit(trainer: Any) -> None:

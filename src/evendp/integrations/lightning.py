@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._distributed._group import comm_device
 from .._planning._balance import NoBalance, step_balancer
 from ._auto_sizes import auto_loader_sizes
 from ._deferred import DeferredBatchSampler
@@ -218,7 +217,7 @@ class UnevenGradient(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        device = comm_device()
+        device = pl_module.device  # the rank's own: its GPU under NCCL, gloo takes any
         pair = torch.stack(
             [torch.as_tensor(v, dtype=torch.float64).to(device) for v in (self._local, self._sum)]
         )  # (2,): count, loss sum; one all-reduce for both

@@ -58,14 +58,13 @@ import evendp
 from .._core._counting import label_shift
 from .._core._validate import validate_count
 from .._distributed._batch_plan import validate_batch_sizes_option
-from .._distributed._group import all_reduce_sum, comm_device
 from .._planning._balance import (
     NoBalance,
     planned_rank_sizes,
     step_balancer,
-    time_forward,
     validate_balance,
 )
+from ._forward_timer import time_forward
 from ._hf_eval import EvalMeans, EvalPieces
 from ._interleave import InterleavedBatchSampler
 from ._rows import RowsGather, gather_rows, no_rows
@@ -575,7 +574,9 @@ class UnevenTrainer(transformers.Trainer):
         device = self.args.device
         count = torch.as_tensor(local, device=device).detach().reshape(())
         count = count.to(torch.float64 if count.is_floating_point() else torch.int64)
-        return all_reduce_sum(count, None) if max(1, self.args.world_size) > 1 else count
+        if max(1, self.args.world_size) > 1:
+            dist.all_reduce(count)  # on args.device: the rank's GPU under NCCL, else gloo's
+        return count
 
     def _probe_loss_kwargs(self, batches: list[Any]) -> None:
         """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
@@ -596,7 +597,7 @@ class UnevenTrainer(transformers.Trainer):
         if self.compute_loss_func is not None or not any("labels" in b for b in batches):
             self._probe_pending = False  # the same on every rank: the collator's keys
             return
-        verdicts = torch.zeros(len(_VERDICTS), dtype=torch.int64, device=comm_device())
+        verdicts = torch.zeros(len(_VERDICTS), dtype=torch.int64, device=self.args.device)
         verdicts[_VERDICTS.index(self._local_verdict(batches))] = 1
         if max(1, self.args.world_size) > 1:
             dist.all_reduce(verdicts)  # (uses, ignores, odd, inconclusive) over ranks
