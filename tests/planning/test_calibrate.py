@@ -272,3 +272,19 @@ def test_batch_sizes_auto_and_weights_auto_pass_through_the_calibration(
     live[1] = _Line(fixed=16 << 20, per_sample=4 << 20)  # device 1 holds few samples
     lowered, _ = device_weights_for_memory(gpt, ids, cpu, memory="32MiB,32MiB", environ={})
     assert lowered[0] == even[0] and lowered[1] < even[1]
+
+
+def test_token_caps_follow_a_lowered_device(live: dict[int, _Line]) -> None:
+    from evendp import plan
+
+    net, batch = _lm()
+    kw = dict(mode="ddp", criterion=lm_loss, cuda_context=0, seq_len=16)
+    before = plan(net, batch, "64MiB", calibrate=False, **kw)  # type: ignore[arg-type]
+    live[0] = _Line(
+        fixed=0, per_sample=4 * before.devices[0].budget // before.devices[0].max_batch_alone
+    )
+    after = plan(net, batch, "64MiB", **kw)  # type: ignore[arg-type]
+    alone = after.devices[0].max_batch_alone
+    assert alone < before.devices[0].max_batch_alone
+    assert after.max_tokens == [after.devices[0].max_tokens] and after.max_tokens[0] <= alone * 16
+    assert before.max_tokens is not None and after.max_tokens[0] < before.max_tokens[0]

@@ -172,9 +172,17 @@ def calibrated_plan(result: Plan, measurers: Sequence[Measurer | None]) -> tuple
         lambda i: devices[i].name,
     )
     total = sum(split)
+    tokens = result.max_tokens
+    if tokens is not None and result.seq_len is not None:  # the token caps rest on the samples
+        tokens = [min(t, n * result.seq_len) for t, n in zip(tokens, alone, strict=True)]
+        rows = DeviceRows(
+            [(i, 1, dataclasses.replace(d, max_tokens=tokens[i])) for i, d in enumerate(rows)],
+            lambda i: devices[i].name,
+        )
     fixed = dataclasses.replace(
-        result, devices=rows, split=split, global_batch=total, eta_mem=total / max(1, sum(alone))
-    )
+        result, devices=rows, split=split, global_batch=total, eta_mem=total / max(1, sum(alone)),
+        max_tokens=tokens,
+    )  # fmt: skip
     return fixed, notes or alone_notes
 
 
