@@ -159,8 +159,9 @@ def calibrated_plan(result: Plan, measurers: Sequence[Measurer | None]) -> tuple
             cals.append(calibrate(m, calibration_sizes(d.max_batch_alone)))
         except EvendpError as exc:
             raise EvendpError(
-                f"calibrating device {i} ({d.name}) on the real model failed: {exc}; plan "
-                "with calibrate=False (or declared memory) to skip the measurement"
+                f"calibrating device {i} ({d.name}) on the real model failed: {exc}; free the "
+                "device, or plan without measuring: declared memory (--memory, "
+                "EVENDP_MEMORY, memory=) or plan(calibrate=False)"
             ) from None
     budgets = [d.budget for d in devices]
     split, notes = calibrated_split(result.split, budgets, cals)
