@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -161,23 +162,27 @@ def context_bytes() -> int:
     return int(total - free - torch.cuda.memory_reserved(0))
 
 
-def plan_batch(work: Workload, memory: int) -> int:
+def plan_batch(work: Workload, memory: int) -> tuple[int, str | None]:
+    """The plan's batch for a device of ``memory``, and the allocator setting it modelled
+    (read from ``PYTORCH_CUDA_ALLOC_CONF``, the one the capped run's allocator reads too)."""
     planned = evendp.plan(
         work.make, work.batch, [memory], mode="ddp", criterion=work.criterion, amp=work.amp,
         gradient_as_bucket_view=True,
     )  # fmt: skip
-    return int(planned.devices[0].max_batch_alone)
+    return int(planned.devices[0].max_batch_alone), planned.options.get("allocator")
 
 
 def measure(name: str, memory: int, context: int) -> dict[str, Any]:
     work = WORKLOADS[name](False)
     start = time.perf_counter()
-    planned = plan_batch(work, memory)
+    planned, allocator = plan_batch(work, memory)
     cap = memory - context
     planned_ran = runs(work, planned, cap)
     largest, trials = largest_that_runs(work, planned, cap)
     return {
         "model": name, "memory_gib": memory / 2**30, "cap_bytes": cap, "planned": planned,
+        "allocator": allocator,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "planned_ran": planned_ran, "largest": largest,
         "ratio": planned / largest if largest else None, "trials": trials,
         "seconds": round(time.perf_counter() - start, 1),
@@ -189,7 +194,7 @@ def smoke() -> list[dict[str, Any]]:
     rows = []
     for name, build in WORKLOADS.items():
         work = build(True)
-        planned = plan_batch(work, 1 << 30)
+        planned, _ = plan_batch(work, 1 << 30)
         train_two_steps(work, min(planned, 8), torch.device("cpu"))
         rows.append({"model": name, "memory_gib": 1.0, "planned": planned, "smoke": True})
     return rows

@@ -62,8 +62,13 @@ def _check(name: str, value: float, limit: float = TOL) -> None:
         raise Failed(f"{name} = {value:.3g}, above {limit:.0e}")
 
 
-def _run(cmd: list[str], timeout: float) -> str:
+def _run(cmd: list[str], timeout: float, extra_env: dict[str, str | None] | None = None) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    for key, value in (extra_env or {}).items():  # None: unset
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     proc = subprocess.run(
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -474,10 +479,16 @@ def step_integration(dry: bool) -> dict[str, Any]:
     return {"rel_err": err}
 
 
-def _script(name: str, dry: bool, *argv: str, timeout: float = 240) -> Any:
-    """Run ``benchmarks/NAME`` with ``--json`` and return what it wrote. Dry: the script is
-    imported here (no torch start-up of its own), then the step is a skip: its figures need
-    the GPU."""
+def _script(
+    name: str,
+    dry: bool,
+    *argv: str,
+    timeout: float = 240,
+    env: dict[str, str | None] | None = None,
+) -> Any:
+    """Run ``benchmarks/NAME`` with ``--json`` and return what it wrote (``env``: variables
+    set for it). Dry: the script is imported here (no torch start-up of its own), then the
+    step is a skip: its figures need the GPU."""
     if dry:
         import importlib
 
@@ -485,15 +496,56 @@ def _script(name: str, dry: bool, *argv: str, timeout: float = 240) -> Any:
         raise Skip("GPU only (the script imports)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "figures.json")
-        _run([sys.executable, f"benchmarks/{name}", *argv, "--json", str(out)], timeout)
+        _run([sys.executable, f"benchmarks/{name}", *argv, "--json", str(out)], timeout, env)
         return json.loads(out.read_text())
+
+
+#: The allocator setting evendp's entry points choose when the user set none
+#: (``evendp._planning._allocator.alloc_conf_default``); a session's own setting wins.
+ALLOC_CONF = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def _allocator_rows(dry: bool, conf: str | None) -> dict[str, Any]:
+    """``planner_allocator.py --skip-gpt2`` under ``PYTORCH_CUDA_ALLOC_CONF=conf`` (``None``:
+    the allocator's default setting): every real row's ``max_memory_reserved`` must be at
+    most the plan's reserved figure, and that at most 1.1 times it."""
+    env: dict[str, str | None] = {"PYTORCH_CUDA_ALLOC_CONF": conf}  # None: unset, defaults
+    figures = _script("planner_allocator.py", dry, "--skip-gpt2", timeout=120, env=env)
+    rows = figures.get("gpu") or []
+    if not rows:
+        raise Failed("planner_allocator.py measured no GPU row")
+    bad = [r for r in rows if not r["reserved"] <= r["planned"] <= 1.1 * r["reserved"]]
+    for r in rows:
+        r["ratio"] = round(r["planned"] / r["reserved"], 3)
+    if bad:
+        raise Failed(
+            f"planned reserved outside [real, 1.1 x real] ({conf or 'default setting'}): "
+            + "; ".join(f"{r['model']} planned {r['planned']} real {r['reserved']}" for r in bad)
+        )
+    return {"alloc_conf": conf, "rows": rows, "calibration": figures.get("calibration")}
+
+
+def step_planner_allocator(dry: bool) -> dict[str, Any]:
+    """The allocator model against the real allocator, its default setting (segments)."""
+    return _allocator_rows(dry, None)
+
+
+def step_planner_allocator_expandable(dry: bool) -> dict[str, Any]:
+    """The same with expandable segments, the setting evendp's entry points choose."""
+    return _allocator_rows(dry, "expandable_segments:True")
 
 
 def step_capped_batch(dry: bool) -> dict[str, Any]:
     """A planned batch under a real cap (GPT-2 124M bf16 and the conv net, 8 and 20 GiB):
-    the planned batch must train and be at least 0.9 of the largest that does."""
-    rows = _script("capped_batch.py", dry)
-    figures = {"rows": rows}
+    the planned batch must train and be at least 0.9 of the largest that does. The plan
+    and the capped training run in one process under one ``PYTORCH_CUDA_ALLOC_CONF``
+    (:data:`ALLOC_CONF`), and each row says which setting its plan modelled."""
+    rows = _script("capped_batch.py", dry, env={"PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF})
+    figures = {"rows": rows, "alloc_conf": ALLOC_CONF}
+    expandable = "expandable_segments:true" in ALLOC_CONF.replace(" ", "").lower()
+    unlike = [r for r in rows if ("expandable" in str(r.get("allocator"))) != expandable]
+    if unlike:
+        raise Failed(f"the plan modelled another allocator setting than {ALLOC_CONF}: {unlike}")
     bad = [r for r in rows if not r["planned_ran"] or (r["ratio"] or 0) < 0.9]
     if bad:
         raise Failed(
@@ -539,6 +591,8 @@ STEPS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "capped-batch": step_capped_batch,
     "mixed-box": step_mixed_box,
     "step-costs": step_step_costs,
+    "planner-allocator": step_planner_allocator,
+    "planner-allocator-expandable": step_planner_allocator_expandable,
     "exact-repeated": step_exact_repeated,
     "autocast-streams": step_autocast_streams,
     "weights-auto": step_weights_auto,

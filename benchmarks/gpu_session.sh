@@ -34,7 +34,7 @@ done
 # capped-batch, mixed-box and step-costs import their script there and report "skip":
 # their figures need the GPU. They run early: the issue-50 claims come first.
 STEPS="env:30:cpu gpu-tests:75:gpu capped-batch:100:cpu mixed-box:90:cpu step-costs:75:cpu
-exact-repeated:30:cpu autocast-streams:25:cpu
+planner-allocator:45:cpu planner-allocator-expandable:45:cpu exact-repeated:30:cpu autocast-streams:25:cpu
 weights-auto:40:gpu oom-resplit:30:gpu cuda-events:20:cpu nvml-vs-cuda:20:gpu
 nccl-one-rank:30:gpu gloo-cuda-tensors:45:cpu grad-buckets:40:cpu overhead:45:gpu planner:60:gpu demo:60:cpu
 integration:40:cpu"

@@ -16,7 +16,13 @@ SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 GPU_ONLY = {"gpu-tests", "weights-auto", "oom-resplit", "nvml-vs-cuda", "nccl-one-rank",
             "overhead", "planner"}  # fmt: skip
 # Steps whose dry run imports their script, then skips.
-SCRIPTS = {"capped-batch", "mixed-box", "step-costs"}
+SCRIPTS = {
+    "capped-batch",
+    "mixed-box",
+    "step-costs",
+    "planner-allocator",
+    "planner-allocator-expandable",
+}
 
 
 def _session(*argv: str, out: Path) -> subprocess.CompletedProcess[str]:

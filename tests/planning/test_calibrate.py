@@ -151,3 +151,140 @@ def test_the_measured_line_only_ever_lowers_a_planned_share() -> None:
     assert split == [20, 20, 20] and notes == []
     split, notes = calibrated_split([20, 20], [2500 * mib] * 2, [steep, flat])
     assert split == [10, 20] and len(notes) == 1 and notes[0].startswith("evendp: device 0")
+
+
+# --- The calibration wired into plan(): the one hook every planning surface passes through.
+
+
+class _Line:
+    """A device measured at ``fixed + per_sample * n`` (context 0); ``fail`` raises."""
+
+    def __init__(self, fixed: int, per_sample: int, fail: bool = False) -> None:
+        self.fixed, self.per_sample, self.fail = fixed, per_sample, fail
+        self.asked: list[int] = []
+
+    def reserved_after(self, n: int) -> int:
+        self.asked.append(n)
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access (injected)")
+        return self.fixed + self.per_sample * n
+
+    def context_bytes(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def live(monkeypatch: pytest.MonkeyPatch) -> dict[int, _Line]:
+    """Every device planned counts as a live CUDA device measured by ``fakes[i]`` (roomy
+    unless a test sets it): the path a GPU machine takes, with chosen figures."""
+    from evendp._planning import _on_device
+
+    fakes: dict[int, _Line] = {}
+    monkeypatch.setattr(_on_device, "live_cuda", lambda names: list(range(len(names))))
+    monkeypatch.setattr(
+        _on_device, "measurer", lambda i, step: fakes.setdefault(i, _Line(1 << 20, 1))
+    )
+    return fakes
+
+
+def _lm() -> tuple[LMHead, tuple[torch.Tensor, torch.Tensor]]:
+    net = LMHead(512, 16, n_embd=32)
+    return net, net.example_batch(1)
+
+
+def test_plan_on_live_devices_is_lowered_to_the_measured_line(
+    live: dict[int, _Line], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from evendp import plan
+
+    net, batch = _lm()
+    kw = dict(mode="ddp", criterion=lm_loss, cuda_context=0)
+    before = plan(net, batch, "64MiB,64MiB", calibrate=False, **kw)  # type: ignore[arg-type]
+    budget, alone = before.devices[1].budget, before.devices[1].max_batch_alone
+    # Device 1 measures twice the model's bytes per sample: half its samples fit.
+    live[1] = _Line(fixed=0, per_sample=2 * budget // alone)
+    after = plan(net, batch, "64MiB,64MiB", **kw)  # type: ignore[arg-type]
+    assert live[1].asked == list(calibration_sizes(alone))  # two small sizes, real steps
+    want = budget // (2 * budget // alone)
+    assert after.devices[1].max_batch_alone == want < alone
+    assert after.devices[0].max_batch_alone == before.devices[0].max_batch_alone  # roomy: kept
+    assert after.split == [d.samples for d in after.devices] and after.global_batch == sum(
+        after.split
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("evendp: device 1 measured")
+    assert f"{want} samples fit, not {alone}" in lines[0]
+
+
+def test_a_failed_calibration_is_said_not_guessed(live: dict[int, _Line]) -> None:
+    from evendp import plan
+
+    net, batch = _lm()
+    live[0] = _Line(0, 1, fail=True)
+    with pytest.raises(InputError) as err:
+        plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("calibrating device 0 (dev0) on the real model")
+    assert "RuntimeError: CUDA error: an illegal memory access (injected)" in text
+    assert "calibrate=False" in text
+
+
+def test_cpu_devices_are_not_measured_and_true_asks_for_gpus() -> None:
+    from evendp import plan
+
+    net, batch = _lm()
+    p = plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0)
+    q = plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0, calibrate=False)
+    assert p.split == q.split and p.devices[0].max_batch_alone == q.devices[0].max_batch_alone
+    with pytest.raises(InputError, match=r"calibrate=True measures live CUDA devices"):
+        plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0, calibrate=True)
+    with pytest.raises(InputError, match="2 measurers for 1 devices"):
+        plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0,
+             calibrate=[None, None])  # fmt: skip
+
+
+def test_batch_sizes_auto_and_weights_auto_pass_through_the_calibration(
+    live: dict[int, _Line],
+) -> None:
+    # A padded tiny GPT-2 (the transformers model), as batch_sizes="auto" (per rank) and
+    # weights="auto" (one process, DP) plan it: both reach the hook in plan().
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from evendp._planning._balance import auto_batch_sizes, device_weights_for_memory
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=128, n_positions=32)
+    gpt = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (1, 16))
+    batch = {"input_ids": ids, "labels": ids.masked_fill(torch.arange(16) >= 12, -100)}
+    live[0] = _Line(fixed=0, per_sample=1)  # roomy: nothing changes
+    _, roomy = auto_batch_sizes(gpt, batch, memory="32MiB", cuda_context=0)
+    live.clear()
+    live[0] = _Line(fixed=8 << 20, per_sample=1 << 20)  # 1 MiB a sample past 8 MiB
+    sizes, caps = auto_batch_sizes(gpt, batch, global_batch=4, memory="32MiB", cuda_context=0)
+    # The budget is 32 MiB less the 5% margin: (30.4 - 8) MiB at 1 MiB a sample is 22.
+    assert caps == [min(roomy[0], 22)] and caps[0] < roomy[0] and sizes == [4]
+
+    cpu = [torch.device("cpu")] * 2
+    live.clear()
+    even, _ = device_weights_for_memory(gpt, ids, cpu, memory="32MiB,32MiB", environ={})
+    live.clear()
+    live[1] = _Line(fixed=16 << 20, per_sample=4 << 20)  # device 1 holds few samples
+    lowered, _ = device_weights_for_memory(gpt, ids, cpu, memory="32MiB,32MiB", environ={})
+    assert lowered[0] == even[0] and lowered[1] < even[1]
+
+
+def test_token_caps_follow_a_lowered_device(live: dict[int, _Line]) -> None:
+    from evendp import plan
+
+    net, batch = _lm()
+    kw = dict(mode="ddp", criterion=lm_loss, cuda_context=0, seq_len=16)
+    before = plan(net, batch, "64MiB", calibrate=False, **kw)  # type: ignore[arg-type]
+    live[0] = _Line(
+        fixed=0, per_sample=4 * before.devices[0].budget // before.devices[0].max_batch_alone
+    )
+    after = plan(net, batch, "64MiB", **kw)  # type: ignore[arg-type]
+    alone = after.devices[0].max_batch_alone
+    assert alone < before.devices[0].max_batch_alone
+    assert after.max_tokens == [after.devices[0].max_tokens] and after.max_tokens[0] <= alone * 16
+    assert before.max_tokens is not None and after.max_tokens[0] < before.max_tokens[0]

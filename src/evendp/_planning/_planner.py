@@ -19,10 +19,12 @@ from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
 from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
 from ._allocator import CudaAllocatorModel, monotone_allocator, with_allocator
+from ._calibrate import Measurer
 from ._measure import (
     ModelLike,
     OptimizerFactory,
     Point,
+    _validate_batch,
     at_width,
     make_setup,
     measure_gathered,
@@ -32,6 +34,7 @@ from ._measure import (
     tensors,
 )
 from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
+from ._on_device import calibrated_plan, cuda_step, measurers_for, remember, say
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
@@ -159,6 +162,7 @@ def plan(
     no_grad: bool = False,
     seq_len: int | None = None,
     allocator: CudaAllocatorModel | str | None = "auto",
+    calibrate: bool | Sequence[Measurer | None] | None = None,
 ) -> Plan:
     """Predict every device's memory for a training step and choose the per-device split.
 
@@ -211,6 +215,14 @@ def plan(
             ``cuda_context=0`` (CPU virtual devices) what the tensors hold. A
             ``CudaAllocatorModel`` chooses the architecture and allocator setting; ``None``
             counts tensors only.
+        calibrate: measure the real model on the devices (docs/planner.md, "Measured on the
+            device"). ``None`` (the default): on live CUDA devices (``memory=None``, or
+            :func:`evendp.live_memory`'s ``cuda:N``), a copy of the model runs real steps at
+            two small sizes on each and a device whose measured line fits fewer samples than
+            planned is lowered, said in one line; declared memory and CPU devices are not
+            measured. ``False``: never; ``True``: the live CUDA devices or an error; a
+            sequence: one :class:`evendp._planning._calibrate.Measurer` (or ``None``) per
+            device. A training plan only (``no_grad=True`` is not measured).
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
     solves again on every new measurement. When a recommended size still lies beyond the
@@ -262,10 +274,12 @@ def plan(
     # call that may run under torch.inference_mode or torch.no_grad).
     with torch.inference_mode(False), torch.enable_grad():
         if not no_grad:
-            return _plan_step(
+            result = _plan_step(
                 model, batch, mems, optimizer=optimizer, batch_size=batch_size,
                 checkpointing=checkpointing, no_grad=False, **common,
             )  # fmt: skip
+            return _calibrated(result, calibrate, model, batch, mems, common, optimizer,
+                               checkpointing)  # fmt: skip
         forward = _plan_step(
             model, batch, mems, optimizer=None, batch_size=batch_size,
             checkpointing=False, no_grad=True, **common,
@@ -278,6 +292,40 @@ def plan(
         except PlanError:
             training = None  # inference fits where not even one training sample does
     return dataclasses.replace(forward, training=training)
+
+
+def _calibrated(
+    result: Plan,
+    calibrate: bool | Sequence[Measurer | None] | None,
+    model: ModelLike,
+    batch: Any,
+    mems: _Fleet,
+    common: dict[str, Any],
+    optimizer: OptimizerFactory | None,
+    checkpointing: bool | Callable[[nn.Module], bool],
+) -> Plan:
+    """``result`` held to the devices' measured lines where :func:`measurers_for` measures
+    (the one hook of the calibration for every planning surface)."""
+    names = [mems.name(i) for i in range(len(mems))]
+    step = cuda_step(
+        model, _validate_batch(at_width(batch, common["seq_len"]) if common["seq_len"] else batch),
+        criterion=common["criterion"], optimizer=optimizer, amp=common["amp"],
+        checkpointing=checkpointing,
+    )  # fmt: skip
+    # DP: only the output device holds the optimizer; DDP: every rank's device does.
+    holder = common["output_device"] if common["mode"] == "dp" else None
+    measurers = measurers_for(calibrate, names, step, holder)
+    if measurers is None:
+        return result
+    _note("measuring the real model on the devices (two small sizes each)")
+    with planning_errors("running the real model on the device"):
+        fixed, notes = calibrated_plan(result, measurers)
+    del measurers, step  # the copies on the devices go before the run allocates
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only
+        torch.cuda.empty_cache()
+    say(notes)
+    remember(fixed)  # the Trainer's first-step check compares its first step with it
+    return fixed
 
 
 def _plan_step(

@@ -75,6 +75,7 @@ from . import _peak_memory
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
+from ._first_step import first_step_watch
 from ._launched import join_launch
 from ._oom import free_memory
 from ._recorder import Recorder
@@ -512,6 +513,9 @@ class Trainer:
         #: Every evaluation so far: ``{"step": step, "metrics": {name: value}}``.
         self.evals: list[dict[str, Any]] = []
         self.callbacks = Callbacks(callbacks)
+        # Live CUDA devices planned by this process: their first step is checked against it.
+        watch = first_step_watch(self.strategy.devices)
+        self.watches = Callbacks(None if watch is None else [watch])
         #: A :class:`~evendp._training._budget.MemoryBudgets` enforced on the virtual devices
         #: (set by :func:`evendp.rehearse`): its measured peaks join the bar and the report.
         self.memory_budgets: Any = None
@@ -907,6 +911,7 @@ class Trainer:
                     )
                     shown = self._log(loss, start_step, reads, shown)
                     self.callbacks.call("on_step_end", self, state.step)
+                    self.watches.call("on_step_end", self, state.step)
                     if self._eval_due():
                         self._evaluate()
                     bar_text = self.recorder.bar_text() if bar.enabled else ""
