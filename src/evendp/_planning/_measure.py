@@ -31,6 +31,7 @@ __all__ = [
     "ModelLike",
     "OptimizerFactory",
     "Point",
+    "apply_checkpointing",
     "at_width",
     "make_setup",
     "measure_forward",
@@ -38,8 +39,10 @@ __all__ = [
     "measure_replica",
     "planning_errors",
     "profile_step",
+    "loss_of",
     "sample_output",
     "tensors",
+    "validate_batch",
 ]
 
 ModelLike = nn.Module | Callable[[], nn.Module]
@@ -118,7 +121,7 @@ class _Handoff(torch.autograd.Function):
         return tuple(torch.ones(shape, dtype=dtype) for shape, dtype in ctx.meta)
 
 
-def _loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: Any) -> torch.Tensor:
     """The loss a model computed in ``forward`` (its first floating scalar), else a stand-in
     (mean of every floating output) whose backward allocates the same gradients."""
     floats = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
@@ -153,7 +156,7 @@ class _Setup:
         return torch.autocast("cpu", dtype=self.amp)
 
 
-def _apply_checkpointing(model: nn.Module, which: bool | Callable[[nn.Module], bool]) -> None:
+def apply_checkpointing(model: nn.Module, which: bool | Callable[[nn.Module], bool]) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
     )
@@ -176,7 +179,7 @@ def _fresh_model(setup: _Setup) -> nn.Module:
         model.eval()  # inference: dropout off, BatchNorm reads its running statistics
         return model  # checkpointing only trades memory saved for backward: none here
     model.train()
-    _apply_checkpointing(model, setup.checkpointing)
+    apply_checkpointing(model, setup.checkpointing)
     return model
 
 
@@ -230,7 +233,7 @@ def measure_replica(setup: _Setup, n: int, variant: str) -> Point:
                 elif setup.criterion is not None and targets is not None:
                     loss = setup.criterion(output, targets)
                 else:
-                    loss = _loss_of(output)
+                    loss = loss_of(output)
             if variant != "keep":
                 del output  # DP copies outputs to the output device; the replica's go
             fwd = _kinds(tracker.get_tracker_snapshot())
@@ -402,7 +405,7 @@ def at_width(batch: Any, width: int) -> Any:
     return tree_map(one, batch)
 
 
-def _validate_batch(batch: Any) -> Callable[[int], Any]:
+def validate_batch(batch: Any) -> Callable[[int], Any]:
     if callable(batch) and not isinstance(batch, torch.Tensor):
         return batch
     if not tensors(batch):
@@ -453,7 +456,7 @@ def make_setup(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     return _Setup(
         lambda: make(fake_mode),
-        _validate_batch(batch),
+        validate_batch(batch),
         criterion,
         optimizer,
         amp,

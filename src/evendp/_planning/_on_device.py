@@ -235,14 +235,14 @@ def cuda_step(
     --- GPU-only. A model already on the GPU is copied there beside itself, so its
     parameters count twice in the measured line: the calibration errs low, never high. ---
     """
-    from ._measure import _apply_checkpointing, _loss_of, call
+    from ._measure import apply_checkpointing, call, loss_of
 
     def factory(device: torch.device, with_optimizer: bool) -> Callable[[int], None]:
         built = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
         on_meta = any(t.is_meta for t in [*built.parameters(), *built.buffers()])
         net = built.to_empty(device=device) if on_meta else built.to(device)
         net.train()
-        _apply_checkpointing(net, checkpointing)
+        apply_checkpointing(net, checkpointing)
         opt = optimizer(net.parameters()) if with_optimizer and optimizer is not None else None
 
         def to_device(t: Any) -> Any:
@@ -256,7 +256,7 @@ def cuda_step(
                 if criterion is not None and targets is not None:
                     loss = criterion(out, targets)
                 else:
-                    loss = _loss_of(out)
+                    loss = loss_of(out)
             loss.backward()
             del out, loss
             if opt is not None:

@@ -24,7 +24,6 @@ from ._measure import (
     ModelLike,
     OptimizerFactory,
     Point,
-    _validate_batch,
     at_width,
     make_setup,
     measure_gathered,
@@ -32,6 +31,7 @@ from ._measure import (
     planning_errors,
     sample_output,
     tensors,
+    validate_batch,
 )
 from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
 from ._on_device import calibrated_plan, cuda_step, measurers_for, remember, say
@@ -308,7 +308,7 @@ def _calibrated(
     (the one hook of the calibration for every planning surface)."""
     names = [mems.name(i) for i in range(len(mems))]
     step = cuda_step(
-        model, _validate_batch(at_width(batch, common["seq_len"]) if common["seq_len"] else batch),
+        model, validate_batch(at_width(batch, common["seq_len"]) if common["seq_len"] else batch),
         criterion=common["criterion"], optimizer=optimizer, amp=common["amp"],
         checkpointing=checkpointing,
     )  # fmt: skip

@@ -75,7 +75,7 @@ from . import _peak_memory
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
-from ._first_step import first_step_watch
+from ._first_step_watch import first_step_watch
 from ._launched import join_launch
 from ._oom import free_memory
 from ._recorder import Recorder
@@ -180,7 +180,7 @@ def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     tensor(1.)
     """
     if isinstance(batch, Mapping):
-        return _loss_of(model(**batch), loss_first=True)
+        return loss_of(model(**batch), loss_first=True)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         got = f"a batch of {len(batch)} items" if isinstance(batch, (tuple, list)) else "it"
         raise EvendpError(
@@ -190,7 +190,7 @@ def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
         )
     x, y = batch
     _check_takes_targets(model)
-    return _loss_of(model(x, y), loss_first=False)
+    return loss_of(model(x, y), loss_first=False)
 
 
 def _check_takes_targets(model: nn.Module) -> None:
@@ -223,7 +223,7 @@ def _takes_two(forward: Callable[..., Any]) -> bool:
     return True
 
 
-def _loss_of(out: Any, *, loss_first: bool) -> torch.Tensor:
+def loss_of(out: Any, *, loss_first: bool) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, Mapping) and "loss" in out:

@@ -636,7 +636,7 @@ class UnevenTrainer(transformers.Trainer):
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
                 one, two = (
-                    _loss_of(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                    loss_of(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
                     for n in (1.0, 2.0)
                 )
         finally:
@@ -721,7 +721,7 @@ def _has_labels(batch: Mapping[str, Any]) -> bool:
     return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
 
 
-def _loss_of(outputs: Any) -> float:
+def loss_of(outputs: Any) -> float:
     """The loss a model returned: ``outputs["loss"]`` (a ``ModelOutput`` too), else the first."""
     return float(outputs["loss"] if isinstance(outputs, Mapping) else outputs[0])
 

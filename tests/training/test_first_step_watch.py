@@ -9,7 +9,7 @@ import torch
 
 from evendp import TrainConfig, Trainer
 from evendp._training._callbacks import Callbacks
-from evendp._training._first_step import FirstStepWatch, first_step_watch
+from evendp._training._first_step_watch import FirstStepWatch, first_step_watch
 
 from .test_trainer import TinyLM, _data, _flat, _rel
 

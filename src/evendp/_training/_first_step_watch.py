@@ -9,8 +9,9 @@ lowers its micro-batch cap through :class:`~evendp._planning._calibrate.FirstSte
 before it runs out, said in one line. The shares and the gradient are unchanged: the cap is
 the same per-device state an OOM re-split lowers (:class:`~._oom.OomResplit`'s
 ``micro_batch_sizes``), so the ranks stay in lockstep exactly as after a re-split: each
-step's micro-step count goes through the strategy's ``micro_step_count`` (DDP syncs only the
-last micro-step's backward, so ranks may run different counts), and no new collective runs.
+step's micro-steps come from the guard's plan (:meth:`~._oom.OomResplit.plan`; DDP syncs
+only the last micro-step's backward, so ranks may run different counts), and no new
+collective runs.
 """
 
 from __future__ import annotations
