@@ -8,6 +8,10 @@ allocator" (and its summary.json, step "planner", ``reserved_bytes``).
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -22,69 +26,43 @@ from evendp._planning._allocator import (
     reserved_peak,
 )
 from evendp._planning._measure import make_setup, measure_replica
-from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.lm_head import LMHead, lm_loss
 
+
+def _benchmark_models() -> dict[str, Any]:
+    """``benchmarks/planner_gpu.py``'s MODELS, the very ones the H200 ran (loaded from the
+    file: the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_gpu.py"
+    spec = importlib.util.spec_from_file_location("planner_gpu", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.MODELS)
+
+
 MiB = 1 << 20
+MODELS = _benchmark_models()
+# Per model, in MODELS' order: the H200's max_memory_reserved in bytes (summary.json) and its
+# README figure in MB.
+H200_RESERVED = {
+    "mlp": (260_046_848, 260.0),
+    "conv": (520_093_696, 520.1),
+    "gpt": (809_500_672, 809.5),
+    "lm-head": (2_113_929_216, 2113.9),
+}
 
 
-class _ConvNet(nn.Module):
-    """benchmarks/planner_gpu.py's ConvNet."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(64, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-# benchmarks/planner_gpu.py's MODELS, in its order: (factory, batch(n), criterion, batch,
-# the H200's max_memory_reserved in bytes (summary.json), its README figure in MB).
-H200_ROWS = {
-    "mlp": (
-        lambda: nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 10)),
-        lambda n: (torch.randn(n, 512), torch.randint(0, 10, (n,))),
-        nn.functional.cross_entropy, 4096, 260_046_848, 260.0,
-    ),
-    "conv": (
-        _ConvNet,
-        lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
-        nn.functional.cross_entropy, 512, 520_093_696, 520.1,
-    ),
-    "gpt": (
-        lambda: GPT(GPTConfig()),
-        lambda n: (torch.randint(0, 96, (n, 64)), torch.randint(0, 96, (n, 64))),
-        None, 256, 809_500_672, 809.5,
-    ),
-    "lm-head": (
-        lambda: LMHead(40_000, 250),
-        lambda n: (torch.randint(0, 40_000, (n, 250)),) * 2,
-        lm_loss, 8, 2_113_929_216, 2113.9,
-    ),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", list(H200_ROWS))
+@pytest.mark.parametrize("name", list(H200_RESERVED))
 def test_the_reserved_plan_covers_the_h200_within_10_percent(name: str) -> None:
-    make, batch, criterion, n, reserved, mb = H200_ROWS[name]
+    make, batch, criterion, n = MODELS[name]
+    reserved, mb = H200_RESERVED[name]
     assert round(reserved / 1e6, 1) == mb  # the two records of the run agree
     setup = make_setup(make, batch, criterion, torch.optim.AdamW, None, False)
     trace = measure_replica(setup, n, "keep").trace
     assert trace is not None
     # The benchmark measured each model after the one before in the same process: the first
     # model's cuBLAS workspaces stayed allocated, inside the later rows' subtracted baseline.
-    held = list(H200_ROWS).index(name) > 0
+    held = list(MODELS).index(name) > 0
     r = reserved_peak(trace, major=9, config=AllocatorConfig(), workspaces_held=held)
     assert reserved <= r.planned <= 1.10 * reserved, (name, r, reserved)
 
