@@ -66,6 +66,26 @@ def test_a_run_folder_writable_by_a_shared_group_is_refused(tmp_path: Path) -> N
     _refused(out, "(mode 0o770)", "writable by group or others")
 
 
+def test_a_private_group_of_an_account_nss_does_not_list_is_private(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sssd and LDAP do not enumerate accounts (``getpwall`` lists /etc/passwd's alone): a
+    user's own group of one is still theirs alone (found in review: a umask-002 user's
+    ``~/runs`` was refused as writable by group)."""
+    import grp
+    import pwd
+
+    from evendp._core._trusted import _private_group
+
+    account = pwd.getpwuid(os.geteuid())
+    if grp.getgrgid(account.pw_gid).gr_mem not in ([], [account.pw_name]):
+        pytest.skip("this user's primary group lists other members")
+    if any(p.pw_gid == account.pw_gid and p.pw_uid != account.pw_uid for p in pwd.getpwall()):
+        pytest.skip("this user's primary group is another account's primary group too")
+    monkeypatch.setattr(pwd, "getpwall", lambda: [])
+    assert _private_group(account.pw_gid, account.pw_uid)
+
+
 def test_a_group_of_ones_own_alone_may_write(tmp_path: Path) -> None:
     """Where the umask is 002 (user private groups: Debian, Ubuntu), ``mkdir`` makes folders
     0775 of the user's own group of one member: writable by the user alone, so accepted (as

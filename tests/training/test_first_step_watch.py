@@ -87,3 +87,17 @@ def test_the_trainer_watches_cuda_devices_this_process_planned(
     watch = first_step_watch(cuda)
     assert watch is not None and watch.check.planned == [10, 20] and watch.check.budgets == [12, 24]
     assert first_step_watch([cuda[0], cuda[0]]) is None  # replicas share one GPU's figure
+    # Among ranks a cap lowered on one rank alone would change its micro-step count alone
+    # (FSDP2 and DeepSpeed gather per micro-step): one process only (found in review).
+    assert first_step_watch(cuda[:1], world=2) is None
+
+
+def test_a_plan_made_before_the_trainer_is_not_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier plan on live GPUs in the same process (a notebook's, another model's) must
+    not lower a later Trainer's caps: the Trainer starts from its own plans."""
+    from evendp._planning import _on_device
+
+    monkeypatch.setattr(_on_device, "_PLANNED", {"cuda:0": (10, 12)})
+    Trainer(torch.nn.Linear(2, 1), [(torch.ones(2), torch.ones(1))] * 4,
+            TrainConfig(steps=1, batch_size=2, progress=False))  # fmt: skip
+    assert _on_device.planned_for("cuda:0") is None

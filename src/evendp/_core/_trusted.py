@@ -163,8 +163,11 @@ def _private_group(gid: int, uid: int) -> bool:
         import pwd
 
         group = grp.getgrgid(gid)
-        owner = pwd.getpwuid(uid).pw_name
+        account = pwd.getpwuid(uid)
+        owner = account.pw_name
         primary = [p.pw_uid for p in pwd.getpwall() if p.pw_gid == gid]
+        if account.pw_gid == gid and uid not in primary:  # not enumerated (sssd, LDAP)
+            primary.append(uid)
     except (ImportError, KeyError, OverflowError):
         return False
     if any(member != uid for member in primary) or any(m != owner for m in group.gr_mem):

@@ -16,9 +16,9 @@ devices are live, two measurements replace assumptions:
   whose reserved peak passed its plan is said in one line and its micro-batch lowered so
   the next step fits in its budget, before it runs out. The micro-batch is a per-device
   cap inside the exact re-split (:class:`evendp._training._oom.OomResplit`): the shares
-  and the gradient stay the same, and how many micro-steps every rank runs is agreed by the
-  strategy each step (``StepConsensus.micro_step_count``), so no rank decides alone what
-  another runs. The OOM re-split stays the net below.
+  and the gradient stay the same. The Trainer applies it in one process only: among ranks a
+  cap lowered on one rank alone would change its micro-step count alone. The OOM re-split
+  stays the net below.
 
 Everything that touches a GPU is in :class:`CudaMeasurer` (marked GPU-only); the logic
 runs on any :class:`Measurer`, so tests inject fake measurements, including ones that fail.

@@ -36,6 +36,7 @@ from ._result import DevicePlan, DeviceRows, Plan
 __all__ = [
     "calibrated_plan",
     "cuda_step",
+    "forget",
     "live_cuda",
     "measurer",
     "measurers_for",
@@ -201,6 +202,12 @@ def remember(result: Plan) -> None:
     for d in result.devices:
         if _cuda_index(d.name) is not None:  # what the Trainer's CUDA devices look up
             _PLANNED[d.name] = (d.peak, d.budget)
+
+
+def forget() -> None:
+    """Drop the recorded plans (a Trainer starts from its own: an earlier ``plan`` in the
+    same process, of another model, is not its)."""
+    _PLANNED.clear()
 
 
 def planned_for(name: str) -> tuple[int, int] | None:

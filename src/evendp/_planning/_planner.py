@@ -318,8 +318,14 @@ def _calibrated(
     if measurers is None:
         return result
     _note("measuring the real model on the devices (two small sizes each)")
-    with planning_errors("running the real model on the device"):
+    try:  # an EvendpError, not a PlanError: "auto" takes a PlanError for "nothing fits"
         fixed, notes = calibrated_plan(result, measurers)
+    except EvendpError:
+        raise
+    except Exception as exc:  # a CUDA error, another process's OOM: say it, never guess
+        raise EvendpError(
+            f"running the real model on the device failed: {type(exc).__name__}: {exc}"
+        ) from exc
     del measurers, step  # the copies on the devices go before the run allocates
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only
         torch.cuda.empty_cache()

@@ -8,10 +8,9 @@ When this process planned its CUDA devices on live memory (:func:`evendp.plan`, 
 lowers its micro-batch cap through :class:`~evendp._planning._calibrate.FirstStepCheck`
 before it runs out, said in one line. The shares and the gradient are unchanged: the cap is
 the same per-device state an OOM re-split lowers (:class:`~._oom.OomResplit`'s
-``micro_batch_sizes``), so the ranks stay in lockstep exactly as after a re-split: each
-step's micro-steps come from the guard's plan (:meth:`~._oom.OomResplit.plan`; DDP syncs
-only the last micro-step's backward, so ranks may run different counts), and no new
-collective runs.
+``micro_batch_sizes``), and each step's micro-steps come from the guard's plan
+(:meth:`~._oom.OomResplit.plan`). One process only: among ranks a cap lowered on one rank
+alone would change its micro-step count alone.
 """
 
 from __future__ import annotations
@@ -70,16 +69,19 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def first_step_watch(devices: Sequence[torch.device]) -> FirstStepWatch | None:
+def first_step_watch(devices: Sequence[torch.device], world: int = 1) -> FirstStepWatch | None:
     """The watch for ``devices`` when each is a CUDA device this process planned on live
-    memory (one each: replicas sharing a GPU read one figure), else ``None``.
+    memory (one each: replicas sharing a GPU read one figure), else ``None``. One process
+    only (``world`` 1): a rank's own cap would change its micro-step count alone, which
+    FSDP2's and DeepSpeed's collectives per micro-step cannot follow (and the OOM guard's
+    agreement of caps across ranks is not wired to this check).
 
     >>> first_step_watch([torch.device("cpu")]) is None
     True
     """
     from .._planning._on_device import planned_for
 
-    if len(set(devices)) != len(devices) or any(d.type != "cuda" for d in devices):
+    if world != 1 or len(set(devices)) != len(devices) or any(d.type != "cuda" for d in devices):
         return None
     planned = [planned_for(f"cuda:{d.index if d.index is not None else 0}") for d in devices]
     if any(p is None for p in planned):

@@ -71,6 +71,7 @@ from .._planning._balance import (
     inline_for_balance,
     validate_balance,
 )
+from .._planning._on_device import forget as forget_plans
 from . import _peak_memory
 from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
@@ -460,6 +461,7 @@ class Trainer:
             _keep_batchnorm_fp32(model)
         if config.activation_checkpointing:
             _apply_activation_checkpointing(model)
+        forget_plans()  # the first-step watch checks this Trainer's own plan, none before it
         self.strategy = strategy = pick_strategy(model, config, device_ids, weights)
         self.rank, self.world = strategy.rank, strategy.world
         self.device = strategy.device
@@ -514,7 +516,7 @@ class Trainer:
         self.evals: list[dict[str, Any]] = []
         self.callbacks = Callbacks(callbacks)
         # Live CUDA devices planned by this process: their first step is checked against it.
-        watch = first_step_watch(self.strategy.devices)
+        watch = first_step_watch(self.strategy.devices, self.world)
         self.watches = Callbacks(None if watch is None else [watch])
         #: A :class:`~evendp._training._budget.MemoryBudgets` enforced on the virtual devices
         #: (set by :func:`evendp.rehearse`): its measured peaks join the bar and the report.
