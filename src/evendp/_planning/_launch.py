@@ -41,7 +41,12 @@ from .._distributed._launch_notes import (
 )
 from .._distributed._torchrun import QUIET_TORCHRUN
 from .._distributed._torchrun._addresses import interface_toward, loopback_address
-from .._distributed._torchrun._nodes import ENV_EXIT_WAIT, ENV_TORCHRUN_LOG, EXIT_WAIT_S
+from .._distributed._torchrun._nodes import (
+    ENV_EXIT_WAIT,
+    ENV_TORCHRUN_LOG,
+    EXIT_WAIT_S,
+    TORCHRUN_EXIT_BARRIER_S,
+)
 from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
@@ -564,6 +569,10 @@ def launch_with_outcome(
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     if trainer:  # ranks in lockstep end together: a node that does not come is lost
         child_env[ENV_EXIT_WAIT] = str(EXIT_WAIT_S)
+    elif (_fixed_nnodes((passthrough or {}).get("nnodes")) or 1) > 1:
+        # A user's script on several machines: torchrun's own bound, but evendp's exit barrier
+        # (torchrun's C++ one races the store's node closing it: a C++ stack on the others).
+        child_env[ENV_EXIT_WAIT] = str(TORCHRUN_EXIT_BARRIER_S)
     escalate = ESCALATE_S if comm_timeout is None else comm_timeout + 60.0
     with contextlib.ExitStack() as stack:
         if run_dir is not None:

@@ -49,6 +49,7 @@ __all__ = [
     "EXIT_WAIT_S",
     "STOP_WATCHING",
     "TELL_WAIT_S",
+    "TORCHRUN_EXIT_BARRIER_S",
     "bound_exit_barrier",
     "die_with_parent",
     "stop_watching",
@@ -65,6 +66,9 @@ __all__ = [
 #: How long an agent whose ranks ended waits for the other nodes' agents under
 #: ``evendp train``, whose ranks end within a step of each other (torchrun's own: 300 s).
 EXIT_WAIT_S = 15.0
+#: torchrun's own exit barrier's bound (``SimpleElasticAgent``'s ``exit_barrier_timeout``):
+#: what a user's script under ``evendp launch`` on several machines keeps.
+TORCHRUN_EXIT_BARRIER_S = 300.0
 #: The launcher sets it (seconds) for the runs whose exit barrier is bounded.
 ENV_EXIT_WAIT = "EVENDP_EXIT_WAIT_S"
 #: The file torchrun's log goes to instead of the terminal, in the launcher's private
