@@ -140,7 +140,7 @@ class _Pairs(torch.utils.data.Dataset):
         }
 
 
-def _pad_pairs(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def pad_pairs(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad sources with 0 (attention 0) and targets with -100."""
     rows = len(features)
     src = max(len(f["input_ids"]) for f in features)
@@ -173,7 +173,7 @@ def run_seq2seq(assets: Path, out: Path) -> dict[str, torch.Tensor]:
         str(out / "s2s"), generation_max_length=5, **evaluation, **COMMON
     )
     trainer = UnevenSeq2SeqTrainer(
-        model=model, args=args, train_dataset=_Pairs(), data_collator=_pad_pairs
+        model=model, args=args, train_dataset=_Pairs(), data_collator=pad_pairs
     )
     trainer.train()
     # Issue 36: generated predictions and the loss of the trained model, each row once.

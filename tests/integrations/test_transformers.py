@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests._helpers import run_ranks, tiny_gpt2_config, torchrun_env
+from tests.integrations._trl_script import pad_pairs  # the Marian pairs TRL's T5 case pads too
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -393,19 +394,6 @@ class _Pairs(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _pad_pairs(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Sources right-padded with 0 (attention 0), targets with -100 (Marian shifts them)."""
-    rows = len(features)
-    src = max(len(f["input_ids"]) for f in features)
-    tgt = max(len(f["labels"]) for f in features)
-    ids, labels = torch.zeros(rows, src, dtype=torch.long), torch.full((rows, tgt), -100)
-    mask = torch.zeros_like(ids)
-    for row, f in enumerate(features):
-        n, m = len(f["input_ids"]), len(f["labels"])
-        ids[row, :n], mask[row, :n], labels[row, :m] = f["input_ids"], 1, f["labels"]
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def _marian() -> Any:
     config = transformers.MarianConfig(
         vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -435,7 +423,7 @@ def _seq2seq_evaluations(tmp: str, **options: Any) -> dict:
     )  # fmt: skip
     data = _Pairs()
     trainer = trainer_class(
-        model=_marian(), args=args, eval_dataset=data, data_collator=_pad_pairs, **sizes
+        model=_marian(), args=args, eval_dataset=data, data_collator=pad_pairs, **sizes
     )
     output = trainer.predict(data)
     return {
