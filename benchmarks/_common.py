@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepClock", "Tokens", "hf_gpt2_run", "spawn_two_ranks", "start_rank"]
+__all__ = ["StepClock", "Tokens", "hf_gpt2_run", "save_figures", "spawn_two_ranks", "start_rank"]
+
+
+def save_figures(figures: Any, path: str | None) -> None:
+    """Write a benchmark's figures as JSON to ``path`` (``--json``; ``None``: nowhere), the
+    form ``gpu_checks.py`` reads back into the session's summary."""
+    if path:
+        Path(path).write_text(json.dumps(figures, indent=1))
 
 
 def spawn_two_ranks(worker: Callable[..., None], args: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import save_figures
 from planner_gpu import ConvNet
 from torch import nn
 
@@ -221,9 +222,7 @@ def main() -> None:
         ]
     for row in rows:
         print(json.dumps(row))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_figures(rows, args.json)
 
 
 if __name__ == "__main__":

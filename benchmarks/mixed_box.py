@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Tokens, spawn_two_ranks, start_rank
+from _common import Tokens, save_figures, spawn_two_ranks, start_rank
 from capped_batch import context_bytes
 
 import evendp
@@ -166,9 +166,7 @@ def main() -> None:
         raise SystemExit("mixed_box.py needs a CUDA device (or --smoke)")
     figures = spawn_two_ranks(worker, args)
     print(json.dumps(figures))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    save_figures(figures, args.json)
 
 
 if __name__ == "__main__":

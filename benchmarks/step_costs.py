@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from _common import Tokens
+from _common import Tokens, save_figures
 from torch import nn
 
 SYNC_WARNING = "synchronizing CUDA operation"
@@ -210,9 +210,7 @@ def main() -> None:
     warmup, steps = (1, 2) if args.smoke else (args.warmup, args.steps)
     figures = measure(args.smoke, warmup, steps)
     print(json.dumps(figures))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    save_figures(figures, args.json)
 
 
 if __name__ == "__main__":
