@@ -69,6 +69,17 @@ class _Data(torch.utils.data.Dataset):
         return {"input_ids": item["input_ids"], "labels": label}
 
 
+def _predict_and_evaluate(trainer: Any, data: Any) -> dict[str, Any]:
+    """What the evaluation tests compare with one process: both losses, the predictions."""
+    output = trainer.predict(data)
+    return {
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "test_loss": output.metrics["test_loss"],
+        "predictions": torch.as_tensor(output.predictions),
+        "labels": torch.as_tensor(output.label_ids),
+    }
+
+
 def pad_collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: ids 0, attention 0, LM labels -100."""
     longest = max(len(f["input_ids"]) for f in features)
@@ -255,13 +266,7 @@ def _evaluations(trainer_class: Any, tmp: str, name: str, batch: int, **options:
     trainer = trainer_class(
         _model(name), args, eval_dataset=data, data_collator=pad_collate, **options
     )
-    output = trainer.predict(data)
-    return {
-        "eval_loss": trainer.evaluate()["eval_loss"],
-        "test_loss": output.metrics["test_loss"],
-        "predictions": torch.as_tensor(output.predictions),
-        "labels": torch.as_tensor(output.label_ids),
-    }
+    return _predict_and_evaluate(trainer, data)
 
 
 def _reference(
@@ -425,13 +430,7 @@ def _seq2seq_evaluations(tmp: str, **options: Any) -> dict:
     trainer = trainer_class(
         model=_marian(), args=args, eval_dataset=data, data_collator=pad_pairs, **sizes
     )
-    output = trainer.predict(data)
-    return {
-        "eval_loss": trainer.evaluate()["eval_loss"],
-        "test_loss": output.metrics["test_loss"],
-        "predictions": torch.as_tensor(output.predictions),
-        "labels": torch.as_tensor(output.label_ids),
-    }
+    return _predict_and_evaluate(trainer, data)
 
 
 @pytest.mark.parametrize("task", list(SEQ2SEQ))
