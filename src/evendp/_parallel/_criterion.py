@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._core._counting import holds_ignored, uncounted_warning
+from .._core._errors import EvendpError
 from .._core._exact import combine_means
 from ._dp_checks import (
     Count,
@@ -23,7 +24,6 @@ from ._dp_checks import (
     validate_count,
     validate_losses,
     validate_reduction,
-    validate_target_rows,
 )
 from ._replicate import parallel_apply, replicate
 from ._scatter import row_count, scatter
@@ -83,7 +83,12 @@ class ParallelCriterion(nn.Module):
     def forward(self, scattered: Scattered, *targets: Any, **kwargs: Any) -> torch.Tensor:
         validate_scattered(scattered)
         target_total = row_count((targets, kwargs), scattered.dim)
-        validate_target_rows(target_total, scattered.sizes, scattered.dim)
+        if target_total is not None and target_total != scattered.batch_size:
+            raise EvendpError(
+                f"targets have {target_total} samples along dim={scattered.dim} but the outputs "
+                f"have {scattered.batch_size} (split {scattered.sizes}); pass the targets of the "
+                "same batch"
+            )
         shards = _pair_with_targets(scattered, targets, kwargs)
         raw_counts = self._raw_counts(shards, targets, kwargs, len(scattered.sizes))
         losses = parallel_apply(self._criteria(scattered.devices), shards, scattered.devices)

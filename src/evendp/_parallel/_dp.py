@@ -12,7 +12,7 @@ One step, for a global batch of N samples and devices d_0..d_{k-1}:
 
 Step 5's weighting is what makes the loss, and so the gradient, equal to a single device's on
 the whole batch, however uneven the split. The loss computed per device is
-:mod:`._criterion`'s, the output kept per device :mod:`._scattered`'s, and every check of the
+:mod:`._criterion`'s, the output kept per device :mod:`._scattered`'s, and the checks of the
 input :mod:`._dp_checks`'.
 """
 
@@ -30,8 +30,8 @@ from .._core._calls import call
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
-from .._core._split import largest_remainder
-from .._core._validate import validate_int
+from .._core._split import largest_remainder, validate_weights
+from .._core._validate import validate_bool, validate_int
 from ._dp_checks import (
     Count,
     DeviceLike,
@@ -41,15 +41,10 @@ from ._dp_checks import (
     validate_callable,
     validate_count,
     validate_devices,
-    validate_dim,
     validate_example,
-    validate_example_inputs,
     validate_fixed_sizes,
-    validate_fixed_total,
-    validate_flag,
     validate_module,
     validate_placement,
-    validate_weight_list,
 )
 from ._replicate import parallel_apply, replicate
 from ._scatter import gather_outputs, map_tensors, row_count, row_count_and_devices, scatter
@@ -73,6 +68,7 @@ _UNPLANNED = (
 class _Split(NamedTuple):
     """One forward's split over the devices that get samples."""
 
+    total: int  # the batch's rows
     active: list[int]  # entries of device_ids with a share
     devices: list[torch.device]
     sizes: list[int]
@@ -175,10 +171,10 @@ class BalancedDataParallel(nn.Module):
         self.output_device = (
             self.device_ids[0] if output_device is None else to_device(output_device)
         )
-        self.dim = validate_dim(dim)
+        self.dim = int(validate_int("dim", dim, minimum=0, example="dim=0, the batch dimension"))
         self.weights = weights
         validate_example(example, auto=self._unplanned)
-        self.gather_output = validate_flag("gather_output", gather_output)
+        self.gather_output = validate_bool("gather_output", gather_output)
         self.count_fn = validate_callable("count_fn", count_fn)
         # Without count_fn: the labels of a recognised Hugging Face model, else the samples
         # (checked once for ignored labels, see _check_uncounted).
@@ -215,7 +211,8 @@ class BalancedDataParallel(nn.Module):
             self._unplanned, self._weights = True, None
         else:
             self._unplanned = False
-            self._weights = validate_weight_list(value, len(self.device_ids))
+            n = len(self.device_ids)
+            self._weights = None if value is None else validate_weights(value, expected_len=n)
             warn_if_batchnorm_split_unevenly(self.module, self._weights, "weights")
 
     def plan_weights(self, *inputs: Any, **kwargs: Any) -> list[float]:
@@ -231,7 +228,13 @@ class BalancedDataParallel(nn.Module):
         """
         from .._planning._balance import device_weights_for_memory, say_auto_sizes
 
-        validate_example_inputs(inputs, kwargs)
+        if inputs and kwargs:
+            raise EvendpError(
+                "weights='auto' plans from an example batch, which must be passed all "
+                f"positionally or all as keywords; got {len(inputs)} positional and "
+                f"keywords {sorted(kwargs)}. Plan explicitly with evendp.plan(...) and pass "
+                "weights=plan.split instead"
+            )
         total = validate_batch_rows(row_count((inputs, kwargs), self.dim), self.dim)
         home = next((i for i, d in enumerate(self.device_ids) if d == self.output_device), 0)
         weights, source = device_weights_for_memory(
@@ -298,98 +301,21 @@ class BalancedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # As nn.DataParallel.forward: split, scatter, replicate, run the replicas, gather.
-        total, where = self._check_inputs(inputs, kwargs)
-        split = self._split_batch(total)
-        shards = self._scatter(inputs, kwargs, split, where)
-        raw_counts = self._raw_counts(shards)  # before forward: nothing waits for them yet
-        replicas = self._replicas(split.devices, include_home=split.active[0] == 0)
-        outputs = self._run_replicas(replicas, shards, split, total)
-        return self._combine(outputs, split, raw_counts, inputs, kwargs)
-
-    def _check_inputs(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[int, set[torch.device]]:
-        """The batch's rows and the devices its tensors are on, once the module is home."""
-        if self._sentinel is not None:
-            owner, name = self._sentinel
-            validate_placement([owner._parameters[name]], home=self.device_ids[0])
-        total, where = row_count_and_devices((inputs, kwargs), self.dim)
-        return validate_batch_rows(total, self.dim), where
-
-    def _split_batch(self, total: int) -> _Split:
-        if self._sizes is not None:
-            validate_fixed_total(self._sizes, total, self.dim)
-            self.last_sizes = list(self._sizes)
-        else:
-            if self._unplanned:
-                raise EvendpError(_UNPLANNED)
-            # The weights were checked when assigned, the rows by _check_inputs: not again.
-            weights = self._weights or [1.0] * len(self.device_ids)
-            self.last_sizes = largest_remainder(total, weights)
-        active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
-        devices = [self.device_ids[i] for i in active]
-        return _Split(active, devices, [self.last_sizes[i] for i in active])
-
-    def _scatter(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], split: _Split, where: set[Any]
-    ) -> list[Any]:
+        split, where = self._split_batch(inputs, kwargs)
         if len(split.devices) == 1 and where <= {split.devices[0]}:
-            # The whole batch already sits on the one device that runs it: nothing to move.
-            return [(inputs, kwargs)]
-        return scatter((inputs, kwargs), split.sizes, split.devices, self.dim)
-
-    def _raw_counts(self, shards: list[Any]) -> list[Any] | None:
+            shards = [(inputs, kwargs)]  # the batch already sits on the one device that runs it
+        else:
+            shards = scatter((inputs, kwargs), split.sizes, split.devices, self.dim)
         count_fn = self.count_fn or self._label_count
-        if count_fn is None:
-            return None
-        with torch.no_grad():
-            return [count_fn(*args, **kwargs) for args, kwargs in shards]
-
-    def _replicas(self, devices: list[torch.device], include_home: bool) -> list[nn.Module]:
-        # The home device runs the module itself: no copies, and buffer updates persist.
-        detach = not torch.is_grad_enabled()
-        if include_home:
-            return [self.module, *replicate(self.module, devices[1:], detach)]
-        return replicate(self.module, devices, detach)
-
-    def _run_replicas(
-        self, replicas: list[nn.Module], shards: list[Any], split: _Split, total: int
-    ) -> list[Any]:
-        try:
-            hook = self._replica_context
-            contexts = None if hook is None else [hook(i) for i in split.active]
-            return parallel_apply(replicas, shards, split.devices, contexts)
-        except (RuntimeError, ValueError) as error:
-            if is_oom_error(error):
-                # Say which entry of device_ids ran out, so a caller can shrink that share only
-                # (also for cuBLAS/cuDNN allocation failures, which are plain RuntimeErrors).
-                tag_device_index(error, split.active[replica_of(error)])
-                raise
-            if not isinstance(error, ValueError):
-                raise
-            index = split.active[replica_of(error)]
-            share = self.last_sizes[index]
-            if _BATCHNORM_ONE_VALUE not in str(error) or share == total:
-                raise
-            raise EvendpError(
-                f"device_ids[{index}]={self.device_ids[index]} got a share of {share} "
-                f"sample(s) of the batch of {total} (split {self.last_sizes}), and BatchNorm "
-                "in training mode needs more than one value per channel; give every active "
-                "device at least 2 samples (other weights, or a larger batch), put the "
-                "BatchNorm layers in eval() mode, or use GroupNorm / LayerNorm"
-            ) from error
-
-    def _combine(
-        self,
-        outputs: list[Any],
-        split: _Split,
-        raw_counts: list[Any] | None,
-        inputs: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """The outputs gathered on ``output_device`` (scalars weighed by their counts), or
-        kept per device as a :class:`Scattered`."""
-        counts = self._checked_counts(raw_counts, split)
+        with torch.no_grad():  # counted before forward: nothing waits for them yet
+            raw_counts = None if count_fn is None else [count_fn(*a, **kw) for a, kw in shards]
+        outputs = self._run_replicas(shards, split)
+        counts = [float(n) for n in split.sizes]
+        if raw_counts is not None:
+            counts = [
+                validate_count(value, "count_fn", f"device_ids[{i}]={self.device_ids[i]}", n)
+                for value, i, n in zip(raw_counts, split.active, split.sizes, strict=True)
+            ]
         if not self.gather_output:
             return Scattered(
                 outputs, split.sizes, split.devices, self.dim, self.output_device, counts
@@ -401,13 +327,60 @@ class BalancedDataParallel(nn.Module):
             return outputs[0]  # as nn.DataParallel on one device: the module's own output
         return gather_outputs(outputs, split.sizes, self.output_device, self.dim, counts)
 
-    def _checked_counts(self, raw: list[Any] | None, split: _Split) -> list[float]:
-        if raw is None:
-            return [float(n) for n in split.sizes]
-        return [
-            validate_count(value, "count_fn", f"device_ids[{i}]={self.device_ids[i]}", n)
-            for value, i, n in zip(raw, split.active, split.sizes, strict=True)
-        ]
+    def _split_batch(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Split, set[torch.device]]:
+        """This forward's split, and the devices the batch's tensors are on."""
+        if self._sentinel is not None:  # the module is still home
+            owner, name = self._sentinel
+            validate_placement([owner._parameters[name]], home=self.device_ids[0])
+        rows, where = row_count_and_devices((inputs, kwargs), self.dim)
+        total = validate_batch_rows(rows, self.dim)
+        if self._sizes is not None:
+            if sum(self._sizes) != total:
+                raise EvendpError(
+                    f"fixed_sizes({self._sizes}) add up to {sum(self._sizes)}, but the batch "
+                    f"has {total} samples along dim={self.dim}; pass sizes that sum to the batch"
+                )
+            self.last_sizes = list(self._sizes)
+        elif self._unplanned:
+            raise EvendpError(_UNPLANNED)
+        else:  # the weights were checked when assigned: not again every step
+            weights = self._weights or [1.0] * len(self.device_ids)
+            self.last_sizes = largest_remainder(total, weights)
+        active = [i for i, n in enumerate(self.last_sizes) if n > 0] or [0]
+        devices = [self.device_ids[i] for i in active]
+        return _Split(total, active, devices, [self.last_sizes[i] for i in active]), where
+
+    def _run_replicas(self, shards: list[Any], split: _Split) -> list[Any]:
+        # The home device runs the module itself: no copies, and buffer updates persist.
+        home, devices = split.active[0] == 0, split.devices
+        detach = not torch.is_grad_enabled()
+        copies = replicate(self.module, devices[1:] if home else devices, detach)
+        try:
+            hook = self._replica_context
+            contexts = None if hook is None else [hook(i) for i in split.active]
+            replicas = [self.module, *copies] if home else copies
+            return parallel_apply(replicas, shards, devices, contexts)
+        except (RuntimeError, ValueError) as error:
+            index = split.active[replica_of(error)]
+            if is_oom_error(error):
+                # Say which entry of device_ids ran out, so a caller can shrink that share only
+                # (also for cuBLAS/cuDNN allocation failures, which are plain RuntimeErrors).
+                tag_device_index(error, index)
+                raise
+            share = self.last_sizes[index]
+            if not isinstance(error, ValueError) or _BATCHNORM_ONE_VALUE not in str(error):
+                raise
+            if share == split.total:  # no split: torch's own message says it
+                raise
+            raise EvendpError(
+                f"device_ids[{index}]={self.device_ids[index]} got a share of {share} "
+                f"sample(s) of the batch of {split.total} (split {self.last_sizes}), and "
+                "BatchNorm in training mode needs more than one value per channel; give every "
+                "active device at least 2 samples (other weights, or a larger batch), put the "
+                "BatchNorm layers in eval() mode, or use GroupNorm / LayerNorm"
+            ) from error
 
     def _check_uncounted(self, output: Any, inputs: Any, kwargs: Any) -> None:
         """Once, at the first forward that returns a mean: warn when the inputs hold
@@ -420,7 +393,7 @@ class BalancedDataParallel(nn.Module):
             return
         self._count_checked = True
         if holds_ignored((inputs, kwargs)):
-            uncounted_warning("BalancedDataParallel", self.module, stacklevel=6)
+            uncounted_warning("BalancedDataParallel", self.module, stacklevel=5)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's state dict: its own keys, no ``module.`` prefix."""

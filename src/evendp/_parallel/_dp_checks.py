@@ -1,7 +1,8 @@
 """The checks of :class:`BalancedDataParallel`'s and :class:`ParallelCriterion`'s input.
 
 Each check raises one :class:`~evendp.EvendpError` that names the value, what was expected
-and the fix; the wrapper and the criterion only call them.
+and the fix. (A check of one value against the batch in hand, such as ``fixed_sizes`` against
+its rows, sits where the batch is.)
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import torch
 from torch import nn
 
 from .._core._errors import EvendpError
-from .._core._split import validate_weights
-from .._core._validate import is_int, validate_int
+from .._core._validate import is_int
 
 __all__ = [
     "Count",
@@ -28,20 +28,13 @@ __all__ = [
     "validate_batch_rows",
     "validate_callable",
     "validate_count",
-    "validate_cuda_device",
     "validate_devices",
-    "validate_dim",
     "validate_example",
-    "validate_example_inputs",
     "validate_fixed_sizes",
-    "validate_fixed_total",
-    "validate_flag",
     "validate_losses",
     "validate_module",
     "validate_placement",
     "validate_reduction",
-    "validate_target_rows",
-    "validate_weight_list",
 ]
 
 DeviceLike = int | str | torch.device
@@ -50,6 +43,7 @@ Count = int | float | torch.Tensor
 
 
 def to_device(device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device`` (an int is a CUDA index); a CUDA one must exist here."""
     if isinstance(device, bool):
         raise EvendpError(
             f"device {device!r} is not a device; pass an int, a string or torch.device"
@@ -61,18 +55,14 @@ def to_device(device: DeviceLike) -> torch.device:
             f"device {device!r} is not a device; pass an int (a CUDA index), a string such as "
             "'cuda:1' or 'cpu', or a torch.device"
         ) from exc
-    if resolved.type == "cuda":
-        return validate_cuda_device(resolved)
-    return resolved
-
-
-def validate_cuda_device(device: torch.device) -> torch.device:
+    if resolved.type != "cuda":
+        return resolved
     if not torch.cuda.is_available():
         raise EvendpError(
-            f"device {device} was requested but CUDA is not available here; run on virtual "
+            f"device {resolved} was requested but CUDA is not available here; run on virtual "
             "devices instead, e.g. device_ids=['cpu', 'cpu', 'cpu']"
         )
-    index = torch.cuda.current_device() if device.index is None else device.index
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
     count = torch.cuda.device_count()
     if not 0 <= index < count:
         raise EvendpError(
@@ -101,22 +91,12 @@ def validate_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.devi
     return devices
 
 
-def validate_dim(dim: int) -> int:
-    return int(validate_int("dim", dim, minimum=0, example="dim=0, the batch dimension"))
-
-
 def validate_auto(value: str) -> None:
     if value != "auto":
         raise EvendpError(
             f"weights={value!r} is not understood; pass None (even split), 'auto' "
             "(planned from free memory), or one non-negative weight per device"
         )
-
-
-def validate_weight_list(value: Sequence[float] | None, num_devices: int) -> list[float] | None:
-    if value is None:
-        return None
-    return validate_weights(value, expected_len=num_devices)
 
 
 def validate_placement(*groups: Iterable[torch.Tensor | None], home: torch.device) -> None:
@@ -152,12 +132,6 @@ def validate_module(module: Any, device_ids: Any) -> None:
         f"BalancedDataParallel's first argument must be the nn.Module to wrap, got "
         f"{describe(module)}; call BalancedDataParallel(model, device_ids, weights=[...])"
     )
-
-
-def validate_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise EvendpError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def validate_callable(name: str, value: Any) -> Any:
@@ -207,14 +181,6 @@ def validate_fixed_sizes(sizes: Any, num_devices: int) -> list[int]:
     return values
 
 
-def validate_fixed_total(sizes: list[int], total: int, dim: int) -> None:
-    if sum(sizes) != total:
-        raise EvendpError(
-            f"fixed_sizes({sizes}) add up to {sum(sizes)}, but the batch has {total} samples "
-            f"along dim={dim}; pass sizes that sum to the batch"
-        )
-
-
 def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {list(value.shape)}"
@@ -250,17 +216,6 @@ def validate_example(example: Any, auto: bool) -> None:
         )
 
 
-def validate_example_inputs(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """The planner takes an example as positional inputs or as keywords, not both."""
-    if inputs and kwargs:
-        raise EvendpError(
-            "weights='auto' plans from an example batch, which must be passed all "
-            f"positionally or all as keywords; got {len(inputs)} positional and "
-            f"keywords {sorted(kwargs)}. Plan explicitly with evendp.plan(...) and pass "
-            "weights=plan.split instead"
-        )
-
-
 def validate_reduction(reduction: Any, has_count_fn: bool) -> None:
     """``ParallelCriterion``'s ``reduction``: ``"mean"``, or ``"sum"`` without a count."""
     if reduction not in ("mean", "sum"):
@@ -273,16 +228,6 @@ def validate_reduction(reduction: Any, has_count_fn: bool) -> None:
             "count_fn weights per-device means, but reduction='sum' adds per-device sums; "
             "use reduction='mean' with count_fn, or divide the summed loss by your global "
             "count yourself"
-        )
-
-
-def validate_target_rows(target_total: int | None, sizes: list[int], dim: int) -> None:
-    """The targets cover the same samples as the outputs they are scored against."""
-    if target_total is not None and target_total != sum(sizes):
-        raise EvendpError(
-            f"targets have {target_total} samples along dim={dim} but the "
-            f"outputs have {sum(sizes)} (split {sizes}); pass the "
-            "targets of the same batch"
         )
 
 
