@@ -16,13 +16,12 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import EvendpError
-from ._shown import SHOWN_CHARS, shown
+from ._shown import shown
 
 if TYPE_CHECKING:  # torch loads where a check needs it: the command line's launchers do not
     import torch
 
 __all__ = [
-    "SHOWN_CHARS",
     "is_int",
     "json_data",
     "shown",
@@ -83,16 +82,6 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _kind(minimum: int | None) -> str:
-    if minimum == 1:
-        return "a positive int"
-    if minimum == 0:
-        return "a non-negative int"
-    if minimum is None:
-        return "an int"
-    return f"an int >= {minimum}"
-
-
 def validate_int(
     name: str,
     value: Any,
@@ -106,8 +95,6 @@ def validate_int(
     ``allow_none`` lets ``None`` through unchanged. Otherwise raises :class:`EvendpError`
     naming ``name``, what was expected and, with ``example``, a value that works.
 
-    >>> validate_int("batch_size", 8, minimum=1)
-    8
     >>> validate_int("batch_size", True, minimum=1, example="batch_size=64")
     Traceback (most recent call last):
     ...
@@ -116,7 +103,8 @@ def validate_int(
     if value is None and allow_none:
         return None
     if not is_int(value) or (minimum is not None and value < minimum):
-        expected = _kind(minimum) + (" or None" if allow_none else "")
+        kinds = {1: "a positive int", 0: "a non-negative int", None: "an int"}
+        expected = kinds.get(minimum, f"an int >= {minimum}") + (" or None" if allow_none else "")
         hint = f"; e.g. {example}" if example else ""
         raise EvendpError(f"{name} must be {expected}, got {value!r}{hint}")
     return value
@@ -141,8 +129,6 @@ def validate_float(
     ``minimum`` and, with ``positive``, above 0. NaN and infinity are refused: a NaN limit
     compares false with everything, so it would silently switch a check off.
 
-    >>> validate_float("lr", 3e-4, minimum=0)
-    0.0003
     >>> validate_float("grad_clip", float("nan"), positive=True, example="grad_clip=1.0")
     Traceback (most recent call last):
     ...
@@ -279,8 +265,6 @@ def validate_numbers(
     ``integral``, of ints. A string is refused: ``"3,5"`` is text for the command line, and
     iterating it would read its characters.
 
-    >>> validate_numbers("weights", [2, 1.5])
-    [2, 1.5]
     >>> validate_numbers("batch_sizes", "3,5", integral=True, example="batch_sizes=[3, 5]")
     Traceback (most recent call last):
     ...
@@ -288,13 +272,7 @@ def validate_numbers(
     """
     if value is None and allow_none:
         return None
-    kind = numbers.Integral if integral else numbers.Real
-    ok = isinstance(value, Sequence) and not isinstance(value, str | bytes)
-    ok = ok and all(
-        isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and float(v) >= 0
-        for v in value
-    )
-    if not ok:
+    if not _numbers(value, integral) or not all(math.isfinite(v) and v >= 0 for v in value):
         expected = "a list of " + ("ints" if integral else "finite numbers") + " >= 0"
         raise _fail(name, expected + (" or None" if allow_none else ""), value, example)
     return value
@@ -311,14 +289,17 @@ def validate_sequence(
     ...
     evendp.InputError: seconds_per_sample must be a list of numbers, got 0.5; e.g. [0.5]
     """
-    kind = numbers.Integral if integral else numbers.Real
-    if (
-        isinstance(value, str | bytes)
-        or not isinstance(value, Sequence)
-        or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
-    ):
+    if not _numbers(value, integral):
         raise _fail(name, "a list of " + ("ints" if integral else "numbers"), value, example)
     return value
+
+
+def _numbers(value: Any, integral: bool) -> bool:
+    """Whether ``value`` is a sequence, not a string, of numbers (``integral``: ints), no bool."""
+    kind = numbers.Integral if integral else numbers.Real
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        return False
+    return all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
 
 
 def validate_count(
