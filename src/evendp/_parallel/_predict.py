@@ -82,25 +82,13 @@ def _validate_data(data: Any) -> int:
     return n
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _has_collectives(model: nn.Module) -> bool:
     """DDP and FSDP2 modules talk to the other ranks in forward: every rank must call them
     every step, even with an empty share."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - older torch
-        return isinstance(model, DistributedDataParallel)
     return isinstance(model, (DistributedDataParallel, FSDPModule))
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    first = next(iter(model.parameters()), None)
-    return torch.device("cpu") if first is None else first.device
 
 
 def _rank_sizes(weights: Any, batch_size: int, world: int) -> list[int]:
@@ -135,7 +123,8 @@ def _predict_ranks(
     # Every rank gets the same number of steps (some shares empty), each index exactly once.
     steps = list(UnevenBatchSampler(data, sizes, rank=dist.get_rank(), shuffle=False))
     loader = DataLoader(data, batch_sampler=steps, collate_fn=EmptySafeCollate(data, collate))
-    device = _model_device(model)
+    first = next(iter(model.parameters()), None)
+    device = torch.device("cpu") if first is None else first.device
     talks = _has_collectives(model)
     outputs: list[Any] = []
     indices: list[int] = []
@@ -234,7 +223,7 @@ def predict(
     if n == 0:
         return Predictions(None, torch.empty(0, dtype=torch.long))
     with model_mode(model, False):  # dropout off, BatchNorm on its running statistics
-        if _distributed() and device_ids is None:
+        if dist.is_available() and dist.is_initialized() and device_ids is None:
             return _predict_ranks(model, data, weights, batch_size, collate, inference_mode)
         return _predict_devices(
             model, data, device_ids, weights, batch_size, collate, inference_mode

@@ -52,24 +52,17 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
                 value = None
                 if param is not None:
                     if id(param) not in param_copies:
-                        param_copies[id(param)] = _param_copy(param, device, detach)
+                        source = param.detach() if detach else param
+                        param_copies[id(param)] = to_device(source, device)
                     value = param_copies[id(param)]
                 # Replica parameters are not leaves: they live as plain attributes.
                 setattr(copy, name, value)
             for name, buf in original._buffers.items():
-                copy._buffers[name] = None if buf is None else _buffer_copy(buf, device)
+                if buf is not None:  # copied even on its own device: never shared
+                    buf = buf.clone() if buf.device == device else to_device(buf, device)
+                copy._buffers[name] = buf
         replicas.append(copies[0])
     return replicas
-
-
-def _unique_params(originals: list[nn.Module]) -> list[torch.Tensor]:
-    """Every parameter once (a tied one only once), in module order."""
-    seen: dict[int, torch.Tensor] = {}
-    for m in originals:
-        for param in m._parameters.values():
-            if param is not None:
-                seen.setdefault(id(param), param)
-    return list(seen.values())
 
 
 def _coalesced_copies(
@@ -81,7 +74,9 @@ def _coalesced_copies(
     (virtual) devices and the CPU keep ``param.to(device)``, which on the parameter's own
     device is the parameter itself.
     """
-    params = _unique_params(originals)
+    # Every parameter once (a tied one only once), in module order.
+    unique = {id(p): p for m in originals for p in m._parameters.values() if p is not None}
+    params: list[torch.Tensor] = list(unique.values())
     targets = _broadcast_targets([p.device for p in params], devices)
     if targets is None:
         return {}
@@ -130,14 +125,6 @@ def _broadcast(
     return [list(c) for c in _broadcast_coalesced_reshape(params, targets, detach)]
 
 
-def _param_copy(param: torch.Tensor, device: torch.device, detach: bool) -> torch.Tensor:
-    return to_device(param.detach() if detach else param, device)
-
-
-def _buffer_copy(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return buf.clone() if buf.device == device else to_device(buf, device)
-
-
 def parallel_apply(
     modules: Sequence[nn.Module],
     shards: Sequence[tuple[Sequence[Any], dict[str, Any]]],
@@ -160,7 +147,7 @@ def parallel_apply(
     state = _ThreadState(devices)
     if len(modules) == 1:  # the caller's own thread, but on the replica's device and stream
         args, kwargs = shards[0]
-        with state.enter(0), _context(contexts, 0):
+        with state.enter(0), contexts[0] if contexts else contextlib.nullcontext():
             return [modules[0](*args, **kwargs)]
 
     results: list[Any] = [None] * len(modules)
@@ -168,7 +155,7 @@ def parallel_apply(
 
     def work(i: int) -> None:
         try:
-            with state.enter(i), _context(contexts, i):
+            with state.enter(i), contexts[i] if contexts else contextlib.nullcontext():
                 args, kwargs = shards[i]
                 results[i] = modules[i](*args, **kwargs)
         except BaseException as exc:  # re-raised in the caller's thread below
@@ -186,12 +173,6 @@ def parallel_apply(
             tag_replica(error, i)  # read by BalancedDataParallel
             raise error
     return results
-
-
-def _context(
-    contexts: Sequence[contextlib.AbstractContextManager[Any]] | None, i: int
-) -> contextlib.AbstractContextManager[Any]:
-    return contextlib.nullcontext() if contexts is None else contexts[i]
 
 
 class _ThreadState:
