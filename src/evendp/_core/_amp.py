@@ -3,7 +3,7 @@ and the rehearsal read them here (no torch at import: the command line lists the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._errors import EvendpError
 
@@ -25,14 +25,13 @@ def amp_dtype(amp: torch.dtype | str | None) -> torch.dtype | None:
     """
     if not isinstance(amp, str):
         return amp
-    import torch
-
-    dtypes: dict[str, Any] = dict(
-        zip(AMP_MODES, (None, torch.bfloat16, torch.float16), strict=True)
-    )
-    if amp not in dtypes:
+    if amp not in AMP_MODES:
         raise EvendpError(
             f"amp must be one of {list(AMP_MODES)} or a torch dtype, got {amp!r}; e.g. amp='bf16'"
         )
-    dtype: torch.dtype | None = dtypes[amp]
-    return dtype
+    import torch
+
+    dtypes: dict[str, torch.dtype | None] = dict(
+        zip(AMP_MODES, (None, torch.bfloat16, torch.float16), strict=True)
+    )
+    return dtypes[amp]

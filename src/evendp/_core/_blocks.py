@@ -43,8 +43,4 @@ def block_predicate(model: nn.Module) -> Callable[[nn.Module], bool]:
     (True, False)
     """
     ids = {id(m) for m in repeated_blocks(model)}
-
-    def is_block(module: nn.Module) -> bool:
-        return id(module) in ids
-
-    return is_block
+    return lambda module: id(module) in ids

@@ -3,15 +3,9 @@
 Exactness needs every share's mean weighted by the items it is a mean over (see ``_exact``).
 The samples are the default; a token loss with ``-100`` padding is a mean over its labels that
 are not ignored, and a causal LM's loss skips label position 0 of every row (the shift). This
-module holds the one count function users pass for that (:func:`count_tokens`) and the rule
-that recognises it without being told (:func:`label_shift`, :func:`auto_count`):
-
-- a Hugging Face model (duck-typed: a ``config`` and a ``base_model_prefix``, no import) whose
-  class names its task: ``*ForCausalLM`` / ``*LMHeadModel`` shift their labels, a decoder-only
-  ``*ForConditionalGeneration`` (vision-language models) too; encoder-decoder generation,
-  masked LM, token, sequence and image classification, multiple choice do not;
-- anything else is unknown: the caller weighs by samples and, when the inputs hold ignored
-  labels (:func:`holds_ignored`), warns once naming ``count_fn`` (:func:`uncounted_warning`).
+module holds the one count function users pass for that (:func:`count_tokens`), the rule that
+recognises a Hugging Face model's without being told (:func:`label_shift`, :func:`auto_count`),
+and the warning when neither applies and the inputs hold ignored labels.
 
 A rule that changes how a step counts must be the same on every rank: it reads the model's
 class and the batch's keys, never the values of one rank's batch.
@@ -137,7 +131,9 @@ def label_shift(model: Any) -> bool | None:
     """Whether a Hugging Face model's loss shifts its labels; ``None`` when not known.
 
     Read from the class name (as ``transformers`` picks its own loss) and, for generation
-    models, ``config.is_encoder_decoder``; no import of ``transformers``.
+    models, ``config.is_encoder_decoder``; no import of ``transformers``. ``*ForCausalLM``,
+    ``*LMHeadModel`` and decoder-only ``*ForConditionalGeneration`` shift; masked LM,
+    classification, multiple choice and encoder-decoder generation do not.
 
     >>> class GPT2LMHeadModel(torch.nn.Module):
     ...     base_model_prefix, config = "transformer", object()

@@ -20,21 +20,11 @@ MAX_BYTES = 1 << 60
 __all__ = ["byte_unit", "format_bytes", "parse_bytes"]
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
+# Decimal "k"/"kb" = 1000, binary "kib" = 1024, and so on up to tera.
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: size
+    for power, prefix in enumerate("kmgt", start=1)
+    for suffix, size in (("", 1000**power), ("b", 1000**power), ("ib", 1 << 10 * power))
 }
 
 
