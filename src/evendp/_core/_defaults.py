@@ -2,11 +2,7 @@
 
 Every surface reads these names: ``TrainConfig``'s fields, ``evendp train``'s options and
 ``evendp launch``'s ``--batch`` (declared without importing torch: this module needs the
-standard library only). One value per option, the same everywhere:
-
-* ``LR``: torch's ``AdamW`` default, for ``TrainConfig(lr=)`` and ``evendp train --lr``.
-* ``CHECKPOINT_EVERY``: steps between checkpoints wherever there is a folder to save in
-  (``TrainConfig(out_dir=)``, ``evendp train --out``); without a folder nothing is saved.
+standard library only). One value per option, the same everywhere.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ __all__ = [
 STEPS = 100  # optimizer steps
 BATCH = 32  # samples per optimizer step, over all devices and ranks
 SEED = 0
-LR = 1e-3  # AdamW's learning rate
+LR = 1e-3  # torch's AdamW default
 CHECKPOINT_EVERY = 50  # steps between checkpoints, where there is a folder to save in
 COMM_TIMEOUT_S = 600.0  # seconds a collective waits for the other ranks once training runs
 MIN_COMM_TIMEOUT_S = 5.0

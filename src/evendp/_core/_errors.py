@@ -14,11 +14,9 @@ a fault at run time is not::
     └── TrainingError             a fault while training (non-finite loss, disk)     exit 1
     NvmlUnavailableError (RuntimeError): no NVIDIA driver; callers on CPU carry on.
 
-``raise EvendpError(message)`` raises an :class:`InputError` (as ``OSError(errno.ENOENT, ...)``
-builds a ``FileNotFoundError``): raised as itself, evendp's error has always meant bad input,
-and code that catches ``ValueError`` around configuration keeps catching it. A
-:class:`TrainingError` is not a ``ValueError``: the input was fine, the run failed. Each class
-carries ``exit_code``, what the command line exits with when it ends a run.
+``raise EvendpError(message)`` raises an :class:`InputError`, as ``OSError(errno.ENOENT, ...)``
+builds a ``FileNotFoundError``. Each class carries ``exit_code``, what the command line exits
+with when it ends a run.
 
 >>> issubclass(CheckpointError, InputError), issubclass(TrainingError, ValueError)
 (True, False)

@@ -177,7 +177,6 @@ def mkdir_private(folder: Path) -> None:
     else makes first (between a run's check of its folder and its first save) is refused, not
     written into: a ``PermissionError``. An ``OSError`` is the caller's to word.
 
-    >>> import tempfile
     >>> new = Path(tempfile.mkdtemp()) / "a" / "b"
     >>> mkdir_private(new)
     >>> oct(new.stat().st_mode & 0o777), oct(new.parent.stat().st_mode & 0o777)

@@ -1,10 +1,9 @@
 """What an out-of-memory error is, and which device it came from.
 
 Low layers (the threaded replicas, :class:`~evendp.BalancedDataParallel`) tag an error with
-where it happened; the OOM re-split (:mod:`evendp._training._oom`) and the CLI read the tag. The
-tags
-are attributes of the exception itself, so they survive a re-raise from a worker thread; these
-helpers are the one place that names them.
+where it happened; the OOM re-split (:mod:`evendp._training._oom`) and the CLI read the tag.
+The tags are attributes of the exception itself, so they survive a re-raise from a worker
+thread; these helpers are the one place that names them.
 """
 
 from __future__ import annotations

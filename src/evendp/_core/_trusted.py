@@ -32,7 +32,7 @@ from pathlib import Path
 from ._errors import InputError
 from ._shown import shown
 
-__all__ = ["UntrustedFolder", "describe_owner", "trusted_owner", "trusted_run_folder"]
+__all__ = ["UntrustedFolder", "describe_owner", "trusted_run_folder"]
 
 _MAX_LINKS = 40  # as the kernel's ELOOP: a loop of links is refused, never followed forever
 
@@ -55,13 +55,8 @@ def describe_owner(uid: int) -> str:
         return f"uid {uid}"
 
 
-def trusted_owner(info: os.stat_result) -> bool:
-    """Whether ``info`` (an ``lstat``) belongs to this user or to root, the owners OpenSSH
-    trusts.
-
-    >>> trusted_owner(os.lstat("/"))
-    True
-    """
+def _trusted_owner(info: os.stat_result) -> bool:
+    """Whether ``info`` (an ``lstat``) belongs to this user or to root, as OpenSSH trusts."""
     return info.st_uid in (os.geteuid(), 0)
 
 
@@ -121,7 +116,7 @@ def _resolve(path: str, flag: str) -> tuple[Path, int]:
         if not stat.S_ISLNK(info.st_mode):
             here = step
             continue
-        if not trusted_owner(info):
+        if not _trusted_owner(info):
             raise UntrustedFolder(
                 f"{_set(flag, path)}: {shown(str(step))} is a symbolic link owned by "
                 f"{describe_owner(info.st_uid)}, neither you nor root: its owner can point it "
@@ -176,11 +171,7 @@ def _private_group(gid: int, uid: int) -> bool:
 
 
 def _set(flag: str, value: str) -> str:
-    """``--out 'x'`` for a command's flag, ``out_dir='x'`` for a field.
-
-    >>> _set("--out", "runs/x"), _set("out_dir", "runs/x")
-    ("--out 'runs/x'", "out_dir='runs/x'")
-    """
+    """``--out 'x'`` for a command's flag, ``out_dir='x'`` for a field."""
     return f"{flag} {shown(value)}" if flag.startswith("-") else f"{flag}={shown(value)}"
 
 
@@ -188,7 +179,7 @@ def _check_above(path: str | Path, folder: Path, flag: str) -> None:
     """A folder above the run folder: nobody but this user and root can rename what is in it."""
     info = os.lstat(folder)
     why = None
-    if not trusted_owner(info):
+    if not _trusted_owner(info):
         why = f"belongs to {describe_owner(info.st_uid)}, not to you or root"
     elif _open_to_others(info) and not info.st_mode & stat.S_ISVTX:
         why = (

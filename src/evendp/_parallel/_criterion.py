@@ -89,33 +89,20 @@ class ParallelCriterion(nn.Module):
                 f"have {scattered.batch_size} (split {scattered.sizes}); pass the targets of the "
                 "same batch"
             )
-        shards = _pair_with_targets(scattered, targets, kwargs)
-        raw_counts = self._raw_counts(shards, targets, kwargs, len(scattered.sizes))
+        # Each device's ((output, *targets), kwargs): the targets scattered as the outputs.
+        parts = scatter((targets, kwargs), scattered.sizes, scattered.devices, scattered.dim)
+        shards = [((out, *t), kw) for out, (t, kw) in zip(scattered.outputs, parts, strict=True)]
+        count_fn = self.count_fn or _builtin_count_fn(self.criterion)
+        if count_fn is None and self.reduction == "mean" and len(scattered.sizes) > 1:
+            self._check_uncounted(targets, kwargs)
+        with torch.no_grad():  # counted before the losses run (None: weigh by samples)
+            raw_counts = None if count_fn is None else [count_fn(*a, **kw) for a, kw in shards]
         losses = parallel_apply(self._criteria(scattered.devices), shards, scattered.devices)
         validate_losses(losses)
-        return self._combine(losses, raw_counts, scattered)
-
-    def _raw_counts(
-        self, shards: list[Any], targets: Any, kwargs: Any, num_devices: int
-    ) -> list[Any] | None:
-        """Each device's count, before its loss runs (``None``: weigh by samples)."""
-        count_fn = self.count_fn or _builtin_count_fn(self.criterion)
-        if count_fn is None and self.reduction == "mean" and num_devices > 1:
-            self._check_uncounted(targets, kwargs)
-        if count_fn is None:
-            return None
-        with torch.no_grad():
-            return [count_fn(*a, **kw) for a, kw in shards]
-
-    def _combine(
-        self, losses: list[torch.Tensor], raw_counts: list[Any] | None, scattered: Scattered
-    ) -> torch.Tensor:
         if self.reduction == "sum":
-            sums = [loss.to(scattered.output_device) for loss in losses]
-            return torch.stack(sums).sum()
-        if raw_counts is None:
-            counts = [float(n) for n in scattered.sizes]
-        else:
+            return torch.stack([loss.to(scattered.output_device) for loss in losses]).sum()
+        counts = [float(n) for n in scattered.sizes]
+        if raw_counts is not None:
             counts = [
                 validate_count(value, "count_fn", f"device {device} (output {i})", n)
                 for i, (value, device, n) in enumerate(
@@ -130,29 +117,16 @@ class ParallelCriterion(nn.Module):
         if not self._count_checked:
             self._count_checked = True
             if holds_ignored((targets, kwargs)):
-                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=6)
+                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=5)
 
     def _criteria(self, devices: list[torch.device]) -> list[nn.Module]:
         criterion = self.criterion
-        if isinstance(criterion, nn.Module) and _has_state(criterion):
+        if isinstance(criterion, nn.Module) and any(
+            True for _ in itertools.chain(criterion.parameters(), criterion.buffers())
+        ):
             return replicate(criterion, devices, not torch.is_grad_enabled())
         # A function, or a module with nothing to copy: the same callable on every device.
         return cast(list[nn.Module], [criterion] * len(devices))
-
-
-def _pair_with_targets(scattered: Scattered, targets: Any, kwargs: Any) -> list[Any]:
-    """Each device's ``((output, *targets), kwargs)``: the targets scattered as the outputs."""
-    target_shards = scatter((targets, kwargs), scattered.sizes, scattered.devices, scattered.dim)
-    return [
-        ((output, *shard_targets), shard_kwargs)
-        for output, (shard_targets, shard_kwargs) in zip(
-            scattered.outputs, target_shards, strict=True
-        )
-    ]
-
-
-def _has_state(module: nn.Module) -> bool:
-    return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _builtin_count_fn(criterion: Callable[..., Any]) -> Callable[..., Count] | None:
