@@ -44,7 +44,7 @@ def replace_file(
     half of one. ``previous``: the file already at ``path`` is first moved there. ``durable``:
     the bytes and the rename are on disk (``fsync``) when this returns.
 
-    >>> d = Path(tempfile.mkdtemp()); (d / "theirs").write_text("theirs")
+    >>> d = getfixture("tmp_path"); (d / "theirs").write_text("theirs")
     6
     >>> (d / "report.json").symlink_to(d / "theirs"); replace_file(d / "report.json", b"{}")
     >>> (d / "theirs").read_text(), (d / "report.json").is_symlink()
@@ -92,7 +92,7 @@ def open_append(path: Path) -> int | None:
     file of one name (missing, a link, a hard-linked file): then rewrite it whole with
     :func:`replace_file`.
 
-    >>> d = Path(tempfile.mkdtemp()); open_append(d / "missing") is None
+    >>> d = getfixture("tmp_path"); open_append(d / "missing") is None
     True
     """
     try:
@@ -114,7 +114,7 @@ def open_regular(path: str | Path, cap: int | None = None, *, mine: bool = False
     run folder while it was open to them is not read). :class:`NotReadable` says why not, a
     link named with its target.
 
-    >>> d = Path(tempfile.mkdtemp()); _ = (d / "f").write_bytes(b"abc")
+    >>> d = getfixture("tmp_path"); _ = (d / "f").write_bytes(b"abc")
     >>> with open_regular(d / "f", cap=3) as f: f.read()
     b'abc'
     >>> os.mkfifo(d / "fifo"); open_regular(d / "fifo")
@@ -177,7 +177,7 @@ def mkdir_private(folder: Path) -> None:
     else makes first (between a run's check of its folder and its first save) is refused, not
     written into: a ``PermissionError``. An ``OSError`` is the caller's to word.
 
-    >>> new = Path(tempfile.mkdtemp()) / "a" / "b"
+    >>> new = getfixture("tmp_path") / "a" / "b"
     >>> mkdir_private(new)
     >>> oct(new.stat().st_mode & 0o777), oct(new.parent.stat().st_mode & 0o777)
     ('0o700', '0o700')

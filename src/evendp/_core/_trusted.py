@@ -65,8 +65,7 @@ def trusted_run_folder(path: str | Path, flag: str = "--out") -> Path:
     :class:`UntrustedFolder` otherwise. ``path`` need not exist: its missing folders are
     made by the run, 0700.
 
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp())
+    >>> d = getfixture("tmp_path")  # pytest's temporary folder
     >>> trusted_run_folder(d / "run") == d.resolve() / "run"
     True
     >>> os.chmod(d, 0o777); trusted_run_folder(d / "run")  # doctest: +ELLIPSIS

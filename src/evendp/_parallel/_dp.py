@@ -19,7 +19,7 @@ input :mod:`._dp_checks`'.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -401,19 +401,11 @@ class BalancedDataParallel(nn.Module):
 
 
 def _first_parameter_slot(module: nn.Module) -> tuple[nn.Module, str] | None:
-    for owner in module.modules():
-        for name, param in owner._parameters.items():
-            if param is not None:
-                return owner, name
-    return None
+    slots = ((m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None)
+    return next(slots, None)
 
 
-def _add_module_prefix(
-    module: nn.Module,
-    state_dict: Mapping[str, Any],
-    prefix: str,
-    *args: Any,
-) -> None:
+def _add_module_prefix(_module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
     # Keys written by state_dict() lack "module."; rename them so the wrapper's own loader,
     # which expects "module.<key>", finds them. Keys that already have it are left alone.
     if not isinstance(state_dict, dict):

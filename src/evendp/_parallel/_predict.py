@@ -25,6 +25,9 @@ from ._scatter import map_tensors
 
 __all__ = ["Predictions", "predict"]
 
+#: ``torch.inference_mode`` or ``torch.no_grad``: what predict's forwards run under.
+NoGrad = Callable[[], AbstractContextManager[Any]]
+
 
 class Predictions(NamedTuple):
     """What :func:`predict` returns: ``outputs`` (the model's outputs, concatenated along dim
@@ -63,10 +66,6 @@ def _concat(parts: list[Any]) -> Any:
         else:
             joined.append(leaf)  # a non-tensor (None, a config flag): the same every step
     return tree_unflatten(joined, spec)
-
-
-def _no_grad(inference_mode: bool) -> AbstractContextManager[Any]:
-    return torch.inference_mode() if inference_mode else torch.no_grad()
 
 
 def _validate_data(data: Any) -> int:
@@ -113,7 +112,7 @@ def _rank_sizes(weights: Any, batch_size: int, world: int) -> list[int]:
 
 def _predict_ranks(
     model: nn.Module, data: Any, weights: Any, batch_size: int, collate: Callable[..., Any],
-    inference_mode: bool,
+    no_grad: NoGrad,
 ) -> Predictions:  # fmt: skip
     from .._distributed._collate import EmptySafeCollate
     from .._distributed._sampler import UnevenBatchSampler
@@ -131,7 +130,7 @@ def _predict_ranks(
     for step_indices, batch in zip(steps, loader, strict=True):
         if not step_indices and not talks:
             continue  # an empty share and nobody waits for this rank: skip the forward
-        with _no_grad(inference_mode):
+        with no_grad():
             out = call(model, map_tensors(batch, lambda t: t.to(device)))
             out = map_tensors(out, lambda t: t.detach().cpu())
         if step_indices:
@@ -144,7 +143,7 @@ def _predict_ranks(
 
 def _predict_devices(
     model: nn.Module, data: Any, device_ids: Any, weights: Any, batch_size: int,
-    collate: Callable[..., Any], inference_mode: bool,
+    collate: Callable[..., Any], no_grad: NoGrad,
 ) -> Predictions:  # fmt: skip
     from ._dp import BalancedDataParallel
 
@@ -160,7 +159,7 @@ def _predict_devices(
     loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collate)
     outputs = []
     for step, batch in enumerate(loader):
-        with _no_grad(inference_mode):
+        with no_grad():
             if step == 0 and weights == "auto":  # planned forward-only, on the first batch
                 call(wrapped.plan_weights, batch)
             # A scalar per device (a loss) has no rows to order; _concat names that below.
@@ -220,11 +219,10 @@ def predict(
     validate_callable("collate_fn", collate_fn, "a function samples -> batch", allow_none=True)
     validate_bool("inference_mode", inference_mode)
     collate = default_collate if collate_fn is None else collate_fn
+    no_grad: NoGrad = torch.inference_mode if inference_mode else torch.no_grad
     if n == 0:
         return Predictions(None, torch.empty(0, dtype=torch.long))
     with model_mode(model, False):  # dropout off, BatchNorm on its running statistics
         if dist.is_available() and dist.is_initialized() and device_ids is None:
-            return _predict_ranks(model, data, weights, batch_size, collate, inference_mode)
-        return _predict_devices(
-            model, data, device_ids, weights, batch_size, collate, inference_mode
-        )
+            return _predict_ranks(model, data, weights, batch_size, collate, no_grad)
+        return _predict_devices(model, data, device_ids, weights, batch_size, collate, no_grad)
