@@ -100,5 +100,4 @@ def split_even(total: int, count: int) -> list[int]:
     >>> split_even(10, 3)
     [4, 3, 3]
     """
-    validate_int("count", count, minimum=1, example="2")
-    return split_sizes(total, [1] * count)
+    return split_sizes(total, [1] * count)  # count: a device or rank count evendp checked

@@ -21,7 +21,7 @@ from .._core._exact import combine_means
 from ._dp_checks import (
     Count,
     validate_callable,
-    validate_count,
+    validate_counts,
     validate_losses,
     validate_reduction,
 )
@@ -101,14 +101,8 @@ class ParallelCriterion(nn.Module):
         validate_losses(losses)
         if self.reduction == "sum":
             return torch.stack([loss.to(scattered.output_device) for loss in losses]).sum()
-        counts = [float(n) for n in scattered.sizes]
-        if raw_counts is not None:
-            counts = [
-                validate_count(value, "count_fn", f"device {device} (output {i})", n)
-                for i, (value, device, n) in enumerate(
-                    zip(raw_counts, scattered.devices, scattered.sizes, strict=True)
-                )
-            ]
+        where = [f"device {d} (output {k})" for k, d in enumerate(scattered.devices)]
+        counts = validate_counts(raw_counts, scattered.sizes, where)
         return combine_means(losses, counts, scattered.output_device)
 
     def _check_uncounted(self, targets: Any, kwargs: Any) -> None:

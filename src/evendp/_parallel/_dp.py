@@ -39,7 +39,7 @@ from ._dp_checks import (
     validate_auto,
     validate_batch_rows,
     validate_callable,
-    validate_count,
+    validate_counts,
     validate_devices,
     validate_example,
     validate_fixed_sizes,
@@ -310,12 +310,8 @@ class BalancedDataParallel(nn.Module):
         with torch.no_grad():  # counted before forward: nothing waits for them yet
             raw_counts = None if count_fn is None else [count_fn(*a, **kw) for a, kw in shards]
         outputs = self._run_replicas(shards, split)
-        counts = [float(n) for n in split.sizes]
-        if raw_counts is not None:
-            counts = [
-                validate_count(value, "count_fn", f"device_ids[{i}]={self.device_ids[i]}", n)
-                for value, i, n in zip(raw_counts, split.active, split.sizes, strict=True)
-            ]
+        named = [f"device_ids[{i}]={self.device_ids[i]}" for i in split.active]
+        counts = validate_counts(raw_counts, split.sizes, named)
         if not self.gather_output:
             return Scattered(
                 outputs, split.sizes, split.devices, self.dim, self.output_device, counts

@@ -27,7 +27,7 @@ __all__ = [
     "validate_auto",
     "validate_batch_rows",
     "validate_callable",
-    "validate_count",
+    "validate_counts",
     "validate_devices",
     "validate_example",
     "validate_fixed_sizes",
@@ -143,22 +143,28 @@ def validate_callable(name: str, value: Any) -> Any:
     return value
 
 
-def validate_count(value: Any, name: str, where: str, samples: int) -> float:
-    """A count returned by a count function, as a float; or raise naming where it came from."""
-    number: float | None = None
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
-            number = float(value.item())
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    if number is None or not math.isfinite(number) or number < 0:
-        shown = describe(value) if isinstance(value, torch.Tensor) and value.dim() else value
-        raise EvendpError(
-            f"{name} returned {shown!r} for the share of {samples} sample(s) on {where}; it "
-            "must return how many items that share's mean is over, a non-negative int or "
-            "0-dim tensor, e.g. (labels != -100).sum()"
-        )
-    return number
+def validate_counts(raw: list[Any] | None, sizes: list[int], where: list[str]) -> list[float]:
+    """Each share's count as a float: ``raw[k]``, what ``count_fn`` returned for share ``k``
+    (on the device ``where[k]`` names), or without a count function its samples."""
+    if raw is None:
+        return [float(n) for n in sizes]
+    counts = []
+    for k, (value, samples) in enumerate(zip(raw, sizes, strict=True)):
+        number: float | None = None
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+                number = float(value.item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        if number is None or not math.isfinite(number) or number < 0:
+            shown = describe(value) if isinstance(value, torch.Tensor) and value.dim() else value
+            raise EvendpError(
+                f"count_fn returned {shown!r} for the share of {samples} sample(s) on "
+                f"{where[k]}; it must return how many items that share's mean is over, a "
+                "non-negative int or 0-dim tensor, e.g. (labels != -100).sum()"
+            )
+        counts.append(number)
+    return counts
 
 
 def validate_fixed_sizes(sizes: Any, num_devices: int) -> list[int]:
