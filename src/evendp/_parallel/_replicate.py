@@ -49,14 +49,11 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], detach: bool) 
             for name, child in original._modules.items():
                 copy._modules[name] = None if child is None else copies[position[id(child)]]
             for name, param in original._parameters.items():
-                value = None
-                if param is not None:
-                    if id(param) not in param_copies:
-                        source = param.detach() if detach else param
-                        param_copies[id(param)] = to_device(source, device)
-                    value = param_copies[id(param)]
+                if param is not None and id(param) not in param_copies:
+                    source = param.detach() if detach else param
+                    param_copies[id(param)] = to_device(source, device)
                 # Replica parameters are not leaves: they live as plain attributes.
-                setattr(copy, name, value)
+                setattr(copy, name, None if param is None else param_copies[id(param)])
             for name, buf in original._buffers.items():
                 if buf is not None:  # copied even on its own device: never shared
                     buf = buf.clone() if buf.device == device else to_device(buf, device)
