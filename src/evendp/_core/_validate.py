@@ -110,7 +110,10 @@ def validate_int(
     return value
 
 
-def _fail(name: str, expected: str, value: Any, example: str | None) -> EvendpError:
+def _fail(
+    name: str, expected: str, value: Any, example: str | None, allow_none: bool = False
+) -> EvendpError:
+    expected += " or None" if allow_none else ""
     hint = f"; e.g. {example}" if example else ""
     shown = repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
     return EvendpError(f"{name} must be {expected}, got {shown}{hint}")
@@ -145,8 +148,7 @@ def validate_float(
     )
     if not ok:
         bound = " > 0" if positive else (f" >= {minimum:g}" if minimum is not None else "")
-        expected = f"a finite number{bound}" + (" or None" if allow_none else "")
-        raise _fail(name, expected, value, example)
+        raise _fail(name, f"a finite number{bound}", value, example, allow_none)
     return value
 
 
@@ -192,7 +194,7 @@ def validate_callable(name: str, value: Any, what: str, *, allow_none: bool = Fa
         or isinstance(value, type)
         or (torch and isinstance(value, torch.Tensor))
     ):
-        raise _fail(name, what + (" or None" if allow_none else ""), value, None)
+        raise _fail(name, what, value, None, allow_none)
     return value
 
 
@@ -210,7 +212,7 @@ def validate_instance(
     if value is None and allow_none:
         return None
     if not isinstance(value, kind):
-        raise _fail(name, what + (" or None" if allow_none else ""), value, None)
+        raise _fail(name, what, value, None, allow_none)
     return value
 
 
@@ -234,8 +236,7 @@ def validate_path(name: str, value: Any, *, allow_none: bool = False) -> Any:
     if value is None and allow_none:
         return None
     if not (isinstance(value, os.PathLike) or (isinstance(value, str) and value)):
-        raise _fail(name, "a path (str or pathlib.Path)" + (" or None" if allow_none else ""),
-                    value, None)  # fmt: skip
+        raise _fail(name, "a path (str or pathlib.Path)", value, None, allow_none)
     text = os.fspath(value)
     if isinstance(text, str):  # bytes paths are the OS's own: nothing to encode
         try:
@@ -274,7 +275,7 @@ def validate_numbers(
         return None
     if not _numbers(value, integral) or not all(math.isfinite(v) and v >= 0 for v in value):
         expected = "a list of " + ("ints" if integral else "finite numbers") + " >= 0"
-        raise _fail(name, expected + (" or None" if allow_none else ""), value, example)
+        raise _fail(name, expected, value, example, allow_none)
     return value
 
 

@@ -291,9 +291,8 @@ class BalancedDataParallel(nn.Module):
         ...
         evendp...InputError: fixed_sizes([2, 2, 2]) add up to 6, but the batch has 4 ...
         """
-        checked = validate_fixed_sizes(sizes, len(self.device_ids))
-        outer = self._sizes
-        self._sizes = checked
+        # Checked before anything changes: refused sizes leave the split as it was.
+        outer, self._sizes = self._sizes, validate_fixed_sizes(sizes, len(self.device_ids))
         try:
             yield
         finally:
