@@ -274,12 +274,8 @@ def save_checkpoint(
     scheduler: Any | None = None,
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
-    keep_previous: bool = True,
 ) -> Path:
     """Write a checkpoint atomically; the one it replaces becomes :func:`previous_path`.
-
-    ``keep_previous=False``: the file at ``path`` is not a good checkpoint (a resume found it
-    corrupt), so it is replaced without rotating it over the good previous one.
     :class:`TrainingError`, and nothing written, when the model or optimizer state holds
     NaN or inf, or when the disk refuses the write.
 
@@ -298,7 +294,7 @@ def save_checkpoint(
     _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
     present = {name: part for name, part in parts.items() if part is not None}
-    return write_whole(path, present, step=step, extra=extra or {}, keep_previous=keep_previous)
+    return write_whole(path, present, step=step, extra=extra or {}, keep_previous=True)
 
 
 #: ``ckpt.pt``'s own fields, each the state of the part of that name (``rng``: the writer's
@@ -322,10 +318,18 @@ def write_whole(
     states["model"] = states["model"] or {}
     states["rng"] = states["rng"] or rng_state()
     _refuse_non_finite(target, step, states["model"], states["optimizer"])
-    payload = {"format": _FORMAT, "version": _VERSION, "step": int(step), **states}
+    payload = _signed(step, states, extra)
+    return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
+
+
+def _signed(
+    step: int, states: Mapping[str, Any], extra: Mapping[str, Any], **more: Any
+) -> dict[str, Any]:
+    """A checkpoint's or a DCP ``state.pt``'s contents, with the digest that proves them whole."""
+    payload = {"format": _FORMAT, "version": _VERSION, "step": int(step), **more, **states}
     payload["extra"] = dict(extra)
     payload["sha256"] = content_digest(payload)
-    return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
+    return payload
 
 
 def _refuse_non_finite(target: Path, step: int, model_state: Any, optimizer_state: Any) -> None:
@@ -456,7 +460,9 @@ def _read(path: Path, limit: int | None = None, *, position_only: bool = False) 
     if not os.path.lexists(path):  # a FIFO, a folder, a link: refused by what it is, below
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
     cap = None if limit is None else limit + _ARCHIVE_SLACK
-    payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit, cap, meta=position_only)
+    payload = _load_tagged(
+        path, "checkpoint", _FORMAT, fix, limit, cap, meta=position_only, rng=True
+    )
     if not isinstance(payload.get("model"), dict):
         raise CorruptCheckpoint(
             f"{str(path)!r} is not an evendp checkpoint (no model state); {fix}"
@@ -466,16 +472,7 @@ def _read(path: Path, limit: int | None = None, *, position_only: bool = False) 
             f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
             f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
         )
-    _require_rng(path, payload, "checkpoint", fix)
-    if not position_only:
-        _verify_digest(path, payload, "checkpoint", fix)
     return payload
-
-
-def _require_rng(path: Path, payload: Mapping[str, Any], what: str, fix: str) -> None:
-    # Every evendp file that restores generators has written them: one without is not whole.
-    if "rng" not in payload:
-        raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: field rng: missing; {fix}")
 
 
 def _read_rank(path: Path, *, rng: bool) -> dict[str, Any]:
@@ -484,18 +481,12 @@ def _read_rank(path: Path, *, rng: bool) -> dict[str, Any]:
         "delete it to resume with the checkpoint writer's generator states on this rank "
         "(random draws there then differ from an uninterrupted run's)"
     )
-    payload = _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix, cap=_SMALL_FILE)
-    if rng:
-        _require_rng(path, payload, "rank RNG file", fix)
-    _verify_digest(path, payload, "rank RNG file", fix)
-    return payload
+    return _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix, cap=_SMALL_FILE, rng=rng)
 
 
 def read_state_file(folder: Path) -> dict[str, Any]:
-    source, fix = folder / _STATE_FILE, fix_for(folder)
-    payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix, cap=_SMALL_FILE)
-    _verify_digest(source, payload, "sharded checkpoint state file", fix)
-    return payload
+    what = "sharded checkpoint state file"
+    return _load_tagged(folder / _STATE_FILE, what, _FORMAT, fix_for(folder), cap=_SMALL_FILE)
 
 
 def _load_tagged(
@@ -507,15 +498,18 @@ def _load_tagged(
     cap: int | None = None,
     *,
     meta: bool = False,
+    rng: bool = False,
 ) -> dict[str, Any]:
-    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``.
+    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``,
+    its fields sane (``rng``: generators among them) and its digest checked.
 
     The file is a regular one of at most ``cap`` bytes, opened without blocking
     (:func:`~evendp._core._files.open_regular`); its tensors unpack to at most ``limit``
-    bytes; ``meta``: no tensor data is read. A file the OS will not open (permissions) is a
-    :class:`CheckpointError`: the previous checkpoint would be refused the same way. A
-    truncated, garbled, foreign or oversized one, or one that is not a regular file, is a
-    :class:`CorruptCheckpoint`, from which a resume falls back; both messages end with ``fix``.
+    bytes; ``meta``: no tensor data is read (tensors on the meta device, the digest
+    unchecked). A file the OS will not open (permissions) is a :class:`CheckpointError`: the
+    previous checkpoint would be refused the same way. A truncated, garbled, foreign or
+    oversized one, or one that is not a regular file, is a :class:`CorruptCheckpoint`, from
+    which a resume falls back; both messages end with ``fix``.
     """
     try:
         with open_regular(path, cap, mine=True) as source:
@@ -547,8 +541,18 @@ def _load_tagged(
         )
     try:
         _check_fields(payload)
+        if rng and "rng" not in payload:  # every file that restores generators wrote them
+            raise Refused("rng: missing")
     except Refused as exc:
         raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: field {exc}; {fix}") from None
+    saved = payload.get("sha256")
+    if not meta and saved is None:  # an older evendp's file: accepted, and said once
+        UNVERIFIED.add(str(path))
+    elif not meta and content_digest(payload) != saved:
+        raise CorruptCheckpoint(
+            f"{what} {str(path)!r} is corrupt: its contents do not match the sha256 "
+            f"saved with them (garbled tensor data); {fix}"
+        )
     return payload
 
 
@@ -622,18 +626,6 @@ def _check_rng(rng: Any) -> None:
 
 #: Checkpoints read without a digest to verify (written before evendp kept one), by path.
 UNVERIFIED: set[str] = set()
-
-
-def _verify_digest(path: Path, payload: Mapping[str, Any], what: str, fix: str) -> None:
-    saved = payload.get("sha256")
-    if saved is None:  # an older evendp's file: accepted, and said once
-        UNVERIFIED.add(str(path))
-        return
-    if content_digest(payload) != saved:
-        raise CorruptCheckpoint(
-            f"{what} {str(path)!r} is corrupt: its contents do not match the sha256 "
-            f"saved with them (garbled tensor data); {fix}"
-        )
 
 
 def _first_sentence(text: str) -> str:
@@ -750,21 +742,19 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     scheduler: Any | None = None,
     restore_rng: bool = True,
-    verify: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Validate, then restore a checkpoint written by :func:`save_checkpoint`.
 
     Returns ``{"step": int, "extra": dict}``. Everything is checked before anything is
     loaded: a corrupt file or one whose keys or shapes do not match raises
     :class:`CheckpointError` naming the file and the fix, and leaves the model, the optimizer and
-    the file untouched. ``verify(path, extra)`` may refuse the run's saved configuration
-    before anything is loaded. (See :func:`save_checkpoint` for an example.)
+    the file untouched. (See :func:`save_checkpoint` for an example.)
     """
     _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler,
              "rng": RngState() if restore_rng else None}  # fmt: skip
     present = {name: part for name, part in parts.items() if part is not None}
-    return read_whole(path, present, verify=verify)
+    return read_whole(path, present)
 
 
 def read_whole(
@@ -894,15 +884,8 @@ def save_sharded_checkpoint(
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
         save_rank_file(_rng_file(tmp, rank), step, own, previous=None)
         if rank == 0:
-            state: dict[str, Any] = {
-                "format": _FORMAT,
-                "version": _VERSION,
-                "step": int(step),
-                "world_size": dist.get_world_size(),
-                **{n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS},
-                "extra": dict(extra),
-            }
-            state["sha256"] = content_digest(state)
+            states = {n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS}
+            state = _signed(step, states, extra, world_size=dist.get_world_size())
             _atomic_save(state, tmp / _STATE_FILE, previous=None)
 
     try:
@@ -932,12 +915,17 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(
-    path: str | Path, parts: Mapping[str, Any], *, rng: bool
+    path: str | Path,
+    parts: Mapping[str, Any],
+    *,
+    rng: bool,
+    verify: Callable[[Path, dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Restore a folder written by :func:`save_sharded_checkpoint` into ``parts``, on any
     world size (DCP reshards the saved model and optimizer onto this run's ranks). A collective.
 
-    Returns ``{"step", "extra", "world_size", "own"}``: ``own`` is this rank's file (its per-rank
+    ``verify(path, extra)`` may refuse the saved configuration before anything loads. Returns
+    ``{"step", "extra", "world_size", "own"}``: ``own`` is this rank's file (its per-rank
     states by name; ``rng``: it must hold generators), ``None`` when the run was saved by
     fewer ranks.
     """
@@ -950,6 +938,7 @@ def load_sharded_checkpoint(
 
     folder = Path(path)
     meta = agreed(lambda: read_state_file(folder), distributed=True)
+    agreed(lambda: verify(folder, dict(meta.get("extra") or {})), distributed=True)
     model, optimizer = parts["model"], parts["optimizer"]
     model_state, optim_state = get_state_dict(model, optimizer)
     agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)

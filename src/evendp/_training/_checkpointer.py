@@ -40,7 +40,6 @@ from ._checkpoint import (
     previous_path,
     rank_rng_path,
     read_rank_file,
-    read_state_file,
     read_whole,
     save_rank_file,
     save_sharded_checkpoint,
@@ -280,9 +279,7 @@ class DcpShards(CheckpointFormat):
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
         shared, own = split(parts)
-        meta = agreed(lambda: read_state_file(path), True)
-        agreed(lambda: verify(path, dict(meta.get("extra") or {})), True)
-        info = load_sharded_checkpoint(path, shared, rng="rng" in own)
+        info = load_sharded_checkpoint(path, shared, rng="rng" in own, verify=verify)
         said = agreed(lambda: restore_plain(path, shared, _SHARDED, info), True)
         missing = (
             f"the checkpoint {str(path)!r} was saved by {info['world_size']} rank(s) and holds "

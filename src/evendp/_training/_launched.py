@@ -1,18 +1,11 @@
 """The Trainer under a launcher (``evendp launch``, torchrun): one run of ranks, not one run per
 process.
 
-A script that builds ``Trainer(model, data, TrainConfig(strategy="ddp"))`` and calls ``fit()``
-is started by the launcher once per rank. As the HF Trainer and Lightning do, the Trainer
-then starts the default process group itself (:func:`join_launch`, when torchrun's variables
-are set and no group is up yet), so its ranks train as one run (rank 0 writes ``out_dir``)
-with the strategy the config names. The launcher's per-rank sizes (``EVENDP_BATCH_SIZES``)
-are the run's plan unless the config gives its own
-(:func:`~evendp._planning._balance.rank_batch_plan` decides; a contradiction is refused).
-
-A group the Trainer started is ended when the script ends normally
-(:func:`~evendp._distributed._group.finish_distributed`, at exit: every rank done, the
-group destroyed before the interpreter tears gloo down); after an exception that escaped
-the script it is left alone (a barrier would wait for ranks that may never come).
+As the HF Trainer and Lightning do, the Trainer starts the default process group itself when
+torchrun's variables are set and no group is up (:func:`join_launch`), so a script started
+once per rank trains as one run. The group is ended when the script ends normally (at exit,
+:func:`~evendp._distributed._group.finish_distributed`); after an exception escaped the script
+it is left alone (a barrier would wait for ranks that may never come).
 """
 
 from __future__ import annotations
@@ -56,11 +49,8 @@ def launched_world(environ: Any = None) -> int | None:
 
 def join_launch(strategy: str) -> None:
     """Start the default process group when a launcher started this process and none is up,
-    so that the Trainer runs ``strategy`` across the launched ranks (the strategy then moves
-    the model to the rank's device: ``_strategies/_placement.py``).
-
-    A one-process strategy (``"dp"``) among several launched ranks is refused: each rank
-    would train alone.
+    so that the Trainer runs ``strategy`` across the launched ranks. A one-process strategy
+    (``"dp"``) among several launched ranks is refused: each rank would train alone.
 
     >>> join_launch("ddp")  # no launcher here: nothing to do
     """
@@ -88,8 +78,7 @@ def join_launch(strategy: str) -> None:
 
 
 def _end_at_exit() -> None:
-    """End the group this module started once the script is done: at exit, unless an
-    exception escaped it (then the other ranks may never reach the barrier)."""
+    """End the group this module started at exit, unless an exception escaped the script."""
     hook = sys.excepthook
 
     def note_failure(*args: Any) -> None:
