@@ -17,33 +17,25 @@ from typing import Any
 
 from .._core._errors import EvendpError
 
-__all__ = ["LAUNCH_VARS", "join_launch", "launched_world"]
+__all__ = ["join_launch"]
 
 #: What torchrun (and so ``evendp launch``) sets in every rank it starts.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _failed = False  # an exception escaped the script: no barrier at exit
 
 
-def launched_world(environ: Any = None) -> int | None:
+def _launched_world() -> int | None:
     """The ranks a launcher started this process among (``WORLD_SIZE``); ``None``: no
-    launcher (some of :data:`LAUNCH_VARS` missing).
-
-    >>> launched_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-    ...                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
-    2
-    >>> launched_world({}) is None
-    True
-    """
-    env = os.environ if environ is None else environ
-    if not all(env.get(name, "").strip() for name in LAUNCH_VARS):
+    launcher (some of :data:`_LAUNCH_VARS` missing)."""
+    if not all(os.environ.get(name, "").strip() for name in _LAUNCH_VARS):
         return None
     try:
-        return int(env["WORLD_SIZE"])
+        return int(os.environ["WORLD_SIZE"])
     except ValueError:
         raise EvendpError(
-            f"WORLD_SIZE={env['WORLD_SIZE']!r} is not an int; it is torchrun's (the number of "
-            "ranks): start the script with evendp launch or torchrun, not with these set by hand"
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an int; it is torchrun's (the number "
+            "of ranks): start the script with evendp launch or torchrun, not with these set by hand"
         ) from None
 
 
@@ -59,7 +51,7 @@ def join_launch(strategy: str) -> None:
     from .._distributed._group import init_distributed
     from ._strategies import STRATEGIES, rank_strategy_names
 
-    world = launched_world()
+    world = _launched_world()
     if world is None or not dist.is_available() or dist.is_initialized():
         return
     if not STRATEGIES[strategy].ranks:
