@@ -169,18 +169,12 @@ class MemoryBudgets:
         dp.set_replica_context(self.replica)
         return self
 
-    def resident_bytes(self, index: int) -> int:
-        """The bytes device ``index`` holds outside the forward."""
-        if self.resident is None:
-            return 0
-        if callable(self.resident):
-            return int(self.resident(index))
-        return int(self.resident[index])
-
     @contextlib.contextmanager
     def replica(self, index: int) -> Iterator[ReplicaMemory]:
         """The budget of device ``index``, active in the calling thread for one forward."""
-        mode = ReplicaMemory(self.names[index], self.budgets[index], self.resident_bytes(index))
+        held = self.resident  # outside the forward: read now (optimizer state appears)
+        resident = 0 if held is None else int(held(index) if callable(held) else held[index])
+        mode = ReplicaMemory(self.names[index], self.budgets[index], resident)
         try:
             with mode:
                 yield mode

@@ -672,6 +672,9 @@ def _shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
 def _validate_optimizer_state(
     path: Path, optimizer: torch.optim.Optimizer, state: Mapping[str, Any] | None
 ) -> None:
+    """The saved optimizer state against ``optimizer``: its groups of the sizes and kinds ours
+    are (``lr`` a finite number, ``betas`` two), each parameter's state tensors of its
+    parameter's shape (or scalars, like Adam's step); :class:`Refused` names a bad field."""
     if state is None:
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no optimizer state but an optimizer was given; "
@@ -693,20 +696,13 @@ def _validate_optimizer_state(
             f"the optimizer here has {ours}; build the optimizer the same way as the run "
             "that wrote it"
         )
-    _check_optimizer_fields(optimizer, groups, state.get("state"))
-
-
-def _check_optimizer_fields(
-    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], state: Any
-) -> None:
-    """Each group's settings of the kind ours are (``lr`` a finite number, ``betas`` two), and
-    each parameter's state tensors of its parameter's shape (or scalars, like Adam's step)."""
     shapes: dict[Any, torch.Size] = {}
     for i, (mine, saved) in enumerate(zip(optimizer.param_groups, groups, strict=True)):
         settings = {k: v for k, v in mine.items() if k != "params"}
         check_kind(f"optimizer.param_groups.{i}", settings, saved)
         for key, param in zip(saved["params"], mine["params"], strict=True):
             shapes[key] = param.shape
+    state = state.get("state")
     if not isinstance(state, dict):
         raise Refused(f"optimizer.state: must be a dict, got {shown(state)}")
     for key, entries in state.items():
@@ -724,14 +720,6 @@ def _check_optimizer_fields(
                     raise Refused(f"{where}: holds NaN or inf")
             elif not isinstance(value, int | float | bool | None):
                 raise Refused(f"{where}: must be a tensor or a number, got {shown(value)}")
-
-
-def _state_limit(model: torch.nn.Module | None) -> int:
-    """The most bytes a checkpoint of ``model`` unpacks to: its state, an optimizer's few
-    copies of it (AdamW keeps two), generator states and the loss history, with room."""
-    states = {} if model is None else model.state_dict()
-    own = sum(t.numel() * t.element_size() for t in states.values())
-    return 8 * own + (64 << 20)
 
 
 def load_checkpoint(
@@ -766,8 +754,12 @@ def read_whole(
     """:func:`load_checkpoint` into the parts named by :data:`FIELDS` (others are not looked
     at): every one is checked against its saved state before any loads (the generators were
     checked as the file was read)."""
-    p = Path(path)
-    payload = _read(p, limit=_state_limit(parts.get("model")))
+    p, model = Path(path), parts.get("model")
+    # Its tensors unpack to at most: the model's state, an optimizer's few copies of it (AdamW
+    # keeps two), generator states and the loss history, with room.
+    states = {} if model is None else model.state_dict()
+    limit = 8 * sum(t.numel() * t.element_size() for t in states.values()) + (64 << 20)
+    payload = _read(p, limit=limit)
     if verify is not None:
         verify(p, dict(payload.get("extra") or {}))
     fields = {name: parts[name] for name in FIELDS if name in parts}

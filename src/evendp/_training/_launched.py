@@ -66,11 +66,8 @@ def join_launch(strategy: str) -> None:
         refused.every_rank = True  # the same script and WORLD_SIZE on every rank
         raise refused
     init_distributed()
-    _end_at_exit()
-
-
-def _end_at_exit() -> None:
-    """End the group this module started at exit, unless an exception escaped the script."""
+    # End the group at exit, unless an exception escaped the script (then the other ranks
+    # may never reach the barrier).
     hook = sys.excepthook
 
     def note_failure(*args: Any) -> None:
