@@ -10,9 +10,9 @@ import torch
 
 from evendp._core._errors import EvendpError
 from evendp._training._checkpoint import (
-    latest_checkpoint,
     load_checkpoint,
     previous_path,
+    resumable_checkpoint,
     save_checkpoint,
 )
 
@@ -59,7 +59,7 @@ def test_second_save_keeps_the_previous_good_checkpoint(tmp_path: Path) -> None:
     assert load_checkpoint(previous_path(path), model=model)["step"] == 1
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
     path.unlink()  # as if a crash came between the two renames
-    assert latest_checkpoint(path) == previous_path(path)
+    assert resumable_checkpoint(path)[0] == previous_path(path)  # type: ignore[index]
 
 
 def test_corrupt_file_is_a_clear_error_and_nothing_is_touched(tmp_path: Path) -> None:
@@ -148,7 +148,8 @@ def test_failed_write_leaves_existing_files_and_no_temp(tmp_path: Path) -> None:
 
 
 def test_each_rank_restores_its_own_rng_only_for_the_same_step(tmp_path: Path) -> None:
-    from evendp._training._checkpoint import load_rank_rng, rank_rng_path, save_rank_rng
+    from evendp._training._checkpoint import rank_rng_path
+    from tests.training._rank_rng import load_rank_rng, save_rank_rng
 
     ckpt = tmp_path / "ckpt.pt"
     torch.manual_seed(11)
@@ -231,7 +232,7 @@ def test_a_bad_previous_checkpoint_never_points_to_prev_prev(tmp_path: Path) -> 
 
 
 def test_rank_rng_prefers_the_exact_previous_state_over_a_reseed(tmp_path: Path) -> None:
-    from evendp._training._checkpoint import load_rank_rng, save_rank_rng
+    from tests.training._rank_rng import load_rank_rng, save_rank_rng
 
     ckpt = tmp_path / "ckpt.pt"
     torch.manual_seed(5)

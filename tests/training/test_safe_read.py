@@ -23,14 +23,13 @@ from evendp._training._checkpoint import (
     CorruptCheckpoint,
     _check_shard_shapes,
     load_checkpoint,
-    load_rank_rng,
     previous_path,
     rank_rng_path,
     resumable_checkpoint,
     save_checkpoint,
-    save_rank_rng,
 )
 from evendp._training._safe_read import Refused, check_archive, safe_dcp
+from tests.training._rank_rng import load_rank_rng, read_rng, save_rank_rng
 
 
 class _Payload:
@@ -340,13 +339,11 @@ def test_a_sparse_giant_checkpoint_is_never_read_into_memory(tmp_path: Path) -> 
 
 def test_a_giant_rank_rng_file_is_refused_by_its_size(tmp_path: Path) -> None:
     """Issue 34: a rank loaded a 2.4 GB RNG file (a 30 GiB one took the host down)."""
-    from evendp._training._checkpoint import _read_rng
-
     target = rank_rng_path(tmp_path / "ckpt.pt", 1)
     _sparse_checkpoint(target, 1 << 30, step=2)
     rss = _reset_peak_rss()
     with pytest.raises(CorruptCheckpoint) as info:
-        _read_rng(target)
+        read_rng(target)
     _one_line(info.value, str(target), "bytes, more than the")
     assert _peak_rss_growth(rss) < 100 << 20
 
@@ -356,7 +353,7 @@ def test_a_giant_rank_rng_file_is_refused_by_its_size(tmp_path: Path) -> None:
 def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_at_once(kind: str, tmp_path: Path) -> None:
     """Issue 34: a FIFO in place of ckpt.pt, ckpt.rng1.pt, FSDP2's .metadata or state.pt hung
     the run (no writer ever comes). Each is refused without blocking, naming the FIFO."""
-    from evendp._training._checkpoint import _read_rng, read_state_file
+    from evendp._training._checkpoint import read_state_file
     from evendp._training._safe_read import read_dcp_metadata
 
     path = tmp_path / "ckpt.pt"
@@ -370,7 +367,7 @@ def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_at_once(kind: str, tmp_
     os.mkfifo(target)
     read = {
         "checkpoint": lambda: resumable_checkpoint(path),
-        "rng": lambda: _read_rng(target),
+        "rng": lambda: read_rng(target),
         "metadata": lambda: read_dcp_metadata(target),
         "state": lambda: read_state_file(target.parent),
     }[kind]

@@ -1,20 +1,13 @@
 """Virtual devices with a memory budget they enforce: CPU stand-ins for small GPUs.
 
-``BalancedDataParallel`` runs each replica's forward in its own thread. :class:`MemoryBudgets`
-puts a dispatch mode into that thread which counts the bytes of every tensor storage the
-forward creates and frees (a storage counts from the op that allocates it until its last
-tensor dies, so saved activations stay counted until backward frees them). On top of that it
-adds the bytes the device holds anyway (its ``resident`` bytes: the parameters, and on the
-home device the gradients and optimizer state). An allocation that takes the total past the
-budget raises ``torch.OutOfMemoryError`` in that replica, as a full GPU would.
-
-What is enforced, exactly: resident bytes + every storage allocated by the replica's forward
-(activations saved for backward, temporaries while they live, the outputs). What is not: the
-backward pass (it runs in the autograd engine's thread, not the replica's, so its transient
-allocations are not attributed to any device), the gathered outputs and the loss on the home
-device, and allocator overheads (fragmentation, caching, a CUDA context: a CPU has none).
-The recorded peak is therefore the *forward* peak, a measured figure, and below the
-planner's forward+backward peak for the same share.
+``BalancedDataParallel`` runs each replica's forward in its own thread; :class:`MemoryBudgets`
+puts a dispatch mode there that counts every tensor storage the forward creates, from the op
+that allocates it until its last tensor dies (saved activations stay counted until backward
+frees them), plus the bytes the device holds anyway (``resident``: the parameters; on the home
+device also the gradients and optimizer state). A total past the budget raises
+``torch.OutOfMemoryError`` in that replica, as a full GPU would. Not counted: the backward
+(the autograd engine's thread), the gathered outputs and loss, allocator overheads. The
+recorded peak is the *forward* peak, below the planner's forward+backward peak.
 """
 
 from __future__ import annotations
@@ -51,10 +44,8 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 class ReplicaMemory(TorchDispatchMode):
-    """Live bytes of the storages created under this mode, checked against ``budget``.
-
-    Active in one thread only (dispatch modes are thread-local). ``resident`` is added to the
-    live bytes; ``budget=None`` only measures.
+    """Live bytes of the storages created under this mode in this thread (dispatch modes are
+    thread-local) plus ``resident``, checked against ``budget`` (``None``: only measured).
 
     >>> with ReplicaMemory("cpu:2", budget=1000, resident=0) as mem:
     ...     a = torch.zeros(100)  # 400 bytes
@@ -130,17 +121,12 @@ Resident = Callable[[int], int] | Sequence[int] | None
 
 
 class MemoryBudgets:
-    """Per-device memory budgets for a :class:`~evendp.BalancedDataParallel`, enforced in
-    every replica's forward (see the module docstring for exactly what is counted).
-
-    Args:
-        budgets: bytes per entry of ``device_ids`` (ints or sizes such as ``"24MiB"``).
-        resident: bytes each device holds outside the forward: a list, or a function of the
-            device index called at every forward (so it sees optimizer state appear).
-        names: device names for messages (default ``vdev:i``).
-
-    ``attach(dp)`` makes ``dp`` enforce them; ``peaks`` holds each device's largest measured
-    forward total since the last ``reset_peaks()`` (``None`` for a device that ran nothing).
+    """Per-device memory budgets (ints or sizes such as ``"24MiB"``) for a
+    :class:`~evendp.BalancedDataParallel`, enforced in every replica's forward once
+    ``attach(dp)``-ed. ``resident``: the bytes each device holds outside the forward, a list or
+    a function of the device index called at every forward (it sees optimizer state appear);
+    ``names``: the devices' in messages (``vdev:i``). ``peaks``: each device's largest forward
+    total since the last ``reset_peaks()`` (``None``: it ran nothing).
 
     >>> from evendp import BalancedDataParallel
     >>> net = torch.nn.Linear(64, 64)
@@ -183,18 +169,12 @@ class MemoryBudgets:
         dp.set_replica_context(self.replica)
         return self
 
-    def resident_bytes(self, index: int) -> int:
-        """The bytes device ``index`` holds outside the forward."""
-        if self.resident is None:
-            return 0
-        if callable(self.resident):
-            return int(self.resident(index))
-        return int(self.resident[index])
-
     @contextlib.contextmanager
     def replica(self, index: int) -> Iterator[ReplicaMemory]:
         """The budget of device ``index``, active in the calling thread for one forward."""
-        mode = ReplicaMemory(self.names[index], self.budgets[index], self.resident_bytes(index))
+        held = self.resident  # outside the forward: read now (optimizer state appears)
+        resident = 0 if held is None else int(held(index) if callable(held) else held[index])
+        mode = ReplicaMemory(self.names[index], self.budgets[index], resident)
         try:
             with mode:
                 yield mode

@@ -48,9 +48,7 @@ __all__ = [
     "FIELDS",
     "first_good",
     "fix_for",
-    "latest_checkpoint",
     "load_checkpoint",
-    "load_rank_rng",
     "load_sharded_checkpoint",
     "make_private_dir",
     "previous_path",
@@ -60,13 +58,12 @@ __all__ = [
     "read_whole",
     "resumable_checkpoint",
     "rng_state",
+    "RngState",
     "save_checkpoint",
     "save_rank_file",
-    "save_rank_rng",
     "save_sharded_checkpoint",
     "set_rng_state",
     "STATE_FIELDS",
-    "without_saved_rng",
     "write_whole",
 ]
 
@@ -87,31 +84,19 @@ class CorruptCheckpoint(CheckpointError):
     :class:`CheckpointError`: the previous one would not fit either."""
 
 
-def current_path(path: str | Path) -> Path:
-    """The checkpoint ``path`` is the previous copy of, or ``path`` itself.
-
-    >>> current_path("d/ckpt.prev.pt").name, current_path("d/ckpt.pt").name
-    ('ckpt.pt', 'ckpt.pt')
-    """
-    p = Path(path)
-    return p.with_name(p.stem.removesuffix(".prev") + p.suffix) if is_previous(p) else p
-
-
-def is_previous(path: str | Path) -> bool:
-    """Whether ``path`` is a previous copy (``ckpt.prev.pt``, ``ckpt.prev.dcp``).
-
-    >>> is_previous("d/ckpt.prev.pt"), is_previous("d/ckpt.pt")
-    (True, False)
-    """
-    return Path(path).stem.endswith(".prev")
+def _other_copy(path: Path) -> Path:
+    """The checkpoint ``path`` is the previous copy of, else ``path``'s previous copy."""
+    if path.stem.endswith(".prev"):
+        return path.with_name(path.stem.removesuffix(".prev") + path.suffix)
+    return previous_path(path)
 
 
 def fix_for(path: Path) -> str:
     """What to do about an unusable checkpoint file: never point at ``ckpt.prev.prev.pt``."""
-    if is_previous(path):
+    if path.stem.endswith(".prev"):
         return (
             f"it was the last fallback; delete {str(path)!r} and resume from "
-            f"{str(current_path(path))!r}, or start fresh with another --out"
+            f"{str(_other_copy(path))!r}, or start fresh with another --out"
         )
     return (
         f"resume from the previous good checkpoint {str(previous_path(path))!r} if it exists, "
@@ -129,29 +114,18 @@ def previous_path(path: str | Path) -> Path:
     return p.with_name(f"{p.stem}.prev{p.suffix}")
 
 
-def latest_checkpoint(path: str | Path) -> Path | None:
-    """``path`` if it exists, else its previous copy if that exists (a crash mid-save), else None.
-
-    >>> latest_checkpoint("/nonexistent/ckpt.pt") is None
-    True
-    """
-    p = Path(path)
-    if p.exists():
-        return p
-    prev = previous_path(p)
-    return prev if prev.exists() else None
-
-
 def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
     """The checkpoint a resume will use, its step and its ``extra`` (the run's configuration
     among it): ``path`` when its position reads back, else its previous copy (``None``:
-    neither exists). The error of the last one when none reads. No tensor data is read: the
-    resume itself checks it, and falls back.
+    neither exists; a DeepSpeed folder ``ckpt.ds`` keeps both inside, ``state.pt`` and
+    ``state.prev.pt``). The error of the last one when none reads. No tensor data is read:
+    the resume itself checks it, and falls back.
 
     >>> resumable_checkpoint("/nonexistent/ckpt.pt") is None
     True
     """
-    candidates = [c for c in _positions(Path(path)) if os.path.lexists(c)]
+    p = Path(path) / _STATE_FILE if Path(path).suffix == ".ds" else Path(path)
+    candidates = [c for c in (p, previous_path(p)) if os.path.lexists(c)]
     if not candidates:
         return None
 
@@ -167,15 +141,7 @@ def resumable_checkpoint(path: str | Path) -> tuple[Path, int, dict[str, Any]] |
 def first_good(candidates: list[Path], read: Callable[[Path], T]) -> tuple[Path, T, list[str]]:
     """The first of ``candidates`` (latest first) that ``read`` takes, what it returned, and
     why each one before it was skipped (the first clause of its :class:`CorruptCheckpoint`).
-    When none reads: the last one's error alone, or one line naming each.
-
-    >>> def read(p):
-    ...     if p.name == "ckpt.pt":
-    ...         raise CorruptCheckpoint("'ckpt.pt' is corrupt; resume from the previous one")
-    ...     return 3
-    >>> first_good([Path("ckpt.pt"), Path("ckpt.prev.pt")], read)
-    (PosixPath('ckpt.prev.pt'), 3, ["'ckpt.pt' is corrupt"])
-    """
+    When none reads: the last one's error alone, or one line naming each."""
     skipped: list[str] = []
     for candidate in candidates:
         try:
@@ -193,15 +159,6 @@ def first_good(candidates: list[Path], read: Callable[[Path], T]) -> tuple[Path,
                 "another --out, or --overwrite to delete them"
             ) from None
     raise CorruptCheckpoint("no checkpoint to resume from")  # no candidates: callers check
-
-
-def _positions(path: Path) -> list[Path]:
-    """Where a checkpoint's position is kept, latest first: a DeepSpeed folder (``ckpt.ds``)
-    keeps its previous one inside (``state.prev.pt``), the other formats beside it."""
-    if path.suffix == ".ds":
-        inside = path / _STATE_FILE
-        return [inside, previous_path(inside)]
-    return [path, previous_path(path)]
 
 
 def rng_state() -> dict[str, Any]:
@@ -247,6 +204,43 @@ def _set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
         )
 
 
+class RngState:
+    """This process's random generators (torch, CUDA when used, ``random``, numpy when imported)
+    as a checkpoint part. ``reseed``: what a rank with no saved generators of its own seeds
+    torch and ``random`` with (with a warning).
+
+    >>> rng = RngState(reseed=7)
+    >>> saved = rng.state_dict(); a = torch.rand(1)
+    >>> rng.load_state_dict(saved); torch.equal(a, torch.rand(1))
+    True
+    """
+
+    #: What a message calls this part.
+    what = "RNG state"
+
+    def __init__(self, reseed: int | None = None) -> None:
+        self.reseed = reseed
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_rng_state(state_dict)
+
+    def without_saved(self, why: str, rank: int) -> None:
+        """No generators saved for this rank (``why``): warn, and reseed with ``reseed``."""
+        seed = self.reseed
+        what = "kept the state seeded at start" if seed is None else f"reseeded with {seed}"
+        warnings.warn(
+            f"rank {rank}: {why}; {what}: dropout and other random draws on this rank will "
+            "differ from an uninterrupted run's",
+            stacklevel=3,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+            random.seed(seed)
+
+
 def _validate_checkpoint_args(
     path: Any,
     model: Any,
@@ -280,12 +274,8 @@ def save_checkpoint(
     scheduler: Any | None = None,
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
-    keep_previous: bool = True,
 ) -> Path:
     """Write a checkpoint atomically; the one it replaces becomes :func:`previous_path`.
-
-    ``keep_previous=False``: the file at ``path`` is not a good checkpoint (a resume found it
-    corrupt), so it is replaced without rotating it over the good previous one.
     :class:`TrainingError`, and nothing written, when the model or optimizer state holds
     NaN or inf, or when the disk refuses the write.
 
@@ -304,7 +294,7 @@ def save_checkpoint(
     _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
     present = {name: part for name, part in parts.items() if part is not None}
-    return write_whole(path, present, step=step, extra=extra or {}, keep_previous=keep_previous)
+    return write_whole(path, present, step=step, extra=extra or {}, keep_previous=True)
 
 
 #: ``ckpt.pt``'s own fields, each the state of the part of that name (``rng``: the writer's
@@ -324,28 +314,26 @@ def write_whole(
     at): an absent model is saved as an empty one, absent generators as this process's."""
     target = Path(path)
     make_private_dir(target.parent)
-    states = {name: parts[name].state_dict() for name in FIELDS if name in parts}
-    _refuse_non_finite(target, step, states.get("model", {}), None, states.get("optimizer"))
-    payload = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "step": int(step),
-        **{name: states.get(name) for name in FIELDS},
-        "extra": dict(extra),
-    }
-    payload["model"] = states.get("model", {})
-    payload["rng"] = states.get("rng") or rng_state()
-    payload["sha256"] = content_digest(payload)
+    states = {name: parts[name].state_dict() if name in parts else None for name in FIELDS}
+    states["model"] = states["model"] or {}
+    states["rng"] = states["rng"] or rng_state()
+    _refuse_non_finite(target, step, states["model"], states["optimizer"])
+    payload = _signed(step, states, extra)
     return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
 
 
-def _refuse_non_finite(
-    target: Path, step: int, model_state: Any, optimizer: Any, optimizer_state: Any = None
-) -> None:
-    # ``optimizer_state``: the optimizer's state dict (whole or its "state"), else read here.
+def _signed(
+    step: int, states: Mapping[str, Any], extra: Mapping[str, Any], **more: Any
+) -> dict[str, Any]:
+    """A checkpoint's or a DCP ``state.pt``'s contents, with the digest that proves them whole."""
+    payload = {"format": _FORMAT, "version": _VERSION, "step": int(step), **more, **states}
+    payload["extra"] = dict(extra)
+    payload["sha256"] = content_digest(payload)
+    return payload
+
+
+def _refuse_non_finite(target: Path, step: int, model_state: Any, optimizer_state: Any) -> None:
     bad = first_non_finite(model_state, "model")
-    if optimizer_state is None and optimizer is not None:
-        optimizer_state = optimizer.state_dict().get("state", {})
     if bad is None and isinstance(optimizer_state, Mapping):
         bad = first_non_finite(optimizer_state.get("state", optimizer_state), "optimizer")
     if bad is not None:
@@ -411,7 +399,7 @@ def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None
 
 
 def rank_rng_path(path: str | Path, rank: int) -> Path:
-    """Where rank ``rank`` keeps its own RNG state beside checkpoint ``path``.
+    """Where rank ``rank`` keeps its own per-rank states beside checkpoint ``path``.
 
     >>> rank_rng_path("runs/demo/ckpt.pt", 2).name
     'ckpt.rng2.pt'
@@ -420,66 +408,17 @@ def rank_rng_path(path: str | Path, rank: int) -> Path:
     return p.with_name(f"{p.stem}.rng{rank}{p.suffix}")
 
 
-#: The keys of a rank's file that are not a part's state.
-_RANK_FILE_KEYS = frozenset({"format", "step", "sha256", "extra", "version", "world_size"})
-
-
 def save_rank_file(
     target: Path, step: int, states: Mapping[str, Any], previous: Path | None
 ) -> Path:
     """One rank's per-rank parts for ``step``, each under its name (``rng``, where every
-    evendp kept a rank's generators, is one), written atomically; the file at ``target`` is
-    first moved to ``previous`` (unless ``None``)."""
-    reserved = sorted(_RANK_FILE_KEYS & states.keys())
-    if reserved:
-        raise EvendpError(f"a per-rank part may not be named {reserved[0]!r}: rename the part")
+    evendp kept a rank's generators, is one), written atomically with no collective (a fault
+    on one rank cannot hang the others); the file at ``target`` is first moved to
+    ``previous`` (unless ``None``)."""
     make_private_dir(target.parent)
     payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), **states}
     payload["sha256"] = content_digest(payload)
     return _atomic_save(payload, target, previous=previous)
-
-
-def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
-    """Save this process's RNG states for ``step`` beside checkpoint ``path``, keeping the last.
-
-    Under DDP only rank 0 writes the checkpoint, but every rank draws its own dropout masks:
-    each keeps its generators in a small file of its own, tagged with the step, written with
-    no collective so that a fault on one rank cannot hang the others. The file it replaces
-    becomes the RNG file of :func:`previous_path` (``ckpt.prev.rng{rank}.pt``), rotated with
-    the checkpoint, so a resume from the previous checkpoint finds this rank's state too.
-    """
-    previous = rank_rng_path(previous_path(path), rank)
-    return save_rank_file(rank_rng_path(path, rank), step, {"rng": rng_state()}, previous)
-
-
-def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = None) -> bool:
-    """Restore this rank's RNG states saved with checkpoint ``path`` at ``step``.
-
-    Returns True when restored. The rank's file of the other checkpoint (``ckpt.prev.rng{rank}.pt``
-    beside ``ckpt.pt``, and the reverse) is used when it holds ``step``: after a crash between
-    two ranks' writes it is the exact state. When neither holds ``step`` (or the run was saved
-    without this rank), it warns
-    and, with ``reseed``, seeds torch and ``random`` with it (the generators then differ from
-    an uninterrupted run's, but never copy another rank's); it returns False.
-
-    >>> import tempfile, warnings
-    >>> ckpt = f"{tempfile.mkdtemp()}/ckpt.pt"
-    >>> _ = save_rank_rng(ckpt, rank=1, step=5)
-    >>> a = torch.rand(1); _ = load_rank_rng(ckpt, rank=1, step=5); torch.equal(a, torch.rand(1))
-    True
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     load_rank_rng(ckpt, rank=1, step=6, reseed=7)  # another step: not this state
-    False
-    >>> "reseeded" in str(caught[0].message)
-    True
-    """
-    payload, why = read_rank_file(path, rank, step, rng=True)
-    if payload is not None:
-        set_rng_state(payload["rng"])
-        return True
-    without_saved_rng(f"its RNG {why}", rank, reseed)
-    return False
 
 
 def read_rank_file(
@@ -493,11 +432,9 @@ def read_rank_file(
     ``rng``: the file must hold generators (a rank's file of a run with an ``rng`` part).
     """
     source = rank_rng_path(path, rank)
-    other = Path(path)
-    other = current_path(other) if is_previous(other) else previous_path(other)
     found: int | None = None
     unreadable: CheckpointError | None = None
-    for candidate in (source, rank_rng_path(other, rank)):
+    for candidate in (source, rank_rng_path(_other_copy(Path(path)), rank)):
         if not candidate.exists():
             continue
         try:
@@ -515,19 +452,6 @@ def read_rank_file(
     return None, f"file {str(source)!r} for the checkpoint at step {step} {why}"
 
 
-def without_saved_rng(why: str, rank: int, reseed: int | None) -> None:
-    """No saved generator state for this rank: say so, and seed with ``reseed`` if given."""
-    what = "kept the state seeded at start" if reseed is None else f"reseeded with {reseed}"
-    warnings.warn(
-        f"rank {rank}: {why}; {what}: dropout and other random draws on this rank will differ "
-        "from an uninterrupted run's",
-        stacklevel=3,
-    )
-    if reseed is not None:
-        torch.manual_seed(reseed)
-        random.seed(reseed)
-
-
 def _read(path: Path, limit: int | None = None, *, position_only: bool = False) -> dict[str, Any]:
     """A whole checkpoint file, its tensors at most ``limit`` bytes; ``position_only``: its
     step, ``extra`` and generator states without reading a tensor's data (tensors come back
@@ -536,7 +460,9 @@ def _read(path: Path, limit: int | None = None, *, position_only: bool = False) 
     if not os.path.lexists(path):  # a FIFO, a folder, a link: refused by what it is, below
         raise CorruptCheckpoint(f"no checkpoint at {str(path)!r}; check the path or drop --resume")
     cap = None if limit is None else limit + _ARCHIVE_SLACK
-    payload = _load_tagged(path, "checkpoint", _FORMAT, fix, limit, cap, meta=position_only)
+    payload = _load_tagged(
+        path, "checkpoint", _FORMAT, fix, limit, cap, meta=position_only, rng=True
+    )
     if not isinstance(payload.get("model"), dict):
         raise CorruptCheckpoint(
             f"{str(path)!r} is not an evendp checkpoint (no model state); {fix}"
@@ -546,20 +472,7 @@ def _read(path: Path, limit: int | None = None, *, position_only: bool = False) 
             f"checkpoint {str(path)!r} has format version {payload.get('version')!r}, this "
             f"evendp reads version {_VERSION}; use the evendp that wrote it or start fresh"
         )
-    _require_rng(path, payload, "checkpoint", fix)
-    if not position_only:
-        _verify_digest(path, payload, "checkpoint", fix)
     return payload
-
-
-def _require_rng(path: Path, payload: Mapping[str, Any], what: str, fix: str) -> None:
-    # Every evendp file that restores generators has written them: one without is not whole.
-    if "rng" not in payload:
-        raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: field rng: missing; {fix}")
-
-
-def _read_rng(path: Path) -> dict[str, Any]:
-    return _read_rank(path, rng=True)
 
 
 def _read_rank(path: Path, *, rng: bool) -> dict[str, Any]:
@@ -568,18 +481,12 @@ def _read_rank(path: Path, *, rng: bool) -> dict[str, Any]:
         "delete it to resume with the checkpoint writer's generator states on this rank "
         "(random draws there then differ from an uninterrupted run's)"
     )
-    payload = _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix, cap=_SMALL_FILE)
-    if rng:
-        _require_rng(path, payload, "rank RNG file", fix)
-    _verify_digest(path, payload, "rank RNG file", fix)
-    return payload
+    return _load_tagged(path, "rank RNG file", f"{_FORMAT}-rng", fix, cap=_SMALL_FILE, rng=rng)
 
 
 def read_state_file(folder: Path) -> dict[str, Any]:
-    source, fix = folder / _STATE_FILE, fix_for(folder)
-    payload = _load_tagged(source, "sharded checkpoint state file", _FORMAT, fix, cap=_SMALL_FILE)
-    _verify_digest(source, payload, "sharded checkpoint state file", fix)
-    return payload
+    what = "sharded checkpoint state file"
+    return _load_tagged(folder / _STATE_FILE, what, _FORMAT, fix_for(folder), cap=_SMALL_FILE)
 
 
 def _load_tagged(
@@ -591,15 +498,18 @@ def _load_tagged(
     cap: int | None = None,
     *,
     meta: bool = False,
+    rng: bool = False,
 ) -> dict[str, Any]:
-    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``.
+    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``,
+    its fields sane (``rng``: generators among them) and its digest checked.
 
     The file is a regular one of at most ``cap`` bytes, opened without blocking
     (:func:`~evendp._core._files.open_regular`); its tensors unpack to at most ``limit``
-    bytes; ``meta``: no tensor data is read. A file the OS will not open (permissions) is a
-    :class:`CheckpointError`: the previous checkpoint would be refused the same way. A
-    truncated, garbled, foreign or oversized one, or one that is not a regular file, is a
-    :class:`CorruptCheckpoint`, from which a resume falls back; both messages end with ``fix``.
+    bytes; ``meta``: no tensor data is read (tensors on the meta device, the digest
+    unchecked). A file the OS will not open (permissions) is a :class:`CheckpointError`: the
+    previous checkpoint would be refused the same way. A truncated, garbled, foreign or
+    oversized one, or one that is not a regular file, is a :class:`CorruptCheckpoint`, from
+    which a resume falls back; both messages end with ``fix``.
     """
     try:
         with open_regular(path, cap, mine=True) as source:
@@ -631,8 +541,18 @@ def _load_tagged(
         )
     try:
         _check_fields(payload)
+        if rng and "rng" not in payload:  # every file that restores generators wrote them
+            raise Refused("rng: missing")
     except Refused as exc:
         raise CorruptCheckpoint(f"{what} {str(path)!r} is refused: field {exc}; {fix}") from None
+    saved = payload.get("sha256")
+    if not meta and saved is None:  # an older evendp's file: accepted, and said once
+        UNVERIFIED.add(str(path))
+    elif not meta and content_digest(payload) != saved:
+        raise CorruptCheckpoint(
+            f"{what} {str(path)!r} is corrupt: its contents do not match the sha256 "
+            f"saved with them (garbled tensor data); {fix}"
+        )
     return payload
 
 
@@ -688,7 +608,10 @@ def _check_rng(rng: Any) -> None:
     kind = (state.dtype, state.shape) if isinstance(state, torch.Tensor) else None
     if kind != (ours.dtype, ours.shape):
         raise Refused(f"rng.torch: must be a uint8 tensor of shape {tuple(ours.shape)}")
-    check_kind("rng.python", random.getstate(), _python_rng(rng.get("python")))
+    python = rng.get("python")  # random's state as saved: lists after a round trip
+    if isinstance(python, list | tuple) and len(python) == 3 and isinstance(python[1], list):
+        python = (python[0], tuple(python[1]), python[2])
+    check_kind("rng.python", random.getstate(), python)
     cuda = rng.get("cuda", [])
     if not isinstance(cuda, list) or not all(
         isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda
@@ -701,27 +624,8 @@ def _check_rng(rng: Any) -> None:
             raise Refused("rng.numpy: must be numpy's [kind, 624 keys, pos, has_gauss, gauss]")
 
 
-def _python_rng(value: Any) -> Any:
-    """``random``'s state as saved (lists after a round trip) in the shape ``getstate`` has."""
-    if isinstance(value, list | tuple) and len(value) == 3 and isinstance(value[1], list | tuple):
-        return (value[0], tuple(value[1]), value[2])
-    return value
-
-
 #: Checkpoints read without a digest to verify (written before evendp kept one), by path.
 UNVERIFIED: set[str] = set()
-
-
-def _verify_digest(path: Path, payload: Mapping[str, Any], what: str, fix: str) -> None:
-    saved = payload.get("sha256")
-    if saved is None:  # an older evendp's file: accepted, and said once
-        UNVERIFIED.add(str(path))
-        return
-    if content_digest(payload) != saved:
-        raise CorruptCheckpoint(
-            f"{what} {str(path)!r} is corrupt: its contents do not match the sha256 "
-            f"saved with them (garbled tensor data); {fix}"
-        )
 
 
 def _first_sentence(text: str) -> str:
@@ -729,8 +633,6 @@ def _first_sentence(text: str) -> str:
 
     >>> _first_sentence("Weights only load failed. In PyTorch 2.6, we changed (a)...")
     'Weights only load failed.'
-    >>> _first_sentence("")
-    'no detail'
     """
     text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
     if not text:
@@ -740,35 +642,39 @@ def _first_sentence(text: str) -> str:
     return first if end < 0 else first[: end + 1]
 
 
-def _validate_model_state(path: Path, model: torch.nn.Module, state: Mapping[str, Any]) -> None:
-    own = model.state_dict()
-    missing = sorted(own.keys() - state.keys())
-    unexpected = sorted(state.keys() - own.keys())
+def _refuse_mismatch(
+    what: str, path: Path, own: Mapping[str, Any], saved: Mapping[str, Any]
+) -> None:
+    """A checkpoint whose model does not fit this one, refused: ``own`` and ``saved`` map each
+    state's name to its shape (``None``: not a tensor)."""
     wrong = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in state and isinstance(v, torch.Tensor) and isinstance(state[k], torch.Tensor)
-        if state[k].shape != v.shape
+        f"{k}: checkpoint {saved[k]} vs model {shape}"
+        for k, shape in own.items()
+        if k in saved and None not in (shape, saved[k]) and saved[k] != shape
     ]
-    if missing or unexpected or wrong:
-        details = "; ".join(
-            part
-            for part in (
-                f"missing keys {missing[:5]}" if missing else "",
-                f"unexpected keys {unexpected[:5]}" if unexpected else "",
-                f"shape mismatches {wrong[:5]}" if wrong else "",
-            )
-            if part
-        )
+    details = (
+        f"missing keys {sorted(own.keys() - saved.keys())[:5]}",
+        f"unexpected keys {sorted(saved.keys() - own.keys())[:5]}",
+        f"shape mismatches {wrong[:5]}",
+    )
+    shown_details = "; ".join(d for d in details if not d.endswith(" []"))
+    if shown_details:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} does not match the model ({details}); resume with the "
-            "same model configuration that wrote it, or use a new output directory"
+            f"{what} {str(path)!r} does not match the model ({shown_details}); resume with "
+            "the same model configuration that wrote it, or use a new output directory"
         )
+
+
+def _shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
 
 
 def _validate_optimizer_state(
     path: Path, optimizer: torch.optim.Optimizer, state: Mapping[str, Any] | None
 ) -> None:
+    """The saved optimizer state against ``optimizer``: its groups of the sizes and kinds ours
+    are (``lr`` a finite number, ``betas`` two), each parameter's state tensors of its
+    parameter's shape (or scalars, like Adam's step); :class:`Refused` names a bad field."""
     if state is None:
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no optimizer state but an optimizer was given; "
@@ -790,25 +696,13 @@ def _validate_optimizer_state(
             f"the optimizer here has {ours}; build the optimizer the same way as the run "
             "that wrote it"
         )
-    try:
-        _check_optimizer_fields(optimizer, groups, state.get("state"))
-    except Refused as exc:
-        raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is refused: field {exc}; {fix_for(path)}"
-        ) from None
-
-
-def _check_optimizer_fields(
-    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], state: Any
-) -> None:
-    """Each group's settings of the kind ours are (``lr`` a finite number, ``betas`` two), and
-    each parameter's state tensors of its parameter's shape (or scalars, like Adam's step)."""
     shapes: dict[Any, torch.Size] = {}
     for i, (mine, saved) in enumerate(zip(optimizer.param_groups, groups, strict=True)):
         settings = {k: v for k, v in mine.items() if k != "params"}
         check_kind(f"optimizer.param_groups.{i}", settings, saved)
         for key, param in zip(saved["params"], mine["params"], strict=True):
             shapes[key] = param.shape
+    state = state.get("state")
     if not isinstance(state, dict):
         raise Refused(f"optimizer.state: must be a dict, got {shown(state)}")
     for key, entries in state.items():
@@ -828,23 +722,6 @@ def _check_optimizer_fields(
                 raise Refused(f"{where}: must be a tensor or a number, got {shown(value)}")
 
 
-#: How each field is checked against this run's part before anything loads.
-_FIELD_CHECKS: dict[str, Callable[[Path, str, Any, Any], None]] = {
-    "model": lambda path, _, model, saved: _validate_model_state(path, model, saved),
-    "optimizer": lambda path, _, optimizer, saved: _validate_optimizer_state(
-        path, optimizer, saved
-    ),
-}
-
-
-def _state_limit(model: torch.nn.Module | None) -> int:
-    """The most bytes a checkpoint of ``model`` unpacks to: its state, an optimizer's few
-    copies of it (AdamW keeps two), generator states and the loss history, with room."""
-    states = {} if model is None else model.state_dict()
-    own = sum(t.numel() * t.element_size() for t in states.values())
-    return 8 * own + (64 << 20)
-
-
 def load_checkpoint(
     path: str | Path,
     *,
@@ -853,31 +730,19 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     scheduler: Any | None = None,
     restore_rng: bool = True,
-    verify: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Validate, then restore a checkpoint written by :func:`save_checkpoint`.
 
     Returns ``{"step": int, "extra": dict}``. Everything is checked before anything is
     loaded: a corrupt file or one whose keys or shapes do not match raises
     :class:`CheckpointError` naming the file and the fix, and leaves the model, the optimizer and
-    the file untouched. ``verify(path, extra)`` may refuse the run's saved configuration
-    before anything is loaded. (See :func:`save_checkpoint` for an example.)
+    the file untouched. (See :func:`save_checkpoint` for an example.)
     """
     _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler,
-             "rng": _Generators() if restore_rng else None}  # fmt: skip
+             "rng": RngState() if restore_rng else None}  # fmt: skip
     present = {name: part for name, part in parts.items() if part is not None}
-    return read_whole(path, present, verify=verify)
-
-
-class _Generators:
-    """This process's generators as a part (``load_checkpoint``'s ``restore_rng``)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return rng_state()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_rng_state(state_dict)
+    return read_whole(path, present)
 
 
 def read_whole(
@@ -887,14 +752,32 @@ def read_whole(
     verify: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """:func:`load_checkpoint` into the parts named by :data:`FIELDS` (others are not looked
-    at): every one is checked against its saved state before any loads."""
-    p = Path(path)
-    payload = _read(p, limit=_state_limit(parts.get("model")))
+    at): every one is checked against its saved state before any loads (the generators were
+    checked as the file was read)."""
+    p, model = Path(path), parts.get("model")
+    # Its tensors unpack to at most: the model's state, an optimizer's few copies of it (AdamW
+    # keeps two), generator states and the loss history, with room.
+    states = {} if model is None else model.state_dict()
+    limit = 8 * sum(t.numel() * t.element_size() for t in states.values()) + (64 << 20)
+    payload = _read(p, limit=limit)
     if verify is not None:
         verify(p, dict(payload.get("extra") or {}))
     fields = {name: parts[name] for name in FIELDS if name in parts}
     for name, part in fields.items():
-        _FIELD_CHECKS.get(name, _check_kind)(p, name, part, payload.get(name))
+        saved = payload.get(name)
+        try:
+            if name == "model":
+                _refuse_mismatch(
+                    "checkpoint", p, _shapes(part.state_dict()), _shapes(payload["model"])
+                )
+            elif name == "optimizer":
+                _validate_optimizer_state(p, part, saved)
+            elif saved is not None and name != "rng":  # a scaler's or scheduler's, of our kind
+                check_kind(name, part.state_dict(), saved)
+        except Refused as exc:
+            raise CorruptCheckpoint(
+                f"checkpoint {str(p)!r} is refused: field {exc}; {fix_for(p)}"
+            ) from None
     for name, part in fields.items():
         if payload.get(name) is None:  # a scaler or scheduler the writer had none of
             continue
@@ -926,19 +809,6 @@ def load_optimizer_state(optimizer: Any, state: Mapping[str, Any]) -> None:
         group.update(flags)
 
 
-def _check_kind(path: Path, name: str, part: Any, saved: Any) -> None:
-    """A saved scaler's or scheduler's state of the kind of ours (the generators were checked
-    as the file was read)."""
-    if saved is None or name == "rng":
-        return
-    try:
-        check_kind(name, part.state_dict(), saved)
-    except Refused as exc:
-        raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is refused: field {exc}; {fix_for(path)}"
-        ) from None
-
-
 # -- sharded (FSDP2) checkpoints through torch.distributed.checkpoint ----------------------------
 
 _STATE_FILE = "state.pt"  # inside a DCP folder: step, extra, scaler/scheduler (rank 0's)
@@ -963,17 +833,16 @@ def save_sharded_checkpoint(
     keep_previous: bool,
 ) -> Path:
     """Save an FSDP2 ``parts["model"]`` and ``parts["optimizer"]`` with
-    ``torch.distributed.checkpoint``, sharded.
+    ``torch.distributed.checkpoint``, sharded; no rank gathers the full model. A collective.
 
-    A collective: every rank calls it. The ranks write their shards, their per-rank states
-    ``own`` (``rng{rank}.pt``, each state under its part's name) and rank 0 the run's position
-    and :data:`STATE_FIELDS` (``state.pt``) into a temporary folder beside ``path``; once all
-    have written, rank 0 moves the current folder to :func:`previous_path` and renames the new
-    one into place, so a complete checkpoint exists at every instant and the rank files
-    rotate with it. No rank gathers the full model.
+    The ranks write their shards, their per-rank states ``own`` (``rng{rank}.pt``) and rank 0
+    the run's position and :data:`STATE_FIELDS` (``state.pt``) into a temporary folder beside
+    ``path``; once all have written, rank 0 moves the current folder to :func:`previous_path`
+    and renames the new one into place, so a complete checkpoint exists at every instant.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from .._distributed._rank_errors import agreed
@@ -983,7 +852,7 @@ def save_sharded_checkpoint(
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(parts["model"], parts["optimizer"])
     # Every rank checks its own shards; the ranks agree before anything is written.
-    agreed(lambda: _refuse_non_finite(target, step, model_state, None, optim_state), True)
+    agreed(lambda: _refuse_non_finite(target, step, model_state, optim_state), True)
 
     def write() -> None:
         if rank == 0:  # a leftover of a save that crashed: never part of a checkpoint
@@ -993,30 +862,22 @@ def save_sharded_checkpoint(
 
     agreed(write, distributed=True)
 
-    failures = _dcp_failures()
-
     def shards() -> None:
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
         except OSError as exc:
             raise disk_error(target, exc, "write") from None
-        except failures as exc:  # DCP wraps the ranks' OSErrors in its own exception
-            cause = _dcp_cause(exc)
-            if not isinstance(cause, OSError):
-                cause = OSError(0, _first_sentence(str(cause)))
+        except (Exception, CheckpointException) as exc:  # DCP wraps the ranks' OSErrors
+            errors = _dcp_errors(exc)
+            cause = next((e for e in errors if isinstance(e, OSError)), None)
+            if cause is None:
+                cause = OSError(0, _first_sentence(str(errors[0])))
             raise disk_error(target, cause, "write") from None
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
         save_rank_file(_rng_file(tmp, rank), step, own, previous=None)
         if rank == 0:
-            state: dict[str, Any] = {
-                "format": _FORMAT,
-                "version": _VERSION,
-                "step": int(step),
-                "world_size": dist.get_world_size(),
-                **{n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS},
-                "extra": dict(extra),
-            }
-            state["sha256"] = content_digest(state)
+            states = {n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS}
+            state = _signed(step, states, extra, world_size=dist.get_world_size())
             _atomic_save(state, tmp / _STATE_FILE, previous=None)
 
     try:
@@ -1046,30 +907,33 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(
-    path: str | Path, parts: Mapping[str, Any], *, rng: bool
+    path: str | Path,
+    parts: Mapping[str, Any],
+    *,
+    rng: bool,
+    verify: Callable[[Path, dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Restore a folder written by :func:`save_sharded_checkpoint` into ``parts``, on any
-    world size.
+    world size (DCP reshards the saved model and optimizer onto this run's ranks). A collective.
 
-    A collective. DCP reshards the saved model and optimizer onto this run's ranks. Returns
+    ``verify(path, extra)`` may refuse the saved configuration before anything loads. Returns
     ``{"step", "extra", "world_size", "own"}``: ``own`` is this rank's file (its per-rank
     states by name; ``rng``: it must hold generators), ``None`` when the run was saved by
     fewer ranks.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from .._distributed._rank_errors import agreed
 
     folder = Path(path)
     meta = agreed(lambda: read_state_file(folder), distributed=True)
+    agreed(lambda: verify(folder, dict(meta.get("extra") or {})), distributed=True)
     model, optimizer = parts["model"], parts["optimizer"]
     model_state, optim_state = get_state_dict(model, optimizer)
     agreed(lambda: _check_shard_shapes(folder, model_state), distributed=True)
-
-    failures = _dcp_failures()
-
     reader, planner = safe_dcp()
 
     def shards() -> None:
@@ -1079,8 +943,8 @@ def load_sharded_checkpoint(
                 storage_reader=reader(str(folder)),
                 planner=planner(),
             )
-        except failures as exc:  # a missing or truncated shard, from any rank's reader
-            refused = _refusal(exc)
+        except (Exception, CheckpointException) as exc:  # a missing or truncated shard
+            refused = next((e for e in _dcp_errors(exc) if isinstance(e, Refused)), None)
             if refused is not None:
                 raise CorruptCheckpoint(
                     f"sharded checkpoint {str(folder)!r} is refused: {refused}; {fix_for(folder)}"
@@ -1105,38 +969,18 @@ def load_sharded_checkpoint(
     }
 
 
-def _dcp_failures() -> tuple[type[BaseException], ...]:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)  # DCP's is a BaseException, not an Exception
-
-
-def _dcp_cause(exc: BaseException) -> BaseException:
-    """The first rank's own error inside DCP's ``CheckpointException`` (an OSError if any)."""
+def _dcp_errors(exc: BaseException) -> list[BaseException]:
+    """Each rank's error inside DCP's ``CheckpointException`` (else ``exc``), each followed by
+    its causes: the first ``OSError`` or :class:`Refused` among them says what went wrong."""
+    failures = getattr(exc, "failures", {}).values()
+    todo: list[Any] = [p[0] if isinstance(p, tuple) else p for p in failures] or [exc]
     found: list[BaseException] = []
-    for pair in getattr(exc, "failures", {}).values():
-        inner = pair[0] if isinstance(pair, tuple) else pair
-        while inner is not None:
+    while todo:
+        inner = todo.pop(0)
+        if inner is not None and all(inner is not e for e in found):
             found.append(inner)
-            inner = inner.__cause__ or inner.__context__
-    return next((e for e in found if isinstance(e, OSError)), found[0] if found else exc)
-
-
-def _refusal(exc: BaseException) -> Refused | None:
-    """The :class:`Refused` inside DCP's exception (any rank's), if a check refused an item."""
-    seen: list[BaseException] = [exc]
-    for pair in getattr(exc, "failures", {}).values():
-        seen.append(pair[0] if isinstance(pair, tuple) else pair)
-    visited: set[int] = set()
-    while seen:
-        inner = seen.pop()
-        if id(inner) in visited:
-            continue
-        visited.add(id(inner))
-        if isinstance(inner, Refused):
-            return inner
-        seen += [e for e in (inner.__cause__, inner.__context__) if e is not None]
-    return None
+            todo[:0] = [inner.__cause__, inner.__context__]
+    return found
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -1164,23 +1008,6 @@ def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
             f"sharded checkpoint {str(folder)!r} has no readable .metadata "
             f"({type(exc).__name__}); {fix_for(folder)}"
         ) from None
-    wrong = []
-    for name, tensor in model_state.items():
-        meta = saved.get(f"model.{name}")
-        size = getattr(meta, "size", None)
-        if size is not None and tuple(size) != tuple(tensor.shape):
-            wrong.append(f"{name}: checkpoint {tuple(size)} vs model {tuple(tensor.shape)}")
-    missing = sorted(n for n in model_state if f"model.{n}" not in saved)
-    if wrong or missing:
-        details = "; ".join(
-            p
-            for p in (
-                f"shape mismatches {wrong[:3]}" if wrong else "",
-                f"missing keys {missing[:3]}" if missing else "",
-            )
-            if p
-        )
-        raise CheckpointError(
-            f"sharded checkpoint {str(folder)!r} does not match the model ({details}); resume "
-            "with the same model configuration that wrote it, or use a new output directory"
-        )
+    metas = {n: saved[f"model.{n}"] for n in model_state if f"model.{n}" in saved}
+    theirs = {n: tuple(m.size) if hasattr(m, "size") else None for n, m in metas.items()}
+    _refuse_mismatch("sharded checkpoint", folder, _shapes(model_state), theirs)

@@ -1,37 +1,21 @@
 """One checkpointer for the run's state: named ``Stateful`` parts, in a format the strategy picks.
 
-The Trainer names the run's parts in one dict, in the style of torchtitan's ``states={...}``::
+The Trainer names the run's parts in one dict, in the style of torchtitan's ``states={...}``
+(``model``, ``optimizer``, ``scheduler``, ``scaler``, ``train``, ``rng``, ``guard``,
+``balancer``; a ``None`` part is absent). :class:`Checkpointer` loops over them whatever they
+are: each is saved once for all ranks, unless it is a
+:class:`~evendp._training._stateful.PerRank`, which every rank saves into its own file. Where
+each goes on disk is the strategy's :class:`CheckpointFormat`: :class:`WholeFile`
+(``ckpt.pt`` by rank 0 beside each rank's ``ckpt.rng{rank}.pt``) or :class:`DcpShards`
+(a ``torch.distributed.checkpoint`` folder ``ckpt.dcp``, resumable on any number of ranks).
 
-    {"model": ..., "optimizer": ..., "scheduler": ..., "scaler": ..., "train": TrainState,
-     "rng": PerRank(RngState), "guard": OomCaps, "balancer": SpeedBalancer}
-
-(a part that is ``None``, no scheduler or no scaler, is simply absent). :class:`Checkpointer`
-loops over them whatever they are: every part is the run's, saved once for all ranks, unless it
-is a :class:`~evendp._training._stateful.PerRank`, which every rank saves into its own channel
-and restores from its own (the generators are one; so can any part be). *Where* each goes on
-disk is a :class:`CheckpointFormat`, an object the strategy supplies
-(``Strategy.checkpoint_format``), which owns its file code:
-
-- :class:`WholeFile` (one process, DDP): rank 0 writes ``ckpt.pt``; every rank's per-rank
-  parts go in its own ``ckpt.rng{rank}.pt``, each under its name (no collective but the
-  agreement on errors), except rank 0's ``rng``, ``ckpt.pt``'s own field; at a resume the
-  ranks of other machines take rank 0's ``ckpt.pt`` over the process group.
-- :class:`DcpShards` (FSDP2): a collective ``torch.distributed.checkpoint`` save into the
-  ``ckpt.dcp`` folder, each rank its shards and its per-rank parts (``rng{rank}.pt``), rank 0
-  ``state.pt``.
-
-The layout is the one every evendp has written, so older checkpoints resume (a per-rank part
-an older file lacks keeps its fresh state). A part named by one of the format's fields
-(``ckpt.pt``: ``model``, ``optimizer``, ``scaler``, ``scheduler``, ``rng``; ``ckpt.dcp``: the
-shards and ``state.pt``'s ``scaler``, ``scheduler``) is stored there and checked against this
-run's object before anything loads (:mod:`evendp._training._checkpoint`). Every other shared
-part is plain data in the checkpoint's ``extra``: ``train`` and ``guard`` keep their keys at
-its top level, where they have always been (``epoch``, ``batch_in_epoch``, ``losses``,
-``samples``, ``micro_batch_sizes``, ``resplits``, ``skipped``; the train part's ``step`` is
-the checkpoint's own ``step``), any other part sits under its name (``extra["balancer"]``). So
-one more part is one more entry in the Trainer's dict. A part that refuses its saved state (a
-``ValueError``, ``TypeError`` or ``KeyError`` from ``load_state_dict``) makes the checkpoint
-corrupt: the resume falls back to the previous one, as for a garbled file.
+A part named by a format's field (``ckpt.pt``: :data:`~._checkpoint.FIELDS`; ``ckpt.dcp``: its
+shards and :data:`~._checkpoint.STATE_FIELDS`) is checked against this run's object before
+anything loads. Every other shared part is plain data in the checkpoint's ``extra``: ``train``
+and ``guard`` keep their keys at its top level, where every evendp has kept them, any other
+under its name (``extra["balancer"]``); a part an older checkpoint lacks keeps its fresh state.
+A part that refuses its saved state (``ValueError``, ``TypeError``, ``KeyError``) makes the
+checkpoint corrupt: the resume falls back to the previous one, as for a garbled file.
 """
 
 from __future__ import annotations
@@ -56,14 +40,13 @@ from ._checkpoint import (
     previous_path,
     rank_rng_path,
     read_rank_file,
-    read_state_file,
     read_whole,
     save_rank_file,
     save_sharded_checkpoint,
     write_whole,
 )
 from ._checkpoint_names import DCP_SHARDS, WHOLE_FILE
-from ._stateful import PerRank, Stateful
+from ._stateful import PerRank
 
 __all__ = ["CheckpointFormat", "Checkpointer", "DcpShards", "WholeFile"]
 
@@ -160,12 +143,9 @@ def restore_own(
 
 
 class CheckpointFormat(abc.ABC):
-    """Where the parts go on disk: a strategy's ``checkpoint_format``.
-
-    ``parts`` hold every part by name, this rank's :class:`PerRank` ones among them; the
-    format decides where each is stored. ``extra`` is plain data saved beside them (the run's
-    configuration).
-    """
+    """Where the parts go on disk: a strategy's ``checkpoint_format``. ``parts`` hold every
+    part by name, this rank's :class:`PerRank` ones among them; ``extra`` is plain data saved
+    beside them (the run's configuration)."""
 
     #: The checkpoint's name in ``out_dir`` (a file or a folder).
     name: str
@@ -184,8 +164,8 @@ class CheckpointFormat(abc.ABC):
         on a rank that wrote no checkpoint of its own."""
 
     def candidates(self, path: Path) -> tuple[list[Path], list[str]]:
-        """The checkpoints a resume may take, latest first (every rank the same list), and
-        lines on how they came here: ``path`` and its previous copy where they exist."""
+        """The checkpoints a resume may take, latest first (the same on every rank), and lines
+        on how they came here."""
         # Anything at the name (a FIFO, a dangling link): its load says why it is skipped.
         return [p for p in (path, previous_path(path)) if os.path.lexists(p)], []
 
@@ -194,9 +174,9 @@ class CheckpointFormat(abc.ABC):
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
         """Check, then restore ``parts`` from ``path`` (every rank calls it): ``{"step": int,
-        "extra": dict, "said": [lines]}`` (``said``: the parts' notes; ``"notes"``: lines on
-        what it fell back past inside ``path``). :class:`CorruptCheckpoint` when it cannot be
-        read back whole; ``verify`` runs on the saved ``extra`` before anything is loaded."""
+        "extra": dict, "said": [the parts' notes]}`` (``"notes"``: what it fell back past
+        inside ``path``). :class:`CorruptCheckpoint` when it cannot be read back whole;
+        ``verify`` runs on the saved ``extra`` before anything is loaded."""
 
 
 class WholeFile(CheckpointFormat):
@@ -225,29 +205,20 @@ class WholeFile(CheckpointFormat):
         keep_previous: bool,
     ) -> Path | None:
         shared, own = split(parts)
+        in_file, own_file = _own_split(own, rank)
 
         def write() -> Path | None:  # no collective: a fault on one rank cannot hang the others
             step, data = plain_data(shared, FIELDS, extra)
             if rank == 0:
-                whole = {**shared, **self._in_file(own, rank)}
+                whole = {**shared, **in_file}
                 write_whole(path, whole, step=step, extra=data, keep_previous=keep_previous)
-            mine = {n: p.state_dict() for n, p in self._in_rank_file(own, rank).items()}
+            mine = {n: p.state_dict() for n, p in own_file.items()}
             if mine:
                 previous = rank_rng_path(previous_path(path), rank)
                 save_rank_file(rank_rng_path(path, rank), step, mine, previous)
             return path if rank == 0 else None
 
         return agreed(write, _distributed())  # a failed write on one rank stops every rank
-
-    @staticmethod
-    def _in_file(own: Mapping[str, Any], rank: int) -> dict[str, Any]:
-        """Rank 0's per-rank parts ``ckpt.pt`` has a field for (``rng``: where rank 0's
-        generators have always been)."""
-        return {n: p for n, p in own.items() if n in FIELDS} if rank == 0 else {}
-
-    @classmethod
-    def _in_rank_file(cls, own: Mapping[str, Any], rank: int) -> dict[str, Any]:
-        return {n: p for n, p in own.items() if n not in cls._in_file(own, rank)}
 
     def candidates(self, path: Path) -> tuple[list[Path], list[str]]:
         """Rank 0's: a rank on another machine whose ``--out`` lacks rank 0's file (or holds
@@ -260,10 +231,9 @@ class WholeFile(CheckpointFormat):
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
         distributed, (shared, own) = _distributed(), split(parts)
-        whole = {**shared, **self._in_file(own, rank)}
-        info = agreed(lambda: read_whole(path, whole, verify=verify), distributed)
+        in_file, mine = _own_split(own, rank)
+        info = agreed(lambda: read_whole(path, {**shared, **in_file}, verify=verify), distributed)
         said = agreed(lambda: restore_plain(path, shared, FIELDS, info), distributed)
-        mine = self._in_rank_file(own, rank)
 
         def own_parts() -> list[str]:
             if not mine:
@@ -273,6 +243,13 @@ class WholeFile(CheckpointFormat):
 
         said += agreed(own_parts, distributed)  # every rank joins: a garbled file stops all
         return {**info, "said": said}
+
+
+def _own_split(own: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's parts ``ckpt.pt`` has a field for (rank 0's ``rng``: where its generators
+    have always been), and those of its own file."""
+    in_file = {n: p for n, p in own.items() if rank == 0 and n in FIELDS}
+    return in_file, {n: p for n, p in own.items() if n not in in_file}
 
 
 class DcpShards(CheckpointFormat):
@@ -302,9 +279,7 @@ class DcpShards(CheckpointFormat):
         self, path: Path, parts: Mapping[str, Any], *, rank: int, verify: Verify
     ) -> dict[str, Any]:
         shared, own = split(parts)
-        meta = agreed(lambda: read_state_file(path), True)
-        agreed(lambda: verify(path, dict(meta.get("extra") or {})), True)
-        info = load_sharded_checkpoint(path, shared, rng="rng" in own)
+        info = load_sharded_checkpoint(path, shared, rng="rng" in own, verify=verify)
         said = agreed(lambda: restore_plain(path, shared, _SHARDED, info), True)
         missing = (
             f"the checkpoint {str(path)!r} was saved by {info['world_size']} rank(s) and holds "
@@ -344,9 +319,6 @@ class Checkpointer:
     def save(self, path: Path, parts: Mapping[str, Any]) -> Path | None:
         """Write ``parts`` (``None`` ones left out) as this step's checkpoint at ``path``."""
         present = {name: part for name, part in parts.items() if part is not None}
-        for name, part in present.items():
-            if not isinstance(part, Stateful):
-                raise TypeError(f"the checkpoint part {name!r} has no state_dict/load_state_dict")
         saved = self.format.save(
             path, present, rank=self.rank, extra=dict(self.run_config),
             keep_previous=not self._latest_bad,

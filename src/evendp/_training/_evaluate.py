@@ -29,13 +29,6 @@ SumCount = tuple[Any, Any]
 EvalFn = Callable[[nn.Module, Batch], Mapping[str, SumCount]]
 
 
-def _count_of(batch: Batch, count_fn: Callable[[Batch], Any] | None) -> Any:
-    if count_fn is not None:
-        return count_fn(batch)
-    n = row_count(batch)
-    return 0 if n is None else n
-
-
 def loss_eval_fn(
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
     count_fn: Callable[[Batch], Any] | None = None,
@@ -51,7 +44,7 @@ def loss_eval_fn(
     """
 
     def eval_fn(model: nn.Module, batch: Batch) -> dict[str, SumCount]:
-        count = _count_of(batch, count_fn)
+        count = count_fn(batch) if count_fn is not None else row_count(batch) or 0
         loss = loss_fn(model, batch)
         # An empty share's mean is NaN (0/0): it counts nothing and adds exactly nothing.
         return {"loss": (share_loss(loss.detach().double(), count), count)}

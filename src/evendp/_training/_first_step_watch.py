@@ -1,16 +1,11 @@
 """The first real step against the plan, checked from outside the step.
 
-When this process planned its CUDA devices on live memory (:func:`evendp.plan`, which every
-``"auto"`` surface passes through, records each device's planned peak and budget in
-:func:`evendp._planning._on_device.planned_for`), the Trainer registers a
-:class:`FirstStepWatch`. After the first optimizer step it reads each device's reserved peak
-(:mod:`._peak_memory`, the one home of CUDA peak reads) and, for a device over its plan,
-lowers its micro-batch cap through :class:`~evendp._planning._calibrate.FirstStepCheck`
-before it runs out, said in one line. The shares and the gradient are unchanged: the cap is
-the same per-device state an OOM re-split lowers (:class:`~._oom.OomResplit`'s
-``micro_batch_sizes``), and each step's micro-steps come from the guard's plan
-(:meth:`~._oom.OomResplit.plan`). One process only: among ranks a cap lowered on one rank
-alone would change its micro-step count alone.
+When this process planned its CUDA devices on live memory
+(:func:`evendp._planning._on_device.planned_for`), the Trainer registers a
+:class:`FirstStepWatch`: after the first optimizer step, a device whose reserved peak
+(:mod:`._peak_memory`) is over its plan has its micro-batch cap lowered
+(:class:`~evendp._planning._calibrate.FirstStepCheck`, the same per-device cap an OOM re-split
+lowers) before it runs out, said in one line. The shares and the gradient are unchanged.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The Trainer under a launcher (``evendp launch``, torchrun): one run of ranks, not one run per
 process.
 
-A script that builds ``Trainer(model, data, TrainConfig(strategy="ddp"))`` and calls ``fit()``
-is started by the launcher once per rank. As the HF Trainer and Lightning do, the Trainer
-then starts the default process group itself (:func:`join_launch`, when torchrun's variables
-are set and no group is up yet), so its ranks train as one run (rank 0 writes ``out_dir``)
-with the strategy the config names. The launcher's per-rank sizes (``EVENDP_BATCH_SIZES``)
-are the run's plan unless the config gives its own
-(:func:`~evendp._planning._balance.rank_batch_plan` decides; a contradiction is refused).
-
-A group the Trainer started is ended when the script ends normally
-(:func:`~evendp._distributed._group.finish_distributed`, at exit: every rank done, the
-group destroyed before the interpreter tears gloo down); after an exception that escaped
-the script it is left alone (a barrier would wait for ranks that may never come).
+As the HF Trainer and Lightning do, the Trainer starts the default process group itself when
+torchrun's variables are set and no group is up (:func:`join_launch`), so a script started
+once per rank trains as one run. The group is ended when the script ends normally (at exit,
+:func:`~evendp._distributed._group.finish_distributed`); after an exception escaped the script
+it is left alone (a barrier would wait for ranks that may never come).
 """
 
 from __future__ import annotations
@@ -24,43 +17,32 @@ from typing import Any
 
 from .._core._errors import EvendpError
 
-__all__ = ["LAUNCH_VARS", "join_launch", "launched_world"]
+__all__ = ["join_launch"]
 
 #: What torchrun (and so ``evendp launch``) sets in every rank it starts.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _failed = False  # an exception escaped the script: no barrier at exit
 
 
-def launched_world(environ: Any = None) -> int | None:
+def _launched_world() -> int | None:
     """The ranks a launcher started this process among (``WORLD_SIZE``); ``None``: no
-    launcher (some of :data:`LAUNCH_VARS` missing).
-
-    >>> launched_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-    ...                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
-    2
-    >>> launched_world({}) is None
-    True
-    """
-    env = os.environ if environ is None else environ
-    if not all(env.get(name, "").strip() for name in LAUNCH_VARS):
+    launcher (some of :data:`_LAUNCH_VARS` missing)."""
+    if not all(os.environ.get(name, "").strip() for name in _LAUNCH_VARS):
         return None
     try:
-        return int(env["WORLD_SIZE"])
+        return int(os.environ["WORLD_SIZE"])
     except ValueError:
         raise EvendpError(
-            f"WORLD_SIZE={env['WORLD_SIZE']!r} is not an int; it is torchrun's (the number of "
-            "ranks): start the script with evendp launch or torchrun, not with these set by hand"
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an int; it is torchrun's (the number "
+            "of ranks): start the script with evendp launch or torchrun, not with these set by hand"
         ) from None
 
 
 def join_launch(strategy: str) -> None:
     """Start the default process group when a launcher started this process and none is up,
-    so that the Trainer runs ``strategy`` across the launched ranks (the strategy then moves
-    the model to the rank's device: ``_strategies/_placement.py``).
-
-    A one-process strategy (``"dp"``) among several launched ranks is refused: each rank
-    would train alone.
+    so that the Trainer runs ``strategy`` across the launched ranks. A one-process strategy
+    (``"dp"``) among several launched ranks is refused: each rank would train alone.
 
     >>> join_launch("ddp")  # no launcher here: nothing to do
     """
@@ -69,7 +51,7 @@ def join_launch(strategy: str) -> None:
     from .._distributed._group import init_distributed
     from ._strategies import STRATEGIES, rank_strategy_names
 
-    world = launched_world()
+    world = _launched_world()
     if world is None or not dist.is_available() or dist.is_initialized():
         return
     if not STRATEGIES[strategy].ranks:
@@ -84,12 +66,8 @@ def join_launch(strategy: str) -> None:
         refused.every_rank = True  # the same script and WORLD_SIZE on every rank
         raise refused
     init_distributed()
-    _end_at_exit()
-
-
-def _end_at_exit() -> None:
-    """End the group this module started once the script is done: at exit, unless an
-    exception escaped it (then the other ranks may never reach the barrier)."""
+    # End the group at exit, unless an exception escaped the script (then the other ranks
+    # may never reach the barrier).
     hook = sys.excepthook
 
     def note_failure(*args: Any) -> None:

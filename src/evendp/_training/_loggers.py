@@ -41,11 +41,14 @@ def _needs(package: str, logger: str, pip: str) -> Any:
 
 def _prefixed(metrics: dict[str, float], kind: str) -> dict[str, float]:
     """``{"loss": 2.0}`` as ``{"train/loss": 2.0}``; names with a ``/`` stay as they are."""
-    return {k if "/" in k else f"{kind}/{k}": float(v) for k, v in metrics.items()}
+    return {k if "/" in k or not kind else f"{kind}/{k}": float(v) for k, v in metrics.items()}
 
 
 class MetricLogger(Callback):
     """What every shipped logger shares: the Trainer's hooks mapped to ``log_metrics``."""
+
+    #: What the training metrics' names start with (``train/loss``).
+    train_prefix = "train"
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Write ``metrics`` (final names) at ``step``."""
@@ -56,7 +59,7 @@ class MetricLogger(Callback):
 
     def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         if trainer.rank == 0:
-            self.log_metrics(_prefixed(metrics, "train"), step)
+            self.log_metrics(_prefixed(metrics, self.train_prefix), step)
 
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         if trainer.rank == 0:
@@ -90,6 +93,8 @@ class CSVLogger(MetricLogger):
     2,2.0,2.2
     """
 
+    train_prefix = ""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(validate_path("path", path))
         self._rows: list[dict[str, Any]] = []
@@ -107,10 +112,6 @@ class CSVLogger(MetricLogger):
         self._columns += new
         # A new column, or a row extended in place: rewrite the file; else append one row.
         self._write(whole=bool(new) or len(self._rows[-1]) > len(metrics) + 1)
-
-    def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        if trainer.rank == 0:
-            self.log_metrics(dict(metrics), step)
 
     def _keep_earlier(self, step: int) -> None:
         """The rows of a file already there that come before ``step`` (a resumed run's); a

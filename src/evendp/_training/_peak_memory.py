@@ -1,13 +1,9 @@
 """The measured memory of a run on a GPU: the CUDA caching allocator's peak *reserved* bytes.
 
-A GPU runs out of what its allocator reserves (segments, rounding, library workspaces), not
-of what tensors allocate, so the report's measured figure on a CUDA device is
-``torch.cuda.max_memory_reserved``, the figure the plan's peak is set beside. It is one figure
-per physical device: replicas that share a GPU in one process share its allocator.
-
-:func:`reserved_peak` and :func:`reset_reserved_peak` are the only reads of the allocator's
-statistics for the report (GPU only; tests without a GPU replace them with fakes through this
-module's attributes).
+A GPU runs out of what its allocator reserves (segments, rounding, workspaces), not of what
+tensors allocate: the figure the plan's peak is set beside, one per physical device (replicas
+sharing a GPU share its allocator). :func:`reserved_peak` and :func:`reset_reserved_peak` are
+the report's only reads of the allocator (tests without a GPU replace them through this module).
 """
 
 from __future__ import annotations
@@ -18,28 +14,21 @@ __all__ = ["device_peaks", "reserved_peak", "reset_peaks", "reset_reserved_peak"
 
 
 def reserved_peak(device: torch.device) -> int | None:
-    """The allocator's peak reserved bytes on ``device`` since the last reset (``None``: not a
-    CUDA device, nothing to read).
-
-    >>> reserved_peak(torch.device("cpu")) is None
-    True
-    """
+    """The allocator's peak reserved bytes on ``device`` since the last reset; ``None`` off CUDA."""
     if device.type != "cuda":
         return None
     return int(torch.cuda.max_memory_reserved(device))  # GPU only
 
 
 def reset_reserved_peak(device: torch.device) -> None:
-    """Start ``device``'s peak afresh (a run's peak is its own, not the process's so far).
-
-    >>> reset_reserved_peak(torch.device("cpu"))  # nothing to reset off a GPU
-    """
+    """Start ``device``'s peak afresh (a run's peak is its own, not the process's so far)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # GPU only
 
 
 def device_peaks(devices: list[torch.device]) -> list[int | None]:
-    """Per entry of ``devices`` (repeats included), its device's peak reserved bytes.
+    """Per entry of ``devices`` (repeats included), its device's peak reserved bytes (``None``
+    off CUDA).
 
     >>> device_peaks([torch.device("cpu")] * 2)
     [None, None]
@@ -49,9 +38,6 @@ def device_peaks(devices: list[torch.device]) -> list[int | None]:
 
 
 def reset_peaks(devices: list[torch.device]) -> None:
-    """:func:`reset_reserved_peak` once for each device of ``devices``.
-
-    >>> reset_peaks([torch.device("cpu")])
-    """
+    """:func:`reset_reserved_peak` once for each device of ``devices``."""
     for device in dict.fromkeys(devices):
         reset_reserved_peak(device)

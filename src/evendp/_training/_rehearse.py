@@ -57,12 +57,9 @@ def attach_budgets(trainer: Any, memory: Sequence[int]) -> MemoryBudgets:
 def probe_even_split(
     trainer: Any, budgets: MemoryBudgets, batch: Any
 ) -> tuple[list[EvenShare], str]:
-    """One forward of ``batch`` split evenly, as ``nn.DataParallel`` would: does it fit?
-
-    It runs in the precision that trains (``config.amp``). Returns per device ``(even share,
-    measured forward peak, ran out)`` and one line saying the outcome; the budgets' peaks are
-    reset before and after, so the probe is not part of training.
-    """
+    """One forward of ``batch`` split evenly, as ``nn.DataParallel`` would, in the precision
+    that trains: per device ``(even share, measured forward peak, ran out)`` and one line on
+    the outcome. The budgets' peaks are reset before and after: the probe is not training's."""
     dp = trainer.wrapped
     even = split_even(int(row_count(batch) or 0), len(dp.device_ids))
     batch = map_tensors(batch, lambda t: t.to(dp.device_ids[0]))
@@ -96,12 +93,9 @@ def plan_for(
     say: Callable[[str], None] | None = None,
 ) -> Any:
     """The planner's :class:`~evendp.Plan` of ``batch`` samples of ``trainer``'s data and loss
-    over ``memory`` (bytes per device; no CUDA context: CPU devices have none).
-
-    Each measured batch has the shapes of ``first`` (the first batch training runs;
-    ``None``: collate it) with as many rows as measured, as :func:`evendp.plan` grows an
-    example batch: a measurement at a large card's capacity reads no sample. ``say`` gets
-    a line before each fake step the planner measures.
+    over ``memory`` (bytes per device; no CUDA context). Each measured batch has the shapes of
+    ``first`` (the first batch training runs; ``None``: collate it) grown to the rows measured,
+    so a measurement reads no sample. ``say`` gets a line before each fake step measured.
     """
     from .._planning._plan import plan
     from .._planning._planner import progress_to
@@ -160,14 +154,6 @@ def _first_batch(trainer: Any) -> Any:
     return trainer.collate(list(next(iter(sampler))))
 
 
-def _is_weight_list(weights: Any) -> bool:
-    """Per-device weights: a list or tuple of real numbers (BalancedDataParallel checks the
-    values)."""
-    return isinstance(weights, list | tuple) and all(
-        isinstance(w, int | float) and not isinstance(w, bool) for w in weights
-    )
-
-
 def rehearse(
     model: torch.nn.Module,
     data: Any,
@@ -181,25 +167,23 @@ def rehearse(
 ) -> TrainReport:
     """Train ``model`` on CPU virtual devices that enforce the memory ``memory`` states.
 
-    A dress rehearsal of a run on GPUs of unequal memory, on a laptop: one virtual device
-    per entry of ``memory`` (``"24MiB,12MiB"``, or ``"24GiB,12GiB"`` with
-    ``scale=1/1024`` for 24 MiB and 12 MiB), each replica's forward held to its budget (a
-    forward that would pass it raises ``torch.OutOfMemoryError`` there, as a full GPU
-    would). Before training, an even split of the first batch (what ``nn.DataParallel``
-    runs) is tried once; where it does not fit, ``say`` prints which device ran out and the
-    report marks it ``OOM``. Training then runs ``weights``: ``"auto"`` the planner's split
-    for the budgets (:func:`evendp.plan`; an :class:`EvendpError` when the batch cannot
-    fit), a list of weights, or ``None`` for the even split (whose out-of-memory shares the
-    Trainer re-splits into micro-batches, the gradient unchanged).
+    A dress rehearsal of a run on GPUs of unequal memory, on a laptop: each replica's forward
+    is held to its budget (past it, ``torch.OutOfMemoryError`` there, as a full GPU would).
+    Before training, an even split of the first batch (what ``nn.DataParallel`` runs) is tried
+    once; where it does not fit, ``say`` prints which device ran out and the report marks it
+    ``OOM``.
 
     Args:
         model, data, config: as for :class:`evendp.Trainer` (``config.batch_size`` is the
             global batch).
         memory: each device's budget: ``"24MiB,12MiB"``, ``"2x12MiB"`` or a list of sizes.
         scale: every budget is multiplied by it (``1/1024``: GiB read as MiB).
-        weights: ``"auto"``, per-device weights, or ``None`` (even).
-        say: where the lines before training go (with ``weights="auto"``, the planner's
-            progress; the split; the even split's outcome); ``None``: nowhere.
+        weights: ``"auto"``: the planner's split for the budgets (:func:`evendp.plan`; an
+            :class:`EvendpError` when the batch cannot fit), per-device weights, or ``None``:
+            the even split (whose out-of-memory shares the Trainer re-splits, the gradient
+            unchanged).
+        say: where the lines before training go (the planner's progress, the split, the even
+            split's outcome); ``None``: nowhere.
         trainer_args: the other :class:`evendp.Trainer` arguments (``loss_fn``,
             ``count_fn``, ``collate_fn``, ``callbacks``, ...).
 
@@ -233,40 +217,39 @@ def rehearse(
                 f"(got {trainer_args[name]!r}) and give memory= one budget per device"
             )
     devices: list[str | int | torch.device] = ["cpu"] * len(budgets)
-    if weights is not None and weights != "auto" and not _is_weight_list(weights):
+    listed = isinstance(weights, list | tuple) and all(
+        isinstance(w, int | float) and not isinstance(w, bool) for w in weights
+    )  # the values: BalancedDataParallel checks them
+    if weights is not None and weights != "auto" and not listed:
         raise EvendpError(
             f"weights={shown_value(weights)}: give 'auto' (the planner's split), per-device "
             "weights such as [3, 1], or None (the even split)"
         )
     validate_callable("say", say, "a function of one str such as print", allow_none=True)
+    tell = say or (lambda line: None)
     fixed = None if weights is None or isinstance(weights, str) else [float(w) for w in weights]
     trainer = Trainer(model, data, config, device_ids=devices, weights=fixed, **trainer_args)
     dp: Any = trainer.wrapped  # BalancedDataParallel: one process
     first = _first_batch(trainer)  # what the planner sizes and the even split tries
     planned = None
     if weights == "auto":
-        _say(say, f"planning the split of {config.batch_size} samples over {len(budgets)} "
-                  "devices (fake steps at a few sizes) ...")  # fmt: skip
+        tell(f"planning the split of {config.batch_size} samples over {len(budgets)} "
+             "devices (fake steps at a few sizes) ...")  # fmt: skip
         planned = plan_for(trainer, budgets, config.batch_size, first=first, say=say)
         dp.weights = [float(n) for n in planned.split]
     budget = attach_budgets(trainer, budgets)
     shown = ",".join(format_bytes(b).replace(" ", "") for b in budgets)
     source = "the planner's split" if planned is not None else "weights " + str(weights)
-    _say(say, f"{len(budgets)} virtual devices {trainer.device_names} with budgets {shown}, "
-              f"global batch {config.batch_size}: {dp.split(config.batch_size)} "
-              f"({source})")  # fmt: skip
+    tell(f"{len(budgets)} virtual devices {trainer.device_names} with budgets {shown}, "
+         f"global batch {config.batch_size}: {dp.split(config.batch_size)} "
+         f"({source})")  # fmt: skip
     even, line = probe_even_split(trainer, budget, first)
-    _say(say, line)
+    tell(line)
     report = trainer.fit()
     report.devices = _with_figures(report.devices, even, planned)
     if config.out_dir is not None and trainer.rank == 0:
         write_report(report, Path(config.out_dir))
     return report
-
-
-def _say(say: Callable[[str], None] | None, line: str) -> None:
-    if say is not None:
-        say(line)
 
 
 def _budgets(memory: str | Sequence[int | str], scale: float) -> list[int]:

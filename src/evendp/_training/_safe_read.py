@@ -1,24 +1,13 @@
 """Checkpoint files read back as data, never code, and never bigger than they look.
 
 Every file evendp reads back may have been replaced by someone else (a copied checkpoint, a
-shared folder), so each is read the way OpenSSH reads its own files: distrust first.
-
-- ``torch.save`` files (``ckpt.pt``, ``ckpt.rngR.pt``, FSDP2 ``state.pt``, and each item inside a
-  DCP ``.distcp`` file) are zip archives whose entries ``torch.save`` never compresses: an entry
-  that is compressed, or entries that unpack to more than the archive holds, are refused before
-  ``torch.load`` reads them (a 1 MB file cannot unpack to 1 GB), and a non-zip file (the legacy
-  format reads sizes from the file and allocates them) is refused too.
-- DCP's ``.metadata`` is a pickle: :class:`_MetadataUnpickler` admits only the classes DCP's
-  metadata is made of (torch 2.13: its dataclasses, ``torch.Size``, dtypes, the layout helper),
-  so a pickle that would run code fails to load instead.
-- DCP's byte items (the optimizer's ``lr``, ``betas``...) are loaded with
-  ``weights_only=True`` (torch's default planner uses ``weights_only=False``) and must be of the
-  kind the value they replace is (a float for a float): :class:`SafeLoadPlanner`.
-- Item paths named by ``.metadata`` are plain file names in the checkpoint's folder.
-
-:class:`Refused` carries ``"FIELD: why"``; :mod:`evendp._training._checkpoint` turns it into one
-line naming the file (a :class:`~evendp._training._checkpoint.CorruptCheckpoint`: a resume falls
-back to the previous checkpoint).
+shared folder), so each is read distrusting it first. ``torch.save`` archives (evendp's files
+and each item of a DCP ``.distcp`` file) must hold stored, not compressed, entries that unpack
+to no more than the archive holds, and be zips (the legacy format allocates the sizes it reads);
+DCP's ``.metadata`` pickle may name only DCP's metadata classes, and the item files only plain
+names in its folder; DCP's byte items load with ``weights_only=True`` and must be of the kind
+of the value they replace. :class:`Refused` carries ``"FIELD: why"``, which
+:mod:`evendp._training._checkpoint` turns into one line naming the file.
 """
 
 from __future__ import annotations
@@ -59,15 +48,11 @@ def check_archive(source: str | Path | IO[bytes], limit: int | None = None) -> N
     """``source`` is a ``torch.save`` zip whose entries are stored (not compressed), unpack to
     no more than the archive's own size and, with ``limit``, to at most ``limit`` bytes.
 
-    >>> import io, tempfile
-    >>> buffer = io.BytesIO(); torch.save({"w": torch.zeros(4)}, buffer)
-    >>> check_archive(buffer)
     >>> bomb = io.BytesIO()
     >>> with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
     ...     z.writestr("a/data/0", bytes(10_000_000))
     >>> check_archive(bomb)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ...
     evendp._training._safe_read.Refused: archive: entry 'a/data/0' is compressed ...
     """
     try:
@@ -190,19 +175,13 @@ def read_dcp_metadata(path: str | Path) -> Any:
 
 @functools.cache
 def safe_dcp() -> tuple[type, type]:
-    """``(SafeReader, SafeLoadPlanner)``: DCP's file reader and default load planner, made safe.
-
-    ``SafeReader`` reads ``.metadata`` with :func:`read_dcp_metadata` and checks each item's
-    archive (:func:`check_archive`) before ``torch.load`` reads it; ``SafeLoadPlanner`` loads
-    byte items with ``weights_only=True`` and only where they are of the kind of the value they
-    replace (:func:`check_kind`). Built on first use: DCP is imported only by FSDP2 runs.
-    """
+    """``(SafeReader, SafeLoadPlanner)``: DCP's file reader and default load planner, made safe
+    (built on first use: DCP is imported only by FSDP2 runs)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeReader(FileSystemReader):
-        """DCP's file reader with :func:`read_dcp_metadata` and each item's archive checked
-        (:func:`check_archive`) before ``torch.load`` reads it."""
+        """:func:`read_dcp_metadata`, and each item's archive checked before it is read."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -226,8 +205,7 @@ def safe_dcp() -> tuple[type, type]:
             return super().read_data(plan, planner)
 
     class SafeLoadPlanner(DefaultLoadPlanner):
-        """DCP's default load planner, but byte items load with ``weights_only=True`` and must be of
-        the kind the value they replace is (:func:`check_kind`)."""
+        """Byte items load with ``weights_only=True``, of the kind of the value they replace."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
@@ -237,16 +215,12 @@ def safe_dcp() -> tuple[type, type]:
                 raise Refused(f"{fqn}: not plain data ({type(exc).__name__})") from None
             current = self.state_dict.get(fqn) if self.flatten_state_dict else None
             check_kind(fqn, current, loaded)
-            super().load_bytes(read_item, _saved(loaded))
+            buffer = io.BytesIO()  # DCP's loader reads what loaded as data, never the file
+            torch.save(loaded, buffer)
+            buffer.seek(0)
+            super().load_bytes(read_item, buffer)
 
     return SafeReader, SafeLoadPlanner
-
-
-def _saved(value: Any) -> io.BytesIO:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def _number(value: Any) -> bool:

@@ -1,24 +1,14 @@
-"""The run's state as named parts that each save and restore themselves (``Stateful``).
-
-A part is anything with ``state_dict()`` and ``load_state_dict(sd)``, the shape of
-``torch.distributed.checkpoint.stateful.Stateful``: a model, an optimizer, a scheduler, a
-scaler, the run's position (:class:`~evendp._training._train_state.TrainState`), a speed
-balancer (:class:`~evendp.SpeedBalancer`). Two parts that hold no such methods of their own
-get a small adapter here: this process's random generators (:class:`RngState`) and the OOM
-re-split's micro-batch caps (:class:`OomCaps`), and this rank's place in the data
-(:class:`SamplerPosition`). The Trainer names its parts in one dict, in the
-style of torchtitan's ``states={...}``; :mod:`evendp._training._checkpointer` saves and resumes
-them.
+"""The run's state as named parts that each save and restore themselves (``Stateful``, the
+shape of ``torch.distributed.checkpoint.stateful.Stateful``), and adapters for the parts with
+no such methods of their own: the OOM re-split's caps (:class:`OomCaps`), this rank's place in
+the data (:class:`SamplerPosition`) and the generators (:class:`RngState`, kept with the
+checkpoint files). The Trainer names its parts in one dict, in the style of torchtitan's
+``states={...}``; :mod:`evendp._training._checkpointer` saves and resumes them.
 
 A part is the run's, one state for all ranks (rank 0 saves it), unless wrapped in
-:class:`PerRank`: then every rank saves its own and restores its own (the generators, which
-differ by rank). A per-rank part the checkpoint holds nothing of for this rank (a rank the
-saved run did not have) keeps its fresh state, and its ``without_saved(why, rank)``, when it
-has one, says so (:class:`RngState` reseeds with a warning).
-
-``load_state_dict`` may return a one-line note of what it could not restore (a split saved for
-another number of ranks, left at its fresh value): the resume prints it. torch's own parts
-return ``None``, which says nothing.
+:class:`PerRank`: then every rank saves and restores its own. ``load_state_dict`` may return
+a one-line note of what it could not restore (a split saved for another number of ranks):
+the resume prints it.
 """
 
 from __future__ import annotations
@@ -27,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._core._validate import is_int, shown
 from .._distributed._sampler import UnevenBatchSampler
-from ._checkpoint import rng_state, set_rng_state, without_saved_rng
+from ._checkpoint import RngState
 from ._oom import OomResplit
 from ._train_state import TrainState
 
@@ -65,36 +55,6 @@ class PerRank:
         return self.part.load_state_dict(state_dict)
 
 
-class RngState:
-    """This process's random generators (torch, CUDA when used, ``random``, numpy when imported).
-
-    A per-rank part (:class:`PerRank`): each rank saves its own. ``reseed`` is what a rank
-    with no saved generators of its own seeds torch and ``random`` with (with a warning).
-
-    >>> import torch
-    >>> rng = RngState(reseed=7)
-    >>> saved = rng.state_dict(); a = torch.rand(1)
-    >>> rng.load_state_dict(saved); torch.equal(a, torch.rand(1))
-    True
-    """
-
-    #: What a message calls this part.
-    what = "RNG state"
-
-    def __init__(self, reseed: int | None = None) -> None:
-        self.reseed = reseed
-
-    def state_dict(self) -> dict[str, Any]:
-        return rng_state()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_rng_state(state_dict)
-
-    def without_saved(self, why: str, rank: int) -> None:
-        """No generators saved for this rank (``why``): warn, and reseed with ``reseed``."""
-        without_saved_rng(why, rank, self.reseed)
-
-
 class OomCaps:
     """The OOM re-split's state: each device's micro-batch cap, the re-splits and skipped steps.
 
@@ -122,17 +82,15 @@ class OomCaps:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> str | None:
+        # Its fields are counts: checked as the checkpoint was read (``_check_fields``).
         caps = state_dict.get("micro_batch_sizes")
-        counts = {k: state_dict.get(k, 0) for k in ("resplits", "skipped")}
-        for key, value in counts.items():  # a checkpoint's fields are checked as it is read;
-            if not isinstance(value, int) or value < 0:  # this part is also usable alone
-                raise ValueError(f"{key}: must be a count, got {shown(value)}")
         guard, note = self.guard, None
         if isinstance(caps, list) and len(caps) == len(guard.micro_batch_sizes):
             guard.micro_batch_sizes = [None if c is None else int(c) for c in caps]
         elif isinstance(caps, list) and any(c is not None for c in caps):
             note = "the saved OOM micro-batch caps are per device: not applied here"
-        guard.resplits, guard.skipped = counts["resplits"], counts["skipped"]
+        guard.resplits = state_dict.get("resplits", 0)
+        guard.skipped = state_dict.get("skipped", 0)
         return note
 
 
