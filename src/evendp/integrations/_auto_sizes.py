@@ -12,8 +12,6 @@ from torch.utils.data import default_collate
 
 import evendp
 
-from .._planning._balance import planned_rank_sizes
-
 __all__ = ["auto_loader_sizes"]
 
 
@@ -41,7 +39,7 @@ def auto_loader_sizes(
             f"{where}: batch_sizes='auto' plans on a sample of the data, but it is empty"
         )
     collate = default_collate if collate_fn is None else collate_fn
-    sizes, _ = planned_rank_sizes(
+    sizes, _ = evendp.planned_rank_sizes(
         model,
         lambda: collate([dataset[0]]),  # read only when planning
         batch_size * world,

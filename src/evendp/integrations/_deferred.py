@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._epoch import EpochRelay
+from ._interleave import EpochRelay
 
 __all__ = ["DeferredBatchSampler", "launch_rank"]
 
@@ -45,7 +45,7 @@ class DeferredBatchSampler:
     """``build(rank, world)``'s batch sampler, rebuilt at first use for the group's rank.
 
     Found as ``batch_sampler`` (the built sampler) and ``sampler`` (a relay of ``set_epoch``,
-    where Lightning calls it), as :class:`._epoch.RelayedBatchSampler`.
+    where Lightning calls it).
 
     >>> import evendp
     >>> deferred = DeferredBatchSampler(

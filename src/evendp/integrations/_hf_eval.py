@@ -1,18 +1,13 @@
 """Exact evaluation for :class:`~evendp.integrations.transformers.UnevenTrainer`.
 
-One process evaluates batches of ``B = per_device_eval_batch_size`` rows in dataset order; a
-batch's loss is the mean over its counted items (a seq2seq or causal LM's non-ignored label
-tokens), and ``eval_loss`` is the mean of the batches' losses, each repeated ``B`` times by the
-Trainer's loop: ``gather_for_metrics`` (the Trainer's) cuts a short last batch's repeats to its
-rows, ``gather`` (``Seq2SeqTrainer``'s) keeps all ``B``. So ``eval_loss`` depends on which rows
-share a batch and on that choice. Here each of those same batches of ``B`` rows is split over
-the ranks like training (``batch_sizes``' proportions, zeros included; an empty piece runs a
-stand-in row and yields no row); the batch's loss is the mean over its counted items on all
-ranks (one all-reduce per batch), the batches are weighted as the same loop weighs them in one
-process, and the rows come back in dataset order, each once. So ``eval_loss``, the predictions
-and the labels are those of the same script in one process, whatever the world size. (Batches
-of ``B * world_size`` rows, each weighted by its rows, gave a tiny Marian's 13 rows under
-``Seq2SeqTrainer`` on ``[1, 3]`` 5.44997 where one process gives 5.53057.)
+One process evaluates batches of ``B = per_device_eval_batch_size`` rows in dataset order, and
+``eval_loss`` is the mean of their losses weighted as its loop weighs them (by rows with
+``gather_for_metrics``, all alike with ``gather``). Here each of those batches is split over
+the ranks as a training step is (:func:`evendp.layout_step`; an empty piece runs a stand-in),
+its loss taken over all ranks (one all-reduce a batch), and the rows come back in dataset
+order, each once: ``eval_loss`` and the predictions are one process's, whatever the world
+size. (Batches of ``B * world_size`` rows gave a tiny Marian 5.44997 where one process gives
+5.53057.)
 """
 
 from __future__ import annotations
@@ -47,9 +42,8 @@ class EvalPieces:
 
     def __iter__(self) -> Iterator[list[int]]:
         for start, rows in zip(range(0, self.rows, self.batch), self.batch_rows, strict=True):
-            shares = evendp.split_sizes(rows, self.sizes)
-            first = start + sum(shares[: self.rank])
-            yield list(range(first, first + shares[self.rank]))
+            # Rows to ranks as a training step's (the one layout), in dataset order.
+            yield evendp.layout_step(range(start, start + rows), self.sizes).rank_indices(self.rank)
 
     def __len__(self) -> int:
         return math.ceil(self.rows / self.batch)

@@ -1,7 +1,7 @@
 """Every rank's batches of one step, in rank order, from one loader: the sampler that
 :func:`evendp.integrations.accelerate.uneven_dataloader` hands Accelerate (which shards a
-loader's batches round-robin, one to each process) and that the Transformers adapter finds
-again inside a prepared loader."""
+loader's batches round-robin, one to each process); and the ``set_epoch`` relay Accelerate
+and Lightning reach through ``batch_sampler.sampler``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,22 @@ from typing import Any
 
 import evendp
 
-from ._epoch import EpochRelay
+__all__ = ["EpochRelay", "InterleavedBatchSampler"]
 
-__all__ = ["InterleavedBatchSampler"]
+
+class EpochRelay:
+    """Found as ``batch_sampler.sampler`` (where both libraries look): forwards ``set_epoch``.
+
+    Neither Accelerate's ``DataLoaderShard`` nor Lightning calls ``set_epoch`` on a custom
+    batch sampler itself; both call it on ``batch_sampler.sampler``. It has no ``generator``
+    for Accelerate to replace and is not a ``RandomSampler`` for it to re-seed.
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner  # has set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._owner.set_epoch(epoch)
 
 
 class InterleavedBatchSampler:

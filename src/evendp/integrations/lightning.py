@@ -1,23 +1,9 @@
 """Per-rank batch sizes with the exact gradient in a Lightning ``Trainer`` (DDP, accumulation).
 
-Two pieces, and ``Trainer(use_distributed_sampler=False)`` so Lightning keeps the batch sampler
-instead of re-instantiating it around a ``DistributedSampler``:
-
-* :func:`uneven_dataloader`, returned from ``train_dataloader()``: a ``DataLoader`` over
-  :class:`evendp.UnevenBatchSampler` (rank from the process group, sizes from
-  ``EVENDP_BATCH_SIZES`` by default) with :class:`evendp.EmptySafeCollate`. Lightning calls
-  ``set_epoch`` only on ``batch_sampler.sampler``, so the loader puts a relay there.
-* :class:`UnevenGradient`, a callback: ``training_step`` returns the mean loss over what
-  ``count_fn(batch)`` counts (``reduction="mean"``), as Lightning users write it. The callback
-  weights each micro-batch's loss by its count before backward, sums the count and the loss of
-  the whole optimizer step over ranks (one all-reduce per optimizer step) and, before the
-  optimizer step and gradient clipping, multiplies the gradients by
-  ``accumulate_grad_batches * world_size / count``. That undoes Lightning's division of the
-  loss by ``accumulate_grad_batches`` and DDP's by the world size, leaving the gradient of the
-  mean over the whole global batch, for any split and for token counts known only after
-  the forward pass. It logs that batch's mean loss (``"loss"``), the same on every rank.
-  An empty share is a stand-in sample (one real sample) of weight exactly 0, so models that
-  cannot forward 0 rows run it. Automatic optimization only.
+Return :func:`uneven_dataloader` from ``train_dataloader()``, add the :class:`UnevenGradient`
+callback, and pass ``Trainer(use_distributed_sampler=False)`` so Lightning keeps the batch
+sampler. ``training_step`` returns its mean loss as Lightning users write it; the callback
+weights it and rescales the gradients before the optimizer step. Automatic optimization only.
 """
 
 from __future__ import annotations
@@ -31,9 +17,9 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._planning._balance import NoBalance, step_balancer
 from ._auto_sizes import auto_loader_sizes
 from ._deferred import DeferredBatchSampler
+from ._speed import Unbalanced, batch_rows, resizable, resplitting
 
 __all__ = [
     "SpeedBalance",
@@ -45,21 +31,13 @@ __all__ = [
 
 
 def count_samples(batch: Any) -> int:
-    """Samples in a batch: the length of its first tensor (a tuple, list, dict or a tensor).
+    """Samples in a batch (a tuple, list, dict or a tensor): its first tensor's rows (a dict's
+    ``labels``' when it has them).
 
     >>> count_samples((torch.zeros(3, 4), torch.zeros(3)))
     3
     """
-    values = batch.values() if isinstance(batch, dict) else batch
-    if isinstance(values, torch.Tensor):
-        return int(values.shape[0])
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise evendp.EvendpError(
-        f"cannot count the samples of a {type(batch).__name__} batch: no tensor with a batch "
-        "dimension; pass count_fn=... to UnevenGradient"
-    )
+    return batch_rows(batch, "pass count_fn=... to UnevenGradient")
 
 
 def logged_count(batch: Any, count_fn: Callable[[Any], int] | None = None) -> float:
@@ -99,14 +77,10 @@ def uneven_dataloader(
 ) -> DataLoader:
     """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step.
 
-    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
-    ``batch_size`` on every rank; ``"auto"`` splits ``batch_size * world`` by each rank's
-    memory (``memory=`` or ``EVENDP_MEMORY``, else the GPU's free memory), planned for
-    ``model`` on one collated sample, as ``UnevenTrainer``. The rank comes from the process
-    group when there is one, else it is 0 with one batch size.
-    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
-    samples to ranks by padded cost; ``max_tokens`` makes each step a token budget (see
-    :class:`evendp.UnevenBatchSampler`); :class:`SpeedBalance` moves samples by speed.
+    ``batch_sizes``, ``"auto"``, ``costs`` and ``max_tokens`` as in the Accelerate
+    ``uneven_dataloader``. The rank comes from the process group when the loader is used
+    (a loader built in ``main()``, before ``fit``, too); :class:`SpeedBalance` moves
+    samples by speed.
 
     >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
     >>> [b[0].tolist() for b in uneven_dataloader(data, [4], shuffle=False)]
@@ -154,15 +128,13 @@ _REDUCTIONS = ("mean", "sum")
 class UnevenGradient(pl.Callback):
     """Make the accumulated, DDP-averaged gradient the mean over the step's global batch.
 
-    ``training_step`` returns the loss as Lightning users write it, a mean over what
-    ``count_fn(batch)`` counts (``reduction="mean"``; default :func:`count_samples`; for a
-    language model e.g. the non-ignored shifted labels), or its sum (``reduction="sum"``).
-    Each micro-batch's loss is weighted by its count before backward (a stand-in batch, an
-    empty share, by exactly 0); before the optimizer step and gradient clipping one
-    all-reduce sums the step's count and loss over ranks, the gradients are multiplied by
-    ``accumulate_grad_batches * world_size / count`` (undoing Lightning's division by the
-    accumulation steps and DDP's by the world size), and the step's global mean loss is
-    logged as ``log_name`` (default ``"loss"``, ``None`` to not log), the same on every rank.
+    ``training_step`` returns a mean over what ``count_fn(batch)`` counts
+    (``reduction="mean"``; default :func:`count_samples`; e.g. the non-ignored shifted labels
+    of a language model), or its sum (``reduction="sum"``). Each micro-batch's loss is
+    weighted by its count before backward (a stand-in's by exactly 0); before the optimizer
+    step and clipping one all-reduce sums the step's count and loss, the gradients are
+    multiplied by ``accumulate_grad_batches * world_size / count`` (undoing Lightning's and
+    DDP's divisions), and the global mean loss is logged as ``log_name`` (``None``: not).
 
     >>> UnevenGradient().count_fn((torch.zeros(5, 2),))
     5
@@ -242,29 +214,14 @@ def _amp_scale(trainer: pl.Trainer) -> float:
     return float(scaler.get_scale()) if scaler is not None else 1.0
 
 
-def _balanced_sampler(loader: Any) -> Any:
-    """The sampler with ``set_batch_sizes`` inside a loader from :func:`uneven_dataloader`."""
-    sampler = loader
-    for _ in range(4):  # DataLoader -> DeferredBatchSampler -> UnevenBatchSampler
-        sampler = getattr(sampler, "batch_sampler", None)
-        if hasattr(sampler, "set_batch_sizes"):
-            return sampler
-    raise evendp.EvendpError(
-        f"SpeedBalance needs the training loader from evendp's uneven_dataloader, got "
-        f"{type(loader).__name__}; return uneven_dataloader(...) from train_dataloader() "
-        "and pass Trainer(use_distributed_sampler=False)"
-    )
-
-
 class SpeedBalance(pl.Callback):
     """Move samples from slow ranks to fast ones at every optimizer step (Lightning DDP).
 
-    Times each rank's ``training_step`` (the forward and the loss, up to Lightning's
-    ``backward``, which waits for the slowest rank under DDP) and its optimizer update, and,
-    before every optimizer step, lets :class:`evendp.SpeedBalancer` re-split the sampler of
-    :func:`uneven_dataloader`: every rank applies the same split at the same step, each
-    step's samples stay the same, so with :class:`UnevenGradient` the gradient is still the
-    global batch's. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+    Times each rank's ``training_step`` (up to ``backward``, which waits for the slowest
+    rank under DDP) and its optimizer update; before every optimizer step,
+    :class:`evendp.SpeedBalancer` (``knobs``: ``caps``, ``warmup``, ...) may re-split the
+    sampler of :func:`uneven_dataloader`, the same on every rank; each step's samples, and
+    with :class:`UnevenGradient` the gradient, stay the global batch's.
 
     >>> SpeedBalance(warmup=2).knobs
     {'warmup': 2}
@@ -272,19 +229,21 @@ class SpeedBalance(pl.Callback):
 
     def __init__(self, **knobs: Any) -> None:
         self.knobs = knobs
-        self.balancer: Any = NoBalance()
+        self.balancer: Any = Unbalanced()
         self._block: Any = None
         self._update: Any = None  # the optimizer step's timer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sampler = _balanced_sampler(trainer.train_dataloader)
-        self.balancer = step_balancer(
-            sampler.batch_sizes,
-            "speed",
-            distributed=trainer.world_size > 1,
-            apply=sampler.set_batch_sizes,  # Lightning's loop: applied where decided
-            **self.knobs,
-        )
+        sampler = resizable(loader := trainer.train_dataloader)
+        if sampler is None:
+            raise evendp.EvendpError(
+                f"SpeedBalance needs the training loader from evendp's uneven_dataloader, got "
+                f"{type(loader).__name__}; return uneven_dataloader(...) from train_dataloader() "
+                "and pass Trainer(use_distributed_sampler=False)"
+            )
+        # One process has no ranks to balance; Lightning's loop: applied where decided.
+        speed = trainer.world_size > 1
+        self.balancer = resplitting(sampler, **self.knobs) if speed else Unbalanced()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -1,40 +1,12 @@
 """``UnevenTrainer``: a Hugging Face ``Trainer`` whose ranks each take their own batch size.
 
-Run under ``evendp launch`` or ``torchrun`` (one process per device). ``batch_sizes[r]`` is the
-number of samples rank ``r`` takes per forward pass; ``gradient_accumulation_steps`` multiplies
-it as in Hugging Face, so one optimizer step covers ``sum(batch_sizes) * accumulation`` samples.
-``per_device_train_batch_size`` only sets the default (an even split) and is otherwise ignored.
-
-What changes against ``transformers.Trainer``, through its documented overridable methods:
-
-* ``get_train_dataloader``: the loader of :func:`evendp.integrations.accelerate.uneven_dataloader`
-  (one global permutation, every rank the same number of batches, each sample once per epoch).
-* ``compute_loss``: the gradient is the one of the mean over the whole global batch.
-  Token losses (the model takes ``num_items_in_batch``, ``model_accepts_loss_kwargs``) already
-  go through the Trainer's own path: it counts the step's non-ignored tokens on every rank, sums
-  them over ranks (``average_tokens_across_devices=True``, required) and multiplies by the
-  number of processes, which undoes DDP's averaging; that path is left exactly as it is. Any
-  other loss is taken as a per-batch mean over ``count_fn(inputs)`` items (default: the rows of
-  the batch): it becomes this batch's sum, divided by the step's count summed over all ranks and
-  micro-batches and multiplied by the world size, so neither DDP's division by the world size
-  nor the Trainer's division by the accumulation steps applies any more
-  (``loss_is_scaled_for_ga = True``).
-* ``get_batch_samples``: also sums ``count_fn`` over the step's micro-batches and ranks (one
-  all-reduce per optimizer step, only for non-token losses).
-* ``get_total_train_batch_size``: ``sum(batch_sizes) * gradient_accumulation_steps``, so the
-  logged total batch and samples/s are true.
-* ``get_eval_dataloader``, ``get_test_dataloader``, ``evaluation_loop``, ``prediction_step``:
-  each evaluation batch of ``per_device_eval_batch_size`` rows (one process's batch, whatever
-  the world size) is split like training, its loss taken over all ranks and each row gathered
-  once (:mod:`._hf_eval`): ``evaluate``/``predict`` give the metrics and predictions of the
-  same script in one process.
-
-A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
-``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
-``model.accepts_loss_kwargs = False`` (the Trainer's own switch) so its loss is weighted by
-samples. DeepSpeed ZeRO (``deepspeed=``) works as it is (:mod:`evendp.integrations.deepspeed`).
-Refused: ``auto_find_batch_size``, one process driving several GPUs (``nn.DataParallel``),
-``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
+Run one process per device (``evendp launch``, ``torchrun``). ``batch_sizes[r]`` samples per
+forward pass on rank ``r``, ``gradient_accumulation_steps`` as in Hugging Face. Through the
+Trainer's overridable methods only: this rank's loader, a loss made the global batch's
+(a token loss already is, by the Trainer's own ``num_items_in_batch`` path; any other is
+weighted by ``count_fn``), the true total batch, and an evaluation that gives one process's
+metrics and predictions (:mod:`._hf_eval`). docs/integrations.md has the table and what is
+refused.
 """
 
 from __future__ import annotations
@@ -43,6 +15,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,19 +28,9 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._core._counting import label_shift
-from .._core._validate import validate_count
-from .._distributed._batch_plan import validate_batch_sizes_option
-from .._planning._balance import (
-    NoBalance,
-    planned_rank_sizes,
-    step_balancer,
-    validate_balance,
-)
-from ._forward_timer import time_forward
 from ._hf_eval import EvalMeans, EvalPieces
-from ._interleave import InterleavedBatchSampler
 from ._rows import RowsGather, gather_rows, no_rows
+from ._speed import Unbalanced, batch_rows, resizable, resplitting, time_forward
 from ._teardown import release_at_exit
 from .accelerate import uneven_dataloader
 
@@ -92,14 +55,7 @@ def count_rows(inputs: Mapping[str, Any]) -> int:
     """
     if evendp.is_stand_in(inputs):
         return 0
-    tensors = [inputs["labels"]] if "labels" in inputs else list(inputs.values())
-    for value in tensors:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise evendp.EvendpError(
-        f"cannot count the samples of a batch with keys {sorted(inputs)}: no tensor with a "
-        "batch dimension; pass count_fn=... to UnevenTrainer"
-    )
+    return batch_rows(inputs, "pass count_fn=... to UnevenTrainer")
 
 
 def count_labels(inputs: Mapping[str, Any], shift: bool = False) -> int | torch.Tensor:
@@ -183,11 +139,9 @@ def _calls_super(cls: type, name: str) -> bool:
 def _validate_composition(cls: type) -> None:
     """Refuse a Trainer subclass that overrides what UnevenTrainer relies on, naming it.
 
-    ``class X(UnevenTrainer, SFTTrainer): pass`` works: UnevenTrainer's methods run first and
-    reach SFTTrainer's through ``super()``. Refused: a Trainer subclass before UnevenTrainer
-    in the method order (its methods would hide evendp's), one after it that brings its own
-    training loader or item count, or a ``training_step``/override that never calls
-    ``super()`` (the Trainer's loss scaling and backward, or evendp's, would not run).
+    ``class X(UnevenTrainer, SFTTrainer)`` works (UnevenTrainer's methods reach SFTTrainer's
+    through ``super()``); a Trainer subclass before UnevenTrainer, one after it with its own
+    loader or item count, or an override that never calls ``super()`` is refused.
     """
     mro = cls.__mro__
     here = mro.index(UnevenTrainer)
@@ -232,29 +186,14 @@ def _validate_eval_composition(cls: type) -> None:
             )
 
 
-def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
-    """``EVENDP_BATCH_SIZES`` when set, else ``per_device_train_batch_size`` on every rank."""
-    world = max(1, args.world_size)
-    return evendp.batch_sizes_from_env(world, default=[args.per_device_train_batch_size] * world)
-
-
-def _balanced_sampler(loader: DataLoader) -> Any:
-    """The every-rank sampler inside a prepared :func:`uneven_dataloader`."""
-    sampler: Any = loader
-    while not isinstance(sampler, InterleavedBatchSampler):
-        sampler = sampler.batch_sampler
-    return sampler
-
-
-class _BalancerRelay(NoBalance):
-    """The trainer's current balancer (rebuilt with each training loader), for the hooks."""
-
-    def __init__(self, trainer: UnevenTrainer) -> None:
-        super().__init__()
-        self.trainer = trainer
-
-    def measure(self, samples: int) -> Any:
-        return self.trainer.balancer.measure(samples)
+def _validate_balance(balance: object) -> str:
+    """``None`` (no balance), ``"none"`` or ``"speed"``: the modes of ``TrainConfig.balance``."""
+    if balance is None or balance in ("none", "speed"):
+        return balance or "none"
+    raise evendp.EvendpError(
+        f"balance={balance!r} is not a balance; expected one of ('none', 'speed') ('speed' "
+        "moves samples from slow ranks to fast ones at step boundaries)"
+    )
 
 
 class _StepBalancer(transformers.TrainerCallback):
@@ -283,22 +222,16 @@ class _StepBalancer(transformers.TrainerCallback):
 class UnevenTrainer(transformers.Trainer):
     """``transformers.Trainer`` with ``batch_sizes[r]`` samples per forward pass on rank ``r``.
 
-    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
-    ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
-    non-token loss averaged over (default :func:`count_labels`, shifted for a causal LM as
-    its loss is: :func:`evendp.count_tokens`). ``balance="speed"`` times
-    each rank's forward passes and, at optimizer-step boundaries, moves samples from slow
-    ranks to fast ones (:class:`evendp.SpeedBalancer`): each step's samples, the total batch
-    and the gradient stay those of one process. ``costs`` (each training sample's length, or
-    a function of a dataset item, e.g. ``lambda s: len(s["input_ids"])``) sends each step's
-    samples to ranks by padded length, similar lengths together, so no rank pads for
-    another's long samples (what ``group_by_length`` is for, with the exact gradient).
-    ``batch_sizes="auto"`` splits ``per_device_train_batch_size * world_size`` by each
-    rank's memory, planned for this model on one training sample (live free memory on a
-    GPU; ``memory=`` or ``EVENDP_MEMORY`` declares it, one entry per rank), the same on
-    every rank (one ``all_gather``); speed balance then never moves a rank past its cap.
-    Everything else is the Trainer's. See the module docstring for what changes and what is
-    refused.
+    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch``), else
+    ``per_device_train_batch_size`` on every rank; ``"auto"`` splits
+    ``per_device_train_batch_size * world_size`` by each rank's memory (``memory=``,
+    ``EVENDP_MEMORY``, else the GPU's free memory), planned for this model on one training
+    sample. ``count_fn(inputs)``: the items a non-token loss is a mean over (default
+    :func:`count_labels`, shifted for a causal LM). ``balance="speed"`` moves samples from
+    slow ranks to fast ones at optimizer steps (:class:`evendp.SpeedBalancer`); ``costs``
+    (each sample's length, or a function of a dataset item) sends each step's samples to
+    ranks by padded length (``group_by_length`` with the exact gradient). Each step's
+    samples and gradient stay one process's; everything else is the Trainer's.
 
     >>> import tempfile
     >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -335,28 +268,33 @@ class UnevenTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.balance = validate_balance(balance)
+        self.balance = _validate_balance(balance)
         self.costs = costs
-        self.balancer: evendp.SpeedBalancer | NoBalance = NoBalance()
+        self.balancer: evendp.SpeedBalancer | Unbalanced = Unbalanced()
         # Speed balance: forwards timed by hooks, a new split at each optimizer step's end.
         if self.model is not None:  # model_init: no model yet, nothing to time
-            time_forward(self.model, _BalancerRelay(self))
+            # The current balancer, rebuilt with each training loader.
+            time_forward(self.model, lambda rows: self.balancer.measure(rows))
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
         # Subclasses gather per-sample metrics (DPO's rewards): rows differ by rank now.
         self.accelerator.gather = RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
-        # Checked like every evendp batch-size list: one non-negative int per rank.
-        validate_batch_sizes_option(batch_sizes)
         self._caps: list[int] | None = None  # per-rank memory caps, when planned
         if isinstance(batch_sizes, str) and batch_sizes == "auto":
             self.batch_sizes, self._caps = self._auto_sizes(memory)
-        else:
-            self.batch_sizes = (
-                _default_sizes(self.args)
-                if batch_sizes is None
-                else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})  # type: ignore[arg-type]
+        elif isinstance(batch_sizes, str):
+            raise evendp.EvendpError(
+                f"batch_sizes must be a list of ints >= 0 or None, got {batch_sizes!r}; expected "
+                "'auto' (planned from each rank's memory), a list of per-rank sizes like [3, 5], "
+                "or None (an even split)"
             )
+        else:  # given sizes are checked (one per rank), else EVENDP_BATCH_SIZES or an even split
+            even = [self.args.per_device_train_batch_size] * world
+            self.batch_sizes = evendp.batch_sizes_from_env(
+                world, default=even if batch_sizes is None else batch_sizes,
+                environ=None if batch_sizes is None else {},
+            )  # fmt: skip
         self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
@@ -378,7 +316,7 @@ class UnevenTrainer(transformers.Trainer):
             )
         dataset = self.train_dataset
         global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
-        return planned_rank_sizes(
+        return evendp.planned_rank_sizes(
             self.model, lambda: self.data_collator([dataset[0]]), global_batch, memory=memory
         )
 
@@ -404,14 +342,10 @@ class UnevenTrainer(transformers.Trainer):
             **settings,
         )
         # Bound to the loader training iterates: speed moves samples in its sampler.
-        world, sampler = max(1, self.args.world_size), _balanced_sampler(loader)
-        self.balancer = step_balancer(
-            sampler.batch_sizes,
-            self.balance,
-            distributed=world > 1,
-            caps=self._caps,
-            apply=sampler.set_batch_sizes,  # HF's loop: applied where decided
-        )
+        speed = self.balance == "speed" and self.args.world_size > 1  # one process: no ranks
+        # HF's loop: a new split applied where it is decided.
+        sampler = resizable(loader)
+        self.balancer = resplitting(sampler, self._caps) if speed else Unbalanced()
         return loader
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
@@ -537,7 +471,7 @@ class UnevenTrainer(transformers.Trainer):
         # A causal LM's mean skips each row's first label: count as its loss does (the model
         # read now: model_init may replace it).
         model = self.accelerator.unwrap_model(self.model)
-        return count_labels(inputs, shift=bool(label_shift(model)))
+        return count_labels(inputs, shift=bool(evendp.label_shift(model)))
 
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
@@ -563,8 +497,16 @@ class UnevenTrainer(transformers.Trainer):
         step only (as evendp's Trainer does): on a GPU each read waits for the device, and
         the HF Trainer reads no count at a steady step."""
         count = self.count_fn(inputs)
-        first = self._steps <= 1 or not isinstance(count, torch.Tensor)
-        validate_count("count_fn(inputs)", count, check_values=first)
+        if isinstance(count, torch.Tensor):
+            ok = count.numel() == 1 and count.dtype != torch.bool and not count.is_complex()
+            value = float(count) if ok and self._steps <= 1 else 0.0
+        else:
+            ok = isinstance(count, numbers.Real) and not isinstance(count, bool)
+            value = float(count) if ok else 0.0
+        if not (ok and math.isfinite(value) and value >= 0 and value.is_integer()):
+            raise evendp.EvendpError(
+                f"count_fn(inputs) must be a whole number >= 0 (items counted), got {count!r}"
+            )
         return count
 
     def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
@@ -581,18 +523,11 @@ class UnevenTrainer(transformers.Trainer):
     def _probe_loss_kwargs(self, batches: list[Any]) -> None:
         """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
 
-        Its ``forward`` takes ``**kwargs`` (so the Trainer passes the count), but many losses
-        ignore it (``BertForSequenceClassification``, ``GPT2ForSequenceClassification``,
-        ``BertForTokenClassification`` return a per-batch mean). Twice the count must halve a
-        loss that uses it and leave one that ignores it unchanged; such a loss is then
-        weighted by its labels here. Anything else stops the run, naming the switch.
-
-        Why agreed: the verdict decides which collectives the step runs (the Trainer's token
-        all-gather, or evendp's count all-reduce), so every rank must reach the same one. Each
-        rank tries the first of its micro-batches with a counted item; one all-reduce sums
-        the ranks' verdicts. A rank with nothing counted (a 1-token sequence, all-padding
-        rows, a stand-in) is inconclusive and abstains; when every rank abstains, the probe
-        is tried again on the next step.
+        Many losses whose ``forward`` takes ``**kwargs`` ignore it (a per-batch mean, as
+        ``GPT2ForSequenceClassification``'s): twice the count halves a loss that uses it and
+        leaves one that ignores it, which is then weighted by its labels; anything else stops
+        the run. Agreed (one all-reduce of the verdicts) because it decides which collectives
+        the step runs. A rank with nothing counted abstains; if all do, the next step retries.
         """
         if self.compute_loss_func is not None or not any("labels" in b for b in batches):
             self._probe_pending = False  # the same on every rank: the collator's keys
@@ -630,18 +565,19 @@ class UnevenTrainer(transformers.Trainer):
         model = self.accelerator.unwrap_model(self.model)
         device = self.args.device
         inputs = send_to_device(dict(batch), device)
-        was_training, balancer = model.training, self.balancer
-        model.eval()  # no dropout: the two forward passes differ only in the count
-        self.balancer = NoBalance()  # not timed: the speed balance sees training steps only
+        was_training = model.training
+        # No dropout: the two passes differ only in the count; and no timing (eval mode).
+        model.eval()
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
-                one, two = (
-                    loss_of(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                outputs = [
+                    model(**inputs, num_items_in_batch=torch.tensor(n, device=device))
                     for n in (1.0, 2.0)
-                )
+                ]
         finally:
             model.train(was_training)
-            self.balancer = balancer
+        # A ModelOutput's or a dict's "loss", else the first output.
+        one, two = (float(out["loss"] if isinstance(out, Mapping) else out[0]) for out in outputs)
         self._probe_note = f"count 1 gave {one:.6g}, count 2 gave {two:.6g}"
         # Nothing counted after all (a causal shift of a 1-token row): a sum gives 0, a mean NaN.
         if not (math.isfinite(one) and math.isfinite(two)) or one == 0.0:
@@ -719,11 +655,6 @@ def _has_labels(batch: Mapping[str, Any]) -> bool:
     """Whether a batch has a label that is not ``-100`` (a stand-in's real sample too)."""
     labels = batch.get("labels")
     return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
-
-
-def loss_of(outputs: Any) -> float:
-    """The loss a model returned: ``outputs["loss"]`` (a ``ModelOutput`` too), else the first."""
-    return float(outputs["loss"] if isinstance(outputs, Mapping) else outputs[0])
 
 
 def _declares_loss_kwargs(model: nn.Module) -> bool:
