@@ -1,14 +1,10 @@
 """A batch sampler for the rank the process has when the loader is used, not when it is built.
 
-Lightning scripts build their loaders in ``main()`` (Lightning's own
-``examples/pytorch/basics/transformer.py``), before ``trainer.fit`` starts the process group.
-So the sampler is built at once for the best rank known then (the process group; else the
-``RANK``/``WORLD_SIZE`` that ``torchrun`` and ``evendp launch`` set; else rank 0 of
-``len(batch_sizes)``), which reports a bad argument where it was written, and built again when
-it is first used with a process group whose rank or size differs (Lightning's own launcher
-starts ranks without those variables), or when its sizes were planned without the group
-(``batch_sizes="auto"`` agrees them over the group). Every rank ends with the sampler of its
-group rank, from the same arguments and variables: the same steps everywhere.
+Lightning scripts build their loaders in ``main()``, before ``trainer.fit`` starts the
+process group. So the sampler is built at once for the best rank known then (the group, else
+``RANK``/``WORLD_SIZE``, else rank 0), which reports a bad argument where it was written, and
+built again at first use under a group whose rank or size differs (Lightning's own launcher
+sets no variables), or when ``batch_sizes="auto"`` was planned without the group.
 """
 
 from __future__ import annotations

@@ -33,20 +33,18 @@ class EvalPieces:
     """
 
     def __init__(self, rows: int, batch: int, sizes: Sequence[int], rank: int) -> None:
-        self.rows, self.batch, self.sizes, self.rank = rows, batch, list(sizes), rank
-
-    @property
-    def batch_rows(self) -> list[int]:
-        """The rows of each evaluation batch, over all ranks (the last may be short)."""
-        return [min(self.batch, self.rows - start) for start in range(0, self.rows, self.batch)]
+        self.batch, self.sizes, self.rank = batch, list(sizes), rank
+        #: The rows of each evaluation batch, over all ranks (the last may be short).
+        self.batch_rows = [min(batch, rows - start) for start in range(0, rows, batch)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for start, rows in zip(range(0, self.rows, self.batch), self.batch_rows, strict=True):
-            # Rows to ranks as a training step's (the one layout), in dataset order.
-            yield evendp.layout_step(range(start, start + rows), self.sizes).rank_indices(self.rank)
+        for k, rows in enumerate(self.batch_rows):
+            # Rows to ranks as a training step's are (the one layout), in dataset order.
+            step = range(k * self.batch, k * self.batch + rows)
+            yield evendp.layout_step(step, self.sizes).rank_indices(self.rank)
 
     def __len__(self) -> int:
-        return math.ceil(self.rows / self.batch)
+        return len(self.batch_rows)
 
 
 class EvalMeans:
@@ -79,9 +77,9 @@ class EvalMeans:
         (``logging_nan_inf_filter``) batches whose loss is not finite are left out.
 
         >>> means = EvalMeans(EvalPieces(5, 4, [1], 0))
-        >>> means.means = [1.0, 2.0]
-        >>> means.value(True), EvalMeans(means.pieces, by_rows=False).value.__name__
-        (1.2, 'value')
+        >>> means.means = [1.0, 2.0]  # batches of 4 rows and 1
+        >>> means.value(True)
+        1.2
         """
         rows = self.pieces.batch_rows[: len(self.means)]
         if not self.by_rows:

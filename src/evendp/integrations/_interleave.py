@@ -31,29 +31,14 @@ class EpochRelay:
 class InterleavedBatchSampler:
     """Every rank's :class:`evendp.UnevenBatchSampler` batches, step by step, in rank order."""
 
-    def __init__(
-        self,
-        data: object,
-        batch_sizes: list[int],
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        **options: Any,  # costs=, max_tokens=: as UnevenBatchSampler takes them
-    ) -> None:
+    def __init__(self, data: object, batch_sizes: list[int], **options: Any) -> None:
+        # options: UnevenBatchSampler's (shuffle, seed, drop_last, costs, max_tokens).
+        world = len(batch_sizes)
         self.ranks = [
-            evendp.UnevenBatchSampler(
-                data,
-                batch_sizes,
-                rank=r,
-                world_size=len(batch_sizes),
-                shuffle=shuffle,
-                seed=seed,
-                drop_last=drop_last,
-                **options,
-            )
-            for r in range(len(batch_sizes))
+            evendp.UnevenBatchSampler(data, batch_sizes, rank=r, world_size=world, **options)
+            for r in range(world)
         ]
-        self.drop_last = drop_last
+        self.drop_last = bool(options.get("drop_last", False))
         self.sampler = EpochRelay(self)  # where DataLoaderShard.set_epoch looks
 
     def set_epoch(self, epoch: int) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 import evendp
 
-__all__ = ["Unbalanced", "batch_rows", "first_rows", "resizable", "resplitting", "time_forward"]
+__all__ = ["Unbalanced", "batch_rows", "resizable", "resplitting", "time_forward"]
 
 
 class Unbalanced:
@@ -56,25 +56,6 @@ def resplitting(sampler: Any, caps: Any = None, **knobs: Any) -> evendp.SpeedBal
     return evendp.SpeedBalancer(sampler.batch_sizes, caps, **knobs)
 
 
-def first_rows(batch: Any) -> int | None:
-    """A batch's rows: a mapping's ``labels``', else its first tensor's with a batch
-    dimension; ``None`` when it has none.
-
-    >>> first_rows({"input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)}), first_rows([])
-    (3, None)
-    """
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
-    values = batch
-    if isinstance(batch, Mapping):
-        labels = batch.get("labels")
-        values = [labels] if isinstance(labels, torch.Tensor) else batch.values()
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return None
-
-
 def time_forward(
     module: nn.Module, measure: Callable[[int], contextlib.AbstractContextManager[None]]
 ) -> list[Any]:
@@ -94,7 +75,7 @@ def time_forward(
 
     def start(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if mod.training and torch.is_grad_enabled():
-            block = measure(first_rows((*args, *kwargs.values())) or 0)
+            block = measure(batch_rows((*args, *kwargs.values())))
             block.__enter__()
             open_blocks.append(block)
 
@@ -109,13 +90,24 @@ def time_forward(
     ]
 
 
-def batch_rows(batch: Any, fix: str) -> int:
-    """:func:`first_rows`, else an error naming the batch and ``fix``."""
-    rows = first_rows(batch)
-    if rows is None:
-        what = f"batch with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""
-        raise evendp.EvendpError(
-            f"cannot count the samples of a {what or f'{type(batch).__name__} batch'}: no "
-            f"tensor with a batch dimension; {fix}"
-        )
-    return rows
+def batch_rows(batch: Any, fix: str | None = None) -> int:
+    """A batch's rows: a mapping's ``labels``', else its first tensor's with a batch
+    dimension; when it has none, 0 or (``fix``) an error naming the batch and the fix.
+
+    >>> batch_rows({"input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)}), batch_rows([])
+    (3, 0)
+    """
+    values = [batch] if isinstance(batch, torch.Tensor) else batch
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+        values = [labels] if isinstance(labels, torch.Tensor) else batch.values()
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    if fix is None:
+        return 0
+    what = f"batch with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""
+    raise evendp.EvendpError(
+        f"cannot count the samples of a {what or f'{type(batch).__name__} batch'}: no tensor "
+        f"with a batch dimension; {fix}"
+    )

@@ -11,7 +11,6 @@ schedulers step once per optimizer step either way: the loader is already per ra
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -93,24 +92,6 @@ class _WeighingLoader:
         return getattr(self.loader, name)
 
 
-@contextlib.contextmanager
-def _whole_step_counts(args: tuple[Any, ...], processes: int) -> Iterator[None]:
-    """While Accelerate prepares ``args``: each ``DummyScheduler``'s ``total_num_steps``
-    times ``processes``, which Accelerate divides back (``ceil(T * n / n) == T``); restored
-    after, so the user's object is unchanged."""
-    from accelerate.utils import DummyScheduler
-
-    dummies = [a for a in args if isinstance(a, DummyScheduler) and a.total_num_steps]
-    given = [d.total_num_steps for d in dummies]
-    for dummy in dummies:
-        dummy.total_num_steps = dummy.total_num_steps * processes
-    try:
-        yield
-    finally:
-        for dummy, steps in zip(dummies, given, strict=True):
-            dummy.total_num_steps = steps
-
-
 class UnevenAccelerator(Accelerator):
     """An ``Accelerator`` whose ``backward`` and schedulers are exact with per-rank batch sizes.
 
@@ -175,8 +156,19 @@ class UnevenAccelerator(Accelerator):
         half-way on 2 ranks, in silence, issue 36)."""
         if self.distributed_type != DistributedType.DEEPSPEED:
             return super().prepare(*args, **kwargs)
-        with _whole_step_counts(args, self.num_processes):
+        from accelerate.utils import DummyScheduler
+
+        # Each DummyScheduler's total_num_steps times the processes while Accelerate divides
+        # it back (ceil(T * n / n) == T); restored after: the user's object is unchanged.
+        dummies = [a for a in args if isinstance(a, DummyScheduler) and a.total_num_steps]
+        given = [d.total_num_steps for d in dummies]
+        for dummy in dummies:
+            dummy.total_num_steps = dummy.total_num_steps * self.num_processes
+        try:
             prepared = super().prepare(*args, **kwargs)
+        finally:
+            for dummy, steps in zip(dummies, given, strict=True):
+                dummy.total_num_steps = steps
         for scheduler in self._schedulers:
             scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
         return prepared
@@ -193,7 +185,14 @@ class UnevenAccelerator(Accelerator):
         super().end_training()
 
 
-def _validate_accelerator(accelerator: object, batch_sizes: list[int]) -> Accelerator:
+def _validate(accelerator: object, batch_sizes: object) -> tuple[Accelerator, list[int]]:
+    """The accelerator and the sizes as a list (the sampler checks their values)."""
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
+        raise evendp.EvendpError(
+            f"batch_sizes must be a sequence of non-negative ints (one per process), got "
+            f"{batch_sizes!r}; pass e.g. [1, 3], or evendp.batch_sizes_from_env()"
+        )
+    batch_sizes = list(batch_sizes)
     if not isinstance(accelerator, Accelerator):
         raise evendp.EvendpError(
             f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}; "
@@ -211,7 +210,7 @@ def _validate_accelerator(accelerator: object, batch_sizes: list[int]) -> Accele
             f"dispatch_batches=False), got split_batches={config.split_batches}, "
             f"dispatch_batches={config.dispatch_batches}: each rank loads its own batches"
         )
-    return accelerator
+    return accelerator, batch_sizes
 
 
 def uneven_dataloader(
@@ -252,18 +251,12 @@ def uneven_dataloader(
     >>> [batch[0].tolist() for batch in loader]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
-    auto = isinstance(batch_sizes, str) and batch_sizes == "auto"
-    if auto and isinstance(accelerator, Accelerator):
+    if isinstance(accelerator, Accelerator):  # else refused below
         batch_sizes = auto_loader_sizes(
             dataset, model=model, batch_size=batch_size, world=accelerator.num_processes,
-            memory=memory, collate_fn=collate_fn, where="uneven_dataloader",
+            memory=memory, collate_fn=collate_fn, batch_sizes=batch_sizes,
         )  # fmt: skip
-    if batch_sizes is None and isinstance(accelerator, Accelerator):
-        world = accelerator.num_processes
-        default = None if batch_size is None else [batch_size] * world
-        batch_sizes = evendp.batch_sizes_from_env(world, default=default)
-    sizes = _as_list(batch_sizes)
-    accelerator = _validate_accelerator(accelerator, sizes)
+    accelerator, sizes = _validate(accelerator, batch_sizes)
     weighing = isinstance(accelerator, UnevenAccelerator)
     if weighing and max_tokens is not None:
         raise evendp.EvendpError(
@@ -272,8 +265,15 @@ def uneven_dataloader(
             "accelerate.Accelerator with evendp.StepMean (weigh each loss, finish before "
             "clipping) for a token budget"
         )
-    options = {"costs": costs, "max_tokens": max_tokens}
-    sampler = InterleavedBatchSampler(dataset, sizes, shuffle, seed, drop_last, **options)
+    sampler = InterleavedBatchSampler(
+        dataset,
+        sizes,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        costs=costs,
+        max_tokens=max_tokens,
+    )
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -315,13 +315,3 @@ def speed_balancer(loader: DataLoader, **knobs: Any) -> evendp.SpeedBalancer:
         )
     # The user's loop calls step(): the loader's split changes where it is decided.
     return resplitting(sampler, **knobs)
-
-
-def _as_list(batch_sizes: object) -> list[int]:
-    """The sizes as a list; the sampler checks the values (non-negative ints, one positive)."""
-    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
-        raise evendp.EvendpError(
-            f"batch_sizes must be a sequence of non-negative ints (one per process), got "
-            f"{batch_sizes!r}; pass e.g. [1, 3], or evendp.batch_sizes_from_env()"
-        )
-    return list(batch_sizes)

@@ -89,18 +89,13 @@ def uneven_dataloader(
     auto = isinstance(batch_sizes, str) and batch_sizes == "auto"
 
     def build(rank: int, world: int | None) -> evendp.UnevenBatchSampler:
-        sizes = batch_sizes
-        if auto:
-            sizes = auto_loader_sizes(
-                dataset, model=model, batch_size=batch_size, world=world or 1, memory=memory,
-                collate_fn=collate_fn, where="uneven_dataloader",
-            )  # fmt: skip
-        if sizes is None:
-            default = None if batch_size is None else [batch_size] * (world or 1)
-            sizes = evendp.batch_sizes_from_env(world, default=default)
+        sizes = auto_loader_sizes(
+            dataset, model=model, batch_size=batch_size, world=world, memory=memory,
+            collate_fn=collate_fn, batch_sizes=batch_sizes,
+        )  # fmt: skip
         return evendp.UnevenBatchSampler(
             dataset,
-            sizes,  # type: ignore[arg-type]
+            sizes,
             rank=rank,
             world_size=world,
             shuffle=shuffle,

@@ -292,9 +292,10 @@ class UnevenTrainer(transformers.Trainer):
         else:  # given sizes are checked (one per rank), else EVENDP_BATCH_SIZES or an even split
             even = [self.args.per_device_train_batch_size] * world
             self.batch_sizes = evendp.batch_sizes_from_env(
-                world, default=even if batch_sizes is None else batch_sizes,
+                world,
+                default=even if batch_sizes is None else batch_sizes,
                 environ=None if batch_sizes is None else {},
-            )  # fmt: skip
+            )
         self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
@@ -321,11 +322,8 @@ class UnevenTrainer(transformers.Trainer):
         )
 
     def get_train_dataloader(self) -> DataLoader:
-        """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
-
-        The Trainer's own loader is built first only to reuse what it derives from the
-        arguments (unused columns removed, worker settings), through public attributes.
-        """
+        """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator;
+        the Trainer's own loader built first for what it derives (unused columns, workers)."""
         base = super().get_train_dataloader()
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
@@ -349,8 +347,7 @@ class UnevenTrainer(transformers.Trainer):
         return loader
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """This rank's rows of each evaluation batch (see :mod:`._hf_eval`): the Trainer's
-        loader is built first for its dataset (unused columns removed) and collator."""
+        """This rank's rows of each evaluation batch (see :mod:`._hf_eval`)."""
         return self._eval_loader(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
@@ -358,9 +355,8 @@ class UnevenTrainer(transformers.Trainer):
         return self._eval_loader(super().get_test_dataloader(test_dataset))
 
     def _eval_loader(self, base: DataLoader) -> DataLoader:
-        """``base``'s dataset in batches of ``eval_batch_size`` rows (one process's: a token
-        loss's batch mean depends on which rows share a batch), each split like training; a
-        dataset without a length keeps the Trainer's own loader."""
+        """``base``'s dataset (the Trainer's: unused columns removed) in one process's batches
+        of ``eval_batch_size`` rows, each split like training; without a length, ``base``."""
         if not hasattr(base.dataset, "__len__"):
             return base
         if self.args.batch_eval_metrics:
@@ -476,10 +472,8 @@ class UnevenTrainer(transformers.Trainer):
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
     ) -> tuple[list[Any], torch.Tensor | int | None]:
-        """The Trainer's micro-batches of one step; also their item count over all ranks.
-
-        A stand-in batch counts no item (its labels read as ignored for the token count).
-        """
+        """The Trainer's micro-batches of one step; also their item count over all ranks (a
+        stand-in's labels read as ignored)."""
         batches = list(itertools.islice(epoch_iterator, num_batches))
         if self._probe_pending and batches:  # the same on every rank: so is this collective
             self._probe_loss_kwargs(batches)
@@ -493,9 +487,8 @@ class UnevenTrainer(transformers.Trainer):
         return batches, num_items
 
     def _checked_count(self, inputs: Mapping[str, Any]) -> int | torch.Tensor:
-        """``count_fn(inputs)``, a whole number >= 0. A tensor's value is read at the first
-        step only (as evendp's Trainer does): on a GPU each read waits for the device, and
-        the HF Trainer reads no count at a steady step."""
+        """``count_fn(inputs)``, a whole number >= 0; a tensor's value read at the first step
+        only (a read waits for the GPU, and the HF Trainer reads none at a steady step)."""
         count = self.count_fn(inputs)
         if isinstance(count, torch.Tensor):
             ok = count.numel() == 1 and count.dtype != torch.bool and not count.is_complex()
@@ -510,9 +503,8 @@ class UnevenTrainer(transformers.Trainer):
         return count
 
     def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
-        """The step's count summed over ranks, on the loss's device: one all-reduce, and no
-        copy to or from the host in one process (``global_count``'s default device there is
-        the CPU, a copy that waits for the GPU at every step)."""
+        """The step's count summed over ranks on the loss's device: one all-reduce, no copy
+        to the host (``global_count`` would put it on the CPU in one process)."""
         device = self.args.device
         count = torch.as_tensor(local, device=device).detach().reshape(())
         count = count.to(torch.float64 if count.is_floating_point() else torch.int64)
@@ -532,8 +524,12 @@ class UnevenTrainer(transformers.Trainer):
         if self.compute_loss_func is not None or not any("labels" in b for b in batches):
             self._probe_pending = False  # the same on every rank: the collator's keys
             return
+        # This rank's verdict: its first micro-batch whose loss counted something decides.
+        self._probe_note = "no counted label on this rank"
+        mine = (self._probe_batch(b) for b in batches if _has_labels(b))
+        verdict = next((v for v in mine if v != "inconclusive"), "inconclusive")
         verdicts = torch.zeros(len(_VERDICTS), dtype=torch.int64, device=self.args.device)
-        verdicts[_VERDICTS.index(self._local_verdict(batches))] = 1
+        verdicts[_VERDICTS.index(verdict)] = 1
         if max(1, self.args.world_size) > 1:
             dist.all_reduce(verdicts)  # (uses, ignores, odd, inconclusive) over ranks
         uses, ignores, odd, _ = verdicts.tolist()
@@ -549,16 +545,6 @@ class UnevenTrainer(transformers.Trainer):
             self._probe_pending = False
             if ignores:
                 self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
-
-    def _local_verdict(self, batches: list[Any]) -> str:
-        """This rank's verdict: its first micro-batch whose loss counted something decides."""
-        self._probe_note = "no counted label on this rank"
-        for batch in batches:
-            if _has_labels(batch):
-                verdict = self._probe_batch(batch)
-                if verdict != "inconclusive":
-                    return verdict
-        return "inconclusive"
 
     def _probe_batch(self, batch: Mapping[str, Any]) -> str:
         """One batch's verdict: the loss with counts 1 and 2 (a stand-in too: a real sample)."""
@@ -593,10 +579,8 @@ class UnevenTrainer(transformers.Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean.
-
-        A stand-in batch (an empty share) weighs exactly 0.
-        """
+        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean; a
+        stand-in batch (an empty share) weighs exactly 0."""
         step_count = self._step_count if model.training else None
         stand_in = evendp.is_stand_in(inputs)
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
@@ -623,11 +607,7 @@ class UnevenTrainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> transformers.trainer_utils.TrainOutput:
         """The Trainer's ``train``; its ``train_loss`` is the global batch's, on every rank.
-
-        Afterwards no DDP wrapper holds the process group, so however the run ends
-        (``trainer.end()``, ``destroy_process_group()``, or the exit) it ends without a
-        deadlock (see ``_teardown``).
-        """
+        Afterwards no DDP wrapper holds the process group (see ``_teardown``)."""
         self._loss_sum = torch.zeros((), device=self.args.device)
         self._steps = 0
         output = super().train(*args, **kwargs)
@@ -636,11 +616,8 @@ class UnevenTrainer(transformers.Trainer):
         return transformers.trainer_utils.TrainOutput(output.global_step, loss, output.metrics)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's ``log``; the final ``train_loss`` made global first (all ranks log it).
-
-        The Trainer adds the losses of steps not logged yet as this rank's own share; the
-        mean of the ranks' sums is the global figure (each rank's loss is its part of it).
-        """
+        """The Trainer's ``log``; the final ``train_loss`` made global first (all ranks log it):
+        the mean of the ranks' sums, each rank's loss being its part of the global one."""
         if "train_loss" in logs and self._steps:
             total = self.accelerator.gather(self._loss_sum.reshape(1)).mean()
             logs["train_loss"] = float(total) / self._steps
