@@ -1,6 +1,5 @@
-"""The integrations' ``uneven_dataloader(batch_sizes=...)``: ``None`` and ``"auto"`` (each
-rank's share planned from its memory, as ``TrainConfig`` and ``UnevenTrainer`` have it, on one
-collated sample of the dataset)."""
+"""The integrations' ``uneven_dataloader(batch_sizes=...)``: ``None``, and ``"auto"`` as
+``TrainConfig`` and ``UnevenTrainer`` have it, planned on one collated sample of the data."""
 
 from __future__ import annotations
 

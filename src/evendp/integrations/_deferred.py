@@ -23,10 +23,8 @@ __all__ = ["DeferredBatchSampler", "launch_rank"]
 def launch_rank(environ: Any = None) -> tuple[int, int | None, bool]:
     """(rank, world size or ``None`` when unknown, whether a process group gave them).
 
-    >>> launch_rank({"RANK": "1", "WORLD_SIZE": "2"})
-    (1, 2, False)
-    >>> launch_rank({})
-    (0, None, False)
+    >>> launch_rank({"RANK": "1", "WORLD_SIZE": "2"}), launch_rank({})
+    ((1, 2, False), (0, None, False))
     """
     if environ is None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), True

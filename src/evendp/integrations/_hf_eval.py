@@ -1,13 +1,10 @@
 """Exact evaluation for :class:`~evendp.integrations.transformers.UnevenTrainer`.
 
-One process evaluates batches of ``B = per_device_eval_batch_size`` rows in dataset order, and
-``eval_loss`` is the mean of their losses weighted as its loop weighs them (by rows with
-``gather_for_metrics``, all alike with ``gather``). Here each of those batches is split over
-the ranks as a training step is (:func:`evendp.layout_step`; an empty piece runs a stand-in),
-its loss taken over all ranks (one all-reduce a batch), and the rows come back in dataset
-order, each once: ``eval_loss`` and the predictions are one process's, whatever the world
-size. (Batches of ``B * world_size`` rows gave a tiny Marian 5.44997 where one process gives
-5.53057.)
+One process's batches of ``per_device_eval_batch_size`` rows, in dataset order, each split
+over the ranks as a training step is (:func:`evendp.layout_step`; an empty piece runs a
+stand-in), its loss taken over all ranks and weighted as one process's loop weighs it; the
+rows come back in dataset order, each once. (Batches of ``B * world_size`` rows gave a tiny
+Marian 5.44997 where one process gives 5.53057.)
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ class EvalMeans:
     def add(
         self, loss: torch.Tensor, count: int | torch.Tensor, *, summed: bool = False
     ) -> torch.Tensor:
-        """This batch's loss over all ranks (a collective: every rank calls it once per
-        batch): ``loss`` is the mean over this rank's ``count`` items or, ``summed``, this
-        rank's part of the batch's loss already (its sum over a count of every rank's)."""
+        """This batch's loss over all ranks (a collective, once per batch): ``loss`` is the
+        mean over this rank's ``count`` items or, ``summed``, its part of the batch's loss."""
         part = loss.detach().float()
         if summed:
             mean = part
@@ -72,9 +68,8 @@ class EvalMeans:
         return mean.to(loss.dtype)
 
     def value(self, drop_nonfinite: bool) -> float:
-        """The mean of the batches' losses weighted as one process's loop weighs them: each
-        batch by its rows (``by_rows``), else every batch alike; with ``drop_nonfinite``
-        (``logging_nan_inf_filter``) batches whose loss is not finite are left out.
+        """The batches' mean loss weighted as one process's loop weighs them (by rows, else
+        alike); ``drop_nonfinite`` (``logging_nan_inf_filter``) leaves non-finite ones out.
 
         >>> means = EvalMeans(EvalPieces(5, 4, [1], 0))
         >>> means.means = [1.0, 2.0]  # batches of 4 rows and 1

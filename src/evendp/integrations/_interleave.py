@@ -1,7 +1,5 @@
-"""Every rank's batches of one step, in rank order, from one loader: the sampler that
-:func:`evendp.integrations.accelerate.uneven_dataloader` hands Accelerate (which shards a
-loader's batches round-robin, one to each process); and the ``set_epoch`` relay Accelerate
-and Lightning reach through ``batch_sampler.sampler``."""
+"""Every rank's batches of a step in rank order (what Accelerate's round robin de-interleaves),
+and the ``set_epoch`` relay Accelerate and Lightning reach through ``batch_sampler.sampler``."""
 
 from __future__ import annotations
 
@@ -14,12 +12,9 @@ __all__ = ["EpochRelay", "InterleavedBatchSampler"]
 
 
 class EpochRelay:
-    """Found as ``batch_sampler.sampler`` (where both libraries look): forwards ``set_epoch``.
-
-    Neither Accelerate's ``DataLoaderShard`` nor Lightning calls ``set_epoch`` on a custom
-    batch sampler itself; both call it on ``batch_sampler.sampler``. It has no ``generator``
-    for Accelerate to replace and is not a ``RandomSampler`` for it to re-seed.
-    """
+    """Forwards ``set_epoch``, found as ``batch_sampler.sampler`` (neither Accelerate nor
+    Lightning calls it on a custom batch sampler). No ``generator`` for Accelerate to replace,
+    not a ``RandomSampler`` for it to re-seed."""
 
     def __init__(self, owner: Any) -> None:
         self._owner = owner  # has set_epoch

@@ -1,13 +1,10 @@
 """A finished Hugging Face run leaves nothing that can deadlock the process group's end.
 
-Why: the Trainer's ``DistributedDataParallel`` wrapper holds the default group, so whoever
-ends the run (``trainer.end()``, ``destroy_process_group()``, nobody) only unregisters it; it
-is freed later, when the wrapper goes, from Python with the GIL held, and gloo's destructor
-joins a worker that waits for that GIL: the rank hangs, or aborts in finalization. So at the
-end of every successful ``train()``, on every rank, :func:`release_wrappers` drops the
-wrappers and settles the group while it is alive (:func:`evendp.settle_group`); any ending then
-frees it safely. An exit hook ends a group nobody ended (:func:`evendp.finish_distributed`),
-and skips the barrier after an uncaught exception (its peers may never reach it).
+Why: the Trainer's DDP wrapper holds the group, so whoever ends the run only unregisters it;
+it is freed later, from Python with the GIL held, and gloo's destructor joins a worker that
+waits for that GIL: the rank hangs. So at the end of every successful ``train()``, on every
+rank, :func:`release_wrappers` drops the wrappers and settles the live group; an exit hook
+ends a group nobody ended, skipping the barrier after an uncaught exception.
 """
 
 from __future__ import annotations

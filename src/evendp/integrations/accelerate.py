@@ -54,12 +54,9 @@ _NO_ROWS = "collate tensors, or use accelerate.Accelerator with evendp.StepMean(
 
 
 class _WeighingLoader:
-    """The prepared loader of :class:`UnevenAccelerator`: records each yielded batch's weight.
-
-    The weight is ``samples * world_size / samples of the optimizer step over all ranks``;
-    the step is the window of ``gradient_accumulation_steps`` batches that
-    ``accelerator.accumulate`` syncs on (the last one of an epoch shorter).
-    """
+    """The prepared loader of :class:`UnevenAccelerator`: records each yielded batch's weight,
+    ``samples * world_size / samples of its optimizer step over all ranks`` (the window of
+    ``gradient_accumulation_steps`` batches ``accumulate`` syncs on)."""
 
     _is_accelerate_prepared = True  # preparing it again returns it
 
@@ -95,12 +92,10 @@ class _WeighingLoader:
 class UnevenAccelerator(Accelerator):
     """An ``Accelerator`` whose ``backward`` and schedulers are exact with per-rank batch sizes.
 
-    Build the training loader with :func:`uneven_dataloader` (this accelerator first); then a
-    standard loop (``accelerator.accumulate``, the model's mean loss, ``accelerator.backward``,
-    ``scheduler.step()`` every batch) trains on the gradient of the mean over each optimizer
-    step's samples on all ranks, with the learning-rate schedule of one process. Arguments are
-    ``Accelerator``'s; ``split_batches`` and ``dispatch_batches`` are refused (each rank loads
-    its own batches).
+    With the training loader from :func:`uneven_dataloader`, a standard loop (``accumulate``,
+    the model's mean loss, ``backward``, ``scheduler.step()`` every batch) trains on the
+    gradient and the schedule of one process on each step's samples. ``split_batches`` and
+    ``dispatch_batches`` are refused (each rank loads its own batches).
 
     >>> accelerator = UnevenAccelerator(cpu=True)
     >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
@@ -110,11 +105,15 @@ class UnevenAccelerator(Accelerator):
     [4, 2]
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The batch an uneven loader yielded last: its weight (for backward), a stand-in?
-        self._evendp_weight: float | None = None
-        self._evendp_stand_in = False
+    # The batch an uneven loader yielded last: its weight (for backward), a stand-in?
+    _evendp_weight: float | None = None
+    _evendp_stand_in = False
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""
+        prepared = super().prepare_scheduler(scheduler)
+        prepared.split_batches = True  # one scheduler step per call, not num_processes
+        return prepared
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward`` of the last yielded batch's mean loss, weighted exactly."""
@@ -142,12 +141,6 @@ class UnevenAccelerator(Accelerator):
         if self._evendp_stand_in:
             input_data = no_rows(input_data)
         return gather_rows(self, input_data)
-
-    def prepare_scheduler(self, scheduler: Any) -> Any:
-        """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""
-        prepared = super().prepare_scheduler(scheduler)
-        prepared.split_batches = True  # one scheduler step per call, not num_processes
-        return prepared
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
         """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call,
@@ -237,12 +230,10 @@ def uneven_dataloader(
     ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch``), else
     ``batch_size`` on every rank; ``"auto"`` splits ``batch_size * world`` by each rank's
     memory (``memory=``, ``EVENDP_MEMORY``, else the GPU's free memory), planned for
-    ``model`` on one collated sample. An empty share (the short last step, a size of 0) is,
-    through :class:`evendp.EmptySafeCollate`, a stand-in (one real sample of weight 0) with
-    an :class:`UnevenAccelerator`, else a zero-length batch; ``stand_in`` chooses.
-    ``costs`` and ``max_tokens`` are :class:`evendp.UnevenBatchSampler`'s;
-    :func:`speed_balancer` moves samples by speed. Other keyword arguments go to
-    ``torch.utils.data.DataLoader``. Preparing the loader again returns it unchanged.
+    ``model`` on one collated sample. An empty share is a stand-in (one real sample of weight
+    0) with an :class:`UnevenAccelerator`, else a zero-length batch (``stand_in`` chooses).
+    ``costs`` and ``max_tokens`` are :class:`evendp.UnevenBatchSampler`'s; other keyword
+    arguments go to ``torch.utils.data.DataLoader``.
 
     >>> import torch
     >>> from accelerate import Accelerator

@@ -1,11 +1,7 @@
-"""DeepSpeed ZeRO (stages 1-3) with per-rank batch sizes, on the three paths users take.
-
-``UnevenTrainer(deepspeed=...)`` works as it is; Accelerate's ``DeepSpeedPlugin`` takes
-``UnevenAccelerator`` and ``uneven_dataloader``, which fills an ``"auto"``
-``train_micro_batch_size_per_gpu`` (Accelerate reads it from a ``batch_size`` an uneven
-loader lacks); a hand-written ``deepspeed.initialize`` loop takes :class:`evendp.EngineMean`.
-With ZeRO-3, build the model after the process group is up (see docs/integrations.md).
-Importing this module imports no DeepSpeed.
+"""DeepSpeed ZeRO (stages 1-3) with per-rank batch sizes: ``UnevenTrainer(deepspeed=...)`` as
+it is; Accelerate's plugin with ``UnevenAccelerator`` and ``uneven_dataloader``, which fills
+an ``"auto"`` micro-batch size (Accelerate reads it from a ``batch_size`` an uneven loader
+lacks); a ``deepspeed.initialize`` loop with :class:`evendp.EngineMean`. Imports no DeepSpeed.
 """
 
 from __future__ import annotations

@@ -44,12 +44,9 @@ def logged_count(batch: Any, count_fn: Callable[[Any], int] | None = None) -> fl
     """What to pass as ``self.log(..., batch_size=)`` for a batch of an uneven loader: its
     items (default :func:`count_samples`), 0 for a stand-in, as a float.
 
-    Lightning's epoch mean of a logged value is the sum of ``value * batch_size`` over the
-    batches over the sum of ``batch_size``, both averaged over the ranks with
-    ``sync_dist=True``: with these counts it is the mean over every item once, whatever each
-    rank held (inferred, a stand-in counts 1 and a token loss counts rows). A float because
-    Lightning keeps an int sum of ints and averages it over the ranks in integers: 9 rows on
-    2 ranks became 4 (9 / 2, floored), the loss 9 / 8 of the true one.
+    With ``sync_dist=True`` Lightning's epoch mean is then the mean over every item once
+    (inferred, a stand-in counts 1). A float: Lightning averages an int sum over the ranks in
+    integers (9 rows on 2 ranks became 4, the loss 9 / 8 of the true one).
 
     >>> logged_count((torch.zeros(3, 2),)), logged_count(evendp.EmptySafeCollate(
     ...     [(torch.zeros(2),)], stand_in=True)([]))
@@ -117,19 +114,15 @@ def uneven_dataloader(
     )
 
 
-_REDUCTIONS = ("mean", "sum")
-
-
 class UnevenGradient(pl.Callback):
     """Make the accumulated, DDP-averaged gradient the mean over the step's global batch.
 
-    ``training_step`` returns a mean over what ``count_fn(batch)`` counts
-    (``reduction="mean"``; default :func:`count_samples`; e.g. the non-ignored shifted labels
-    of a language model), or its sum (``reduction="sum"``). Each micro-batch's loss is
-    weighted by its count before backward (a stand-in's by exactly 0); before the optimizer
-    step and clipping one all-reduce sums the step's count and loss, the gradients are
-    multiplied by ``accumulate_grad_batches * world_size / count`` (undoing Lightning's and
-    DDP's divisions), and the global mean loss is logged as ``log_name`` (``None``: not).
+    ``training_step`` returns a mean over what ``count_fn(batch)`` counts (default
+    :func:`count_samples`), or its sum (``reduction="sum"``). Each micro-batch's loss is
+    weighted by its count (a stand-in's by exactly 0); before the optimizer step one
+    all-reduce sums the step's count and loss, the gradients are multiplied by
+    ``accumulate_grad_batches * world_size / count``, and the global mean loss is logged as
+    ``log_name`` (``None``: not).
 
     >>> UnevenGradient().count_fn((torch.zeros(5, 2),))
     5
@@ -142,7 +135,7 @@ class UnevenGradient(pl.Callback):
         reduction: str = "mean",
         log_name: str | None = "loss",
     ) -> None:
-        if reduction not in _REDUCTIONS:
+        if reduction not in ("mean", "sum"):
             raise evendp.EvendpError(
                 f"reduction must be 'mean' or 'sum' (what training_step returns), got {reduction!r}"
             )
@@ -172,7 +165,10 @@ class UnevenGradient(pl.Callback):
     ) -> None:
         # ``loss`` is training_step's value / accumulate_grad_batches (times the AMP scale),
         # a fresh tensor that Lightning backwards next: weighting it in place weights backward.
-        unscale = trainer.accumulate_grad_batches / _amp_scale(trainer)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16's GradScaler
+        unscale = trainer.accumulate_grad_batches / (
+            scaler.get_scale() if scaler is not None else 1.0
+        )
         weight: int | torch.Tensor = self._batch if self.reduction == "mean" else 1
         if isinstance(self._batch, int) and self._batch == 0:
             weight = 0  # a stand-in (or empty) share: weight exactly 0
@@ -194,29 +190,20 @@ class UnevenGradient(pl.Callback):
         total = float(pair[0])
         # Lightning divided each micro-batch's loss by accumulate_grad_batches, DDP by world.
         scale = trainer.accumulate_grad_batches * trainer.world_size / total if total else 0.0
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+        for grad in [p.grad for g in optimizer.param_groups for p in g["params"]]:
+            if grad is not None:
+                grad.mul_(scale)
         if self.log_name is not None:
             mean = (pair[1] / pair[0]).float()  # the same on every rank: no sync_dist needed
             pl_module.log(self.log_name, mean, on_step=True, prog_bar=True)
 
 
-def _amp_scale(trainer: pl.Trainer) -> float:
-    """The fp16 GradScaler's current scale (it multiplied the loss), else 1."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return float(scaler.get_scale()) if scaler is not None else 1.0
-
-
 class SpeedBalance(pl.Callback):
     """Move samples from slow ranks to fast ones at every optimizer step (Lightning DDP).
 
-    Times each rank's ``training_step`` (up to ``backward``, which waits for the slowest
-    rank under DDP) and its optimizer update; before every optimizer step,
-    :class:`evendp.SpeedBalancer` (``knobs``: ``caps``, ``warmup``, ...) may re-split the
-    sampler of :func:`uneven_dataloader`, the same on every rank; each step's samples, and
-    with :class:`UnevenGradient` the gradient, stay the global batch's.
+    Times ``training_step`` (up to ``backward``, which waits for the slowest rank) and the
+    update; :class:`evendp.SpeedBalancer` (``knobs``) then re-splits the sampler of
+    :func:`uneven_dataloader` alike on every rank: each step's samples stay the same.
 
     >>> SpeedBalance(warmup=2).knobs
     {'warmup': 2}

@@ -1,12 +1,9 @@
 """``UnevenTrainer``: a Hugging Face ``Trainer`` whose ranks each take their own batch size.
 
-Run one process per device (``evendp launch``, ``torchrun``). ``batch_sizes[r]`` samples per
-forward pass on rank ``r``, ``gradient_accumulation_steps`` as in Hugging Face. Through the
-Trainer's overridable methods only: this rank's loader, a loss made the global batch's
-(a token loss already is, by the Trainer's own ``num_items_in_batch`` path; any other is
-weighted by ``count_fn``), the true total batch, and an evaluation that gives one process's
-metrics and predictions (:mod:`._hf_eval`). docs/integrations.md has the table and what is
-refused.
+One process per device (``evendp launch``, ``torchrun``). Through the Trainer's overridable
+methods only: this rank's loader, the global batch's loss (a token loss by the Trainer's own
+``num_items_in_batch`` path, any other weighted by ``count_fn``), the true total batch, and
+one process's evaluation (:mod:`._hf_eval`); docs/integrations.md says what is refused.
 """
 
 from __future__ import annotations
@@ -59,10 +56,8 @@ def count_rows(inputs: Mapping[str, Any]) -> int:
 
 
 def count_labels(inputs: Mapping[str, Any], shift: bool = False) -> int | torch.Tensor:
-    """The labels a mean loss averages over: those not ``-100`` (``shift``: from position 1).
-
-    Without ``labels``, :func:`count_rows`; 0 for a stand-in. A cross-entropy mean (a class
-    per sample, or per token with ``-100`` for padding) is a mean over exactly these.
+    """The labels a mean loss averages over: those not ``-100`` (``shift``: from position 1),
+    as a cross-entropy mean is; without ``labels``, :func:`count_rows` (0 for a stand-in).
 
     >>> count_labels({"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])})
     tensor(3)
@@ -175,8 +170,8 @@ def _validate_composition(cls: type) -> None:
 
 
 def _validate_eval_composition(cls: type) -> None:
-    """Refuse a ``prediction_step`` before UnevenTrainer's that never reaches it: the
-    batch's loss and the stand-ins' rows would be left as each rank computed them."""
+    """Refuse a ``prediction_step`` before UnevenTrainer's that never reaches it (each
+    batch's loss and a stand-in's rows would stay as each rank computed them)."""
     for owner in cls.__mro__[: cls.__mro__.index(UnevenTrainer)]:
         if "prediction_step" in vars(owner) and not _calls_super(owner, "prediction_step"):
             raise evendp.EvendpError(
@@ -271,9 +266,9 @@ class UnevenTrainer(transformers.Trainer):
         self.balance = _validate_balance(balance)
         self.costs = costs
         self.balancer: evendp.SpeedBalancer | Unbalanced = Unbalanced()
-        # Speed balance: forwards timed by hooks, a new split at each optimizer step's end.
+        # Speed balance: forwards timed by hooks (the current balancer's, rebuilt with each
+        # training loader), a new split at each optimizer step's end.
         if self.model is not None:  # model_init: no model yet, nothing to time
-            # The current balancer, rebuilt with each training loader.
             time_forward(self.model, lambda rows: self.balancer.measure(rows))
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
@@ -339,11 +334,9 @@ class UnevenTrainer(transformers.Trainer):
             stand_in=True,  # an empty share: one real sample, weight 0 (compute_loss)
             **settings,
         )
-        # Bound to the loader training iterates: speed moves samples in its sampler.
+        # Speed moves samples in the sampler training iterates, where a new split is decided.
         speed = self.balance == "speed" and self.args.world_size > 1  # one process: no ranks
-        # HF's loop: a new split applied where it is decided.
-        sampler = resizable(loader)
-        self.balancer = resplitting(sampler, self._caps) if speed else Unbalanced()
+        self.balancer = resplitting(resizable(loader), self._caps) if speed else Unbalanced()
         return loader
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
@@ -402,7 +395,11 @@ class UnevenTrainer(transformers.Trainer):
         # One process's loop repeats each batch's loss eval_batch_size times; gather_for_metrics
         # (the Trainer's) cuts a short last batch's to its rows, gather (Seq2SeqTrainer's
         # evaluate and predict set it) keeps them: that batch then weighs as a full one.
-        self._eval_means = EvalMeans(pieces, by_rows=self._gathers_for_metrics())
+        function = getattr(self, "gather_function", None)
+        if isinstance(function, functools.partial):  # use_gather_object=, at construction
+            function = function.func
+        by_rows = bool(function == self.accelerator.gather_for_metrics)  # the Trainer's
+        self._eval_means = EvalMeans(pieces, by_rows=by_rows)
         self.gather_function = functools.partial(gather_rows, self.accelerator)
         try:
             output = super().evaluation_loop(dataloader, description, **options)
@@ -413,13 +410,6 @@ class UnevenTrainer(transformers.Trainer):
         if f"{metric_key_prefix}_loss" in metrics and means is not None and means.means:
             metrics[f"{metric_key_prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
         return output
-
-    def _gathers_for_metrics(self) -> bool:
-        """Whether the loop gathers with ``gather_for_metrics`` (the Trainer's default)."""
-        function = getattr(self, "gather_function", None)
-        if isinstance(function, functools.partial):  # use_gather_object=, at construction
-            function = function.func
-        return bool(function == self.accelerator.gather_for_metrics)
 
     def prediction_step(
         self,
@@ -515,11 +505,10 @@ class UnevenTrainer(transformers.Trainer):
     def _probe_loss_kwargs(self, batches: list[Any]) -> None:
         """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
 
-        Many losses whose ``forward`` takes ``**kwargs`` ignore it (a per-batch mean, as
-        ``GPT2ForSequenceClassification``'s): twice the count halves a loss that uses it and
-        leaves one that ignores it, which is then weighted by its labels; anything else stops
-        the run. Agreed (one all-reduce of the verdicts) because it decides which collectives
-        the step runs. A rank with nothing counted abstains; if all do, the next step retries.
+        Many losses whose ``forward`` takes ``**kwargs`` ignore it (a per-batch mean): twice
+        the count halves a loss that uses it; one that ignores it is weighted by its labels;
+        anything else stops the run. Agreed (one all-reduce) because it decides the step's
+        collectives; a rank with nothing counted abstains.
         """
         if self.compute_loss_func is not None or not any("labels" in b for b in batches):
             self._probe_pending = False  # the same on every rank: the collator's keys
@@ -636,6 +625,4 @@ def _has_labels(batch: Mapping[str, Any]) -> bool:
 
 def _declares_loss_kwargs(model: nn.Module) -> bool:
     """Whether the user (or the model class itself) said if its loss uses the count."""
-    return "accepts_loss_kwargs" in vars(model) or any(
-        "accepts_loss_kwargs" in vars(cls) for cls in type(model).__mro__
-    )
+    return any("accepts_loss_kwargs" in vars(owner) for owner in (model, *type(model).__mro__))
