@@ -18,7 +18,7 @@ if "_ON_DEMAND" not in globals():  # else a reload by __getattr__ below
 
 if TYPE_CHECKING or not _ON_DEMAND:
     from ._core._cost import padded_cost, split_by_cost
-    from ._core._counting import count_tokens
+    from ._core._counting import count_tokens, label_shift
     from ._core._errors import (
         CheckpointError,
         EvendpError,
@@ -32,20 +32,23 @@ if TYPE_CHECKING or not _ON_DEMAND:
     from ._core._split import split_sizes
     from ._distributed._batch_plan import batch_sizes_from_env, parse_batch_sizes
     from ._distributed._collate import EmptySafeCollate
-    from ._distributed._engine_mean import EngineMean
+    from ._distributed._engine_mean import EngineMean, config_micro_batch
     from ._distributed._group import (
         ddp_loss,
         finish_distributed,
         global_count,
         global_mean,
         init_distributed,
+        settle_group,
     )
     from ._distributed._sampler import UnevenBatchSampler
+    from ._distributed._step_layout import StepLayout, layout_step
     from ._distributed._step_mean import StepMean
     from ._parallel._criterion import ParallelCriterion
     from ._parallel._dp import BalancedDataParallel
     from ._parallel._predict import Predictions, predict
     from ._parallel._scattered import Scattered, gather
+    from ._planning._balance import planned_rank_sizes
     from ._planning._devices import DeviceInfo, list_devices, select_devices
     from ._planning._memory import DeviceMemory, live_memory, parse_memory
     from ._planning._plan import DevicePlan, Plan, plan
@@ -66,6 +69,7 @@ __all__ = [
     "gather",
     "split_sizes",
     "count_tokens",
+    "label_shift",
     # cost (variable-length samples)
     "padded_cost",
     "split_by_cost",
@@ -74,6 +78,7 @@ __all__ = [
     "predict",
     # many processes
     "EngineMean",
+    "config_micro_batch",
     "EmptySafeCollate",
     "UnevenBatchSampler",
     "batch_sizes_from_env",
@@ -82,8 +87,11 @@ __all__ = [
     "global_count",
     "global_mean",
     "init_distributed",
+    "settle_group",
     "parse_batch_sizes",
     "StepMean",
+    "StepLayout",
+    "layout_step",
     "is_stand_in",
     "share_loss",
     # planning
@@ -93,6 +101,7 @@ __all__ = [
     "live_memory",
     "parse_memory",
     "plan",
+    "planned_rank_sizes",
     # devices and speed
     "DeviceInfo",
     "SpeedBalancer",

@@ -93,9 +93,9 @@ def test_speed_balance_times_the_optimizer_step_too() -> None:
     class Recording(SpeedBalance):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             # One process has no ranks to balance: a balancer that records what it is given.
-            from evendp.integrations.lightning import _balanced_sampler
+            from evendp.integrations._speed import resizable
 
-            sampler = _balanced_sampler(trainer.train_dataloader)
+            sampler = resizable(trainer.train_dataloader)
             self.balancer = evendp.SpeedBalancer(sampler.batch_sizes, warmup=10**6, gather=gather)
 
     loader = uneven_dataloader(Data(), [4], shuffle=False)

@@ -64,7 +64,7 @@ _PORTS = (
      "use UnevenAccelerator and uneven_dataloader from evendp.integrations.accelerate"),
     ("deepspeed", "a DeepSpeed engine",
      "build its loader from evendp.UnevenBatchSampler(data, evendp.batch_sizes_from_env()) "
-     "and its micro-batch with evendp.integrations.deepspeed.config_micro_batch"),
+     "and its micro-batch with evendp.config_micro_batch"),
 )  # fmt: skip
 _OWN_LOOP = (
     "its own loop",

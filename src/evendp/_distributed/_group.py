@@ -376,6 +376,13 @@ def settle_group(*, collect: bool = True) -> None:
     GIL held; that is safe only once the workers hold no collective. Call it on every rank.
     ``collect=False`` skips the garbage collection, for a caller that knows no wrapper it
     dropped sits in a reference cycle.
+
+    >>> import torch.distributed as dist
+    >>> _ = init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> settle_group()  # the group stays: whoever ends the run destroys it
+    >>> dist.is_initialized()
+    True
+    >>> finish_distributed()
     """
     _unbind_early_defaults()
     # DDP wrappers no longer referenced but kept by reference cycles hold the group: free

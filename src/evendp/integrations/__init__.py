@@ -1,15 +1,6 @@
-"""Adapters for the training stacks people already use (optional extras).
-
-* :mod:`evendp.integrations.transformers`: ``UnevenTrainer``, a Hugging Face ``Trainer``
-  whose ranks each take their own batch size (``pip install evendp[hf]``).
-* :mod:`evendp.integrations.accelerate`: ``uneven_dataloader``, an Accelerate-prepared
-  dataloader giving rank ``r`` batches of ``batch_sizes[r]`` samples (``evendp[hf]``).
-* :mod:`evendp.integrations.lightning`: ``UnevenGradient``, a Lightning callback that makes
-  the accumulated, DDP-averaged gradient the global-batch mean (``evendp[lightning]``).
-* :mod:`evendp.integrations.deepspeed`: DeepSpeed ZeRO 1-3 on each of those paths and in a
-  ``deepspeed.initialize`` loop (:class:`evendp.EngineMean`) (``evendp[deepspeed]``).
-
-Importing this package imports none of those libraries; each submodule imports its own.
+"""Adapters for the training stacks people already use, over evendp's public face (optional
+extras: ``evendp[hf]`` for :mod:`.transformers` and :mod:`.accelerate`, ``evendp[lightning]``,
+``evendp[deepspeed]``). Importing this package imports none of those libraries.
 """
 
 __all__: list[str] = []

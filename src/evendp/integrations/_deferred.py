@@ -1,14 +1,10 @@
 """A batch sampler for the rank the process has when the loader is used, not when it is built.
 
-Lightning scripts build their loaders in ``main()`` (Lightning's own
-``examples/pytorch/basics/transformer.py``), before ``trainer.fit`` starts the process group.
-So the sampler is built at once for the best rank known then (the process group; else the
-``RANK``/``WORLD_SIZE`` that ``torchrun`` and ``evendp launch`` set; else rank 0 of
-``len(batch_sizes)``), which reports a bad argument where it was written, and built again when
-it is first used with a process group whose rank or size differs (Lightning's own launcher
-starts ranks without those variables), or when its sizes were planned without the group
-(``batch_sizes="auto"`` agrees them over the group). Every rank ends with the sampler of its
-group rank, from the same arguments and variables: the same steps everywhere.
+Lightning scripts build their loaders in ``main()``, before ``trainer.fit`` starts the
+process group. So the sampler is built at once for the best rank known then (the group, else
+``RANK``/``WORLD_SIZE``, else rank 0), which reports a bad argument where it was written, and
+built again at first use under a group whose rank or size differs (Lightning's own launcher
+sets no variables), or when ``batch_sizes="auto"`` was planned without the group.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._epoch import EpochRelay
+from ._interleave import EpochRelay
 
 __all__ = ["DeferredBatchSampler", "launch_rank"]
 
@@ -27,10 +23,8 @@ __all__ = ["DeferredBatchSampler", "launch_rank"]
 def launch_rank(environ: Any = None) -> tuple[int, int | None, bool]:
     """(rank, world size or ``None`` when unknown, whether a process group gave them).
 
-    >>> launch_rank({"RANK": "1", "WORLD_SIZE": "2"})
-    (1, 2, False)
-    >>> launch_rank({})
-    (0, None, False)
+    >>> launch_rank({"RANK": "1", "WORLD_SIZE": "2"}), launch_rank({})
+    ((1, 2, False), (0, None, False))
     """
     if environ is None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), True
@@ -45,7 +39,7 @@ class DeferredBatchSampler:
     """``build(rank, world)``'s batch sampler, rebuilt at first use for the group's rank.
 
     Found as ``batch_sampler`` (the built sampler) and ``sampler`` (a relay of ``set_epoch``,
-    where Lightning calls it), as :class:`._epoch.RelayedBatchSampler`.
+    where Lightning calls it).
 
     >>> import evendp
     >>> deferred = DeferredBatchSampler(

@@ -1,18 +1,10 @@
 """Exact evaluation for :class:`~evendp.integrations.transformers.UnevenTrainer`.
 
-One process evaluates batches of ``B = per_device_eval_batch_size`` rows in dataset order; a
-batch's loss is the mean over its counted items (a seq2seq or causal LM's non-ignored label
-tokens), and ``eval_loss`` is the mean of the batches' losses, each repeated ``B`` times by the
-Trainer's loop: ``gather_for_metrics`` (the Trainer's) cuts a short last batch's repeats to its
-rows, ``gather`` (``Seq2SeqTrainer``'s) keeps all ``B``. So ``eval_loss`` depends on which rows
-share a batch and on that choice. Here each of those same batches of ``B`` rows is split over
-the ranks like training (``batch_sizes``' proportions, zeros included; an empty piece runs a
-stand-in row and yields no row); the batch's loss is the mean over its counted items on all
-ranks (one all-reduce per batch), the batches are weighted as the same loop weighs them in one
-process, and the rows come back in dataset order, each once. So ``eval_loss``, the predictions
-and the labels are those of the same script in one process, whatever the world size. (Batches
-of ``B * world_size`` rows, each weighted by its rows, gave a tiny Marian's 13 rows under
-``Seq2SeqTrainer`` on ``[1, 3]`` 5.44997 where one process gives 5.53057.)
+One process's batches of ``per_device_eval_batch_size`` rows, in dataset order, each split
+over the ranks as a training step is (:func:`evendp.layout_step`; an empty piece runs a
+stand-in), its loss taken over all ranks and weighted as one process's loop weighs it; the
+rows come back in dataset order, each once. (Batches of ``B * world_size`` rows gave a tiny
+Marian 5.44997 where one process gives 5.53057.)
 """
 
 from __future__ import annotations
@@ -38,21 +30,18 @@ class EvalPieces:
     """
 
     def __init__(self, rows: int, batch: int, sizes: Sequence[int], rank: int) -> None:
-        self.rows, self.batch, self.sizes, self.rank = rows, batch, list(sizes), rank
-
-    @property
-    def batch_rows(self) -> list[int]:
-        """The rows of each evaluation batch, over all ranks (the last may be short)."""
-        return [min(self.batch, self.rows - start) for start in range(0, self.rows, self.batch)]
+        self.batch, self.sizes, self.rank = batch, list(sizes), rank
+        #: The rows of each evaluation batch, over all ranks (the last may be short).
+        self.batch_rows = [min(batch, rows - start) for start in range(0, rows, batch)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for start, rows in zip(range(0, self.rows, self.batch), self.batch_rows, strict=True):
-            shares = evendp.split_sizes(rows, self.sizes)
-            first = start + sum(shares[: self.rank])
-            yield list(range(first, first + shares[self.rank]))
+        for k, rows in enumerate(self.batch_rows):
+            # Rows to ranks as a training step's are (the one layout), in dataset order.
+            step = range(k * self.batch, k * self.batch + rows)
+            yield evendp.layout_step(step, self.sizes).rank_indices(self.rank)
 
     def __len__(self) -> int:
-        return math.ceil(self.rows / self.batch)
+        return len(self.batch_rows)
 
 
 class EvalMeans:
@@ -66,9 +55,8 @@ class EvalMeans:
     def add(
         self, loss: torch.Tensor, count: int | torch.Tensor, *, summed: bool = False
     ) -> torch.Tensor:
-        """This batch's loss over all ranks (a collective: every rank calls it once per
-        batch): ``loss`` is the mean over this rank's ``count`` items or, ``summed``, this
-        rank's part of the batch's loss already (its sum over a count of every rank's)."""
+        """This batch's loss over all ranks (a collective, once per batch): ``loss`` is the
+        mean over this rank's ``count`` items or, ``summed``, its part of the batch's loss."""
         part = loss.detach().float()
         if summed:
             mean = part
@@ -80,14 +68,13 @@ class EvalMeans:
         return mean.to(loss.dtype)
 
     def value(self, drop_nonfinite: bool) -> float:
-        """The mean of the batches' losses weighted as one process's loop weighs them: each
-        batch by its rows (``by_rows``), else every batch alike; with ``drop_nonfinite``
-        (``logging_nan_inf_filter``) batches whose loss is not finite are left out.
+        """The batches' mean loss weighted as one process's loop weighs them (by rows, else
+        alike); ``drop_nonfinite`` (``logging_nan_inf_filter``) leaves non-finite ones out.
 
         >>> means = EvalMeans(EvalPieces(5, 4, [1], 0))
-        >>> means.means = [1.0, 2.0]
-        >>> means.value(True), EvalMeans(means.pieces, by_rows=False).value.__name__
-        (1.2, 'value')
+        >>> means.means = [1.0, 2.0]  # batches of 4 rows and 1
+        >>> means.value(True)
+        1.2
         """
         rows = self.pieces.batch_rows[: len(self.means)]
         if not self.by_rows:

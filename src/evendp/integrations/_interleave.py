@@ -1,7 +1,5 @@
-"""Every rank's batches of one step, in rank order, from one loader: the sampler that
-:func:`evendp.integrations.accelerate.uneven_dataloader` hands Accelerate (which shards a
-loader's batches round-robin, one to each process) and that the Transformers adapter finds
-again inside a prepared loader."""
+"""Every rank's batches of a step in rank order (what Accelerate's round robin de-interleaves),
+and the ``set_epoch`` relay Accelerate and Lightning reach through ``batch_sampler.sampler``."""
 
 from __future__ import annotations
 
@@ -10,37 +8,32 @@ from typing import Any
 
 import evendp
 
-from ._epoch import EpochRelay
+__all__ = ["EpochRelay", "InterleavedBatchSampler"]
 
-__all__ = ["InterleavedBatchSampler"]
+
+class EpochRelay:
+    """Forwards ``set_epoch``, found as ``batch_sampler.sampler`` (neither Accelerate nor
+    Lightning calls it on a custom batch sampler). No ``generator`` for Accelerate to replace,
+    not a ``RandomSampler`` for it to re-seed."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner  # has set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._owner.set_epoch(epoch)
 
 
 class InterleavedBatchSampler:
     """Every rank's :class:`evendp.UnevenBatchSampler` batches, step by step, in rank order."""
 
-    def __init__(
-        self,
-        data: object,
-        batch_sizes: list[int],
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        **options: Any,  # costs=, max_tokens=: as UnevenBatchSampler takes them
-    ) -> None:
+    def __init__(self, data: object, batch_sizes: list[int], **options: Any) -> None:
+        # options: UnevenBatchSampler's (shuffle, seed, drop_last, costs, max_tokens).
+        world = len(batch_sizes)
         self.ranks = [
-            evendp.UnevenBatchSampler(
-                data,
-                batch_sizes,
-                rank=r,
-                world_size=len(batch_sizes),
-                shuffle=shuffle,
-                seed=seed,
-                drop_last=drop_last,
-                **options,
-            )
-            for r in range(len(batch_sizes))
+            evendp.UnevenBatchSampler(data, batch_sizes, rank=r, world_size=world, **options)
+            for r in range(world)
         ]
-        self.drop_last = drop_last
+        self.drop_last = bool(options.get("drop_last", False))
         self.sampler = EpochRelay(self)  # where DataLoaderShard.set_epoch looks
 
     def set_epoch(self, epoch: int) -> None:

@@ -1,8 +1,5 @@
-"""Gathering per-row outputs whose row count differs by rank (uneven batches, stand-ins).
-
-Accelerate's ``gather`` needs one shape on every rank; with per-rank batch sizes the rows
-differ, and a stand-in batch (an empty share) must give none.
-"""
+"""Gathering per-row outputs whose row count differs by rank (uneven batches; a stand-in
+batch, an empty share, gives none): Accelerate's ``gather`` needs one shape on every rank."""
 
 from __future__ import annotations
 
@@ -15,22 +12,17 @@ __all__ = ["RowsGather", "gather_rows", "no_rows"]
 
 
 class RowsGather:
-    """``accelerator.gather`` for tensors whose first dimension differs by rank.
-
-    Accelerate's ``gather`` needs one shape on every rank; a Trainer subclass that gathers
-    per-sample values (TRL's ``DPOTrainer``: its rewards) meets batches of ``batch_sizes[r]``
-    rows. Every call gathers the row counts first (so every rank runs the same collectives),
-    then pads to the longest, gathers, and keeps each rank's real rows.
-    """
+    """``accelerator.gather`` for tensors whose first dimension differs by rank (TRL's
+    ``DPOTrainer`` gathers per-sample rewards). Every call gathers the row counts first (so
+    every rank runs the same collectives), pads to the longest, and keeps each rank's rows."""
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
         self.gather = type(accelerator).gather.__get__(accelerator)
 
     def __call__(self, tensor: Any) -> Any:
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            return self.gather(tensor)
-        if self.accelerator.num_processes == 1:
+        one = self.accelerator.num_processes == 1
+        if one or not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             return self.gather(tensor)
         rows = self.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
         if len(set(rows)) == 1:

@@ -1,25 +1,10 @@
 """A finished Hugging Face run leaves nothing that can deadlock the process group's end.
 
-Why: the ``DistributedDataParallel`` wrapper the Trainer keeps (``model_wrapped``, and the
-accelerator's ``_models``) holds the default group. Whoever ends the run (``trainer.end()``,
-which TRL's scripts call, ``accelerator.end_training()``, the user's
-``destroy_process_group()``, or nobody) then only unregisters the group: it is freed later,
-when the wrapper goes, from Python with the GIL held. Gloo's destructor joins its worker
-threads there, and a worker still dropping a collective's tensors waits for that GIL: the rank
-hangs after a run that trained all its steps (or, during interpreter finalization, aborts with
-"terminate called without an active exception"). A race, rare on an idle machine and frequent
-on a loaded one; one patch per framework's ending would only move it.
-
-The root: no wrapper may outlive the run while holding the group. So at the end of every
-successful ``train()``, on every rank (they all reach it together), :func:`release_wrappers`
-drops the trainer's DDP wrappers and settles the group while it is alive (reference cycles
-collected, a barrier, a pause with the GIL released so the workers drop what they hold, and the
-group unbound from DeepSpeed's method defaults, which capture it when Accelerate's
-``unwrap_model`` first imports DeepSpeed, installed even if unused, inside the Trainer). From
-then on the group is held by its registry alone, and any ending frees it where ending it is
-safe. An exit hook ends a group that nobody ended, as :func:`evendp.finish_distributed` does,
-before finalization starts; it never touches a group someone else destroyed. A process
-exiting on an uncaught exception skips the hook's barrier (its peers may never reach it).
+Why: the Trainer's DDP wrapper holds the group, so whoever ends the run only unregisters it;
+it is freed later, from Python with the GIL held, and gloo's destructor joins a worker that
+waits for that GIL: the rank hangs. So at the end of every successful ``train()``, on every
+rank, :func:`release_wrappers` drops the wrappers and settles the live group; an exit hook
+ends a group nobody ended, skipping the barrier after an uncaught exception.
 """
 
 from __future__ import annotations
@@ -33,8 +18,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import evendp
-
-from .._distributed._group import settle_group
 
 __all__ = ["release_at_exit", "release_wrappers"]
 
@@ -62,13 +45,12 @@ def release_wrappers(trainer: Any) -> None:
         # its last reference here, i.e. sits in a cycle. (The Trainer's own start collects
         # what earlier runs left.)
         survived = any(ref() is not None for ref in dropped)
-        settle_group(collect=survived)
+        evendp.settle_group(collect=survived)
 
 
 def _at_exit() -> None:
-    failing = getattr(sys, "last_value", None) is not None  # an uncaught exception: no barrier
-    if not failing and dist.is_available() and dist.is_initialized():
-        evendp.finish_distributed()
+    if getattr(sys, "last_value", None) is None:  # an uncaught exception: no barrier
+        evendp.finish_distributed()  # quiet when nobody started a group, or one was ended
 
 
 def release_at_exit(trainer: Any) -> None:

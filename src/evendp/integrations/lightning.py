@@ -1,23 +1,9 @@
 """Per-rank batch sizes with the exact gradient in a Lightning ``Trainer`` (DDP, accumulation).
 
-Two pieces, and ``Trainer(use_distributed_sampler=False)`` so Lightning keeps the batch sampler
-instead of re-instantiating it around a ``DistributedSampler``:
-
-* :func:`uneven_dataloader`, returned from ``train_dataloader()``: a ``DataLoader`` over
-  :class:`evendp.UnevenBatchSampler` (rank from the process group, sizes from
-  ``EVENDP_BATCH_SIZES`` by default) with :class:`evendp.EmptySafeCollate`. Lightning calls
-  ``set_epoch`` only on ``batch_sampler.sampler``, so the loader puts a relay there.
-* :class:`UnevenGradient`, a callback: ``training_step`` returns the mean loss over what
-  ``count_fn(batch)`` counts (``reduction="mean"``), as Lightning users write it. The callback
-  weights each micro-batch's loss by its count before backward, sums the count and the loss of
-  the whole optimizer step over ranks (one all-reduce per optimizer step) and, before the
-  optimizer step and gradient clipping, multiplies the gradients by
-  ``accumulate_grad_batches * world_size / count``. That undoes Lightning's division of the
-  loss by ``accumulate_grad_batches`` and DDP's by the world size, leaving the gradient of the
-  mean over the whole global batch, for any split and for token counts known only after
-  the forward pass. It logs that batch's mean loss (``"loss"``), the same on every rank.
-  An empty share is a stand-in sample (one real sample) of weight exactly 0, so models that
-  cannot forward 0 rows run it. Automatic optimization only.
+Return :func:`uneven_dataloader` from ``train_dataloader()``, add the :class:`UnevenGradient`
+callback, and pass ``Trainer(use_distributed_sampler=False)`` so Lightning keeps the batch
+sampler. ``training_step`` returns its mean loss as Lightning users write it; the callback
+weights it and rescales the gradients before the optimizer step. Automatic optimization only.
 """
 
 from __future__ import annotations
@@ -31,9 +17,9 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._planning._balance import NoBalance, step_balancer
 from ._auto_sizes import auto_loader_sizes
 from ._deferred import DeferredBatchSampler
+from ._speed import Unbalanced, batch_rows, resizable, resplitting
 
 __all__ = [
     "SpeedBalance",
@@ -45,33 +31,22 @@ __all__ = [
 
 
 def count_samples(batch: Any) -> int:
-    """Samples in a batch: the length of its first tensor (a tuple, list, dict or a tensor).
+    """Samples in a batch (a tuple, list, dict or a tensor): its first tensor's rows (a dict's
+    ``labels``' when it has them).
 
     >>> count_samples((torch.zeros(3, 4), torch.zeros(3)))
     3
     """
-    values = batch.values() if isinstance(batch, dict) else batch
-    if isinstance(values, torch.Tensor):
-        return int(values.shape[0])
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise evendp.EvendpError(
-        f"cannot count the samples of a {type(batch).__name__} batch: no tensor with a batch "
-        "dimension; pass count_fn=... to UnevenGradient"
-    )
+    return batch_rows(batch, "pass count_fn=... to UnevenGradient")
 
 
 def logged_count(batch: Any, count_fn: Callable[[Any], int] | None = None) -> float:
     """What to pass as ``self.log(..., batch_size=)`` for a batch of an uneven loader: its
     items (default :func:`count_samples`), 0 for a stand-in, as a float.
 
-    Lightning's epoch mean of a logged value is the sum of ``value * batch_size`` over the
-    batches over the sum of ``batch_size``, both averaged over the ranks with
-    ``sync_dist=True``: with these counts it is the mean over every item once, whatever each
-    rank held (inferred, a stand-in counts 1 and a token loss counts rows). A float because
-    Lightning keeps an int sum of ints and averages it over the ranks in integers: 9 rows on
-    2 ranks became 4 (9 / 2, floored), the loss 9 / 8 of the true one.
+    With ``sync_dist=True`` Lightning's epoch mean is then the mean over every item once
+    (inferred, a stand-in counts 1). A float: Lightning averages an int sum over the ranks in
+    integers (9 rows on 2 ranks became 4, the loss 9 / 8 of the true one).
 
     >>> logged_count((torch.zeros(3, 2),)), logged_count(evendp.EmptySafeCollate(
     ...     [(torch.zeros(2),)], stand_in=True)([]))
@@ -99,14 +74,10 @@ def uneven_dataloader(
 ) -> DataLoader:
     """A ``DataLoader`` giving this rank ``batch_sizes[rank]`` samples a step.
 
-    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch`` sets it), else to
-    ``batch_size`` on every rank; ``"auto"`` splits ``batch_size * world`` by each rank's
-    memory (``memory=`` or ``EVENDP_MEMORY``, else the GPU's free memory), planned for
-    ``model`` on one collated sample, as ``UnevenTrainer``. The rank comes from the process
-    group when there is one, else it is 0 with one batch size.
-    ``costs`` (each sample's length, or a function of ``dataset[i]``) sends each step's
-    samples to ranks by padded cost; ``max_tokens`` makes each step a token budget (see
-    :class:`evendp.UnevenBatchSampler`); :class:`SpeedBalance` moves samples by speed.
+    ``batch_sizes``, ``"auto"``, ``costs`` and ``max_tokens`` as in the Accelerate
+    ``uneven_dataloader``. The rank comes from the process group when the loader is used
+    (a loader built in ``main()``, before ``fit``, too); :class:`SpeedBalance` moves
+    samples by speed.
 
     >>> data = torch.utils.data.TensorDataset(torch.arange(6.0))
     >>> [b[0].tolist() for b in uneven_dataloader(data, [4], shuffle=False)]
@@ -115,18 +86,13 @@ def uneven_dataloader(
     auto = isinstance(batch_sizes, str) and batch_sizes == "auto"
 
     def build(rank: int, world: int | None) -> evendp.UnevenBatchSampler:
-        sizes = batch_sizes
-        if auto:
-            sizes = auto_loader_sizes(
-                dataset, model=model, batch_size=batch_size, world=world or 1, memory=memory,
-                collate_fn=collate_fn, where="uneven_dataloader",
-            )  # fmt: skip
-        if sizes is None:
-            default = None if batch_size is None else [batch_size] * (world or 1)
-            sizes = evendp.batch_sizes_from_env(world, default=default)
+        sizes = auto_loader_sizes(
+            dataset, model=model, batch_size=batch_size, world=world, memory=memory,
+            collate_fn=collate_fn, batch_sizes=batch_sizes,
+        )  # fmt: skip
         return evendp.UnevenBatchSampler(
             dataset,
-            sizes,  # type: ignore[arg-type]
+            sizes,
             rank=rank,
             world_size=world,
             shuffle=shuffle,
@@ -148,21 +114,15 @@ def uneven_dataloader(
     )
 
 
-_REDUCTIONS = ("mean", "sum")
-
-
 class UnevenGradient(pl.Callback):
     """Make the accumulated, DDP-averaged gradient the mean over the step's global batch.
 
-    ``training_step`` returns the loss as Lightning users write it, a mean over what
-    ``count_fn(batch)`` counts (``reduction="mean"``; default :func:`count_samples`; for a
-    language model e.g. the non-ignored shifted labels), or its sum (``reduction="sum"``).
-    Each micro-batch's loss is weighted by its count before backward (a stand-in batch, an
-    empty share, by exactly 0); before the optimizer step and gradient clipping one
-    all-reduce sums the step's count and loss over ranks, the gradients are multiplied by
-    ``accumulate_grad_batches * world_size / count`` (undoing Lightning's division by the
-    accumulation steps and DDP's by the world size), and the step's global mean loss is
-    logged as ``log_name`` (default ``"loss"``, ``None`` to not log), the same on every rank.
+    ``training_step`` returns a mean over what ``count_fn(batch)`` counts (default
+    :func:`count_samples`), or its sum (``reduction="sum"``). Each micro-batch's loss is
+    weighted by its count (a stand-in's by exactly 0); before the optimizer step one
+    all-reduce sums the step's count and loss, the gradients are multiplied by
+    ``accumulate_grad_batches * world_size / count``, and the global mean loss is logged as
+    ``log_name`` (``None``: not).
 
     >>> UnevenGradient().count_fn((torch.zeros(5, 2),))
     5
@@ -175,7 +135,7 @@ class UnevenGradient(pl.Callback):
         reduction: str = "mean",
         log_name: str | None = "loss",
     ) -> None:
-        if reduction not in _REDUCTIONS:
+        if reduction not in ("mean", "sum"):
             raise evendp.EvendpError(
                 f"reduction must be 'mean' or 'sum' (what training_step returns), got {reduction!r}"
             )
@@ -205,7 +165,10 @@ class UnevenGradient(pl.Callback):
     ) -> None:
         # ``loss`` is training_step's value / accumulate_grad_batches (times the AMP scale),
         # a fresh tensor that Lightning backwards next: weighting it in place weights backward.
-        unscale = trainer.accumulate_grad_batches / _amp_scale(trainer)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16's GradScaler
+        unscale = trainer.accumulate_grad_batches / (
+            scaler.get_scale() if scaler is not None else 1.0
+        )
         weight: int | torch.Tensor = self._batch if self.reduction == "mean" else 1
         if isinstance(self._batch, int) and self._batch == 0:
             weight = 0  # a stand-in (or empty) share: weight exactly 0
@@ -227,44 +190,20 @@ class UnevenGradient(pl.Callback):
         total = float(pair[0])
         # Lightning divided each micro-batch's loss by accumulate_grad_batches, DDP by world.
         scale = trainer.accumulate_grad_batches * trainer.world_size / total if total else 0.0
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+        for grad in [p.grad for g in optimizer.param_groups for p in g["params"]]:
+            if grad is not None:
+                grad.mul_(scale)
         if self.log_name is not None:
             mean = (pair[1] / pair[0]).float()  # the same on every rank: no sync_dist needed
             pl_module.log(self.log_name, mean, on_step=True, prog_bar=True)
 
 
-def _amp_scale(trainer: pl.Trainer) -> float:
-    """The fp16 GradScaler's current scale (it multiplied the loss), else 1."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return float(scaler.get_scale()) if scaler is not None else 1.0
-
-
-def _balanced_sampler(loader: Any) -> Any:
-    """The sampler with ``set_batch_sizes`` inside a loader from :func:`uneven_dataloader`."""
-    sampler = loader
-    for _ in range(4):  # DataLoader -> DeferredBatchSampler -> UnevenBatchSampler
-        sampler = getattr(sampler, "batch_sampler", None)
-        if hasattr(sampler, "set_batch_sizes"):
-            return sampler
-    raise evendp.EvendpError(
-        f"SpeedBalance needs the training loader from evendp's uneven_dataloader, got "
-        f"{type(loader).__name__}; return uneven_dataloader(...) from train_dataloader() "
-        "and pass Trainer(use_distributed_sampler=False)"
-    )
-
-
 class SpeedBalance(pl.Callback):
     """Move samples from slow ranks to fast ones at every optimizer step (Lightning DDP).
 
-    Times each rank's ``training_step`` (the forward and the loss, up to Lightning's
-    ``backward``, which waits for the slowest rank under DDP) and its optimizer update, and,
-    before every optimizer step, lets :class:`evendp.SpeedBalancer` re-split the sampler of
-    :func:`uneven_dataloader`: every rank applies the same split at the same step, each
-    step's samples stay the same, so with :class:`UnevenGradient` the gradient is still the
-    global batch's. ``knobs`` go to :class:`evendp.SpeedBalancer` (``caps``, ``warmup``, ...).
+    Times ``training_step`` (up to ``backward``, which waits for the slowest rank) and the
+    update; :class:`evendp.SpeedBalancer` (``knobs``) then re-splits the sampler of
+    :func:`uneven_dataloader` alike on every rank: each step's samples stay the same.
 
     >>> SpeedBalance(warmup=2).knobs
     {'warmup': 2}
@@ -272,19 +211,21 @@ class SpeedBalance(pl.Callback):
 
     def __init__(self, **knobs: Any) -> None:
         self.knobs = knobs
-        self.balancer: Any = NoBalance()
+        self.balancer: Any = Unbalanced()
         self._block: Any = None
         self._update: Any = None  # the optimizer step's timer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sampler = _balanced_sampler(trainer.train_dataloader)
-        self.balancer = step_balancer(
-            sampler.batch_sizes,
-            "speed",
-            distributed=trainer.world_size > 1,
-            apply=sampler.set_batch_sizes,  # Lightning's loop: applied where decided
-            **self.knobs,
-        )
+        sampler = resizable(loader := trainer.train_dataloader)
+        if sampler is None:
+            raise evendp.EvendpError(
+                f"SpeedBalance needs the training loader from evendp's uneven_dataloader, got "
+                f"{type(loader).__name__}; return uneven_dataloader(...) from train_dataloader() "
+                "and pass Trainer(use_distributed_sampler=False)"
+            )
+        # One process has no ranks to balance; Lightning's loop: applied where decided.
+        speed = trainer.world_size > 1
+        self.balancer = resplitting(sampler, **self.knobs) if speed else Unbalanced()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

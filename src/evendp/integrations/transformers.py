@@ -1,40 +1,9 @@
 """``UnevenTrainer``: a Hugging Face ``Trainer`` whose ranks each take their own batch size.
 
-Run under ``evendp launch`` or ``torchrun`` (one process per device). ``batch_sizes[r]`` is the
-number of samples rank ``r`` takes per forward pass; ``gradient_accumulation_steps`` multiplies
-it as in Hugging Face, so one optimizer step covers ``sum(batch_sizes) * accumulation`` samples.
-``per_device_train_batch_size`` only sets the default (an even split) and is otherwise ignored.
-
-What changes against ``transformers.Trainer``, through its documented overridable methods:
-
-* ``get_train_dataloader``: the loader of :func:`evendp.integrations.accelerate.uneven_dataloader`
-  (one global permutation, every rank the same number of batches, each sample once per epoch).
-* ``compute_loss``: the gradient is the one of the mean over the whole global batch.
-  Token losses (the model takes ``num_items_in_batch``, ``model_accepts_loss_kwargs``) already
-  go through the Trainer's own path: it counts the step's non-ignored tokens on every rank, sums
-  them over ranks (``average_tokens_across_devices=True``, required) and multiplies by the
-  number of processes, which undoes DDP's averaging; that path is left exactly as it is. Any
-  other loss is taken as a per-batch mean over ``count_fn(inputs)`` items (default: the rows of
-  the batch): it becomes this batch's sum, divided by the step's count summed over all ranks and
-  micro-batches and multiplied by the world size, so neither DDP's division by the world size
-  nor the Trainer's division by the accumulation steps applies any more
-  (``loss_is_scaled_for_ga = True``).
-* ``get_batch_samples``: also sums ``count_fn`` over the step's micro-batches and ranks (one
-  all-reduce per optimizer step, only for non-token losses).
-* ``get_total_train_batch_size``: ``sum(batch_sizes) * gradient_accumulation_steps``, so the
-  logged total batch and samples/s are true.
-* ``get_eval_dataloader``, ``get_test_dataloader``, ``evaluation_loop``, ``prediction_step``:
-  each evaluation batch of ``per_device_eval_batch_size`` rows (one process's batch, whatever
-  the world size) is split like training, its loss taken over all ranks and each row gathered
-  once (:mod:`._hf_eval`): ``evaluate``/``predict`` give the metrics and predictions of the
-  same script in one process.
-
-A model whose ``forward`` takes ``**kwargs`` but computes a per-batch mean itself (e.g.
-``GPT2ForSequenceClassification``) is seen by the Trainer as a token-loss model; set
-``model.accepts_loss_kwargs = False`` (the Trainer's own switch) so its loss is weighted by
-samples. DeepSpeed ZeRO (``deepspeed=``) works as it is (:mod:`evendp.integrations.deepspeed`).
-Refused: ``auto_find_batch_size``, one process driving several GPUs (``nn.DataParallel``),
-``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
+One process per device (``evendp launch``, ``torchrun``). Through the Trainer's overridable
+methods only: this rank's loader, the global batch's loss (a token loss by the Trainer's own
+``num_items_in_batch`` path, any other weighted by ``count_fn``), the true total batch, and
+one process's evaluation (:mod:`._hf_eval`); docs/integrations.md says what is refused.
 """
 
 from __future__ import annotations
@@ -43,6 +12,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,19 +25,9 @@ from torch.utils.data import DataLoader
 
 import evendp
 
-from .._core._counting import label_shift
-from .._core._validate import validate_count
-from .._distributed._batch_plan import validate_batch_sizes_option
-from .._planning._balance import (
-    NoBalance,
-    planned_rank_sizes,
-    step_balancer,
-    validate_balance,
-)
-from ._forward_timer import time_forward
 from ._hf_eval import EvalMeans, EvalPieces
-from ._interleave import InterleavedBatchSampler
 from ._rows import RowsGather, gather_rows, no_rows
+from ._speed import Unbalanced, batch_rows, resizable, resplitting, time_forward
 from ._teardown import release_at_exit
 from .accelerate import uneven_dataloader
 
@@ -92,21 +52,12 @@ def count_rows(inputs: Mapping[str, Any]) -> int:
     """
     if evendp.is_stand_in(inputs):
         return 0
-    tensors = [inputs["labels"]] if "labels" in inputs else list(inputs.values())
-    for value in tensors:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise evendp.EvendpError(
-        f"cannot count the samples of a batch with keys {sorted(inputs)}: no tensor with a "
-        "batch dimension; pass count_fn=... to UnevenTrainer"
-    )
+    return batch_rows(inputs, "pass count_fn=... to UnevenTrainer")
 
 
 def count_labels(inputs: Mapping[str, Any], shift: bool = False) -> int | torch.Tensor:
-    """The labels a mean loss averages over: those not ``-100`` (``shift``: from position 1).
-
-    Without ``labels``, :func:`count_rows`; 0 for a stand-in. A cross-entropy mean (a class
-    per sample, or per token with ``-100`` for padding) is a mean over exactly these.
+    """The labels a mean loss averages over: those not ``-100`` (``shift``: from position 1),
+    as a cross-entropy mean is; without ``labels``, :func:`count_rows` (0 for a stand-in).
 
     >>> count_labels({"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])})
     tensor(3)
@@ -183,11 +134,9 @@ def _calls_super(cls: type, name: str) -> bool:
 def _validate_composition(cls: type) -> None:
     """Refuse a Trainer subclass that overrides what UnevenTrainer relies on, naming it.
 
-    ``class X(UnevenTrainer, SFTTrainer): pass`` works: UnevenTrainer's methods run first and
-    reach SFTTrainer's through ``super()``. Refused: a Trainer subclass before UnevenTrainer
-    in the method order (its methods would hide evendp's), one after it that brings its own
-    training loader or item count, or a ``training_step``/override that never calls
-    ``super()`` (the Trainer's loss scaling and backward, or evendp's, would not run).
+    ``class X(UnevenTrainer, SFTTrainer)`` works (UnevenTrainer's methods reach SFTTrainer's
+    through ``super()``); a Trainer subclass before UnevenTrainer, one after it with its own
+    loader or item count, or an override that never calls ``super()`` is refused.
     """
     mro = cls.__mro__
     here = mro.index(UnevenTrainer)
@@ -221,8 +170,8 @@ def _validate_composition(cls: type) -> None:
 
 
 def _validate_eval_composition(cls: type) -> None:
-    """Refuse a ``prediction_step`` before UnevenTrainer's that never reaches it: the
-    batch's loss and the stand-ins' rows would be left as each rank computed them."""
+    """Refuse a ``prediction_step`` before UnevenTrainer's that never reaches it (each
+    batch's loss and a stand-in's rows would stay as each rank computed them)."""
     for owner in cls.__mro__[: cls.__mro__.index(UnevenTrainer)]:
         if "prediction_step" in vars(owner) and not _calls_super(owner, "prediction_step"):
             raise evendp.EvendpError(
@@ -232,29 +181,14 @@ def _validate_eval_composition(cls: type) -> None:
             )
 
 
-def _default_sizes(args: transformers.TrainingArguments) -> list[int]:
-    """``EVENDP_BATCH_SIZES`` when set, else ``per_device_train_batch_size`` on every rank."""
-    world = max(1, args.world_size)
-    return evendp.batch_sizes_from_env(world, default=[args.per_device_train_batch_size] * world)
-
-
-def _balanced_sampler(loader: DataLoader) -> Any:
-    """The every-rank sampler inside a prepared :func:`uneven_dataloader`."""
-    sampler: Any = loader
-    while not isinstance(sampler, InterleavedBatchSampler):
-        sampler = sampler.batch_sampler
-    return sampler
-
-
-class _BalancerRelay(NoBalance):
-    """The trainer's current balancer (rebuilt with each training loader), for the hooks."""
-
-    def __init__(self, trainer: UnevenTrainer) -> None:
-        super().__init__()
-        self.trainer = trainer
-
-    def measure(self, samples: int) -> Any:
-        return self.trainer.balancer.measure(samples)
+def _validate_balance(balance: object) -> str:
+    """``None`` (no balance), ``"none"`` or ``"speed"``: the modes of ``TrainConfig.balance``."""
+    if balance is None or balance in ("none", "speed"):
+        return balance or "none"
+    raise evendp.EvendpError(
+        f"balance={balance!r} is not a balance; expected one of ('none', 'speed') ('speed' "
+        "moves samples from slow ranks to fast ones at step boundaries)"
+    )
 
 
 class _StepBalancer(transformers.TrainerCallback):
@@ -283,22 +217,16 @@ class _StepBalancer(transformers.TrainerCallback):
 class UnevenTrainer(transformers.Trainer):
     """``transformers.Trainer`` with ``batch_sizes[r]`` samples per forward pass on rank ``r``.
 
-    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``), else to
-    ``per_device_train_batch_size`` on every rank. ``count_fn(inputs)`` says how many items a
-    non-token loss averaged over (default :func:`count_labels`, shifted for a causal LM as
-    its loss is: :func:`evendp.count_tokens`). ``balance="speed"`` times
-    each rank's forward passes and, at optimizer-step boundaries, moves samples from slow
-    ranks to fast ones (:class:`evendp.SpeedBalancer`): each step's samples, the total batch
-    and the gradient stay those of one process. ``costs`` (each training sample's length, or
-    a function of a dataset item, e.g. ``lambda s: len(s["input_ids"])``) sends each step's
-    samples to ranks by padded length, similar lengths together, so no rank pads for
-    another's long samples (what ``group_by_length`` is for, with the exact gradient).
-    ``batch_sizes="auto"`` splits ``per_device_train_batch_size * world_size`` by each
-    rank's memory, planned for this model on one training sample (live free memory on a
-    GPU; ``memory=`` or ``EVENDP_MEMORY`` declares it, one entry per rank), the same on
-    every rank (one ``all_gather``); speed balance then never moves a rank past its cap.
-    Everything else is the Trainer's. See the module docstring for what changes and what is
-    refused.
+    ``batch_sizes`` defaults to ``EVENDP_BATCH_SIZES`` (``evendp launch``), else
+    ``per_device_train_batch_size`` on every rank; ``"auto"`` splits
+    ``per_device_train_batch_size * world_size`` by each rank's memory (``memory=``,
+    ``EVENDP_MEMORY``, else the GPU's free memory), planned for this model on one training
+    sample. ``count_fn(inputs)``: the items a non-token loss is a mean over (default
+    :func:`count_labels`, shifted for a causal LM). ``balance="speed"`` moves samples from
+    slow ranks to fast ones at optimizer steps (:class:`evendp.SpeedBalancer`); ``costs``
+    (each sample's length, or a function of a dataset item) sends each step's samples to
+    ranks by padded length (``group_by_length`` with the exact gradient). Each step's
+    samples and gradient stay one process's; everything else is the Trainer's.
 
     >>> import tempfile
     >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -335,27 +263,33 @@ class UnevenTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.balance = validate_balance(balance)
+        self.balance = _validate_balance(balance)
         self.costs = costs
-        self.balancer: evendp.SpeedBalancer | NoBalance = NoBalance()
-        # Speed balance: forwards timed by hooks, a new split at each optimizer step's end.
+        self.balancer: evendp.SpeedBalancer | Unbalanced = Unbalanced()
+        # Speed balance: forwards timed by hooks (the current balancer's, rebuilt with each
+        # training loader), a new split at each optimizer step's end.
         if self.model is not None:  # model_init: no model yet, nothing to time
-            time_forward(self.model, _BalancerRelay(self))
+            time_forward(self.model, lambda rows: self.balancer.measure(rows))
         self.add_callback(_StepBalancer(self))
         _validate_args(self.args)
         # Subclasses gather per-sample metrics (DPO's rewards): rows differ by rank now.
         self.accelerator.gather = RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
-        # Checked like every evendp batch-size list: one non-negative int per rank.
-        validate_batch_sizes_option(batch_sizes)
         self._caps: list[int] | None = None  # per-rank memory caps, when planned
         if isinstance(batch_sizes, str) and batch_sizes == "auto":
             self.batch_sizes, self._caps = self._auto_sizes(memory)
-        else:
-            self.batch_sizes = (
-                _default_sizes(self.args)
-                if batch_sizes is None
-                else evendp.batch_sizes_from_env(world, default=batch_sizes, environ={})  # type: ignore[arg-type]
+        elif isinstance(batch_sizes, str):
+            raise evendp.EvendpError(
+                f"batch_sizes must be a list of ints >= 0 or None, got {batch_sizes!r}; expected "
+                "'auto' (planned from each rank's memory), a list of per-rank sizes like [3, 5], "
+                "or None (an even split)"
+            )
+        else:  # given sizes are checked (one per rank), else EVENDP_BATCH_SIZES or an even split
+            even = [self.args.per_device_train_batch_size] * world
+            self.batch_sizes = evendp.batch_sizes_from_env(
+                world,
+                default=even if batch_sizes is None else batch_sizes,
+                environ=None if batch_sizes is None else {},
             )
         self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
@@ -378,16 +312,13 @@ class UnevenTrainer(transformers.Trainer):
             )
         dataset = self.train_dataset
         global_batch = self.args.per_device_train_batch_size * max(1, self.args.world_size)
-        return planned_rank_sizes(
+        return evendp.planned_rank_sizes(
             self.model, lambda: self.data_collator([dataset[0]]), global_batch, memory=memory
         )
 
     def get_train_dataloader(self) -> DataLoader:
-        """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator.
-
-        The Trainer's own loader is built first only to reuse what it derives from the
-        arguments (unused columns removed, worker settings), through public attributes.
-        """
+        """This rank's batches of ``batch_sizes[rank]`` samples, prepared by the accelerator;
+        the Trainer's own loader built first for what it derives (unused columns, workers)."""
         base = super().get_train_dataloader()
         settings = {key: getattr(base, key) for key in _LOADER_SETTINGS}
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
@@ -403,20 +334,13 @@ class UnevenTrainer(transformers.Trainer):
             stand_in=True,  # an empty share: one real sample, weight 0 (compute_loss)
             **settings,
         )
-        # Bound to the loader training iterates: speed moves samples in its sampler.
-        world, sampler = max(1, self.args.world_size), _balanced_sampler(loader)
-        self.balancer = step_balancer(
-            sampler.batch_sizes,
-            self.balance,
-            distributed=world > 1,
-            caps=self._caps,
-            apply=sampler.set_batch_sizes,  # HF's loop: applied where decided
-        )
+        # Speed moves samples in the sampler training iterates, where a new split is decided.
+        speed = self.balance == "speed" and self.args.world_size > 1  # one process: no ranks
+        self.balancer = resplitting(resizable(loader), self._caps) if speed else Unbalanced()
         return loader
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """This rank's rows of each evaluation batch (see :mod:`._hf_eval`): the Trainer's
-        loader is built first for its dataset (unused columns removed) and collator."""
+        """This rank's rows of each evaluation batch (see :mod:`._hf_eval`)."""
         return self._eval_loader(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
@@ -424,9 +348,8 @@ class UnevenTrainer(transformers.Trainer):
         return self._eval_loader(super().get_test_dataloader(test_dataset))
 
     def _eval_loader(self, base: DataLoader) -> DataLoader:
-        """``base``'s dataset in batches of ``eval_batch_size`` rows (one process's: a token
-        loss's batch mean depends on which rows share a batch), each split like training; a
-        dataset without a length keeps the Trainer's own loader."""
+        """``base``'s dataset (the Trainer's: unused columns removed) in one process's batches
+        of ``eval_batch_size`` rows, each split like training; without a length, ``base``."""
         if not hasattr(base.dataset, "__len__"):
             return base
         if self.args.batch_eval_metrics:
@@ -472,7 +395,11 @@ class UnevenTrainer(transformers.Trainer):
         # One process's loop repeats each batch's loss eval_batch_size times; gather_for_metrics
         # (the Trainer's) cuts a short last batch's to its rows, gather (Seq2SeqTrainer's
         # evaluate and predict set it) keeps them: that batch then weighs as a full one.
-        self._eval_means = EvalMeans(pieces, by_rows=self._gathers_for_metrics())
+        function = getattr(self, "gather_function", None)
+        if isinstance(function, functools.partial):  # use_gather_object=, at construction
+            function = function.func
+        by_rows = bool(function == self.accelerator.gather_for_metrics)  # the Trainer's
+        self._eval_means = EvalMeans(pieces, by_rows=by_rows)
         self.gather_function = functools.partial(gather_rows, self.accelerator)
         try:
             output = super().evaluation_loop(dataloader, description, **options)
@@ -483,13 +410,6 @@ class UnevenTrainer(transformers.Trainer):
         if f"{metric_key_prefix}_loss" in metrics and means is not None and means.means:
             metrics[f"{metric_key_prefix}_loss"] = means.value(self.args.logging_nan_inf_filter)
         return output
-
-    def _gathers_for_metrics(self) -> bool:
-        """Whether the loop gathers with ``gather_for_metrics`` (the Trainer's default)."""
-        function = getattr(self, "gather_function", None)
-        if isinstance(function, functools.partial):  # use_gather_object=, at construction
-            function = function.func
-        return bool(function == self.accelerator.gather_for_metrics)
 
     def prediction_step(
         self,
@@ -537,15 +457,13 @@ class UnevenTrainer(transformers.Trainer):
         # A causal LM's mean skips each row's first label: count as its loss does (the model
         # read now: model_init may replace it).
         model = self.accelerator.unwrap_model(self.model)
-        return count_labels(inputs, shift=bool(label_shift(model)))
+        return count_labels(inputs, shift=bool(evendp.label_shift(model)))
 
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
     ) -> tuple[list[Any], torch.Tensor | int | None]:
-        """The Trainer's micro-batches of one step; also their item count over all ranks.
-
-        A stand-in batch counts no item (its labels read as ignored for the token count).
-        """
+        """The Trainer's micro-batches of one step; also their item count over all ranks (a
+        stand-in's labels read as ignored)."""
         batches = list(itertools.islice(epoch_iterator, num_batches))
         if self._probe_pending and batches:  # the same on every rank: so is this collective
             self._probe_loss_kwargs(batches)
@@ -559,18 +477,24 @@ class UnevenTrainer(transformers.Trainer):
         return batches, num_items
 
     def _checked_count(self, inputs: Mapping[str, Any]) -> int | torch.Tensor:
-        """``count_fn(inputs)``, a whole number >= 0. A tensor's value is read at the first
-        step only (as evendp's Trainer does): on a GPU each read waits for the device, and
-        the HF Trainer reads no count at a steady step."""
+        """``count_fn(inputs)``, a whole number >= 0; a tensor's value read at the first step
+        only (a read waits for the GPU, and the HF Trainer reads none at a steady step)."""
         count = self.count_fn(inputs)
-        first = self._steps <= 1 or not isinstance(count, torch.Tensor)
-        validate_count("count_fn(inputs)", count, check_values=first)
+        if isinstance(count, torch.Tensor):
+            ok = count.numel() == 1 and count.dtype != torch.bool and not count.is_complex()
+            value = float(count) if ok and self._steps <= 1 else 0.0
+        else:
+            ok = isinstance(count, numbers.Real) and not isinstance(count, bool)
+            value = float(count) if ok else 0.0
+        if not (ok and math.isfinite(value) and value >= 0 and value.is_integer()):
+            raise evendp.EvendpError(
+                f"count_fn(inputs) must be a whole number >= 0 (items counted), got {count!r}"
+            )
         return count
 
     def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
-        """The step's count summed over ranks, on the loss's device: one all-reduce, and no
-        copy to or from the host in one process (``global_count``'s default device there is
-        the CPU, a copy that waits for the GPU at every step)."""
+        """The step's count summed over ranks on the loss's device: one all-reduce, no copy
+        to the host (``global_count`` would put it on the CPU in one process)."""
         device = self.args.device
         count = torch.as_tensor(local, device=device).detach().reshape(())
         count = count.to(torch.float64 if count.is_floating_point() else torch.int64)
@@ -581,24 +505,20 @@ class UnevenTrainer(transformers.Trainer):
     def _probe_loss_kwargs(self, batches: list[Any]) -> None:
         """Whether the model's loss uses ``num_items_in_batch``, agreed by every rank (no grad).
 
-        Its ``forward`` takes ``**kwargs`` (so the Trainer passes the count), but many losses
-        ignore it (``BertForSequenceClassification``, ``GPT2ForSequenceClassification``,
-        ``BertForTokenClassification`` return a per-batch mean). Twice the count must halve a
-        loss that uses it and leave one that ignores it unchanged; such a loss is then
-        weighted by its labels here. Anything else stops the run, naming the switch.
-
-        Why agreed: the verdict decides which collectives the step runs (the Trainer's token
-        all-gather, or evendp's count all-reduce), so every rank must reach the same one. Each
-        rank tries the first of its micro-batches with a counted item; one all-reduce sums
-        the ranks' verdicts. A rank with nothing counted (a 1-token sequence, all-padding
-        rows, a stand-in) is inconclusive and abstains; when every rank abstains, the probe
-        is tried again on the next step.
+        Many losses whose ``forward`` takes ``**kwargs`` ignore it (a per-batch mean): twice
+        the count halves a loss that uses it; one that ignores it is weighted by its labels;
+        anything else stops the run. Agreed (one all-reduce) because it decides the step's
+        collectives; a rank with nothing counted abstains.
         """
         if self.compute_loss_func is not None or not any("labels" in b for b in batches):
             self._probe_pending = False  # the same on every rank: the collator's keys
             return
+        # This rank's verdict: its first micro-batch whose loss counted something decides.
+        self._probe_note = "no counted label on this rank"
+        mine = (self._probe_batch(b) for b in batches if _has_labels(b))
+        verdict = next((v for v in mine if v != "inconclusive"), "inconclusive")
         verdicts = torch.zeros(len(_VERDICTS), dtype=torch.int64, device=self.args.device)
-        verdicts[_VERDICTS.index(self._local_verdict(batches))] = 1
+        verdicts[_VERDICTS.index(verdict)] = 1
         if max(1, self.args.world_size) > 1:
             dist.all_reduce(verdicts)  # (uses, ignores, odd, inconclusive) over ranks
         uses, ignores, odd, _ = verdicts.tolist()
@@ -615,33 +535,24 @@ class UnevenTrainer(transformers.Trainer):
             if ignores:
                 self.model_accepts_loss_kwargs = False  # a per-batch mean: weighted by labels
 
-    def _local_verdict(self, batches: list[Any]) -> str:
-        """This rank's verdict: its first micro-batch whose loss counted something decides."""
-        self._probe_note = "no counted label on this rank"
-        for batch in batches:
-            if _has_labels(batch):
-                verdict = self._probe_batch(batch)
-                if verdict != "inconclusive":
-                    return verdict
-        return "inconclusive"
-
     def _probe_batch(self, batch: Mapping[str, Any]) -> str:
         """One batch's verdict: the loss with counts 1 and 2 (a stand-in too: a real sample)."""
         model = self.accelerator.unwrap_model(self.model)
         device = self.args.device
         inputs = send_to_device(dict(batch), device)
-        was_training, balancer = model.training, self.balancer
-        model.eval()  # no dropout: the two forward passes differ only in the count
-        self.balancer = NoBalance()  # not timed: the speed balance sees training steps only
+        was_training = model.training
+        # No dropout: the two passes differ only in the count; and no timing (eval mode).
+        model.eval()
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
-                one, two = (
-                    loss_of(model(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                outputs = [
+                    model(**inputs, num_items_in_batch=torch.tensor(n, device=device))
                     for n in (1.0, 2.0)
-                )
+                ]
         finally:
             model.train(was_training)
-            self.balancer = balancer
+        # A ModelOutput's or a dict's "loss", else the first output.
+        one, two = (float(out["loss"] if isinstance(out, Mapping) else out[0]) for out in outputs)
         self._probe_note = f"count 1 gave {one:.6g}, count 2 gave {two:.6g}"
         # Nothing counted after all (a causal shift of a 1-token row): a sum gives 0, a mean NaN.
         if not (math.isfinite(one) and math.isfinite(two)) or one == 0.0:
@@ -657,10 +568,8 @@ class UnevenTrainer(transformers.Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean.
-
-        A stand-in batch (an empty share) weighs exactly 0.
-        """
+        """The Trainer's loss; a non-token training loss rescaled to the global-batch mean; a
+        stand-in batch (an empty share) weighs exactly 0."""
         step_count = self._step_count if model.training else None
         stand_in = evendp.is_stand_in(inputs)
         count = self.count_fn(inputs) if step_count is not None else 0  # before labels pop
@@ -687,11 +596,7 @@ class UnevenTrainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> transformers.trainer_utils.TrainOutput:
         """The Trainer's ``train``; its ``train_loss`` is the global batch's, on every rank.
-
-        Afterwards no DDP wrapper holds the process group, so however the run ends
-        (``trainer.end()``, ``destroy_process_group()``, or the exit) it ends without a
-        deadlock (see ``_teardown``).
-        """
+        Afterwards no DDP wrapper holds the process group (see ``_teardown``)."""
         self._loss_sum = torch.zeros((), device=self.args.device)
         self._steps = 0
         output = super().train(*args, **kwargs)
@@ -700,11 +605,8 @@ class UnevenTrainer(transformers.Trainer):
         return transformers.trainer_utils.TrainOutput(output.global_step, loss, output.metrics)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's ``log``; the final ``train_loss`` made global first (all ranks log it).
-
-        The Trainer adds the losses of steps not logged yet as this rank's own share; the
-        mean of the ranks' sums is the global figure (each rank's loss is its part of it).
-        """
+        """The Trainer's ``log``; the final ``train_loss`` made global first (all ranks log it):
+        the mean of the ranks' sums, each rank's loss being its part of the global one."""
         if "train_loss" in logs and self._steps:
             total = self.accelerator.gather(self._loss_sum.reshape(1)).mean()
             logs["train_loss"] = float(total) / self._steps
@@ -721,13 +623,6 @@ def _has_labels(batch: Mapping[str, Any]) -> bool:
     return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
 
 
-def loss_of(outputs: Any) -> float:
-    """The loss a model returned: ``outputs["loss"]`` (a ``ModelOutput`` too), else the first."""
-    return float(outputs["loss"] if isinstance(outputs, Mapping) else outputs[0])
-
-
 def _declares_loss_kwargs(model: nn.Module) -> bool:
     """Whether the user (or the model class itself) said if its loss uses the count."""
-    return "accepts_loss_kwargs" in vars(model) or any(
-        "accepts_loss_kwargs" in vars(cls) for cls in type(model).__mro__
-    )
+    return any("accepts_loss_kwargs" in vars(owner) for owner in (model, *type(model).__mro__))
