@@ -3,10 +3,12 @@ solve again, and report the result as a :class:`Plan`."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
@@ -98,15 +100,6 @@ class _Fleet:
 
     def name(self, i: int) -> str:
         return f"dev{i}" if self.names is None else self.names[i]
-
-    def free_at(self, i: int) -> int:
-        """Free bytes of device ``i``."""
-        start = 0
-        for count, free, _ in self.runs:
-            if i < start + count:
-                return free
-            start += count
-        raise IndexError(i)
 
     @classmethod
     def of(cls, mems: Sequence[DeviceMemory]) -> _Fleet:
@@ -249,8 +242,7 @@ def plan(
     if safety_margin is None:
         safety_margin = DEFAULT_MARGIN if replay is None else 0.0
     _validate_options(mode, safety_margin, output_device, k, batch_size)
-    if not isinstance(no_grad, bool):
-        raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    validate_bool("no_grad", no_grad)
     validate_bool("gather_output", gather_output)
     validate_bool("gradient_as_bucket_view", gradient_as_bucket_view)
     if not isinstance(checkpointing, bool):
@@ -565,13 +557,14 @@ def _to_plan(
 ) -> Plan:
     total, even_total = _sum(sol, "split"), _sum(sol, "even")
     runs = []
+    ends = list(itertools.accumulate(count for count, _, _ in mems.runs))
     for seg in sol:  # one DevicePlan per run of alike devices: DeviceRows names each
         i = seg.start
         ours = {k: round(v) for k, v in mdl.breakdown(i, seg.split, total).items() if v}
         even = {k: round(v) for k, v in mdl.breakdown(i, seg.even, even_total).items() if v}
         proto = DevicePlan(
             name="",
-            free=mems.free_at(i),
+            free=mems.runs[bisect.bisect_right(ends, i)][1],
             budget=seg.budget,
             samples=seg.split,
             breakdown=ours,
@@ -709,14 +702,11 @@ def _live_free_memory(module: nn.Module, devices: list[torch.device]) -> list[De
     repeated (virtual) devices share one GPU's memory."""
     indices = [d.index if d.index is not None else torch.cuda.current_device() for d in devices]
     live = {m.name: m for m in live_memory(sorted(set(indices)))}
-    resident: dict[int, int] = {}
+    resident: Counter[int] = Counter()
     for t in [*module.parameters(), *module.buffers()]:
         if t.device.type == "cuda":
-            resident[t.device.index] = (
-                resident.get(t.device.index, 0) + t.numel() * t.element_size()
-            )
-    mems = []
-    for i in indices:
-        free = live[f"cuda:{i}"].free + resident.get(i, 0)
-        mems.append(DeviceMemory(f"cuda:{i}", free // indices.count(i)))
-    return mems
+            resident[t.device.index] += t.numel() * t.element_size()
+    return [
+        DeviceMemory(f"cuda:{i}", (live[f"cuda:{i}"].free + resident[i]) // indices.count(i))
+        for i in indices
+    ]

@@ -15,6 +15,7 @@ fragmentation); and a fixed allowance for the CUDA context, which a fake run can
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -298,15 +299,9 @@ def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> li
     return _with_split(segments, split)
 
 
-def _even_sizes(total: int, k: int) -> tuple[int, int]:
-    """``split_sizes(total, [1] * k)`` is ``q + 1`` for the first ``r`` devices, then ``q``."""
-    q, r = divmod(total, k)
-    return q, r
-
-
 def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) -> list[Segment]:
     """The spans cut where the even split of ``total`` drops from ``q + 1`` to ``q``."""
-    q, r = _even_sizes(total, k)
+    q, r = divmod(total, k)  # split_sizes(total, [1] * k): q + 1 for the first r, then q
     out = []
     for s in spans:
         end = s.start + s.count
@@ -323,11 +318,8 @@ def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) 
 
 
 def _span_of(spans: list[_Span], index: int) -> int:
-    lo, hi = 0, len(spans) - 1
-    while lo < hi:  # the last span starting at or before index
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if spans[mid].start <= index else (lo, mid - 1)
-    return lo
+    """The last span starting at or before ``index``."""
+    return bisect.bisect_right(spans, index, key=lambda s: s.start) - 1
 
 
 def _capped_even_runs(caps: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
