@@ -158,10 +158,7 @@ def padded_cost(costs: Sequence[float], padded: bool = True) -> float:
     0.0
     """
     values = validate_costs(costs)
-    validate_bool("padded", padded)
-    if not values:
-        return 0.0
-    return len(values) * max(values) if padded else float(sum(values))
+    return _share_cost(values, list(range(len(values))), validate_bool("padded", padded))
 
 
 class _Runs:
@@ -233,17 +230,10 @@ def _count_split(
     The count split gives device ``i`` the next ``split_sizes(n, capacities)[i]`` samples in
     step order, as :class:`evendp.UnevenBatchSampler` does without costs.
     """
-    sizes = split_sizes(len(costs), capacities)
-    bottleneck, longest, start = 0.0, [], 0
-    for device, size in enumerate(sizes):
-        share = costs[start : start + size]
-        start += size
-        cost = (len(share) * max(share) if runs.padded else sum(share)) if share else 0.0
-        if share:
-            bottleneck = max(bottleneck, cost / capacities[device])
-        longest.append(max(share) if share else -1.0)
-    order = sorted(range(len(sizes)), key=lambda d: (longest[d], d))
-    return bottleneck, order
+    shares = _contiguous(split_sizes(len(costs), capacities))
+    longest = [max((costs[j] for j in share), default=-1.0) for share in shares]
+    order = sorted(range(len(shares)), key=lambda d: (longest[d], d))
+    return _bottleneck(costs, shares, capacities, runs.padded), order
 
 
 def split_by_cost(
@@ -366,7 +356,7 @@ def _sorted_runs(
             continue
         threshold, sizes = _bisect(runs, order, top, capacities, max_sizes, max_costs, sizes)
         if best is None or threshold < best[0]:
-            best = (threshold, _runs_in_order(order, sizes))
+            best = (threshold, [(device, sizes[device]) for device in order])
     if best is None:
         return None
     shares: list[list[int]] = [[] for _ in capacities]
@@ -404,10 +394,6 @@ def _longest_first(
 def _contiguous(sizes: list[int]) -> list[list[int]]:
     starts = [0, *itertools.accumulate(sizes)]
     return [list(range(starts[d], starts[d] + size)) for d, size in enumerate(sizes)]
-
-
-def _runs_in_order(order: Sequence[int], sizes: list[int]) -> list[tuple[int, int]]:
-    return [(device, sizes[device]) for device in order]
 
 
 def _bisect(

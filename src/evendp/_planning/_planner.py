@@ -351,7 +351,7 @@ def _plan_step(
     if seq_len is not None:
         batch = at_width(batch, seq_len)
     setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
-    setup.gpu = allocator is not None  # a GPU's kernels: see ._kernels
+    setup.gpu = allocator is not None  # a GPU's kernels: see _measure._FusedAttention
     if mode == "ddp" or not gather:
         variant = "keep"
     else:
