@@ -385,14 +385,8 @@ def sample_output(setup: _Setup, n: int) -> Any:
 
 def _validate_model(model: Any) -> Callable[[Any], nn.Module]:
     """A function of the fake mode that returns a fresh fake copy of the model."""
-    if isinstance(model, nn.Module):
-
-        def copy_fake(fake_mode: Any) -> nn.Module:
-            # Fake cpu tensors from each tensor's metadata, wherever the model sits (a GPU,
-            # meta): no real memory, and the user's module is never moved.
-            return fake_cpu_copy(model, fake_mode)
-
-        return copy_fake
+    if isinstance(model, nn.Module):  # fake cpu tensors wherever it sits: see _fake_model
+        return lambda fake_mode: fake_cpu_copy(model, fake_mode)
     if callable(model):
 
         def build(fake_mode: Any) -> nn.Module:
@@ -450,14 +444,14 @@ def validate_batch(batch: Any) -> Callable[[int], Any]:
 
 
 @contextmanager
-def planning_errors(what: str) -> Iterator[None]:
-    """Turn failures inside the user's model, batch or criterion into a PlanError."""
+def planning_errors(what: str, error: type[EvendpError] = PlanError) -> Iterator[None]:
+    """Turn failures inside the user's model, batch or criterion into ``error``."""
     try:
         yield
     except EvendpError:
         raise
     except Exception as exc:  # the user's code can raise anything; say where it happened
-        raise PlanError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        raise error(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def make_setup(

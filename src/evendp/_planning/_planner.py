@@ -310,14 +310,10 @@ def _calibrated(
     if measurers is None:
         return result
     _note("measuring the real model on the devices (two small sizes each)")
-    try:  # an EvendpError, not a PlanError: "auto" takes a PlanError for "nothing fits"
+    # A CUDA error, another process's OOM: said, never guessed. An EvendpError, not a
+    # PlanError: "auto" takes a PlanError for "nothing fits".
+    with planning_errors("running the real model on the device", EvendpError):
         fixed, notes = calibrated_plan(result, measurers)
-    except EvendpError:
-        raise
-    except Exception as exc:  # a CUDA error, another process's OOM: say it, never guess
-        raise EvendpError(
-            f"running the real model on the device failed: {type(exc).__name__}: {exc}"
-        ) from exc
     del measurers, step  # the copies on the devices go before the run allocates
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only
         torch.cuda.empty_cache()
@@ -577,9 +573,6 @@ def _to_plan(
         runs.append((seg.start, seg.count, proto))
     devices = DeviceRows(runs, mems.name)
     reach = max(1, _sum(sol, "alone"))
-    sizes = sorted(replica)
-    fe = Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
-    out = Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
     return Plan(
         mode=mode,
         devices=devices,
@@ -589,9 +582,9 @@ def _to_plan(
         even_split=expand(sol, "even"),
         even_global_batch=even_total,
         even_eta_mem=even_total / reach if all(p.even_fits for _, _, p in runs) else 0.0,
-        activation_bytes_per_sample=fe.slope(),
-        output_bytes_per_sample=out.slope(),
-        measured_sizes=sizes,
+        activation_bytes_per_sample=mdl.forward_end.slope(),  # the parameters cancel out
+        output_bytes_per_sample=mdl.outputs.slope(),
+        measured_sizes=sorted(replica),
         safety_margin=margin,
         seconds=time.perf_counter() - start,
         extrapolated=extrapolated,
