@@ -32,12 +32,9 @@ reserved figure. What it models, with its sources (PyTorch 2.11 to 2.13):
   thread: the forward runs on the caller's thread, the backward on autograd's device
   thread, so a training step holds two workspaces.
 - **cuDNN convolution workspaces** (``aten/src/ATen/native/cudnn/Conv_v8.cpp``: the
-  workspace of the chosen engine is allocated through the caching allocator for the call
-  and freed after it): their size is the engine's, which only cuDNN knows; the model
-  allows each convolution call a transient workspace of :data:`CUDNN_WORKSPACE_FACTOR`
-  times its largest operand, an allowance fitted to one measurement (see docs/planner.md).
-- **Fragmentation** beyond what the replay sees (kernels' own scratch, the GPU's exact
-  event order): :data:`FRAGMENTATION` and :data:`SPARE`, fitted to measurements.
+  chosen engine's workspace is allocated through the caching allocator for the call and
+  freed after it): :data:`CUDNN_WORKSPACE_FACTOR`.
+- **Fragmentation** beyond what the replay sees: :data:`FRAGMENTATION` and :data:`SPARE`.
 
 :func:`reserved_peak` is the entry point; :func:`alloc_conf_default` is the allocator
 setting evendp's entry points choose.
@@ -62,7 +59,6 @@ __all__ = [
     "Trace",
     "alloc_conf_default",
     "blas_workspace_bytes",
-    "blaslt_workspace_bytes",
     "monotone_allocator",
     "reserved_peak",
     "with_allocator",
@@ -125,41 +121,32 @@ def allocation_size(nbytes: int) -> int:
 
 
 def blas_workspace_bytes(major: int, env: Mapping[str, str] | None = None) -> int:
-    """Bytes of one cuBLAS workspace (per handle and stream) on a GPU of compute capability
-    ``major``.x (``parseChosenWorkspaceSize`` in CublasHandlePool.cpp, torch >= 2.10):
-    ``CUBLAS_WORKSPACE_CONFIG`` when set (``:SIZE_KiB:COUNT`` entries summed), else 32 MiB
-    on Hopper and Blackwell (9, 10, 12) and ``:4096:2:16:8`` elsewhere.
+    """Bytes of one handle's cuBLAS and cuBLASLt workspaces (per stream) on a GPU of compute
+    capability ``major``.x (``parseChosenWorkspaceSize`` in CublasHandlePool.cpp, torch >=
+    2.10): ``CUBLAS_WORKSPACE_CONFIG`` when set (``:SIZE_KiB:COUNT`` entries summed), else 32
+    MiB on Hopper and Blackwell (9, 10, 12) and ``:4096:2:16:8`` elsewhere; cuBLASLt adds
+    nothing while the two are unified (the default; ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``),
+    else ``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024 (``parseCUDABlasLtWorkspaceSize``).
 
     >>> blas_workspace_bytes(9, {}) >> 20, blas_workspace_bytes(8, {})
     (32, 8519680)
     >>> blas_workspace_bytes(8, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) >> 20
     32
+    >>> blas_workspace_bytes(9, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}) >> 20
+    33
     """
     env = os.environ if env is None else env
     config = env.get("CUBLAS_WORKSPACE_CONFIG")
-    default = (4096 * 8 << 10) if major in (9, 10, 12) else (4096 << 11) + (16 * 8 << 10)
-    if not config:
-        return default
-    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
-    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
-
-
-def blaslt_workspace_bytes(major: int, env: Mapping[str, str] | None = None) -> int:
-    """Bytes cuBLASLt takes per handle and stream *beyond* the cuBLAS workspace: 0 while the
-    two are unified (the default; ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``), else
-    ``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024 (``parseCUDABlasLtWorkspaceSize``).
-
-    >>> separate = {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}
-    >>> blaslt_workspace_bytes(9, {}), blaslt_workspace_bytes(9, separate)
-    (0, 1048576)
-    """
-    env = os.environ if env is None else env
+    blas = (4096 * 8 << 10) if major in (9, 10, 12) else (4096 << 11) + (16 * 8 << 10)
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        blas = sum(int(size) * 1024 * int(count) for size, count in pairs)
     if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() in ("1", "true", "yes"):
-        return 0
+        return blas
     try:
-        return int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
+        return blas + int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
     except ValueError:
-        return 1024 * 1024  # torch warns and keeps its default
+        return blas + 1024 * 1024  # torch warns and keeps its default
 
 
 @dataclass(frozen=True)
@@ -510,7 +497,7 @@ def reserved_peak(
     Raises :class:`AllocatorOutOfMemory` when ``cap`` is too small.
     """
     sim = CachingAllocator(config, cap)
-    blas = blas_workspace_bytes(major, env) + blaslt_workspace_bytes(major, env)
+    blas = blas_workspace_bytes(major, env)
     events = trace.events
     final = {s: trace.kind(s) for s in trace.kinds}
     freed = {s for e, s, _ in events if e == "f"}

@@ -112,12 +112,10 @@ def _validate_memory_specs(memory: Any) -> _Fleet:
     """``plan(memory=...)``: a spec string, sizes, ``DeviceMemory`` or ``None`` (live GPUs)."""
     if memory is None:
         return _Fleet.of(live_memory())
-    if isinstance(memory, str):
-        return _Fleet(memory_runs(memory))
     if isinstance(memory, Sequence) and memory and all(isinstance(d, DeviceMemory) for d in memory):
         return _Fleet.of(memory)
-    if isinstance(memory, Sequence) and memory:
-        return _Fleet(memory_runs(list(memory)))
+    if isinstance(memory, str) or (isinstance(memory, Sequence) and memory):
+        return _Fleet(memory_runs(memory))
     raise EvendpError(
         f"memory must be a spec like '24GiB,24GiB,12GiB', a list of sizes or DeviceMemory, "
         f"or None for the live GPUs; got {memory!r}"

@@ -159,16 +159,6 @@ def _largest(fits: Callable[[int], bool], hi_hint: int = 1) -> int:
     return lo
 
 
-@dataclass
-class _Solution:
-    """Per-device samples: the chosen split, each device's most alone, the even split."""
-
-    split: list[int]
-    alone: list[int]
-    even: list[int]
-    caps: list[int]  # each device's most samples within the chosen global batch
-
-
 @dataclass(frozen=True)
 class Segment:
     """``count`` consecutive devices from ``start`` with one answer each. A *span* is a
@@ -197,17 +187,6 @@ def cut_spans(model: MemoryModel, budgets: list[tuple[int, int]]) -> list[Segmen
         spans += [Segment(a, b - a, budget) for a, b in itertools.pairwise(cuts) if b > a]
         start += count
     return spans
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    """``[5, 5, 3]`` -> ``[(5, 2), (3, 1)]``."""
-    return [(v, len(list(g))) for v, g in itertools.groupby(values)]
-
-
-def _solve(model: MemoryModel, budgets: list[int], batch: int | None) -> _Solution:
-    """The plan for one budget per device (see :func:`solve_spans`), as per-device lists."""
-    segments = solve_spans(model, cut_spans(model, _runs(budgets)), batch)
-    return _Solution(*(expand(segments, f) for f in ("split", "alone", "even", "cap")))
 
 
 def expand(segments: list[Segment], name: str) -> list[int]:
