@@ -422,29 +422,19 @@ def _plan_step(
             # judged on measurements at the largest that fits, as a plan without it is.
             refine(None)
     mdl, sol = refine(batch_size)
+    options = {
+        "criterion": criterion is not None,
+        "optimizer": getattr(optimizer, "__name__", repr(optimizer)),
+        "amp": None if amp is None else str(amp).removeprefix("torch."),
+        "checkpointing": bool(checkpointing),
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+        "gather": gather,
+        "output_device": output_device,
+        "cuda_context": context,
+        "allocator": None if allocator is None else _allocator_name(allocator),
+    }
     extrapolated = any(beyond_measured(sol))
-    result = _to_plan(
-        mdl,
-        mems,
-        sol,
-        replica,
-        mode,
-        safety_margin,
-        start,
-        extrapolated,
-        {
-            "criterion": criterion is not None,
-            "optimizer": getattr(optimizer, "__name__", repr(optimizer)),
-            "amp": None if amp is None else str(amp).removeprefix("torch."),
-            "checkpointing": bool(checkpointing),
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "gather": gather,
-            "output_device": output_device,
-            "cuda_context": context,
-            "allocator": None if allocator is None else _allocator_name(allocator),
-        },
-        no_grad,
-    )
+    result = _to_plan(mdl, mems, sol, replica, safety_margin, start, extrapolated, options, no_grad)
     if seq_len is None:
         return result
     short = make_setup(
@@ -542,7 +532,6 @@ def _to_plan(
     mems: _Fleet,
     sol: list[Segment],
     replica: dict[int, Point],
-    mode: Mode,
     margin: float,
     start: float,
     extrapolated: bool,
@@ -572,7 +561,7 @@ def _to_plan(
     devices = DeviceRows(runs, mems.name)
     reach = max(1, _sum(sol, "alone"))
     return Plan(
-        mode=mode,
+        mode=mdl.mode,
         devices=devices,
         split=expand(sol, "split"),
         global_batch=total,
