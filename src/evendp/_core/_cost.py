@@ -1,11 +1,8 @@
 """Pure cost arithmetic: a step's samples -> per-device shares whose padded cost follows capacity.
 
 A device's time and memory for a step grow with the tokens it holds, padded to its longest
-sequence, not with its number of samples. Each sample has a cost ``c`` (its length in tokens,
-or ``len + len**2 / k`` when attention has no fused kernel); a share of ``n`` samples costs
-``n * max(c)`` (``padded=True``: every row is padded to the longest) or ``sum(c)``
-(``padded=False``: packed or unpadded kernels). :func:`split_by_cost` chooses shares that
-minimize the bottleneck ``max_i(cost_i / capacity_i)``:
+sequence, not with its number of samples. :func:`split_by_cost` chooses shares that minimize
+the bottleneck ``max_i(cost_i / capacity_i)``:
 
 1. sort the step's samples by cost (ties by position), so similar lengths sit together and
    padding stays small;
@@ -16,13 +13,12 @@ minimize the bottleneck ``max_i(cost_i / capacity_i)``:
    is found by bisection;
 3. try several device orders (every order for up to 4 devices) and keep the best.
 
-One of the orders tried is the one that sorts the devices by the longest sample each holds in
-the sample-count split: with that order the sorted runs of the same sizes never hold a longer
-sample, so padded plans are never worse than the sample-count split of the same step. Summed
-costs (``padded=False``) need no grouping, so a longest-first greedy is tried beside the runs;
-the sample-count split itself is the last candidate, so no plan is ever worse than it.
-Everything is deterministic (no randomness, ties to the first candidate and the lower
-position), so every rank computes the same plan without communication.
+One order tried sorts the devices by the longest sample each holds in the sample-count split:
+the sorted runs of the same sizes then never hold a longer sample. Summed costs
+(``padded=False``) need no grouping, so a longest-first greedy is tried beside the runs; the
+sample-count split itself is the last candidate, so no plan is ever worse than it. Everything
+is deterministic (ties to the first candidate and the lower position), so every rank computes
+the same plan without communication.
 """
 
 from __future__ import annotations

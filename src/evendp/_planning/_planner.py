@@ -181,12 +181,9 @@ def plan(
             (``ParallelCriterion``), so no outputs are gathered (the same name as
             :class:`BalancedDataParallel`'s).
         safety_margin: each device may use ``free * (1 - safety_margin)``. ``None`` (the
-            default): 0.05 where tensors are counted (CPU devices, ``allocator=None``), for
-            a plan made ahead of a run on the free memory you state; 0 where the CUDA
-            allocator is modelled, whose fitted fragmentation allowance is that margin
-            (docs/planner.md: stacking both planned 6 where 7 runs). ``weights="auto"``
-            (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
-            processes on the GPU keep changing.
+            default): 0.05 where tensors are counted (CPU devices, ``allocator=None``); 0
+            where the CUDA allocator is modelled, whose fitted fragmentation allowance is
+            that margin (docs/planner.md, "The margin").
         cuda_context: bytes per device for the CUDA context (0: a CPU virtual device). The
             libraries' workspaces are the allocator model's (``allocator``).
         no_grad: plan a forward-only step (inference, evaluation, feature extraction under
@@ -198,22 +195,17 @@ def plan(
             rows are padded to at most ``seq_len``: the example batch's sequence dimension
             (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
             (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
-        allocator: what a device's memory holds beyond its tensors. ``"auto"``: on CUDA
-            devices (any ``cuda_context`` but 0) the peak is what PyTorch's CUDA caching
-            allocator reserves, replayed step by step (:mod:`evendp._planning._allocator`:
-            rounding, segments, cuBLAS/cuDNN workspaces, fragmentation) for the live GPU's
-            architecture, or Hopper's (the largest workspaces) for declared memory; with
-            ``cuda_context=0`` (CPU virtual devices) what the tensors hold. A
-            ``CudaAllocatorModel`` chooses the architecture and allocator setting; ``None``
-            counts tensors only.
+        allocator: ``"auto"``: on CUDA devices (any ``cuda_context`` but 0) the peak is what
+            PyTorch's caching allocator reserves, replayed step by step
+            (:mod:`evendp._planning._allocator`) for the live GPU's architecture, or Hopper's
+            for declared memory; on CPU virtual devices what the tensors hold. A
+            ``CudaAllocatorModel`` chooses the architecture and setting; ``None``: tensors.
         calibrate: measure the real model on the devices (docs/planner.md, "Measured on the
-            device"). ``None`` (the default): on live CUDA devices (``memory=None``, or
-            :func:`evendp.live_memory`'s ``cuda:N``), a copy of the model runs real steps at
-            two small sizes on each and a device whose measured line fits fewer samples than
-            planned is lowered, said in one line; declared memory and CPU devices are not
-            measured. ``False``: never; ``True``: the live CUDA devices or an error; a
-            sequence: one :class:`evendp._planning._calibrate.Measurer` (or ``None``) per
-            device. A training plan only (``no_grad=True`` is not measured).
+            device"). ``None`` (the default): on live CUDA devices, real steps at two small
+            sizes on each lower a device whose measured line fits fewer samples than
+            planned, said in one line. ``False``: never; ``True``: the live CUDA devices or
+            an error; a sequence: one :class:`evendp._planning._calibrate.Measurer` (or
+            ``None``) per device. Training plans only.
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
     solves again on every new measurement. When a recommended size still lies beyond the
@@ -581,13 +573,9 @@ def _to_plan(
 
 
 def _gathered_loss(output: Any, targets: Any) -> torch.Tensor:
-    """Stand-in for the loss a caller computes on ``BalancedDataParallel``'s gathered output.
-
-    A loss the model computed in ``forward`` arrives gathered as one entry per device (a
-    tensor of at most one dimension): the caller backpropagates that, and the other outputs
-    get no gradient. Otherwise the outputs (logits) themselves are the loss's input, and
-    each receives a full-size gradient, as any criterion on them would produce.
-    """
+    """Stand-in for the loss a caller computes on ``BalancedDataParallel``'s gathered output:
+    a loss the model computed arrives as one entry per device (at most one dimension) and
+    only it is backpropagated; else every floating output gets a full-size gradient."""
     floats = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
     losses = [t for t in floats if t.dim() <= 1]
     used = losses or floats
