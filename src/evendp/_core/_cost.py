@@ -102,9 +102,7 @@ def sample_costs(data: object, length: int, costs: object) -> list[float] | None
                 f"costs is a function of the dataset item, but data is {data!r}, not a "
                 "dataset; pass the dataset as data, or costs as a list (one number per sample)"
             )
-        values: list[object] = []
-        for i in range(length):
-            values.append(costs(data[i]))
+        values = [costs(data[i]) for i in range(length)]
         try:
             return validate_costs(values)
         except EvendpError as err:
@@ -211,11 +209,7 @@ def _orders(capacities: list[float], count_order: list[int]) -> list[list[int]]:
     else:
         by_capacity = sorted(devices, key=lambda d: (capacities[d], d))
         candidates = [count_order, devices, by_capacity, by_capacity[::-1]]
-    unique: list[list[int]] = []
-    for order in candidates:
-        if order not in unique:
-            unique.append(order)
-    return unique
+    return [list(order) for order in dict.fromkeys(map(tuple, candidates))]  # first ones kept
 
 
 def _count_split(

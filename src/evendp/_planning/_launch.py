@@ -555,9 +555,10 @@ def launch_with_outcome(
         torchrun = _watching_first_step(torchrun, len(script_args), passthrough)
     for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
+    nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
     if trainer:  # ranks in lockstep end together: a node that does not come is lost
         child_env[ENV_EXIT_WAIT] = str(EXIT_WAIT_S)
-    elif (_fixed_nnodes((passthrough or {}).get("nnodes")) or 1) > 1:
+    elif nodes > 1:
         # A user's script on several machines: torchrun's own bound, but evendp's exit barrier
         # (torchrun's C++ one races the store's node closing it: a C++ stack on the others).
         child_env[ENV_EXIT_WAIT] = str(TORCHRUN_EXIT_BARRIER_S)
@@ -576,7 +577,6 @@ def launch_with_outcome(
         logs = ["--log-dir", str(Path(folder) / "torchrun")]
         cmd = [sys.executable, str(QUIET_TORCHRUN), *logs, *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
         world = None if plan.batch_sizes is None else len(plan.batch_sizes)
-        nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
         even = world is not None and world == plan.nproc_per_node * nodes
         watch = StallWatch(Path(folder), world, plan.nproc_per_node if even else None)
         began = functools.partial(training_began, outcome) if trainer else None

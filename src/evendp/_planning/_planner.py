@@ -595,24 +595,16 @@ def auto_weights(
     no_grad: bool = False,
     memory: Sequence[DeviceMemory] | None = None,
 ) -> list[float]:
-    """Per-device weights for ``BalancedDataParallel(weights="auto")``, from live memory.
-
-    Plans DP on the devices' free memory right now (NVML, or ``torch.cuda.mem_get_info``),
-    counting the module's parameters already resident there as available to it, and returns
-    the largest split that fits as weights. On non-CUDA (virtual CPU) devices there is no
-    memory to read: every device gets weight 1.0.
+    """Per-device weights for ``BalancedDataParallel(weights="auto")``: the largest DP split
+    that fits the devices' free memory right now (NVML, or ``torch.cuda.mem_get_info``), the
+    module's tensors already there counted as free for it; 1.0 each on CPU devices.
 
     It plans the program that will run: with ``gather_output=True`` the outputs gathered on
-    ``output_device`` and the gradient that flows back into them are counted there (through
-    ``criterion(outputs, None)`` when given, else a stand-in that backpropagates the model's
-    own loss if it returns one, or every floating output); with ``gather_output=False`` each
-    device keeps its outputs (``ParallelCriterion``). With ``no_grad=True`` (the first call
-    ran under ``torch.no_grad`` or ``torch.inference_mode``) it plans a forward only: no
-    gradients, optimizer state or saved activations, so each device takes a larger share.
-    ``safety_margin`` is 0.1, twice :func:`plan`'s: live free memory is what other processes
-    left a moment ago, and they keep allocating. ``memory`` (one :class:`DeviceMemory` per
-    device, e.g. ``EVENDP_MEMORY``'s) replaces the live read, on any device, and keeps
-    room for a CUDA context on GPUs (the memory was declared, not read after it).
+    ``output_device`` and their gradient (through ``criterion(outputs, None)``, else
+    :func:`_gathered_loss`); with ``no_grad=True`` (the first call ran without grad) a forward
+    only. ``safety_margin`` is 0.1: live free memory is what other processes left a moment
+    ago, and they keep allocating. ``memory`` (one :class:`DeviceMemory` per device, e.g.
+    ``EVENDP_MEMORY``'s) replaces the live read and keeps room for a CUDA context on GPUs.
 
     >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
     [1.0, 1.0, 1.0]
