@@ -35,7 +35,6 @@ __all__ = [
     "apply_checkpointing",
     "at_width",
     "make_setup",
-    "measure_forward",
     "measure_gathered",
     "measure_replica",
     "planning_errors",
@@ -101,11 +100,8 @@ def tensors(tree: Any) -> list[torch.Tensor]:
 
 def _nbytes(tree: Any) -> int:
     """Bytes of the distinct storages under ``tree``."""
-    seen: dict[int, int] = {}
-    for t in tensors(tree):
-        st = t.untyped_storage()
-        seen[id(st)] = st.nbytes()
-    return sum(seen.values())
+    storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in tensors(tree))}
+    return sum(storages.values())
 
 
 class _Handoff(torch.autograd.Function):
