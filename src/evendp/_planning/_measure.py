@@ -508,10 +508,8 @@ def profile_step(
     400.0
     """
     setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
-    points = []
     with planning_errors("measuring the model on fake tensors"):
-        for n in sizes:
-            points.append(measure_replica(setup, int(n), "keep"))
+        points = [measure_replica(setup, int(n), "keep") for n in sizes]
     return {
         "sizes": [p.n for p in points],
         "params": points[0].static["params"],

@@ -112,11 +112,8 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
     ...
     evendp.InputError: cannot read device entry '24 furlongs' in '24 furlongs'; ...
     """
-    devices: list[DeviceMemory] = []
-    for count, free, total in memory_runs(spec):
-        start = len(devices)
-        devices += [DeviceMemory(f"dev{start + j}", free, total) for j in range(count)]
-    return devices
+    one_each = [(free, total) for count, free, total in memory_runs(spec) for _ in range(count)]
+    return [DeviceMemory(f"dev{i}", free, total) for i, (free, total) in enumerate(one_each)]
 
 
 def memory_runs(spec: str | Sequence[int | str]) -> list[tuple[int, int, int | None]]:
