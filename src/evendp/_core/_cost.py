@@ -23,6 +23,7 @@ the same plan without communication.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -171,14 +172,8 @@ class _Runs:
 
     def longest_run(self, a: int, limit: float, max_size: int) -> int:
         """The largest ``b`` in ``[a, a + max_size]`` with ``cost(a, b) <= limit``."""
-        lo, hi = a, min(len(self.costs), a + max_size)
-        while lo < hi:  # invariant: cost(a, lo) <= limit
-            mid = (lo + hi + 1) // 2
-            if self.cost(a, mid) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        ends = range(a, min(len(self.costs), a + max_size) + 1)  # cost(a, b) rises with b
+        return a + bisect.bisect_right(ends, limit, key=lambda b: self.cost(a, b)) - 1
 
     def walk(
         self,

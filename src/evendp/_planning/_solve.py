@@ -60,9 +60,7 @@ class Curve:
         xs = list(self.points)
         if len(xs) == 1:
             return dict(self.points[xs[0]])
-        i = 1
-        while i < len(xs) - 1 and n > xs[i]:
-            i += 1
+        i = min(max(1, bisect.bisect_left(xs, n)), len(xs) - 1)  # the segment holding n
         x0, x1 = xs[i - 1], xs[i]
         a, b = self.points[x0], self.points[x1]
         w = (n - x0) / (x1 - x0)
