@@ -1,10 +1,7 @@
 """The solver: pure arithmetic over measured memory curves (no model runs here).
 
 Peak memory as a function of the batch size is the maximum over moments of an affine
-function of it, so it is convex. Between two measured sizes the chord never under-predicts;
-beyond the largest measured size the outermost chord extended is a *lower* bound for a convex
-curve, so a recommendation there is provisional: the planner measures it and solves again,
-and says so (``Plan.extrapolated``) when it could not.
+function of it, so it is convex (what that means for the curves: :class:`Curve`).
 
 What it counts per device (the design's memory model): parameters, gradients, optimizer state,
 activations, outputs; on the DP output device the gathered outputs, their gradient and the
