@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -98,6 +98,11 @@ class DeviceRows(Sequence[DevicePlan]):
             if i < start + count:
                 return dataclasses.replace(proto, name=self._name(i))
         raise IndexError(index)  # unreachable: the runs cover 0..len-1
+
+    def __iter__(self) -> Iterator[DevicePlan]:  # one pass over the runs, not one per item
+        for start, count, proto in self.runs:
+            for i in range(start, start + count):
+                yield dataclasses.replace(proto, name=self._name(i))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
