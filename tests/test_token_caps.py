@@ -15,7 +15,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from evendp import EvendpError, TrainConfig, Trainer, UnevenBatchSampler, plan
 from evendp._core._cost import padded_cost
 from evendp._planning._measure import at_width, profile_step
-from evendp._planning._solve import Curve, MemoryModel, _solve, token_fit
+from evendp._planning._solve import Curve, MemoryModel, token_fit
+from tests.planning.test_plan_solve import _solve
 from tests.training.test_trainer_cost import Lines, TokenLM, tokens
 
 GiB = 2**30

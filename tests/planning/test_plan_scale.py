@@ -20,8 +20,8 @@ import evendp
 from evendp._core._errors import PlanError
 from evendp._core._split import split_sizes
 from evendp._planning import _planner
-from evendp._planning._solve import MemoryModel, _largest, _solve
-from tests.planning.test_plan_solve import KiB, _model
+from evendp._planning._solve import MemoryModel, _largest
+from tests.planning.test_plan_solve import KiB, _model, _solve
 
 
 def _capped_even_split(caps: list[int], total: int) -> list[int]:

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 from evendp._core._errors import PlanError
-from evendp._planning._solve import Curve, MemoryModel, Mode, _solve
+from evendp._planning._solve import Curve, MemoryModel, Mode, cut_spans, expand, solve_spans
 
 KiB = 1024.0
+
+
+@dataclasses.dataclass
+class Solution:
+    """Per-device samples: the chosen split, each device's most alone, the even split."""
+
+    split: list[int]
+    alone: list[int]
+    even: list[int]
+    caps: list[int]  # each device's most samples within the chosen global batch
+
+
+def _solve(model: MemoryModel, budgets: list[int], batch: int | None) -> Solution:
+    """The planner's answer for one budget per device, as per-device lists."""
+    runs = [(v, len(list(g))) for v, g in itertools.groupby(budgets)]
+    segments = solve_spans(model, cut_spans(model, runs), batch)
+    return Solution(*(expand(segments, f) for f in ("split", "alone", "even", "cap")))
 
 
 def _model(

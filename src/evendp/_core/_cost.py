@@ -1,11 +1,8 @@
 """Pure cost arithmetic: a step's samples -> per-device shares whose padded cost follows capacity.
 
 A device's time and memory for a step grow with the tokens it holds, padded to its longest
-sequence, not with its number of samples. Each sample has a cost ``c`` (its length in tokens,
-or ``len + len**2 / k`` when attention has no fused kernel); a share of ``n`` samples costs
-``n * max(c)`` (``padded=True``: every row is padded to the longest) or ``sum(c)``
-(``padded=False``: packed or unpadded kernels). :func:`split_by_cost` chooses shares that
-minimize the bottleneck ``max_i(cost_i / capacity_i)``:
+sequence, not with its number of samples. :func:`split_by_cost` chooses shares that minimize
+the bottleneck ``max_i(cost_i / capacity_i)``:
 
 1. sort the step's samples by cost (ties by position), so similar lengths sit together and
    padding stays small;
@@ -16,17 +13,17 @@ minimize the bottleneck ``max_i(cost_i / capacity_i)``:
    is found by bisection;
 3. try several device orders (every order for up to 4 devices) and keep the best.
 
-One of the orders tried is the one that sorts the devices by the longest sample each holds in
-the sample-count split: with that order the sorted runs of the same sizes never hold a longer
-sample, so padded plans are never worse than the sample-count split of the same step. Summed
-costs (``padded=False``) need no grouping, so a longest-first greedy is tried beside the runs;
-the sample-count split itself is the last candidate, so no plan is ever worse than it.
-Everything is deterministic (no randomness, ties to the first candidate and the lower
-position), so every rank computes the same plan without communication.
+One order tried sorts the devices by the longest sample each holds in the sample-count split:
+the sorted runs of the same sizes then never hold a longer sample. Summed costs
+(``padded=False``) need no grouping, so a longest-first greedy is tried beside the runs; the
+sample-count split itself is the last candidate, so no plan is ever worse than it. Everything
+is deterministic (ties to the first candidate and the lower position), so every rank computes
+the same plan without communication.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -106,9 +103,7 @@ def sample_costs(data: object, length: int, costs: object) -> list[float] | None
                 f"costs is a function of the dataset item, but data is {data!r}, not a "
                 "dataset; pass the dataset as data, or costs as a list (one number per sample)"
             )
-        values: list[object] = []
-        for i in range(length):
-            values.append(costs(data[i]))
+        values = [costs(data[i]) for i in range(length)]
         try:
             return validate_costs(values)
         except EvendpError as err:
@@ -158,10 +153,7 @@ def padded_cost(costs: Sequence[float], padded: bool = True) -> float:
     0.0
     """
     values = validate_costs(costs)
-    validate_bool("padded", padded)
-    if not values:
-        return 0.0
-    return len(values) * max(values) if padded else float(sum(values))
+    return _share_cost(values, list(range(len(values))), validate_bool("padded", padded))
 
 
 class _Runs:
@@ -180,14 +172,8 @@ class _Runs:
 
     def longest_run(self, a: int, limit: float, max_size: int) -> int:
         """The largest ``b`` in ``[a, a + max_size]`` with ``cost(a, b) <= limit``."""
-        lo, hi = a, min(len(self.costs), a + max_size)
-        while lo < hi:  # invariant: cost(a, lo) <= limit
-            mid = (lo + hi + 1) // 2
-            if self.cost(a, mid) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        ends = range(a, min(len(self.costs), a + max_size) + 1)  # cost(a, b) rises with b
+        return a + bisect.bisect_right(ends, limit, key=lambda b: self.cost(a, b)) - 1
 
     def walk(
         self,
@@ -218,11 +204,7 @@ def _orders(capacities: list[float], count_order: list[int]) -> list[list[int]]:
     else:
         by_capacity = sorted(devices, key=lambda d: (capacities[d], d))
         candidates = [count_order, devices, by_capacity, by_capacity[::-1]]
-    unique: list[list[int]] = []
-    for order in candidates:
-        if order not in unique:
-            unique.append(order)
-    return unique
+    return [list(order) for order in dict.fromkeys(map(tuple, candidates))]  # first ones kept
 
 
 def _count_split(
@@ -233,17 +215,10 @@ def _count_split(
     The count split gives device ``i`` the next ``split_sizes(n, capacities)[i]`` samples in
     step order, as :class:`evendp.UnevenBatchSampler` does without costs.
     """
-    sizes = split_sizes(len(costs), capacities)
-    bottleneck, longest, start = 0.0, [], 0
-    for device, size in enumerate(sizes):
-        share = costs[start : start + size]
-        start += size
-        cost = (len(share) * max(share) if runs.padded else sum(share)) if share else 0.0
-        if share:
-            bottleneck = max(bottleneck, cost / capacities[device])
-        longest.append(max(share) if share else -1.0)
-    order = sorted(range(len(sizes)), key=lambda d: (longest[d], d))
-    return bottleneck, order
+    shares = _contiguous(split_sizes(len(costs), capacities))
+    longest = [max((costs[j] for j in share), default=-1.0) for share in shares]
+    order = sorted(range(len(shares)), key=lambda d: (longest[d], d))
+    return _bottleneck(costs, shares, capacities, runs.padded), order
 
 
 def split_by_cost(
@@ -366,7 +341,7 @@ def _sorted_runs(
             continue
         threshold, sizes = _bisect(runs, order, top, capacities, max_sizes, max_costs, sizes)
         if best is None or threshold < best[0]:
-            best = (threshold, _runs_in_order(order, sizes))
+            best = (threshold, [(device, sizes[device]) for device in order])
     if best is None:
         return None
     shares: list[list[int]] = [[] for _ in capacities]
@@ -404,10 +379,6 @@ def _longest_first(
 def _contiguous(sizes: list[int]) -> list[list[int]]:
     starts = [0, *itertools.accumulate(sizes)]
     return [list(range(starts[d], starts[d] + size)) for d, size in enumerate(sizes)]
-
-
-def _runs_in_order(order: Sequence[int], sizes: list[int]) -> list[tuple[int, int]]:
-    return [(device, sizes[device]) for device in order]
 
 
 def _bisect(

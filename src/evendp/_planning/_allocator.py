@@ -32,12 +32,9 @@ reserved figure. What it models, with its sources (PyTorch 2.11 to 2.13):
   thread: the forward runs on the caller's thread, the backward on autograd's device
   thread, so a training step holds two workspaces.
 - **cuDNN convolution workspaces** (``aten/src/ATen/native/cudnn/Conv_v8.cpp``: the
-  workspace of the chosen engine is allocated through the caching allocator for the call
-  and freed after it): their size is the engine's, which only cuDNN knows; the model
-  allows each convolution call a transient workspace of :data:`CUDNN_WORKSPACE_FACTOR`
-  times its largest operand, an allowance fitted to one measurement (see docs/planner.md).
-- **Fragmentation** beyond what the replay sees (kernels' own scratch, the GPU's exact
-  event order): :data:`FRAGMENTATION` and :data:`SPARE`, fitted to measurements.
+  chosen engine's workspace is allocated through the caching allocator for the call and
+  freed after it): :data:`CUDNN_WORKSPACE_FACTOR`.
+- **Fragmentation** beyond what the replay sees: :data:`FRAGMENTATION` and :data:`SPARE`.
 
 :func:`reserved_peak` is the entry point; :func:`alloc_conf_default` is the allocator
 setting evendp's entry points choose.
@@ -46,31 +43,25 @@ setting evendp's entry points choose.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CUDNN_WORKSPACE_FACTOR",
-    "EXPANDABLE",
-    "FRAGMENTATION",
-    "SPARE",
     "AllocatorConfig",
     "AllocatorOutOfMemory",
     "CachingAllocator",
     "CudaAllocatorModel",
-    "Reserved",
     "Trace",
     "alloc_conf_default",
-    "monotone_allocator",
-    "with_allocator",
-    "allocation_size",
     "blas_workspace_bytes",
-    "blaslt_workspace_bytes",
+    "monotone_allocator",
     "reserved_peak",
-    "round_size",
+    "with_allocator",
 ]
 
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -130,43 +121,32 @@ def allocation_size(nbytes: int) -> int:
 
 
 def blas_workspace_bytes(major: int, env: Mapping[str, str] | None = None) -> int:
-    """Bytes of one cuBLAS workspace (per handle and stream) on a GPU of compute capability
-    ``major``.x (``parseChosenWorkspaceSize`` in CublasHandlePool.cpp, torch >= 2.10):
-    ``CUBLAS_WORKSPACE_CONFIG`` when set (``:SIZE_KiB:COUNT`` entries summed), else 32 MiB
-    on Hopper and Blackwell (9, 10, 12) and ``:4096:2:16:8`` elsewhere.
+    """Bytes of one handle's cuBLAS and cuBLASLt workspaces (per stream) on a GPU of compute
+    capability ``major``.x (``parseChosenWorkspaceSize`` in CublasHandlePool.cpp, torch >=
+    2.10): ``CUBLAS_WORKSPACE_CONFIG`` when set (``:SIZE_KiB:COUNT`` entries summed), else 32
+    MiB on Hopper and Blackwell (9, 10, 12) and ``:4096:2:16:8`` elsewhere; cuBLASLt adds
+    nothing while the two are unified (the default; ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``),
+    else ``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024 (``parseCUDABlasLtWorkspaceSize``).
 
     >>> blas_workspace_bytes(9, {}) >> 20, blas_workspace_bytes(8, {})
     (32, 8519680)
     >>> blas_workspace_bytes(8, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) >> 20
     32
+    >>> blas_workspace_bytes(9, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}) >> 20
+    33
     """
     env = os.environ if env is None else env
     config = env.get("CUBLAS_WORKSPACE_CONFIG")
-    default = (4096 * 8 << 10) if major in (9, 10, 12) else (4096 << 11) + (16 * 8 << 10)
-    if not config:
-        return default
-    import re
-
-    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
-    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
-
-
-def blaslt_workspace_bytes(major: int, env: Mapping[str, str] | None = None) -> int:
-    """Bytes cuBLASLt takes per handle and stream *beyond* the cuBLAS workspace: 0 while the
-    two are unified (the default; ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``), else
-    ``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024 (``parseCUDABlasLtWorkspaceSize``).
-
-    >>> separate = {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}
-    >>> blaslt_workspace_bytes(9, {}), blaslt_workspace_bytes(9, separate)
-    (0, 1048576)
-    """
-    env = os.environ if env is None else env
+    blas = (4096 * 8 << 10) if major in (9, 10, 12) else (4096 << 11) + (16 * 8 << 10)
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        blas = sum(int(size) * 1024 * int(count) for size, count in pairs)
     if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() in ("1", "true", "yes"):
-        return 0
+        return blas
     try:
-        return int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
+        return blas + int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
     except ValueError:
-        return 1024 * 1024  # torch warns and keeps its default
+        return blas + 1024 * 1024  # torch warns and keeps its default
 
 
 @dataclass(frozen=True)
@@ -200,7 +180,7 @@ class AllocatorConfig:
         return cls.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
-def alloc_conf_default(env: dict[str, str] | None = None) -> str | None:
+def alloc_conf_default(env: MutableMapping[str, str] | None = None) -> str | None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in ``env`` (default
     ``os.environ``) when it is unset; return the value set, or ``None`` when the user's is kept.
 
@@ -217,8 +197,7 @@ def alloc_conf_default(env: dict[str, str] | None = None) -> str | None:
     >>> alloc_conf_default({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}) is None
     True
     """
-    env = os.environ if env is None else env  # type: ignore[assignment]
-    assert env is not None
+    env = os.environ if env is None else env
     if env.get("PYTORCH_CUDA_ALLOC_CONF") is not None:
         return None
     env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
@@ -290,7 +269,7 @@ class AllocatorOutOfMemory(Exception):
 
 @dataclass
 class _Block:
-    segment: int  # the segment's address rank (see CachingAllocator's ``order``)
+    segment: int  # the segment's index: the best fit among equal sizes takes the first
     offset: int
     size: int
     small: bool
@@ -312,8 +291,8 @@ class _Segment:
 class CachingAllocator:
     """A replay model of one device's caching allocator on one stream.
 
-    ``malloc(n)`` returns a handle, ``free(handle)`` gives it back; ``reserved`` and
-    ``allocated`` (rounded bytes in use) and their peaks follow. With ``cap`` (bytes, as
+    ``malloc(n)`` returns a handle, ``free(handle)`` gives it back; ``reserved`` (and its
+    peak) and ``allocated`` (rounded bytes in use) follow. With ``cap`` (bytes, as
     ``torch.cuda.set_per_process_memory_fraction``), a miss that would pass it first returns
     every wholly free cached segment (as the real allocator does before it reports out of
     memory) and raises :class:`AllocatorOutOfMemory` if that is not enough.
@@ -327,18 +306,14 @@ class CachingAllocator:
     (20, 0)
     """
 
-    def __init__(
-        self, config: AllocatorConfig | None = None, cap: int | None = None, order: int = 0
-    ) -> None:
+    def __init__(self, config: AllocatorConfig | None = None, cap: int | None = None) -> None:
         self.config = config or AllocatorConfig()
         self.cap = cap
-        self.order = order
         self.segments: list[_Segment] = []
-        self._rank: list[int] = []  # segment -> its address rank
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._growing: dict[bool, int] = {}  # expandable: the segment of each pool
-        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
+        self.reserved = self.allocated = self.peak_reserved = 0
 
     # -- the free lists: (size, segment, offset) sorted, best fit first ----------------
     def _insert(self, b: _Block) -> None:
@@ -387,33 +362,16 @@ class CachingAllocator:
         self._grow(amount)
         seg = _Segment(amount, small)
         self.segments.append(seg)
-        seg.head = _Block(self._address(), 0, amount, small)
+        seg.head = _Block(len(self.segments) - 1, 0, amount, small)
         return seg.head
-
-    def _address(self) -> int:
-        """An address rank for the next segment. ``cudaMalloc``'s addresses are the driver's
-        choice: ``order`` 0 ranks segments by creation, 1 in reverse, others at random (a
-        seeded shuffle), and the best fit among equal sizes follows that rank."""
-        i = len(self.segments) - 1
-        if self.order == 0:
-            rank = i
-        elif self.order == 1:
-            rank = -i
-        else:
-            import random
-
-            rank = random.Random(self.order * 1_000_003 + i).randrange(1 << 30)
-        self._rank.append(rank)
-        return rank
 
     def _expand(self, size: int, small: bool) -> _Block:
         page = SMALL_BUFFER if small else LARGE_BUFFER
         if small not in self._growing:
             self.segments.append(_Segment(0, small))
             self._growing[small] = len(self.segments) - 1
-            self._address()
-        seg = self.segments[self._growing[small]]
-        index = self._rank[self._growing[small]]
+        index = self._growing[small]
+        seg = self.segments[index]
         tail = seg.head
         while tail is not None and tail.next is not None:
             tail = tail.next
@@ -481,7 +439,6 @@ class CachingAllocator:
             self._insert(rest)
         b.free = False
         self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
         return b
 
     def free(self, b: _Block) -> None:
@@ -505,13 +462,12 @@ class CachingAllocator:
 
 @dataclass(frozen=True)
 class Reserved:
-    """A replay's result: the reserved and allocated peaks in bytes, the tensors' own peak
-    (exact bytes, no rounding or workspaces) and the reserved figure to plan."""
+    """A replay's result: the reserved peak in bytes, the tensors' own peak (exact bytes, no
+    rounding or workspaces) and the reserved figure to plan."""
 
     reserved: int
-    allocated: int
     tensors: int
-    planned: int = field(default=0)
+    planned: int
 
 
 _HELD = ("PARAM", "BUFFER", "OPT", "GRAD")  # kinds that outlive a step when never freed
@@ -526,7 +482,6 @@ def reserved_peak(
     workspaces_held: bool = False,
     cap: int | None = None,
     env: Mapping[str, str] | None = None,
-    order: int = 0,
 ) -> Reserved:
     """Replay ``steps`` training steps of ``trace`` through :class:`CachingAllocator`, as a
     training loop runs them: the parameters first (``model.to("cuda")``), then each step's
@@ -541,8 +496,8 @@ def reserved_peak(
     (:data:`FRAGMENTATION`, :data:`SPARE`), rounded up to 2 MiB.
     Raises :class:`AllocatorOutOfMemory` when ``cap`` is too small.
     """
-    sim = CachingAllocator(config, cap, order)
-    blas = blas_workspace_bytes(major, env) + blaslt_workspace_bytes(major, env)
+    sim = CachingAllocator(config, cap)
+    blas = blas_workspace_bytes(major, env)
     events = trace.events
     final = {s: trace.kind(s) for s in trace.kinds}
     freed = {s for e, s, _ in events if e == "f"}
@@ -585,7 +540,7 @@ def reserved_peak(
         last_batch = [(live.pop(s), sizes[s]) for s in batch if s in live]
     frag = max(sim.peak_reserved * (1 + FRAGMENTATION), sim.peak_reserved + SPARE)
     planned = -(-int(frag) // ROUND_LARGE) * ROUND_LARGE
-    return Reserved(sim.peak_reserved, sim.peak_allocated, peak_tensors, planned)
+    return Reserved(sim.peak_reserved, peak_tensors, planned)
 
 
 @dataclass(frozen=True)
@@ -596,7 +551,7 @@ class CudaAllocatorModel:
     ``major`` 9 (Hopper) when the GPU is not known: its 32 MiB workspaces are the largest
     default, so a plan made for an unknown GPU does not count too few.
 
-    >>> CudaAllocatorModel().major, CudaAllocatorModel.of(8).major
+    >>> CudaAllocatorModel().major, CudaAllocatorModel(8).major
     (9, 8)
     """
 
@@ -604,15 +559,11 @@ class CudaAllocatorModel:
     config: AllocatorConfig = field(default_factory=AllocatorConfig.current)
 
     @classmethod
-    def of(cls, major: int) -> CudaAllocatorModel:
-        return cls(major, AllocatorConfig.current())
-
-    @classmethod
     def live(cls, index: int) -> CudaAllocatorModel:  # pragma: no cover - needs a GPU
         # --- GPU-only: the device's compute capability. ---
         import torch
 
-        return cls.of(torch.cuda.get_device_capability(index)[0])
+        return cls(torch.cuda.get_device_capability(index)[0])
 
     def reserved(self, trace: Trace) -> Reserved:
         return reserved_peak(trace, major=self.major, config=self.config)
@@ -623,8 +574,6 @@ def with_allocator(point: Any, model: CudaAllocatorModel) -> Any:
     as one more kind at the forward+backward peak, ``"allocator"``: the planned reserved
     figure minus the replay's own tensor peak (rounding, segments, workspaces, fragmentation).
     """
-    import dataclasses
-
     if point.trace is None or not point.trace.events:
         return point
     r = model.reserved(point.trace)
@@ -638,8 +587,6 @@ def monotone_allocator(points: dict[int, Any]) -> dict[int, Any]:
     the segments a replay happened to make, and a curve through it must not fall as the
     batch grows (the solver's chords and its bound on extrapolation assume a rising peak).
     """
-    import dataclasses
-
     out, most = {}, 0.0
     for n in sorted(points):
         p = points[n]

@@ -100,26 +100,25 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
         raise NvmlUnavailableError(f"NVML could not start ({exc}); no NVIDIA driver?") from exc
+
+    def optional(read: Any, handle: Any, default: Any) -> Any:
+        try:
+            return read(handle)
+        except nvml.NVMLError:
+            return default
+
     try:
         devices = []
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            try:
-                utilization: int | None = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except nvml.NVMLError:
-                utilization = None  # not supported on some boards and in MIG mode
-            try:
-                running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nvml.NVMLError:
-                running = []  # containers often may not list other processes
+            # Not supported on some boards and in MIG mode:
+            rates = optional(nvml.nvmlDeviceGetUtilizationRates, handle, None)
+            # Containers often may not list other processes:
+            running = optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle, [])
             processes = tuple(
                 GpuProcess(int(p.pid), getattr(p, "usedGpuMemory", None)) for p in running
             )
-            try:
-                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            except nvml.NVMLError:
-                uuid = ""
             devices.append(
                 DeviceInfo(
                     index=index,
@@ -127,9 +126,9 @@ def list_devices(nvml: Any = None) -> list[DeviceInfo]:
                     name=_text(nvml.nvmlDeviceGetName(handle)),
                     total_memory=int(memory.total),
                     free_memory=int(memory.free),
-                    utilization=utilization,
+                    utilization=None if rates is None else int(rates.gpu),
                     processes=processes,
-                    uuid=uuid,
+                    uuid=_text(optional(nvml.nvmlDeviceGetUUID, handle, "")),
                 )
             )
         # Bus ids are fixed-width hex ("00000000:17:00.0"): sorting the text sorts the buses.

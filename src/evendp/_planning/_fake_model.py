@@ -13,7 +13,6 @@ device.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,13 +69,7 @@ class _FakeCpuCopy(TorchFunctionMode):
         super().__init__()
         self.fake_mode = fake_mode
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch._C.TensorBase.clone:  # inside nn.Parameter.__deepcopy__
             return _fake_like(args[0], self.fake_mode)

@@ -47,7 +47,7 @@ from .._distributed._torchrun._nodes import (
     EXIT_WAIT_S,
     TORCHRUN_EXIT_BARRIER_S,
 )
-from ._devices import DeviceInfo, NvmlUnavailableError, choose_devices, list_devices
+from ._devices import NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
 if TYPE_CHECKING:
@@ -254,24 +254,6 @@ def _validate_model_inputs(
         )
 
 
-def _live_memory(chosen: Sequence[DeviceInfo]) -> list[DeviceMemory]:
-    """The chosen GPUs' free memory as NVML read it, named by physical id."""
-    return [DeviceMemory(f"gpu{d.index}", d.free_memory, d.total_memory) for d in chosen]
-
-
-def _plan_ranks(
-    model: Any,
-    example_batch: Any,
-    mems: list[DeviceMemory],
-    batch: int | None,
-    plan_options: Mapping[str, Any] | None,
-) -> Plan:
-    """The planner's DDP split of ``batch`` (``None``: the largest) over the ranks' memory."""
-    from ._plan import plan  # the planner pulls in fake tensors; only load it when asked
-
-    return plan(model, example_batch, mems, mode="ddp", batch_size=batch, **(plan_options or {}))
-
-
 def plan_launch(
     nproc: int | str | None = "auto",
     batch: int | None = None,
@@ -380,8 +362,8 @@ def plan_launch(
         count = len(chosen)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
-        if mems is None:
-            mems = _live_memory(chosen)
+        if mems is None:  # the chosen GPUs' free memory as NVML read it, by physical id
+            mems = [DeviceMemory(f"gpu{d.index}", d.free_memory, d.total_memory) for d in chosen]
     else:
         if gpu_ids:
             raise EvendpError(
@@ -413,7 +395,12 @@ def plan_launch(
                 "--model needs each rank's memory, and no NVIDIA driver was found to read it; "
                 "declare it with --memory, e.g. --memory 24GiB,24GiB,12GiB (one entry per rank)"
             )
-        memory_plan = _plan_ranks(model, example_batch, mems, batch, plan_options)
+        from ._plan import plan as plan_memory  # fake tensors: only loaded when asked
+
+        options = dict(plan_options or {})
+        memory_plan = plan_memory(
+            model, example_batch, mems, mode="ddp", batch_size=batch, **options
+        )
         sizes = list(memory_plan.split)
         caps = tuple(d.max_batch_alone for d in memory_plan.devices)
         source = "planned for memory"
@@ -515,22 +502,8 @@ def launch(
     env: Mapping[str, str] | None = None,
     run_dir: str | Path | None = None,
 ) -> int:
-    """Run ``script`` under torchrun as ``plan`` says; returns torchrun's exit code.
-
-    The plan's variables are added to ``env`` (default: this process's environment), so the
-    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM/SIGHUP
-    are passed on to the ranks (:func:`evendp._distributed._interrupt.run_forwarding_signals`);
-    the code is then 130/143, and torchrun stops its ranks if this process dies.
-
-    ``run_dir``: the run's output folder, locked for the run's life (the ranks join the lock;
-    :class:`evendp._distributed._run_lock.RunDirBusy` when another live run holds it). The
-    ranks' rank 0 may leave its exit code and message with :func:`write_outcome`; the
-    launcher then exits with that code (0 for a run that finished although a signal came
-    late). Ranks that report a peer that stopped answering
-    (:mod:`evendp._distributed._stalled`) end the run: one line names the silent rank, exit 1.
-    A run that finished with 0 although no rank read the plan's batch sizes (they leave a mark
-    when they do: :mod:`evendp._distributed._launch_notes`) gets a warning on stderr.
-    """
+    """Run ``script`` under torchrun as ``plan`` says; returns the run's exit code (see
+    :func:`launch_with_outcome`)."""
     return launch_with_outcome(
         script, script_args, plan=plan, passthrough=passthrough, env=env, run_dir=run_dir
     )[0]
@@ -547,7 +520,22 @@ def launch_with_outcome(
     comm_timeout: float | None = None,
     trainer: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
-    """:func:`launch`, also returning what rank 0 left (``None``: nothing, e.g. no save).
+    """Run ``script`` under torchrun as ``plan`` says; returns the exit code and what rank 0
+    left (``None``: nothing, e.g. no save).
+
+    The plan's variables are added to ``env`` (default: this process's environment), so the
+    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM/SIGHUP
+    are passed on to the ranks (:func:`evendp._distributed._interrupt.run_forwarding_signals`);
+    the code is then 130/143, and torchrun stops its ranks if this process dies.
+
+    ``run_dir``: the run's output folder, locked for the run's life (the ranks join the lock;
+    :class:`evendp._distributed._run_lock.RunDirBusy` when another live run holds it). The
+    ranks' rank 0 may leave its exit code and message with :func:`write_outcome`; the
+    launcher then exits with that code (0 for a run that finished although a signal came
+    late). Ranks that report a peer that stopped answering
+    (:mod:`evendp._distributed._stalled`) end the run: one line names the silent rank, exit 1.
+    A run that finished with 0 although no rank read the plan's batch sizes (they leave a mark
+    when they do: :mod:`evendp._distributed._launch_notes`) gets a warning on stderr.
 
     ``comm_timeout``: the ranks' collective timeout, when known: a signal they have not
     acted on a minute past it goes to torchrun, which escalates to SIGKILL. ``trainer``: the
@@ -567,9 +555,10 @@ def launch_with_outcome(
         torchrun = _watching_first_step(torchrun, len(script_args), passthrough)
     for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
+    nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
     if trainer:  # ranks in lockstep end together: a node that does not come is lost
         child_env[ENV_EXIT_WAIT] = str(EXIT_WAIT_S)
-    elif (_fixed_nnodes((passthrough or {}).get("nnodes")) or 1) > 1:
+    elif nodes > 1:
         # A user's script on several machines: torchrun's own bound, but evendp's exit barrier
         # (torchrun's C++ one races the store's node closing it: a C++ stack on the others).
         child_env[ENV_EXIT_WAIT] = str(TORCHRUN_EXIT_BARRIER_S)
@@ -588,7 +577,6 @@ def launch_with_outcome(
         logs = ["--log-dir", str(Path(folder) / "torchrun")]
         cmd = [sys.executable, str(QUIET_TORCHRUN), *logs, *torchrun[len(_TORCHRUN_MODULE) + 1 :]]
         world = None if plan.batch_sizes is None else len(plan.batch_sizes)
-        nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
         even = world is not None and world == plan.nproc_per_node * nodes
         watch = StallWatch(Path(folder), world, plan.nproc_per_node if even else None)
         began = functools.partial(training_began, outcome) if trainer else None

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .._core._errors import EvendpError, LiveMemoryError
 from .._core._units import parse_bytes
@@ -112,11 +112,8 @@ def parse_memory(spec: str | Sequence[int | str]) -> list[DeviceMemory]:
     ...
     evendp.InputError: cannot read device entry '24 furlongs' in '24 furlongs'; ...
     """
-    devices: list[DeviceMemory] = []
-    for count, free, total in memory_runs(spec):
-        start = len(devices)
-        devices += [DeviceMemory(f"dev{start + j}", free, total) for j in range(count)]
-    return devices
+    one_each = [(free, total) for count, free, total in memory_runs(spec) for _ in range(count)]
+    return [DeviceMemory(f"dev{i}", free, total) for i, (free, total) in enumerate(one_each)]
 
 
 def memory_runs(spec: str | Sequence[int | str]) -> list[tuple[int, int, int | None]]:
@@ -157,24 +154,17 @@ def memory_runs(spec: str | Sequence[int | str]) -> list[tuple[int, int, int | N
     return runs
 
 
-class _AllGpus:
-    """Sentinel: every GPU NVML lists is visible, in NVML (PCI bus) order."""
-
-
-_ALL = _AllGpus()
-
-
-def _visible_physical_ids() -> list[int] | _AllGpus | None:
+def _visible_physical_ids() -> list[int] | Literal["all"] | None:
     """Physical (NVML) ids of the CUDA devices this process sees.
 
-    ``_ALL`` when every GPU is visible in NVML order, a list (``[]`` for
+    ``"all"`` when every GPU is visible in NVML (PCI bus) order, a list (``[]`` for
     ``CUDA_VISIBLE_DEVICES=""``: none visible) when the mapping is known, ``None`` when it is
     unknowable.
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     pci_order = os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
     if visible is None:
-        return _ALL if pci_order else None
+        return "all" if pci_order else None
     ids = [v.strip() for v in visible.split(",") if v.strip()]
     if not pci_order or not all(v.isdigit() for v in ids):
         return None  # UUIDs, or CUDA's fastest-first order: NVML cannot map them

@@ -3,10 +3,12 @@ solve again, and report the result as a :class:`Plan`."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
@@ -99,15 +101,6 @@ class _Fleet:
     def name(self, i: int) -> str:
         return f"dev{i}" if self.names is None else self.names[i]
 
-    def free_at(self, i: int) -> int:
-        """Free bytes of device ``i``."""
-        start = 0
-        for count, free, _ in self.runs:
-            if i < start + count:
-                return free
-            start += count
-        raise IndexError(i)
-
     @classmethod
     def of(cls, mems: Sequence[DeviceMemory]) -> _Fleet:
         runs = [(len(list(g)), free, total) for (free, total), g in
@@ -119,12 +112,10 @@ def _validate_memory_specs(memory: Any) -> _Fleet:
     """``plan(memory=...)``: a spec string, sizes, ``DeviceMemory`` or ``None`` (live GPUs)."""
     if memory is None:
         return _Fleet.of(live_memory())
-    if isinstance(memory, str):
-        return _Fleet(memory_runs(memory))
     if isinstance(memory, Sequence) and memory and all(isinstance(d, DeviceMemory) for d in memory):
         return _Fleet.of(memory)
-    if isinstance(memory, Sequence) and memory:
-        return _Fleet(memory_runs(list(memory)))
+    if isinstance(memory, str) or (isinstance(memory, Sequence) and memory):
+        return _Fleet(memory_runs(memory))
     raise EvendpError(
         f"memory must be a spec like '24GiB,24GiB,12GiB', a list of sizes or DeviceMemory, "
         f"or None for the live GPUs; got {memory!r}"
@@ -190,12 +181,9 @@ def plan(
             (``ParallelCriterion``), so no outputs are gathered (the same name as
             :class:`BalancedDataParallel`'s).
         safety_margin: each device may use ``free * (1 - safety_margin)``. ``None`` (the
-            default): 0.05 where tensors are counted (CPU devices, ``allocator=None``), for
-            a plan made ahead of a run on the free memory you state; 0 where the CUDA
-            allocator is modelled, whose fitted fragmentation allowance is that margin
-            (docs/planner.md: stacking both planned 6 where 7 runs). ``weights="auto"``
-            (:func:`auto_weights`) keeps 0.1, since it plans on live free memory that other
-            processes on the GPU keep changing.
+            default): 0.05 where tensors are counted (CPU devices, ``allocator=None``); 0
+            where the CUDA allocator is modelled, whose fitted fragmentation allowance is
+            that margin (docs/planner.md, "The margin").
         cuda_context: bytes per device for the CUDA context (0: a CPU virtual device). The
             libraries' workspaces are the allocator model's (``allocator``).
         no_grad: plan a forward-only step (inference, evaluation, feature extraction under
@@ -207,22 +195,17 @@ def plan(
             rows are padded to at most ``seq_len``: the example batch's sequence dimension
             (dim 1 of its 2-D and wider tensors) is set to ``seq_len``, and one more width
             (``seq_len // 2``) is measured to fit the token cost (``Plan.token_cost``).
-        allocator: what a device's memory holds beyond its tensors. ``"auto"``: on CUDA
-            devices (any ``cuda_context`` but 0) the peak is what PyTorch's CUDA caching
-            allocator reserves, replayed step by step (:mod:`evendp._planning._allocator`:
-            rounding, segments, cuBLAS/cuDNN workspaces, fragmentation) for the live GPU's
-            architecture, or Hopper's (the largest workspaces) for declared memory; with
-            ``cuda_context=0`` (CPU virtual devices) what the tensors hold. A
-            ``CudaAllocatorModel`` chooses the architecture and allocator setting; ``None``
-            counts tensors only.
+        allocator: ``"auto"``: on CUDA devices (any ``cuda_context`` but 0) the peak is what
+            PyTorch's caching allocator reserves, replayed step by step
+            (:mod:`evendp._planning._allocator`) for the live GPU's architecture, or Hopper's
+            for declared memory; on CPU virtual devices what the tensors hold. A
+            ``CudaAllocatorModel`` chooses the architecture and setting; ``None``: tensors.
         calibrate: measure the real model on the devices (docs/planner.md, "Measured on the
-            device"). ``None`` (the default): on live CUDA devices (``memory=None``, or
-            :func:`evendp.live_memory`'s ``cuda:N``), a copy of the model runs real steps at
-            two small sizes on each and a device whose measured line fits fewer samples than
-            planned is lowered, said in one line; declared memory and CPU devices are not
-            measured. ``False``: never; ``True``: the live CUDA devices or an error; a
-            sequence: one :class:`evendp._planning._calibrate.Measurer` (or ``None``) per
-            device. A training plan only (``no_grad=True`` is not measured).
+            device"). ``None`` (the default): on live CUDA devices, real steps at two small
+            sizes on each lower a device whose measured line fits fewer samples than
+            planned, said in one line. ``False``: never; ``True``: the live CUDA devices or
+            an error; a sequence: one :class:`evendp._planning._calibrate.Measurer` (or
+            ``None``) per device. Training plans only.
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
     solves again on every new measurement. When a recommended size still lies beyond the
@@ -249,8 +232,7 @@ def plan(
     if safety_margin is None:
         safety_margin = DEFAULT_MARGIN if replay is None else 0.0
     _validate_options(mode, safety_margin, output_device, k, batch_size)
-    if not isinstance(no_grad, bool):
-        raise EvendpError(f"no_grad must be True or False, got {no_grad!r}")
+    validate_bool("no_grad", no_grad)
     validate_bool("gather_output", gather_output)
     validate_bool("gradient_as_bucket_view", gradient_as_bucket_view)
     if not isinstance(checkpointing, bool):
@@ -318,14 +300,10 @@ def _calibrated(
     if measurers is None:
         return result
     _note("measuring the real model on the devices (two small sizes each)")
-    try:  # an EvendpError, not a PlanError: "auto" takes a PlanError for "nothing fits"
+    # A CUDA error, another process's OOM: said, never guessed. An EvendpError, not a
+    # PlanError: "auto" takes a PlanError for "nothing fits".
+    with planning_errors("running the real model on the device", EvendpError):
         fixed, notes = calibrated_plan(result, measurers)
-    except EvendpError:
-        raise
-    except Exception as exc:  # a CUDA error, another process's OOM: say it, never guess
-        raise EvendpError(
-            f"running the real model on the device failed: {type(exc).__name__}: {exc}"
-        ) from exc
     del measurers, step  # the copies on the devices go before the run allocates
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only
         torch.cuda.empty_cache()
@@ -359,7 +337,7 @@ def _plan_step(
     if seq_len is not None:
         batch = at_width(batch, seq_len)
     setup = make_setup(model, batch, criterion, optimizer, amp, checkpointing, no_grad)
-    setup.gpu = allocator is not None  # a GPU's kernels: see ._kernels
+    setup.gpu = allocator is not None  # a GPU's kernels: see _measure._FusedAttention
     if mode == "ddp" or not gather:
         variant = "keep"
     else:
@@ -436,29 +414,19 @@ def _plan_step(
             # judged on measurements at the largest that fits, as a plan without it is.
             refine(None)
     mdl, sol = refine(batch_size)
+    options = {
+        "criterion": criterion is not None,
+        "optimizer": getattr(optimizer, "__name__", repr(optimizer)),
+        "amp": None if amp is None else str(amp).removeprefix("torch."),
+        "checkpointing": bool(checkpointing),
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+        "gather": gather,
+        "output_device": output_device,
+        "cuda_context": context,
+        "allocator": None if allocator is None else _allocator_name(allocator),
+    }
     extrapolated = any(beyond_measured(sol))
-    result = _to_plan(
-        mdl,
-        mems,
-        sol,
-        replica,
-        mode,
-        safety_margin,
-        start,
-        extrapolated,
-        {
-            "criterion": criterion is not None,
-            "optimizer": getattr(optimizer, "__name__", repr(optimizer)),
-            "amp": None if amp is None else str(amp).removeprefix("torch."),
-            "checkpointing": bool(checkpointing),
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "gather": gather,
-            "output_device": output_device,
-            "cuda_context": context,
-            "allocator": None if allocator is None else _allocator_name(allocator),
-        },
-        no_grad,
-    )
+    result = _to_plan(mdl, mems, sol, replica, safety_margin, start, extrapolated, options, no_grad)
     if seq_len is None:
         return result
     short = make_setup(
@@ -556,7 +524,6 @@ def _to_plan(
     mems: _Fleet,
     sol: list[Segment],
     replica: dict[int, Point],
-    mode: Mode,
     margin: float,
     start: float,
     extrapolated: bool,
@@ -565,13 +532,14 @@ def _to_plan(
 ) -> Plan:
     total, even_total = _sum(sol, "split"), _sum(sol, "even")
     runs = []
+    ends = list(itertools.accumulate(count for count, _, _ in mems.runs))
     for seg in sol:  # one DevicePlan per run of alike devices: DeviceRows names each
         i = seg.start
         ours = {k: round(v) for k, v in mdl.breakdown(i, seg.split, total).items() if v}
         even = {k: round(v) for k, v in mdl.breakdown(i, seg.even, even_total).items() if v}
         proto = DevicePlan(
             name="",
-            free=mems.free_at(i),
+            free=mems.runs[bisect.bisect_right(ends, i)][1],
             budget=seg.budget,
             samples=seg.split,
             breakdown=ours,
@@ -584,11 +552,8 @@ def _to_plan(
         runs.append((seg.start, seg.count, proto))
     devices = DeviceRows(runs, mems.name)
     reach = max(1, _sum(sol, "alone"))
-    sizes = sorted(replica)
-    fe = Curve({n: {"b": replica[n].forward_end["activations"]} for n in sizes})
-    out = Curve({n: {"b": float(replica[n].output_bytes)} for n in sizes})
     return Plan(
-        mode=mode,
+        mode=mdl.mode,
         devices=devices,
         split=expand(sol, "split"),
         global_batch=total,
@@ -596,9 +561,9 @@ def _to_plan(
         even_split=expand(sol, "even"),
         even_global_batch=even_total,
         even_eta_mem=even_total / reach if all(p.even_fits for _, _, p in runs) else 0.0,
-        activation_bytes_per_sample=fe.slope(),
-        output_bytes_per_sample=out.slope(),
-        measured_sizes=sizes,
+        activation_bytes_per_sample=mdl.forward_end.slope(),  # the parameters cancel out
+        output_bytes_per_sample=mdl.outputs.slope(),
+        measured_sizes=sorted(replica),
         safety_margin=margin,
         seconds=time.perf_counter() - start,
         extrapolated=extrapolated,
@@ -608,13 +573,9 @@ def _to_plan(
 
 
 def _gathered_loss(output: Any, targets: Any) -> torch.Tensor:
-    """Stand-in for the loss a caller computes on ``BalancedDataParallel``'s gathered output.
-
-    A loss the model computed in ``forward`` arrives gathered as one entry per device (a
-    tensor of at most one dimension): the caller backpropagates that, and the other outputs
-    get no gradient. Otherwise the outputs (logits) themselves are the loss's input, and
-    each receives a full-size gradient, as any criterion on them would produce.
-    """
+    """Stand-in for the loss a caller computes on ``BalancedDataParallel``'s gathered output:
+    a loss the model computed arrives as one entry per device (at most one dimension) and
+    only it is backpropagated; else every floating output gets a full-size gradient."""
     floats = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
     losses = [t for t in floats if t.dim() <= 1]
     used = losses or floats
@@ -634,24 +595,16 @@ def auto_weights(
     no_grad: bool = False,
     memory: Sequence[DeviceMemory] | None = None,
 ) -> list[float]:
-    """Per-device weights for ``BalancedDataParallel(weights="auto")``, from live memory.
-
-    Plans DP on the devices' free memory right now (NVML, or ``torch.cuda.mem_get_info``),
-    counting the module's parameters already resident there as available to it, and returns
-    the largest split that fits as weights. On non-CUDA (virtual CPU) devices there is no
-    memory to read: every device gets weight 1.0.
+    """Per-device weights for ``BalancedDataParallel(weights="auto")``: the largest DP split
+    that fits the devices' free memory right now (NVML, or ``torch.cuda.mem_get_info``), the
+    module's tensors already there counted as free for it; 1.0 each on CPU devices.
 
     It plans the program that will run: with ``gather_output=True`` the outputs gathered on
-    ``output_device`` and the gradient that flows back into them are counted there (through
-    ``criterion(outputs, None)`` when given, else a stand-in that backpropagates the model's
-    own loss if it returns one, or every floating output); with ``gather_output=False`` each
-    device keeps its outputs (``ParallelCriterion``). With ``no_grad=True`` (the first call
-    ran under ``torch.no_grad`` or ``torch.inference_mode``) it plans a forward only: no
-    gradients, optimizer state or saved activations, so each device takes a larger share.
-    ``safety_margin`` is 0.1, twice :func:`plan`'s: live free memory is what other processes
-    left a moment ago, and they keep allocating. ``memory`` (one :class:`DeviceMemory` per
-    device, e.g. ``EVENDP_MEMORY``'s) replaces the live read, on any device, and keeps
-    room for a CUDA context on GPUs (the memory was declared, not read after it).
+    ``output_device`` and their gradient (through ``criterion(outputs, None)``, else
+    :func:`_gathered_loss`); with ``no_grad=True`` (the first call ran without grad) a forward
+    only. ``safety_margin`` is 0.1: live free memory is what other processes left a moment
+    ago, and they keep allocating. ``memory`` (one :class:`DeviceMemory` per device, e.g.
+    ``EVENDP_MEMORY``'s) replaces the live read and keeps room for a CUDA context on GPUs.
 
     >>> auto_weights(nn.Linear(4, 2), ["cpu", "cpu", "cpu"], torch.randn(5, 4))
     [1.0, 1.0, 1.0]
@@ -709,14 +662,11 @@ def _live_free_memory(module: nn.Module, devices: list[torch.device]) -> list[De
     repeated (virtual) devices share one GPU's memory."""
     indices = [d.index if d.index is not None else torch.cuda.current_device() for d in devices]
     live = {m.name: m for m in live_memory(sorted(set(indices)))}
-    resident: dict[int, int] = {}
+    resident: Counter[int] = Counter()
     for t in [*module.parameters(), *module.buffers()]:
         if t.device.type == "cuda":
-            resident[t.device.index] = (
-                resident.get(t.device.index, 0) + t.numel() * t.element_size()
-            )
-    mems = []
-    for i in indices:
-        free = live[f"cuda:{i}"].free + resident.get(i, 0)
-        mems.append(DeviceMemory(f"cuda:{i}", free // indices.count(i)))
-    return mems
+            resident[t.device.index] += t.numel() * t.element_size()
+    return [
+        DeviceMemory(f"cuda:{i}", (live[f"cuda:{i}"].free + resident[i]) // indices.count(i))
+        for i in indices
+    ]

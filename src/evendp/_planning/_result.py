@@ -99,7 +99,7 @@ class DeviceRows(Sequence[DevicePlan]):
                 return dataclasses.replace(proto, name=self._name(i))
         raise IndexError(index)  # unreachable: the runs cover 0..len-1
 
-    def __iter__(self) -> Iterator[DevicePlan]:
+    def __iter__(self) -> Iterator[DevicePlan]:  # one pass over the runs, not one per item
         for start, count, proto in self.runs:
             for i in range(start, start + count):
                 yield dataclasses.replace(proto, name=self._name(i))

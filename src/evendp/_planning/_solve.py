@@ -1,10 +1,7 @@
 """The solver: pure arithmetic over measured memory curves (no model runs here).
 
 Peak memory as a function of the batch size is the maximum over moments of an affine
-function of it, so it is convex. Between two measured sizes the chord never under-predicts;
-beyond the largest measured size the outermost chord extended is a *lower* bound for a convex
-curve, so a recommendation there is provisional: the planner measures it and solves again,
-and says so (``Plan.extrapolated``) when it could not.
+function of it, so it is convex (what that means for the curves: :class:`Curve`).
 
 What it counts per device (the design's memory model): parameters, gradients, optimizer state,
 activations, outputs; on the DP output device the gathered outputs, their gradient and the
@@ -15,6 +12,7 @@ fragmentation); and a fixed allowance for the CUDA context, which a fake run can
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -59,9 +57,7 @@ class Curve:
         xs = list(self.points)
         if len(xs) == 1:
             return dict(self.points[xs[0]])
-        i = 1
-        while i < len(xs) - 1 and n > xs[i]:
-            i += 1
+        i = min(max(1, bisect.bisect_left(xs, n)), len(xs) - 1)  # the segment holding n
         x0, x1 = xs[i - 1], xs[i]
         a, b = self.points[x0], self.points[x1]
         w = (n - x0) / (x1 - x0)
@@ -158,63 +154,34 @@ def _largest(fits: Callable[[int], bool], hi_hint: int = 1) -> int:
     return lo
 
 
-@dataclass
-class _Solution:
-    """Per-device samples: the chosen split, each device's most alone, the even split."""
-
-    split: list[int]
-    alone: list[int]
-    even: list[int]
-    caps: list[int]  # each device's most samples within the chosen global batch
-
-
-@dataclass(frozen=True)
-class _Span:
-    """``count`` consecutive devices from index ``start`` that the solver cannot tell apart:
-    the same budget and the same role (DP's device 0 and output device are their own)."""
-
-    start: int
-    count: int
-    budget: int
-
-
 @dataclass(frozen=True)
 class Segment:
-    """``count`` consecutive devices from ``start`` with one answer each: a span, cut where
-    the split or the even split changes value."""
+    """``count`` consecutive devices from ``start`` with one answer each. A *span* is a
+    segment before solving (answers 0): devices the solver cannot tell apart, the same budget
+    and role (DP's device 0 and output device are their own); the answer cuts it where the
+    split or the even split changes value."""
 
     start: int
     count: int
     budget: int
-    split: int
-    alone: int
-    even: int
-    cap: int
+    split: int = 0
+    alone: int = 0
+    even: int = 0
+    cap: int = 0
 
 
-def cut_spans(model: MemoryModel, budgets: list[tuple[int, int]]) -> list[_Span]:
+def cut_spans(model: MemoryModel, budgets: list[tuple[int, int]]) -> list[Segment]:
     """Spans from runs of ``(budget, count)``, cut so DP's device 0 and output device stand
     alone (their peaks differ from the other replicas')."""
     special = {0, model.output_device} if model.mode == "dp" else set()
-    spans: list[_Span] = []
+    spans: list[Segment] = []
     start = 0
     for budget, count in budgets:
         cuts = sorted({start, start + count} | {c for i in special for c in (i, i + 1)})
         cuts = [c for c in cuts if start <= c <= start + count]
-        spans += [_Span(a, b - a, budget) for a, b in itertools.pairwise(cuts) if b > a]
+        spans += [Segment(a, b - a, budget) for a, b in itertools.pairwise(cuts) if b > a]
         start += count
     return spans
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    """``[5, 5, 3]`` -> ``[(5, 2), (3, 1)]``."""
-    return [(v, len(list(g))) for v, g in itertools.groupby(values)]
-
-
-def _solve(model: MemoryModel, budgets: list[int], batch: int | None) -> _Solution:
-    """The plan for one budget per device (see :func:`solve_spans`), as per-device lists."""
-    segments = solve_spans(model, cut_spans(model, _runs(budgets)), batch)
-    return _Solution(*(expand(segments, f) for f in ("split", "alone", "even", "cap")))
 
 
 def expand(segments: list[Segment], name: str) -> list[int]:
@@ -225,7 +192,7 @@ def expand(segments: list[Segment], name: str) -> list[int]:
     return out
 
 
-def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> list[Segment]:
+def solve_spans(model: MemoryModel, spans: list[Segment], batch: int | None) -> list[Segment]:
     """The largest global batch, its split, each device's most alone and the even split.
 
     The work is per distinct device (budget and role), not per device: a million copies of
@@ -234,11 +201,11 @@ def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> li
     k = sum(s.count for s in spans)
     memo: dict[tuple[Any, ...], int] = {}
 
-    def key(span: _Span) -> tuple[int, bool, bool]:
+    def key(span: Segment) -> tuple[int, bool, bool]:
         i = span.start  # every device of a span has its first one's role
         return span.budget, model.mode == "dp" and i == 0, i == model.output_device
 
-    def cap(span: _Span, total: int) -> int:
+    def cap(span: Segment, total: int) -> int:
         at = (key(span), "cap", total)
         if at not in memo:
             memo[at] = _largest(
@@ -253,7 +220,7 @@ def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> li
         c = caps(total)
         return min(c) >= 0 and sum(ci * s.count for ci, s in zip(c, spans, strict=True)) >= total
 
-    def alone_cap(span: _Span) -> int:
+    def alone_cap(span: Segment) -> int:
         at = (key(span), "alone")
         if at not in memo:
             memo[at] = max(0, _largest(lambda n: model.peak(span.start, n, n) <= span.budget))
@@ -288,46 +255,34 @@ def solve_spans(model: MemoryModel, spans: list[_Span], batch: int | None) -> li
         )
 
     even_total = total if batch is not None else max(0, _largest(even_fits, max(1, best)))
-    segments = []
-    for seg in _even_segments(spans, even_total, k, None, key):
-        span_index = _span_of(spans, seg.start)
-        segments.append(
-            Segment(seg.start, seg.count, seg.budget, 0, alone[span_index], seg.even,
-                     step_caps[span_index])
-        )  # fmt: skip
+    segments = [
+        dataclasses.replace(seg, alone=alone[i], cap=step_caps[i])
+        for seg in _even_segments(spans, even_total, k, None, key)
+        for i in [_span_of(spans, seg.start)]
+    ]
     return _with_split(segments, split)
 
 
-def _even_sizes(total: int, k: int) -> tuple[int, int]:
-    """``split_sizes(total, [1] * k)`` is ``q + 1`` for the first ``r`` devices, then ``q``."""
-    q, r = divmod(total, k)
-    return q, r
-
-
-def _even_segments(spans: list[_Span], total: int, k: int, memo: Any, key: Any) -> list[Segment]:
+def _even_segments(spans: list[Segment], total: int, k: int, memo: Any, key: Any) -> list[Segment]:
     """The spans cut where the even split of ``total`` drops from ``q + 1`` to ``q``."""
-    q, r = _even_sizes(total, k)
+    q, r = divmod(total, k)  # split_sizes(total, [1] * k): q + 1 for the first r, then q
     out = []
     for s in spans:
         end = s.start + s.count
         for a, b, size in ((s.start, min(end, r), q + 1), (max(s.start, r), end, q)):
             if b > a:
-                out.append(Segment(a, b - a, s.budget, 0, 0, size, 0))
+                out.append(Segment(a, b - a, s.budget, even=size))
     if memo is not None:  # even_fits: one check per distinct device and size
         seen: dict[tuple[Any, ...], Segment] = {}
         for seg in out:
-            span = _Span(seg.start, seg.count, seg.budget)
-            seen.setdefault((key(span), seg.even), seg)
+            seen.setdefault((key(seg), seg.even), seg)
         out = list(seen.values())
     return out
 
 
-def _span_of(spans: list[_Span], index: int) -> int:
-    lo, hi = 0, len(spans) - 1
-    while lo < hi:  # the last span starting at or before index
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if spans[mid].start <= index else (lo, mid - 1)
-    return lo
+def _span_of(spans: list[Segment], index: int) -> int:
+    """The last span starting at or before ``index``."""
+    return bisect.bisect_right(spans, index, key=lambda s: s.start) - 1
 
 
 def _capped_even_runs(caps: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:

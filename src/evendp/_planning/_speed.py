@@ -2,17 +2,10 @@
 
 Memory decides how much each rank *can* hold; speed decides how much it *should* hold. In DDP
 every step waits for the slowest rank, so step time is ``max_i (a_i n_i + c_i)``: rank ``i``'s
-local work (the parts it runs without waiting for another rank) takes ``a_i`` seconds per
-sample plus ``c_i`` per step whatever its size (an optimizer step, launches; the model of
-Cannikin and LB-BSP), and the communication no rank hides is the same for all, so it moves no
-sample. :func:`balance_sizes` picks integer ``n_i`` (summing to the global batch, each within
-its memory cap) that minimize that maximum. :class:`SpeedBalancer` measures each rank's step
-during training, shares it with one small ``all_gather``, fits ``a_i`` and ``c_i`` from the
-sizes the run has tried (:func:`fit_step_time`; until a rank has run two sizes, ``c_i = 0``:
-its seconds per sample) and returns the next split, the same on every rank at the same step;
-whoever owns the loader applies it (``UnevenBatchSampler.set_batch_sizes``). The global
-batch never changes and ``ddp_loss`` weights each rank by its sample count, so the gradient
-stays the exact full-batch gradient whatever the split.
+local work takes ``a_i`` seconds per sample plus ``c_i`` per step whatever its size (the model
+of Cannikin and LB-BSP); the communication no rank hides is the same for all, so it moves no
+sample. The global batch never changes and ``ddp_loss`` weights each rank by its sample
+count, so the gradient stays the exact full-batch gradient whatever the split.
 """
 
 from __future__ import annotations
@@ -219,18 +212,6 @@ def _checked_state(
     return sizes, steps, [list(t) for t in recent], changes
 
 
-def _starting_split(batch_sizes: Sequence[int]) -> list[int]:
-    """The split a balancer starts from, checked."""
-    validate_numbers("batch_sizes", batch_sizes, integral=True, example="sampler.batch_sizes")
-    sizes = [int(n) for n in batch_sizes]
-    if sum(sizes) < 1:
-        raise EvendpError(
-            f"batch_sizes={shown(sizes)} holds no sample; give one size per rank, at least one "
-            "sample in all (e.g. sampler.batch_sizes)"
-        )
-    return sizes
-
-
 def _validate_knobs(warmup: int, every: int, window: int, tolerance: float) -> None:
     validate_int("warmup", warmup, minimum=1, example="5 steps measured first")
     validate_int("every", every, minimum=1, example="10 steps between exchanges")
@@ -308,7 +289,13 @@ class SpeedBalancer:
                 f"on_resplit must be a function of the new split (e.g. sampler.set_batch_sizes) "
                 f"or None, got {on_resplit!r}"
             )
-        sizes = _starting_split(batch_sizes)
+        validate_numbers("batch_sizes", batch_sizes, integral=True, example="sampler.batch_sizes")
+        sizes = [int(n) for n in batch_sizes]
+        if sum(sizes) < 1:
+            raise EvendpError(
+                f"batch_sizes={shown(sizes)} holds no sample; give one size per rank, at least "
+                "one sample in all (e.g. sampler.batch_sizes)"
+            )
         self._on_resplit = on_resplit
         self._sizes = sizes
         self.total = sum(sizes)
@@ -355,9 +342,11 @@ class SpeedBalancer:
         # --- GPU-only path. CUDA runs asynchronously, so a host timer would see only the
         # launches; events time the device work without stalling the host every step, and
         # are read (one wait) when the timings are exchanged.
-        # On the rank's own GPU's stream: the current device may still be cuda:0 on a rank
-        # that never called set_device, whose events would time another rank's work (~0 s).
-        stream = torch.cuda.current_stream(self._timing_device())
+        # On the rank's own GPU's stream (its communication device under NCCL): the current
+        # device may still be cuda:0 on a rank that never called set_device, whose events
+        # would time another rank's work (~0 s).
+        device = comm_device(self.group)
+        stream = torch.cuda.current_stream(device if device.type == "cuda" else rank_cuda_device())
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         begin.record(stream)
@@ -367,11 +356,6 @@ class SpeedBalancer:
             end.record(stream)
             self._events.append((begin, end))
             self._samples += int(samples)
-
-    def _timing_device(self) -> torch.device:
-        """The GPU this rank computes on: its communication device under NCCL, else its own."""
-        device = comm_device(self.group)
-        return device if device.type == "cuda" else rank_cuda_device()
 
     def record(self, seconds: float, samples: int) -> None:
         """Add ``seconds`` of compute for ``samples`` samples to this step (manual timing)."""
