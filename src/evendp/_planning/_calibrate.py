@@ -123,13 +123,18 @@ def calibrate(measurer: Measurer, sizes: Sequence[int]) -> Calibration:
     """
     if len(sizes) != 2 or not all(isinstance(n, int) and n >= 1 for n in sizes):
         raise EvendpError(f"calibration needs two batch sizes >= 1, got {list(sizes)!r}")
+    # Imported here, not with evendp: `python -m` runs that module, and runpy warns on one
+    # imported before it runs.
+    from .._distributed._first_step import evendp_steps
+
     a, b = sorted(sizes)
     if a == b:
         raise EvendpError(f"calibration needs two different batch sizes, got {list(sizes)!r}")
     peaks = []
     for n in (a, b):
-        try:
-            peaks.append(int(measurer.reserved_after(n)))
+        try:  # real optimizer steps, not a launched script's first (its hook waits)
+            with evendp_steps():
+                peaks.append(int(measurer.reserved_after(n)))
         except Exception as exc:  # the device's own failure, named with the size
             raise EvendpError(
                 f"calibrating at {n} samples failed: {type(exc).__name__}: {exc}"
