@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 GPU_ONLY = {"gpu-tests", "weights-auto", "oom-resplit", "nvml-vs-cuda", "nccl-one-rank",
-            "overhead", "planner"}  # fmt: skip
+            "overhead"}  # fmt: skip
 # Steps whose dry run imports their script, then skips (mixed-box runs its --smoke).
 SCRIPTS = {
     "capped-batch",
