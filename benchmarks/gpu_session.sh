@@ -39,8 +39,8 @@ done
 STEPS="env:30:cpu gpu-tests:75:gpu capped-batch:100:cpu mixed-box:90:cpu step-costs:75:cpu
 planner-allocator:45:cpu planner-allocator-expandable:45:cpu
 exact-repeated+autocast-streams+cuda-events:45:cpu weights-auto+oom-resplit+nvml-vs-cuda:60:gpu
-nccl-one-rank:30:gpu gloo-cuda-tensors:45:cpu grad-buckets:40:cpu overhead:45:gpu demo:60:cpu
-integration:40:cpu"
+nccl-one-rank:30:gpu gloo-cuda-tensors+grad-buckets:60:cpu overhead:45:gpu
+demo+integration:60:cpu"
 TOTAL_S=${TOTAL_S:-285}
 DRY_LIMIT_S=${DRY_LIMIT_S:-200}
 
