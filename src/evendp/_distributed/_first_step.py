@@ -118,13 +118,8 @@ def unported_line(sizes: str, port: tuple[str, str]) -> str:
 
 @contextlib.contextmanager
 def evendp_steps() -> Iterator[None]:
-    """Optimizer steps taken inside are evendp's own, not the script's first step: the
-    hook lets them pass and waits for the script's (a plan calibrating on live GPUs takes
-    real steps before a script reads the launcher's sizes). Outside a launch, nothing.
-
-    >>> with evendp_steps():
-    ...     pass
-    """
+    """Optimizer steps taken inside are evendp's own (a plan calibrating on live GPUs), not
+    the script's first: the hook lets them pass. Outside a launch, nothing."""
     global _held
     _held += 1
     try:

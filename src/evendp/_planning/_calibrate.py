@@ -211,7 +211,9 @@ class FirstStepCheck:
             if peak is None or n <= 0 or peak <= self.planned[i]:
                 caps.append(None)
                 continue
-            cap = self._cap(i, peak, n)
+            # The bytes beyond the plan's taken to grow with the samples at once: the share
+            # scaled by budget / measured (at least 1).
+            cap = max(1, min(n - 1, math.floor(n * self.budgets[i] / peak)))
             caps.append(cap)
             self.notes.append(
                 f"evendp: device {i} reserved {format_bytes(peak)} at its first step, over its "
@@ -219,11 +221,6 @@ class FirstStepCheck:
                 f"its {n} samples from now on (the split and the gradient are unchanged)"
             )
         return caps
-
-    def _cap(self, i: int, peak: int, n: int) -> int:
-        """The micro-batch that fits the budget if the bytes beyond the plan's grow with the
-        samples at once: scale the share by budget / measured (at least 1)."""
-        return max(1, min(n - 1, math.floor(n * self.budgets[i] / peak)))
 
     def apply(self, caps: Sequence[int | None], micro_batch_sizes: list[int | None]) -> None:
         """Lower ``micro_batch_sizes`` (an :class:`OomResplit`'s, per device) to ``caps``."""
