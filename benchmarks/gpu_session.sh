@@ -14,6 +14,8 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# No network there: a library reaching for the Hugging Face hub fails at once, never waits.
+export HF_HUB_OFFLINE=1
 out=${OUT:-gpu-session-out}
 only=""
 dry=""
