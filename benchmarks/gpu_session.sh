@@ -8,12 +8,14 @@
 #
 # Writes DIR/summary.json (status, figures and note per step) and DIR/logs/STEP.log; DIR is
 # --out, else $OUT, else ./gpu-session-out. --dry-run runs the CPU-capable steps on the CPU
-# (under a minute; CI does this) and marks the others "skip". The step bodies live in
+# (about a minute; CI does this) and marks the others "skip". The step bodies live in
 # benchmarks/gpu_checks.py. Exit status: 0 when no step failed.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# No network there: a library reaching for the Hugging Face hub fails at once, never waits.
+export HF_HUB_OFFLINE=1
 out=${OUT:-gpu-session-out}
 only=""
 dry=""
@@ -28,18 +30,21 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-# step:seconds:where. The limits add up to more than the total budget; the budget guard
-# below skips what is left once TOTAL_S is spent, so one slow step cannot overrun the lease.
+# step:seconds:where, or step+step+...:seconds:where for quick steps run in one process (a
+# torch and CUDA start-up, about 5 s on the H200, is more than each of them takes). The limits
+# add up to more than the total budget; the budget guard below skips what is left once TOTAL_S
+# is spent, so one slow step cannot overrun the lease.
 # "cpu" steps also run in the dry run, all in one process (one torch start-up, one limit);
-# capped-batch, mixed-box and step-costs import their script there and report "skip":
-# their figures need the GPU. They run early: the issue-50 claims come first.
+# capped-batch and step-costs import their script there and report "skip": their figures
+# need the GPU; mixed-box runs mixed_box.py --smoke (two CPU ranks, a tiny GPT-2). They run
+# early: the issue-50 claims come first.
 STEPS="env:30:cpu gpu-tests:75:gpu capped-batch:100:cpu mixed-box:90:cpu step-costs:75:cpu
-planner-allocator:45:cpu planner-allocator-expandable:45:cpu exact-repeated:30:cpu autocast-streams:25:cpu
-weights-auto:40:gpu oom-resplit:30:gpu cuda-events:20:cpu nvml-vs-cuda:20:gpu
-nccl-one-rank:30:gpu gloo-cuda-tensors:45:cpu grad-buckets:40:cpu overhead:45:gpu planner:60:gpu demo:60:cpu
-integration:40:cpu"
+planner-allocator:45:cpu planner-allocator-expandable:45:cpu
+exact-repeated+autocast-streams+cuda-events:45:cpu weights-auto+oom-resplit+nvml-vs-cuda:60:gpu
+nccl-one-rank:30:gpu gloo-cuda-tensors+grad-buckets:60:cpu overhead:45:gpu
+demo+integration:60:cpu"
 TOTAL_S=${TOTAL_S:-285}
-DRY_LIMIT_S=${DRY_LIMIT_S:-170}
+DRY_LIMIT_S=${DRY_LIMIT_S:-200}
 
 known=$("$PY" benchmarks/gpu_checks.py list) || { echo "cannot run $PY" >&2; exit 2; }
 if [ -n "$only" ]; then
@@ -59,16 +64,18 @@ start=$(date +%s)
 if [ -n "$dry" ]; then
     batch=""
     for entry in $STEPS; do
-        step=${entry%%:*}; where=${entry##*:}
-        selected "$step" || continue
-        rm -f "$out/steps/$step.json"
-        if [ "$where" = cpu ]; then
-            batch="$batch,$step"
-        else
-            echo '{"status": "skip", "figures": {}, "note": "GPU only (dry run)"}' \
-                > "$out/steps/$step.json"
-            echo "dry run: GPU only" > "$out/logs/$step.log"
-        fi
+        group=${entry%%:*}; where=${entry##*:}
+        for step in ${group//+/ }; do
+            selected "$step" || continue
+            rm -f "$out/steps/$step.json"
+            if [ "$where" = cpu ]; then
+                batch="$batch,$step"
+            else
+                echo '{"status": "skip", "figures": {}, "note": "GPU only (dry run)"}' \
+                    > "$out/steps/$step.json"
+                echo "dry run: GPU only" > "$out/logs/$step.log"
+            fi
+        done
     done
     if [ -n "$batch" ]; then
         echo "== dry run: ${batch#,} (one process, limit ${DRY_LIMIT_S}s)"
@@ -83,22 +90,34 @@ if [ -n "$dry" ]; then
     fi
 else
     for entry in $STEPS; do
-        step=${entry%%:*}
+        group=${entry%%:*}
         limit=${entry#*:}; limit=${limit%%:*}
-        selected "$step" || continue
-        rm -f "$out/steps/$step.json"
+        names=""
+        for step in ${group//+/ }; do
+            selected "$step" && names="$names,$step"
+        done
+        names=${names#,}
+        [ -z "$names" ] && continue
         left=$(( TOTAL_S - ($(date +%s) - start) ))
-        if [ "$left" -lt 10 ]; then
-            echo "== $step: not run, the ${TOTAL_S}s budget is spent" | tee "$out/logs/$step.log"
-            codes="$codes,$step=budget"
-            continue
-        fi
+        for step in ${names//,/ }; do
+            rm -f "$out/steps/$step.json"
+            if [ "$left" -lt 10 ]; then
+                echo "== $step: not run, the ${TOTAL_S}s budget is spent" | tee "$out/logs/$step.log"
+                codes="$codes,$step=budget"
+            fi
+        done
+        [ "$left" -lt 10 ] && continue
         [ "$limit" -gt "$left" ] && limit=$left
-        echo "== $step (limit ${limit}s)"
-        timeout -k 5 "$limit" "$PY" benchmarks/gpu_checks.py run "$step" --out "$out" \
-            > "$out/logs/$step.log" 2>&1
-        codes="$codes,$step=$?"
-        tail -n 1 "$out/logs/$step.log"
+        echo "== $names (limit ${limit}s)"
+        log="$out/logs/${names%%,*}.log"
+        timeout -k 5 "$limit" "$PY" benchmarks/gpu_checks.py run "$names" --out "$out" \
+            > "$log" 2>&1
+        rc=$?
+        for step in ${names//,/ }; do
+            [ "$out/logs/$step.log" = "$log" ] || cp "$log" "$out/logs/$step.log"
+            codes="$codes,$step=$rc"
+        done
+        grep -E '^[a-z-]+: (pass|fail|skip)' "$log"
     done
 fi
 echo "== summary ($(( $(date +%s) - start ))s)"

@@ -14,11 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 GPU_ONLY = {"gpu-tests", "weights-auto", "oom-resplit", "nvml-vs-cuda", "nccl-one-rank",
-            "overhead", "planner"}  # fmt: skip
-# Steps whose dry run imports their script, then skips.
+            "overhead"}  # fmt: skip
+# Steps whose dry run imports their script, then skips (mixed-box runs its --smoke).
 SCRIPTS = {
     "capped-batch",
-    "mixed-box",
     "step-costs",
     "planner-allocator",
     "planner-allocator-expandable",
@@ -54,6 +53,10 @@ def test_dry_run_passes_and_writes_the_summary(tmp_path: Path) -> None:
     # Figures are measured, not constants: the exactness steps report their errors.
     assert 0 <= steps["exact-repeated"]["figures"]["pageable_rel_err"] <= 1e-5
     assert 0 <= steps["demo"]["figures"]["exactness"] <= 1e-5
+    # mixed_box.py --smoke as documented (no --memory): CPU-sized memory, the plan trains.
+    box = steps["mixed-box"]["figures"]
+    assert box["memory"] == "24MiB,12MiB" and box["planned_ran"] is True
+    assert 0 < box["planned_global"] <= box["best_global"]
     assert steps["env"]["figures"]["evendp_from"] == str(ROOT / "src" / "evendp")
 
 

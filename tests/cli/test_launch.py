@@ -358,3 +358,44 @@ def test_the_old_devices_flag_is_refused_naming_gpus(capsys: pytest.CaptureFixtu
         "evendp launch: error: unknown option --devices (did you mean --gpus?); "
         "see 'evendp launch --help'\n"
     )
+
+
+# A launched script that plans on live GPUs (calibration: real optimizer steps, faked on
+# the CPU by tests/planning/test_calibrate.py's measurer) before it reads the sizes.
+_PLANS_FIRST = """
+import torch, evendp
+from evendp._planning import _on_device
+from evendp.examples.lm_head import lm_loss
+from tests.planning.test_calibrate import _Stepping, _lm
+_on_device.live_cuda = lambda names: list(range(len(names)))  # as on a GPU machine
+_on_device.measurer = lambda index, step: _Stepping(1 << 20, 1)
+net, batch = _lm()
+evendp.plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0)
+evendp.batch_sizes_from_env()
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+lm_loss(net(batch[0]), batch[1]).backward()
+opt.step()
+print("trained", flush=True)
+"""
+
+
+def test_a_plan_calibrating_before_the_sizes_are_read_is_not_the_first_step(
+    tmp_path: Path,
+) -> None:
+    """Issue 50: a plan's calibration trips the launcher's first-step hook (under --strict,
+    exit 2 before the script read its sizes). One process through the launcher's wrapper,
+    no torchrun: the wrapper runs as ``__main__`` only when started so, and the hook it arms
+    must be the one evendp's calibration holds back (tests/planning/test_calibrate.py checks
+    the hook in this process)."""
+    script = tmp_path / "plans_first.py"
+    script.write_text(_PLANS_FIRST)
+    (tmp_path / "outcome").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVENDP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    env |= {"EVENDP_BATCH_SIZES": "4", "EVENDP_STRICT": "1", "RANK": "0", "OMP_NUM_THREADS": "1"}
+    env["EVENDP_OUTCOME"] = str(tmp_path / "outcome" / "outcome.json")
+    cmd = [sys.executable, "-m", "evendp._distributed._first_step", str(script)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stdout + proc.stderr
+    assert proc.stderr == ""  # neither told nor warned (runpy's, of a module imported twice)
+    assert not (tmp_path / "outcome" / "outcome.json").exists()  # no exit 2 for the launcher

@@ -288,3 +288,64 @@ def test_token_caps_follow_a_lowered_device(live: dict[int, _Line]) -> None:
     assert alone < before.devices[0].max_batch_alone
     assert after.max_tokens == [after.devices[0].max_tokens] and after.max_tokens[0] <= alone * 16
     assert before.max_tokens is not None and after.max_tokens[0] < before.max_tokens[0]
+
+
+class _Stepping(_Line):
+    """A device measured as :class:`_Line`'s whose measurement takes real optimizer steps,
+    as :class:`~evendp._planning._calibrate.CudaMeasurer`'s does (on the CPU here)."""
+
+    def __init__(self, fixed: int, per_sample: int) -> None:
+        super().__init__(fixed, per_sample)
+        self.net = torch.nn.Linear(4, 1)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def reserved_after(self, n: int) -> int:
+        self.net(torch.randn(n, 4)).sum().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return super().reserved_after(n)
+
+
+def test_calibrating_under_evendp_launch_is_not_the_scripts_first_step(
+    live: dict[int, _Line],
+    tmp_path: object,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A launched script that plans on live GPUs before it reads EVENDP_BATCH_SIZES: the
+    calibration's real optimizer steps tripped the launcher's first-step hook (a false
+    "unported" warning; under --strict every rank ended, exit 2), and so did the planner's
+    step on fake tensors, whose hook removal beside MemTracker's hooks failed the plan
+    ("OrderedDict mutated during iteration"). The hook is armed here as a launched rank's
+    wrapper arms it; it waits for the script's own first step."""
+    import torch.optim.optimizer as optimizer_module
+
+    from evendp import plan
+    from evendp._distributed import _first_step, _launch_notes
+
+    monkeypatch.setattr(_launch_notes, "_read_here", False)
+    monkeypatch.setattr(_first_step, "_SAMPLED", set())
+    monkeypatch.setenv("EVENDP_BATCH_SIZES", "4")
+    monkeypatch.setenv("EVENDP_OUTCOME", f"{tmp_path}/outcome.json")
+    monkeypatch.setenv("RANK", "0")
+    hook = _first_step._FirstStep()
+    hook.handle = optimizer_module.register_optimizer_step_pre_hook(hook)
+    try:
+        live[0] = _Stepping(1 << 20, 1)
+        net, batch = _lm()
+        plan(net, batch, "64MiB", mode="ddp", criterion=lm_loss, cuda_context=0)
+        assert len(live[0].asked) == 2  # two measurements, each with real optimizer steps
+        assert "first optimizer step" not in capsys.readouterr().err
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        later = optimizer_module.register_optimizer_step_pre_hook(lambda *args: None)
+        try:  # a library's global hook after the launcher's, as MemTracker's was
+            for _ in range(2):
+                lm_loss(net(batch[0]), batch[1]).backward()
+                opt.step()  # the script's own first step, the sizes unread: told, once
+        finally:
+            later.remove()
+        told = [line for line in capsys.readouterr().err.splitlines() if "first optim" in line]
+        assert len(told) == 1 and told[0].startswith("evendp launch: warning: the script took")
+    finally:
+        if hook.handle is not None:
+            hook.handle.remove()

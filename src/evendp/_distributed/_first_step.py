@@ -17,11 +17,15 @@ once that is imported) and asks at the first step and at the end, so the sampler
 touches no file, no variable and no state of the launcher's. With
 ``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
 all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
-leaves at that step; the launcher exits 2.
+leaves at that step; the launcher exits 2. Optimizer steps evendp takes for itself (a plan's
+calibration on live GPUs, before the script could read the sizes) are not the script's:
+:func:`evendp_steps` holds the hook back while they run; a step on fake tensors (the
+planner measuring a step) trains nothing and is let pass too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -29,13 +33,13 @@ import importlib.util
 import os
 import runpy
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, ModuleType
 from typing import Any
 
 from ._launch_notes import note_sizes_read, note_sizes_told, sizes_read_here, write_outcome
 
-__all__ = ["ENV_STRICT", "MODULE", "observed", "port_for", "unported_line"]
+__all__ = ["ENV_STRICT", "MODULE", "evendp_steps", "observed", "port_for", "unported_line"]
 
 #: The worker's entry point, as torchrun's ``-m`` names it.
 MODULE = __name__
@@ -44,6 +48,8 @@ ENV_STRICT = "EVENDP_STRICT"
 #: The per-rank sizes of every ``UnevenBatchSampler`` this launched process built, noted by
 #: the hook the wrapper installs (:func:`observed`); in memory only, the launcher's alone.
 _SAMPLED: set[tuple[int, ...]] = set()
+#: How many :func:`evendp_steps` blocks are open: their optimizer steps are not the script's.
+_held = 0
 
 # What a script trains with, told by the modules of the frames that call optimizer.step()
 # (a package, or a module and those below it), the most specific first: the port that makes
@@ -110,6 +116,18 @@ def unported_line(sizes: str, port: tuple[str, str]) -> str:
     )
 
 
+@contextlib.contextmanager
+def evendp_steps() -> Iterator[None]:
+    """Optimizer steps taken inside are evendp's own (a plan calibrating on live GPUs), not
+    the script's first: the hook lets them pass. Outside a launch, nothing."""
+    global _held
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+
+
 def _calling_modules(frame: FrameType | None) -> list[str]:
     names = []
     while frame is not None:
@@ -171,16 +189,27 @@ def _agreed_unread(unread: bool) -> bool:
     return bool(flag.item())
 
 
+def _on_fake_tensors(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps fake tensors: a planner measuring the step, training
+    nothing (``evendp.plan`` takes one before a script can read the sizes)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(p, FakeTensor) for g in optimizer.param_groups for p in g["params"])
+
+
 class _FirstStep:
     """The global optimizer-step pre-hook: runs once, at the process's first step."""
 
     def __init__(self) -> None:
         self.handle: Any = None
+        self.done = False
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-        self.handle = None
+        # Done, it stays registered: removing a hook while torch iterates over the global
+        # hooks raised "OrderedDict mutated during iteration" beside a later one (MemTracker's).
+        if self.done or _held or _on_fake_tensors(optimizer):
+            return
+        self.done = True
         strict = os.environ.get(ENV_STRICT) == "1"
         unread = not _read_through_a_sampler()
         if strict:  # it ends ranks: decided by every rank alike
@@ -271,4 +300,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # Run as the module evendp imports, not as a copy named __main__: evendp_steps, entered
+    # by evendp's own code, must hold back the hook this process registered.
+    from evendp._distributed._first_step import main as _main
+
+    _main(sys.argv[1:])

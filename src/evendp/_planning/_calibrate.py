@@ -123,13 +123,18 @@ def calibrate(measurer: Measurer, sizes: Sequence[int]) -> Calibration:
     """
     if len(sizes) != 2 or not all(isinstance(n, int) and n >= 1 for n in sizes):
         raise EvendpError(f"calibration needs two batch sizes >= 1, got {list(sizes)!r}")
+    # Imported here, not with evendp: `python -m` runs that module, and runpy warns on one
+    # imported before it runs.
+    from .._distributed._first_step import evendp_steps
+
     a, b = sorted(sizes)
     if a == b:
         raise EvendpError(f"calibration needs two different batch sizes, got {list(sizes)!r}")
     peaks = []
     for n in (a, b):
-        try:
-            peaks.append(int(measurer.reserved_after(n)))
+        try:  # real optimizer steps, not a launched script's first (its hook waits)
+            with evendp_steps():
+                peaks.append(int(measurer.reserved_after(n)))
         except Exception as exc:  # the device's own failure, named with the size
             raise EvendpError(
                 f"calibrating at {n} samples failed: {type(exc).__name__}: {exc}"
@@ -206,7 +211,9 @@ class FirstStepCheck:
             if peak is None or n <= 0 or peak <= self.planned[i]:
                 caps.append(None)
                 continue
-            cap = self._cap(i, peak, n)
+            # The bytes beyond the plan's taken to grow with the samples at once: the share
+            # scaled by budget / measured (at least 1).
+            cap = max(1, min(n - 1, math.floor(n * self.budgets[i] / peak)))
             caps.append(cap)
             self.notes.append(
                 f"evendp: device {i} reserved {format_bytes(peak)} at its first step, over its "
@@ -214,11 +221,6 @@ class FirstStepCheck:
                 f"its {n} samples from now on (the split and the gradient are unchanged)"
             )
         return caps
-
-    def _cap(self, i: int, peak: int, n: int) -> int:
-        """The micro-batch that fits the budget if the bytes beyond the plan's grow with the
-        samples at once: scale the share by budget / measured (at least 1)."""
-        return max(1, min(n - 1, math.floor(n * self.budgets[i] / peak)))
 
     def apply(self, caps: Sequence[int | None], micro_batch_sizes: list[int | None]) -> None:
         """Lower ``micro_batch_sizes`` (an :class:`OomResplit`'s, per device) to ``caps``."""

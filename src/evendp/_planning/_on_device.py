@@ -31,7 +31,7 @@ from ._calibrate import (
     calibrated_split,
     calibration_sizes,
 )
-from ._result import DevicePlan, DeviceRows, Plan
+from ._result import DeviceRows, Plan
 
 __all__ = [
     "calibrated_plan",
@@ -169,27 +169,21 @@ def calibrated_plan(result: Plan, measurers: Sequence[Measurer | None]) -> tuple
     alone, alone_notes = calibrated_split([d.max_batch_alone for d in devices], budgets, cals)
     if split == list(result.split) and alone == [d.max_batch_alone for d in devices]:
         return result, []
-    rows = DeviceRows(
-        [(i, 1, _lowered(d, split[i], alone[i])) for i, d in enumerate(devices)],
-        lambda i: devices[i].name,
-    )
-    total = sum(split)
     tokens = result.max_tokens
     if tokens is not None and result.seq_len is not None:  # the token caps rest on the samples
         tokens = [min(t, n * result.seq_len) for t, n in zip(tokens, alone, strict=True)]
-        rows = DeviceRows(
-            [(i, 1, dataclasses.replace(d, max_tokens=tokens[i])) for i, d in enumerate(rows)],
-            lambda i: devices[i].name,
-        )
+    lowered = [
+        dataclasses.replace(d, name="", samples=split[i], max_batch_alone=alone[i],
+                            max_tokens=d.max_tokens if tokens is None else tokens[i])
+        for i, d in enumerate(devices)
+    ]  # fmt: skip
+    rows = DeviceRows([(i, 1, d) for i, d in enumerate(lowered)], lambda i: devices[i].name)
+    total = sum(split)
     fixed = dataclasses.replace(
         result, devices=rows, split=split, global_batch=total, eta_mem=total / max(1, sum(alone)),
         max_tokens=tokens,
     )  # fmt: skip
     return fixed, notes or alone_notes
-
-
-def _lowered(d: DevicePlan, samples: int, alone: int) -> DevicePlan:
-    return dataclasses.replace(d, name="", samples=samples, max_batch_alone=alone)
 
 
 #: Per live CUDA device (``"cuda:N"``), the last calibrated plan's (peak, budget) in bytes:
