@@ -182,13 +182,9 @@ def _validate_eval_composition(cls: type) -> None:
 
 
 def _validate_balance(balance: object) -> str:
-    """``None`` (no balance), ``"none"`` or ``"speed"``: the modes of ``TrainConfig.balance``."""
-    if balance is None or balance in ("none", "speed"):
-        return balance or "none"
-    raise evendp.EvendpError(
-        f"balance={balance!r} is not a balance; expected one of ('none', 'speed') ('speed' "
-        "moves samples from slow ranks to fast ones at step boundaries)"
-    )
+    """``None`` (no balance) or a mode of ``TrainConfig.balance``, checked by ``TrainConfig``
+    (the one list of modes and its message)."""
+    return evendp.TrainConfig(balance="none" if balance is None else balance).balance  # type: ignore[arg-type]
 
 
 class _StepBalancer(transformers.TrainerCallback):
