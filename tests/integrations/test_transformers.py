@@ -487,6 +487,10 @@ def test_batch_sizes_default_to_the_launcher_then_to_per_device(
         ({"args": {"train_sampling_strategy": "group_by_length"}}, "'random' and 'sequential'"),
         ({"batch_sizes": [1, 3]}, r"2 batch sizes \[1, 3\] for world_size=1"),
         ({"batch_sizes": [0]}, "all batch sizes are zero"),
+        (
+            {"balance": "fast"},
+            r"balance='fast' is not a balance; expected one of \('none', 'speed'\)",
+        ),
     ],
 )
 def test_refuses_what_it_cannot_keep_exact(
