@@ -77,7 +77,6 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.active = False
         self._previous: dict[int, Any] = {}
 
     @property
@@ -100,7 +99,6 @@ class StopFlag:
                     # A signal during start-up, caught by the command line's flag: this run
                     # stops at its first step boundary instead of never hearing of it.
                     self.signum = pending
-            self.active = True
         return self
 
     def __exit__(
@@ -112,7 +110,6 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        self.active = False
 
 
 def resume_command(argv: Sequence[str], prog: str = "evendp") -> str:

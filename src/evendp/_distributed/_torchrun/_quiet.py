@@ -9,7 +9,6 @@ torchrun's log goes to a private file; its store listens on its own address only
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import signal
@@ -194,6 +193,13 @@ def serve_store_on_its_address() -> None:
             module.TCPStore = store
 
 
+#: ``TCPStore``'s parameters after ``host_name`` and ``port``, in order.
+_STORE_ARGS = (
+    "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
+    "master_listen_fd", "use_libuv",
+)  # fmt: skip
+
+
 def bound_store_class(base: Any) -> Any:
     """``base`` (torch's ``TCPStore``) whose server at this machine's address listens there only.
 
@@ -207,24 +213,11 @@ def bound_store_class(base: Any) -> Any:
     class BoundTCPStore(base):
         _evendp_bound = True
 
-        def __init__(
-            self,
-            host_name: str,
-            port: int,
-            world_size: int | None = None,
-            is_master: bool = False,
-            timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-            wait_for_workers: bool = True,
-            multi_tenant: bool = False,
-            master_listen_fd: int | None = None,
-            use_libuv: bool = True,
-        ) -> None:
-            if is_master and master_listen_fd is None:
-                master_listen_fd = _nodes.listen_on(host_name, port)
-            super().__init__(
-                host_name, port, world_size, is_master, timeout, wait_for_workers,
-                multi_tenant, master_listen_fd, use_libuv,
-            )  # fmt: skip
+        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+            given = dict(zip(_STORE_ARGS, args, strict=False)) | kwargs
+            if given.get("is_master") and given.get("master_listen_fd") is None:
+                given["master_listen_fd"] = _nodes.listen_on(host_name, port)
+            super().__init__(host_name, port, **given)
 
     BoundTCPStore.__name__ = BoundTCPStore.__qualname__ = "TCPStore"
     return BoundTCPStore
