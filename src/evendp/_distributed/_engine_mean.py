@@ -29,18 +29,14 @@ __all__ = ["EngineMean", "config_micro_batch"]
 class EngineMean:
     """Per-micro-batch mean losses in, the loss for DeepSpeed's ``engine.backward`` out.
 
-    ``engine`` is what ``deepspeed.initialize`` returned (any ZeRO stage; read:
-    ``gradient_accumulation_steps()``, ``set_gradient_accumulation_boundary``).
-    ``count_fn(batch)`` is the number of items the model's loss is a mean over (default:
-    the batch's rows; for tokens e.g. ``lambda b: (b["labels"] != -100).sum()``); a
-    stand-in batch (an empty share, :class:`evendp.EmptySafeCollate` with ``stand_in=True``)
-    counts 0. The ranks must each yield the same number of batches
-    (:class:`evendp.UnevenBatchSampler` does).
+    ``engine``: what ``deepspeed.initialize`` returned (any ZeRO stage). ``count_fn(batch)``:
+    the items the model's loss is a mean over (default: the batch's rows; for tokens e.g.
+    ``lambda b: (b["labels"] != -100).sum()``); a stand-in batch counts 0. The ranks must each
+    yield the same number of batches (:class:`evendp.UnevenBatchSampler` does).
 
     ``for batches in mean.steps(loader)`` yields one optimizer step's micro-batches; for each,
-    ``engine.backward(mean.weigh(loss, batch))`` then ``engine.step()``, as in any DeepSpeed
-    loop. Gradient clipping (``gradient_clipping`` in the config) then clips the gradient of
-    the mean over the step's samples on all ranks, as one process would.
+    ``engine.backward(mean.weigh(loss, batch))`` then ``engine.step()``. DeepSpeed's clipping
+    then clips the gradient of the mean over the step's samples, as one process would.
 
     >>> class Engine:  # what the helper reads of a DeepSpeed engine: one process here
     ...     def gradient_accumulation_steps(self): return 2
@@ -82,8 +78,8 @@ class EngineMean:
     def steps(self, loader: Iterable[Any]) -> Iterator[list[Any]]:
         """``loader``'s batches, one optimizer step's micro-batches at a time, counted.
 
-        Each step is ``gradient_accumulation_steps()`` micro-batches (the last one of the
-        loader fewer); the count of all of them on all ranks is one all-reduce.
+        ``gradient_accumulation_steps()`` of them (the loader's last step fewer), counted on
+        all ranks by one all-reduce.
         """
         accumulation = int(self.engine.gradient_accumulation_steps())
         batches = iter(loader)
@@ -97,10 +93,9 @@ class EngineMean:
     def weigh(self, loss: torch.Tensor, batch: Any) -> torch.Tensor:
         """``loss`` (a mean over ``count_fn(batch)`` items) as the tensor for ``engine.backward``.
 
-        Its gradient, once DeepSpeed has divided it by the accumulation steps and averaged
-        it over the ranks, is this micro-batch's share of the step's global mean. A stand-in
-        batch or a count of 0 gives a connected zero (never NaN). Call it once per
-        micro-batch of :meth:`steps`, in order: the last one marks the step's boundary.
+        Once DeepSpeed divided it by the accumulation steps and averaged it over the ranks,
+        its gradient is this micro-batch's share of the step's global mean (a stand-in batch
+        or a count of 0: a connected zero). Once per micro-batch of :meth:`steps`, in order.
         """
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise EvendpError(

@@ -65,11 +65,9 @@ def count_rows(batch: Any) -> int:
 class StepMean:
     """Per-rank mean losses in, the gradient and loss of the global-batch mean out.
 
-    ``count_fn(batch)`` is the number of items the model's loss is a mean over (default
-    :func:`count_rows`: samples, with a warning, once, when the batch holds ``-100`` labels;
-    for tokens :func:`evendp.count_tokens`, e.g. ``count_tokens(shift=True)`` for a causal
-    LM's labels, or ``lambda y: (y != -1).sum()``). A stand-in batch counts 0 whatever
-    ``count_fn`` says.
+    ``count_fn(batch)``: the items the model's loss is a mean over (default
+    :func:`count_rows`, warned once when the batch holds ``-100`` labels; for tokens
+    :func:`evendp.count_tokens`, e.g. ``count_tokens(shift=True)``). A stand-in batch counts 0.
 
     >>> model = torch.nn.Linear(2, 1, bias=False)
     >>> step = StepMean()
@@ -121,9 +119,8 @@ class StepMean:
     def finish(self, model: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
         """End the step: the gradients become the global mean's; returns the global mean loss.
 
-        Call it on every rank after the step's last backward, before clipping or the
-        optimizer step (one all-reduce). The result, also kept as ``self.loss``, is the same
-        on every rank (NaN when no rank had an item); log it on rank 0 with no collective.
+        On every rank after the step's last backward, before clipping (one all-reduce). The
+        result, kept as ``self.loss``, is the same on every rank (NaN when no rank had an item).
         """
         device = comm_device(self.group)
         pair = torch.stack(
