@@ -1,16 +1,10 @@
 """One batch plan: how many samples each rank takes per step, what its memory holds, and why.
 
-A run's per-rank sizes are decided once, where they are decided (``evendp launch``, the
-Trainer, ``evendp train --mode ddp``), as a :class:`BatchPlan` checked by one function,
-:func:`validate_batch_plan`. They reach the ranks through one environment variable,
-``EVENDP_BATCH_SIZES`` (the public interface of user scripts: ``batch_sizes_from_env``,
-``UnevenBatchSampler``), whose text :meth:`BatchPlan.parse` alone reads: ``"3,5"``, or with
-each rank's memory cap (``evendp launch --model``) ``"3,5;caps=48,24"``.
-
-``batch_size`` (the global batch per optimizer step) and ``batch_sizes`` (per rank) have one
-meaning everywhere: given only the sizes, the global batch is their sum; given both,
-``sum(batch_sizes)`` must be ``batch_size`` (:func:`global_batch_size`: a contradiction is
-refused, on the command line and in ``TrainConfig``).
+Decided once (``evendp launch``, the Trainer, ``evendp train --mode ddp``) as a
+:class:`BatchPlan`, checked by :func:`validate_batch_plan`, carried to the ranks by
+``EVENDP_BATCH_SIZES`` (``"3,5"``, or with memory caps ``"3,5;caps=48,24"``), read by
+:meth:`BatchPlan.parse` alone. ``batch_size`` is the global batch, ``batch_sizes`` each
+rank's share: given both, they must agree (:func:`global_batch_size`).
 """
 
 from __future__ import annotations
@@ -41,13 +35,12 @@ __all__ = [
     "validate_batch_sizes_option",
 ]
 
-#: Set by ``evendp launch`` (one int per rank, comma separated; ``;caps=`` and one memory cap
-#: per rank when the launcher planned them) and read by ``batch_sizes_from_env``.
+#: Set by ``evendp launch``, read by ``batch_sizes_from_env``.
 ENV_BATCH_SIZES = "EVENDP_BATCH_SIZES"
 CAPS_MARK = ";caps="
 
-#: The most samples one rank takes per step, and the most ranks: past them a size is a typo
-#: (``10**26``), and sums, lists and memory built from it would exhaust the machine.
+#: The most samples one rank takes per step, and the most ranks: past them, a typo that would
+#: exhaust the machine (``10**26``).
 MAX_BATCH = 1_000_000_000
 MAX_RANKS = 1_000_000
 
@@ -124,9 +117,8 @@ def validate_batch_plan(
 ) -> tuple[list[int], list[int] | None]:
     """``(sizes, caps)`` checked, else :class:`EvendpError` naming the value and the fix.
 
-    The one check of a per-rank batch plan: one non-negative int per rank, not all zero (each
-    at most :data:`MAX_BATCH`, at most :data:`MAX_RANKS` ranks), ``world_size`` of them when
-    given; caps (``None``: no bound) one per rank, none below its rank's size.
+    One non-negative int per rank, not all zero (``world_size`` of them when given); caps
+    (``None``: no bound) one per rank, none below its rank's size.
 
     >>> validate_batch_plan([3, 5], [48, 24])
     ([3, 5], [48, 24])
@@ -179,13 +171,9 @@ DEFAULT_BATCH_SIZE: int = NotGiven(BATCH)
 def global_batch_size(batch_size: int, batch_sizes: object, *, cli: str | None = None) -> int:
     """The global batch per optimizer step, from ``batch_size`` and ``batch_sizes``.
 
-    ``batch_size`` is the global batch, ``batch_sizes`` each rank's share of it: given only the
-    shares, the global batch is their sum; given both, they must agree. ``"auto"`` and
-    ``None`` split ``batch_size``. (A ``batch_size`` not given stays marked as such.)
-
-    A contradiction is refused (:class:`EvendpError`), named as the caller spelled it: ``cli``
-    on the command line, the sizes' spelling (``"--batch-sizes "``, ``"EVENDP_BATCH_SIZES="``)
-    beside ``--batch``; else (``TrainConfig``) the keywords.
+    Given only the shares, their sum; given both, they must agree (else an
+    :class:`EvendpError` in the caller's spelling: ``cli``, the sizes' flag beside
+    ``--batch``; else ``TrainConfig``'s keywords). ``"auto"`` and ``None`` split ``batch_size``.
 
     >>> global_batch_size(DEFAULT_BATCH_SIZE, [3, 5]), global_batch_size(8, [3, 5])
     (8, 8)
@@ -246,9 +234,8 @@ def _ints(part: str, text: str, what: str, example: str) -> list[int]:
 @dataclass(frozen=True)
 class BatchPlan:
     """Each rank's samples per step (``sizes``), the most its memory holds (``caps``,
-    ``None``: no bound) and where they came from (``source``); checked when built.
-
-    ``text`` is how it travels (``EVENDP_BATCH_SIZES``) and :meth:`parse` reads it back.
+    ``None``: no bound) and where they came from (``source``); checked when built. ``text``
+    is how it travels (``EVENDP_BATCH_SIZES``), :meth:`parse` reads it back.
 
     >>> plan = BatchPlan((3, 5), caps=(48, 24), source="planned for memory")
     >>> plan.global_batch, plan.text
@@ -365,8 +352,7 @@ class BatchPlan:
 
 @functools.lru_cache(maxsize=16)
 def _parse_text(text: str) -> BatchPlan:
-    """The plan ``text`` says; once per text in a process (the launcher's value is read by
-    ``batch_sizes_from_env``, the sampler and the speed balancer alike, and stays one)."""
+    """The plan ``text`` says; once per text in a process (read by several alike)."""
     sizes_text, mark, caps_text = text.partition(CAPS_MARK)
     sizes = _ints(sizes_text, text, "batch sizes", "'3,5'")
     caps = _ints(caps_text, text, "caps in", "'3,5;caps=48,24'") if mark else None
@@ -394,9 +380,6 @@ def caps_from_env(
 def parse_batch_sizes(text: str, world_size: int | None = None) -> list[int]:
     """Parse ``"3,5,0"`` into ``[3, 5, 0]``, checked like the sampler checks its sizes.
 
-    The text ``EVENDP_BATCH_SIZES`` carries is read by :meth:`BatchPlan.parse
-    <evendp._distributed._batch_plan.BatchPlan.parse>`; this returns its sizes.
-
     >>> parse_batch_sizes("3, 5,0")
     [3, 5, 0]
     >>> parse_batch_sizes("3,x")  # doctest: +ELLIPSIS
@@ -416,9 +399,8 @@ def batch_sizes_from_env(
 ) -> list[int]:
     """Per-rank batch sizes from ``EVENDP_BATCH_SIZES`` (set by ``evendp launch``).
 
-    The length is checked against ``world_size`` when given, else against the ``WORLD_SIZE``
-    variable ``torchrun`` sets, when present. ``default`` is returned (validated) when the
-    variable is absent; without a default a missing variable is an error.
+    Checked against ``world_size``, else torchrun's ``WORLD_SIZE`` when set. ``default``
+    (checked) when the variable is absent; without one, that is an error.
 
     >>> batch_sizes_from_env(environ={"EVENDP_BATCH_SIZES": "3,5"})
     [3, 5]

@@ -1,16 +1,10 @@
 """``EngineMean``: a hand-written DeepSpeed engine loop whose model returns a per-rank mean.
 
-A ``deepspeed.initialize`` loop runs ``loss = engine(batch)``, ``engine.backward(loss)`` and
-``engine.step()`` for every micro-batch. Under ZeRO the gradients never sit in ``param.grad``
-where :class:`evendp.StepMean` could rescale them after backward (ZeRO-2 keeps them in
-partitioned buffers, ZeRO-3 reduce-scatters them during backward), so the loss itself must
-carry the weight before ``engine.backward``: this micro-batch's sum over its counted items,
-times ``world_size * accumulation / count of the whole step`` (``_exact.averaged_scale``:
-DeepSpeed averages over the ranks and divides by its accumulation steps). The step's count is
-therefore known first: :meth:`EngineMean.steps` takes the step's micro-batches from the loader,
-counts them on every rank (one all-reduce per optimizer step), and sets the engine's
-accumulation boundary on the step's last micro-batch, so the short last step of an epoch is a
-step of its own and never borrows micro-batches of the next epoch.
+Under ZeRO the gradients never sit in ``param.grad`` where :class:`evendp.StepMean` could
+rescale them, so the loss carries the weight before ``engine.backward``: the micro-batch's sum
+times ``world_size * accumulation / count of the whole step`` (``_exact.averaged_scale``). So
+:meth:`EngineMean.steps` counts each step's micro-batches first (one all-reduce per step) and
+sets the engine's boundary on its last: an epoch's short last step never borrows the next's.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from .._core._errors import EvendpError
 from .._core._exact import averaged_scale, is_stand_in, share_loss
 from .._core._validate import validate_callable
 from ._group import global_count, world_size
-from ._step_mean import count_rows
+from ._step_mean import count_rows, validate_group
 
 __all__ = ["EngineMean", "config_micro_batch"]
 
@@ -35,18 +29,14 @@ __all__ = ["EngineMean", "config_micro_batch"]
 class EngineMean:
     """Per-micro-batch mean losses in, the loss for DeepSpeed's ``engine.backward`` out.
 
-    ``engine`` is what ``deepspeed.initialize`` returned (any ZeRO stage; read:
-    ``gradient_accumulation_steps()``, ``set_gradient_accumulation_boundary``).
-    ``count_fn(batch)`` is the number of items the model's loss is a mean over (default:
-    the batch's rows; for tokens e.g. ``lambda b: (b["labels"] != -100).sum()``); a
-    stand-in batch (an empty share, :class:`evendp.EmptySafeCollate` with ``stand_in=True``)
-    counts 0. The ranks must each yield the same number of batches
-    (:class:`evendp.UnevenBatchSampler` does).
+    ``engine``: what ``deepspeed.initialize`` returned (any ZeRO stage). ``count_fn(batch)``:
+    the items the model's loss is a mean over (default: the batch's rows; for tokens e.g.
+    ``lambda b: (b["labels"] != -100).sum()``); a stand-in batch counts 0. The ranks must each
+    yield the same number of batches (:class:`evendp.UnevenBatchSampler` does).
 
     ``for batches in mean.steps(loader)`` yields one optimizer step's micro-batches; for each,
-    ``engine.backward(mean.weigh(loss, batch))`` then ``engine.step()``, as in any DeepSpeed
-    loop. Gradient clipping (``gradient_clipping`` in the config) then clips the gradient of
-    the mean over the step's samples on all ranks, as one process would.
+    ``engine.backward(mean.weigh(loss, batch))`` then ``engine.step()``. DeepSpeed's clipping
+    then clips the gradient of the mean over the step's samples, as one process would.
 
     >>> class Engine:  # what the helper reads of a DeepSpeed engine: one process here
     ...     def gradient_accumulation_steps(self): return 2
@@ -75,11 +65,7 @@ class EngineMean:
                 "engine.module"
             )
         validate_callable("count_fn", count_fn, "a function batch -> items", allow_none=True)
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise EvendpError(
-                f"group must be a torch.distributed ProcessGroup or None (the default group), "
-                f"got {group!r}"
-            )
+        validate_group(group)
         self.engine = engine
         self.count_fn = count_rows if count_fn is None else count_fn
         self.group = group
@@ -92,8 +78,8 @@ class EngineMean:
     def steps(self, loader: Iterable[Any]) -> Iterator[list[Any]]:
         """``loader``'s batches, one optimizer step's micro-batches at a time, counted.
 
-        Each step is ``gradient_accumulation_steps()`` micro-batches (the last one of the
-        loader fewer); the count of all of them on all ranks is one all-reduce.
+        ``gradient_accumulation_steps()`` of them (the loader's last step fewer), counted on
+        all ranks by one all-reduce.
         """
         accumulation = int(self.engine.gradient_accumulation_steps())
         batches = iter(loader)
@@ -107,10 +93,9 @@ class EngineMean:
     def weigh(self, loss: torch.Tensor, batch: Any) -> torch.Tensor:
         """``loss`` (a mean over ``count_fn(batch)`` items) as the tensor for ``engine.backward``.
 
-        Its gradient, once DeepSpeed has divided it by the accumulation steps and averaged
-        it over the ranks, is this micro-batch's share of the step's global mean. A stand-in
-        batch or a count of 0 gives a connected zero (never NaN). Call it once per
-        micro-batch of :meth:`steps`, in order: the last one marks the step's boundary.
+        Once DeepSpeed divided it by the accumulation steps and averaged it over the ranks,
+        its gradient is this micro-batch's share of the step's global mean (a stand-in batch
+        or a count of 0: a connected zero). Once per micro-batch of :meth:`steps`, in order.
         """
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise EvendpError(
@@ -139,9 +124,8 @@ class EngineMean:
 def config_micro_batch(batch_sizes: Sequence[int]) -> int:
     """The ``train_micro_batch_size_per_gpu`` to give DeepSpeed for per-rank ``batch_sizes``.
 
-    DeepSpeed takes one micro-batch size for every rank and checks ``train_batch_size ==
-    micro * accumulation * world``; it uses them for its throughput log and sample
-    counter, never for the gradient. The mean per rank, rounded up, keeps that log close.
+    DeepSpeed takes one for every rank, only for its throughput log and sample counter: the
+    mean per rank, rounded up, keeps that log close.
 
     >>> config_micro_batch([1, 3]), config_micro_batch([0, 5])
     (2, 3)

@@ -1,15 +1,10 @@
 """The process-group side of uneven DDP: starting a rank, where it communicates, the loss scale.
 
-:func:`init_distributed` / :func:`finish_distributed` start and end a ``torchrun`` rank's
-default process group; :func:`comm_device` says where a tensor must sit to be communicated
-(NCCL: the rank's own GPU, gloo: the CPU); :func:`ddp_loss` scales a rank's summed loss so
-that DDP's (or FSDP2's) gradient averaging, which divides by the number of ranks, yields the
-gradient of the global mean over samples.
-
-Why the scale: DDP computes ``(1/W) * sum_r grad(L_r)``. With ``L_r = S_r * W / N`` (``S_r`` the
-rank's summed loss, ``N`` the global count) that is ``sum_r grad(S_r) / N``, the gradient of
-the mean over all ``N`` samples, whatever the per-rank counts. A per-rank mean instead gives
-``(1/W) * sum_r grad(S_r) / n_r``, which over-weights the samples of small ranks.
+Why the scale (:func:`ddp_loss`): DDP computes ``(1/W) * sum_r grad(L_r)``; with
+``L_r = S_r * W / N`` (``S_r`` the rank's summed loss, ``N`` the global count) that is
+``sum_r grad(S_r) / N``, the gradient of the mean over all ``N`` samples, whatever the
+per-rank counts. A per-rank mean gives ``(1/W) * sum_r grad(S_r) / n_r`` instead, which
+over-weights the samples of small ranks.
 """
 
 from __future__ import annotations
@@ -66,12 +61,9 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
 
 
 def rank_cuda_device() -> torch.device:
-    """This rank's own GPU: ``cuda:LOCAL_RANK``, or ``cuda:0`` when the rank sees one GPU.
-
-    A scheduler that gives every rank only its own GPU (SLURM ``--gpus-per-task``, a
-    Kubernetes pod per rank) leaves ``LOCAL_RANK`` past the one visible device: that device
-    is the rank's. Any other ``LOCAL_RANK`` past the visible devices is an error, since two
-    ranks on one GPU is what NCCL refuses ("Duplicate GPU detected").
+    """This rank's own GPU: ``cuda:LOCAL_RANK``, or ``cuda:0`` when the rank sees one GPU
+    (a scheduler that gives each rank its own: SLURM ``--gpus-per-task``); any other
+    ``LOCAL_RANK`` past the visible devices is an error (NCCL refuses two ranks on one GPU).
     """
     local = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
@@ -86,41 +78,25 @@ def rank_cuda_device() -> torch.device:
     )
 
 
-def _bound_device(group: dist.ProcessGroup | None) -> torch.device | None:
-    """The device ``init_process_group(device_id=...)`` bound the group to, if any."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    bound = getattr(pg, "bound_device_id", None)
-    return None if bound is None else torch.device(bound)
-
-
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor must sit to be communicated: NCCL moves CUDA tensors, gloo CPU ones.
-
-    Under NCCL it is the rank's own GPU (the one the group is bound to, else
-    :func:`rank_cuda_device`), never merely the current device: a rank that did not call
-    ``torch.cuda.set_device`` would otherwise reduce on ``cuda:0`` with every other rank.
+    """Where a tensor must sit to be communicated: gloo, the CPU; NCCL, the rank's own GPU
+    (the group's bound one, else :func:`rank_cuda_device`), never merely the current device
+    (``cuda:0`` on a rank that did not call ``torch.cuda.set_device``).
 
     >>> comm_device()  # no process group: the CPU
     device(type='cpu')
     """
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        bound = _bound_device(group)
-        return bound if bound is not None else rank_cuda_device()
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        bound = getattr(pg, "bound_device_id", None)  # init_process_group(device_id=...)'s
+        return torch.device(bound) if bound is not None else rank_cuda_device()
     return torch.device("cpu")
 
 
-def _reduce_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """Where to all-reduce a tensor that lives on ``device``: gloo takes CPU and CUDA tensors,
-    NCCL only its own GPU's."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return comm_device(group)
-    return device
-
-
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``t`` summed over ranks, reduced where the backend can and returned on ``t``'s device."""
-    where = _reduce_device(group, t.device)
-    moved = t.to(where)
+    """``t`` summed over ranks, returned on ``t``'s device (gloo reduces CPU and CUDA tensors
+    where they are, NCCL only on its own GPU)."""
+    moved = t.to(comm_device(group)) if dist.get_backend(group) == "nccl" else t
     dist.all_reduce(moved, group=group)
     return moved.to(t.device)
 
@@ -148,8 +124,8 @@ def _count_tensor(
 
 
 def _readable(count: object) -> bool:
-    """Whether a count's value can be checked without waiting for a GPU (a Python number or
-    a CPU tensor). A GPU count is checked for its kind and shape only."""
+    """Whether a count's value can be checked without waiting for a GPU (else only its kind
+    and shape are)."""
     return not isinstance(count, torch.Tensor) or count.device.type == "cpu"
 
 
@@ -160,9 +136,9 @@ def global_count(
 ) -> torch.Tensor:
     """The sum of ``local_count`` over all ranks (one all-reduce; no process group: itself).
 
-    For gradient accumulation: count the samples (or tokens) of ALL of a step's micro-batches,
-    call this once, and pass the result as ``global_count`` to every micro-step's
-    :func:`ddp_loss`. ``device`` defaults to :func:`comm_device` (the rank's own GPU under NCCL).
+    For gradient accumulation: count ALL of a step's micro-batches, call this once, and pass
+    the result as ``global_count`` to every micro-step's :func:`ddp_loss`. ``device``
+    defaults to :func:`comm_device`.
 
     >>> global_count(7)
     tensor(7)
@@ -185,13 +161,11 @@ def ddp_loss(
 ) -> torch.Tensor:
     """The loss to ``backward()`` so DDP's/FSDP2's averaged gradient is the global-mean gradient.
 
-    ``local_sum`` is this rank's loss summed over its samples (e.g. ``cross_entropy(...,
-    reduction="sum")``), ``local_count`` how many samples (or non-ignored tokens) it summed.
-    Returns ``local_sum * world_size / global_count``, where ``global_count`` is the sum of
-    ``local_count`` over ranks, all-reduced here when not given. A rank with no samples still
-    runs forward on its empty batch, so its ``local_sum`` is a zero connected to every
-    parameter and DDP sees a gradient for each. A ``global_count`` of 0 (no samples anywhere)
-    gives a zero loss. It assumes the default averaging over ``world_size`` ranks of ``group``.
+    ``local_sum``: this rank's loss summed over its samples (``reduction="sum"``),
+    ``local_count``: how many samples (or non-ignored tokens) it summed. Returns ``local_sum *
+    world_size / global_count``, ``global_count`` all-reduced here when not given (0: a zero
+    loss). A rank with no samples runs forward on its empty batch: its zero ``local_sum`` is
+    connected to every parameter, so DDP sees a gradient for each.
 
     >>> out = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     >>> ddp_loss(out.sum(), 3)  # one process: the plain mean
@@ -238,11 +212,8 @@ def global_mean(
 ) -> torch.Tensor:
     """The true mean loss over all ranks' samples, detached, for logging (one all-reduce).
 
-    Sums ``local_sum`` and ``local_count`` over ranks and divides; every rank gets the same
-    value. NaN when no rank had a sample. It is a collective: every rank must call it, so
-    never inside ``if rank == 0:`` (the other ranks never join and rank 0 waits). For
-    rank-0-only logging, :class:`evendp.StepMean` gives the step's global loss on every rank
-    from the all-reduce it does anyway.
+    Every rank gets the same value (NaN when no rank had a sample). A collective: never
+    inside ``if rank == 0:``; for rank-0 logging, :class:`evendp.StepMean` has it already.
 
     >>> global_mean(torch.tensor(6.0), 4)
     tensor(1.5000)
@@ -263,35 +234,20 @@ def global_mean(
 # Starting a rank
 
 
-def _validate_backend(backend: str | None) -> None:
-    if backend not in (None, "gloo", "nccl"):
-        raise EvendpError(
-            f"backend={backend!r} is not supported; expected 'nccl' (GPU ranks), 'gloo' (CPU "
-            "ranks) or None to choose by whether CUDA has a device for every local rank"
-        )
-
-
 def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     """Start the default process group of a ``torchrun`` rank; return the rank's device.
 
-    ``backend=None`` picks NCCL when CUDA has a device for every local rank, or when a
-    scheduler gave each rank its own GPU (one GPU visible through a one-entry
-    ``CUDA_VISIBLE_DEVICES``: that GPU is ``cuda:0``); else gloo and the CPU. ``"gloo"``
-    keeps CPU ranks on a GPU machine. Under NCCL the rank's GPU (``cuda:LOCAL_RANK``, or
-    ``cuda:0`` when it sees one) becomes the current device and is passed as ``device_id``,
-    which binds the group to it. Other keyword arguments go to
-    ``torch.distributed.init_process_group``; ``timeout`` (its collective timeout) may also be
-    given in seconds, e.g. ``timeout=600``: without one a rank that hangs keeps the others
-    waiting for gloo's default 30 minutes (the Trainer sets ``TrainConfig.comm_timeout`` on
-    the group once training runs).
+    ``backend=None`` picks NCCL when every local rank has a GPU of its own (or sees one
+    through a one-entry ``CUDA_VISIBLE_DEVICES``), else gloo and the CPU. Under NCCL the
+    rank's GPU becomes the current device and binds the group (``device_id``). Other keyword
+    arguments go to ``torch.distributed.init_process_group``; ``timeout`` may be given in
+    seconds (without one, a hung rank keeps the others waiting gloo's 30 minutes).
 
-    End the run with :func:`finish_distributed`. Why not call ``init_process_group``
-    directly: importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
-    ``torch.compile`` import it on first use) binds that group into default arguments for
-    good, so ``destroy_process_group`` cannot free it; gloo's threads are then torn down
-    during interpreter exit, which aborts the process ("terminate called without an active
-    exception", exit -6) after a run that succeeded, about once in thirty runs here (torch
-    2.13). Importing it first, before the group exists, avoids that.
+    End the run with :func:`finish_distributed`. Why not ``init_process_group`` directly:
+    importing ``torch.distributed.fsdp`` while a group exists (``torch.optim`` and
+    ``torch.compile`` do on first use) binds that group into default arguments for good; its
+    gloo threads then die during interpreter exit, aborting a run that succeeded (exit -6,
+    about once in thirty runs, torch 2.13). Importing it first avoids that.
 
     >>> import torch.distributed as dist
     >>> init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=600)
@@ -300,7 +256,11 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
     'gloo'
     >>> dist.destroy_process_group()
     """
-    _validate_backend(backend)
+    if backend not in (None, "gloo", "nccl"):
+        raise EvendpError(
+            f"backend={backend!r} is not supported; expected 'nccl' (GPU ranks), 'gloo' (CPU "
+            "ranks) or None to choose by whether CUDA has a device for every local rank"
+        )
     if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
         seconds = validate_float("timeout", kwargs["timeout"], positive=True, example="600")
         kwargs["timeout"] = timedelta(seconds=seconds)
@@ -320,13 +280,8 @@ def init_distributed(backend: str | None = None, **kwargs: Any) -> torch.device:
 
 
 def _cuda_for_every_local_rank() -> bool:
-    """Whether each local rank has a GPU of its own: one per local rank, or each rank sees one.
-
-    The second case is a scheduler that hides the other ranks' GPUs (SLURM
-    ``--gpus-per-task``): one GPU visible, named by a ``CUDA_VISIBLE_DEVICES`` of one entry.
-    One GPU with the variable unset is a one-GPU machine, where ranks would share the GPU
-    (NCCL refuses that): gloo, as for any other shortfall.
-    """
+    """Whether each local rank has a GPU of its own: one per local rank, or one visible
+    through a one-entry ``CUDA_VISIBLE_DEVICES`` (unset, one GPU is shared: gloo)."""
     if not torch.cuda.is_available():
         return False
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -344,15 +299,10 @@ _WORKER_GRACE_S = 0.05
 def finish_distributed() -> None:
     """End a successful run: wait for every rank, then destroy the default process group.
 
-    Call it on every rank once training is done (not on an error path: a rank that failed
-    never reaches the barrier); without a process group it returns quietly. Why not
-    ``destroy_process_group()`` alone: gloo drops each finished collective on one of its
-    worker threads, and when the collective's tensors came
-    from Python that needs the GIL. The group's destructor joins those threads while holding
-    the GIL, so a worker still dropping the last collective deadlocks the exit (seen with
-    ranks pinned to one core each, where the worker gets no time before the join). So: a
-    barrier (every rank is done), a short sleep with the GIL released (the workers finish
-    dropping what they hold, the barrier included), then the destroy.
+    On every rank once training is done (not on an error path); quiet without a group. Why
+    not ``destroy_process_group()`` alone: gloo's worker threads drop finished collectives
+    holding the GIL, and the destructor joins them holding it too: a deadlock (ranks pinned to
+    one core each). So a barrier, a short sleep with the GIL released, then the destroy.
 
     >>> import torch.distributed as dist
     >>> _ = init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -368,14 +318,9 @@ def finish_distributed() -> None:
 
 
 def settle_group(*, collect: bool = True) -> None:
-    """Make the default group safe to destroy: every rank done, gloo's workers idle.
-
-    The part of :func:`finish_distributed` before the destroy, for code whose own teardown
-    destroys the group (Accelerate's ``end_training``). A DDP wrapper still referenced
-    afterwards (a local of the user's ``main``) frees the group later, from Python with the
-    GIL held; that is safe only once the workers hold no collective. Call it on every rank.
-    ``collect=False`` skips the garbage collection, for a caller that knows no wrapper it
-    dropped sits in a reference cycle.
+    """:func:`finish_distributed` but the destroy, for teardowns that destroy the group
+    themselves (Accelerate's ``end_training``); on every rank. ``collect=False``: no garbage
+    collection (the caller knows no dropped wrapper sits in a reference cycle).
 
     >>> import torch.distributed as dist
     >>> _ = init_distributed("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -400,13 +345,8 @@ _EARLY_BOUND = (("deepspeed.comm.torch", "TorchBackend", ("barrier", "monitored_
 
 
 def _unbind_early_defaults() -> None:
-    """Turn a process group captured in a default argument back into ``None`` (late bound).
-
-    Why: a default argument holds the group for good, so ``destroy_process_group`` only
-    unregisters it and gloo's threads are torn down during interpreter exit, which aborts the
-    process. Only modules already imported are touched; behaviour is unchanged, since those
-    methods treat ``None`` as the current default group.
-    """
+    """Turn a process group captured in a default argument back into ``None`` (the same to
+    those methods): held there, a destroy cannot free it (see :func:`init_distributed`)."""
     for module, owner, names in _EARLY_BOUND:
         cls = getattr(sys.modules.get(module), owner, None)
         for name in names:
@@ -434,18 +374,10 @@ def all_reduce_gradients(
 ) -> None:
     """Average ``.grad`` over ranks (sum / world size, as DDP does), in place, in buckets.
 
-    For gradients accumulated with every backward local (no collective inside backward, so an
-    OOM on one rank leaves no other waiting; see :class:`evendp.OomResplit`): every rank must
-    call it the same number of times, whatever its micro-batching (OOM-safe DDP calls it when
-    a rank's overlapped copy went stale), so the collectives stay in
-    lockstep. A parameter without a gradient (a rank with an empty share) contributes zeros.
-    Without a process group (or with one rank) it does nothing.
-
-    Gradients go in buckets of about ``bucket_bytes`` (DDP's 25 MiB), each one all-reduce:
-    a gradient that fills a bucket alone is reduced in place, smaller ones are flattened
-    into one bucket buffer. At most two buckets are in flight, so the extra memory is two
-    buckets, never a second copy of all gradients, while one bucket's reduction overlaps the
-    next one's packing.
+    For gradients accumulated with every backward local (an OOM on one rank leaves no other
+    waiting): every rank calls it alike. A parameter without a gradient contributes zeros.
+    Buckets of about ``bucket_bytes`` (DDP's 25 MiB), one all-reduce each, at most two in
+    flight: a gradient filling a bucket alone is reduced in place, smaller ones flattened.
 
     >>> p = torch.nn.Parameter(torch.ones(2))
     >>> p.grad = torch.full((2,), 3.0)

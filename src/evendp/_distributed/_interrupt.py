@@ -1,12 +1,10 @@
 """Interrupts that stop training between steps: SIGINT and SIGTERM set a flag, never raise.
 
-A ``KeyboardInterrupt`` raised wherever the signal lands (inside backward, in the middle of
-the optimizer update, while a collective is in flight) leaves a torn step and, under
-torchrun, ranks that stop at different points and then wait for each other forever. So while
-:class:`StopFlag` is active the two signals only record themselves; the Trainer reads the
-flag between steps, under DDP/FSDP2 after the ranks agreed on it in a collective, so every
-rank stops after the same step, saves, and returns. The previous handlers come back when the
-flag is closed.
+A ``KeyboardInterrupt`` wherever the signal lands (in backward, the optimizer, a collective)
+tears the step, and under torchrun leaves ranks stopped at different points waiting for each
+other. While :class:`StopFlag` is active the signals only record themselves; the Trainer
+reads the flag between steps (agreed by the ranks), so every rank stops after the same step
+and saves.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ._torchrun._nodes import die_with_parent as parent_death_sigterm
+from ._torchrun._nodes import children as _children
+from ._torchrun._nodes import die_with_parent
 
 if TYPE_CHECKING:
     from ._stalled import StallWatch
@@ -42,14 +41,12 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How long ranks may take to stop after a signal before torchrun is told (it then escalates
 # to SIGKILL): past the collective timeout, by when a hung rank has ended the others.
 ESCALATE_S = 660.0
-#: The same before training began: a rank stuck in a start-up collective has no timeout yet,
-#: and a healthy one reaches the first agreement well within this even on a loaded machine.
+#: The same before training began: a start-up collective has no timeout yet.
 START_ESCALATE_S = 60.0
 
 
 def _pending(handler: Any) -> int | None:
-    """The signal a previous stop handler (a :class:`StopFlag`'s, or the rank script's early
-    one) has caught and nobody acted on yet."""
+    """The signal a previous :class:`StopFlag`'s handler caught and nobody acted on yet."""
     signum = getattr(getattr(handler, "__self__", None), "signum", None)
     return signum if isinstance(signum, int) else None
 
@@ -66,9 +63,8 @@ def exit_code(signum: int | None) -> int:
 class StopFlag:
     """Catches SIGINT/SIGTERM while active; :attr:`signum` is the first one received.
 
-    Outside the main thread Python cannot install handlers: the flag then stays inactive and
-    the caller keeps the default behaviour (``KeyboardInterrupt``). A second SIGINT raises
-    ``KeyboardInterrupt`` at once, for a user who will not wait for the step to end.
+    Outside the main thread it stays inactive (Python installs no handler there). A second
+    SIGINT raises ``KeyboardInterrupt`` at once: the user will not wait for the step.
 
     >>> import os
     >>> with StopFlag() as flag:
@@ -81,7 +77,6 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.active = False
         self._previous: dict[int, Any] = {}
 
     @property
@@ -104,7 +99,6 @@ class StopFlag:
                     # A signal during start-up, caught by the command line's flag: this run
                     # stops at its first step boundary instead of never hearing of it.
                     self.signum = pending
-            self.active = True
         return self
 
     def __exit__(
@@ -116,7 +110,6 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        self.active = False
 
 
 def resume_command(argv: Sequence[str], prog: str = "evendp") -> str:
@@ -136,10 +129,8 @@ def resume_command(argv: Sequence[str], prog: str = "evendp") -> str:
 
 
 def late_signal(signum: int | None, finished: bool, rank: int = 0) -> int | None:
-    """The signal that stopped a run, or ``None`` when it came after the last step.
-
-    A run that did all its steps is finished however late a signal came: it is reported as
-    finished (exit 0, ``interrupted: false``) and the signal is said in one line (rank 0).
+    """The signal that stopped a run, or ``None`` when it came after the last step: the run
+    is then finished (exit 0, ``interrupted: false``), and rank 0 says so in one line.
 
     >>> late_signal(2, finished=False), late_signal(None, finished=True)
     (2, None)
@@ -164,31 +155,21 @@ def run_forwarding_signals(
     escalate_s: float = ESCALATE_S,
     training: Callable[[], bool] | None = None,
 ) -> int:
-    """Run ``cmd`` (torchrun), pass SIGINT/SIGTERM/SIGHUP on to its ranks, wait for it.
+    """Run ``cmd`` (torchrun, in a session of its own, dying with this process), pass
+    SIGINT/SIGTERM/SIGHUP (as SIGTERM) on to its ranks, wait for it; 128 + the signal's
+    number when one came, else its exit code.
 
-    torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches only this
-    process. A signal here goes to torchrun's workers (once each, as soon as each has its
-    evendp stop handler installed), not to torchrun: the ranks finish the step, save and
-    exit 0, torchrun ends normally and prints no ``SignalException`` traceback. Workers of a
-    script without a SIGTERM handler (or none at all after a few seconds, or a second
-    Ctrl-C) get it through torchrun, as before. SIGHUP is passed on as SIGTERM.
-
-    torchrun gets ``PR_SET_PDEATHSIG`` (Linux): when this process dies, even by SIGKILL,
-    torchrun receives SIGTERM and stops its workers, so no rank trains on unsupervised.
-
-    Ranks still there ``escalate_s`` after a signal (a rank that ignores it, or hangs) get it
-    through torchrun, which sends SIGTERM and, 30 s later, SIGKILL. With ``training`` (whether
-    the ranks said training began; evendp's Trainer does) a signal that comes before it did
-    waits only :data:`START_ESCALATE_S`, and ranks still there 5 s after torchrun was told
-    are killed: a rank stuck in a start-up collective has no timeout yet, and there is no
-    step to save. ``watch``
-    (:class:`~evendp._distributed._stalled.StallWatch`) ends a run whose ranks reported a
-    peer that stopped answering.
-
-    Returns 128 + the signal's number when one came, else the command's exit code.
+    Why not let torchrun forward it: torchrun gives its ranks ``--shutdown-timeout`` (30 s)
+    to stop, then SIGKILL, and ends in a ``SignalException``. A rank with evendp's stop
+    handler gets the signal directly, finishes its step, saves, exits 0 however long the step
+    takes. The signal goes to torchrun (which escalates to SIGKILL) when no rank has a handler
+    after :data:`_GRACE_S`, on a second Ctrl-C, or once ranks ignored it ``escalate_s``; with
+    ``training`` (whether the ranks said training began) before training began, after
+    :data:`START_ESCALATE_S`, and ranks still there 5 s later are killed (nothing to save).
+    ``watch`` (:class:`~evendp._distributed._stalled.StallWatch`) ends a stalled run.
     """
     process = subprocess.Popen(
-        list(cmd), env=dict(env), start_new_session=True, preexec_fn=parent_death_sigterm
+        list(cmd), env=dict(env), start_new_session=True, preexec_fn=die_with_parent
     )
     received: list[int] = []
 
@@ -259,18 +240,6 @@ _GRACE_S = 5.0  # how long a signal waits for the ranks' stop handlers before go
 _KILL_GRACE_S = 5.0  # at start-up: from telling torchrun to killing the ranks still there
 
 
-def _children(pid: int) -> list[int] | None:
-    """The child processes of ``pid`` (``None`` where /proc cannot tell)."""
-    try:
-        tasks = Path(f"/proc/{pid}/task").iterdir()
-        found: list[int] = []
-        for task in tasks:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        return found
-    except OSError:
-        return None
-
-
 def _catches_sigterm(pid: int) -> bool:
     """Whether process ``pid`` has a SIGTERM handler (evendp's stop flag) installed now."""
     try:
@@ -280,17 +249,3 @@ def _catches_sigterm(pid: int) -> bool:
     except (OSError, ValueError):
         pass
     return False
-
-
-def die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux): a rank whose torchrun was killed
-    stops (after its step, saving) instead of training on unsupervised.
-
-    >>> die_with_parent()  # harmless anywhere
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    parent_death_sigterm()
-    if os.getppid() != parent:  # the parent died before the call: act now
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,17 +1,11 @@
 """Under ``evendp launch`` on several machines: every rank holds one plan and one set of run
 options, or every machine stops, as under ``evendp train`` (issue 51).
 
-Each machine's launcher hands its ranks the plan it was given (``EVENDP_BATCH_SIZES``) and,
-with ``--nnodes`` above 1, the options every machine must share (:data:`ENV_LAUNCH_OPTIONS`,
-JSON: ``--batch``, ``--batch-sizes``...). Machines started with ``--batch-sizes 1,3`` and
-``3,1`` would each train their own reading. A user's script starts the process group itself
-(``evendp.init_distributed``, ``torch.distributed.init_process_group``, Lightning, Accelerate,
-evendp's Trainer), so the ranks compare right after it returns: the wrapper that runs the
-script (:mod:`._first_step`) wraps ``torch.distributed.init_process_group``, and the wrapper
-runs :func:`~evendp._distributed._plan_agreement.agreed_plan`, the agreement ``evendp train``'s
-ranks run (one all-gather; a second only to name a differing option). On a difference every
-rank has the same error: each machine's first rank says it in one line and leaves exit code 2
-for its launcher, and every rank ends there, before the script goes on.
+A user's script starts the process group itself, so the wrapper that runs it
+(:mod:`._first_step`) wraps ``torch.distributed.init_process_group``: right after it returns,
+the ranks run :func:`~evendp._distributed._plan_agreement.agreed_plan` on the plan
+(``EVENDP_BATCH_SIZES``) and the options every machine must share (:data:`ENV_LAUNCH_OPTIONS`).
+On a difference every rank ends there, each machine's first rank saying it in one line.
 """
 
 from __future__ import annotations
@@ -35,9 +29,8 @@ LAUNCH_OWN = "--node-rank, --nproc, --gpus, --min-free and the rendezvous addres
 
 
 def agree_when_the_group_starts(watch: Any) -> None:
-    """Have the ranks agree once the script's process group starts, when the launcher asked
-    (:data:`ENV_LAUNCH_OPTIONS`); ``watch(name, then)`` runs ``then(module)`` once the module
-    ``name`` is imported (now, when it already is)."""
+    """Have the ranks agree once the script's process group starts, when the launcher asked;
+    ``watch(name, then)`` runs ``then(module)`` once module ``name`` is imported."""
     text = os.environ.get(ENV_LAUNCH_OPTIONS)
     if not text:
         return
@@ -48,8 +41,7 @@ def agree_when_the_group_starts(watch: Any) -> None:
 
 
 def _wrap_init(module: Any, *, options: Mapping[str, Any]) -> None:
-    """``init_process_group`` (the package's and ``distributed_c10d``'s, whichever a script
-    calls) followed by the agreement."""
+    """``init_process_group`` (the package's and ``distributed_c10d``'s), then the agreement."""
     original = getattr(module, "init_process_group", None)
     if original is None or getattr(original, "_evendp_agrees", False):
         return
@@ -89,11 +81,10 @@ def _agree(options: Mapping[str, Any]) -> None:
 
 
 def end_on(error: EvendpError) -> None:
-    """End this rank on ``error`` (an :class:`~evendp.EvendpError`) in one line, without a
-    traceback: each machine's first rank says it and leaves the exit code for its launcher.
-    Raised on every rank alike (``every_rank``), the rank exits 0 (torchrun neither restarts
-    the run nor reports a failure; the launcher exits with the code left); raised on this
-    rank alone, it exits 1, so that torchrun stops the ranks that would wait for it."""
+    """End this rank on ``error`` in one line, without a traceback (each machine's first rank
+    says it and leaves the exit code for its launcher). Raised on every rank alike, exit 0
+    (torchrun neither restarts nor reports); on this rank alone, exit 1, so that torchrun
+    stops the ranks that would wait for it."""
     from ._launch_notes import write_outcome
 
     every = bool(error.every_rank)

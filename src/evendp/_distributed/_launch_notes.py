@@ -1,21 +1,12 @@
-"""What the ranks tell ``evendp launch`` besides their outcome: that they read its batch sizes,
-and that training began.
+"""What the ranks tell ``evendp launch`` through its private outcome folder (the folder of
+``EVENDP_OUTCOME``; nothing outside a launcher): rank 0's outcome, and empty marks, only
+looked for.
 
-``evendp launch --batch-sizes 1,3`` prints the sizes and exports ``EVENDP_BATCH_SIZES``; a
-script that never reads them (not ported, or reading its own ``--batch``) runs its own sizes
-while the log says otherwise. So whatever reads them on a rank (:func:`batch_sizes_from_env`,
-``evendp train``'s ranks, the launcher's wrapper finding an :class:`UnevenBatchSampler` built
-with those sizes: :mod:`._first_step`) leaves a mark in the launcher's private
-outcome folder (the folder of ``EVENDP_OUTCOME``, wherever the launcher made it), and the
-launcher warns when a run ended with no mark (:func:`sizes_were_read`).
-
-The Trainer also marks the folder once every rank reached its training loop and the
-collectives got their timeout (:func:`note_training`): until then a rank may wait in a
-start-up collective with no timeout of evendp's, and ``evendp train``'s launcher does not wait
-for it long after a signal (:func:`training_began`).
-
-Outside a launcher (no ``EVENDP_OUTCOME``) nothing is written. A mark is an empty file: it
-is never read back, only looked for.
+torchrun reports only exit codes. So a rank leaves the run's exit code for the launcher
+(:func:`write_outcome`: the ranks exit 0, so torchrun neither restarts nor reports them), a
+mark when it read the launcher's batch sizes (the launcher warns when none did: a script that
+ignores them runs its own), and the Trainer one once training began (before it, a start-up
+collective has no timeout, and the launcher waits less after a signal).
 """
 
 from __future__ import annotations
@@ -68,19 +59,17 @@ def sizes_read_here() -> bool:
 
 
 def note_sizes_told() -> None:
-    """On rank 0: say that the ranks were told at their first step that they ignore the
-    sizes (the launcher does not warn again at the end)."""
+    """On rank 0: the ranks were told at their first step that they ignore the sizes."""
     _mark(_TOLD)
 
 
 def sizes_were_told(outcome: Path) -> bool:
-    """On the launcher: whether rank 0 told the run it ignores the sizes
-    (:func:`note_sizes_told`)."""
+    """On the launcher: whether :func:`note_sizes_told` was called."""
     return (outcome.parent / _TOLD).exists()
 
 
 def note_training() -> None:
-    """On a rank under a launcher: say that training began (the collectives' timeout is set).
+    """On a rank under a launcher: training began (the collectives' timeout is set).
 
     >>> note_training()  # no launcher here: nothing to do
     """
@@ -91,14 +80,13 @@ def _mark(name: str) -> None:
     outcome = os.environ.get(ENV_OUTCOME)
     if not outcome:
         return
-    # Several ranks may mark at once: any one mark is enough. An OSError: the launcher (or
-    # its folder) is gone, and nobody is left to warn.
+    # Any one mark of several is enough; an OSError: the launcher is gone, nobody to warn.
     with contextlib.suppress(OSError):
         (Path(outcome).parent / name).touch(mode=0o600, exist_ok=True)  # private, as all
 
 
 def sizes_were_read(outcome: Path) -> bool:
-    """On the launcher: whether any rank marked the folder of ``outcome``.
+    """On the launcher: whether a rank read the sizes (:func:`note_sizes_read`).
 
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
@@ -114,11 +102,7 @@ def training_began(outcome: Path) -> bool:
 
 
 def write_outcome(code: int, **details: Any) -> None:
-    """Under ``evendp launch``: leave this run's exit code (and details) for the launcher.
-
-    The ranks themselves exit 0 after a clean stop or a clean error, so that torchrun neither
-    restarts them nor prints its ``ChildFailedError``; the launcher exits with ``code``.
-    Nothing happens outside a launcher.
+    """Under a launcher: leave this run's exit code (and details) for it to exit with.
 
     >>> write_outcome(0)  # no launcher here: nothing to do
     """

@@ -1,11 +1,9 @@
 """Every rank trains one batch plan, or every rank stops at once (issue 35).
 
-Each node's launcher hands its ranks the plan it was given (``EVENDP_BATCH_SIZES``). Two
-nodes started with different ``--batch-sizes`` would each train their own plan: both runs
-end with exit 0, part of every step's samples never used, the gradient off. A rank whose
-plan is refused (sizes for another world size) would stop alone, and the others would wait
-in their first collective. So the ranks exchange their plans once, before the first step,
-in one all-gather of a fixed-size row each, and every rank decides from the same rows.
+Nodes started with different ``--batch-sizes`` would each train their own plan (exit 0, the
+gradient off), and a rank whose plan is refused would stop alone, the others waiting in their
+first collective. So the ranks exchange their plans once, before the first step, in one
+all-gather of a fixed-size row each, and every rank decides from the same rows.
 """
 
 from __future__ import annotations
@@ -40,14 +38,10 @@ def agreed_plan(
     *,
     own: str = TRAIN_OWN,
 ) -> BatchPlan:
-    """This rank's plan from ``build()``, once every rank of the default group holds the same
-    one (and the same run ``options``, when given: what every machine must be started with,
-    all but ``own``, said in the error); else an :class:`EvendpError` on every rank alike
-    (marked ``every_rank``), naming the ranks (and nodes) that differ and what each holds. A
-    rank whose ``build()`` raised re-raises its own error.
-
-    One collective at start-up (and one host read of its result); a second only when the
-    options differ, to name the first that does.
+    """This rank's plan from ``build()``, once every rank holds the same one (and the same
+    ``options``, all a machine is started with but ``own``); else an :class:`EvendpError`
+    on every rank alike, naming the ranks (and nodes) that differ. One all-gather; a second
+    only to name the first option that differs.
     """
     try:
         plan: BatchPlan | None = build()
@@ -85,8 +79,7 @@ def agreed_plan(
 
 
 def _every_rank(error: EvendpError) -> EvendpError:
-    """``error``, marked as raised on every rank alike (so a rank may end on it without
-    leaving another waiting: :mod:`evendp._distributed._first_step`)."""
+    """``error``, marked as raised on every rank alike (a rank may end on it alone)."""
     error.every_rank = True
     return error
 
@@ -113,8 +106,8 @@ def _canonical(options: Mapping[str, Any]) -> str:
 
 
 def _options_differ(options: Mapping[str, Any], nodes: list[int], own: str) -> str:
-    """The line for ranks started with other options: the first rank (and its node) whose
-    options are not rank 0's, and the first option that differs (one all-gather of them)."""
+    """The line naming the first rank (and node) whose options differ from rank 0's, and the
+    first option that does."""
     every: list[Any] = [None] * len(nodes)
     dist.all_gather_object(every, _canonical(options))
     ours = json.loads(every[0])

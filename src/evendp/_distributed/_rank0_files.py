@@ -1,14 +1,10 @@
 """Rank 0's checkpoint, on every machine of a run (issue 35).
 
-Under DDP rank 0 alone writes ``ckpt.pt``, in its own machine's ``--out``; every rank resumes
-from it. With one ``--out`` per machine (no shared file system) the ranks of the other
-machines hold none, or an older one copied by hand. So at a resume the ranks take rank 0's
-files over the process group: rank 0 says which files it holds (their size and SHA-256),
-each rank on another machine compares them with its own copy, one all-reduce says which any
-rank lacks, and rank 0 broadcasts those bytes; the ranks that lacked them write them into
-their ``--out`` (private, atomically) and every rank then reads the same bytes. Every rank
-runs the same collectives, decided from data every rank has (rank 0's facts, the reduced
-needs).
+Rank 0 alone writes ``ckpt.pt``, in its machine's ``--out``; with no shared file system the
+other machines hold none, or an older one. So at a resume rank 0 says which files it holds
+(size, SHA-256), one all-reduce says which any rank lacks, and rank 0 broadcasts those bytes,
+written privately and atomically where they lacked. Every rank runs the same collectives,
+decided from data every rank has.
 """
 
 from __future__ import annotations
@@ -34,13 +30,10 @@ _UNREADABLE = -1  # rank 0 holds it but cannot read it: nobody copies (its load 
 def rank0_files(
     paths: Sequence[Path], *, machine: int | None = None, local_rank: int | None = None
 ) -> tuple[list[bool], list[str]]:
-    """Which of ``paths`` rank 0 holds (the same answer on every rank), and one note per file
-    this rank's machine received from it. A collective of the default group. ``machine``
-    (else torchrun's ``GROUP_RANK``): the ranks of machine 0 read rank 0's folder and never
-    compare; ``local_rank`` (else ``LOCAL_RANK``): on another machine, local rank 0 writes
-    what the machine's ranks lacked, and they all read it once every rank is past a barrier.
-
-    Runs on any group; one rank alone holds what it holds:
+    """Which of ``paths`` rank 0 holds (on every rank alike), and a note per file this
+    rank's machine received (a collective of the default group). ``machine`` (else
+    ``GROUP_RANK``): machine 0's ranks read rank 0's folder; ``local_rank`` (else
+    ``LOCAL_RANK``): on another machine local rank 0 writes what its ranks lacked.
 
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "ckpt.pt"

@@ -1,11 +1,8 @@
 """One error for all ranks: a fault one rank meets while saving or resuming is every rank's.
 
-Under DDP/FSDP2 a checkpoint write or read that fails on one rank (a full disk on rank 0, a
-garbled ``ckpt.rng1.pt`` on rank 1) would leave the other ranks waiting in the next
-collective until gloo or NCCL gives up with "Connection closed by peer", and torchrun would
-print one traceback per rank. :func:`agreed` runs the action on every rank, then the ranks
-exchange what went wrong in one small collective, and every rank raises the same
-:class:`EvendpError` (same class, same message), which the command line prints once.
+Else the other ranks wait in the next collective until gloo gives up ("Connection closed by
+peer") and torchrun prints one traceback per rank. :func:`agreed` runs the action, the ranks
+exchange what went wrong in one small collective, and every rank raises the same error.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The one folder where evendp keeps files outside ``--out``: private to this user.
 
-Run locks and the launcher's outcome folders live in ``$XDG_RUNTIME_DIR/evendp``, else in the
-user's cache (``$XDG_CACHE_HOME/evendp``, ``~/.cache/evendp``), else in
-``<tmp>/evendp-<uid>``: a folder created ``0700`` whatever the umask, and checked the way
-OpenSSH checks its own files before each use, with ``lstat`` (never following a link): a real
-folder, owned by this user, not writable by group or others. Anything else is refused in one
-line (:class:`RunFilesUnsafe`, exit 2), so no other local user can plant a link there that
-makes evendp write into one of this user's files, or put words in evendp's mouth.
-
-Files inside are opened with :func:`open_private` (``O_NOFOLLOW``, created ``0600``, and
-only ever used when this user owns them). Two users each get a folder of their own, so they
-can run at once.
+Run locks and the launcher's outcome folders live in ``$XDG_RUNTIME_DIR/evendp``, else
+``$XDG_CACHE_HOME/evendp`` (``~/.cache/evendp``), else ``<tmp>/evendp-<uid>``: made ``0700``
+whatever the umask, and checked as OpenSSH checks its files, with ``lstat``: a real folder of
+this user's, not writable by others, else refused in one line (:class:`RunFilesUnsafe`, exit
+2), so no other user can plant a link there. Files inside are opened with
+:func:`open_private`.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ class RunFilesUnsafe(InputError):
 
 
 def _candidates() -> list[tuple[Path, bool]]:
-    """Where the folder may live, best first, and whether its parents may be made: the
-    runtime dir (the session's, never made here), the cache, the temp folder."""
+    """Where the folder may live, best first, and whether its parents may be made."""
     found = []
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if os.path.isabs(runtime):
@@ -52,10 +46,9 @@ def _candidates() -> list[tuple[Path, bool]]:
 def run_files_dir() -> Path:
     """This user's private folder for evendp's files outside ``--out`` (made when missing).
 
-    The first place that can hold it is taken (``$XDG_RUNTIME_DIR`` when set, else the cache,
-    else the temp folder): one that exists is checked, never repaired, and one that is not
-    this user's alone raises :class:`RunFilesUnsafe` instead of moving on (the next run would
-    otherwise use another folder, and the lock of a live run would not be seen).
+    The first place that can hold it is taken; one that exists is checked, never repaired:
+    not this user's alone, it raises :class:`RunFilesUnsafe` rather than moving on (a live
+    run's lock, in the first, would go unseen).
 
     >>> d = run_files_dir()
     >>> oct(d.lstat().st_mode & 0o777)
@@ -82,7 +75,7 @@ def run_files_dir() -> Path:
 
 def _make(folder: Path, parents: bool) -> bool:
     """Create ``folder`` 0700 (``parents``: its missing parents too, 0700 or tighter as the
-    umask says: ``~/.cache`` made under umask 000 was open to all); False when it cannot be."""
+    umask says); False when it cannot be."""
     try:
         if parents:
             missing = [p for p in folder.parents if not p.exists()]
@@ -100,8 +93,8 @@ def _make(folder: Path, parents: bool) -> bool:
 
 
 def check_private_dir(folder: Path, info: os.stat_result | None = None) -> None:
-    """:class:`RunFilesUnsafe` unless ``folder`` is a real folder of this user's, closed to
-    group and others for writing (``info``: its ``lstat``, read here when not given).
+    """:class:`RunFilesUnsafe` unless ``folder`` is a real folder of this user's that group
+    and others cannot write (``info``: its ``lstat``).
 
     >>> check_private_dir(run_files_dir())
     """
@@ -133,9 +126,8 @@ def owned_by_me(info: os.stat_result) -> bool:
 
 
 def open_private(path: Path, flags: int) -> int:
-    """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, 0o600)``, refused unless the file it
-    opened is a regular file this user owns (checked on the open descriptor, before any
-    write: nothing of anyone else's is truncated or written).
+    """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, 0o600)``, refused unless it opened a
+    regular file this user owns (checked on the descriptor, before any write).
 
     >>> import os, tempfile
     >>> fd = open_private(Path(tempfile.mkdtemp()) / "f", os.O_RDWR | os.O_CREAT)

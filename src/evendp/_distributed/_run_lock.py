@@ -1,27 +1,13 @@
 """One writer per run directory: a lock on the folder held for the run's life.
 
-The lock file lives outside the folder, in this user's private run folder
-(:func:`~evendp._distributed._run_files.run_files_dir`, 0700):
-``<run files>/<sha1 of the folder's real path>.lock`` (so ``--out`` holds only the run's own
-files, and a run that never started leaves nothing in it); it names the folder it guards.
-It is opened ``O_NOFOLLOW`` and used only when this user owns it, and the holder it names is
-shown cleaned and cut short. The run that took it removes it at its end when no process it
-started still holds it, and a run that starts removes the lock files that killed runs left.
-Two runs guard the same folder only when they are the same user's: another user cannot
-write into this user's ``--out`` anyway.
-
-The lock is an ``flock`` on the file, so the operating system releases it the moment its
-holders die (a stale lock file from a killed run is simply taken over). The run that starts
-takes it exclusively for an instant (nobody else may hold it), writes who it is (pid, host,
-command, time) into the file, and keeps it *shared*; the processes it starts (torchrun's
-ranks, told by ``EVENDP_RUN_LOCK``) join with shared locks of their own. A second run, or a
-``--resume`` into a folder whose ranks still train, cannot get the exclusive lock while any
-of them lives and refuses with one line naming the holder.
-
-``evendp train`` (every mode), ``evendp launch``'s ranks and the Trainer with ``out_dir``
-take it; in one process a second :func:`hold_run_dir` of the same folder is a no-op. Before
-it is taken, the folder is checked: no other local user may control it
-(:func:`~evendp._core._trusted.trusted_run_folder`).
+Nothing in torch guards ``--out``. The lock is an ``flock`` (released the moment its holders
+die) on ``<run files>/<sha1 of the folder's real path>.lock``, in this user's private folder
+(:func:`~evendp._distributed._run_files.run_files_dir`): ``--out`` holds only the run's files.
+The run that starts takes it exclusively for an instant, writes who it is (pid, host,
+command, time) and keeps it shared; the ranks it starts (``EVENDP_RUN_LOCK``) join with shared
+locks. A second run, or a ``--resume`` while its ranks live, refuses naming the holder
+(shown cleaned and cut short). The taker removes the file at its end when nobody holds it,
+and a run that starts removes those killed runs left.
 """
 
 from __future__ import annotations
@@ -99,8 +85,8 @@ _HOLDER_BYTES = 4096  # what the taker writes is far shorter; more is not a lock
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
-    """The holder's JSON from the open lock file (one this user owns), checked field by
-    field: only what it should hold, each value of its kind and cut short."""
+    """The holder's JSON from the open lock file (this user's), only its fields, each of its
+    kind and cut short."""
     if not owned_by_me(os.fstat(fd)):
         return {}
     try:
@@ -140,10 +126,8 @@ def _describe(info: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def hold_run_dir(out_dir: str | Path, command: str | None = None) -> Iterator[Path]:
-    """Hold ``out_dir``'s lock for the ``with`` block; :class:`RunDirBusy` if a live run has it.
-
-    Joins the run that started this process when ``EVENDP_RUN_LOCK`` names this folder's
-    lock (torchrun's ranks under ``evendp launch`` or ``evendp train --mode ddp``).
+    """Hold ``out_dir``'s lock for the ``with`` block (no-op when this process holds it;
+    joined when ``EVENDP_RUN_LOCK`` names it); :class:`RunDirBusy` if a live run has it.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -178,8 +162,8 @@ def hold_run_dir(out_dir: str | Path, command: str | None = None) -> Iterator[Pa
 
 
 def _locked(path: Path, folder: str, command: str | None, joining: bool) -> int:
-    """The lock file's descriptor, locked (shared once taken), and still the file at
-    ``path``: a run that ended may have removed the file between the open and the lock."""
+    """The lock file's descriptor, locked, and still the file at ``path`` (a run that ended
+    may have removed it between the open and the lock)."""
     for _ in range(100):
         fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
@@ -206,8 +190,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _remove_if_last(fd: int, path: Path) -> None:
-    """At the taker's end: remove the lock file unless a process the run started (a rank
-    that outlived its launcher) still holds it."""
+    """At the taker's end: remove the lock file unless a rank that outlived it holds it."""
     import fcntl
 
     try:
@@ -286,8 +269,7 @@ def trainer_lock(
     out_dir: str | Path | None, distributed: bool
 ) -> contextlib.AbstractContextManager[Any]:
     """The Trainer's hold on ``out_dir``: in one process always; under torchrun only when its
-    launcher took the lock for the ranks to join (``EVENDP_RUN_LOCK``): ranks started by
-    plain torchrun cannot tell which of them is first.
+    launcher took the lock for the ranks to join (plain torchrun's ranks have no first).
 
     >>> with trainer_lock(None, distributed=False):
     ...     pass

@@ -1,20 +1,11 @@
 """A rank that stops answering ends the run: the collectives' timeout, and what follows.
 
-Without a timeout a rank that hangs (stopped with ``kill -STOP``, stuck in a driver, its
-machine paused) keeps every other rank waiting in a collective for gloo's default 30
-minutes, silently. So the Trainer gives every process group (a library's own too, such as
-DeepSpeed's) a timeout once every rank has arrived at the training loop
-(``TrainConfig.comm_timeout``, ``evendp train --comm-timeout``, 600 s; at start-up the groups
-keep their own, since ranks start seconds apart). When it fires:
-
-- each rank still answering raises :class:`RankStalled` (a :class:`TrainingError`, exit 1)
-  without another collective or a save: the last good checkpoint stays as it was;
-- under ``evendp train --mode ddp|fsdp2`` each of them leaves a report in the launcher's
-  private outcome folder (:func:`report_stalled`) and exits;
-- the launcher (:class:`StallWatch`, polled while it waits for torchrun) gives the other
-  ranks a few seconds to report too, then stops torchrun (no restart of a run that stalled),
-  ends the ranks that did not report (SIGTERM, SIGKILL after a grace period: a stopped
-  process ignores everything else) and says in one line which rank stopped answering.
+torch gives a collective a timeout (gloo's default: 30 minutes) and torchrun restarts ranks
+that exit non-zero; neither says which rank went silent. So the Trainer gives every group
+(DeepSpeed's too) ``comm_timeout`` once all ranks reached the training loop; when it fires,
+each rank still answering raises :class:`RankStalled` without saving and leaves a report for
+the launcher (:func:`report_stalled`), whose :class:`StallWatch` stops torchrun (no restart),
+kills the silent ranks (a stopped one ignores SIGTERM) and names them in one line.
 """
 
 from __future__ import annotations
@@ -77,8 +68,7 @@ Timed out waiting 20000ms); stopped without saving
 
 
 # What gloo (and NCCL's watchdog) say when a collective waited past its timeout. Not a peer
-# that died ("Connection reset by peer"): torchrun sees that one itself, and restarts the
-# ranks under --max-restarts, which a stall report would cut short.
+# that died: torchrun sees that itself and restarts under --max-restarts.
 _FAILURES = (
     "timed out waiting",
     "timeout caused pair closure",
@@ -106,8 +96,7 @@ _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken p
 
 
 def peer_lost(error: BaseException) -> str | None:
-    """How gloo said that the other end of a collective went away (it died or exited), or
-    ``None`` when ``error`` is something else.
+    """How gloo said that the other end of a collective went away, else ``None``.
 
     >>> peer_lost(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by "
     ...                        "peer. This is typically caused by a remote worker hanging"))
@@ -120,9 +109,8 @@ def peer_lost(error: BaseException) -> str | None:
 
 
 def set_comm_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
-    """Give ``group`` a collective timeout of ``seconds``; ``None``: every group this rank
-    belongs to (a library's own groups too: DeepSpeed reduces in groups it made with gloo's
-    30-minute default, where a stalled peer would go unnoticed).
+    """Give ``group`` (``None``: every group of this rank's, DeepSpeed's own too) a
+    collective timeout of ``seconds``.
 
     >>> import torch.distributed as dist
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -138,8 +126,8 @@ def set_comm_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> 
 
 
 def report_stalled(outcome: str | None, rank: int) -> bool:
-    """Under a launcher (``outcome``: its outcome file): leave this rank's report that it
-    saw another rank stop answering; False (nothing written) outside one.
+    """Under a launcher (``outcome``: its outcome file) leave this rank's report of a stalled
+    peer; False outside one.
 
     >>> report_stalled(None, 0)
     False
@@ -175,11 +163,8 @@ def _rank_of(pid: int) -> int | None:
 
 
 class StallWatch:
-    """The launcher's side: polled while it waits for torchrun (``pid``) and its workers.
-
-    :meth:`poll` returns nothing useful; once ranks reported a stalled peer it ends the run
-    in steps, and :attr:`line` says which rank stopped answering.
-    """
+    """The launcher's side, polled while it waits for torchrun: once ranks reported a
+    stalled peer it ends the run in steps; :meth:`line` says which rank stopped answering."""
 
     def __init__(self, folder: Path, world: int | None = None, per_node: int | None = 1) -> None:
         self.folder = folder

@@ -1,18 +1,11 @@
 """``StepMean``: a hand-written DDP loop whose model returns a per-rank mean, made exact.
 
-nanoGPT's shape: ``logits, loss = model(X, Y)`` is this rank's mean over its micro-batch, the
-loop accumulates micro-batches with the next batch fetched during backward, and rank 0 logs.
-Under uneven batch sizes a per-rank mean over-weights the samples of small ranks. Two calls fix
-it, with no count needed before the first backward:
-
-* ``loss = step.weigh(loss, Y)`` per micro-batch (in place of ``loss / accumulation``): the
-  rank's *sum* over its counted items, which backward accumulates; a stand-in batch (an empty
-  share, see :class:`evendp.EmptySafeCollate`) weighs exactly 0;
-* ``step.finish(model)`` once per optimizer step, before gradient clipping and the optimizer
-  step: one all-reduce of the step's item count and loss sum, then the gradients times
-  ``world_size / count`` (DDP and FSDP2 averaged them over the ranks). The gradient is then the
-  one of the mean over the whole global batch, and ``step.loss`` is that batch's mean loss on
-  every rank, so rank-0-only logging needs no collective.
+nanoGPT's shape (``logits, loss = model(X, Y)``, this rank's mean over its micro-batch) under
+uneven batch sizes over-weights the samples of small ranks. Two calls fix it, with no count
+needed before the first backward: ``step.weigh(loss, Y)`` per micro-batch (the rank's *sum*
+over its counted items; a stand-in batch weighs 0), and ``step.finish(model)`` per optimizer
+step, before clipping: one all-reduce of the step's count and loss sum, then the gradients
+times ``world_size / count``. ``step.loss`` is then the global batch's mean on every rank.
 """
 
 from __future__ import annotations
@@ -30,7 +23,19 @@ from .._core._exact import is_stand_in, share_loss
 from .._core._validate import validate_callable
 from ._group import all_reduce_sum, comm_device, world_size
 
-__all__ = ["StepMean"]
+__all__ = ["StepMean", "validate_group"]
+
+
+def validate_group(group: object) -> None:
+    """An :class:`EvendpError` unless ``group`` is a ``ProcessGroup`` or ``None``.
+
+    >>> validate_group(None)
+    """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise EvendpError(
+            f"group must be a torch.distributed ProcessGroup or None (the default group), "
+            f"got {group!r}"
+        )
 
 
 def count_rows(batch: Any) -> int:
@@ -60,11 +65,9 @@ def count_rows(batch: Any) -> int:
 class StepMean:
     """Per-rank mean losses in, the gradient and loss of the global-batch mean out.
 
-    ``count_fn(batch)`` is the number of items the model's loss is a mean over (default
-    :func:`count_rows`: samples, with a warning, once, when the batch holds ``-100`` labels;
-    for tokens :func:`evendp.count_tokens`, e.g. ``count_tokens(shift=True)`` for a causal
-    LM's labels, or ``lambda y: (y != -1).sum()``). A stand-in batch counts 0 whatever
-    ``count_fn`` says.
+    ``count_fn(batch)``: the items the model's loss is a mean over (default
+    :func:`count_rows`, warned once when the batch holds ``-100`` labels; for tokens
+    :func:`evendp.count_tokens`, e.g. ``count_tokens(shift=True)``). A stand-in batch counts 0.
 
     >>> model = torch.nn.Linear(2, 1, bias=False)
     >>> step = StepMean()
@@ -82,11 +85,7 @@ class StepMean:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         validate_callable("count_fn", count_fn, "a function batch -> items", allow_none=True)
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise EvendpError(
-                f"group must be a torch.distributed ProcessGroup or None (the default group), "
-                f"got {group!r}"
-            )
+        validate_group(group)
         self.count_fn = count_rows if count_fn is None else count_fn
         # Counting rows of a batch with ignored labels is the usual mistake: warned once.
         self._count_checked = count_fn is not None
@@ -120,9 +119,8 @@ class StepMean:
     def finish(self, model: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
         """End the step: the gradients become the global mean's; returns the global mean loss.
 
-        Call it on every rank after the step's last backward, before clipping or the
-        optimizer step (one all-reduce). The result, also kept as ``self.loss``, is the same
-        on every rank (NaN when no rank had an item); log it on rank 0 with no collective.
+        On every rank after the step's last backward, before clipping (one all-reduce). The
+        result, kept as ``self.loss``, is the same on every rank (NaN when no rank had an item).
         """
         device = comm_device(self.group)
         pair = torch.stack(

@@ -1,19 +1,11 @@
 """Every rank stops after the same step, agreed through the process group's store, not a tensor.
 
-A rank that received SIGINT or SIGTERM posts "stop after step ``s``" in the store that
-torchrun's ranks already share (the key is set once: the first poster wins, so every rank reads
-the same step and signal). Every rank looks for the notice after each step, a host-side store
-lookup that never waits for the device.
-
-Which ``s``: the step in progress when the request is seen before one of the step's backward
-passes, else (seen after the step's last backward) the next one. Why every rank sees it in
-time: the poster writes before it joins step ``s``'s last gradient collective (every strategy
-runs at least one per step, empty shares included), and no rank can finish step ``s`` before
-that. So every rank has seen the notice by the end of step ``s``, and none has passed it: they
-stop after the same step.
-
-Each ``fit`` gets its own key (every rank counts its fits alike), so a notice from an
-interrupted run never stops the next one in the same process group.
+A rank that received SIGINT or SIGTERM posts "stop after step ``s``" in the store torchrun's
+ranks share (set once: the first poster wins); every rank looks for it after each step, a host
+lookup that never waits for the device. ``s`` is the step in progress when the request is seen
+before one of its backward passes, else the next. In time for all: the poster writes before
+it joins step ``s``'s last gradient collective, which no rank can finish before that. Each
+``fit`` has its own key, so an interrupted run's notice never stops the next.
 """
 
 from __future__ import annotations
@@ -66,8 +58,7 @@ class StopNotice:
 
 
 def group_store() -> dist.Store:
-    """The store of the default process group (torchrun's, or the one ``init_process_group``
-    was given)."""
+    """The store of the default process group."""
     # A private accessor, stable since torch 1.x; the public API offers none.
     from torch.distributed.distributed_c10d import _get_default_store
 

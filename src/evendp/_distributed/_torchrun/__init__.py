@@ -4,7 +4,6 @@ from pathlib import Path
 
 __all__ = ["QUIET_TORCHRUN"]
 
-#: ``python QUIET_TORCHRUN ARGS`` is ``python -m torch.distributed.run ARGS`` with a quiet end
-#: on a signal. A folder holding only this package, so running it puts nothing of evendp on
-#: the path of torchrun and its ranks.
+#: ``python QUIET_TORCHRUN ARGS`` is ``python -m torch.distributed.run ARGS``, quiet on a signal;
+#: a folder of this package alone, so nothing of evendp is on the path of torchrun and its ranks.
 QUIET_TORCHRUN = Path(__file__).resolve().parent

@@ -1,8 +1,5 @@
-"""``python <this folder> ARGS``: torchrun, quiet when a signal ends it (:mod:`._quiet`).
-
-Run from its path, with nothing of evendp on ``sys.path``: the folder itself is, so
-``_quiet`` (which loads ``_nodes`` beside it) imports as a top-level module.
-"""
+"""``python <this folder> ARGS``: torchrun via :mod:`._quiet`, imported as a top-level module
+(the folder, not evendp, is on ``sys.path``)."""
 
 import sys
 

@@ -1,10 +1,8 @@
 """Which of this machine's addresses and interfaces a run's listeners bind (issue 35).
 
-torch's ``TCPStore`` server listens on every interface whatever host name it is given, and
-gloo on the interface this machine's own name resolves to. A run needs neither: its store
-need only be reachable at ``--master-addr``, and its ranks' sockets on the network that
-reaches it. Only the standard library is imported (torchrun's agent has nothing of evendp on
-its path).
+torch's ``TCPStore`` listens on every interface, gloo on the one this machine's name resolves
+to; a run's store need only be reachable at ``--master-addr``, its ranks on the network that
+reaches it. Standard library only (torchrun's agent has nothing of evendp on its path).
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ def resolves(host: str) -> bool:
 
 
 def _is_ours(address: str) -> bool:
-    """Whether ``address`` is one of this machine's: a socket binds to it (port 0, nothing
-    sent, nothing listening)."""
+    """Whether ``address`` is this machine's: a socket binds to it (port 0, nothing sent)."""
     if ipaddress.ip_address(address).is_loopback:
         return True
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -54,9 +51,8 @@ def _is_ours(address: str) -> bool:
 
 
 def local_address(host: str) -> str | None:
-    """The address of this machine that ``host`` is, or resolves to (every address it
-    resolves to is this machine's: ``localhost``, its own name, its own IP), else ``None``.
-    Where a store served at ``host`` may listen alone.
+    """The address of this machine that ``host`` is or resolves to (all of them this
+    machine's), else ``None``: where a store served at ``host`` may listen alone.
 
     >>> local_address("127.0.0.1"), local_address("localhost"), local_address("::1")
     ('127.0.0.1', '127.0.0.1', '::1')
@@ -82,9 +78,9 @@ def loopback_address(host: str) -> str | None:
 
 
 def interface_toward(host: str) -> str | None:
-    """The name of this machine's network interface that reaches ``host`` (Linux, IPv4:
-    the interface whose address is the one the kernel would send from; ``lo`` for a
-    loopback address), else ``None``. Nothing is sent: a UDP socket is only connected.
+    """The name of this machine's interface that reaches ``host`` (Linux, IPv4: the one
+    the kernel would send from, found by connecting a UDP socket, which sends nothing),
+    else ``None``.
 
     >>> interface_toward("127.0.0.1") in ("lo", "lo0")
     True
@@ -139,8 +135,7 @@ def _listen(address: str, port: int) -> int:
 
 
 def listen_on(host: str, port: int) -> int | None:
-    """A socket listening on ``host:port`` alone (its descriptor, for a ``TCPStore``'s
-    ``master_listen_fd``) when ``host`` is, or resolves to, this machine's own address; else
-    ``None`` (torch then listens on every interface)."""
+    """The descriptor of a socket listening on ``host:port`` alone (for a ``TCPStore``'s
+    ``master_listen_fd``) when ``host`` is this machine's; else ``None``."""
     address = local_address(host)
     return None if address is None else _listen(address, port)

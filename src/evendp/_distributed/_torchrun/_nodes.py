@@ -1,20 +1,11 @@
-"""The nodes of one run end together: what evendp's torchrun entry point adds to each agent.
+"""The nodes of one run end together: what evendp's torchrun adds to each agent (issue 35).
 
-torchrun as it is lets a run that lost a node hang for minutes (issue 35):
-
-- a rank whose agent died trains on, unsupervised: every worker gets ``PR_SET_PDEATHSIG``
-  (:func:`die_with_parent`), SIGTERM when its agent dies, and evendp's ranks stop after their
-  step, saving, as on any SIGTERM (every node's ranks stop at that same step);
-- an agent whose ranks ended waits up to 300 s in its exit barrier for the other nodes'
-  agents, in C++, where a SIGTERM waits too: under ``evendp train`` (ranks in lockstep end
-  within a step of each other) it waits at most :data:`EXIT_WAIT_S`, in Python, and names the
-  nodes that did not come (:func:`bound_exit_barrier`);
-- an agent on a node other than the store's, whose ranks still run (one stopped with
-  ``kill -STOP``, say), never learns that the store's node ended the run: a watch ends this
-  node's ranks once the store is gone (:func:`watch_store`).
-
-Only the standard library and torch are imported (the entry point puts nothing of evendp on
-its path).
+What torchrun lacks, each of which let a run that lost a node hang for minutes: its workers
+do not die with their agent (:func:`workers_die_with_agent`); its exit barrier waits 300 s in
+C++, deaf to SIGTERM, and names nobody (:func:`bound_exit_barrier`); an agent whose ranks
+run never learns that the store's node ended the run (:func:`watch_store`), nor that another
+node refused it before its agent started (:func:`watch_refusals`, :func:`tell_node0`,
+:func:`tell_other_nodes`). Only the standard library and torch are imported.
 """
 
 from __future__ import annotations
@@ -51,6 +42,7 @@ __all__ = [
     "TELL_WAIT_S",
     "TORCHRUN_EXIT_BARRIER_S",
     "bound_exit_barrier",
+    "children",
     "die_with_parent",
     "stop_watching",
     "resolves",
@@ -63,50 +55,47 @@ __all__ = [
     "workers_die_with_agent",
 ]
 
-#: How long an agent whose ranks ended waits for the other nodes' agents under
-#: ``evendp train``, whose ranks end within a step of each other (torchrun's own: 300 s).
+#: An agent's wait for the other nodes under ``evendp train`` (ranks end within a step).
 EXIT_WAIT_S = 15.0
-#: torchrun's own exit barrier's bound (``SimpleElasticAgent``'s ``exit_barrier_timeout``):
-#: what a user's script under ``evendp launch`` on several machines keeps.
+#: torchrun's own bound (``exit_barrier_timeout``): a user's script keeps it.
 TORCHRUN_EXIT_BARRIER_S = 300.0
 #: The launcher sets it (seconds) for the runs whose exit barrier is bounded.
 ENV_EXIT_WAIT = "EVENDP_EXIT_WAIT_S"
-#: The file torchrun's log goes to instead of the terminal, in the launcher's private
-#: outcome folder (kept beside it when a rank failed).
+#: The file torchrun's log goes to instead of the terminal (the launcher's private folder).
 ENV_TORCHRUN_LOG = "EVENDP_TORCHRUN_LOG"
 _EXIT_KEY = "evendp/exit"
 _LEFT_KEY = "evendp/left"
 _REFUSED_KEY = "evendp/refused"
 _WATCH_EVERY_S = 1.0
-#: Set when the agent is done: the watches return before the process exits (a thread still
-#: inside a store call while the process exits aborts it: SIGABRT).
+#: Set when the agent is done: a watch still in a store call at exit aborts it (SIGABRT).
 STOP_WATCHING = threading.Event()
 _CONNECT_S = 5.0
 _TOLD_KEY = "evendp/told"
 #: How long a node that ends the run before its agent starts waits to tell the others.
 TELL_WAIT_S = 60.0
-#: Seconds instead of :data:`TELL_WAIT_S` (tests).
 ENV_TELL_WAIT = "EVENDP_TELL_WAIT_S"
 
 
 def die_with_parent() -> None:
-    """SIGTERM this process when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``;
-    elsewhere nothing). Called in a child before it runs its program, the setting survives
-    ``exec``.
+    """SIGTERM this process when the thread that started it ends, at once if it has ended
+    (Linux ``PR_SET_PDEATHSIG``, kept across ``exec``; elsewhere nothing): a rank whose
+    torchrun was killed stops after its step, saving, instead of training on unsupervised.
 
     >>> die_with_parent()  # here: SIGTERM when this test's runner ends
     """
-    if sys.platform.startswith("linux"):
-        import ctypes
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call: act now
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def workers_die_with_agent() -> None:
-    """Start torchrun's workers (in this process) with :func:`die_with_parent`: an agent
-    killed with SIGKILL leaves no rank training on (a user's script too, not only evendp's).
-    torchrun starts them from its main thread, which lives as long as the agent."""
+    """Start torchrun's workers (from its main thread, in this process) with
+    :func:`die_with_parent`: a SIGKILLed agent leaves no rank of any script training on."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import (
         subprocess_handler,
     )
@@ -132,11 +121,10 @@ def wait_for_nodes(
     clock: Callable[[], float] = time.monotonic,
     nap: Callable[[float], None] = time.sleep,
 ) -> list[int]:
-    """Say in ``store`` that ``node`` is done, wait up to ``seconds`` for the other ``nodes``
-    to say so; the nodes that did not (``[]``: all came, or the store's node closed it, which
-    it does only once all came or it stopped waiting). Python sleeps: a signal ends the wait.
-    Once all came, each node says it looks no more, and the store's node (0), which closes the
-    store when it returns, waits a moment for that: a look at a closed store logs a C++ stack.
+    """Say in ``store`` that ``node`` is done, wait up to ``seconds`` (in Python: a signal
+    ends it) for the other ``nodes``; those that did not come (``[]``: all, or the store
+    closed). Then node 0, which closes the store, waits a moment for the others' last look:
+    a look at a closed store logs a C++ stack.
 
     >>> import torch.distributed as dist
     >>> store = dist.HashStore()
@@ -147,17 +135,13 @@ def wait_for_nodes(
     """
     store.set(f"{_EXIT_KEY}/{node}", "1")
     deadline = clock() + seconds
-    while True:
-        try:
-            missing = [n for n in range(nodes) if not store.check([f"{_EXIT_KEY}/{n}"])]
-        except RuntimeError:  # DistStoreError and kin: the store's node closed it
-            return []
-        if missing and clock() < deadline:
+    try:
+        while missing := [n for n in range(nodes) if not store.check([f"{_EXIT_KEY}/{n}"])]:
+            if clock() >= deadline:
+                return missing
             nap(0.2)
-            continue
-        if missing:
-            return missing
-        break
+    except RuntimeError:  # DistStoreError and kin: the store's node closed it
+        return []
     with contextlib.suppress(RuntimeError):
         if node:
             store.set(f"{_LEFT_KEY}/{node}", "1")  # this node's last word to the store
@@ -176,8 +160,8 @@ def _wait_keys(
 
 
 def bound_exit_barrier(seconds: float) -> None:
-    """Replace torchrun's exit barrier (up to 300 s, in C++) in this process with
-    :func:`wait_for_nodes` for ``seconds``, saying in one line which nodes did not come."""
+    """torchrun's exit barrier as :func:`wait_for_nodes` for ``seconds``, naming in one line
+    the nodes that did not come (torchrun's, in C++, races node 0 closing the store)."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     def exit_barrier(agent: Any) -> None:
@@ -197,29 +181,41 @@ def bound_exit_barrier(seconds: float) -> None:
     SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
 
 
-def _workers() -> list[int]:
-    """This process's children that are still running (not reaped zombies)."""
+def children(pid: int) -> list[int] | None:
+    """The running (not zombie) children of ``pid`` (Linux ``/proc``; ``None``: unknown).
+
+    >>> children(-1) is None
+    True
+    """
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
     found = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+    for task in tasks:
         with contextlib.suppress(OSError):
-            for pid in (task / "children").read_text().split():
+            for child in (task / "children").read_text().split():
                 with contextlib.suppress(OSError):
-                    if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                        found.append(int(pid))
+                    if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(child))
     return found
 
 
+def _workers() -> list[int]:
+    return children(os.getpid()) or []
+
+
 def _kill(workers: list[int]) -> None:
-    """SIGKILL each worker's session (torchrun starts each in its own; a stopped rank ignores
-    every other signal)."""
+    """SIGKILL each worker's session (its own, torchrun's doing; a stopped rank ignores the
+    rest)."""
     for pid in workers:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
 
 
 def _reachable(host: str, port: int) -> bool:
-    """Whether something listens at ``host:port`` (a bare connection, closed at once: the
-    store takes it without a word, where a store client that fails logs a C++ stack)."""
+    """Whether something listens at ``host:port`` (a bare connection: a store client that
+    fails logs a C++ stack)."""
     try:
         socket.create_connection((host, port), timeout=_CONNECT_S).close()
     except OSError:
@@ -238,19 +234,11 @@ def _client(host: str, port: int) -> Any:
 
 
 def tell_wait_s() -> float:
-    """How long a refusing node waits to tell the others (:data:`ENV_TELL_WAIT`, else
-    :data:`TELL_WAIT_S`)."""
+    """:data:`ENV_TELL_WAIT` (tests), else :data:`TELL_WAIT_S`."""
     try:
         return max(0.0, float(os.environ.get(ENV_TELL_WAIT, TELL_WAIT_S)))
     except ValueError:
         return TELL_WAIT_S
-
-
-def _post(client: Any, node: int, line: str, code: int) -> None:
-    """Leave ``line`` (how this node ended the run) and its exit code in the store, and mark
-    this node as told (node 0 waits for every other node's mark before it closes)."""
-    client.set(_REFUSED_KEY, f"{code}\n{line}")
-    client.set(f"{_TOLD_KEY}/{node}", "1")
 
 
 def tell_node0(
@@ -263,10 +251,9 @@ def tell_node0(
     wait_s: float | None = None,
     waiting: Callable[[], None] = lambda: None,
 ) -> bool:
-    """On node ``node`` > 0, which ends the run before its agent starts (``line`` says how, in
-    one line; ``code``: the exit code the others take): leave it in node 0's store, where
-    :func:`watch_refusals` reads it, waiting up to ``wait_s`` for node 0 to come up
-    (``waiting()`` is called once if it is not up yet); whether it was told.
+    """On node ``node`` > 0, which ends the run before its agent starts: leave ``line`` and
+    ``code`` in node 0's store for :func:`watch_refusals`, waiting up to ``wait_s`` for it
+    (``waiting()`` once, if it is not up yet); whether it was told.
 
     >>> tell_node0("127.0.0.1", 1, 1, "node 1 refused the run: no", wait_s=0)  # nothing on 1
     False
@@ -276,7 +263,9 @@ def tell_node0(
     while True:
         if _reachable(host, port):
             with contextlib.suppress(RuntimeError):
-                _post(_client(host, port), node, line, code)
+                client = _client(host, port)
+                client.set(_REFUSED_KEY, f"{code}\n{line}")
+                client.set(f"{_TOLD_KEY}/{node}", "1")  # node 0 waits for it before it closes
                 return True
         if time.monotonic() >= deadline:
             return False
@@ -297,9 +286,8 @@ def tell_other_nodes(
     waiting: Callable[[], None] = lambda: None,
 ) -> list[int]:
     """On node 0, which ends the run before its agent starts: serve the run's store at
-    ``host:port`` (where the other nodes' agents and watches look for it) holding ``line``
-    and ``code``, until every other node read it or ``wait_s`` passed (``waiting()`` is
-    called once if they have not read it within 2 s); the nodes not told (``[]``: all).
+    ``host:port`` holding ``line`` and ``code`` until every other node read it or ``wait_s``
+    passed (``waiting()`` once, after 2 s); the nodes not told (``[]``: all).
 
     >>> tell_other_nodes("127.0.0.1", 0, 1, "node 0 refused the run: no")  # no other node
     []
@@ -339,11 +327,9 @@ def watch_refusals(
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
     """On every node: a thread that, once another node left word in the store that it ended
-    the run before its agent ever came (it refused its command: exit 2; or node 0 found
-    nothing to train: exit 0), ends this node's ranks, says so in one line and exits with
-    that node's code; this one would otherwise wait for it until torchrun's rendezvous timeout.
-    ``workers``: this agent's ranks (its children), ``end``: how it exits (``os._exit``; a
-    test hands in its own)."""
+    the run before its agent came (a refusal: exit 2; nothing to train: exit 0), ends this
+    node's ranks, says so in one line and exits with that code (else torchrun waits for the
+    rendezvous timeout). ``workers``: this agent's ranks, ``end``: how it exits (tests)."""
 
     def watch() -> None:
         client = None
@@ -392,9 +378,8 @@ def watch_store(
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
     """On a node other than the store's: a thread that, once the store at ``host:port`` is
-    gone while this node's ranks still run (two looks in a row), ends them (SIGKILL: a
-    stopped rank ignores the rest), says so in one line and exits 1; once the store is gone
-    with no rank running, the run is over and it returns (``workers``, ``end``: as above)."""
+    gone (two looks in a row) while this node's ranks run, kills them, says so in one line
+    and exits 1; with no rank running the run is over (``workers``, ``end``: as above)."""
 
     def watch() -> None:
         while not _reachable(host, port):  # the store comes up with node 0's agent

@@ -1,25 +1,14 @@
-"""torchrun itself (``torch.distributed.run.main``, same arguments), quiet when a signal ends it.
+"""torchrun itself (``torch.distributed.run.main``, same arguments), as ``evendp launch`` runs it.
 
-Run as ``python <this folder> ARGS`` (``__main__.py`` calls :func:`main`), the way ``evendp
-launch`` starts torchrun. Why not
-``python -m torch.distributed.run``: torchrun turns SIGTERM, SIGINT and SIGHUP into a
-``SignalException`` that ends in a 30-line traceback. The launcher passes a signal on to the
-ranks, not to torchrun, but torchrun still gets one when the launcher dies (``PR_SET_PDEATHSIG``,
-even after a SIGKILL) or on a second Ctrl-C. By the time the exception reaches here torchrun has
-stopped its ranks; what is left is one line, exit 128 + the signal's number, and, when the
-launcher is gone, its outcome folder removed (nobody is left to read it).
-
-A store that torchrun serves at one of this machine's addresses (``--master-addr 127.0.0.1``,
-evendp's single-node default, or node 0's own address) listens on that address only
-(:func:`serve_store_on_its_address`): torch's ``TCPStore`` binds every interface whatever its
-host name, and it has no authentication.
-
-Only the standard library and torch are imported: nothing of evendp is on this process's path.
+Run as ``python <this folder> ARGS``, with nothing of evendp on the path (only the standard
+library and torch are imported). What it adds to torchrun: a signal (the launcher died, or a
+second Ctrl-C) or a failed rank ends in one line instead of torchrun's traceback and table;
+torchrun's log goes to a private file; its store listens on its own address only
+(:func:`serve_store_on_its_address`); and :mod:`._nodes`'s supervision of the other nodes.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import signal
@@ -93,9 +82,8 @@ def _run(torchrun: Any, argv: list[str], log: Any, launcher: int) -> int:
 
 
 def log_to_file(path: str | None) -> Any:
-    """Send torchrun's log records to ``path`` (the launcher made it, private) instead of the
-    terminal, where a fault's collateral lines would bury evendp's one line; the open file, or
-    ``None`` without a path."""
+    """Send torchrun's log records to ``path`` (private), not the terminal, where a fault's
+    collateral lines would bury evendp's one line; the open file (``None``: no path)."""
     import logging
 
     if not path:
@@ -119,9 +107,8 @@ def _private_opener(path: str, flags: int) -> int:
 
 
 def keep_log(log: Any, report: str) -> Path:
-    """Add torchrun's ``report`` to its ``log`` (in the launcher's outcome folder, removed at
-    the end) and move the log beside that folder, into this user's private run folder, where
-    it outlives the run; its new path."""
+    """Add torchrun's ``report`` to its ``log`` and move the log out of the launcher's outcome
+    folder (removed at the end) into the private run folder beside it; its new path."""
     log.write(report + "\n")
     log.close()
     here = Path(log.name)
@@ -131,8 +118,8 @@ def keep_log(log: Any, report: str) -> Path:
 
 
 def quiet_on_a_stall(outcome: str | None) -> None:
-    """The launcher stops torchrun with SIGTERM once a rank reported a stalled peer, and says
-    so in its own line: torchrun's warning about that signal is left out then."""
+    """Leave out torchrun's warning of the SIGTERM the launcher sends a stalled run (the
+    launcher says it in its own line)."""
     import logging
 
     def keep(record: logging.LogRecord) -> bool:
@@ -142,10 +129,8 @@ def quiet_on_a_stall(outcome: str | None) -> None:
 
 
 def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
-    """Under ``evendp train`` (``exit_wait``: the launcher's bound, in seconds): this agent
-    waits that long at most for the other nodes once its ranks ended; on a node other than
-    the store's a watch ends the ranks once the store's node is gone, and on every node one
-    ends them once another node said it ended the run before its agent started
+    """With ``exit_wait`` (the launcher's bound, seconds): bound the exit barrier, and on
+    several static nodes, watch the store (nodes > 0) and the other nodes' refusals
     (:mod:`._nodes`)."""
     if not exit_wait:
         return
@@ -164,8 +149,8 @@ def end_with_the_other_nodes(argv: list[str], exit_wait: str | None) -> None:
 
 
 def failed_ranks(failures: dict[int, Any]) -> str:
-    """One line for torchrun's ``ChildFailedError``: which ranks ended how, first the one that
-    failed first (the others are often its victims: a peer gone, then torchrun's SIGTERM).
+    """One line for torchrun's ``ChildFailedError``: which ranks ended how, the first failure
+    first (the others are often its victims).
 
     >>> from types import SimpleNamespace as F
     >>> failed_ranks({1: F(exitcode=1, timestamp=2), 0: F(exitcode=-9, timestamp=1)})
@@ -186,17 +171,12 @@ def _ended(code: int) -> str:
 
 
 def serve_store_on_its_address() -> None:
-    """Make every ``TCPStore`` server this process starts at one of this machine's addresses
-    listen on that address alone (in this process: torchrun's, for its static rendezvous and
-    the ranks' store).
+    """Make every ``TCPStore`` server this process (torchrun) starts at one of this machine's
+    addresses listen on that address alone (``master_listen_fd``).
 
-    Why: torch's ``TCPStore`` server listens on every interface (``::``) whatever host name it
-    is given, and anyone who reaches it can write its keys. With ``--master-addr 127.0.0.1``
-    (a one-machine run) nobody outside the machine needs to reach it; with node 0's address
-    on a cluster's network, nobody on its other networks does. So the listening socket is
-    bound here, to the address the host name resolves to, and handed over
-    (``master_listen_fd``). A host name that resolves to other machines' addresses (or to
-    none) is left as torch makes it.
+    Why: torch's server listens on every interface whatever host name it is given, and whoever
+    reaches it can write its keys; a one-machine run needs only loopback, a cluster only node
+    0's network. A host name of other machines (or none) is left as torch makes it.
     """
     import torch.distributed as dist
 
@@ -213,6 +193,13 @@ def serve_store_on_its_address() -> None:
             module.TCPStore = store
 
 
+#: ``TCPStore``'s parameters after ``host_name`` and ``port``, in order.
+_STORE_ARGS = (
+    "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
+    "master_listen_fd", "use_libuv",
+)  # fmt: skip
+
+
 def bound_store_class(base: Any) -> Any:
     """``base`` (torch's ``TCPStore``) whose server at this machine's address listens there only.
 
@@ -226,31 +213,18 @@ def bound_store_class(base: Any) -> Any:
     class BoundTCPStore(base):
         _evendp_bound = True
 
-        def __init__(
-            self,
-            host_name: str,
-            port: int,
-            world_size: int | None = None,
-            is_master: bool = False,
-            timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-            wait_for_workers: bool = True,
-            multi_tenant: bool = False,
-            master_listen_fd: int | None = None,
-            use_libuv: bool = True,
-        ) -> None:
-            if is_master and master_listen_fd is None:
-                master_listen_fd = _nodes.listen_on(host_name, port)
-            super().__init__(
-                host_name, port, world_size, is_master, timeout, wait_for_workers,
-                multi_tenant, master_listen_fd, use_libuv,
-            )  # fmt: skip
+        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+            given = dict(zip(_STORE_ARGS, args, strict=False)) | kwargs
+            if given.get("is_master") and given.get("master_listen_fd") is None:
+                given["master_listen_fd"] = _nodes.listen_on(host_name, port)
+            super().__init__(host_name, port, **given)
 
     BoundTCPStore.__name__ = BoundTCPStore.__qualname__ = "TCPStore"
     return BoundTCPStore
 
 
 def _stalled(outcome: str | None) -> bool:
-    """Whether a rank reported a peer that stopped answering (in the outcome's folder)."""
+    """Whether a rank reported a stalled peer (in the outcome's folder)."""
     return bool(outcome) and any(Path(str(outcome)).parent.glob(STALLED_PREFIX + "*"))
 
 
