@@ -1,9 +1,5 @@
-"""The demo's checks and budgets in a one-process ``evendp train``.
-
-CPU virtual devices enforce declared memory (``MemoryBudgets``); before training, an even split
-(what ``nn.DataParallel`` runs) is tried on the first batch and the split gradient is compared
-with one device's; after training, each device's measured and planned figures join the report.
-"""
+"""The one-process demo's checks: an even split tried on budgeted devices and the split
+gradient compared with one device's before training; planned figures in the report after."""
 
 from __future__ import annotations
 
@@ -24,13 +20,16 @@ Figures = dict[str, Any]  # DeviceStat fields by name
 
 
 def run_checks(args: argparse.Namespace, trainer: Any, budgets: Any) -> Any:
-    """Before training: the even-split probe (budgeted devices) and the exactness check.
+    """Before training: the even-split probe (per device: even share, measured forward peak,
+    ran out; ``None`` without budgets) and the exactness check, then the peaks reset."""
+    from .._training._rehearse import probe_even_split
 
-    Returns the probe's per-device ``(even share, measured forward peak, ran out)`` or ``None``;
-    the budgets' peaks are reset afterwards, so the probes are not part of training.
-    """
-    first = _first_batch(trainer)
-    even = None if budgets is None else _even_split_probe(trainer, budgets, first)
+    trainer.sampler.set_epoch(0)  # the first batch exactly as fit will draw it
+    first = trainer.collate(list(next(iter(trainer.sampler))))
+    even = None
+    if budgets is not None:
+        even, line = probe_even_split(trainer, budgets, first)
+        print(f"evendp train: {line}")
     if args.amp == "none" and not (args.resume or args.resume_or_start):
         _print_exactness_check(trainer, first)
     if budgets is not None:
@@ -46,8 +45,7 @@ def with_figures(
     even: Any,
     planned: Any,
 ) -> list[Any]:
-    """The report's ``DeviceStat``s (one per replica) with the declared memory, the even
-    split's probe and the planned peaks added (the Trainer measured the peaks)."""
+    """The report's ``DeviceStat``s with the budgets, the even probe and the planned peaks."""
     figures: list[Figures] = [{} for _ in devices]
     for i, f in enumerate(figures):
         if memory is not None:
@@ -88,12 +86,8 @@ def _planned_figures(
 
 
 def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
-    """Planned forward+backward peak per device, for our shares and for an even split.
-
-    Not ``evendp.plan``: its ``DevicePlan.peak`` is for the planner's own split, and the
-    shares here may come from ``--weights``; ``profile_step`` prices any share (at the full
-    ``block_size``: the longest a padded batch gets).
-    """
+    """Planned peak per device, for our shares and for an even split (``profile_step``, not
+    ``evendp.plan``: the shares may come from ``--weights``)."""
     from .._planning._plan import profile_step
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
@@ -115,14 +109,6 @@ def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tu
     return mine, theirs
 
 
-def _first_batch(trainer: Any) -> Any:
-    """The first training batch exactly as ``fit`` will draw it (shuffled, seeded)."""
-    sampler = trainer.sampler
-    sampler.set_epoch(0)
-    indices = list(next(iter(sampler)))
-    return trainer.collate(indices)
-
-
 def _print_exactness_check(trainer: Any, batch: Any) -> None:
     try:
         diff, count = _gradient_difference(trainer, batch)
@@ -142,13 +128,8 @@ def _print_exactness_check(trainer: Any, batch: Any) -> None:
 
 
 def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
-    """``||g_balanced - g_one|| / ||g_one||`` on a batch: the split must not matter.
-
-    ``g_balanced`` comes through BalancedDataParallel over every device with the run's split
-    and the token counts of each share; ``g_one`` from the model's own loss (the mean over the
-    batch's real characters) on the home device. The gradients are cleared again afterwards,
-    so training starts exactly as it would without the check.
-    """
+    """``||g_balanced - g_one|| / ||g_one||`` on a batch, the run's split against the model's
+    own loss on the home device; the gradients are cleared again afterwards."""
     from .._parallel._scatter import map_tensors
     from ..examples.stdlib_text import CodeParagraphs
 
@@ -190,13 +171,3 @@ def format_memory(memory: list[int]) -> str:
     from .._training._report import format_bytes
 
     return ",".join(format_bytes(m).replace(" ", "") for m in memory)
-
-
-def _even_split_probe(trainer: Any, budgets: Any, batch: Any) -> list[Any]:
-    """One forward of ``batch`` split evenly (what nn.DataParallel runs): print whether it
-    fits; per device ``(even share, measured forward peak, ran out)``."""
-    from .._training._rehearse import probe_even_split
-
-    even, line = probe_even_split(trainer, budgets, batch)
-    print(f"evendp train: {line}")
-    return even

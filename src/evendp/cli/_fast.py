@@ -1,13 +1,6 @@
-"""The ``evendp`` command starts without torch.
-
-Importing any part of evendp runs ``evendp/__init__.py``, whose public face imports torch
-(1.6 s idle, several seconds on a busy machine): too slow for a version, a list of commands,
-an argument error, or a launcher that only starts torchrun. So the face's first line asks
-:func:`answer_without_torch`, which answers ``--version`` and ``--help`` of the ``evendp``
-command itself (its console script, or ``python -m evendp``) and exits, and tells the face
-to load on first use for the command's other invocations; every other importer of evendp
-gets the whole face at once, as before.
-"""
+"""The ``evendp`` command starts without torch: the package face (which imports torch, 1.6 s
+idle) asks :func:`answer_without_torch` first, which answers ``--version``/``--help`` and
+makes the face load on first use for the command's other invocations."""
 
 from __future__ import annotations
 

@@ -11,13 +11,7 @@ from typing import Any
 from .._core._errors import EvendpError
 from .._core._validate import shown
 
-__all__ = [
-    "build_demo",
-    "demo_model_name",
-    "metric_logger",
-    "print_report",
-    "share_cpu_threads",
-]
+__all__ = ["build_demo", "demo_model_name", "metric_logger", "print_report", "share_cpu_threads"]
 
 
 def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -63,10 +57,7 @@ def print_report(report: Any, paths: dict[str, Path]) -> None:
 
 
 def metric_logger(args: argparse.Namespace) -> tuple[Any, Path] | None:
-    """``--log-to``: the shipped logger (a Trainer callback) and where it writes, or ``None``.
-
-    The Trainer calls it on every step (``log_every=1`` with ``--log-to``): one row per step.
-    """
+    """``--log-to``: the logger (a Trainer callback) and where it writes, or ``None``."""
     from .._training._loggers import CSVLogger, TensorBoardLogger
 
     out = Path(args.out)

@@ -25,9 +25,7 @@ from ._train_common import (
     share_cpu_threads,
 )
 
-__all__ = [
-    "run_local",
-]
+__all__ = ["run_local"]
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -49,7 +47,12 @@ def run_local(args: argparse.Namespace) -> int:
     logger = metric_logger(args)
     trainer = _trainer(args, model, data, devices, weights, logger)
     budgets = attach_budgets(trainer, memory) if memory is not None and all_cpu(devices) else None
-    _print_start(args, trainer, devices, memory, planned)
+    print(
+        f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
+        f"{args.batch}, samples per device per step {trainer.wrapped.split(args.batch)}"
+        + _split_source(args, memory, planned),
+        flush=True,
+    )
     even = run_checks(args, trainer, budgets)
     report = trainer.fit()
     report.model = demo_model_name(args)
@@ -108,22 +111,6 @@ def _trainer(
     )  # fmt: skip
 
 
-def _print_start(
-    args: argparse.Namespace,
-    trainer: Any,
-    devices: list[str | int],
-    memory: list[int] | None,
-    planned: Any,
-) -> None:
-    dp: Any = trainer.wrapped  # BalancedDataParallel in one process
-    print(
-        f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
-        f"{args.batch}, samples per device per step {dp.split(args.batch)}"
-        + _split_source(args, memory, planned),
-        flush=True,
-    )
-
-
 def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: Any) -> str:
     """Where the split came from, in the words the user typed (or the demo's defaults).
 
@@ -144,10 +131,8 @@ def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: A
 def _planner_weights(
     config: Any, args: argparse.Namespace, spec: str | list[int] | None = None, cpu: bool = False
 ) -> Any:
-    """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs).
-
-    Declared memory on CPU devices gets no CUDA-context allowance: a CPU has no CUDA context.
-    """
+    """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs; ``cpu``:
+    no CUDA context to allow for)."""
     from .._core._errors import PlanError
     from .._planning._plan import plan
     from ..examples.gpt import GPT

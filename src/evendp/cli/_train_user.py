@@ -1,24 +1,14 @@
-"""``evendp train --model module:factory --memory ...``: the user's own model, rehearsed on
-CPU virtual devices that enforce the memory as budgets (:func:`evendp.rehearse`).
-
-The factory returns ``(model, dataset)`` or ``(model, dataset, loss_fn)``: the dataset is a
-map-style dataset whose samples ``default_collate`` stacks (or with a ``batch(indices)``
-method), the loss as for :class:`evendp.Trainer` (default: ``model(*batch)``'s loss).
-"""
+"""``evendp train --model module:factory --memory ...``: the user's ``(model, dataset[,
+loss_fn])`` rehearsed on CPU virtual devices that enforce the memory (:func:`evendp.rehearse`)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
 from ._demo import BUDGET_NOTE
-from ._model_spec import raised_at
+from ._model_spec import load_module, raised_at
 from ._train_args import parse_devices, parse_weights, train_config
 from ._train_common import metric_logger, print_report
 
@@ -105,7 +95,14 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
             f"--model {spec!r} is not 'package.module:factory' or 'path/file.py:factory'; "
             "e.g. --model mymodels:make, where make() returns (model, dataset)"
         )
-    factory = getattr(_import(spec, target), attr, None)
+    try:
+        module = load_module(spec, target)
+    except ImportError as exc:
+        raise EvendpError(
+            f"cannot load --model {spec!r}: {exc}; give an importable module (package.module, "
+            "run from the folder that holds it) or a path ending in .py"
+        ) from None
+    factory = getattr(module, attr, None)
     if not callable(factory):
         raise EvendpError(f"--model {spec!r}: {target} has no function {attr!r}; check the name")
     try:
@@ -132,27 +129,3 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
             f"or (model, dataset, loss_fn), the dataset map-style (len and [i]){other}"
         )
     return made[0], made[1], made[2] if len(made) == 3 else None
-
-
-def _import(spec: str, target: str) -> Any:
-    """The module ``target`` names: a dotted module (the current folder importable, as under
-    ``python -m``) or a ``.py`` file's path."""
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise ImportError(f"no file {target}")
-            found = importlib.util.spec_from_file_location(path.stem, path)
-            if found is None or found.loader is None:
-                raise ImportError(f"cannot load {target}")
-            module = importlib.util.module_from_spec(found)
-            found.loader.exec_module(module)
-            return module
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        return importlib.import_module(target)
-    except ImportError as exc:
-        raise EvendpError(
-            f"cannot load --model {spec!r}: {exc}; give an importable module (package.module, "
-            "run from the folder that holds it) or a path ending in .py"
-        ) from None

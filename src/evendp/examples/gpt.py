@@ -1,9 +1,5 @@
-"""A small character-level GPT in the style of nanoGPT: readable, one file, shape comments.
-
-The built-in demo model: ``evendp train`` fits it to the Python standard library's own
-source (:mod:`evendp.examples.stdlib_text`). The default size (4 layers, 4 heads, 128-wide,
-64-character context) trains on two CPU cores in a couple of minutes.
-"""
+"""A small character-level GPT in the style of nanoGPT (the demo model of ``evendp train``):
+readable, one file, shape comments."""
 
 from __future__ import annotations
 
@@ -108,11 +104,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer over characters.
-
-    ``forward(idx, targets=None)`` returns ``(logits, loss)``: logits ``(B, T, vocab_size)``
-    and, when targets are given, the mean cross-entropy over all ``B * T`` positions (else
-    ``None``).
+    """A decoder-only transformer over characters: ``forward(idx, targets=None)`` returns
+    ``(B, T, vocab_size)`` logits and the mean cross-entropy (``None`` without targets).
 
     >>> torch.manual_seed(0) and None
     >>> model = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=16))
