@@ -25,17 +25,13 @@ _HELP: dict[str, str] = {
 }
 
 
-#: Command lines that need neither torch nor a subcommand's module.
-LIGHT: tuple[list[str], ...] = (["--version"], ["--help"], ["-h"])
-
-
 def is_light(argv: list[str]) -> bool:
-    """Whether ``argv`` (after the program name) is answered without torch.
+    """Whether ``argv`` (after the program name) is answered without torch nor a subcommand.
 
     >>> is_light(["--version"]), is_light(["train", "--help"])
     (True, False)
     """
-    return list(argv) in LIGHT
+    return list(argv) in (["--version"], ["--help"], ["-h"])
 
 
 def version() -> str:

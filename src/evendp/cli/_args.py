@@ -87,16 +87,8 @@ TRACEBACK_ENV = "EVENDP_TRACEBACK"
 
 
 def say_error(command: str, exc: BaseException) -> None:
-    """A command's refusal or fault as one line on stderr; with ``EVENDP_TRACEBACK=1``, the
-    whole stack first.
-
-    >>> import contextlib, io
-    >>> err = io.StringIO()
-    >>> with contextlib.redirect_stderr(err):
-    ...     say_error("evendp plan", ValueError("no"))
-    >>> err.getvalue()
-    'evendp plan: error: no\\n'
-    """
+    """A command's refusal or fault as one line on stderr (with ``EVENDP_TRACEBACK=1``, the
+    whole stack first)."""
     import os
     import traceback
 
@@ -242,16 +234,8 @@ def add_int(
 def bounded_float(
     flag: str, low: float, high: float, example: str, *, low_inclusive: bool = False
 ) -> Callable[[str], float]:
-    """An argparse ``type`` for finite floats in ``(low, high]`` (``[low, high]`` with
-    ``low_inclusive``).
-
-    >>> bounded_float("--lr", 0, 10, "3e-3")("1e-3")
-    0.001
-    >>> bounded_float("--lr", 0, 10, "3e-3")("-1")
-    Traceback (most recent call last):
-    ...
-    argparse.ArgumentTypeError: --lr must be a number in (0, 10], got '-1'; e.g. --lr 3e-3
-    """
+    """An argparse ``type`` for finite floats in ``(low, high]`` (``[low, ...`` with
+    ``low_inclusive``)."""
     bracket = "[" if low_inclusive else "("
     expect = f"a number in {bracket}{low:g}, {high:g}]"
 

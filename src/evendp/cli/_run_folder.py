@@ -127,11 +127,9 @@ def _is_folder(path: Path) -> bool:
 
 
 def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
-    """Before a fresh run's first work: refuse an ``out`` that another user controls
-    (:func:`~evendp._core._trusted.trusted_run_folder`), is a dangling link or holds files
-    that are not a run's; with ``overwrite``, delete evendp's checkpoints there (returned, by
-    their real paths: in the folder ``out`` resolves to), else refuse when there are any. Then
-    mark ``out`` as a run folder."""
+    """Before a fresh run's work: refuse an ``out`` another user controls, a dangling link, or
+    one holding files not a run's or (without ``overwrite``) checkpoints; else delete those
+    (returned, by their real paths) and mark ``out`` as a run folder."""
     folder = trusted_run_folder(out)  # every deletion below is in this real folder
     given = Path(out)
     if given.is_symlink() and not given.exists():
@@ -164,11 +162,9 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
             "pass --overwrite to delete it and start over"
         )
     for path in found:
-        if path in odd:
-            path.unlink()  # the link or the FIFO itself: never opened, never followed
-        elif path.is_dir():
+        if path.is_dir() and path not in odd:
             shutil.rmtree(path)
-        else:
+        else:  # a file, or the link or the FIFO itself: never opened, never followed
             path.unlink()
     _mark(folder)
     return found
@@ -213,9 +209,8 @@ def _refuse_lookalikes(folder: Path, found: list[Path], marked: bool, odd: list[
 
 
 def _is_marker(path: Path) -> bool:
-    """evendp's marker: a regular file of this user's, not a link to one (a planted link to
-    any file would let foreign files through the check, and so would another user's marker,
-    planted while the folder was open to them)."""
+    """evendp's marker: a regular file of this user's (a planted link, or another user's
+    file, would let foreign files through the check)."""
     try:
         info = path.lstat()
     except OSError:

@@ -16,11 +16,10 @@ from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import json_data, shown
 from .._training._strategies import STRATEGIES, rank_strategy_names
-from ._args import add_int, bounded_float, bounded_int, memory_text
+from ._args import add_int, bounded_float, memory_text
 
 __all__ = [
     "train_config",
-    "DEFAULT_BATCH",
     "DEMO_MEMORY",
     "OPTIONS_ENV",
     "add_options",
@@ -39,8 +38,6 @@ __all__ = [
 
 #: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
 OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
-#: ``--batch``'s default; the ranks' batch plan (EVENDP_BATCH_SIZES) is held to any other value.
-DEFAULT_BATCH = defaults.BATCH
 
 _DEFAULT_OUT = "runs/demo"
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
@@ -50,7 +47,7 @@ DEMO_MEMORY = "48MiB,48MiB,24MiB"
 def add_options(p: argparse.ArgumentParser) -> None:
     """Declare ``evendp train``'s options on its parser ``p``."""
     add_int(p, "--steps", (1, 10_000_000, 200), defaults.STEPS, "optimizer steps")
-    add_int(p, "--batch", (1, 1_000_000, 32), DEFAULT_BATCH, "global batch per step, in samples")
+    add_int(p, "--batch", (1, 1_000_000, 32), defaults.BATCH, "global batch per step, in samples")
     p.add_argument(
         "--devices",
         default=None,
@@ -176,18 +173,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-#: Several machines: (flag, its bounds and example when a number, default, help).
-_NODE_OPTIONS: tuple[tuple[str, tuple[int, int, int] | None, int | None, str], ...] = (
-    ("--nnodes", (1, 100_000, 2), 1, "machines in the run (default 1)"),
-    ("--node-rank", (0, 99_999, 1), None,
-     "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"),
-    ("--master-addr", None, None,
-     "node 0's address every node reaches (on a private network: docs/ddp.md)"),
-    ("--master-port", (1, 65_535, 29_501), None,
-     "node 0's port for the store (default: torchrun's, 29500)"),
-)  # fmt: skip
-
-
 def _rank_modes(last: str = ", ") -> str:
     """The ``--mode`` values that run ranks (``last`` joins the last one).
 
@@ -207,9 +192,13 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
         "(machines may hold different numbers); --weights (one weight per rank of the whole "
         "run, node 0's first) and every other option the same everywhere",
     )
-    for flag, bounds, default, text in _NODE_OPTIONS:
-        kind: Callable[[str], Any] = str if bounds is None else bounded_int(flag, *bounds)
-        nodes.add_argument(flag, type=kind, default=default, help=text)
+    add_int(nodes, "--nnodes", (1, 100_000, 2), 1, "machines in the run")
+    place = "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"
+    add_int(nodes, "--node-rank", (0, 99_999, 1), None, place)
+    reach = "node 0's address every node reaches (on a private network: docs/ddp.md)"
+    nodes.add_argument("--master-addr", type=str, default=None, help=reach)
+    port = "node 0's port for the store (default: torchrun's, 29500)"
+    add_int(nodes, "--master-port", (1, 65_535, 29_501), None, port)
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -45,8 +45,15 @@ def demo_model_name(args: argparse.Namespace) -> str:
     )
 
 
-def print_report(report: Any, paths: dict[str, Path]) -> None:
+def print_report(report: Any, out: str, logger: tuple[Any, Path] | None) -> None:
+    """Write the report in ``out`` and print it, with where its files are."""
     from rich.console import Console
+
+    from .._training._report import write_report
+
+    paths = write_report(report, out)
+    if logger is not None:
+        paths["metrics"] = logger[1]
 
     console = Console()
     if not console.is_terminal:  # a log file or pipe: wide enough for every column

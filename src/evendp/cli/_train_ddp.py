@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import shown
 from ._args import say_error
 from ._train_args import (
-    DEFAULT_BATCH,
     OPTIONS_ENV,
     options_json,
     parse_devices,
@@ -69,10 +69,10 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
     from .._distributed._torchrun import _nodes
 
     nodes, node = int(getattr(args, "nnodes", 1) or 1), getattr(args, "node_rank", None)
-    host = getattr(args, "master_addr", None)
+    host = str(getattr(args, "master_addr", None) or "")
     if os.environ.get("RANK") is not None or nodes == 1 or node is None or not host:
         return None
-    if not 0 <= int(node) < nodes or not _nodes.resolves(str(host)):
+    if not 0 <= int(node) < nodes or not _nodes.resolves(host):
         return None  # this machine's place, or node 0's address, is what it refused
     port = args.master_port or 29500  # in range: its option's type checked it
     where, wait = f"{host}:{port}", f"{_nodes.tell_wait_s():g} s"
@@ -88,21 +88,14 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
     try:
         if node:
             told = _nodes.tell_node0(
-                str(host), port, int(node), line, code=code,
+                host, port, int(node), line, code=code,
                 waiting=lambda: waiting(f"node 0 at {where} to come up, to tell it"),
             )  # fmt: skip
-            return (
-                f"node 0 at {where} was told, and stops too"
-                if told
-                else (f"node 0 at {where} was not reached within {wait}: stop it there if it waits")
-            )
+            if told:
+                return f"node 0 at {where} was told, and stops too"
+            return f"node 0 at {where} was not reached within {wait}: stop it there if it waits"
         missing = _nodes.tell_other_nodes(
-            str(host),
-            port,
-            nodes,
-            line,
-            code=code,
-            waiting=lambda: waiting("the other nodes to read"),
+            host, port, nodes, line, code=code, waiting=lambda: waiting("the other nodes to read")
         )
     except KeyboardInterrupt:
         return "the wait to tell the other nodes was interrupted: stop them there if they wait"
@@ -299,7 +292,6 @@ def run_rank(args: argparse.Namespace) -> int:
     from .._distributed._interrupt import die_with_parent, exit_code
     from .._distributed._plan_agreement import agreed_plan
     from .._planning._launch import write_outcome
-    from .._training._report import write_report
     from .._training._trainer import Trainer
 
     die_with_parent()  # torchrun killed: this rank stops after its step, saving
@@ -335,10 +327,7 @@ def run_rank(args: argparse.Namespace) -> int:
     del trainer, model  # their DDP wrapper holds the group: freed before the group ends
     finish_distributed()
     if rank == 0:
-        paths = write_report(report, args.out)
-        if logger is not None:
-            paths["metrics"] = logger[1]
-        print_report(report, paths)
+        print_report(report, args.out, logger)
         write_outcome(exit_code(report.signal), interrupted=report.interrupted)
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group
     # (--max-restarts); the launcher exits with the code rank 0 left (130/143).
@@ -366,7 +355,7 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     note_sizes_read()  # this rank trains with the launcher's sizes: it does not warn
     # evendp train --mode ddp planned the sizes for its --batch; under the user's own torchrun
     # a --batch other than the default was given, and must agree with the sizes set by hand.
-    if launched or args.batch != DEFAULT_BATCH:
+    if launched or args.batch != defaults.BATCH:
         global_batch_size(args.batch, list(plan.sizes), cli="EVENDP_BATCH_SIZES=")
     return plan
 

@@ -7,10 +7,10 @@ import argparse
 from typing import Any
 
 from .._core._errors import EvendpError
-from ._demo import BUDGET_NOTE
 from ._model_spec import load_module, raised_at
 from ._train_args import parse_devices, parse_weights, train_config
 from ._train_common import metric_logger, print_report
+from ._train_local import BUDGET_NOTE
 
 __all__ = ["load_training_factory", "run_user_model"]
 
@@ -50,12 +50,7 @@ def run_user_model(args: argparse.Namespace) -> int:
         say=lambda line: print(f"evendp train: {line}", flush=True),
     )  # fmt: skip
     report.model = args.model
-    from .._training._report import write_report
-
-    paths = write_report(report, args.out)  # with the model's name in the title
-    if logger is not None:
-        paths["metrics"] = logger[1]
-    print_report(report, paths)
+    print_report(report, args.out, logger)  # with the model's name in the title
     print(BUDGET_NOTE)
     return say_how_to_resume(exit_code(report.signal), args.argv)
 

@@ -27,10 +27,6 @@ from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
 
-# The global batch when nothing sizes the ranks (TrainConfig's and evendp train's): split
-# evenly on CPU, by free memory on GPUs.
-_DEFAULT_BATCH = defaults.BATCH
-
 
 def _gpu_list(text: str) -> list[int]:
     try:
@@ -61,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--nproc", default="auto", help="ranks per node: an int or 'auto' (default auto)"
     )
     split = (
-        f"global batch, split across ranks for you (default {_DEFAULT_BATCH} when no "
+        f"global batch, split across ranks for you (default {defaults.BATCH} when no "
         "--batch-sizes or --model is given; with --batch-sizes, their sum)"
     )
     add_int(parser, "--batch", (1, 1_000_000_000, 64), None, split)
@@ -116,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             say_units("evendp launch", flag, getattr(args, flag[2:].replace("-", "_")))
         batch = args.batch
         if batch is None and args.batch_sizes is None and args.model is None:
-            batch = _DEFAULT_BATCH
+            batch = defaults.BATCH  # TrainConfig's and evendp train's
             how = "evenly (CPU ranks)" if _no_gpus(gpu_ids) else "by each GPU's free memory"
             print(
                 f"evendp launch: no --batch, --batch-sizes or --model: global batch "
@@ -151,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(torchrun_command(plan, args.script, args.script_args, passthrough)))
             return 0
         env = {**os.environ, ENV_STRICT: "1"} if args.strict else None
-        if batch == _DEFAULT_BATCH and args.batch is None:  # a script's own sizes win
+        if batch == defaults.BATCH and args.batch is None:  # a script's own sizes win
             env = {**(env or os.environ), ENV_BATCH_DEFAULTED: "1"}
         if str(args.nnodes or 1) != "1":  # several machines: their ranks compare these
             env = {**(env or os.environ), ENV_LAUNCH_OPTIONS: _shared_options(args, sizes)}
