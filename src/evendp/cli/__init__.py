@@ -15,8 +15,7 @@ __all__ = ["build_parser", "has_gpu", "is_light", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
-# Their one-line help, for `evendp --help` without importing them (and torch); a test keeps
-# these equal to what each module registers.
+# Their help, for `evendp --help` without torch (a test keeps it equal to the modules').
 _HELP: dict[str, str] = {
     "devices": "list GPUs with free memory, utilization and processes (NVML, no CUDA init)",
     "plan": "predict per-device memory and choose the split (no GPU needed)",

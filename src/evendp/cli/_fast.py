@@ -26,9 +26,8 @@ RUNS = ("train", "launch")
 
 
 class EarlyStop:
-    """SIGINT/SIGTERM caught while the package loads (torch takes seconds): kept, not a
-    KeyboardInterrupt traceback. The command line's stop flag takes the signal over when it
-    starts (it reads ``signum`` of the handler it replaces), and the run stops at once."""
+    """SIGINT/SIGTERM caught while torch loads: kept for the command line's stop flag, which
+    reads ``signum`` of the handler it replaces, not a traceback."""
 
     signum: int | None = None
 
@@ -37,9 +36,8 @@ class EarlyStop:
 
 
 def answer_without_torch() -> bool:
-    """Answer ``evendp --version`` / ``--help`` and exit; for ``evendp train`` and ``evendp
-    launch``, catch SIGINT/SIGTERM from now on. Returns whether this process is the
-    ``evendp`` command (whose package face then loads on first use)."""
+    """Answer ``evendp --version``/``--help`` and exit; catch the signals of ``train`` and
+    ``launch`` from now on. Whether this process is the ``evendp`` command."""
     if not _is_evendp_command():
         return False
     from . import is_light, main

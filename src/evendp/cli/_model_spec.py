@@ -372,12 +372,7 @@ def _probe_call(
 
 
 def _describe(value: Any) -> str:
-    """A short description of a batch: ``a tuple of 2 tensors [1, 64], [1]``.
-
-    >>> import torch
-    >>> _describe((torch.zeros(1, 4), torch.zeros(1)))
-    'a tuple of 2 tensors [1, 4], [1]'
-    """
+    """A short description of a batch: ``a tuple of 2 tensors [1, 64], [1]``."""
     import torch
 
     if isinstance(value, torch.Tensor):

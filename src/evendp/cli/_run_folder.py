@@ -57,14 +57,7 @@ def _is_ours(entry: Path) -> bool:
 
 
 def foreign_entries(out: Path) -> list[str]:
-    """The names in ``out`` that no evendp run writes (none when ``out`` carries the marker).
-
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp()); _ = (d / "ckpt.pt").write_bytes(b""); foreign_entries(d)
-    []
-    >>> _ = (d / "notes.txt").write_text("mine"); foreign_entries(d)
-    ['notes.txt']
-    """
+    """The names in ``out`` that no evendp run writes (none when ``out`` carries the marker)."""
     if not out.is_dir() or _is_marker(out / MARKER):
         return []
     return sorted(p.name for p in out.iterdir() if not _is_ours(p))
@@ -84,9 +77,8 @@ def evendp_checkpoints(out: Path) -> list[Path]:
 
 
 def odd_checkpoints(out: Path) -> list[Path]:
-    """What sits at a checkpoint's name in ``out`` that is neither a file nor a folder: a
-    link (to anything), a FIFO, a socket, a device node. A resume refuses each, and
-    ``--overwrite`` removes each by its name (``unlink``: never opened, never followed).
+    """What sits at a checkpoint's name in ``out`` that is neither a file nor a folder (a link,
+    a FIFO, a device node): a resume refuses it, ``--overwrite`` unlinks it.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp()); os.mkfifo(d / "ckpt.prev.pt")
@@ -178,9 +170,8 @@ def _named(out: str, folder: Path) -> str:
 
 
 def unclaim_out_dir(out: str, *, created: bool) -> None:
-    """A run refused before it wrote anything leaves nothing behind: the marker
-    :func:`claim_out_dir` wrote goes when it is all the folder holds, and the folder too when
-    the claim ``created`` it."""
+    """A run refused before it wrote anything leaves nothing behind: the marker, alone in the
+    folder, goes, and the folder too when the claim ``created`` it."""
     folder = Path(out)
     if not _is_folder(folder) or [e.name for e in folder.iterdir()] != [MARKER]:
         return
@@ -191,9 +182,8 @@ def unclaim_out_dir(out: str, *, created: bool) -> None:
 
 
 def _refuse_lookalikes(folder: Path, found: list[Path], marked: bool, odd: list[Path]) -> None:
-    """A checkpoint name evendp would write to that is not a run's file (a link, a FIFO, a
-    folder of other files): never replaced, never written into. In a run folder (``marked``)
-    an ``odd`` one can go with ``--overwrite`` (an ``unlink``: its target stays)."""
+    """Refuse a checkpoint name that is not a run's file (a link, a FIFO, a folder of other
+    files); in a run folder (``marked``) an ``odd`` one may go with ``--overwrite``."""
     if not folder.is_dir():
         return
     for entry in sorted(folder.iterdir()):
@@ -247,7 +237,6 @@ def check_out_dir(flag: str, path: str) -> None:
     """``path`` is a folder, or can be made one, no other local user controls it
     (:func:`~evendp._core._trusted.trusted_run_folder`), and files can be written in it.
 
-    >>> check_out_dir("--out", tempfile.mkdtemp())
     >>> check_out_dir("--out", "/proc/evendp-run")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...

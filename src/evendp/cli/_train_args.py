@@ -488,17 +488,14 @@ def _validate_gpu(text: str, index: int) -> int:
 
 def device_memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | None:
     """Each device's memory in bytes (``None``: not declared, use weights or free memory)."""
-    from evendp._planning._memory import parse_memory
+    from ._model_spec import memory_specs
 
     text = args.memory
     if text is None and args.devices is None and args.weights is None and all_cpu(devices):
         text = DEMO_MEMORY  # the default demo: three virtual devices, one small
     if text is None:
         return None
-    try:
-        memory = [m.free for m in parse_memory(text)]
-    except EvendpError as exc:
-        raise EvendpError(f"--memory {shown(text)}: {exc}") from None
+    memory = [m.free for m in memory_specs(text)]
     if len(memory) != len(devices):
         raise EvendpError(
             f"--memory {shown(text)} has {len(memory)} entries for {len(devices)} devices; give "
@@ -559,12 +556,7 @@ def options_json(args: argparse.Namespace) -> str:
 
 
 def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
-    """In a rank started by ``evendp train``: the launcher's options (``args`` elsewhere).
-
-    >>> os.environ.pop(OPTIONS_ENV, None)
-    >>> options_from_env(argparse.Namespace(steps=3)).steps
-    3
-    """
+    """In a rank started by ``evendp train``: the launcher's options (``args`` elsewhere)."""
     text = os.environ.get(OPTIONS_ENV)
     if text is None or "RANK" not in os.environ:
         return args

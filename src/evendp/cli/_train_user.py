@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from .._core._errors import EvendpError
-from ._model_spec import load_module, raised_at
+from ._model_spec import load_module, memory_specs, raised_at
 from ._train_args import parse_devices, parse_weights, train_config
 from ._train_common import metric_logger, print_report
 from ._train_local import BUDGET_NOTE
@@ -18,7 +18,6 @@ __all__ = ["load_training_factory", "run_user_model"]
 def run_user_model(args: argparse.Namespace) -> int:
     """Rehearse the user's model and write the report; the exit code."""
     from .._distributed._interrupt import exit_code
-    from .._planning._memory import parse_memory
     from .._training._rehearse import rehearse
     from .._training._trainer import default_loss
     from ._train_common import share_cpu_threads
@@ -29,10 +28,7 @@ def run_user_model(args: argparse.Namespace) -> int:
             f"--model {args.model!r} rehearses on CPU virtual devices with memory budgets; "
             "give one per device, e.g. --memory 24MiB,12MiB"
         )
-    try:
-        memory = [m.free for m in parse_memory(args.memory)]
-    except EvendpError as exc:
-        raise EvendpError(f"--memory {args.memory!r}: {exc}") from None
+    memory = [m.free for m in memory_specs(args.memory)]
     devices = _devices(args, len(memory))
     weights = parse_weights(args.weights, devices)
     share_cpu_threads(devices)
@@ -75,13 +71,7 @@ def _devices(args: argparse.Namespace, count: int) -> list[str | int]:
 
 
 def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
-    """``(model, dataset, loss_fn or None)`` from ``module:factory`` or ``file.py:factory``.
-
-    >>> load_training_factory("nonsense")
-    Traceback (most recent call last):
-    ...
-    evendp.InputError: --model 'nonsense' is not 'package.module:factory' or ...
-    """
+    """``(model, dataset, loss_fn or None)`` from ``module:factory`` or ``file.py:factory``."""
     import torch
 
     target, _, attr = spec.rpartition(":")

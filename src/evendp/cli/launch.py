@@ -163,8 +163,7 @@ _SHARED = ("batch", "batch_sizes", "strict", "nnodes", "max_restarts")
 
 
 def _shared_options(args: argparse.Namespace, sizes: list[int] | None) -> str:
-    """The options the ranks of every machine compare (JSON), sizes as read (``1, 3`` is
-    ``1,3``).
+    """The options the ranks of every machine compare (JSON), sizes as read.
 
     >>> ns = argparse.Namespace(batch=None, batch_sizes=" 1, 3", strict=False, nnodes="2",
     ...                         max_restarts=None)

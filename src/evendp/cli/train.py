@@ -33,8 +33,8 @@ from typing import Any
 
 
 class _EarlyStop:
-    """A rank's SIGINT/SIGTERM before evendp (and torch) are imported: kept, not a traceback;
-    the command line's stop flag takes it over and the run stops before its first step."""
+    """A rank's SIGINT/SIGTERM before torch is imported, kept for the command line's stop flag
+    (evendp.cli._fast.EarlyStop, which importing evendp would load torch to reach)."""
 
     signum: int | None = None
 

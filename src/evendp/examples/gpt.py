@@ -33,8 +33,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            validate_int(f"GPTConfig.{name}", value, minimum=1)
+            validate_int(f"GPTConfig.{name}", getattr(self, name), minimum=1)
         if self.n_embd % self.n_head:
             raise EvendpError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -62,9 +61,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape  # batch, time, channels
         q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
         # (B, T, C) -> (B, nh, T, hs): heads become a batch dimension.
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # Explicit attention (not the fused kernel) so the math, and its memory, is plain.
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
         mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
