@@ -286,8 +286,7 @@ def _user(spec: str) -> ModelSpec:
         return ModelSpec(lambda: factory()[0], made[1], criterion)
     raise EvendpError(
         f"{shown(spec)} returned {type(made).__name__}; expected an nn.Module with "
-        "example_batch(n), "
-        "(model, batch_fn) or (model, batch_fn, criterion)"
+        "example_batch(n), (model, batch_fn) or (model, batch_fn, criterion)"
     )
 
 

@@ -272,8 +272,7 @@ def check_out_file(flag: str, path: str) -> None:
         what = "is a file, not a folder" if parent.exists() else "does not exist"
         raise EvendpError(
             f"{flag} {shown(path)}: the folder {shown(str(parent))} {what}; create it first or "
-            "give a "
-            f"path in an existing folder, e.g. {flag} {target.name}"
+            f"give a path in an existing folder, e.g. {flag} {target.name}"
         )
     _check_writable(flag, path, parent)
 
@@ -290,8 +289,7 @@ def _check_writable(flag: str, path: str, folder: Path) -> None:
     if not folder.is_dir():
         raise EvendpError(
             f"{flag} {shown(path)}: {shown(str(folder))} is a file, so the folder cannot be "
-            "created "
-            "there; choose another path"
+            "created there; choose another path"
         )
     try:
         fd, probe = tempfile.mkstemp(prefix=".evendp-probe-", dir=folder)

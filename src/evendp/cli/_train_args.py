@@ -123,8 +123,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"--mode {_rank_modes()}: how long a rank waits for the others in a collective "
         "once training runs; a rank silent for longer (hung, stopped) ends the run, naming it, "
-        "exit 1 "
-        f"(at least {defaults.MIN_COMM_TIMEOUT_S:g}; default {defaults.COMM_TIMEOUT_S:g})",
+        f"exit 1 (at least {defaults.MIN_COMM_TIMEOUT_S:g}; default {defaults.COMM_TIMEOUT_S:g})",
     )
     every, between = defaults.CHECKPOINT_EVERY, "steps between checkpoints (0: end only)"
     add_int(p, "--checkpoint-every", (0, 10_000_000, every), every, between)
@@ -312,8 +311,7 @@ def _validate_rank_options(args: argparse.Namespace) -> None:
     if args.mode == "ddp" and args.memory is not None and args.weights is not None:
         raise EvendpError(
             f"--memory {shown(args.memory)} and --weights {shown(args.weights)} both set the "
-            "ranks' "
-            "batch sizes under --mode ddp (the planner's split for the memory, or the "
+            "ranks' batch sizes under --mode ddp (the planner's split for the memory, or the "
             "weights'); give one"
         )
 
@@ -363,8 +361,7 @@ def resume_check(args: argparse.Namespace) -> int | None:
 
         raise CheckpointError(
             f"checkpoint {shown(str(found))} was trained with a global batch of {saved_batch}, "
-            "this "
-            f"run has {args.batch}: resuming would change the order of the remaining samples; "
+            f"this run has {args.batch}: resuming would change the order of the remaining samples; "
             f"resume with --batch {saved_batch}, or start fresh with another --out"
         )
     if step >= args.steps:

@@ -11,7 +11,14 @@ from typing import Any
 from .._core._errors import EvendpError
 from .._core._validate import shown
 
-__all__ = ["build_demo", "demo_model_name", "metric_logger", "print_report", "share_cpu_threads"]
+__all__ = [
+    "BUDGET_NOTE",
+    "build_demo",
+    "demo_model_name",
+    "metric_logger",
+    "print_report",
+    "share_cpu_threads",
+]
 
 
 def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -39,10 +46,8 @@ def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def demo_model_name(args: argparse.Namespace) -> str:
-    return (
-        f"char GPT {args.n_layer}x{args.n_embd} on stdlib paragraphs (<= {args.block_size} "
-        "chars, padded)"
-    )
+    size = f"{args.n_layer}x{args.n_embd}"
+    return f"char GPT {size} on stdlib paragraphs (<= {args.block_size} chars, padded)"
 
 
 def print_report(report: Any, out: str, logger: tuple[Any, Path] | None) -> None:
@@ -90,3 +95,12 @@ def share_cpu_threads(devices: list[str | int]) -> None:
     if all_cpu(devices) and len(devices) > 1:
         # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+
+
+BUDGET_NOTE = (
+    "Budgets on CPU virtual devices count each replica's forward allocations (activations "
+    "kept for backward, temporaries, outputs) plus its parameters, and on the first device "
+    "the gradients and optimizer state; backward's transient allocations run in the autograd "
+    "engine's thread and are not counted (measured = forward peak; planned = the planner's "
+    "forward+backward peak)."
+)

@@ -23,6 +23,7 @@ from ._train_args import (
     train_config,
 )
 from ._train_common import (
+    BUDGET_NOTE,
     build_demo,
     demo_model_name,
     metric_logger,
@@ -30,7 +31,7 @@ from ._train_common import (
     share_cpu_threads,
 )
 
-__all__ = ["BUDGET_NOTE", "run_local"]
+__all__ = ["run_local"]
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -297,15 +298,6 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
     for p in params:
         p.grad = None
     return float((balanced - one_device).norm() / one_device.norm()), count
-
-
-BUDGET_NOTE = (
-    "Budgets on CPU virtual devices count each replica's forward allocations (activations "
-    "kept for backward, temporaries, outputs) plus its parameters, and on the first device "
-    "the gradients and optimizer state; backward's transient allocations run in the autograd "
-    "engine's thread and are not counted (measured = forward peak; planned = the planner's "
-    "forward+backward peak)."
-)
 
 
 def format_memory(memory: list[int]) -> str:

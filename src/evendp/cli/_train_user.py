@@ -9,8 +9,7 @@ from typing import Any
 from .._core._errors import EvendpError
 from ._model_spec import load_module, memory_specs, raised_at
 from ._train_args import parse_devices, parse_weights, train_config
-from ._train_common import metric_logger, print_report
-from ._train_local import BUDGET_NOTE
+from ._train_common import BUDGET_NOTE, metric_logger, print_report
 
 __all__ = ["load_training_factory", "run_user_model"]
 
