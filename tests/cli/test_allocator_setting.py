@@ -15,7 +15,7 @@ def test_a_gpu_machine_gets_expandable_segments_said_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(cli, "_has_gpu", lambda: True)  # stands in for NVML's GPU
+    monkeypatch.setattr(cli, "has_gpu", lambda: True)  # stands in for NVML's GPU
     assert cli.main(PLAN) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     err = capsys.readouterr().err
@@ -28,11 +28,11 @@ def test_the_users_setting_and_a_machine_without_gpu_are_left_alone(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    monkeypatch.setattr(cli, "_has_gpu", lambda: True)
+    monkeypatch.setattr(cli, "has_gpu", lambda: True)
     assert cli.main(PLAN) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.setattr(cli, "_has_gpu", lambda: False)
+    monkeypatch.setattr(cli, "has_gpu", lambda: False)
     assert cli.main(PLAN) == 0
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     assert "PYTORCH_CUDA_ALLOC_CONF" not in capsys.readouterr().err

@@ -1,9 +1,5 @@
-"""The ``evendp`` command line: one module per subcommand.
-
-Each subcommand module defines ``add_parser(subparsers)`` (which registers its parser and
-sets ``func``) and the function it points to, ``run(args) -> int``. Bad input exits with code
-2 and one line on stderr naming the value, what was expected and the fix.
-"""
+"""The ``evendp`` command line: one module per subcommand, each with ``add_parser(subparsers)``
+(which sets ``func``) and ``run(args) -> int``."""
 
 from __future__ import annotations
 
@@ -15,12 +11,11 @@ from typing import Any
 
 from ._args import CleanParser, say_error
 
-__all__ = ["build_parser", "is_light", "main", "version"]
+__all__ = ["build_parser", "has_gpu", "is_light", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
-# Their one-line help, for `evendp --help` without importing them (and torch); a test keeps
-# these equal to what each module registers.
+# Their help, for `evendp --help` without torch (a test keeps it equal to the modules').
 _HELP: dict[str, str] = {
     "devices": "list GPUs with free memory, utilization and processes (NVML, no CUDA init)",
     "plan": "predict per-device memory and choose the split (no GPU needed)",
@@ -29,17 +24,13 @@ _HELP: dict[str, str] = {
 }
 
 
-#: Command lines that need neither torch nor a subcommand's module.
-LIGHT: tuple[list[str], ...] = (["--version"], ["--help"], ["-h"])
-
-
 def is_light(argv: list[str]) -> bool:
-    """Whether ``argv`` (after the program name) is answered without torch.
+    """Whether ``argv`` (after the program name) is answered without torch nor a subcommand.
 
     >>> is_light(["--version"]), is_light(["train", "--help"])
     (True, False)
     """
-    return list(argv) in LIGHT
+    return list(argv) in (["--version"], ["--help"], ["-h"])
 
 
 def version() -> str:
@@ -58,11 +49,8 @@ def version() -> str:
 
 
 def build_parser(light: bool = False) -> CleanParser:
-    """The top-level parser with every subcommand registered.
-
-    ``light``: the subcommands only by name and help (for ``--help`` and ``--version``: their
-    modules, and torch, are not imported).
-    """
+    """The top-level parser; ``light``: the subcommands by name and help only (their modules,
+    and torch, are not imported)."""
     parser = CleanParser(
         prog="evendp",
         description="Balanced data-parallel training with exact gradients.",
@@ -80,13 +68,8 @@ def build_parser(light: bool = False) -> CleanParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``evendp`` command; returns the exit code (2 for bad input, 130/143 after a
-    signal).
-
-    For ``train`` and ``launch``, SIGINT/SIGTERM are caught from the start: one arriving
-    while the command starts up is kept, and the run stops at its first step boundary, saved,
-    never with a traceback. The other commands keep the usual Ctrl-C.
-    """
+    """Run the ``evendp`` command; the exit code (2: bad input, 130/143 after a signal, which
+    ``train`` and ``launch`` catch from the start to stop at a step boundary, saved)."""
     from .._distributed._interrupt import StopFlag, exit_code
 
     early = StopFlag()
@@ -134,12 +117,9 @@ _CUDA_COMMANDS = ("train", "launch", "plan")
 
 def _choose_allocator_setting() -> None:
     """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` on a machine with a GPU, unless the
-    user set it: here, at the command's start, because the allocator reads it once when CUDA
-    initialises (nothing has touched CUDA yet), and the processes ``launch`` and ``train``
-    start inherit it. The planner models the setting in force
-    (``evendp._planning._allocator``). Said once. A machine with no GPU has no allocator to
-    set (and plans for declared GPUs with the default setting, which reserves no less)."""
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or not _has_gpu():
+    user set it: at the start, as the allocator reads it once when CUDA initialises, and the
+    processes ``launch`` and ``train`` start inherit it (the planner models it). Said once."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or not has_gpu():
         return
     from .._planning._allocator import alloc_conf_default
 
@@ -151,9 +131,8 @@ def _choose_allocator_setting() -> None:
     )
 
 
-def _has_gpu() -> bool:
-    """Whether this machine has a GPU, asked through NVML (no CUDA context, no torch import:
-    a help or a launch answers without torch). No NVML: no NVIDIA driver, so no GPU."""
+def has_gpu() -> bool:
+    """Whether NVML sees a GPU here (no CUDA context, no torch); no NVML: no driver, no GPU."""
     from .._planning._devices import list_devices
 
     try:

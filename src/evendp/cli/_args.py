@@ -1,9 +1,5 @@
-"""Argument types and the parser class shared by every subcommand.
-
-Each type names the flag, the value it got, what it expects and an example, so a bad value
-reads as one line (``evendp train: error: --lr must be a number > 0, got '-1'; e.g. --lr
-3e-3``) with exit code 2, never a Python traceback.
-"""
+"""Argument types and the parser class shared by every subcommand: a bad value is one line
+naming the flag, the value, what it expects and an example, with exit code 2."""
 
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ __all__ = [
     "TRACEBACK_ENV",
     "CleanParser",
     "bounded_float",
+    "add_int",
     "bounded_int",
     "memory_text",
     "plain_text",
@@ -31,22 +28,15 @@ __all__ = [
 
 
 class CleanParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2.
-
-    argparse's own form (usage block, then ``error: argument --x: ...``) becomes
-    ``PROG: error: MESSAGE; see 'PROG --help'``. A mistyped option or choice (a subcommand
-    too) gets the closest valid one, as click and git do: ``evendp train: error: unknown
-    option --batch-size (did you mean --batch?); see 'evendp train --help'``. ``renamed``
-    maps an option's old spelling to its new one (evendp is 0.x: the old one is refused, and
-    named the new one as a typo would be).
-    """
+    """An ``ArgumentParser`` whose errors are one line, ``PROG: error: MESSAGE; see 'PROG
+    --help'``, exit code 2; a mistyped option or choice gets the closest valid one (as click
+    and git do). ``renamed``: an option's old spelling -> its new one, named as for a typo."""
 
     def __init__(self, *args: Any, renamed: dict[str, str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.renamed = dict(renamed or {})
 
-    def format_help(self) -> str:
-        """The help page without reStructuredText markup (module docstrings are reused)."""
+    def format_help(self) -> str:  # module docstrings are reused: no reStructuredText
         return plain_text(super().format_help())
 
     def parse_args(  # type: ignore[override]
@@ -60,8 +50,7 @@ class CleanParser(argparse.ArgumentParser):
             parser.error(parser._unknown(extras))
         return parsed
 
-    def _chosen(self, parsed: argparse.Namespace) -> CleanParser:
-        """The subcommand's parser that parsed ``parsed`` (this one when there is none)."""
+    def _chosen(self, parsed: argparse.Namespace) -> CleanParser:  # the subcommand's parser
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
                 name = str(getattr(parsed, action.dest or "", None))
@@ -70,9 +59,7 @@ class CleanParser(argparse.ArgumentParser):
                     return chosen._chosen(parsed)
         return self
 
-    def _unknown(self, extras: list[str]) -> str:
-        """``unknown option --x (did you mean --y?)``, or argparse's words for extras that
-        are not options (a stray positional value)."""
+    def _unknown(self, extras: list[str]) -> str:  # or argparse's words for a stray value
         options = [word for word in extras if word.startswith("-") and len(word) > 1]
         if not options:
             return f"unrecognized arguments: {' '.join(extras)}"
@@ -100,16 +87,8 @@ TRACEBACK_ENV = "EVENDP_TRACEBACK"
 
 
 def say_error(command: str, exc: BaseException) -> None:
-    """A command's refusal or fault as its one line on stderr (``evendp train: error: ...``);
-    with ``EVENDP_TRACEBACK=1``, the whole stack first (a user's factory included).
-
-    >>> import contextlib, io
-    >>> err = io.StringIO()
-    >>> with contextlib.redirect_stderr(err):
-    ...     say_error("evendp plan", ValueError("no"))
-    >>> err.getvalue()
-    'evendp plan: error: no\\n'
-    """
+    """A command's refusal or fault as one line on stderr (with ``EVENDP_TRACEBACK=1``, the
+    whole stack first)."""
     import os
     import traceback
 
@@ -119,11 +98,8 @@ def say_error(command: str, exc: BaseException) -> None:
 
 
 def suggest(word: str, candidates: Sequence[str]) -> str | None:
-    """The candidate closest to a mistyped ``word`` (``None`` when nothing is close).
-
-    A candidate that ``word`` starts with, or that starts with ``word``, comes first (the
-    habits of other tools: ``--batch-size`` for ``--batch``, ``--nprocs`` for ``--nproc``);
-    otherwise the closest spelling (difflib).
+    """The candidate closest to a mistyped ``word`` (``None``: nothing is close); a prefix
+    either way comes first (``--batch-size`` for ``--batch``), then difflib's closest.
 
     >>> suggest("--batch-size", ["--block-size", "--batch", "--steps"])
     '--batch'
@@ -161,10 +137,8 @@ def _with_choice_hint(message: str) -> str:
 
 
 def memory_text(flag: str) -> Callable[[str], str]:
-    """An argparse ``type`` for a memory spec on the command line: every size needs a unit.
-
-    The library reads a bare number as bytes, but on the command line ``--memory 24,12``
-    is a mistake for 24 and 12 GiB (it would plan 24 bytes): refused, with the units named.
+    """An argparse ``type`` for a memory spec whose every size has a unit (``--memory 24,12``
+    is a mistake for GiB, not 24 bytes).
 
     >>> memory_text("--memory")("24GiB,2x12GiB-1GiB")
     '24GiB,2x12GiB-1GiB'
@@ -218,47 +192,50 @@ def plain_text(text: str) -> str:
     return text.replace("``", "")
 
 
-def bounded_int(
-    flag: str, minimum: int, maximum: int | None = None, example: int | None = None
-) -> Callable[[str], int]:
+def bounded_int(flag: str, minimum: int, maximum: int, example: int) -> Callable[[str], int]:
     """An argparse ``type`` for ints in ``[minimum, maximum]``.
 
-    >>> bounded_int("--steps", 1)("12")
-    12
-    >>> bounded_int("--steps", 1)("0")
+    >>> bounded_int("--steps", 1, 9, 5)("0")
     Traceback (most recent call last):
     ...
-    argparse.ArgumentTypeError: --steps must be an int >= 1, got '0'; e.g. --steps 1
+    argparse.ArgumentTypeError: --steps must be an int in [1, 9], got '0'; e.g. --steps 5
     """
-    expect = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
-    hint = f"e.g. {flag} {example if example is not None else minimum}"
 
     def convert(text: str) -> int:
         try:
             value = int(text.strip())
         except ValueError:
             value = None
-        if value is None or value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"{flag} must be {expect}, got {shown(text)}; {hint}")
+        if value is None or not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be an int in [{minimum}, {maximum}], got {shown(text)}; "
+                f"e.g. {flag} {example}"
+            )
         return value
 
     convert.__name__ = "int"
     return convert
 
 
+def add_int(
+    parser: argparse._ActionsContainer,
+    flag: str,
+    bounds: tuple[int, int, int],
+    default: int | None,
+    text: str,
+) -> None:
+    """Add the int option ``flag`` (``bounds``: least, most, an example); its help is ``text``
+    and the default, unless ``text`` names the default itself."""
+    if default is not None and "(default" not in text:
+        text += f" (default {default})"
+    parser.add_argument(flag, type=bounded_int(flag, *bounds), default=default, help=text)
+
+
 def bounded_float(
     flag: str, low: float, high: float, example: str, *, low_inclusive: bool = False
 ) -> Callable[[str], float]:
-    """An argparse ``type`` for finite floats in ``(low, high]`` (``[low, high]`` with
-    ``low_inclusive``).
-
-    >>> bounded_float("--lr", 0, 10, "3e-3")("1e-3")
-    0.001
-    >>> bounded_float("--lr", 0, 10, "3e-3")("-1")
-    Traceback (most recent call last):
-    ...
-    argparse.ArgumentTypeError: --lr must be a number in (0, 10], got '-1'; e.g. --lr 3e-3
-    """
+    """An argparse ``type`` for finite floats in ``(low, high]`` (``[low, ...`` with
+    ``low_inclusive``)."""
     bracket = "[" if low_inclusive else "("
     expect = f"a number in {bracket}{low:g}, {high:g}]"
 
@@ -302,12 +279,9 @@ def decimal_sizes(text: str) -> list[tuple[str, int]]:
 
 
 def say_units(command: str, flag: str, text: str | None) -> None:
-    """Say on stderr how sizes with decimal units were read (``24G`` is 24 * 1000**3 bytes,
-    22.35 GiB): ``nvidia-smi`` and ``evendp devices`` speak MiB/GiB, so the difference matters.
-    """
-    if not text:
-        return
-    found = decimal_sizes(text)
+    """Say on stderr how sizes with decimal units were read (``24G`` is 22.35 GiB, and
+    ``nvidia-smi`` speaks GiB)."""
+    found = decimal_sizes(text or "")
     if not found:
         return
     from .._core._units import format_bytes

@@ -1,13 +1,6 @@
-"""The ``evendp`` command starts without torch.
-
-Importing any part of evendp runs ``evendp/__init__.py``, whose public face imports torch
-(1.6 s idle, several seconds on a busy machine): too slow for a version, a list of commands,
-an argument error, or a launcher that only starts torchrun. So the face's first line asks
-:func:`answer_without_torch`, which answers ``--version`` and ``--help`` of the ``evendp``
-command itself (its console script, or ``python -m evendp``) and exits, and tells the face
-to load on first use for the command's other invocations; every other importer of evendp
-gets the whole face at once, as before.
-"""
+"""The ``evendp`` command starts without torch: the package face (which imports torch, 1.6 s
+idle) asks :func:`answer_without_torch` first, which answers ``--version``/``--help`` and
+makes the face load on first use for the command's other invocations."""
 
 from __future__ import annotations
 
@@ -33,9 +26,8 @@ RUNS = ("train", "launch")
 
 
 class EarlyStop:
-    """SIGINT/SIGTERM caught while the package loads (torch takes seconds): kept, not a
-    KeyboardInterrupt traceback. The command line's stop flag takes the signal over when it
-    starts (it reads ``signum`` of the handler it replaces), and the run stops at once."""
+    """SIGINT/SIGTERM caught while torch loads: kept for the command line's stop flag, which
+    reads ``signum`` of the handler it replaces, not a traceback."""
 
     signum: int | None = None
 
@@ -44,9 +36,8 @@ class EarlyStop:
 
 
 def answer_without_torch() -> bool:
-    """Answer ``evendp --version`` / ``--help`` and exit; for ``evendp train`` and ``evendp
-    launch``, catch SIGINT/SIGTERM from now on. Returns whether this process is the
-    ``evendp`` command (whose package face then loads on first use)."""
+    """Answer ``evendp --version``/``--help`` and exit; catch the signals of ``train`` and
+    ``launch`` from now on. Whether this process is the ``evendp`` command."""
     if not _is_evendp_command():
         return False
     from . import is_light, main

@@ -1,12 +1,5 @@
-"""Model specs on the command line, shared by ``evendp plan`` and ``evendp launch`` (and the
-AMP dtypes and demo batches ``evendp train`` reuses).
-
-``--model gpt`` (the demo char GPT), ``--model lm-head`` (a language-model head with
-``--vocab``/``--seq-len``), ``--model package.module:factory`` or ``--model
-path/to/file.py:factory``, plus the planner's options (optimizer, AMP, checkpointing,
-bucket view, margin, CUDA context), turned into what :func:`evendp.plan` takes. Not a
-subcommand: ``cli/__init__.py`` lists those by name.
-"""
+"""``--model`` (``gpt``, ``lm-head``, ``package.module:factory``, ``file.py:factory``) and the
+planner's options of ``evendp plan`` and ``evendp launch``, as :func:`evendp.plan` takes them."""
 
 from __future__ import annotations
 
@@ -32,7 +25,7 @@ from .._planning._memory import (
     live_memory,
     parse_memory,
 )
-from ._args import bounded_float, bounded_int, suggest
+from ._args import add_int, bounded_float, suggest
 
 if TYPE_CHECKING:  # torch loads when a model is resolved: evendp launch without --model
     import torch  # needs none
@@ -43,6 +36,7 @@ __all__ = [
     "ModelSpec",
     "add_model_arguments",
     "gpt_batch",
+    "load_module",
     "memory_specs",
     "plan_options",
     "raised_at",
@@ -79,9 +73,7 @@ class ModelSpec:
 
 
 def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | None) -> None:
-    """Add ``--model``, ``--vocab``, ``--seq-len`` and the planner's options to ``parser``.
-
-    ``parser`` may be an argument group. ``default=None`` makes ``--model`` optional.
+    """Add ``--model`` (optional when ``default=None``) and the planner's options to ``parser``.
 
     >>> p = argparse.ArgumentParser()
     >>> add_model_arguments(p, default="gpt")
@@ -97,18 +89,9 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
         "factory() returns (model, batch_fn) or (model, batch_fn, criterion), or a model "
         f"with an example_batch(n) method (default: {default or 'none'})",
     )
-    parser.add_argument(
-        "--vocab",
-        type=bounded_int("--vocab", 1, 10_000_000, 40_000),
-        default=40_000,
-        help="lm-head vocabulary size (default 40000)",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=bounded_int("--seq-len", 1, 1_000_000, 512),
-        default=None,
-        help="lm-head / gpt sequence length (default: the model's own)",
-    )
+    add_int(parser, "--vocab", (1, 10_000_000, 40_000), 40_000, "lm-head vocabulary size")
+    own = "lm-head / gpt sequence length (default: the model's own)"
+    add_int(parser, "--seq-len", (1, 1_000_000, 512), None, own)
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -138,15 +121,8 @@ def add_model_arguments(parser: argparse._ActionsContainer, *, default: str | No
 
 
 def plan_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`evendp.plan` that the options added above set.
-
-    Checked here so a bad value is named by its flag (``--margin``), not by the Python
-    argument it becomes (``safety_margin``).
-    """
-    if args.margin is not None and not 0.0 <= args.margin < 1.0:
-        raise EvendpError(
-            f"--margin must be in [0, 1), got {shown(args.margin)}; e.g. --margin 0.05"
-        )
+    """The keyword arguments of :func:`evendp.plan` that the options added above set (a bad
+    ``--context`` named by its flag, not by the argument it becomes)."""
     try:
         parse_bytes(args.context)
     except EvendpError:
@@ -167,8 +143,6 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
 def memory_specs(text: str | None) -> list[DeviceMemory]:
     """``--memory TEXT`` as the planner's devices; without it, the live GPUs' free memory.
 
-    Errors name the flag, not the Python argument, so the fix can be typed as shown.
-
     >>> [d.free >> 30 for d in memory_specs("24GiB,2x12GiB")]
     [24, 12, 12]
     """
@@ -186,9 +160,8 @@ def memory_specs(text: str | None) -> list[DeviceMemory]:
 
 
 def raised_at(exc: BaseException) -> str:
-    """Where a user's function raised ``exc``: ``" at FILE:LINE in NAME"`` of the innermost
-    frame outside Python's own libraries and evendp (a factory's line, not torch's); ``""``
-    when no frame is the user's (a factory called with the wrong arguments).
+    """``" at FILE:LINE in NAME"``: the innermost frame of ``exc`` outside Python's libraries
+    and evendp (``""`` when none is the user's).
 
     >>> def make():
     ...     return int("x")
@@ -214,11 +187,7 @@ def raised_at(exc: BaseException) -> str:
 
 
 def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None) -> ModelSpec:
-    """A built-in model by name (``gpt``, ``lm-head``) or a user's ``package.module:factory``
-    or ``path/to/file.py:factory``.
-
-    Raises :class:`EvendpError` (exit code 2 on the command line) when the spec is malformed,
-    the module or factory cannot be loaded, the factory fails, or it returns something else.
+    """A built-in model by name or a user's factory; :class:`EvendpError` when it cannot be had.
 
     >>> resolve_model("nonsense")
     Traceback (most recent call last):
@@ -251,9 +220,6 @@ def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
     from ..examples.lm_head import LMHead, lm_loss
 
     seq = 250 if seq_len is None else seq_len
-    if vocab <= 0 or seq <= 0:
-        raise EvendpError(f"--vocab and --seq-len must be positive, got {vocab}, {seq}")
-
     import torch
 
     def lm_batch(n: int) -> Any:
@@ -274,12 +240,8 @@ def _user(spec: str) -> ModelSpec:
             f"--model {shown(spec)} is not 'gpt', 'lm-head', 'package.module:factory' or "
             "'path/to/file.py:factory'; e.g. --model mypkg.models:make_model"
         )
-    # As `python -m` does: modules in the current directory import (the console script's
-    # sys.path[0] is its own bin/ folder).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        module = _load_module(spec, module_name)
+        module = load_module(spec, module_name)
         factory = getattr(module, attr) if hasattr(module, attr) else _no_factory(spec, module)
     except EvendpError:
         raise
@@ -324,13 +286,11 @@ def _user(spec: str) -> ModelSpec:
         return ModelSpec(lambda: factory()[0], made[1], criterion)
     raise EvendpError(
         f"{shown(spec)} returned {type(made).__name__}; expected an nn.Module with "
-        "example_batch(n), "
-        "(model, batch_fn) or (model, batch_fn, criterion)"
+        "example_batch(n), (model, batch_fn) or (model, batch_fn, criterion)"
     )
 
 
 def _no_factory(spec: str, module: Any) -> NoReturn:
-    """Refuse a factory name the module does not define, naming the functions it does."""
     where, _, attr = spec.rpartition(":")
     names = sorted(
         name
@@ -343,12 +303,13 @@ def _no_factory(spec: str, module: Any) -> NoReturn:
     raise EvendpError(f"--model {spec!r}: {where} has no {attr!r} (it defines: {defined}){fix}")
 
 
-def _load_module(spec: str, name: str) -> Any:
-    """The module ``name`` names: a dotted module, or a Python file (``models.py``,
-    ``../lib/models.py``), loaded as ``python models.py`` would find its own imports: its
-    folder first on ``sys.path``. The file is the user's own code, named on the command line.
-    """
+def load_module(spec: str, name: str) -> Any:
+    """A dotted module (importable from the current folder, as under ``python -m``: the console
+    script's ``sys.path[0]`` is its bin/), or a Python file loaded with its folder first on
+    ``sys.path`` (as ``python models.py`` finds its imports)."""
     if not (name.endswith(".py") or os.sep in name or "/" in name):
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
         return importlib.import_module(name)
     path = Path(name).expanduser().resolve()
     if not path.is_file():
@@ -376,8 +337,7 @@ def _load_module(spec: str, name: str) -> Any:
 def _probe_call(
     spec: str, model: nn.Module, batch_fn: Callable[[int], Any], criterion: Any | None
 ) -> None:
-    """One forward on fake tensors, as the planner will call it: a model and a ``batch_fn``
-    that disagree get one line saying what was called with what, not a deep TypeError."""
+    """One forward on fake tensors: a model and ``batch_fn`` that disagree get one line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .._core._calls import call as _call
@@ -411,12 +371,7 @@ def _probe_call(
 
 
 def _describe(value: Any) -> str:
-    """A short description of a batch: ``a tuple of 2 tensors [1, 64], [1]``.
-
-    >>> import torch
-    >>> _describe((torch.zeros(1, 4), torch.zeros(1)))
-    'a tuple of 2 tensors [1, 4], [1]'
-    """
+    """A short description of a batch: ``a tuple of 2 tensors [1, 64], [1]``."""
     import torch
 
     if isinstance(value, torch.Tensor):

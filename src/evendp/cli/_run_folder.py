@@ -1,18 +1,10 @@
-"""What in ``--out`` is evendp's: a fresh run never deletes or replaces what is not.
+"""Output paths checked before any work: a run must not train for minutes and then find it
+cannot write (a probe file really created: permission bits miss read-only file systems), nor
+delete or replace what is not evendp's.
 
-A folder evendp trains into carries a small marker, ``.evendp-run.json``, written when a run
-starts there. ``--out`` is accepted when it is missing, empty, marked, or holds only files
-evendp writes (a run folder from before the marker); a folder with other files and no marker
-(a home folder, a project) is refused before any work: ``report.json`` or ``metrics.csv`` there
-would be replaced. ``--overwrite`` deletes only evendp's own checkpoint files of a marked
-folder (unmarked, a ``ckpt.pt`` may be another program's: refused), by their exact names
-(``ckpt.pt``, ``ckpt.prev.pt``, ``ckpt.rngR.pt``, ``ckpt.dcp/``, ``ckpt.ds/``...), a folder
-only when everything in it is what a run writes there, and never follows a link: a user's
-``ckpt.backups/`` or ``ckpt.notes.txt`` stays. A link, a FIFO or a device node at a checkpoint's
-name in a marked folder (what a resume refuses) is removed by its name, never opened nor
-followed. It all happens in the folder ``--out`` resolves to, once no other user controls it
-(:func:`~evendp._core._trusted.trusted_run_folder`), and is said by that real path. An
-``--out`` that is a dangling link is refused.
+A run folder carries a marker, ``.evendp-run.json``. ``--out`` is accepted when it is missing,
+empty, marked, or holds only files evendp writes; ``--overwrite`` deletes only evendp's own
+checkpoints of a marked folder, by their exact names, never following a link.
 """
 
 from __future__ import annotations
@@ -22,15 +14,18 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 from .._core._errors import EvendpError
 from .._core._files import mkdir_private
 from .._core._trusted import describe_owner, trusted_run_folder
-from .._core._validate import shown
+from .._core._validate import shown, validate_path
 
 __all__ = [
     "MARKER",
+    "check_out_dir",
+    "check_out_file",
     "claim_out_dir",
     "evendp_checkpoints",
     "foreign_entries",
@@ -62,14 +57,7 @@ def _is_ours(entry: Path) -> bool:
 
 
 def foreign_entries(out: Path) -> list[str]:
-    """The names in ``out`` that no evendp run writes (none when ``out`` carries the marker).
-
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp()); _ = (d / "ckpt.pt").write_bytes(b""); foreign_entries(d)
-    []
-    >>> _ = (d / "notes.txt").write_text("mine"); foreign_entries(d)
-    ['notes.txt']
-    """
+    """The names in ``out`` that no evendp run writes (none when ``out`` carries the marker)."""
     if not out.is_dir() or _is_marker(out / MARKER):
         return []
     return sorted(p.name for p in out.iterdir() if not _is_ours(p))
@@ -80,23 +68,17 @@ def evendp_checkpoints(out: Path) -> list[Path]:
     exact names, no links, and a folder only when all it holds is what a run writes there."""
     if not out.is_dir():
         return []
-    found = []
-    for entry in sorted(out.iterdir()):
-        if entry.is_symlink() or not _CHECKPOINT.fullmatch(entry.name):
-            continue
-        if entry.is_dir():
-            if not _written_by_a_run(entry):
-                continue  # not a folder evendp wrote: left alone
-        elif not entry.is_file():
-            continue
-        found.append(entry)
-    return found
+    return [
+        entry
+        for entry in sorted(out.iterdir())
+        if _CHECKPOINT.fullmatch(entry.name)
+        and (_regular(entry, _CHECKPOINT) or (_is_folder(entry) and _written_by_a_run(entry)))
+    ]
 
 
 def odd_checkpoints(out: Path) -> list[Path]:
-    """What sits at a checkpoint's name in ``out`` that is neither a file nor a folder: a
-    link (to anything), a FIFO, a socket, a device node. A resume refuses each, and
-    ``--overwrite`` removes each by its name (``unlink``: never opened, never followed).
+    """What sits at a checkpoint's name in ``out`` that is neither a file nor a folder (a link,
+    a FIFO, a device node): a resume refuses it, ``--overwrite`` unlinks it.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp()); os.mkfifo(d / "ckpt.prev.pt")
@@ -137,11 +119,9 @@ def _is_folder(path: Path) -> bool:
 
 
 def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
-    """Before a fresh run's first work: refuse an ``out`` that another user controls
-    (:func:`~evendp._core._trusted.trusted_run_folder`), is a dangling link or holds files
-    that are not a run's; with ``overwrite``, delete evendp's checkpoints there (returned, by
-    their real paths: in the folder ``out`` resolves to), else refuse when there are any. Then
-    mark ``out`` as a run folder."""
+    """Before a fresh run's work: refuse an ``out`` another user controls, a dangling link, or
+    one holding files not a run's or (without ``overwrite``) checkpoints; else delete those
+    (returned, by their real paths) and mark ``out`` as a run folder."""
     folder = trusted_run_folder(out)  # every deletion below is in this real folder
     given = Path(out)
     if given.is_symlink() and not given.exists():
@@ -159,7 +139,7 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
         )
     marked = _is_marker(folder / MARKER)
     found, odd = evendp_checkpoints(folder), odd_checkpoints(folder)
-    _refuse_lookalikes(folder, found + odd if overwrite and marked else found, marked)
+    _refuse_lookalikes(folder, found + odd if overwrite and marked else found, marked, odd)
     found = sorted(found + odd)
     if found and overwrite and not marked:
         raise EvendpError(
@@ -174,11 +154,9 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
             "pass --overwrite to delete it and start over"
         )
     for path in found:
-        if path in odd:
-            path.unlink()  # the link or the FIFO itself: never opened, never followed
-        elif path.is_dir():
+        if path.is_dir() and path not in odd:
             shutil.rmtree(path)
-        else:
+        else:  # a file, or the link or the FIFO itself: never opened, never followed
             path.unlink()
     _mark(folder)
     return found
@@ -192,9 +170,8 @@ def _named(out: str, folder: Path) -> str:
 
 
 def unclaim_out_dir(out: str, *, created: bool) -> None:
-    """A run refused before it wrote anything leaves nothing behind: the marker
-    :func:`claim_out_dir` wrote goes when it is all the folder holds, and the folder too when
-    the claim ``created`` it."""
+    """A run refused before it wrote anything leaves nothing behind: the marker, alone in the
+    folder, goes, and the folder too when the claim ``created`` it."""
     folder = Path(out)
     if not _is_folder(folder) or [e.name for e in folder.iterdir()] != [MARKER]:
         return
@@ -204,13 +181,11 @@ def unclaim_out_dir(out: str, *, created: bool) -> None:
             folder.rmdir()
 
 
-def _refuse_lookalikes(folder: Path, found: list[Path], marked: bool) -> None:
-    """A checkpoint name evendp would write to that is not a run's file (a link, a FIFO, a
-    folder of other files): never replaced, never written into. In a run folder (``marked``)
-    a link or a special file can go with ``--overwrite`` (an ``unlink``: its target stays)."""
+def _refuse_lookalikes(folder: Path, found: list[Path], marked: bool, odd: list[Path]) -> None:
+    """Refuse a checkpoint name that is not a run's file (a link, a FIFO, a folder of other
+    files); in a run folder (``marked``) an ``odd`` one may go with ``--overwrite``."""
     if not folder.is_dir():
         return
-    odd = odd_checkpoints(folder)
     for entry in sorted(folder.iterdir()):
         if _CHECKPOINT.fullmatch(entry.name) and entry not in found:
             what = "a link" if entry.is_symlink() else "not a file an evendp run writes"
@@ -224,9 +199,8 @@ def _refuse_lookalikes(folder: Path, found: list[Path], marked: bool) -> None:
 
 
 def _is_marker(path: Path) -> bool:
-    """evendp's marker: a regular file of this user's, not a link to one (a planted link to
-    any file would let foreign files through the check, and so would another user's marker,
-    planted while the folder was open to them)."""
+    """evendp's marker: a regular file of this user's (a planted link, or another user's
+    file, would let foreign files through the check)."""
     try:
         info = path.lstat()
     except OSError:
@@ -257,3 +231,72 @@ def _mark(folder: Path) -> None:
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"format": "evendp-run", "written_by": "evendp train"}, f)
+
+
+def check_out_dir(flag: str, path: str) -> None:
+    """``path`` is a folder, or can be made one, no other local user controls it
+    (:func:`~evendp._core._trusted.trusted_run_folder`), and files can be written in it.
+
+    >>> check_out_dir("--out", "/proc/evendp-run")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: --out '/proc/evendp-run': cannot write in '/proc' ...
+    """
+    validate_path(flag, path)
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise EvendpError(
+            f"{flag} {shown(path)} is a file, not a folder; give a folder (created if missing), "
+            f"e.g. {flag} runs/x"
+        )
+    trusted_run_folder(path, flag)
+    _check_writable(flag, path, _nearest_existing(target))
+
+
+def check_out_file(flag: str, path: str) -> None:
+    """``path`` can be written as a file: its folder exists and is writable, it is no folder.
+
+    >>> check_out_file("--plot", "/missing/dir/p.png")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: --plot '/missing/dir/p.png': the folder '/missing/dir' does ...
+    """
+    validate_path(flag, path)
+    target = Path(path)
+    if target.is_dir():
+        raise EvendpError(
+            f"{flag} {shown(path)} is a folder; give a file name, e.g. {flag} {target / 'plan.png'}"
+        )
+    parent = target.parent
+    if not parent.is_dir():
+        what = "is a file, not a folder" if parent.exists() else "does not exist"
+        raise EvendpError(
+            f"{flag} {shown(path)}: the folder {shown(str(parent))} {what}; create it first or "
+            f"give a path in an existing folder, e.g. {flag} {target.name}"
+        )
+    _check_writable(flag, path, parent)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (the folder ``mkdir -p`` starts from)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_writable(flag: str, path: str, folder: Path) -> None:
+    if not folder.is_dir():
+        raise EvendpError(
+            f"{flag} {shown(path)}: {shown(str(folder))} is a file, so the folder cannot be "
+            "created there; choose another path"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".evendp-probe-", dir=folder)
+    except OSError as exc:
+        raise EvendpError(
+            f"{flag} {shown(path)}: cannot write in {shown(str(folder))} ({exc.strerror or exc}); "
+            "choose a folder you can write to"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)

@@ -1,9 +1,5 @@
-"""``evendp train``'s options: their declaration, the checks across them, and what they name.
-
-Parsing here turns the user's text (``--devices``, ``--memory``, ``--weights``) into the
-values both runs use (one process or one per device); torch is imported only where a value
-needs it, so declaring the options costs nothing.
-"""
+"""``evendp train``'s options: their declaration, the checks across them, and what they name
+(torch is imported only where a value needs it)."""
 
 from __future__ import annotations
 
@@ -20,11 +16,10 @@ from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import json_data, shown
 from .._training._strategies import STRATEGIES, rank_strategy_names
-from ._args import bounded_float, bounded_int, memory_text
+from ._args import add_int, bounded_float, memory_text
 
 __all__ = [
     "train_config",
-    "DEFAULT_BATCH",
     "DEMO_MEMORY",
     "OPTIONS_ENV",
     "add_options",
@@ -43,8 +38,6 @@ __all__ = [
 
 #: Where ``evendp train --mode ddp|fsdp2`` hands its validated options to the ranks.
 OPTIONS_ENV = "EVENDP_TRAIN_OPTIONS"
-#: ``--batch``'s default; the ranks' batch plan (EVENDP_BATCH_SIZES) is held to any other value.
-DEFAULT_BATCH = defaults.BATCH
 
 _DEFAULT_OUT = "runs/demo"
 # The CPU demo's virtual devices: two roomy, one small (the seeds' story).
@@ -53,18 +46,8 @@ DEMO_MEMORY = "48MiB,48MiB,24MiB"
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """Declare ``evendp train``'s options on its parser ``p``."""
-    p.add_argument(
-        "--steps",
-        type=bounded_int("--steps", 1, 10_000_000, 200),
-        default=defaults.STEPS,
-        help=f"optimizer steps (default {defaults.STEPS})",
-    )
-    p.add_argument(
-        "--batch",
-        type=bounded_int("--batch", 1, 1_000_000, 32),
-        default=DEFAULT_BATCH,
-        help=f"global batch per step, in samples (default {DEFAULT_BATCH})",
-    )
+    add_int(p, "--steps", (1, 10_000_000, 200), defaults.STEPS, "optimizer steps")
+    add_int(p, "--batch", (1, 1_000_000, 32), defaults.BATCH, "global batch per step, in samples")
     p.add_argument(
         "--devices",
         default=None,
@@ -104,12 +87,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default="none",
         help="autocast to bf16 / fp16 (fp16 with loss scaling) (default none: fp32)",
     )
-    p.add_argument(
-        "--accum",
-        type=bounded_int("--accum", 1, 1024, 2),
-        default=1,
-        help="micro-batches per step (default 1)",
-    )
+    add_int(p, "--accum", (1, 1024, 2), 1, "micro-batches per step")
     p.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default {_DEFAULT_OUT})")
     p.add_argument(
         "--resume",
@@ -127,12 +105,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="start fresh in OUT even when it holds another run's checkpoint, deleting that "
         "checkpoint (without it such a run is refused)",
     )
-    p.add_argument(
-        "--max-restarts",
-        type=bounded_int("--max-restarts", 0, 100, 1),
-        default=0,
-        help=f"--mode {_rank_modes()}: times torchrun restarts the ranks after one fails; they "
-        "resume from the last checkpoint (default 0)",
+    restarts = f"--mode {_rank_modes()}: times torchrun restarts the ranks after one fails"
+    add_int(
+        p, "--max-restarts", (0, 100, 1), 0, restarts + "; they resume from the last checkpoint"
     )
     _add_node_options(p)
     p.add_argument(
@@ -148,57 +123,27 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"--mode {_rank_modes()}: how long a rank waits for the others in a collective "
         "once training runs; a rank silent for longer (hung, stopped) ends the run, naming it, "
-        "exit 1 "
-        f"(at least {defaults.MIN_COMM_TIMEOUT_S:g}; default {defaults.COMM_TIMEOUT_S:g})",
+        f"exit 1 (at least {defaults.MIN_COMM_TIMEOUT_S:g}; default {defaults.COMM_TIMEOUT_S:g})",
     )
-    p.add_argument(
-        "--checkpoint-every",
-        type=bounded_int("--checkpoint-every", 0, 10_000_000, defaults.CHECKPOINT_EVERY),
-        default=defaults.CHECKPOINT_EVERY,
-        help=f"steps between checkpoints (0: end only) (default {defaults.CHECKPOINT_EVERY})",
-    )
+    every, between = defaults.CHECKPOINT_EVERY, "steps between checkpoints (0: end only)"
+    add_int(p, "--checkpoint-every", (0, 10_000_000, every), every, between)
     p.add_argument(
         "--lr",
         type=bounded_float("--lr", 0.0, 10.0, "3e-3"),
         default=defaults.LR,
         help=f"AdamW learning rate (default {defaults.rate_text(defaults.LR)})",
     )
-    p.add_argument(
-        "--warmup-steps",
-        type=bounded_int("--warmup-steps", 0, 10_000_000, 100),
-        default=0,
-        help="steps of linear learning-rate warmup, then the constant rate (default 0: none)",
-    )
-    p.add_argument(
-        "--seed",
-        type=bounded_int("--seed", 0, 2**63 - 1, defaults.SEED),
-        default=defaults.SEED,
-        help="seed of the model's initialization and the batch order (default 0)",
-    )
+    warmup = "steps of linear learning-rate warmup, then the constant rate (default 0: none)"
+    add_int(p, "--warmup-steps", (0, 10_000_000, 100), 0, warmup)
+    seed = "seed of the model's initialization and the batch order"
+    add_int(p, "--seed", (0, 2**63 - 1, defaults.SEED), defaults.SEED, seed)
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
-    p.add_argument(
-        "--n-layer",
-        type=bounded_int("--n-layer", 1, 64, 3),
-        default=3,
-        help="transformer blocks (default 3)",
-    )
-    p.add_argument(
-        "--n-embd",
-        type=bounded_int("--n-embd", 4, 4096, 64),
-        default=64,
-        help="embedding width, a multiple of 4 (4 heads) (default 64)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=bounded_int("--block-size", 8, 4096, 128),
-        default=128,
-        help="longest sample in characters; longer paragraphs are cut (default 128)",
-    )
-    p.add_argument(
-        "--max-chars",
-        type=bounded_int("--max-chars", 10_000, 100_000_000, 1_000_000),
-        default=1_000_000,
-        help="corpus size in characters (default 1000000)",
+    add_int(p, "--n-layer", (1, 64, 3), 3, "transformer blocks")
+    add_int(p, "--n-embd", (4, 4096, 64), 64, "embedding width, a multiple of 4 (4 heads)")
+    cut = "longest sample in characters; longer paragraphs are cut"
+    add_int(p, "--block-size", (8, 4096, 128), 128, cut)
+    add_int(
+        p, "--max-chars", (10_000, 100_000_000, 1_000_000), 1_000_000, "corpus size in characters"
     )
     p.add_argument(
         "--log-to",
@@ -227,21 +172,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-#: Several machines: (flag, its bounds and example when a number, default, help).
-_NODE_OPTIONS: tuple[tuple[str, tuple[int, int, int] | None, int | None, str], ...] = (
-    ("--nnodes", (1, 100_000, 2), 1, "machines in the run (default 1)"),
-    ("--node-rank", (0, 99_999, 1), None,
-     "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"),
-    ("--master-addr", None, None,
-     "node 0's address every node reaches (on a private network: docs/ddp.md)"),
-    ("--master-port", (1, 65_535, 29_501), None,
-     "node 0's port for the store (default: torchrun's, 29500)"),
-)  # fmt: skip
-
-
 def _rank_modes(last: str = ", ") -> str:
-    """The ``--mode`` values that run ranks, as the strategy registry lists them (``last``:
-    what joins the last one).
+    """The ``--mode`` values that run ranks (``last`` joins the last one).
 
     >>> _rank_modes(), _rank_modes(" or ")
     ('ddp, fsdp2, zero1, deepspeed', 'ddp, fsdp2, zero1 or deepspeed')
@@ -259,9 +191,13 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
         "(machines may hold different numbers); --weights (one weight per rank of the whole "
         "run, node 0's first) and every other option the same everywhere",
     )
-    for flag, bounds, default, text in _NODE_OPTIONS:
-        kind: Callable[[str], Any] = str if bounds is None else bounded_int(flag, *bounds)
-        nodes.add_argument(flag, type=kind, default=default, help=text)
+    add_int(nodes, "--nnodes", (1, 100_000, 2), 1, "machines in the run")
+    place = "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"
+    add_int(nodes, "--node-rank", (0, 99_999, 1), None, place)
+    reach = "node 0's address every node reaches (on a private network: docs/ddp.md)"
+    nodes.add_argument("--master-addr", type=str, default=None, help=reach)
+    port = "node 0's port for the store (default: torchrun's, 29500)"
+    add_int(nodes, "--master-port", (1, 65_535, 29_501), None, port)
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -313,7 +249,6 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def _validate_pairs(args: argparse.Namespace) -> None:
-    """Options that contradict each other."""
     if args.resume and args.resume_or_start:
         raise EvendpError(
             "--resume (a checkpoint must be there) and --resume-or-start (start fresh when "
@@ -367,7 +302,6 @@ def _validate_nodes(args: argparse.Namespace) -> None:
 
 
 def _validate_rank_options(args: argparse.Namespace) -> None:
-    """Options that mean nothing, or two things, with one process per device."""
     if args.memory is not None and not STRATEGIES[args.mode].plans_memory:
         raise EvendpError(
             f"--memory {shown(args.memory)} plans DDP ranks' batch sizes, but the planner has no "
@@ -377,8 +311,7 @@ def _validate_rank_options(args: argparse.Namespace) -> None:
     if args.mode == "ddp" and args.memory is not None and args.weights is not None:
         raise EvendpError(
             f"--memory {shown(args.memory)} and --weights {shown(args.weights)} both set the "
-            "ranks' "
-            "batch sizes under --mode ddp (the planner's split for the memory, or the "
+            "ranks' batch sizes under --mode ddp (the planner's split for the memory, or the "
             "weights'); give one"
         )
 
@@ -387,17 +320,13 @@ def _checkpoint_in(args: argparse.Namespace) -> Path:
     return Path(args.out) / STRATEGIES[args.mode].checkpoint_name
 
 
-def torchrun_restarted() -> bool:
-    """Whether torchrun restarted this rank after a failure (then it resumes implicitly)."""
+def torchrun_restarted() -> bool:  # then the rank resumes implicitly
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def resume_check(args: argparse.Namespace) -> int | None:
-    """Before any work: an exit code when there is nothing to do, else ``None``.
-
-    ``--resume`` with no checkpoint is an error (exit 2) unless ``--resume-or-start``; a
-    checkpoint already at or past ``--steps`` is said and left untouched (exit 0).
-    """
+    """Before any work: an exit code when there is nothing to do (a checkpoint at ``--steps``:
+    0), else ``None``; ``--resume`` with no checkpoint is refused."""
     if not (args.resume or args.resume_or_start or torchrun_restarted()):
         return None
     node = int(getattr(args, "node_rank", 0) or 0)
@@ -432,8 +361,7 @@ def resume_check(args: argparse.Namespace) -> int | None:
 
         raise CheckpointError(
             f"checkpoint {shown(str(found))} was trained with a global batch of {saved_batch}, "
-            "this "
-            f"run has {args.batch}: resuming would change the order of the remaining samples; "
+            f"this run has {args.batch}: resuming would change the order of the remaining samples; "
             f"resume with --batch {saved_batch}, or start fresh with another --out"
         )
     if step >= args.steps:
@@ -449,21 +377,15 @@ def resume_check(args: argparse.Namespace) -> int | None:
 
 
 def fresh_start_check(args: argparse.Namespace) -> Callable[[], None] | None:
-    """Before any work, for a run that starts fresh: ``--out`` is a writable folder, holds no
-    other run's checkpoint (``--overwrite`` deletes it instead; nothing is lost silently) and
-    nothing that is not a run's (:mod:`evendp.cli._run_folder`). Returns what undoes the
-    claim when the run is then refused before it writes (``None``: nothing was claimed).
-
-    The launcher of ``--mode ddp|fsdp2`` checks once; its ranks do not (rank 0's first save
-    would look like another run to a rank that starts late).
-    """
-    from ._paths import check_out_dir
+    """Before a fresh run's work: ``--out`` is writable and holds nothing of another run's
+    (:mod:`evendp.cli._run_folder`); what undoes the claim if the run is then refused
+    (``None``: nothing claimed). Ranks do not check: rank 0's first save would look like
+    another run to a rank that starts late."""
+    from ._run_folder import check_out_dir, claim_out_dir, unclaim_out_dir
 
     check_out_dir("--out", args.out)
     if args.resume or args.resume_or_start or torchrun_restarted() or is_launched_rank():
         return None
-    from ._run_folder import claim_out_dir, unclaim_out_dir
-
     created = not os.path.lexists(args.out)
     found = claim_out_dir(args.out, overwrite=args.overwrite)
     if found:  # said by the real folder's path: a link of the user's names another
@@ -474,8 +396,7 @@ def fresh_start_check(args: argparse.Namespace) -> Callable[[], None] | None:
     return lambda: unclaim_out_dir(args.out, created=created)
 
 
-#: Options named otherwise than the ``TrainConfig`` field they set (flag dest -> field); an
-#: option named like its field needs no entry: it is copied (see :func:`train_config`).
+#: Options named otherwise than the ``TrainConfig`` field they set (dest -> field).
 _FIELD_OF = {"batch": "batch_size", "checkpointing": "activation_checkpointing", "out": "out_dir"}
 #: Fields that only ranks take: in one process they would be refused or ignored.
 _RANK_FIELDS = ("balance", "comm_timeout", "strategy_config")
@@ -484,10 +405,8 @@ _RANK_FIELDS = ("balance", "comm_timeout", "strategy_config")
 def train_config(
     args: argparse.Namespace, *, every_step: bool, batch_sizes: list[int] | None = None
 ) -> Any:
-    """The run's ``TrainConfig`` from its options, for one process (``--mode dp``,
-    ``--model``) or for each rank (``batch_sizes``: this rank's plan). The one place an
-    option becomes a field: an option named like its field is copied, so a new option is
-    its field and its flag. ``every_step``: ``--log-to`` writes one row per step."""
+    """The run's ``TrainConfig``, for one process or a rank (``batch_sizes``: its plan); an
+    option named like its field is copied. ``every_step``: one log row per step."""
     import dataclasses
 
     from .._training._trainer import TrainConfig
@@ -511,8 +430,7 @@ def is_launched_rank() -> bool:
 
 
 def parse_devices(text: str | None, check_gpus: bool = True) -> list[str | int]:
-    """``--devices`` as BalancedDataParallel device ids; GPUs named only where CUDA is
-    (``check_gpus=False``: physical ids for the launcher, which asks NVML itself).
+    """``--devices`` as device ids (``check_gpus=False``: not checked against CUDA).
 
     >>> parse_devices("cpu, cpu")
     ['cpu', 'cpu']
@@ -567,17 +485,14 @@ def _validate_gpu(text: str, index: int) -> int:
 
 def device_memory(args: argparse.Namespace, devices: list[str | int]) -> list[int] | None:
     """Each device's memory in bytes (``None``: not declared, use weights or free memory)."""
-    from evendp._planning._memory import parse_memory
+    from ._model_spec import memory_specs
 
     text = args.memory
     if text is None and args.devices is None and args.weights is None and all_cpu(devices):
         text = DEMO_MEMORY  # the default demo: three virtual devices, one small
     if text is None:
         return None
-    try:
-        memory = [m.free for m in parse_memory(text)]
-    except EvendpError as exc:
-        raise EvendpError(f"--memory {shown(text)}: {exc}") from None
+    memory = [m.free for m in memory_specs(text)]
     if len(memory) != len(devices):
         raise EvendpError(
             f"--memory {shown(text)} has {len(memory)} entries for {len(devices)} devices; give "
@@ -591,18 +506,19 @@ def all_cpu(devices: list[str | int]) -> bool:
 
 
 def parse_weights(text: str | None, devices: list[str | int]) -> list[float] | None:
-    if text is None:
-        if devices and all(isinstance(d, int) for d in devices):
-            return _free_memory_weights([int(d) for d in devices])
+    if text is not None:
+        return weights_list(text, len(devices))
+    ids = [d for d in devices if isinstance(d, int)]
+    if not devices or len(ids) < len(devices) or len(set(ids)) < len(ids):
         return None
-    return weights_list(text, len(devices))
+    import torch  # each GPU's share follows its free memory (another job shrinks it)
+
+    return [float(torch.cuda.mem_get_info(i)[0]) for i in ids]
 
 
 def weights_list(text: str, count: int, nodes: int = 1) -> list[float]:
-    """``--weights`` as numbers: one per device (``count``) on one machine; on ``nodes``
-    machines one per rank of the whole run, node 0's first, so at least this machine's
-    ``count`` and one for each other machine (machines may differ; the ranks check the total).
-    """
+    """``--weights`` as numbers: one per device (``count``), or on ``nodes`` machines one per
+    rank of the whole run (the ranks check the total)."""
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
@@ -627,19 +543,8 @@ def weights_list(text: str, count: int, nodes: int = 1) -> list[float]:
     return weights
 
 
-def _free_memory_weights(ids: list[int]) -> list[float] | None:
-    # Each GPU's share follows its free memory (another job on a card shrinks its share).
-    import torch
-
-    free = []
-    for i in ids:
-        f, _ = torch.cuda.mem_get_info(i)
-        free.append(float(f))
-    return free if len(set(ids)) == len(ids) else None
-
-
 def options_json(args: argparse.Namespace) -> str:
-    """Every parsed option as JSON, for the ranks (the subcommand's ``func`` stays behind).
+    """Every parsed option as JSON, for the ranks.
 
     >>> options_json(argparse.Namespace(steps=3, out="runs/x", func=print))
     '{"steps": 3, "out": "runs/x"}'
@@ -648,15 +553,7 @@ def options_json(args: argparse.Namespace) -> str:
 
 
 def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
-    """In a rank started by ``evendp train --mode ddp|fsdp2``: the parent's options, whole.
-
-    A rank's own argv only names its run; ``args`` is returned unchanged elsewhere (one
-    process, or ``evendp train`` started under the user's own torchrun).
-
-    >>> os.environ.pop(OPTIONS_ENV, None)
-    >>> options_from_env(argparse.Namespace(steps=3)).steps
-    3
-    """
+    """In a rank started by ``evendp train``: the launcher's options (``args`` elsewhere)."""
     text = os.environ.get(OPTIONS_ENV)
     if text is None or "RANK" not in os.environ:
         return args
@@ -683,9 +580,8 @@ _MAX_OPTIONS_CHARS = 1_000_000
 
 
 def _checked_options(text: str) -> dict[str, object]:
-    """``EVENDP_TRAIN_OPTIONS`` checked as the command line checks its options: known names
-    only, each value of its option's kind and range (the same argparse types and choices),
-    so a variable set by hand cannot pass what ``--n-layer 300`` would not.
+    """``EVENDP_TRAIN_OPTIONS`` checked by the options' own argparse types and choices: a
+    variable set by hand cannot pass what ``--n-layer 300`` would not.
 
     >>> _checked_options('{"n_layer": 300}')  # doctest: +ELLIPSIS
     Traceback (most recent call last):

@@ -12,6 +12,7 @@ from .._core._errors import EvendpError
 from .._core._validate import shown
 
 __all__ = [
+    "BUDGET_NOTE",
     "build_demo",
     "demo_model_name",
     "metric_logger",
@@ -45,14 +46,19 @@ def build_demo(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def demo_model_name(args: argparse.Namespace) -> str:
-    return (
-        f"char GPT {args.n_layer}x{args.n_embd} on stdlib paragraphs (<= {args.block_size} "
-        "chars, padded)"
-    )
+    size = f"{args.n_layer}x{args.n_embd}"
+    return f"char GPT {size} on stdlib paragraphs (<= {args.block_size} chars, padded)"
 
 
-def print_report(report: Any, paths: dict[str, Path]) -> None:
+def print_report(report: Any, out: str, logger: tuple[Any, Path] | None) -> None:
+    """Write the report in ``out`` and print it, with where its files are."""
     from rich.console import Console
+
+    from .._training._report import write_report
+
+    paths = write_report(report, out)
+    if logger is not None:
+        paths["metrics"] = logger[1]
 
     console = Console()
     if not console.is_terminal:  # a log file or pipe: wide enough for every column
@@ -63,10 +69,7 @@ def print_report(report: Any, paths: dict[str, Path]) -> None:
 
 
 def metric_logger(args: argparse.Namespace) -> tuple[Any, Path] | None:
-    """``--log-to``: the shipped logger (a Trainer callback) and where it writes, or ``None``.
-
-    The Trainer calls it on every step (``log_every=1`` with ``--log-to``): one row per step.
-    """
+    """``--log-to``: the logger (a Trainer callback) and where it writes, or ``None``."""
     from .._training._loggers import CSVLogger, TensorBoardLogger
 
     out = Path(args.out)
@@ -92,3 +95,12 @@ def share_cpu_threads(devices: list[str | int]) -> None:
     if all_cpu(devices) and len(devices) > 1:
         # Virtual devices are threads: one intra-op thread each keeps 2 cores from thrashing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+
+
+BUDGET_NOTE = (
+    "Budgets on CPU virtual devices count each replica's forward allocations (activations "
+    "kept for backward, temporaries, outputs) plus its parameters, and on the first device "
+    "the gradients and optimizer state; backward's transient allocations run in the autograd "
+    "engine's thread and are not counted (measured = forward peak; planned = the planner's "
+    "forward+backward peak)."
+)

@@ -1,9 +1,5 @@
-"""``evendp train --mode ddp|fsdp2``: one process per device under torchrun.
-
-The parent plans the launch (``evendp launch``'s planning) and starts torchrun with
-``cli/train.py`` as every rank's script; each rank trains its share and rank 0 writes the
-report.
-"""
+"""``evendp train --mode ddp|fsdp2``: the launcher plans the ranks and starts torchrun with
+``cli/train.py`` as every rank's script; each rank trains its share, rank 0 reports."""
 
 from __future__ import annotations
 
@@ -14,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import shown
 from ._args import say_error
 from ._train_args import (
-    DEFAULT_BATCH,
     OPTIONS_ENV,
     options_json,
     parse_devices,
@@ -32,10 +28,9 @@ __all__ = ["launch_ranks", "plan_ranks", "report_error", "run_rank", "say_how_to
 
 
 def report_error(exc: EvendpError) -> int:
-    """One line for ``exc``: under torchrun only each node's first rank (rank 0 on one node)
-    prints it and leaves its exit code for its node's launcher, and the rank exits 0 (no
-    ``ChildFailedError``, no restart of a run that would fail again); elsewhere it is
-    printed and its exit code returned."""
+    """One line for ``exc`` and its exit code; under torchrun each node's first rank says it
+    and leaves the code to its launcher, and the rank exits 0 (no restart of a run that would
+    fail again)."""
     from .._distributed._stalled import RankStalled, report_stalled
     from .._planning._launch import ENV_OUTCOME, write_outcome
 
@@ -57,11 +52,8 @@ def report_error(exc: EvendpError) -> int:
 
 
 def told_the_other_nodes(args: argparse.Namespace, exc: EvendpError) -> EvendpError:
-    """``exc``, refusing the run on one machine of several before its agent started, told to
-    the other machines too, which would otherwise wait for this one until torchrun's
-    rendezvous timeout: node 0 serves its refusal where the others' agents look for node 0's
-    store, another node leaves it in node 0's store (waiting for node 0 to come up). The
-    error says whether they were told."""
+    """``exc``, refusing the run on one machine of several, told to the other machines (which
+    would otherwise wait until torchrun's rendezvous timeout), saying whether they were."""
     line = f"node {getattr(args, 'node_rank', 0)} refused the run: {exc}"
     said = _tell_the_other_nodes(args, line, exc.exit_code)
     if said is None:
@@ -72,21 +64,17 @@ def told_the_other_nodes(args: argparse.Namespace, exc: EvendpError) -> EvendpEr
 
 
 def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str | None:
-    """Leave ``line`` and ``code`` for the other machines of a run of several (``None``: one
-    machine, or a rank, whose launcher tells them); what became of it, in a few words."""
-    from .._core._validate import validate_int
+    """Leave ``line`` and ``code`` for the other machines; what became of it (``None``: one
+    machine, or a rank, whose launcher tells them)."""
     from .._distributed._torchrun import _nodes
 
     nodes, node = int(getattr(args, "nnodes", 1) or 1), getattr(args, "node_rank", None)
-    host = getattr(args, "master_addr", None)
+    host = str(getattr(args, "master_addr", None) or "")
     if os.environ.get("RANK") is not None or nodes == 1 or node is None or not host:
         return None
-    if not 0 <= int(node) < nodes or not _nodes.resolves(str(host)):
+    if not 0 <= int(node) < nodes or not _nodes.resolves(host):
         return None  # this machine's place, or node 0's address, is what it refused
-    try:
-        port = validate_int("--master-port", args.master_port or 29500, minimum=1)
-    except EvendpError:
-        return None
+    port = args.master_port or 29500  # in range: its option's type checked it
     where, wait = f"{host}:{port}", f"{_nodes.tell_wait_s():g} s"
 
     def waiting(what: str) -> None:
@@ -100,21 +88,14 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
     try:
         if node:
             told = _nodes.tell_node0(
-                str(host), port, int(node), line, code=code,
+                host, port, int(node), line, code=code,
                 waiting=lambda: waiting(f"node 0 at {where} to come up, to tell it"),
             )  # fmt: skip
-            return (
-                f"node 0 at {where} was told, and stops too"
-                if told
-                else (f"node 0 at {where} was not reached within {wait}: stop it there if it waits")
-            )
+            if told:
+                return f"node 0 at {where} was told, and stops too"
+            return f"node 0 at {where} was not reached within {wait}: stop it there if it waits"
         missing = _nodes.tell_other_nodes(
-            str(host),
-            port,
-            nodes,
-            line,
-            code=code,
-            waiting=lambda: waiting("the other nodes to read"),
+            host, port, nodes, line, code=code, waiting=lambda: waiting("the other nodes to read")
         )
     except KeyboardInterrupt:
         return "the wait to tell the other nodes was interrupted: stop them there if they wait"
@@ -125,8 +106,7 @@ def _tell_the_other_nodes(args: argparse.Namespace, line: str, code: int) -> str
 
 
 def told_nothing_to_train(args: argparse.Namespace, code: int) -> int:
-    """On node 0 of several, whose launcher found nothing to train (the checkpoint is at
-    ``--steps``): the other nodes, which leave that check to node 0, are told to end too."""
+    """On node 0 of several that found nothing to train: the other nodes are told to end."""
     if code == 0 and not getattr(args, "node_rank", None):
         _tell_the_other_nodes(args, "node 0 found nothing to train (its checkpoint is at "
                               "--steps)", 0)  # fmt: skip
@@ -134,8 +114,8 @@ def told_nothing_to_train(args: argparse.Namespace, code: int) -> int:
 
 
 def say_how_to_resume(code: int, argv: list[str] | None = None, saved: bool = True) -> int:
-    """After a run stopped by a signal: one line with the exact command that continues it
-    (``saved``: whether the ranks said they saved on the way out)."""
+    """After a run stopped by a signal: the command that continues it (``saved``: the ranks
+    said they saved)."""
     from .._distributed._interrupt import resume_command
 
     if code in (130, 143):
@@ -146,8 +126,7 @@ def say_how_to_resume(code: int, argv: list[str] | None = None, saved: bool = Tr
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
-    """Plan the ranks, start them under torchrun and wait; the exit code (130/143 after a
-    signal)."""
+    """Plan the ranks, start them under torchrun and wait; the exit code."""
     from .._distributed._run_lock import child_env, hold_run_dir
     from .._planning._launch import launch_with_outcome
 
@@ -169,12 +148,8 @@ def launch_ranks(args: argparse.Namespace) -> int:
 
 
 def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
-    """The launch plan, carrying every validated option to the ranks, and the ranks' argv.
-
-    The options travel once, as JSON in the plan's environment (``OPTIONS_ENV``); the argv
-    only names the run (``--mode``, ``--out``, CPU ``--devices``) so that ``ps`` and
-    torchrun's logs tell which run a worker belongs to.
-    """
+    """The launch plan, carrying the options to the ranks as JSON (``OPTIONS_ENV``), and the
+    ranks' argv, which only names the run (for ``ps`` and torchrun's logs)."""
     from .._planning._launch import plan_launch
 
     gpus, cpu = _ddp_devices(args.devices)
@@ -185,7 +160,9 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
         sizes = _rank_sizes(args, nproc, cpu)
         plan = plan_launch(nproc=nproc, nnodes=args.nnodes, **sizes, **where)
     except EvendpError:
-        if gpus and not _nvidia_driver():  # the launcher's words name its own --gpus
+        from . import has_gpu
+
+        if gpus and not has_gpu():  # the launcher's words name its own --gpus
             raise EvendpError(
                 f"--devices {shown(args.devices)} names GPUs, but no NVIDIA driver was found here; "
                 "train on CPU ranks with --devices cpu,cpu"
@@ -196,17 +173,6 @@ def plan_ranks(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if cpu:  # the ranks must not pick up the GPUs they can see
         argv += ["--devices", args.devices]
     return plan, argv
-
-
-def _nvidia_driver() -> bool:
-    from .._core._errors import NvmlUnavailableError
-    from .._planning._devices import list_devices
-
-    try:
-        list_devices()
-    except NvmlUnavailableError:
-        return False
-    return True
 
 
 def _nproc(args: argparse.Namespace, gpus: list[int] | None) -> int | str:
@@ -262,14 +228,11 @@ def _memory_sizes(args: argparse.Namespace, nproc: int | str, cpu: bool) -> dict
 
 
 def _restarts(args: argparse.Namespace) -> dict[str, Any]:
-    """torchrun's --max-restarts only when asked (its default, 0, otherwise), and the nodes'
-    options of a run on several machines.
+    """torchrun's --max-restarts when asked, and the nodes' options of several machines.
 
-    The rendezvous stays torchrun's static one at evendp's loopback address and free port (as
-    without restarts): its store listens on 127.0.0.1 only and each restart round reuses it
-    (the ranks take a key prefix of their round's own, :func:`_restart_store`). Not the c10d
-    rendezvous: its store listens on every interface, and its agent unpickles what the store
-    holds, so anyone who reaches the port runs code in the launcher.
+    The rendezvous stays torchrun's static one (each restart round reuses its store, under a
+    prefix of its own: :func:`_restart_store`), not c10d's: its store listens on every
+    interface and its agent unpickles what the store holds.
     """
     passed = {"max_restarts": args.max_restarts or None}
     if args.nnodes > 1:  # torchrun's static rendezvous at node 0 (docs/ddp.md)
@@ -289,27 +252,20 @@ def _ddp_devices(text: str | None) -> tuple[list[int] | None, bool]:
     """
     if text is None:
         return None, False
-    entries = parse_devices(text, check_gpus=False)
-    if all(str(d).startswith("cpu") for d in entries):
+    entries = parse_devices(text, check_gpus=False)  # each "cpu" or a GPU index
+    if all(d == "cpu" for d in entries):
         return None, True
-    gpus = []
-    for d in entries:
-        index = d if isinstance(d, int) else str(d).removeprefix("cuda:")
-        if isinstance(index, str) and not index.isdigit():
-            raise EvendpError(
-                f"--devices {shown(text)} mixes or misnames devices for --mode ddp; give GPU "
-                "indices (e.g. 0,1 or cuda:0,cuda:1), one per rank, or cpu,cpu for CPU ranks"
-            )
-        gpus.append(int(index))
-    return gpus, False
+    if "cpu" in entries:
+        raise EvendpError(
+            f"--devices {shown(text)} mixes or misnames devices for --mode ddp; give GPU "
+            "indices (e.g. 0,1 or cuda:0,cuda:1), one per rank, or cpu,cpu for CPU ranks"
+        )
+    return [int(d) for d in entries], False
 
 
 def _restart_store() -> dict[str, Any]:
-    """Under torchrun's agent store: a key prefix of this restart round's own.
-
-    The agent's store outlives the workers; without a prefix per round, a restarted rank can
-    read the dead round's gloo addresses and wait forever in ``init_process_group``.
-    """
+    """Under torchrun's agent store, which outlives the workers: a key prefix of this restart
+    round's own (else a restarted rank can read the dead round's addresses and hang)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     from datetime import timedelta
@@ -328,14 +284,6 @@ def _restart_store() -> dict[str, Any]:
     }
 
 
-def _collect_from_here() -> None:
-    """What start-up built (the modules, the model, the data) lives for the whole run: out of
-    every later collection (the steps', finish_distributed's), and collection back on where
-    the rank's script paused it for start-up (train.py)."""
-    gc.freeze()
-    gc.enable()
-
-
 def run_rank(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -344,7 +292,6 @@ def run_rank(args: argparse.Namespace) -> int:
     from .._distributed._interrupt import die_with_parent, exit_code
     from .._distributed._plan_agreement import agreed_plan
     from .._planning._launch import write_outcome
-    from .._training._report import write_report
     from .._training._trainer import Trainer
 
     die_with_parent()  # torchrun killed: this rank stops after its step, saving
@@ -371,7 +318,8 @@ def run_rank(args: argparse.Namespace) -> int:
         model, data, cfg, count_fn=CodeParagraphs.count_tokens, costs=data.lengths,
         counts=data.lengths, callbacks=None if logger is None else [logger[0]],
     )  # fmt: skip
-    _collect_from_here()
+    gc.freeze()  # what start-up built lives for the whole run: out of every later collection
+    gc.enable()  # which train.py paused for start-up
     report = trainer.fit()
     report.model = demo_model_name(args)
     report.devices = _with_budgets(report.devices, args.memory)
@@ -379,10 +327,7 @@ def run_rank(args: argparse.Namespace) -> int:
     del trainer, model  # their DDP wrapper holds the group: freed before the group ends
     finish_distributed()
     if rank == 0:
-        paths = write_report(report, args.out)
-        if logger is not None:
-            paths["metrics"] = logger[1]
-        print_report(report, paths)
+        print_report(report, args.out, logger)
         write_outcome(exit_code(report.signal), interrupted=report.interrupted)
     # Exit 0 after a clean stop: a failure code would make torchrun restart the group
     # (--max-restarts); the launcher exits with the code rank 0 left (130/143).
@@ -390,9 +335,8 @@ def run_rank(args: argparse.Namespace) -> int:
 
 
 def _rank_plan(args: argparse.Namespace, world: int) -> Any:
-    """This run's batch plan, from its one channel: the sizes (and caps) the launcher left in
-    ``EVENDP_BATCH_SIZES``, else (the user's own torchrun) ``--batch`` split evenly. ``--batch``
-    is the global batch: a plan that sums to another one is refused, not trained."""
+    """This run's batch plan: the launcher's ``EVENDP_BATCH_SIZES``, else ``--batch`` split
+    evenly; a plan that sums to another global batch is refused."""
     from .._distributed._batch_plan import BatchPlan, global_batch_size
     from .._distributed._launch_notes import note_sizes_read
 
@@ -411,14 +355,13 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     note_sizes_read()  # this rank trains with the launcher's sizes: it does not warn
     # evendp train --mode ddp planned the sizes for its --batch; under the user's own torchrun
     # a --batch other than the default was given, and must agree with the sizes set by hand.
-    if launched or args.batch != DEFAULT_BATCH:
+    if launched or args.batch != defaults.BATCH:
         global_batch_size(args.batch, list(plan.sizes), cli="EVENDP_BATCH_SIZES=")
     return plan
 
 
 def _with_budgets(devices: list[Any], memory: str | None) -> list[Any]:
-    """Each rank's ``DeviceStat`` with its declared --memory (the budget its share was planned
-    for)."""
+    """Each rank's ``DeviceStat`` with its declared --memory as its budget."""
     if memory is None:
         return devices
     from dataclasses import replace

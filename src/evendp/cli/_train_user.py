@@ -1,26 +1,15 @@
-"""``evendp train --model module:factory --memory ...``: the user's own model, rehearsed on
-CPU virtual devices that enforce the memory as budgets (:func:`evendp.rehearse`).
-
-The factory returns ``(model, dataset)`` or ``(model, dataset, loss_fn)``: the dataset is a
-map-style dataset whose samples ``default_collate`` stacks (or with a ``batch(indices)``
-method), the loss as for :class:`evendp.Trainer` (default: ``model(*batch)``'s loss).
-"""
+"""``evendp train --model module:factory --memory ...``: the user's ``(model, dataset[,
+loss_fn])`` rehearsed on CPU virtual devices that enforce the memory (:func:`evendp.rehearse`)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 from .._core._errors import EvendpError
-from ._demo import BUDGET_NOTE
-from ._model_spec import raised_at
+from ._model_spec import load_module, memory_specs, raised_at
 from ._train_args import parse_devices, parse_weights, train_config
-from ._train_common import metric_logger, print_report
+from ._train_common import BUDGET_NOTE, metric_logger, print_report
 
 __all__ = ["load_training_factory", "run_user_model"]
 
@@ -28,7 +17,6 @@ __all__ = ["load_training_factory", "run_user_model"]
 def run_user_model(args: argparse.Namespace) -> int:
     """Rehearse the user's model and write the report; the exit code."""
     from .._distributed._interrupt import exit_code
-    from .._planning._memory import parse_memory
     from .._training._rehearse import rehearse
     from .._training._trainer import default_loss
     from ._train_common import share_cpu_threads
@@ -39,10 +27,7 @@ def run_user_model(args: argparse.Namespace) -> int:
             f"--model {args.model!r} rehearses on CPU virtual devices with memory budgets; "
             "give one per device, e.g. --memory 24MiB,12MiB"
         )
-    try:
-        memory = [m.free for m in parse_memory(args.memory)]
-    except EvendpError as exc:
-        raise EvendpError(f"--memory {args.memory!r}: {exc}") from None
+    memory = [m.free for m in memory_specs(args.memory)]
     devices = _devices(args, len(memory))
     weights = parse_weights(args.weights, devices)
     share_cpu_threads(devices)
@@ -60,12 +45,7 @@ def run_user_model(args: argparse.Namespace) -> int:
         say=lambda line: print(f"evendp train: {line}", flush=True),
     )  # fmt: skip
     report.model = args.model
-    from .._training._report import write_report
-
-    paths = write_report(report, args.out)  # with the model's name in the title
-    if logger is not None:
-        paths["metrics"] = logger[1]
-    print_report(report, paths)
+    print_report(report, args.out, logger)  # with the model's name in the title
     print(BUDGET_NOTE)
     return say_how_to_resume(exit_code(report.signal), args.argv)
 
@@ -90,13 +70,7 @@ def _devices(args: argparse.Namespace, count: int) -> list[str | int]:
 
 
 def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
-    """``(model, dataset, loss_fn or None)`` from ``module:factory`` or ``file.py:factory``.
-
-    >>> load_training_factory("nonsense")
-    Traceback (most recent call last):
-    ...
-    evendp.InputError: --model 'nonsense' is not 'package.module:factory' or ...
-    """
+    """``(model, dataset, loss_fn or None)`` from ``module:factory`` or ``file.py:factory``."""
     import torch
 
     target, _, attr = spec.rpartition(":")
@@ -105,7 +79,14 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
             f"--model {spec!r} is not 'package.module:factory' or 'path/file.py:factory'; "
             "e.g. --model mymodels:make, where make() returns (model, dataset)"
         )
-    factory = getattr(_import(spec, target), attr, None)
+    try:
+        module = load_module(spec, target)
+    except ImportError as exc:
+        raise EvendpError(
+            f"cannot load --model {spec!r}: {exc}; give an importable module (package.module, "
+            "run from the folder that holds it) or a path ending in .py"
+        ) from None
+    factory = getattr(module, attr, None)
     if not callable(factory):
         raise EvendpError(f"--model {spec!r}: {target} has no function {attr!r}; check the name")
     try:
@@ -132,27 +113,3 @@ def load_training_factory(spec: str) -> tuple[Any, Any, Any]:
             f"or (model, dataset, loss_fn), the dataset map-style (len and [i]){other}"
         )
     return made[0], made[1], made[2] if len(made) == 3 else None
-
-
-def _import(spec: str, target: str) -> Any:
-    """The module ``target`` names: a dotted module (the current folder importable, as under
-    ``python -m``) or a ``.py`` file's path."""
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise ImportError(f"no file {target}")
-            found = importlib.util.spec_from_file_location(path.stem, path)
-            if found is None or found.loader is None:
-                raise ImportError(f"cannot load {target}")
-            module = importlib.util.module_from_spec(found)
-            found.loader.exec_module(module)
-            return module
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        return importlib.import_module(target)
-    except ImportError as exc:
-        raise EvendpError(
-            f"cannot load --model {spec!r}: {exc}; give an importable module (package.module, "
-            "run from the folder that holds it) or a path ending in .py"
-        ) from None

@@ -35,17 +35,9 @@ def render_table(devices: list[DeviceInfo]) -> Table:
     from rich.table import Table
 
     table = Table(title="GPUs (NVML, PCI bus order)")
-    for name, justify in [
-        ("id", "right"),
-        ("PCI bus", "left"),
-        ("name", "left"),
-        ("total", "right"),
-        ("free", "right"),
-        ("used %", "right"),
-        ("util %", "right"),
-        ("processes (pid: memory)", "left"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    last = "processes (pid: memory)"
+    for name in ["id", "PCI bus", "name", "total", "free", "used %", "util %", last]:
+        table.add_column(name, justify="left" if name in ("PCI bus", "name", last) else "right")
     for d in devices:
         procs = ", ".join(
             f"{p.pid}" + ("" if p.used_memory is None else f": {format_bytes(p.used_memory)}")

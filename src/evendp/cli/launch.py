@@ -22,14 +22,10 @@ from .._planning._launch import (
     torchrun_command,
     validate_passed_numbers,
 )
-from ._args import bounded_int, memory_text, say_error, say_units
+from ._args import add_int, memory_text, say_error, say_units
 from ._model_spec import add_model_arguments, plan_options, resolve_model
 
 __all__ = ["add_parser", "run"]
-
-# The global batch when nothing sizes the ranks (TrainConfig's and evendp train's): split
-# evenly on CPU, by free memory on GPUs.
-_DEFAULT_BATCH = defaults.BATCH
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -60,12 +56,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--nproc", default="auto", help="ranks per node: an int or 'auto' (default auto)"
     )
-    parser.add_argument(
-        "--batch",
-        type=bounded_int("--batch", 1, 1_000_000_000, 64),
-        help=f"global batch, split across ranks for you (default {_DEFAULT_BATCH} when no "
-        "--batch-sizes or --model is given; with --batch-sizes, their sum)",
+    split = (
+        f"global batch, split across ranks for you (default {defaults.BATCH} when no "
+        "--batch-sizes or --model is given; with --batch-sizes, their sum)"
     )
+    add_int(parser, "--batch", (1, 1_000_000_000, 64), None, split)
     parser.add_argument("--batch-sizes", help="per-rank batch sizes for all ranks, e.g. 3,5")
     parser.add_argument(
         "--gpus", type=_gpu_list, help="physical GPU ids (nvidia-smi order), e.g. 2,3"
@@ -117,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             say_units("evendp launch", flag, getattr(args, flag[2:].replace("-", "_")))
         batch = args.batch
         if batch is None and args.batch_sizes is None and args.model is None:
-            batch = _DEFAULT_BATCH
+            batch = defaults.BATCH  # TrainConfig's and evendp train's
             how = "evenly (CPU ranks)" if _no_gpus(gpu_ids) else "by each GPU's free memory"
             print(
                 f"evendp launch: no --batch, --batch-sizes or --model: global batch "
@@ -152,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(torchrun_command(plan, args.script, args.script_args, passthrough)))
             return 0
         env = {**os.environ, ENV_STRICT: "1"} if args.strict else None
-        if batch == _DEFAULT_BATCH and args.batch is None:  # a script's own sizes win
+        if batch == defaults.BATCH and args.batch is None:  # a script's own sizes win
             env = {**(env or os.environ), ENV_BATCH_DEFAULTED: "1"}
         if str(args.nnodes or 1) != "1":  # several machines: their ranks compare these
             env = {**(env or os.environ), ENV_LAUNCH_OPTIONS: _shared_options(args, sizes)}
@@ -168,8 +163,7 @@ _SHARED = ("batch", "batch_sizes", "strict", "nnodes", "max_restarts")
 
 
 def _shared_options(args: argparse.Namespace, sizes: list[int] | None) -> str:
-    """The options the ranks of every machine compare (JSON), sizes as read (``1, 3`` is
-    ``1,3``).
+    """The options the ranks of every machine compare (JSON), sizes as read.
 
     >>> ns = argparse.Namespace(batch=None, batch_sizes=" 1, 3", strict=False, nnodes="2",
     ...                         max_restarts=None)
@@ -183,7 +177,8 @@ def _shared_options(args: argparse.Namespace, sizes: list[int] | None) -> str:
 
 
 def _validate_script(script: str, passthrough: dict[str, object]) -> None:
-    """A missing script fails here in one line, not in every rank after torchrun starts."""
+    """A missing script, or one that is not Python (README.md, a shell script), fails here in
+    one line, not in every rank after torchrun starts."""
     if passthrough.get("module") or passthrough.get("no_python"):
         return  # SCRIPT is a module name or a program: torchrun resolves it
     if not Path(script).is_file():
@@ -191,15 +186,8 @@ def _validate_script(script: str, passthrough: dict[str, object]) -> None:
             f"script {shown(script)} does not exist (looked in {str(Path.cwd())!r}); give the path "
             "of a Python file, e.g. evendp launch --nproc 2 examples/ddp_uneven.py"
         )
-    _validate_python(script)
-
-
-def _validate_python(script: str) -> None:
-    """torchrun runs SCRIPT with python in every rank: a file that is not Python (README.md,
-    a shell script) is said once here, not as a SyntaxError traceback per rank."""
-    source = Path(script).read_bytes()
     try:
-        compile(source, script, "exec", dont_inherit=True)
+        compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         where = f" (line {exc.lineno}: {exc.msg})" if isinstance(exc, SyntaxError) else ""
         raise EvendpError(
@@ -210,15 +198,9 @@ def _validate_python(script: str) -> None:
 
 
 def _no_gpus(gpu_ids: list[int] | None) -> bool:
-    if gpu_ids:
-        return False
-    from .._core._errors import NvmlUnavailableError
-    from .._planning._devices import list_devices
+    from . import has_gpu
 
-    try:
-        return not list_devices()
-    except (EvendpError, NvmlUnavailableError):  # no NVIDIA driver: CPU ranks
-        return True
+    return not gpu_ids and not has_gpu()
 
 
 def _validate_texts(args: argparse.Namespace) -> list[int] | None:

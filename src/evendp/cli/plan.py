@@ -11,9 +11,8 @@ import json
 from typing import Any, get_args
 
 from .._core._errors import EvendpError
-from .._core._validate import validate_int
 from .._planning._solve import Mode
-from ._args import bounded_int, memory_text, say_error, say_units
+from ._args import add_int, memory_text, say_error, say_units
 from ._model_spec import add_model_arguments, memory_specs, plan_options, resolve_model
 
 
@@ -41,12 +40,8 @@ def add_parser(subparsers: Any) -> None:
         help="dp: one process (device 0 holds the optimizer and the gathered outputs); "
         "ddp: one process per device (default dp)",
     )
-    p.add_argument(
-        "--batch",
-        type=bounded_int("--batch", 1, 1_000_000_000, 64),
-        default=None,
-        help="global batch (default: the largest that fits)",
-    )
+    fits = "global batch (default: the largest that fits)"
+    add_int(p, "--batch", (1, 1_000_000_000, 64), None, fits)
     p.add_argument(
         "--no-grad",
         action="store_true",
@@ -63,11 +58,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         say_units("evendp plan", "--memory", args.memory)
         if args.plot:  # before planning: the picture must be writable
-            from ._paths import check_out_file
+            from ._run_folder import check_out_file
 
             check_out_file("--plot", args.plot)
-        if args.batch is not None:  # None: the largest batch that fits
-            validate_int("--batch", args.batch, minimum=1, example="--batch 64")
         from .._planning._plan import plan  # torch: after the arguments are checked
 
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)

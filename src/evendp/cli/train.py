@@ -33,8 +33,8 @@ from typing import Any
 
 
 class _EarlyStop:
-    """A rank's SIGINT/SIGTERM before evendp (and torch) are imported: kept, not a traceback;
-    the command line's stop flag takes it over and the run stops before its first step."""
+    """A rank's SIGINT/SIGTERM before torch is imported, kept for the command line's stop flag
+    (evendp.cli._fast.EarlyStop, which importing evendp would load torch to reach)."""
 
     signum: int | None = None
 
@@ -52,7 +52,7 @@ if __name__ == "__main__":  # torchrun's rank: from the first instant
     # 14.9 -> 11.3 s of CPU, 10.6 -> 8.5 s of wall time (3 runs each, interleaved).
     gc.disable()
 
-from evendp.cli._args import plain_text, say_units  # noqa: E402 (after the early handlers)
+from evendp.cli._args import say_units  # noqa: E402 (after the early handlers)
 from evendp.cli._train_args import add_options  # noqa: E402
 
 __all__ = ["add_parser", "run"]
@@ -63,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "train",
         help="train the built-in char GPT on the stdlib source, using every device fully",
-        description=plain_text(__doc__ or ""),
+        description=__doc__,  # plain text: CleanParser.format_help drops the markup
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(p)

@@ -1,9 +1,5 @@
-"""A small character-level GPT in the style of nanoGPT: readable, one file, shape comments.
-
-The built-in demo model: ``evendp train`` fits it to the Python standard library's own
-source (:mod:`evendp.examples.stdlib_text`). The default size (4 layers, 4 heads, 128-wide,
-64-character context) trains on two CPU cores in a couple of minutes.
-"""
+"""A small character-level GPT in the style of nanoGPT (the demo model of ``evendp train``):
+readable, one file, shape comments."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            validate_int(f"GPTConfig.{name}", value, minimum=1)
+            validate_int(f"GPTConfig.{name}", getattr(self, name), minimum=1)
         if self.n_embd % self.n_head:
             raise EvendpError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -66,9 +61,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape  # batch, time, channels
         q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
         # (B, T, C) -> (B, nh, T, hs): heads become a batch dimension.
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # Explicit attention (not the fused kernel) so the math, and its memory, is plain.
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
         mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
@@ -108,11 +101,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer over characters.
-
-    ``forward(idx, targets=None)`` returns ``(logits, loss)``: logits ``(B, T, vocab_size)``
-    and, when targets are given, the mean cross-entropy over all ``B * T`` positions (else
-    ``None``).
+    """A decoder-only transformer over characters: ``forward(idx, targets=None)`` returns
+    ``(B, T, vocab_size)`` logits and the mean cross-entropy (``None`` without targets).
 
     >>> torch.manual_seed(0) and None
     >>> model = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=16))

@@ -1,10 +1,5 @@
-"""The built-in corpus: the Python standard library's own ``.py`` source, as characters.
-
-Every machine that runs evendp has it, so the demo needs nothing downloaded. Files are read
-in a fixed order (sorted top-level modules of ``sysconfig.get_paths()["stdlib"]``) up to a
-character cap so loading stays well under a second. Characters outside printable ASCII are
-dropped: they are rare in the stdlib and would only blow up the vocabulary.
-"""
+"""The built-in corpus: the Python standard library's own ``.py`` source (on every machine:
+nothing to download), read in a fixed order up to a character cap, printable ASCII only."""
 
 from __future__ import annotations
 
@@ -36,10 +31,6 @@ IGNORE_INDEX = -100
 _ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 
 
-def _validate_positive_int(name: str, value: int) -> int:
-    return int(validate_int(name, value, minimum=1, example=f"{name}=64"))
-
-
 def load_corpus(max_chars: int = 1_000_000, stdlib_dir: str | Path | None = None) -> str:
     """Return up to ``max_chars`` characters of standard-library source, in a fixed order.
 
@@ -49,7 +40,7 @@ def load_corpus(max_chars: int = 1_000_000, stdlib_dir: str | Path | None = None
     >>> text == load_corpus(max_chars=2000)  # same machine, same text
     True
     """
-    _validate_positive_int("max_chars", max_chars)
+    validate_int("max_chars", max_chars, minimum=1, example="max_chars=64")
     root = Path(stdlib_dir if stdlib_dir is not None else sysconfig.get_paths()["stdlib"])
     files = sorted(root.glob("*.py"))
     if not files:
@@ -129,7 +120,7 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """
 
     def __init__(self, data: torch.Tensor, block_size: int) -> None:
-        _validate_positive_int("block_size", block_size)
+        validate_int("block_size", block_size, minimum=1, example="block_size=64")
         if data.dim() != 1 or len(data) <= block_size:
             raise EvendpError(
                 f"data must be 1-D and longer than block_size={block_size}, got shape "
@@ -163,9 +154,7 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def stdlib_dataset(
     block_size: int = 64, max_chars: int = 1_000_000, val_fraction: float = 0.1
 ) -> tuple[CharWindows, CharWindows, CharVocab]:
-    """Train and validation windows over the stdlib corpus, and the vocabulary.
-
-    The last ``val_fraction`` of the text is the validation split (no window crosses it).
+    """Train and validation windows (the last ``val_fraction`` of the text) and the vocabulary.
 
     >>> train, val, vocab = stdlib_dataset(block_size=16, max_chars=5000)
     >>> len(train.data) + len(val.data), vocab.size
@@ -184,14 +173,9 @@ def stdlib_dataset(
 
 
 class CodeParagraphs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Variable-length samples: one paragraph of code each (text between blank lines).
-
-    Item ``i`` is ``(x, y)`` of the paragraph's own length ``L_i - 1`` (at most
-    ``block_size``): next-character pairs within the paragraph. ``batch(indices)`` pads every
-    sample to the longest in the batch: ``x`` with ``pad_id``, ``y`` with ``-100``
-    (:data:`IGNORE_INDEX`), so a loss that ignores -100 averages over real characters only.
-    ``lengths[i]`` is sample ``i``'s count of real (non-ignored) targets, the per-sample cost
-    a cost-balanced sampler can use.
+    """Variable-length samples: one paragraph of code each, next-character pairs of its own
+    length (at most ``block_size``); ``batch`` pads to the longest (``y`` with
+    :data:`IGNORE_INDEX`); ``lengths[i]``: sample ``i``'s real targets, its cost.
 
     >>> ds = CodeParagraphs([torch.arange(5), torch.arange(3)], block_size=8)
     >>> ds.lengths
@@ -206,7 +190,7 @@ class CodeParagraphs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __init__(
         self, paragraphs: Sequence[torch.Tensor], block_size: int, pad_id: int = 0
     ) -> None:
-        _validate_positive_int("block_size", block_size)
+        validate_int("block_size", block_size, minimum=1, example="block_size=64")
         kept = [p[: block_size + 1] for p in paragraphs if p.dim() == 1 and len(p) >= 2]
         if not kept:
             raise EvendpError(
@@ -249,11 +233,8 @@ class CodeParagraphs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def stdlib_paragraphs(
     block_size: int = 128, max_chars: int = 1_000_000, val_fraction: float = 0.1
 ) -> tuple[CodeParagraphs, CodeParagraphs, CharVocab]:
-    """Train and validation paragraphs of the stdlib corpus (variable length), and the vocab.
-
-    Paragraphs are split at blank lines; those under 16 characters (a lone ``else:``) are
-    dropped, longer ones are cut to ``block_size + 1`` characters. The last ``val_fraction``
-    of the paragraphs is the validation split.
+    """Train and validation paragraphs (split at blank lines, under 16 characters dropped, cut
+    to ``block_size + 1``; the last ``val_fraction`` validates) and the vocabulary.
 
     >>> train, val, vocab = stdlib_paragraphs(block_size=32, max_chars=20_000)
     >>> min(train.lengths) >= 15 and max(train.lengths) == 32 and len(val) > 0
