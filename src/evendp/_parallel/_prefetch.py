@@ -41,10 +41,6 @@ class Prepared:
     layout: StepLayout
     counted: float | None = None  # the step's counted items over ranks, from Trainer(counts=)
 
-    @property
-    def samples(self) -> int:
-        return self.layout.samples
-
 
 class Prefetcher:
     """Iterate ``produce()``'s items, made ``depth`` ahead in a thread (``depth=0``: inline).
@@ -96,6 +92,10 @@ class Prefetcher:
 
     def __iter__(self) -> Prefetcher:
         return self
+
+    def items(self) -> Iterator[Any]:
+        """The items: ``produce()``'s own iterator when inline (no hop per item), else this."""
+        return self if self._inline is None else self._inline
 
     def __next__(self) -> Any:
         if self._inline is not None:

@@ -296,8 +296,11 @@ class OomResplit:
             return plan
         return pad_micro_steps(plan, shares, self.min_micro_steps)
 
-    def after_oom(self, error: RuntimeError, shares: Sequence[int]) -> bool:
-        """After ``error`` ended an attempt at the last :meth:`plan` of ``shares``: ``True``
+    def after_oom(
+        self, error: RuntimeError, shares: Sequence[int], sizes: list[int] | None = None
+    ) -> bool:
+        """After ``error`` ended an attempt at ``sizes`` per device (default: the last
+        :meth:`plan`'s) of ``shares``: ``True``
         when the micro-batches were halved and the step may run again (plan it again),
         ``False`` when none can shrink (skip the step). Re-raises ``error`` when it is not an
         OOM, or when this guard does not catch (``catch=False``).
@@ -309,7 +312,7 @@ class OomResplit:
             raise error
         device = device_index_of(error)
         where = "out of memory" + ("" if device is None else f" on device {device}")
-        if not self._shrink(shares, self._sizes, device):
+        if not self._shrink(shares, self._sizes if sizes is None else sizes, device):
             self.notes.append(f"{where} at the smallest micro-batch: the step is skipped")
             return False
         self.resplits += 1

@@ -2,7 +2,7 @@
 
 A part is anything with ``state_dict()`` and ``load_state_dict(sd)``, the shape of
 ``torch.distributed.checkpoint.stateful.Stateful``: a model, an optimizer, a scheduler, a
-scaler, the run's position (:class:`~evendp._training._train_state.TrainState`), a speed
+scaler, the run's position (:class:`~evendp._training._recorder.TrainState`), a speed
 balancer (:class:`~evendp.SpeedBalancer`). Two parts that hold no such methods of their own
 get a small adapter here: this process's random generators (:class:`RngState`) and the OOM
 re-split's micro-batch caps (:class:`OomCaps`), and this rank's place in the data
@@ -29,7 +29,7 @@ from .._core._validate import is_int, shown
 from .._distributed._sampler import UnevenBatchSampler
 from ._checkpoint import rng_state, set_rng_state, without_saved_rng
 from ._oom import OomResplit
-from ._train_state import TrainState
+from ._recorder import TrainState
 
 __all__ = ["OomCaps", "PerRank", "RngState", "SamplerPosition", "Stateful"]
 

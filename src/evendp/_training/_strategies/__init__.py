@@ -7,9 +7,9 @@ around a micro-step (``micro_step``), the gradients' reduction (``finish_step``:
 to step or skip, use; one call that returns what was agreed), the stop agreement, the loss
 and sample-count reductions, evaluation, how the sampler splits by cost, and the checkpoint
 format. It builds the run's stepper (:meth:`Strategy.build_stepper`, a
-:class:`~evendp._training._stepper.Stepper`: backward and the update, with the scaler,
+:class:`~evendp._training._step.Stepper`: backward and the update, with the scaler,
 clipping, the non-finite gate and the schedule of
-:class:`~evendp._training._optimizer_step.OptimizerStep`, or DeepSpeed's engine), which the
+:class:`~evendp._training._step.OptimizerStep`, or DeepSpeed's engine), which the
 Trainer calls itself.
 
 =============================  ===========================================================

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import signal
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,12 +16,10 @@ from torch import nn
 from ..._core._errors import EvendpError
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
-from ..._distributed._step_count import StepWeight
 from .._checkpointer import CheckpointFormat, WholeFile
 from .._evaluate import EvalFn
 from .._oom import OomResplit
-from .._optimizer_step import OptimizerStep, default_optimizer, run_schedule
-from .._stepper import Stepper
+from .._step import OptimizerStep, Stepper, StepWeight, default_optimizer, run_schedule
 
 __all__ = ["Sampling", "StepEnd", "StopSource", "Strategy"]
 
@@ -62,22 +59,15 @@ class StepEnd:
 
 
 class Strategy(abc.ABC):
-    """The capabilities a step calls, whatever the mode: the Trainer's
-    ``_train_step`` reads top to bottom and calls these::
-
-        batch = strategy.place(batch)                          # rows to devices
-        weight = strategy.count_weight(count)                  # or known: samples, counts=
-        for k, spans in enumerate(plan):                       # the guard's plan
-            with strategy.micro_step(last=k == len(plan) - 1): # sync on the last one only
-                loss = strategy.forward(rows, sizes) * weight.wait()
-                stepper.backward(loss)
-        end = strategy.finish_step(failed, total)              # reduced, agreed: step or skip
-        skipped = stepper.step(step)                           # unscale, clip, gate, step
-        ... strategy.agree_stop(step, end.votes)               # between steps
+    """The capabilities :func:`~evendp._training._step.train_step` calls, whatever the mode:
+    :meth:`place` (rows to devices), :meth:`count_weight` (a ``count_fn`` count summed over
+    processes), :meth:`micro_step` (around each micro-step: gradient sync on the last),
+    :meth:`forward`, and :meth:`finish_step` (reduced and agreed: step or skip, one call that
+    returns a value); the loop calls :meth:`agree_stop` between steps.
 
     Setup: :meth:`wrap` the loss module (refusing an optimizer it cannot use), the
     :meth:`sampler` (with the cost plan inside this process), :meth:`build_stepper` (the
-    :class:`~evendp._training._stepper.Stepper` the Trainer calls). Losses and samples are
+    :class:`~evendp._training._step.Stepper` the Trainer calls). Losses and samples are
     summed over processes by :meth:`reduce_losses` and :meth:`reduce_samples` when read.
     Also evaluation (:meth:`evaluate`) and the checkpoint's on-disk format
     (:attr:`checkpoint_format`).
@@ -87,7 +77,7 @@ class Strategy(abc.ABC):
 
     Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
     one-rank-per-device strategies of
-    :class:`~evendp._training._strategies._ranks.RankStrategy`; the registry
+    :class:`~evendp._training._strategies._ddp.RankStrategy`; the registry
     (``_registry.py``) names them.
     """
 
@@ -184,7 +174,7 @@ class Strategy(abc.ABC):
         """The run's stepper, which the Trainer calls (after :meth:`wrap`: FSDP2's parameters
         are sharded by then): ``optimizer``, else AdamW with ``config.lr`` and
         ``config.weight_decay``; fp16 loss scaling, clipping, the non-finite gate and the
-        schedule (:class:`~evendp._training._optimizer_step.OptimizerStep`). ``where`` names
+        schedule (:class:`~evendp._training._step.OptimizerStep`). ``where`` names
         the last good checkpoint for the gate's message."""
         built = optimizer or default_optimizer(
             self.model.parameters(), config.lr, config.weight_decay
@@ -346,26 +336,3 @@ def _warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
-    """``[this rank saw SIGINT, this rank saw SIGTERM]``: summed over ranks, never ambiguous."""
-    return torch.tensor(
-        [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)], device=device
-    )
-
-
-def agreed_signal(votes: torch.Tensor) -> int | None:
-    """The signal the summed ``votes`` agree on (SIGINT wins when both came)."""
-    return signal_of(*(float(v) for v in votes.tolist()))
-
-
-def signal_of(sigint: float, sigterm: float) -> int | None:
-    """The signal of summed votes already read (SIGINT wins when both came).
-
-    >>> signal_of(0.0, 2.0) == signal.SIGTERM, signal_of(0.0, 0.0)
-    (True, None)
-    """
-    if sigint > 0:
-        return int(signal.SIGINT)
-    return int(signal.SIGTERM) if sigterm > 0 else None
