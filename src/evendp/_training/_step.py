@@ -105,7 +105,7 @@ def train_step(t: Trainer, batch: Any, layout: StepLayout, counted: float | None
     total: torch.Tensor | None = None
     while True:  # the micro-steps; after an OOM, again with the failing device's halved
         caps = zip(shares, guard.micro_batch_sizes, strict=True)  # an OOM's (None: all)
-        sizes = [min(math.ceil(n / t.config.accum), cap or n) for n, cap in caps]
+        sizes = [min(math.ceil(share / t.config.accum), cap or share) for share, cap in caps]
         plan = micro_spans(shares, sizes)
         if len(plan) < guard.min_micro_steps:  # every rank runs as many as the most any runs
             plan = pad_micro_steps(plan, shares, guard.min_micro_steps)
