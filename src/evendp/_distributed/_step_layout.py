@@ -47,6 +47,7 @@ __all__ = [
     "checked_sizes",
     "epoch_order",
     "layout_step",
+    "micro_plan",
     "micro_spans",
     "pad_micro_steps",
     "sampler_inputs",
@@ -81,7 +82,7 @@ class StepLayout:
     samples: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rank_rows", tuple(sum(devices) for devices in self.rows))
+        object.__setattr__(self, "rank_rows", tuple(map(sum, self.rows)))
         object.__setattr__(self, "samples", len(self.indices))
 
     def rank_indices(self, rank: int) -> list[int]:
@@ -160,6 +161,22 @@ def layout_step(
         return StepLayout(tuple(order), tuple((len(share),) for share in shares))
     counts = list(sizes) if len(step) == sum(sizes) else split_sizes(len(step), list(sizes))
     return StepLayout(tuple(step), tuple((n,) for n in counts))
+
+
+def micro_plan(
+    rows: Sequence[int], accum: int, caps: Sequence[int | None], min_steps: int = 0
+) -> MicroPlan:
+    """How a step's rows run as micro-steps, decided here for the Trainer and the OOM guard:
+    each device's rows cut into pieces of at most ``ceil(rows / accum)`` (the accumulation's)
+    and ``caps[d]`` (an OOM's, ``None``: none), then padded with empty micro-steps up to
+    ``min_steps`` (every rank must run as many when collectives run inside them).
+
+    >>> micro_plan([3, 1], 1, [2, None]), micro_plan([4], 2, [None], min_steps=3)
+    ([[(0, 2), (0, 1)], [(2, 3), (1, 1)]], [[(0, 2)], [(2, 4)], [(4, 4)]])
+    """
+    pairs = zip(rows, caps, strict=True)
+    plan = micro_spans(rows, [min(math.ceil(n / accum), cap or n) for n, cap in pairs])
+    return plan if len(plan) >= min_steps else pad_micro_steps(plan, rows, min_steps)
 
 
 def micro_spans(rows: Sequence[int], sizes: Sequence[int]) -> MicroPlan:

@@ -33,6 +33,7 @@ on rank 0 alone are fine. The shipped loggers write on rank 0 only.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -113,7 +114,7 @@ class Recorder:
         steps the reads and ``on_log``; the callbacks' ``on_step_end``; an evaluation when
         due; the bar."""
         t, state = self.trainer, self.trainer.state
-        self.splits.append([n for rows in layout.rows for n in rows])
+        self.splits.append(list(itertools.chain.from_iterable(layout.rows)))
         for line in self._oom_lines() if t.guard.notes else []:
             self.bar.say(line)
         # This process's devices' rows, in the report's places (0 on other ranks' devices).
@@ -121,7 +122,7 @@ class Recorder:
         t.micro_steps = [
             [0] * before + rows + [0] * (devices - before - len(rows)) for rows in result.micro_rows
         ]
-        ran = [sum(c) for c in zip(*t.micro_steps, strict=True)] if t.micro_steps else [0] * devices
+        ran = list(map(sum, zip(*t.micro_steps, strict=True))) if t.micro_steps else [0] * devices
         # The loss is this process's part: reduce_losses makes it the step's. A step the gate
         # skipped on the device is dropped when the flags are read.
         state.record(result.loss, ran, local=True, skipped=result.skipped)

@@ -33,7 +33,6 @@ forward and waited for after it, so the collective overlaps the forward.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,7 +44,7 @@ from .._core._calls import as_args, as_batch
 from .._core._errors import EvendpError, InputError, TrainingError
 from .._core._exact import mean_scale, step_count, zero_weight
 from .._core._validate import shown, validate_count
-from .._distributed._step_layout import StepLayout, micro_spans, pad_micro_steps
+from .._distributed._step_layout import StepLayout, micro_plan
 from .._parallel._scatter import map_tensors, row_count_and_devices
 from ._oom import free_memory
 
@@ -95,7 +94,7 @@ def train_step(t: Trainer, batch: Any, layout: StepLayout, counted: float | None
         raise _no_batch_dimension(batch)
     if devices != {t.device}:  # this process's rows to its devices, where they are not
         batch = strategy.place(batch)
-    shares = list(layout.rows[t.rank])
+    shares = list(layout.rows[t.rank])  # this process's rows on each of its devices
     if sum(shares) != n:  # a batch function that makes rows of its own (packing)
         shares = strategy.shares(n)
     if counted is None and t.count_fn is None:
@@ -104,11 +103,8 @@ def train_step(t: Trainer, batch: Any, layout: StepLayout, counted: float | None
     stepper.zero_grad()
     total: torch.Tensor | None = None
     while True:  # the micro-steps; after an OOM, again with the failing device's halved
-        caps = zip(shares, guard.micro_batch_sizes, strict=True)  # an OOM's (None: all)
-        sizes = [min(math.ceil(share / t.config.accum), cap or share) for share, cap in caps]
-        plan = micro_spans(shares, sizes)
-        if len(plan) < guard.min_micro_steps:  # every rank runs as many as the most any runs
-            plan = pad_micro_steps(plan, shares, guard.min_micro_steps)
+        # Each device's rows in pieces: the accumulation's, capped where an OOM halved them.
+        plan = micro_plan(shares, t.config.accum, guard.micro_batch_sizes, guard.min_micro_steps)
         try:
             total, ran = torch.zeros((), device=t.device), []
             for k, spans in enumerate(plan):
@@ -130,7 +126,7 @@ def train_step(t: Trainer, batch: Any, layout: StepLayout, counted: float | None
                 total = total + loss.detach()
             break
         except RuntimeError as error:  # torch.OutOfMemoryError is one
-            retry = guard.after_oom(error, shares, sizes)  # re-raises anything else
+            retry = guard.after_oom(error, shares, plan)  # re-raises anything else
         # Outside the except block, so the failed graph's frames can be freed.
         stepper.zero_grad()
         free_memory()
