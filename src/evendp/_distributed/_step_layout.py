@@ -1,25 +1,18 @@
 """Who trains which rows of which step, decided in one place: the layout.
 
-An epoch's steps are a pure function of (seed, epoch, sizes, costs, caps): every rank walks
-one order (:func:`epoch_order`, seeded by ``seed + epoch``) with one cursor; a step takes
-``sum(sizes)`` indices (or a token budget's: :func:`step_length`), laid out over the ranks by
-:func:`layout_step`. :class:`Draw` holds a sampler's options (checked at the boundary);
-:class:`EpochSteps` walks one epoch and keeps what it drew, for reading after the batch left.
-
-A :class:`StepLayout` says, for one step, which samples each rank takes and how each rank's
-share falls on its devices. :func:`layout_step` builds it from data every rank holds alike (the
-epoch's permutation, the batch plan's sizes, the samples' costs and the caps), so every rank
-computes the same value with no communication: the sampler yields its rank's part of it, the
-Trainer adds the devices (:meth:`StepLayout.on_devices`) and reads the step's global count
-from it. The OOM guard cuts each device's rows into micro-steps with :func:`micro_spans`; how
-many micro-steps a step runs is the one thing a rank cannot know alone (it depends on every
-rank's OOM caps), so the ranks agree on it in one all-reduce and :func:`pad_micro_steps` pads
-to it.
+An epoch's steps are a pure function of (seed, epoch, sizes, costs, caps) that every rank
+computes alike, with no communication: one order (:func:`epoch_order`, seeded by
+``seed + epoch``) walked with one cursor (:class:`EpochSteps`; :class:`Draw` holds the
+sampler's options); each step takes ``sum(sizes)`` indices (or a token budget's:
+:func:`step_length`), laid out over the ranks by :func:`layout_step` as a :class:`StepLayout`
+(each rank's samples; :meth:`StepLayout.on_devices`: each rank's rows on its devices). A
+step's rows run as micro-steps cut by :func:`micro_plan` (the accumulation's and the OOM
+guard's caps, padded to the strategy's floor).
 
     plan (sizes, caps) --\\
     permutation, cursor --+--> layout_step --> StepLayout --on_devices--> rows per device
-    costs, max_costs ----/                                   |
-                                     OOM caps --> micro_spans --> pad_micro_steps (agreed count)
+    costs, max_costs ----/                                                     |
+                     accumulation, OOM caps, floor --> micro_plan --> micro-steps' spans
 """
 
 from __future__ import annotations

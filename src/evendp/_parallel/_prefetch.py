@@ -70,25 +70,21 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for item in self._produce():
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(("item", item)):
                     return
-            self._put_final(("end", None))
+            self._put(("end", None))
         except BaseException as error:  # handed to the consumer, raised in its thread
-            self._put_final(("error", error))
+            self._put(("error", error))
 
-    def _put_final(self, item: tuple[str, Any]) -> None:
+    def _put(self, item: tuple[str, Any]) -> bool:
+        """Queue ``item`` for the consumer; ``False`` once it has left (``__exit__``)."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def __iter__(self) -> Prefetcher:
         return self

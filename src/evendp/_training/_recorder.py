@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .._core._errors import EvendpError, TrainingError
+from .._core._errors import EvendpError
 from .._distributed._step_layout import StepLayout
 from .._planning._balance import split_per_step
 from ._report import FORWARD, RESERVED, DeviceStat, TrainReport, format_bytes
@@ -115,8 +115,11 @@ class Recorder:
         due; the bar."""
         t, state = self.trainer, self.trainer.state
         self.splits.append(list(itertools.chain.from_iterable(layout.rows)))
-        for line in self._oom_lines() if t.guard.notes else []:
-            self.bar.say(line)
+        if t.guard.notes:  # this rank's re-splits and skips (nearly every step: none)
+            where = f"step {state.step}" + (f", rank {t.rank}" if t.world > 1 else "")
+            for note in t.guard.notes:
+                self.bar.say(f"evendp: {where}: {note}")
+            t.guard.notes.clear()
         # This process's devices' rows, in the report's places (0 on other ranks' devices).
         before, devices = t.rank * len(t.strategy.devices), len(t.device_names)
         t.micro_steps = [
@@ -125,7 +128,7 @@ class Recorder:
         ran = list(map(sum, zip(*t.micro_steps, strict=True))) if t.micro_steps else [0] * devices
         # The loss is this process's part: reduce_losses makes it the step's. A step the gate
         # skipped on the device is dropped when the flags are read.
-        state.record(result.loss, ran, local=True, skipped=result.skipped)
+        state.record(result.loss, ran, result.skipped)
         cfg = t.config
         if display_due(state.step, self._start_step, cfg.steps, cfg.log_every):
             self._log(result.loss)  # the same steps on every rank: the reads pair
@@ -152,12 +155,6 @@ class Recorder:
             self._shown = t.state.last_loss
         t.callbacks.call("on_log", t, t.state.step, self.log_metrics(loss))
 
-    def resplit(self) -> None:
-        """After the speed balancer's step (every rank alike): a new split was applied to the
-        sampler (its ``on_resplit``); rank 0 says it."""
-        if self.trainer.rank == 0:
-            self.bar.say(self.resplit_line())
-
     def skipped_steps(self) -> int:
         """Steps skipped so far: by an OOM everywhere, or by the non-finite gate (a read)."""
         return self.trainer.guard.skipped + self.trainer.stepper.skipped
@@ -173,30 +170,33 @@ class Recorder:
         for note in received:
             print(f"evendp: rank {rank}: {note}", file=sys.stderr, flush=True)
 
-    def resplit_line(self) -> str:
-        """What the speed balancer just decided: the step, the split before and after (its
-        history), and the per-sample times it went by."""
-        balancer = self.trainer.balancer
-        (_, before), (step, after) = balancer.history[-2:]
-        times = balancer.seconds_per_sample
-        said = ", ".join("-" if t is None else f"{t * 1e3:.3g}" for t in times)
-        return (
+    def resplit(self) -> None:
+        """After the speed balancer's step changed the split (every rank alike; the sampler
+        has it, through its ``on_resplit``): rank 0 says the step, the split before and after
+        and the per-sample times it went by."""
+        t = self.trainer
+        if t.rank != 0:
+            return
+        (_, before), (step, after) = t.balancer.history[-2:]
+        said = ", ".join(
+            "-" if x is None else f"{x * 1e3:.3g}" for x in t.balancer.seconds_per_sample
+        )
+        self.bar.say(
             f"evendp: step {step}: speed re-split {list(before)} -> {list(after)} (ms per "
             f"sample by rank: {said})"
         )
 
-    def _oom_lines(self) -> list[str]:
-        """The OOM guard's notes of the step just done (a re-split, a skip), each naming the
-        step and, on several ranks, this rank; emptied once said."""
-        t = self.trainer
-        where = f"step {t.state.step}" + (f", rank {t.rank}" if t.world > 1 else "")
-        lines = [f"evendp: {where}: {note}" for note in t.guard.notes]
-        t.guard.notes.clear()
-        return lines
-
     def bar_text(self) -> str:
-        """The bar's memory column: measured peaks, OOM caps, the last evaluation."""
-        return self.memory_text() + self._micro_text() + self._eval_text()
+        """The bar's memory column: measured peaks, the OOM caps (once an OOM, or a resumed
+        run, capped some device's micro-batches), the last evaluation."""
+        text = self.memory_text()
+        caps = self.trainer.guard.micro_batch_sizes
+        if any(c is not None for c in caps):
+            text += " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
+        evals = self.trainer.evals
+        if evals:
+            text += "".join(f" val {k} {v:.4f}" for k, v in evals[-1]["metrics"].items())
+        return text
 
     def peaks(self) -> list[int | None]:
         """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
@@ -216,19 +216,6 @@ class Recorder:
         peaks = dict(zip(t.device_names, t._device_peaks(), strict=True))
         shown = [format_bytes(p) for p in peaks.values() if p is not None]
         return " ".join(shown) if shown else "-"
-
-    def _micro_text(self) -> str:
-        # Shown only once an OOM (or a resumed run) capped some device's micro-batches.
-        caps = self.trainer.guard.micro_batch_sizes
-        if all(c is None for c in caps):
-            return ""
-        return " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
-
-    def _eval_text(self) -> str:
-        evals = self.trainer.evals
-        if not evals:
-            return ""
-        return "".join(f" val {k} {v:.4f}" for k, v in evals[-1]["metrics"].items())
 
     def log_metrics(self, loss: torch.Tensor | None) -> dict[str, float]:
         """What ``on_log`` gets: the step's loss (read already), the lr, measured peaks."""
@@ -303,6 +290,7 @@ class TrainState:
 
     >>> state = TrainState(devices=2)
     >>> state.record(torch.tensor(0.5), [3, 1])
+    >>> state.flush(lambda parts: parts)  # one process: its parts are the steps' losses
     >>> state.losses, state.samples
     ([0.5], [3, 1])
     """
@@ -332,35 +320,20 @@ class TrainState:
         return list(self._losses)  # type: ignore[arg-type]
 
     def record(
-        self,
-        loss: torch.Tensor | float | None,
-        ran: list[int],
-        local: bool = False,
-        skipped: torch.Tensor | bool = False,
+        self, loss: torch.Tensor | None, ran: list[int], skipped: torch.Tensor | bool = False
     ) -> None:
-        """One step done: its loss (``None``: skipped, not recorded) and each device's samples.
-
-        ``local``: the loss is this rank's part only; :meth:`flush` sums the parts over ranks.
-        ``skipped``: the non-finite gate's flag, a device tensor read only at :meth:`flush`;
-        a skipped step's loss and samples are then dropped.
+        """One step done: this process's part of its loss (``None``: skipped, not recorded;
+        :meth:`flush` sums the parts over ranks) and each device's samples. ``skipped``: the
+        non-finite gate's flag, a device tensor read only at :meth:`flush`; a skipped step's
+        loss and samples are then dropped.
         """
         if loss is None or (isinstance(skipped, bool) and skipped):
             # Skipped on the host's knowledge: no loss, no samples (ran is zeros then).
             self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
             return
-        value = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        if not local:
-            self._flush_order_check()
-            self._losses.append(value)
-            self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
-            return
         flag = skipped if isinstance(skipped, torch.Tensor) else torch.zeros(())
-        self._parts.append(torch.as_tensor(value).float())
+        self._parts.append(loss.detach().float())
         self._pending.append((ran, flag))
-
-    def _flush_order_check(self) -> None:
-        if self._parts:  # a global loss after local parts: the parts must be summed first
-            raise TrainingError("TrainState.flush() was not called before a global loss")
 
     def flush(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective),

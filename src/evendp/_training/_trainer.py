@@ -1,30 +1,14 @@
 """The training loop that composes evendp: one readable loop in the style of nanoGPT.
 
-Each optimizer step takes one global batch (``batch_size`` samples). In one process the model
-runs under :class:`BalancedDataParallel`, which splits every (micro-)batch across the devices
-by their weights and returns the exact sample-weighted mean loss. Under ``torchrun`` each rank
-runs its own share (``batch_sizes[rank]``, from :class:`UnevenBatchSampler`) and the gradient
-is averaged over ranks with every micro-batch weighted by its samples over the global count.
-
-Gradient accumulation and the OOM re-split are the same mechanism: the step runs as
-micro-batches through :class:`OomResplit`, which halves them whenever one runs out of memory.
-The gradient is that of the global batch's mean loss however the batch is cut. In one process
-each device's share is cut by its own cap: an OOM in one replica's forward halves that
-device's micro-batches only, and the healthy devices keep running their shares in one go.
-
-How a step runs (one process, DDP, OOM-safe DDP, FSDP2) is a strategy object
-(:mod:`evendp._training._strategies`): every decision that differs between them is the strategy's,
-and
-the loop calls the same methods in every mode. Where the run stands and its checkpoints are a
-:class:`~evendp._training._recorder.TrainState`; batches are collated ahead in a thread
-(:mod:`evendp._parallel._prefetch`). The loop in :meth:`Trainer.fit` reads top to bottom.
-
-Every share's loss is summed over its counted items (samples, or what ``count_fn`` counts, e.g.
-non-ignored tokens) and scaled by one over the step's global count, learnt before the first
-backward (with ``count_fn`` under DDP/FSDP2 one all-reduce, overlapping the first forward;
-none in one process, with the samples, or with ``counts=``): the arithmetic is
-:mod:`evendp._core._exact`'s. The progress bar reads the loss every ``log_every`` steps only
-(:mod:`evendp._distributed._step_count`).
+Each optimizer step takes one global batch (``batch_size`` samples), laid out over ranks and
+devices by the sampler's :class:`~evendp._distributed._step_layout.StepLayout`, collated
+(ahead in a thread with a GPU: :mod:`evendp._parallel._prefetch`) and trained by
+:func:`~evendp._training._step.train_step`, which reads top to bottom and calls the strategy
+(:mod:`evendp._training._strategies`: every decision that differs between one process, DDP,
+FSDP2, ... is the strategy's). What the step returned goes to the run's
+:class:`~evendp._training._recorder.Recorder` (the position, the bar, callbacks, the report).
+The gradient is that of the global batch's mean loss however the batch is cut (devices, ranks,
+micro-steps, OOM re-splits): the arithmetic is :mod:`evendp._core._exact`'s.
 """
 
 from __future__ import annotations
