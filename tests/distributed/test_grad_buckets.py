@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from evendp import TrainConfig, Trainer, finish_distributed
 from evendp._distributed._grad_buckets import GradientBuckets
-from evendp._training._strategies import _oom_safe_ddp as oom_safe_ddp
+from evendp._training._strategies import _ddp as oom_safe_ddp
 from evendp._training._strategies._ddp import OomSafeDDP
 from tests._helpers import OomInBackward, run_ranks, tiny_gpt2_config
 

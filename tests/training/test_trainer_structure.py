@@ -93,3 +93,11 @@ def test_train_step_has_no_mode_branch_cast_or_collective() -> None:
     ]
     names = {n.id for n in ast.walk(step) if isinstance(n, ast.Name)}
     assert not {"dist", "cast", "isinstance", "BalancedDataParallel"} & names
+
+
+def test_the_base_strategy_has_at_most_15_public_methods() -> None:
+    """Issue 52: the capabilities a step calls, not a protocol spread over many methods."""
+    from evendp._training._strategies._base import Strategy
+
+    public = [n for n, v in vars(Strategy).items() if callable(v) and not n.startswith("_")]
+    assert len(public) <= 15, public

@@ -34,7 +34,7 @@ forward and waited for after it, so the collective overlaps the forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,14 +42,11 @@ from torch import nn
 
 from .._core._calls import as_args, as_batch
 from .._core._errors import EvendpError, InputError, TrainingError
-from .._core._exact import mean_scale, step_count, zero_weight
+from .._core._exact import mean_scale, share_loss, step_count
 from .._core._validate import shown, validate_count
 from .._distributed._step_layout import StepLayout, micro_plan
 from .._parallel._scatter import map_tensors, row_count_and_devices
 from ._oom import free_memory
-
-if TYPE_CHECKING:
-    from ._trainer import Trainer
 
 __all__ = [
     "NonFiniteGate",
@@ -57,8 +54,10 @@ __all__ = [
     "StepResult",
     "StepWeight",
     "Stepper",
+    "count_weight",
     "default_optimizer",
     "gradient_norm",
+    "no_batch_dimension",
     "run_schedule",
     "sample_counts",
     "takes_found_inf",
@@ -83,15 +82,16 @@ class StepResult:
     micro_rows: list[list[int]]
 
 
-def train_step(t: Trainer, batch: Any, layout: StepLayout, counted: float | None) -> StepResult:
-    """One optimizer step of ``t`` on this process's ``batch``, its rows as ``layout`` places
-    them (``counted``: the step's global count from ``Trainer(counts=)``, else ``None``)."""
+def train_step(t: Any, batch: Any, layout: StepLayout, counted: float | None) -> StepResult:
+    """One optimizer step of the :class:`~evendp.Trainer` ``t`` (typed ``Any``: the Trainer's
+    module imports this one) on this process's ``batch``, its rows as ``layout`` places them
+    (``counted``: the step's global count from ``Trainer(counts=)``, else ``None``)."""
     strategy, stepper, guard = t.strategy, t.stepper, t.guard
     if not t._count_checked:  # the first step only, without count_fn
         t.warn_uncounted(batch)
     n, devices = row_count_and_devices(batch)
     if n is None:
-        raise _no_batch_dimension(batch)
+        raise no_batch_dimension(batch)
     if devices != {t.device}:  # this process's rows to its devices, where they are not
         batch = strategy.place(batch)
     shares = list(layout.rows[t.rank])  # this process's rows on each of its devices
@@ -114,7 +114,7 @@ def train_step(t: Trainer, batch: Any, layout: StepLayout, counted: float | None
                     with t.autocast(), t.timers["forward"](sum(rows)):
                         if not sum(rows):  # nothing left here: a stand-in sample, weight 0
                             one = strategy.forward(t.stand_in(), strategy.shares(1))
-                            summed = zero_weight(one)
+                            summed = share_loss(one, 0, stand_in=True)
                         elif rows == shares:  # every device its whole share at once
                             summed = strategy.forward(batch, rows).float()
                         else:  # accumulation or an OOM re-split: the micro-step's rows only
@@ -172,14 +172,15 @@ def _rows(batch: Any, shares: list[int], spans: list[tuple[int, int]]) -> Any:
     return map_tensors(batch, lambda x: x[index.to(x.device)], rows=total, row_fn=rows_of)
 
 
-def _no_batch_dimension(batch: Any) -> EvendpError:
+def no_batch_dimension(batch: Any) -> EvendpError:
+    """The error of a batch with no tensor to count its rows by."""
     return EvendpError(
         f"cannot find the batch dimension of {type(batch).__name__}; return tensors with "
         "the samples along dim 0 from the dataset (or its batch(indices) method)"
     )
 
 
-def count_weight(t: Trainer, batch: Any) -> StepWeight:
+def count_weight(t: Any, batch: Any) -> StepWeight:
     """``world / the step's count_fn count over all processes``, before the first backward:
     summed by the strategy (:meth:`Strategy.count_weight`). A tensor count's value is checked
     at the first step only (each read waits for the device)."""

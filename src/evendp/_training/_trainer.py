@@ -32,7 +32,7 @@ from .._core._calls import as_batch
 from .._core._cost import sample_costs
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
-from .._core._exact import weighted_sum
+from .._core._exact import share_loss
 from .._core._validate import validate_float, validate_int
 from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
 from .._distributed._collate import EmptySafeCollate
@@ -61,7 +61,7 @@ from ._launched import join_launch
 from ._recorder import Callbacks, Recorder, TrainState
 from ._report import TrainReport, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
-from ._step import StepWeight, _no_batch_dimension, count_weight, sample_counts, train_step
+from ._step import StepWeight, count_weight, no_batch_dimension, sample_counts, train_step
 from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 
@@ -249,7 +249,7 @@ class _LossModule(nn.Module):
         count = row_count(batch) if self.count_fn is None else self.count_fn(batch)
         if not isinstance(count, (int, float, torch.Tensor)):
             count = torch.as_tensor(count)  # e.g. a NumPy integer
-        return weighted_sum(loss, count)  # the share's part: summed over its items
+        return share_loss(loss, count)  # the share's part: summed over its items
 
 
 def _keep_batchnorm_fp32(model: nn.Module) -> None:
@@ -652,7 +652,7 @@ class Trainer:
         """
         n = row_count(batch)
         if n is None:
-            raise _no_batch_dimension(batch)
+            raise no_batch_dimension(batch)
         batch = self.strategy.place(batch)
         weight = (
             StepWeight.known(self.world, n) if self.count_fn is None else count_weight(self, batch)
@@ -686,7 +686,7 @@ class Trainer:
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
         stop = StopFlag()
-        with self.strategy.running(self.config.out_dir, lambda: stop.signum), stop:
+        with self.strategy.running(self.config.out_dir, stop), stop:
             try:
                 return self._fit(stop)
             except RuntimeError as error:

@@ -145,7 +145,7 @@ class BalancedDP(Strategy):
         if interrupted is not None:
             # The step it cut is not counted; the checkpoint is the last whole step's.
             return int(signal.SIGINT)
-        return self._stop_source()  # one process: nothing to agree on
+        return self._stop.signum  # one process: nothing to agree on
 
     def evaluate(
         self,

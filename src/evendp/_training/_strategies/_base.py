@@ -8,7 +8,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -25,12 +25,17 @@ __all__ = ["Sampling", "StepEnd", "StopSource", "Strategy"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None
-#: This process's pending stop request: a signal number, or ``None``.
-StopSource = Callable[[], "int | None"]
 
 
-def _no_stop() -> int | None:
-    return None
+class StopSource(Protocol):
+    """Where this process's pending stop request is read: ``signum``, a signal or ``None``
+    (the Trainer's :class:`~evendp._distributed._interrupt.StopFlag`)."""
+
+    signum: int | None
+
+
+class _NoStop:
+    signum: int | None = None
 
 
 class Sampling(NamedTuple):
@@ -59,7 +64,7 @@ class StepEnd:
 
 
 class Strategy(abc.ABC):
-    """The capabilities :func:`~evendp._training._step.train_step` calls, whatever the mode:
+    """The capabilities :meth:`~evendp.Trainer.train_step` calls, whatever the mode:
     :meth:`place` (rows to devices), :meth:`count_weight` (a ``count_fn`` count summed over
     processes), :meth:`micro_step` (around each micro-step: gradient sync on the last),
     :meth:`forward`, and :meth:`finish_step` (reduced and agreed: step or skip, one call that
@@ -110,7 +115,7 @@ class Strategy(abc.ABC):
         self.device_names: list[str] = []
         #: Where :meth:`agree_stop` (and a consensus riding on a step) reads this process's
         #: stop request: the Trainer's signal flag, set by :meth:`running`.
-        self._stop_source: StopSource = _no_stop
+        self._stop: StopSource = _NoStop()
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -152,16 +157,16 @@ class Strategy(abc.ABC):
         )
 
     @contextlib.contextmanager
-    def running(self, out_dir: Any, stop_source: StopSource) -> Any:
+    def running(self, out_dir: Any, stop: StopSource) -> Any:
         """For the life of ``fit``: the run's hold on ``out_dir`` (one writer per run folder:
         one process takes it; ranks join their launcher's, :mod:`evendp._distributed._run_lock`),
         and where :meth:`agree_stop` reads this process's stop request (the signal flag)."""
         with trainer_lock(out_dir, distributed=self._launched):
-            self._stop_source = stop_source
+            self._stop = stop
             try:
                 yield
             finally:
-                self._stop_source = _no_stop
+                self._stop = _NoStop()
 
     def build_stepper(
         self,

@@ -158,10 +158,10 @@ class RankStrategy(Strategy):
 
     def _vote_now(self) -> int | None:
         """The ranks' stop votes in one all-reduce of their own."""
-        return agreed_signal(_all_reduce(stop_votes(self._stop_source(), self.comm), self.comm))
+        return agreed_signal(_all_reduce(stop_votes(self._stop.signum, self.comm), self.comm))
 
     def _post_stop(self) -> None:
-        mine = self._stop_source()
+        mine = self._stop.signum
         if mine is not None and self._notice is not None:
             self._notice.post(mine, self._done)  # stop after the step following _done
 
@@ -261,7 +261,7 @@ class OomSafeDDP(RankStrategy):
         mine = torch.zeros((), device=where) if total is None else total.to(where).float()
         stale = buckets is not None and buckets.stale
         failed_stale = torch.tensor([float(failed), float(stale)], device=where)
-        votes = stop_votes(self._stop_source(), where)
+        votes = stop_votes(self._stop.signum, where)
         flags = torch.cat([failed_stale[:1], mine.reshape(1), votes, failed_stale[1:]])
         if buckets is not None:
             buckets.finish(flags, failed=failed)
