@@ -112,6 +112,7 @@ class OomResplit:
         #: runs, so a caller can sync gradients on the last one only.
         self.micro_step = 0
         self.micro_steps = 0
+        self._plan: MicroPlan = []  # the last plan()'s
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -248,10 +249,16 @@ class OomResplit:
         >>> OomResplit(devices=2).plan([3, 1], [2, None])
         [[(0, 2), (0, 1)], [(2, 3), (1, 1)]]
         """
-        return micro_plan(shares, 1, self._caps(shares, micro_batch_sizes), self.min_micro_steps)
+        self._plan = micro_plan(
+            shares, 1, self._caps(shares, micro_batch_sizes), self.min_micro_steps
+        )
+        return self._plan
 
-    def after_oom(self, error: RuntimeError, shares: Sequence[int], plan: MicroPlan) -> bool:
-        """After ``error`` ended an attempt at ``plan`` of ``shares``: ``True``
+    def after_oom(
+        self, error: RuntimeError, shares: Sequence[int], plan: MicroPlan | None = None
+    ) -> bool:
+        """After ``error`` ended an attempt at ``plan`` (default: the last :meth:`plan`'s) of
+        ``shares``: ``True``
         when the micro-batches were halved and the step may run again (plan it again),
         ``False`` when none can shrink (skip the step). Re-raises ``error`` when it is not an
         OOM, or when this guard does not catch (``catch=False``).
@@ -263,6 +270,7 @@ class OomResplit:
             raise error
         device = device_index_of(error)
         where = "out of memory" + ("" if device is None else f" on device {device}")
+        plan = self._plan if plan is None else plan
         sizes = [b - a for a, b in plan[0]] if plan else [0] * len(shares)  # each first piece
         if not self._shrink(shares, sizes, device):
             self.notes.append(f"{where} at the smallest micro-batch: the step is skipped")

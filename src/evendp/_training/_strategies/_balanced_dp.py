@@ -19,8 +19,7 @@ from ..._parallel._dp_checks import validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
 from .._evaluate import EvalFn, evaluate_devices
 from .._step import StepWeight
-from ._base import Batch, Costs, Sampling, Strategy, build_sampler
-from ._placement import place_model
+from ._base import Batch, Costs, Sampling, Strategy, build_sampler, place_model
 
 __all__ = ["BalancedDP", "build"]
 

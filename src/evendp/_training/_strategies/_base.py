@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from .._evaluate import EvalFn
 from .._oom import OomResplit
 from .._step import OptimizerStep, Stepper, StepWeight, default_optimizer, run_schedule
 
-__all__ = ["Sampling", "StepEnd", "StopSource", "Strategy"]
+__all__ = ["Sampling", "StepEnd", "StopSource", "Strategy", "place_model"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None
@@ -341,3 +342,51 @@ def _warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def place_model(model: nn.Module, device: torch.device, where: str, *, say: bool = True) -> None:
+    """Move ``model`` in place to ``device`` (``where`` names it for the line said on stderr
+    when ``say``) unless every parameter and buffer already sits there.
+
+    Between the CPU and a GPU the parameters stay the same objects (``nn.Module.to`` moves
+    their data in place), so an optimizer built on them before keeps working.
+
+    >>> net = nn.Linear(2, 2)
+    >>> place_model(net, torch.device("meta"), "device_ids[0]", say=False)
+    >>> net.weight.device
+    device(type='meta')
+    >>> place_model(net, torch.device("cpu"), "device_ids[0]")
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: the model's tensors are on the meta device ...
+    """
+    away = sorted({str(t.device) for t in _tensors(model) if not _on(t.device, device)})
+    if not away:
+        return
+    if "meta" in away:
+        raise EvendpError(
+            f"the model's tensors are on the meta device (shapes, no values), so there is "
+            f"nothing to move to {device} ({where}); give it its weights first, e.g. "
+            f"model.to_empty(device={str(device)!r}) then model.load_state_dict(...), or "
+            "build it on a real device"
+        )
+    model.to(device)
+    if say:
+        print(
+            f"evendp: the model was on {', '.join(away)}; moved it to {device} ({where})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _on(device: torch.device, target: torch.device) -> bool:
+    """Whether a tensor on ``device`` sits on ``target`` (``cuda`` is the current device)."""
+    if device.type != target.type:
+        return False
+    if device.type != "cuda" or target.index is None:
+        return True
+    return device.index == target.index

@@ -37,8 +37,7 @@ from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks
 from .._step import StepWeight
-from ._base import Batch, Costs, Sampling, StepEnd, Strategy, build_sampler
-from ._placement import place_model
+from ._base import Batch, Costs, Sampling, StepEnd, Strategy, build_sampler, place_model
 
 __all__ = ["DDP", "OomSafeDDP", "RankStrategy", "build", "signal_of", "stop_votes"]
 
