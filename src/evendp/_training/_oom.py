@@ -1,26 +1,17 @@
 """Surviving ``torch.OutOfMemoryError`` without changing the math: exact micro-batch re-splits.
 
-A step's share of ``n`` samples runs as micro-batches ``[start, stop)``; each micro-batch's
-loss, summed over its counted items (:func:`evendp.share_loss`), is weighted by
-``weight`` (1 / global count, times the world size under DDP's averaging) before ``backward``,
-so the accumulated gradient is the gradient of the global mean however the share is cut. When
-a micro-batch runs out of memory, the step's gradients are dropped (an OOM inside ``backward``
-may already have added part of a micro-batch to some ``.grad``), the failed graph is freed,
-the CUDA cache emptied, and the whole share runs again with micro-batches half as large. The
-working size is remembered for later steps. Only when a single-sample micro-batch still does
-not fit is the step skipped, counted in :attr:`OomResplit.skipped`.
+A step's share runs as micro-batches, each weighted by its counted items over the step's
+global count (:func:`evendp.share_loss`), so the gradient is the global mean's however the
+share is cut. When one runs out of memory the step's gradients are dropped, the failed graph
+freed, the CUDA cache emptied, and the share runs again with that device's micro-batches half
+as large (an OOM that names its device, tagged by ``BalancedDataParallel``, halves that
+device's only; :func:`evendp._core._oom_errors.device_index_of`); the size is kept for later
+steps. Only when one sample still does not fit is the step skipped (:attr:`OomResplit.skipped`).
 
-With several devices in one process (:meth:`OomResplit.run_shares`) each device keeps its own
-cap: micro-step k runs the k-th piece of every device's own share together, so an OOM that
-names its device (:func:`evendp._core._oom_errors.device_index_of`, tagged by
-``BalancedDataParallel``) halves that device's pieces only, and the healthy devices keep
-running their whole shares at once.
-
-How the micro-steps are cut is the layout's (:func:`~evendp._distributed._step_layout.micro_plan`);
-the guard holds the caps an OOM lowered and the retry arithmetic, which the Trainer's step
-consults only after an OOM. Across processes the Trainer's strategy agrees on step or skip
-(``finish_step``); :meth:`OomResplit.run_shares` under a process group all-reduces one flag so
-every rank agrees: an OOM on one rank never leaves another blocked in a collective.
+How micro-steps are cut is the layout's (:func:`~evendp._distributed._step_layout.micro_plan`):
+the Trainer's step reads the guard's caps and consults it only after an OOM; across ranks its
+strategy agrees on step or skip. :meth:`OomResplit.run_shares`, for hand-written loops,
+agrees under a process group with one all-reduced flag.
 """
 
 from __future__ import annotations

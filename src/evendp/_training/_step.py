@@ -278,38 +278,34 @@ def sample_counts(data: Any, length: int, counts: Any) -> list[float] | None:
 
 
 class Stepper(Protocol):
-    """Backward and the update of one run, in the order :func:`train_step` calls them:
-    ``zero_grad``, ``backward`` per micro-step, ``step``; ``settle`` where the host reads.
-    :class:`OptimizerStep`, or DeepSpeed's engine (``EngineStep``)."""
+    """Backward and the update of one run, in the order ``train_step`` calls them:
+    ``zero_grad``, ``backward`` per micro-step, ``step`` (the 0/1 flag of a step the gate
+    skipped, unread); ``settle`` where the host reads (a schedule step, the gate's verdict).
+    :class:`OptimizerStep`, or DeepSpeed's engine (``EngineStep``); ``optimizer``,
+    ``scheduler``, ``scaler``, ``gate`` (a checkpoint part) are ``None`` where a run has none."""
 
     @property
-    def optimizer(self) -> Any:
-        """The optimizer stepped (``param_groups`` hold the learning rate)."""
+    def optimizer(self) -> Any: ...
 
     @property
     def scheduler(self) -> Any | None: ...
 
     @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """fp16's loss scaler (``None``: none, or an engine's own)."""
+    def scaler(self) -> torch.amp.GradScaler | None: ...
 
     @property
-    def gate(self) -> NonFiniteGate | None:
-        """The non-finite gate's counters, a checkpoint part (``None``: not in this run)."""
+    def gate(self) -> NonFiniteGate | None: ...
+
+    @property
+    def skipped(self) -> int: ...
 
     def zero_grad(self) -> None: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def step(self, step: int) -> torch.Tensor | bool:
-        """Update for step ``step`` (1-based): the 0/1 flag of a step the gate skipped."""
+    def step(self, step: int) -> torch.Tensor | bool: ...
 
-    def settle(self) -> None:
-        """What the update left pending (a schedule step, the gate's verdict)."""
-
-    @property
-    def skipped(self) -> int:
-        """Steps the non-finite gate skipped so far (a host read)."""
+    def settle(self) -> None: ...
 
 
 def default_optimizer(params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:

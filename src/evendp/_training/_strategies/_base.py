@@ -360,7 +360,8 @@ def place_model(model: nn.Module, device: torch.device, where: str, *, say: bool
     ...
     evendp.InputError: the model's tensors are on the meta device ...
     """
-    away = sorted({str(t.device) for t in _tensors(model) if not _on(t.device, device)})
+    tensors = [*model.parameters(), *model.buffers()]
+    away = sorted({str(t.device) for t in tensors if not _on(t.device, device)})
     if not away:
         return
     if "meta" in away:
@@ -377,10 +378,6 @@ def place_model(model: nn.Module, device: torch.device, where: str, *, say: bool
             file=sys.stderr,
             flush=True,
         )
-
-
-def _tensors(model: nn.Module) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers()]
 
 
 def _on(device: torch.device, target: torch.device) -> bool:
