@@ -53,10 +53,10 @@ if TYPE_CHECKING or not _ON_DEMAND:
     from ._planning._memory import DeviceMemory, live_memory, parse_memory
     from ._planning._plan import DevicePlan, Plan, plan
     from ._planning._speed import SpeedBalancer, balance_sizes
-    from ._training._callbacks import Callback
     from ._training._checkpoint import load_checkpoint, save_checkpoint
     from ._training._loggers import CSVLogger, MLflowLogger, TensorBoardLogger, WandbLogger
     from ._training._oom import OomResplit
+    from ._training._recorder import Callback
     from ._training._rehearse import rehearse
     from ._training._report import TrainReport
     from ._training._trainer import TrainConfig, Trainer

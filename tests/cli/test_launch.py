@@ -327,7 +327,7 @@ def test_the_first_step_names_uneven_trainer_under_an_hf_trainer(
 @pytest.mark.parametrize(
     ("modules", "what"),
     [
-        (["evendp._training._optimizer_step", "evendp._training._trainer"], "evendp's Trainer"),
+        (["evendp._training._step", "evendp._training._trainer"], "evendp's Trainer"),
         (["transformers.trainer", "evendp.integrations.transformers"], "evendp's UnevenTrainer"),
         (["transformers.trainer", "accelerate.optimizer"], "an HF Trainer"),
         (["lightning.pytorch.loops.optimization"], "a Lightning Trainer"),

@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from evendp import TrainConfig, Trainer, finish_distributed
 from evendp._distributed._grad_buckets import GradientBuckets
-from evendp._training._strategies import _oom_safe_ddp as oom_safe_ddp
-from evendp._training._strategies._oom_safe_ddp import OomSafeDDP
+from evendp._training._strategies import _ddp as oom_safe_ddp
+from evendp._training._strategies._ddp import OomSafeDDP
 from tests._helpers import OomInBackward, run_ranks, tiny_gpt2_config
 
 SIZES = [3, 5]  # the two ranks' shares of a global batch of 8

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from evendp import TrainConfig, Trainer
 from evendp._distributed._group import finish_distributed
-from evendp._distributed._step_count import StepWeight, display_due
+from evendp._training._recorder import display_due
+from evendp._training._step import StepWeight
 from tests._helpers import run_ranks
 from tests.training.test_trainer_cost import Lines, TokenLM, tokens
 

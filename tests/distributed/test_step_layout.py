@@ -159,7 +159,7 @@ def test_a_layout_counts_and_places_as_documented() -> None:
 def test_a_sampler_keeps_every_steps_sizes_but_only_the_last_layouts() -> None:
     """An epoch's whole layouts would be a second copy of its permutation (hundreds of MB
     for millions of samples): the sizes of every step stay, the last KEPT_LAYOUTS layouts."""
-    from evendp._distributed._epoch_layout import KEPT_LAYOUTS
+    from evendp._distributed._step_layout import KEPT_LAYOUTS
 
     steps = KEPT_LAYOUTS + 44
     sampler = UnevenBatchSampler(2 * steps, [1, 1], rank=0, shuffle=False)

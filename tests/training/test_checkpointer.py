@@ -14,10 +14,10 @@ from evendp._planning._speed import SpeedBalancer
 from evendp._training._checkpoint import CorruptCheckpoint, previous_path
 from evendp._training._checkpointer import Checkpointer, DcpShards, WholeFile
 from evendp._training._oom import OomResplit
+from evendp._training._recorder import TrainState
 from evendp._training._stateful import OomCaps, PerRank, RngState
+from evendp._training._strategies._ddp import OomSafeDDP
 from evendp._training._strategies._fsdp2 import FSDP2
-from evendp._training._strategies._oom_safe_ddp import OomSafeDDP
-from evendp._training._train_state import TrainState
 from evendp._training._trainer import TrainConfig, Trainer
 from tests._other_user import needs_root
 from tests.training.test_trainer import TinyLM, _data

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from evendp import TrainConfig, Trainer
-from evendp._training._callbacks import Callbacks
 from evendp._training._first_step_watch import FirstStepWatch, first_step_watch
+from evendp._training._recorder import Callbacks
 
 from .test_trainer import TinyLM, _data, _flat, _rel
 

@@ -53,22 +53,22 @@ SIZES = [2, 3]  # uneven per-rank batch sizes
 ALLOWED: dict[str, tuple[int, str, str]] = {
     "oom-safe ddp": (
         1,
-        "evendp/_training/_strategies/_oom_safe_ddp.py:agree_step",
+        "evendp/_training/_strategies/_ddp.py:agree_step",
         "the ranks' OOM flag decides which collectives run next",
     ),
     "oom-safe ddp, progress": (
         1,
-        "evendp/_training/_strategies/_oom_safe_ddp.py:agree_step",
+        "evendp/_training/_strategies/_ddp.py:agree_step",
         "the ranks' OOM flag decides which collectives run next",
     ),
     "oom-safe ddp, count_fn": (
         1,
-        "evendp/_training/_strategies/_oom_safe_ddp.py:agree_step",
+        "evendp/_training/_strategies/_ddp.py:agree_step",
         "the ranks' OOM flag decides which collectives run next",
     ),
     "balanced dp, scheduler": (
         1,
-        "evendp/_training/_optimizer_step.py:_schedule_late",
+        "evendp/_training/_step.py:_schedule_late",
         "the schedule holds on a skipped step: the previous step's flag, read a step late",
     ),
     # Measured in test_strategy_deepspeed.py's launch: the reads are DeepSpeed 0.19.8's own,

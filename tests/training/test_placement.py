@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from evendp import EvendpError, TrainConfig, Trainer
-from evendp._training._strategies._placement import place_model
+from evendp._training._strategies._base import place_model
 
 
 def _net() -> nn.Module:

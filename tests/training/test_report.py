@@ -10,13 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from evendp._training._report import (
-    DeviceStat,
-    TrainProgress,
-    TrainReport,
-    format_bytes,
-    write_report,
-)
+from evendp._training._recorder import TrainProgress
+from evendp._training._report import DeviceStat, TrainReport, format_bytes, write_report
 
 
 def _report(measured: bool) -> TrainReport:

@@ -403,7 +403,7 @@ def test_a_deepspeed_runs_corrupt_position_falls_back_to_its_previous_copy(
     """Issue 34: a corrupt ckpt.ds/state.pt beside an intact state.prev.pt stopped the resume's
     first look naming a ckpt.prev.ds that does not exist; it takes state.prev.pt."""
     from evendp._training._checkpointer import WholeFile
-    from evendp._training._train_state import TrainState
+    from evendp._training._recorder import TrainState
 
     ckpt = tmp_path / "ckpt.ds"
     ckpt.mkdir()

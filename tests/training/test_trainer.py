@@ -412,7 +412,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     # samples: the second step is [1, 0]), on a dataset without batch() (collated per sample).
     # lr=0 keeps the weights, so every step's gradient is checked at the initial weights.
     nine = _NoBatch(_data(n=9 + 6))
-    from evendp._training._report import TrainProgress
+    from evendp._training._recorder import TrainProgress
 
     shown: list[int] = []  # the samples the progress bar is given, per step
     real_update = TrainProgress.update

@@ -70,3 +70,34 @@ def test_count_weighting_is_written_once_in_the_exact_core() -> None:
         if any(_weights_by_count(n) for n in ast.walk(ast.parse(path.read_text())))
     )
     assert found == ["_core/_exact.py"], found
+
+
+def test_the_architecture_page_shows_train_step_as_it_is() -> None:
+    """docs/architecture.md shows the real ``train_step``: a change to either fails here."""
+    import inspect
+
+    from evendp._training._step import train_step
+
+    page = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in page.split("```python\n")[1:]]
+    shown = [b for b in blocks if b.startswith("def train_step(")]
+    assert shown == [inspect.getsource(train_step)]
+
+
+def test_train_step_has_no_mode_branch_cast_or_collective() -> None:
+    """The step calls the strategy's capabilities; it never tests which strategy runs."""
+    (step,) = [
+        n
+        for n in ast.walk(_tree("_training/_step.py"))
+        if isinstance(n, ast.FunctionDef) and n.name == "train_step"
+    ]
+    names = {n.id for n in ast.walk(step) if isinstance(n, ast.Name)}
+    assert not {"dist", "cast", "isinstance", "BalancedDataParallel"} & names
+
+
+def test_the_base_strategy_has_at_most_15_public_methods() -> None:
+    """Issue 52: the capabilities a step calls, not a protocol spread over many methods."""
+    from evendp._training._strategies._base import Strategy
+
+    public = [n for n, v in vars(Strategy).items() if callable(v) and not n.startswith("_")]
+    assert len(public) <= 15, public

@@ -123,7 +123,15 @@ def share_loss(
     >>> share_loss(torch.tensor(float("nan")), 0), share_loss(torch.tensor(3.0), 1, stand_in=True)
     (tensor(0.), tensor(0.))
     """
-    _validate_share(mean, count, scale, stand_in)
+    # The common case is checked inline (a Trainer's micro-steps call no check); any other
+    # value goes through the full check, which names what is wrong.
+    common = isinstance(count, torch.Tensor) or (type(count) is int and count >= 0)
+    if (
+        not (common and type(stand_in) is bool and type(scale) is int and scale == 1)
+        or not isinstance(mean, torch.Tensor)
+        or mean.numel() != 1
+    ):
+        _validate_share(mean, count, scale, stand_in)
     if stand_in:
         return zero_weight(mean)
     part = weighted_sum(mean, count)

@@ -89,7 +89,7 @@ def port_for(modules: list[str]) -> tuple[str, str]:
     'its own loop'
     >>> port_for(["pytorch_lightning.loops"])[0]
     'a Lightning Trainer'
-    >>> port_for(["torch.optim.adamw", "evendp._training._stepper", "__main__",
+    >>> port_for(["torch.optim.adamw", "evendp._training._step", "__main__",
     ...           "evendp._distributed._first_step"])[0]
     "evendp's Trainer"
     """

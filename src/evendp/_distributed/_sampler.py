@@ -1,6 +1,6 @@
 """Per-rank batches of different sizes for DDP/FSDP2: a thin iterator over the epoch's layout,
 a pure function of (seed, epoch, sizes, costs, caps) every rank computes alike
-(:mod:`._epoch_layout`). The sampler holds the epoch and the sizes; it needs no process group.
+(:mod:`._step_layout`). The sampler holds the epoch and the sizes; it needs no process group.
 """
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._epoch_layout import EpochSteps, checked_sizes, sampler_inputs
-from ._step_layout import StepLayout
+from ._step_layout import EpochSteps, StepLayout, checked_sizes, sampler_inputs
 
 __all__ = ["UnevenBatchSampler"]
 
@@ -137,10 +136,19 @@ class UnevenBatchSampler:
         return sum(self._steps.sizes(step))
 
     def __iter__(self) -> Iterator[list[int]]:
+        for layout in self.layouts():
+            yield layout.rank_indices(self.rank)
+
+    def layouts(self) -> Iterator[StepLayout]:
+        """The epoch's steps, each's layout over every rank (what :meth:`__iter__` cuts).
+
+        >>> [layout.rank_rows for layout in UnevenBatchSampler(5, [1, 2], rank=0).layouts()]
+        [(1, 2), (1, 1)]
+        """
         self._steps = steps = EpochSteps(self._draw, self.epoch)
         # The sizes are read at every step: set_batch_sizes takes effect at the next one.
         while (layout := steps.next(self._sizes)) is not None:
-            yield layout.rank_indices(self.rank)
+            yield layout
 
     def __len__(self) -> int:
         return self._steps.length(self._sizes)

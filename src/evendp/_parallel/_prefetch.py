@@ -41,10 +41,6 @@ class Prepared:
     layout: StepLayout
     counted: float | None = None  # the step's counted items over ranks, from Trainer(counts=)
 
-    @property
-    def samples(self) -> int:
-        return self.layout.samples
-
 
 class Prefetcher:
     """Iterate ``produce()``'s items, made ``depth`` ahead in a thread (``depth=0``: inline).
@@ -74,28 +70,28 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for item in self._produce():
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(("item", item)):
                     return
-            self._put_final(("end", None))
+            self._put(("end", None))
         except BaseException as error:  # handed to the consumer, raised in its thread
-            self._put_final(("error", error))
+            self._put(("error", error))
 
-    def _put_final(self, item: tuple[str, Any]) -> None:
+    def _put(self, item: tuple[str, Any]) -> bool:
+        """Queue ``item`` for the consumer; ``False`` once it has left (``__exit__``)."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def __iter__(self) -> Prefetcher:
         return self
+
+    def items(self) -> Iterator[Any]:
+        """The items: ``produce()``'s own iterator when inline (no hop per item), else this."""
+        return self if self._inline is None else self._inline
 
     def __next__(self) -> Any:
         if self._inline is not None:

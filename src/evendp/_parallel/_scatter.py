@@ -15,7 +15,7 @@ tensors whatever the devices are.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -98,6 +98,22 @@ def _holds_tensor(obj: Any) -> bool:
     return False
 
 
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj``, in order (through what :func:`map_tensors` rebuilds)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.init:
+                yield from _tensors_in(getattr(obj, f.name))
+
+
 def _is_batch_tensor(t: torch.Tensor, dim: int) -> bool:
     return t.dim() > dim
 
@@ -119,14 +135,10 @@ def row_count_and_devices(obj: Any, dim: int = 0) -> tuple[int | None, set[torch
     """
     found: list[tuple[int, tuple[int, ...]]] = []
     devices: set[torch.device] = set()
-
-    def record(t: torch.Tensor) -> torch.Tensor:
+    for t in _tensors_in(obj):
         devices.add(t.device)
-        if _is_batch_tensor(t, dim):
+        if t.dim() > dim:  # a batch tensor
             found.append((t.shape[dim], tuple(t.shape)))
-        return t
-
-    map_tensors(obj, record)
     if not found:
         return None, devices
     first_size, first_shape = found[0]

@@ -99,9 +99,6 @@ class NoBalance:
     def measure(self, samples: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def record(self, seconds: float, samples: int) -> None:
-        """Nothing to record."""
-
     def step(self) -> bool:
         return False
 

@@ -183,7 +183,7 @@ class WholeFile(CheckpointFormat):
     """``ckpt.pt``, written by rank 0 alone, beside each rank's ``ckpt.rng{rank}.pt``.
 
     >>> import tempfile, torch
-    >>> from evendp._training._train_state import TrainState
+    >>> from evendp._training._recorder import TrainState
     >>> path = Path(tempfile.mkdtemp()) / WholeFile.name
     >>> net, state = torch.nn.Linear(1, 1), TrainState(devices=1, step=2)
     >>> parts = {"model": net, "train": state}
@@ -295,7 +295,7 @@ class Checkpointer:
     ``{"global_batch": int, "mode": str}``, also saved in ``extra``) live here.
 
     >>> import tempfile, torch
-    >>> from evendp._training._train_state import TrainState
+    >>> from evendp._training._recorder import TrainState
     >>> path = Path(tempfile.mkdtemp()) / "ckpt.pt"
     >>> net, state = torch.nn.Linear(1, 1), TrainState(devices=1, step=3)
     >>> _ = Checkpointer(WholeFile()).save(path, {"model": net, "train": state})

@@ -22,7 +22,7 @@ from typing import Any
 from .._core._errors import EvendpError
 from .._core._files import NotReadable, mkdir_private, open_append, open_regular, replace_file
 from .._core._validate import validate_instance, validate_path
-from ._callbacks import Callback
+from ._recorder import Callback
 
 __all__ = ["CSVLogger", "MLflowLogger", "MetricLogger", "TensorBoardLogger", "WandbLogger"]
 

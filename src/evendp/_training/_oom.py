@@ -1,27 +1,17 @@
 """Surviving ``torch.OutOfMemoryError`` without changing the math: exact micro-batch re-splits.
 
-A step's share of ``n`` samples runs as micro-batches ``[start, stop)``; each micro-batch's
-loss, summed over its counted items (:func:`evendp.share_loss`), is weighted by
-``weight`` (1 / global count, times the world size under DDP's averaging) before ``backward``,
-so the accumulated gradient is the gradient of the global mean however the share is cut. When
-a micro-batch runs out of memory, the step's gradients are dropped (an OOM inside ``backward``
-may already have added part of a micro-batch to some ``.grad``), the failed graph is freed,
-the CUDA cache emptied, and the whole share runs again with micro-batches half as large. The
-working size is remembered for later steps. Only when a single-sample micro-batch still does
-not fit is the step skipped, counted in :attr:`OomResplit.skipped`.
+A step's share runs as micro-batches, each weighted by its counted items over the step's
+global count (:func:`evendp.share_loss`), so the gradient is the global mean's however the
+share is cut. When one runs out of memory the step's gradients are dropped, the failed graph
+freed, the CUDA cache emptied, and the share runs again with that device's micro-batches half
+as large (an OOM that names its device, tagged by ``BalancedDataParallel``, halves that
+device's only; :func:`evendp._core._oom_errors.device_index_of`); the size is kept for later
+steps. Only when one sample still does not fit is the step skipped (:attr:`OomResplit.skipped`).
 
-With several devices in one process (:meth:`OomResplit.run_shares`) each device keeps its own
-cap: micro-step k runs the k-th piece of every device's own share together, so an OOM that
-names its device (:func:`evendp._core._oom_errors.device_index_of`, tagged by
-``BalancedDataParallel``) halves that device's pieces only, and the healthy devices keep
-running their whole shares at once.
-
-Across processes the guard is only retry arithmetic: whether every process steps or skips,
-and how many micro-steps each must run, is a :class:`StepConsensus` the caller passes (the
-Trainer's strategy). Without one, under a process group, the guard all-reduces one flag so
-every rank agrees on "step" or "skip": an OOM on one rank never leaves another blocked in a
-collective (under OOM-safe DDP every bucket is reduced once, in one order on every rank,
-whatever a rank's backward did; see :class:`evendp._distributed._grad_buckets.GradientBuckets`).
+How micro-steps are cut is the layout's (:func:`~evendp._distributed._step_layout.micro_plan`):
+the Trainer's step reads the guard's caps and consults it only after an OOM; across ranks its
+strategy agrees on step or skip. :meth:`OomResplit.run_shares`, for hand-written loops,
+agrees under a process group with one all-reduced flag.
 """
 
 from __future__ import annotations
@@ -30,7 +20,6 @@ import collections
 import gc
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,45 +29,9 @@ from .._core._exact import share_loss
 from .._core._oom_errors import device_index_of, is_oom_error
 from .._core._validate import is_int, validate_int
 from .._distributed._group import comm_device, world_size
-from .._distributed._step_layout import micro_spans, pad_micro_steps
+from .._distributed._step_layout import MicroPlan, micro_plan
 
-__all__ = ["OomResplit", "StepConsensus", "free_memory"]
-
-
-class StepConsensus(Protocol):
-    """How the processes running one step agree on it (a strategy provides one).
-
-    ``micro_step_count(planned)``: how many micro-steps this process runs when its own shares need
-    ``planned`` (more when every process must run as many backward passes as the others).
-    ``agree_step(failed, total)``: called once per attempt's end on every process, whatever
-    happened: returns whether the step is skipped everywhere and the step's loss total.
-    """
-
-    def micro_step_count(self, planned: int) -> int: ...
-
-    def agree_step(
-        self, failed: bool, total: torch.Tensor | None
-    ) -> tuple[bool, torch.Tensor | None]: ...
-
-
-class _GroupConsensus:
-    """The guard's own consensus: one all-reduced flag over ``group`` when there is one."""
-
-    def __init__(self, group: dist.ProcessGroup | None, catch: bool) -> None:
-        self.group, self.catch = group, catch
-
-    def micro_step_count(self, planned: int) -> int:
-        return planned
-
-    def agree_step(
-        self, failed: bool, total: torch.Tensor | None
-    ) -> tuple[bool, torch.Tensor | None]:
-        # Without catching, an OOM has already propagated: the flag could only be 0.
-        if not (self.catch and world_size(self.group) > 1):
-            return failed, total
-        flag = torch.tensor(float(failed), device=comm_device(self.group))
-        dist.all_reduce(flag, group=self.group)
-        return bool(flag.item()), total  # the one host sync: every rank must agree
+__all__ = ["OomResplit", "free_memory"]
 
 
 def _default_backward(loss: torch.Tensor) -> None:
@@ -150,7 +103,7 @@ class OomResplit:
         #: runs, so a caller can sync gradients on the last one only.
         self.micro_step = 0
         self.micro_steps = 0
-        self._sizes: list[int] = []  # the last plan's micro-batch per device
+        self._plan: MicroPlan = []  # the last plan()'s
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -210,7 +163,6 @@ class OomResplit:
         micro_batch_sizes: Sequence[int | None] | None = None,
         min_micro_steps: int = 0,
         summed: bool = False,
-        consensus: StepConsensus | None = None,
     ) -> torch.Tensor | None:
         """Like :meth:`run`, with one share per device, each cut by its own cap.
 
@@ -232,11 +184,9 @@ class OomResplit:
         the Trainer weights by counted items (tokens) instead of samples. ``weight`` may be a
         0-dim tensor (a global count all-reduced on the device, never read on the host).
 
-        ``consensus`` (a strategy's): how many micro-steps to run and, after them, whether
-        every process steps or skips and the step's total (:class:`StepConsensus`). A rank
-        that failed has zero gradients by then, and when any rank failed every rank zeroes
-        the gradients and skips. Default: the guard's own one-flag all-reduce under a
-        process group (nothing to agree in one process).
+        Under a process group of more than one rank (``group``) every rank agrees on step or
+        skip with one all-reduced flag: when any rank failed every rank zeroes the gradients
+        and skips.
 
         >>> guard = OomResplit(devices=2)
         >>> seen = []
@@ -253,51 +203,53 @@ class OomResplit:
         ([2, None], [[(0, 2), (0, 3)], [(2, 4), (3, 3)], [(4, 5), (3, 3)]])
         """
         validate_int("min_micro_steps", min_micro_steps, minimum=0)
-        agreement = consensus or _GroupConsensus(self.group, self.catch)
         total: torch.Tensor | None = None
         while True:
-            plan = self.plan(shares, micro_batch_sizes)
-            plan = pad_micro_steps(
-                plan, shares, agreement.micro_step_count(max(min_micro_steps, len(plan)))
-            )
+            caps = self._caps(shares, micro_batch_sizes)
+            plan = micro_plan(shares, 1, caps, max(min_micro_steps, self.min_micro_steps))
             try:
                 total = self._run_plan(plan, chunk_loss, weight, backward, summed)
                 break
             except RuntimeError as error:  # torch.OutOfMemoryError is one
-                retry = self.after_oom(error, shares)
+                retry = self.after_oom(error, shares, plan)
             # Handled here, outside the except block, so the failed graph's frames are freed.
             total = None
             zero_grad()
             free_memory()
             if not retry:
                 break
-        failed, total = agreement.agree_step(total is None, total)
+        # Without catching, an OOM has already propagated: the flag could only be 0.
+        failed = total is None
+        if self.catch and world_size(self.group) > 1:
+            flag = torch.tensor(float(failed), device=comm_device(self.group))
+            dist.all_reduce(flag, group=self.group)
+            failed = bool(flag.item())  # the one host sync: every rank must agree
         if failed:
             zero_grad()
             self.skipped += 1
             return None
         return total
 
-    # -- the planner the Trainer consults ----------------------------------------------------
-
     def plan(
         self, shares: Sequence[int], micro_batch_sizes: Sequence[int | None] | None = None
-    ) -> list[list[tuple[int, int]]]:
-        """The micro-steps of a step: per micro-step, each device's span ``[start, stop)`` of
-        its own share, at most its micro-batch (the smallest of its share, its OOM cap and
-        ``micro_batch_sizes[i]``, the accumulation's cap). An empty share gives empty spans.
+    ) -> MicroPlan:
+        """The micro-steps of a step (:func:`~evendp._distributed._step_layout.micro_plan`):
+        per micro-step, each device's span ``[start, stop)`` of its own share, at most its OOM
+        cap and ``micro_batch_sizes[i]``; an empty share gives empty spans.
 
         >>> OomResplit(devices=2).plan([3, 1], [2, None])
         [[(0, 2), (0, 1)], [(2, 3), (1, 1)]]
         """
-        self._sizes = sizes = self._first_sizes(shares, micro_batch_sizes)
-        plan = micro_spans(shares, sizes)
-        if len(plan) >= self.min_micro_steps:
-            return plan
-        return pad_micro_steps(plan, shares, self.min_micro_steps)
+        self._plan = micro_plan(
+            shares, 1, self._caps(shares, micro_batch_sizes), self.min_micro_steps
+        )
+        return self._plan
 
-    def after_oom(self, error: RuntimeError, shares: Sequence[int]) -> bool:
-        """After ``error`` ended an attempt at the last :meth:`plan` of ``shares``: ``True``
+    def after_oom(
+        self, error: RuntimeError, shares: Sequence[int], plan: MicroPlan | None = None
+    ) -> bool:
+        """After ``error`` ended an attempt at ``plan`` (default: the last :meth:`plan`'s) of
+        ``shares``: ``True``
         when the micro-batches were halved and the step may run again (plan it again),
         ``False`` when none can shrink (skip the step). Re-raises ``error`` when it is not an
         OOM, or when this guard does not catch (``catch=False``).
@@ -309,7 +261,9 @@ class OomResplit:
             raise error
         device = device_index_of(error)
         where = "out of memory" + ("" if device is None else f" on device {device}")
-        if not self._shrink(shares, self._sizes, device):
+        plan = self._plan if plan is None else plan
+        sizes = [b - a for a, b in plan[0]] if plan else [0] * len(shares)  # each first piece
+        if not self._shrink(shares, sizes, device):
             self.notes.append(f"{where} at the smallest micro-batch: the step is skipped")
             return False
         self.resplits += 1
@@ -317,10 +271,10 @@ class OomResplit:
         self.notes.append(f"{where}: micro-batches now {caps} per device, the step runs again")
         return True
 
-    def _first_sizes(
+    def _caps(
         self, shares: Sequence[int], micro_batch_sizes: Sequence[int | None] | None
-    ) -> list[int]:
-        """Per device, the micro-batch to try first: the share, its cap, the caller's cap."""
+    ) -> list[int | None]:
+        """Per device, the smaller of its OOM cap and the caller's (``None``: neither)."""
         if len(shares) != len(self.micro_batch_sizes):
             raise EvendpError(
                 f"got {len(shares)} shares for a guard of {len(self.micro_batch_sizes)} devices;"
@@ -331,12 +285,12 @@ class OomResplit:
                 raise EvendpError(
                     f"n must be a non-negative int (samples in this share), got {n!r}"
                 )
-        caps = list(micro_batch_sizes or [None] * len(shares))
-        for cap in caps:
+        given = list(micro_batch_sizes or [None] * len(shares))
+        for cap in given:
             _validate_micro("micro_batch_size", cap)
         return [
-            min(x for x in (n, mine, cap) if x is not None)
-            for n, mine, cap in zip(shares, self.micro_batch_sizes, caps, strict=True)
+            min((c for c in (mine, cap) if c is not None), default=None)
+            for mine, cap in zip(self.micro_batch_sizes, given, strict=True)
         ]
 
     def _shrink(self, shares: Sequence[int], sizes: list[int], device: int | None) -> bool:

@@ -1,26 +1,63 @@
-"""What a :class:`~evendp._training._trainer.Trainer` run shows and reports, read from outside
-its step: the progress bar and its text, the notes of re-splits, the figures ``on_log`` gets,
-and the :class:`~evendp._training._report.TrainReport` at the end.
+"""What a :class:`~evendp._training._trainer.Trainer` run records, shows and reports, fed from
+outside its step: where the run stands (:class:`TrainState`, a checkpoint part), the callbacks'
+hooks (:class:`Callbacks`), the progress bar and its text, the notes of re-splits, the figures
+``on_log`` gets, and the :class:`~evendp._training._report.TrainReport` at the end.
 
-The Trainer formats nothing: it hands its position (the step, each step's layout, the time
-run) to one :class:`Recorder`, which reads the rest from the trainer it observes (its state,
-strategy, OOM guard, speed balancer and evaluations) at the points a fit calls it.
+The Trainer formats nothing: once per step it hands one :class:`Recorder` what the step
+returned (:class:`~evendp._training._step.StepResult`) and the step's layout; the recorder reads
+the rest from the trainer it observes (its strategy, OOM guard, speed balancer, evaluations).
+
+Step losses stay on their device until someone reads them (:attr:`TrainState.losses`): under
+DDP/FSDP2 each rank records its own part of a step's loss, and :meth:`TrainState.flush` sums all
+pending parts over ranks in one collective when the losses are needed: the display steps
+(:func:`display_due`, nanoGPT's ``log_interval``: the same on every rank, so the collective
+pairs), a checkpoint, the report.
+
+Callback hooks, in the order a run meets them (every method optional; any object with some of
+them works, as in Lightning's and Hugging Face's callback designs):
+- ``on_fit_start(trainer)``: before the first step of a ``fit`` call;
+- ``on_step_end(trainer, step)``: after every optimizer step (``step`` is 1-based, the run's
+  position), cheap: nothing is read from the device for it;
+- ``on_log(trainer, step, metrics)``: every ``config.log_every`` steps, the first step and the
+  last (the steps the progress bar reads the loss on), with ``{"loss": ..., "lr": ...}`` and,
+  where a device's peak memory is known, ``"memory/<device>"`` in bytes; a skipped step has no
+  ``"loss"``;
+- ``on_eval(trainer, step, metrics)``: after each evaluation of ``eval_data``;
+- ``on_save(trainer, step, path)``: after each checkpoint (``path`` is ``None`` on ranks > 0);
+- ``on_fit_end(trainer, report)``: after the last step, with the :class:`TrainReport`.
+
+Under ``torchrun`` every rank runs its own callbacks' hooks. Reading the loss for ``on_log`` is
+a collective: the ranks agree at the start of ``fit`` whether any has callbacks, so callbacks
+on rank 0 alone are fine. The shipped loggers write on rank 0 only.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from types import TracebackType
 from typing import Any
 
 import torch
 
+from .._core._errors import EvendpError
 from .._distributed._step_layout import StepLayout
 from .._planning._balance import split_per_step
-from ._report import FORWARD, RESERVED, DeviceStat, TrainProgress, TrainReport, format_bytes
+from ._report import FORWARD, RESERVED, DeviceStat, TrainReport, format_bytes
+from ._step import StepResult
 
-__all__ = ["Recorder"]
+__all__ = [
+    "HOOKS",
+    "Callback",
+    "Callbacks",
+    "Recorder",
+    "TrainProgress",
+    "TrainState",
+    "display_due",
+]
 
 
 class Recorder:
@@ -44,6 +81,9 @@ class Recorder:
         self._start_step = 0
         self._before: tuple[list[int], int] = ([], 0)  # samples and skipped steps before
         self._started = time.perf_counter()
+        self._shown: float | None = None  # the loss on the bar, read on display steps only
+        self._reads = False  # whether display steps read the losses (a bar or callbacks)
+        self.bar = TrainProgress(0, enabled=False)
 
     def start(self) -> TrainProgress:
         """At the start of a fit (after a resume): what ran before stays out of its report.
@@ -54,18 +94,66 @@ class Recorder:
         self._start_step = state.step
         self._before = (list(state.samples), self.skipped_steps())
         self._started = time.perf_counter()
+        self._shown = None
+        # Under torchrun the ranks agree once whether any has callbacks (one all-reduce), so a
+        # logger on rank 0 alone still has every rank join the loss reads of its on_log.
+        mine = int(bool(t.callbacks))
+        anywhere = (mine if t.world == 1 else sum(t.strategy.reduce_samples([mine]))) > 0
+        self._reads = anywhere or t.config.progress
         show = t.config.progress and t.rank == 0
-        return TrainProgress(t.config.steps, enabled=show, start=state.step)
+        self.bar = TrainProgress(t.config.steps, enabled=show, start=state.step)
+        return self.bar
 
     def elapsed(self) -> float:
         """Seconds since :meth:`start`."""
         return time.perf_counter() - self._started
 
-    def step_done(self, layout: StepLayout) -> list[str]:
-        """Record the step just done (each replica's rows, as every rank laid them out);
-        return this rank's notes of it to say (the OOM guard's re-splits, skips)."""
-        self.splits.append([n for rows in layout.rows for n in rows])
-        return self._oom_lines()
+    def step_done(self, result: StepResult, layout: StepLayout) -> None:
+        """Record the step just done (the trainer's ``state.step`` already counts it): its
+        loss, each device's samples, the layout's rows, this rank's OOM notes; on display
+        steps the reads and ``on_log``; the callbacks' ``on_step_end``; an evaluation when
+        due; the bar."""
+        t, state = self.trainer, self.trainer.state
+        self.splits.append(list(itertools.chain.from_iterable(layout.rows)))
+        if t.guard.notes:  # this rank's re-splits and skips (nearly every step: none)
+            where = f"step {state.step}" + (f", rank {t.rank}" if t.world > 1 else "")
+            for note in t.guard.notes:
+                self.bar.say(f"evendp: {where}: {note}")
+            t.guard.notes.clear()
+        # This process's devices' rows, in the report's places (0 on other ranks' devices).
+        before, devices = t.rank * len(t.strategy.devices), len(t.device_names)
+        t.micro_steps = [
+            [0] * before + rows + [0] * (devices - before - len(rows)) for rows in result.micro_rows
+        ]
+        ran = list(map(sum, zip(*t.micro_steps, strict=True))) if t.micro_steps else [0] * devices
+        # The loss is this process's part: reduce_losses makes it the step's. A step the gate
+        # skipped on the device is dropped when the flags are read.
+        state.record(result.loss, ran, result.skipped)
+        cfg = t.config
+        if display_due(state.step, self._start_step, cfg.steps, cfg.log_every):
+            self._log(result.loss)  # the same steps on every rank: the reads pair
+        t.callbacks.call("on_step_end", t, state.step)
+        t.watches.call("on_step_end", t, state.step)
+        if t.eval_data is not None and (
+            state.step == cfg.steps or bool(cfg.eval_every and state.step % cfg.eval_every == 0)
+        ):
+            t._evaluate()
+        text = self.bar_text() if self.bar.enabled else ""
+        self.bar.update(
+            state.step, None if result.loss is None else self._shown, layout.samples, text
+        )
+
+    def _log(self, loss: torch.Tensor | None) -> None:
+        """On a display step: the non-finite gate's verdict always; with a bar or callbacks
+        (agreed by the ranks) the losses, summed over ranks in one collective, and ``on_log``."""
+        t = self.trainer
+        t.stepper.settle()
+        if not self._reads:
+            return
+        t._read_pending()
+        if t.config.progress and t.rank == 0 and loss is not None:
+            self._shown = t.state.last_loss
+        t.callbacks.call("on_log", t, t.state.step, self.log_metrics(loss))
 
     def skipped_steps(self) -> int:
         """Steps skipped so far: by an OOM everywhere, or by the non-finite gate (a read)."""
@@ -82,32 +170,33 @@ class Recorder:
         for note in received:
             print(f"evendp: rank {rank}: {note}", file=sys.stderr, flush=True)
 
-    def resplit_line(self) -> str:
-        """What the speed balancer just decided: the step, the split before and after (its
-        history), and the per-sample times it went by."""
-        balancer = self.trainer.balancer
-        (_, before), (step, after) = balancer.history[-2:]
-        times = balancer.seconds_per_sample
-        said = ", ".join("-" if t is None else f"{t * 1e3:.3g}" for t in times)
-        return (
+    def resplit(self) -> None:
+        """After the speed balancer's step changed the split (every rank alike; the sampler
+        has it, through its ``on_resplit``): rank 0 says the step, the split before and after
+        and the per-sample times it went by."""
+        t = self.trainer
+        if t.rank != 0:
+            return
+        (_, before), (step, after) = t.balancer.history[-2:]
+        said = ", ".join(
+            "-" if x is None else f"{x * 1e3:.3g}" for x in t.balancer.seconds_per_sample
+        )
+        self.bar.say(
             f"evendp: step {step}: speed re-split {list(before)} -> {list(after)} (ms per "
             f"sample by rank: {said})"
         )
 
-    def _oom_lines(self) -> list[str]:
-        """The OOM guard's notes of the step just done (a re-split, a skip), each naming the
-        step and, on several ranks, this rank; emptied once said."""
-        t = self.trainer
-        if not t.guard.notes:  # nearly every step: nothing to say
-            return []
-        where = f"step {t.state.step}" + (f", rank {t.rank}" if t.world > 1 else "")
-        lines = [f"evendp: {where}: {note}" for note in t.guard.notes]
-        t.guard.notes.clear()
-        return lines
-
     def bar_text(self) -> str:
-        """The bar's memory column: measured peaks, OOM caps, the last evaluation."""
-        return self.memory_text() + self._micro_text() + self._eval_text()
+        """The bar's memory column: measured peaks, the OOM caps (once an OOM, or a resumed
+        run, capped some device's micro-batches), the last evaluation."""
+        text = self.memory_text()
+        caps = self.trainer.guard.micro_batch_sizes
+        if any(c is not None for c in caps):
+            text += " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
+        evals = self.trainer.evals
+        if evals:
+            text += "".join(f" val {k} {v:.4f}" for k, v in evals[-1]["metrics"].items())
+        return text
 
     def peaks(self) -> list[int | None]:
         """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
@@ -127,19 +216,6 @@ class Recorder:
         peaks = dict(zip(t.device_names, t._device_peaks(), strict=True))
         shown = [format_bytes(p) for p in peaks.values() if p is not None]
         return " ".join(shown) if shown else "-"
-
-    def _micro_text(self) -> str:
-        # Shown only once an OOM (or a resumed run) capped some device's micro-batches.
-        caps = self.trainer.guard.micro_batch_sizes
-        if all(c is None for c in caps):
-            return ""
-        return " micro-batch " + "/".join("all" if c is None else str(c) for c in caps)
-
-    def _eval_text(self) -> str:
-        evals = self.trainer.evals
-        if not evals:
-            return ""
-        return "".join(f" val {k} {v:.4f}" for k, v in evals[-1]["metrics"].items())
 
     def log_metrics(self, loss: torch.Tensor | None) -> dict[str, float]:
         """What ``on_log`` gets: the step's loss (read already), the lr, measured peaks."""
@@ -203,3 +279,293 @@ class Recorder:
             eval=list(t.evals),
             batch_sizes_per_step=list(self.splits),
         )
+
+
+@dataclass
+class TrainState:
+    """The position of a run: optimizer steps done, epoch and batch within it, losses, samples.
+
+    ``batch_in_epoch`` counts the batches of ``epoch`` already *trained* (not merely prepared
+    by a prefetching loader), so a resume skips exactly those.
+
+    >>> state = TrainState(devices=2)
+    >>> state.record(torch.tensor(0.5), [3, 1])
+    >>> state.flush(lambda parts: parts)  # one process: its parts are the steps' losses
+    >>> state.losses, state.samples
+    ([0.5], [3, 1])
+    """
+
+    devices: int
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    samples: list[int] = field(default_factory=list)
+    _losses: list[float | torch.Tensor] = field(default_factory=list)
+    _parts: list[torch.Tensor] = field(default_factory=list)
+    # Per pending part: the samples each device ran and the step's skip flag (device, unread).
+    _pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    #: What the last resume restored and what it could not (for the user to read).
+    notes: list[str] = field(default_factory=list)
+    #: What must match on resume: ``{"global_batch": int, "mode": str}`` (set by the Trainer).
+    run_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [0] * self.devices
+
+    @property
+    def losses(self) -> list[float]:
+        """The step losses as floats (reading them waits for the device, once per value)."""
+        self._losses = [float(v) for v in self._losses]
+        return list(self._losses)  # type: ignore[arg-type]
+
+    def record(
+        self, loss: torch.Tensor | None, ran: list[int], skipped: torch.Tensor | bool = False
+    ) -> None:
+        """One step done: this process's part of its loss (``None``: skipped, not recorded;
+        :meth:`flush` sums the parts over ranks) and each device's samples. ``skipped``: the
+        non-finite gate's flag, a device tensor read only at :meth:`flush`; a skipped step's
+        loss and samples are then dropped.
+        """
+        if loss is None or (isinstance(skipped, bool) and skipped):
+            # Skipped on the host's knowledge: no loss, no samples (ran is zeros then).
+            self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+            return
+        flag = skipped if isinstance(skipped, torch.Tensor) else torch.zeros(())
+        self._parts.append(loss.detach().float())
+        self._pending.append((ran, flag))
+
+    def flush(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the pending per-rank parts over ranks, all in one ``reduce`` call (collective),
+        and read their skip flags (one host read): a skipped step keeps no loss or samples."""
+        if not self._parts:
+            return
+        summed = reduce(torch.stack(self._parts))  # (pending steps,)
+        flags = torch.stack([f.to(summed.device).float() for _, f in self._pending]).tolist()
+        for loss, (ran, _), skipped in zip(summed.unbind(), self._pending, flags, strict=True):
+            if not skipped:
+                self._losses.append(loss)
+                self.samples = [a + b for a, b in zip(self.samples, ran, strict=True)]
+        self._parts, self._pending = [], []
+
+    @property
+    def last_loss(self) -> float:
+        """The latest recorded (global) loss, read from the device now."""
+        return float(self._losses[-1])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's position: ``step``, ``epoch``, ``batch_in_epoch``, ``losses``, ``samples``.
+
+        Call :meth:`flush` first where losses are pending per rank (a collective).
+        """
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "losses": self.losses,
+            "samples": list(self.samples),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> str | None:
+        """Continue from a saved position; per-device sample counts saved for another number
+        of devices start from 0, and the note returned says so.
+
+        >>> state = TrainState(devices=2)
+        >>> state.load_state_dict({"step": 4, "epoch": 1, "losses": [2.0], "samples": [9, 7]})
+        >>> state.step, state.epoch, state.batch_in_epoch, state.losses, state.samples
+        (4, 1, 0, [2.0], [9, 7])
+        """
+        step = int(state_dict.get("step", 0))
+        epoch = int(state_dict.get("epoch", 0))
+        batch_in_epoch = int(state_dict.get("batch_in_epoch", 0))
+        losses = [float(v) for v in state_dict.get("losses", [])]
+        saved = [int(v) for v in state_dict.get("samples", [])]
+        self.step, self.epoch, self.batch_in_epoch = step, epoch, batch_in_epoch
+        self._losses, self._parts, self._pending = list(losses), [], []
+        if len(saved) == len(self.samples):
+            self.samples = saved
+            return None
+        self.samples = [0] * len(self.samples)
+        return (
+            f"the checkpoint counted samples for {len(saved)} device(s), this run has "
+            f"{len(self.samples)}: per-device sample counts start from 0"
+        )
+
+
+HOOKS = ("on_fit_start", "on_step_end", "on_log", "on_eval", "on_save", "on_fit_end")
+
+
+class Callback:
+    """A base class whose hooks do nothing: subclass it and override the ones you need.
+
+    >>> import torch
+    >>> from evendp import TrainConfig, Trainer
+    >>> class Losses(Callback):
+    ...     def __init__(self):
+    ...         self.seen = []
+    ...     def on_log(self, trainer, step, metrics):
+    ...         self.seen.append((step, round(metrics["loss"], 1)))
+    >>> data = torch.utils.data.TensorDataset(torch.ones(8, 2), torch.zeros(8))
+    >>> net = torch.nn.Linear(2, 1)
+    >>> loss = lambda m, b: ((m(b[0]).squeeze(1) - b[1]) ** 2).mean()
+    >>> cfg = TrainConfig(steps=3, batch_size=4, lr=0.0, progress=False, log_every=2)
+    >>> torch.manual_seed(0) and None
+    >>> logged = Losses()
+    >>> _ = Trainer(net, data, cfg, loss_fn=loss, callbacks=[logged]).fit()
+    >>> [step for step, _ in logged.seen]  # the first step, every 2nd, the last
+    [1, 2, 3]
+    """
+
+    def on_fit_start(self, trainer: Any) -> None:
+        """Before the first step of ``fit``."""
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        """After every optimizer step."""
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """On the steps whose loss is read (``config.log_every``)."""
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """After each evaluation of ``eval_data``."""
+
+    def on_save(self, trainer: Any, step: int, path: Any) -> None:
+        """After each checkpoint."""
+
+    def on_fit_end(self, trainer: Any, report: Any) -> None:
+        """After the run, with its report."""
+
+
+class Callbacks:
+    """The Trainer's callbacks, called in the order given; a missing method is skipped.
+
+    >>> class Printer:
+    ...     def on_step_end(self, trainer, step):
+    ...         print("step", step)
+    >>> hooks = Callbacks([Printer()])
+    >>> hooks.call("on_step_end", None, 3)
+    step 3
+    >>> hooks.call("on_log", None, 3, {})  # Printer has no on_log: nothing happens
+    >>> bool(hooks), bool(Callbacks(None))
+    (True, False)
+    """
+
+    def __init__(self, callbacks: Sequence[Any] | None) -> None:
+        self.items = _validate_callbacks(callbacks)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def call(self, hook: str, *args: Any) -> None:
+        """``callback.hook(*args)`` for every callback that has ``hook``."""
+        for callback in self.items:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(*args)
+
+
+def _validate_callbacks(callbacks: Sequence[Any] | None) -> list[Any]:
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise EvendpError(
+            f"callbacks must be a list of callback objects, got {type(callbacks).__name__}; "
+            "e.g. callbacks=[TensorBoardLogger('runs/tb')]"
+        )
+    for c in callbacks:
+        if not any(callable(getattr(c, h, None)) for h in HOOKS):
+            raise EvendpError(
+                f"callbacks: {c!r} has none of the hooks {', '.join(HOOKS)}; pass an object "
+                "with some of these methods, e.g. a subclass of evendp.Callback or a logger "
+                "such as evendp.CSVLogger('metrics.csv')"
+            )
+    return list(callbacks)
+
+
+def display_due(step: int, start: int, steps: int, every: int) -> bool:
+    """Whether the progress bar reads the loss after ``step`` (1-based steps done).
+
+    The first step of this run, every ``every``-th step and the last one; the same on every
+    rank, so the reads' collective (DDP/FSDP2) pairs up.
+
+    >>> [s for s in range(1, 26) if display_due(s, start=0, steps=25, every=10)]
+    [1, 10, 20, 25]
+    """
+    return step == start + 1 or step % every == 0 or step == steps
+
+
+class TrainProgress:
+    """A rich progress bar showing step, loss, samples/s and per-device memory.
+
+    Use as a context manager; ``update(step, loss, samples, memory)`` after every step.
+    With ``enabled=False`` it does nothing (tests, non-zero ranks). ``console``: a
+    ``rich.console.Console`` to draw on (default: the terminal).
+
+    >>> with TrainProgress(total=3, enabled=False) as bar:
+    ...     bar.update(1, loss=2.5, samples=32, memory="-")
+    """
+
+    def __init__(
+        self, total: int, enabled: bool = True, start: int = 0, console: Any = None
+    ) -> None:
+        self.total = total
+        self.console = console
+        self.enabled = enabled
+        self.start = start
+        self._progress: Any = None
+        self._task: Any = None
+        self._last = time.perf_counter()
+
+    def __enter__(self) -> TrainProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[speed]} samples/s"),
+                TextColumn("mem {task.fields[memory]}"),
+                console=self.console,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task(
+                "train", total=self.total, completed=self.start, loss="-", speed="-", memory="-"
+            )
+        self._last = time.perf_counter()
+        return self
+
+    def update(self, step: int, loss: float | None, samples: int, memory: str) -> None:
+        """Advance to ``step`` (1-based steps done) after a step of ``samples`` samples."""
+        now = time.perf_counter()
+        speed = samples / max(now - self._last, 1e-9)
+        self._last = now
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=step,
+                loss="skipped" if loss is None else f"{loss:.4f}",
+                speed=f"{speed:.0f}",
+                memory=memory,
+            )
+
+    def say(self, line: str) -> None:
+        """``line`` above the bar while it is drawn (printing past it would tear it), else on
+        stderr.
+
+        >>> with TrainProgress(total=3, enabled=False) as bar:
+        ...     bar.say("evendp: step 2: speed re-split [4, 4] -> [6, 2]")
+        """
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(exc_type, exc, tb)

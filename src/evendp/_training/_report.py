@@ -20,11 +20,8 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 from .._core._files import mkdir_private, replace_file
@@ -36,7 +33,6 @@ __all__ = [
     "PEAK_KINDS",
     "RESERVED",
     "DeviceStat",
-    "TrainProgress",
     "TrainReport",
     "format_bytes",
     "on_devices",
@@ -538,81 +534,3 @@ def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:
     _plot(report, png)
     replace_file(paths["png"], png.getvalue())
     return paths
-
-
-class TrainProgress:
-    """A rich progress bar showing step, loss, samples/s and per-device memory.
-
-    Use as a context manager; ``update(step, loss, samples, memory)`` after every step.
-    With ``enabled=False`` it does nothing (tests, non-zero ranks). ``console``: a
-    ``rich.console.Console`` to draw on (default: the terminal).
-
-    >>> with TrainProgress(total=3, enabled=False) as bar:
-    ...     bar.update(1, loss=2.5, samples=32, memory="-")
-    """
-
-    def __init__(
-        self, total: int, enabled: bool = True, start: int = 0, console: Any = None
-    ) -> None:
-        self.total = total
-        self.console = console
-        self.enabled = enabled
-        self.start = start
-        self._progress: Any = None
-        self._task: Any = None
-        self._last = time.perf_counter()
-
-    def __enter__(self) -> TrainProgress:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[speed]} samples/s"),
-                TextColumn("mem {task.fields[memory]}"),
-                console=self.console,
-            )
-            self._progress.__enter__()
-            self._task = self._progress.add_task(
-                "train", total=self.total, completed=self.start, loss="-", speed="-", memory="-"
-            )
-        self._last = time.perf_counter()
-        return self
-
-    def update(self, step: int, loss: float | None, samples: int, memory: str) -> None:
-        """Advance to ``step`` (1-based steps done) after a step of ``samples`` samples."""
-        now = time.perf_counter()
-        speed = samples / max(now - self._last, 1e-9)
-        self._last = now
-        if self._progress is not None:
-            self._progress.update(
-                self._task,
-                completed=step,
-                loss="skipped" if loss is None else f"{loss:.4f}",
-                speed=f"{speed:.0f}",
-                memory=memory,
-            )
-
-    def say(self, line: str) -> None:
-        """``line`` above the bar while it is drawn (printing past it would tear it), else on
-        stderr.
-
-        >>> with TrainProgress(total=3, enabled=False) as bar:
-        ...     bar.say("evendp: step 2: speed re-split [4, 4] -> [6, 2]")
-        """
-        if self._progress is not None:
-            self._progress.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._progress is not None:
-            self._progress.__exit__(exc_type, exc, tb)

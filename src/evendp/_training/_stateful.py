@@ -19,7 +19,7 @@ from .._core._validate import is_int, shown
 from .._distributed._sampler import UnevenBatchSampler
 from ._checkpoint import RngState
 from ._oom import OomResplit
-from ._train_state import TrainState
+from ._recorder import TrainState
 
 __all__ = ["OomCaps", "PerRank", "RngState", "SamplerPosition", "Stateful"]
 

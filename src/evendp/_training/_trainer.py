@@ -1,30 +1,14 @@
 """The training loop that composes evendp: one readable loop in the style of nanoGPT.
 
-Each optimizer step takes one global batch (``batch_size`` samples). In one process the model
-runs under :class:`BalancedDataParallel`, which splits every (micro-)batch across the devices
-by their weights and returns the exact sample-weighted mean loss. Under ``torchrun`` each rank
-runs its own share (``batch_sizes[rank]``, from :class:`UnevenBatchSampler`) and the gradient
-is averaged over ranks with every micro-batch weighted by its samples over the global count.
-
-Gradient accumulation and the OOM re-split are the same mechanism: the step runs as
-micro-batches through :class:`OomResplit`, which halves them whenever one runs out of memory.
-The gradient is that of the global batch's mean loss however the batch is cut. In one process
-each device's share is cut by its own cap: an OOM in one replica's forward halves that
-device's micro-batches only, and the healthy devices keep running their shares in one go.
-
-How a step runs (one process, DDP, OOM-safe DDP, FSDP2) is a strategy object
-(:mod:`evendp._training._strategies`): every decision that differs between them is the strategy's,
-and
-the loop calls the same methods in every mode. Where the run stands and its checkpoints are a
-:class:`~evendp._training._train_state.TrainState`; batches are collated ahead in a thread
-(:mod:`evendp._parallel._prefetch`). The loop in :meth:`Trainer.fit` reads top to bottom.
-
-Every share's loss is summed over its counted items (samples, or what ``count_fn`` counts, e.g.
-non-ignored tokens) and scaled by one over the step's global count, learnt before the first
-backward (with ``count_fn`` under DDP/FSDP2 one all-reduce, overlapping the first forward;
-none in one process, with the samples, or with ``counts=``): the arithmetic is
-:mod:`evendp._core._exact`'s. The progress bar reads the loss every ``log_every`` steps only
-(:mod:`evendp._distributed._step_count`).
+Each optimizer step takes one global batch (``batch_size`` samples), laid out over ranks and
+devices by the sampler's :class:`~evendp._distributed._step_layout.StepLayout`, collated
+(ahead in a thread with a GPU: :mod:`evendp._parallel._prefetch`) and trained by
+:func:`~evendp._training._step.train_step`, which reads top to bottom and calls the strategy
+(:mod:`evendp._training._strategies`: every decision that differs between one process, DDP,
+FSDP2, ... is the strategy's). What the step returned goes to the run's
+:class:`~evendp._training._recorder.Recorder` (the position, the bar, callbacks, the report).
+The gradient is that of the global batch's mean loss however the batch is cut (devices, ranks,
+micro-steps, OOM re-splits): the arithmetic is :mod:`evendp._core._exact`'s.
 """
 
 from __future__ import annotations
@@ -32,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +28,12 @@ from torch.utils.data import Dataset, default_collate
 from .._core import _defaults as defaults
 from .._core._amp import amp_dtype
 from .._core._blocks import block_predicate, repeated_blocks
-from .._core._calls import as_args, as_batch
+from .._core._calls import as_batch
 from .._core._cost import sample_costs
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._exact import share_loss
-from .._core._validate import validate_count, validate_float, validate_int
+from .._core._validate import validate_float, validate_int
 from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
 from .._distributed._collate import EmptySafeCollate
 from .._distributed._interrupt import StopFlag, late_signal
@@ -62,10 +44,9 @@ from .._distributed._stalled import (
     is_comm_failure,
     set_comm_timeout,
 )
-from .._distributed._step_count import StepWeight, display_due, sample_counts
 from .._distributed._step_layout import StepLayout
 from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
-from .._parallel._scatter import map_tensors, row_count
+from .._parallel._scatter import row_count
 from .._planning._balance import (
     first_batch,
     inline_for_balance,
@@ -73,18 +54,16 @@ from .._planning._balance import (
 )
 from .._planning._on_device import forget as forget_plans
 from . import _peak_memory
-from ._callbacks import Callbacks
 from ._checkpointer import Checkpointer
 from ._evaluate import EvalFn, loss_eval_fn
 from ._first_step_watch import first_step_watch
 from ._launched import join_launch
-from ._oom import free_memory
-from ._recorder import Recorder
+from ._recorder import Callbacks, Recorder, TrainState
 from ._report import TrainReport, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
+from ._step import StepWeight, count_weight, no_batch_dimension, sample_counts, train_step
 from ._strategies import pick_strategy
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
-from ._train_state import TrainState
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
 
@@ -264,11 +243,13 @@ class _LossModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         # A dict batch arrives as its one argument (or, from the planner, as keywords).
         batch = as_batch(args, kwargs)
-        loss = checked_loss(self.loss_fn(self.model, batch))
-        count = _batch_len(batch) if self.count_fn is None else self.count_fn(batch)
+        loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            checked_loss(loss)  # raises, naming the fix
+        count = row_count(batch) if self.count_fn is None else self.count_fn(batch)
         if not isinstance(count, (int, float, torch.Tensor)):
             count = torch.as_tensor(count)  # e.g. a NumPy integer
-        return share_loss(loss, count)
+        return share_loss(loss, count)  # the share's part: summed over its items
 
 
 def _keep_batchnorm_fp32(model: nn.Module) -> None:
@@ -295,40 +276,6 @@ def _apply_activation_checkpointing(model: nn.Module) -> None:
             "hold the repeated layers in an nn.ModuleList or turn the option off"
         )
     apply_activation_checkpointing(model, check_fn=block_predicate(model))
-
-
-def _rows(batch: Batch, ranges: list[tuple[int, int]]) -> Batch:
-    """The samples ``[start, stop)`` of every range, in order: a view when they are adjacent.
-    Per-row lists (strings, ids: one entry per row) are cut with their rows.
-
-    >>> _rows(torch.arange(6), [(0, 2), (3, 5)]), _rows(torch.arange(6), [(0, 2), (2, 4)])
-    (tensor([0, 1, 3, 4]), tensor([0, 1, 2, 3]))
-    >>> _rows({"x": torch.arange(3), "text": ["a", "b", "c"]}, [(1, 3)])["text"]
-    ['b', 'c']
-    """
-    total = row_count(batch)
-    ranges = [(a, b) for a, b in ranges if b > a]
-
-    def rows_of(values: list[Any]) -> list[Any]:
-        return [value for a, b in ranges for value in values[a:b]]
-
-    if not ranges:  # an empty micro-step (a rank with no samples): zero rows, same layout
-        return map_tensors(batch, lambda t: t[:0] if t.dim() else t, rows=total, row_fn=rows_of)
-    if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)):
-        start, stop = ranges[0][0], ranges[-1][1]
-        return map_tensors(batch, lambda t: t[start:stop], rows=total, row_fn=rows_of)
-    index = torch.cat([torch.arange(a, b) for a, b in ranges])  # (samples,)
-    return map_tensors(batch, lambda t: t[index.to(t.device)], rows=total, row_fn=rows_of)
-
-
-def _batch_len(batch: Batch) -> int:
-    n = row_count(batch)
-    if n is None:
-        raise EvendpError(
-            f"cannot find the batch dimension of {type(batch).__name__}; return tensors with "
-            "the samples along dim 0 from the dataset (or its batch(indices) method)"
-        )
-    return n
 
 
 class Trainer:
@@ -486,7 +433,7 @@ class Trainer:
         out = config.out_dir
         where = "" if out is None else f"; the last good checkpoint is in {out}"
         # Built after wrapping: FSDP2 replaces the parameters with sharded ones.
-        #: Backward and the update (:class:`~evendp._training._stepper.Stepper`).
+        #: Backward and the update (:class:`~evendp._training._step.Stepper`).
         self.stepper = strategy.build_stepper(optimizer, scheduler, config, where=where)
         # A dataset without batch(indices) is collated per sample; an empty share (a rank of
         # size 0, or the short last step) gives zero-length tensors rather than an IndexError.
@@ -503,6 +450,22 @@ class Trainer:
         self._prefetch = (2 if self._pin else 0) if config.prefetch is None else config.prefetch
         self._prefetch = inline_for_balance(self.balancer, config.prefetch, self._prefetch)
         self._stand_in: Batch | None = None
+        # Each rank's rows over its devices: by the strategy's weights, or by cost (costs=,
+        # max_costs=); with one device per process and no caps, the layout's own rows.
+        self._one_device = len(strategy.devices) == 1 and self._max_costs is None
+        # Autocast's context, and the speed balancer's timer around each part of the step
+        # it times (the forward always; backward and the optimizer step where the strategy
+        # runs them without waiting for another rank: its local_parts). None: nothing runs.
+        self.autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+            if self._amp_dtype is None
+            else functools.partial(torch.autocast, self.device.type, dtype=self._amp_dtype)
+        )
+        measure = self.balancer.measure if self.balancer.active else contextlib.nullcontext
+        self.timers: dict[str, Callable[[int], contextlib.AbstractContextManager[Any]]] = {
+            part: measure if part in ("forward", *strategy.local_parts) else contextlib.nullcontext
+            for part in ("forward", "backward", "optimizer")
+        }
         self.state = TrainState(devices=len(self.device_names))
         # What a resume must match: the same global batch keeps the remaining sample order.
         global_batch = sum(self.sampler.batch_sizes)  # one process: config.batch_size
@@ -603,7 +566,9 @@ class Trainer:
         """The batch of the samples ``indices``, as a step builds it (not yet placed)."""
         if self._batch_fn is not None:
             return self._batch_fn(indices)
-        return self._collate([self.data[i] for i in indices])
+        if not indices:  # an empty share: a batch of 0 rows
+            return self._collate(indices)
+        return self._collate.collate_fn([self.data[i] for i in indices])
 
     def _prepare(self, epoch: int, skip: int) -> Iterator[Prepared]:
         """Every step's batch from ``(epoch, skip)`` on, collated (and pinned) in order."""
@@ -611,10 +576,11 @@ class Trainer:
         # puts a resumed run exactly where it stopped.
         while True:
             self.sampler.set_epoch(epoch)
-            for i, _ in enumerate(self.sampler):
+            for i, layout in enumerate(self.sampler.layouts()):
                 if i < skip:
                     continue
-                layout = self._on_devices(self.sampler.layout(i))
+                if not self._one_device:
+                    layout = self._on_devices(layout)
                 batch = self.collate(layout.rank_indices(self.rank))
                 if self._pin:
                     batch = pin(batch)
@@ -631,7 +597,14 @@ class Trainer:
         except EvendpError as err:
             raise EvendpError(f"a step of {layout.samples} samples: {err}") from None
 
-    def _stand_in_for_empty(self) -> Batch:
+    def warn_uncounted(self, batch: Batch) -> None:
+        """Once per run without ``count_fn`` (the first step): warn when the batch holds
+        ``-100`` labels that a mean by samples would count (a host read of the labels)."""
+        self._count_checked = True
+        if holds_ignored(batch):
+            uncounted_warning("Trainer(count_fn=None)", self.model, stacklevel=5)
+
+    def stand_in(self) -> Batch:
         """One real sample for a rank with no rows: models may reject an empty batch."""
         if self._stand_in is None:
             self._stand_in = self.strategy.place(self.collate([0]))
@@ -656,49 +629,13 @@ class Trainer:
 
         metrics = self.strategy.evaluate(
             self.model, data, self.eval_fn, batch_sizes=list(self.sampler.batch_sizes),
-            collate=collate, autocast=self._autocast,
+            collate=collate, autocast=self.autocast,
         )  # fmt: skip
         self.evals.append({"step": self.step, "metrics": metrics})
         self.callbacks.call("on_eval", self, self.step, dict(metrics))
         return metrics
 
-    def _eval_due(self) -> bool:
-        every, step = self.config.eval_every, self.step
-        return self.eval_data is not None and (
-            step == self.config.steps or bool(every and step % every == 0)
-        )
-
     # -- one step ----------------------------------------------------------------------------
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self._amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self._amp_dtype)
-
-    def _step_weight(self, batch: Batch, samples: int, counted: float | None = None) -> StepWeight:
-        """``world / the step's counted items over all processes``, before the first backward.
-
-        The samples, or per-sample ``counts=``, are known to every process (no collective);
-        a ``count_fn`` count is the strategy's to sum (:meth:`Strategy.count_weight`).
-        """
-        if counted is not None:  # from Trainer(counts=): every rank knows it
-            return StepWeight.known(self.world, counted)
-        if self.count_fn is None:
-            return StepWeight.known(self.world, samples)
-        # count_fn sees the batch as loss_fn does (a dict batch as the dict itself).
-        local = torch.as_tensor(
-            self._checked_count(self.count_fn, as_batch(as_args(batch), {})), dtype=torch.float64
-        )
-        return self.strategy.count_weight(local.reshape(()))
-
-    def _checked_count(self, count_fn: CountFn, batch: Batch) -> int | torch.Tensor:
-        """``count_fn(batch)``, refused unless a whole number >= 0. A tensor's value is read
-        at the first step only, on every device alike: each read waits for the device, so
-        later steps trust it (a Python number is checked every step, reading nothing)."""
-        count = count_fn(batch)
-        first = self.state.step == 0 or not isinstance(count, torch.Tensor)
-        validate_count("count_fn(batch)", count, check_values=first)
-        return count
 
     def batch_loss(self, batch: Batch) -> torch.Tensor:
         """The mean loss of this process's ``batch`` over its counted items, split over the
@@ -713,123 +650,23 @@ class Trainer:
         >>> torch.allclose(t.batch_loss(batch), bigram(t.model, batch))
         True
         """
+        n = row_count(batch)
+        if n is None:
+            raise no_batch_dimension(batch)
         batch = self.strategy.place(batch)
-        n = _batch_len(batch)
-        weight = self._step_weight(batch, n)
-        with self._autocast():
+        weight = (
+            StepWeight.known(self.world, n) if self.count_fn is None else count_weight(self, batch)
+        )
+        with self.autocast():
             total = self.strategy.forward(batch, self.strategy.shares(n))
         return total * weight.wait() / self.world
-
-    def _train_step(
-        self, batch: Batch, layout: StepLayout, counted: float | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | bool, tuple[float, float] | None]:
-        """One optimizer step on this process's ``batch``, its rows as ``layout`` places them:
-        rows to devices, the global count, forward and backward of each micro-step with the
-        exactness weight, the reduction (agreed: step or skip), clipping and the update.
-
-        Returns this process's part of the global batch's mean loss (on the device; ``None``
-        when an OOM skipped the step everywhere), the step's skip flag (the non-finite gate's,
-        on the device: read with the losses, at log steps) and the stop votes that rode with
-        the step (``None``: none did).
-        """
-        strategy, stepper = self.strategy, self.stepper
-        if not self._count_checked:  # the first step only
-            self._warn_uncounted_once(batch)
-        n = _batch_len(batch)
-        batch = strategy.place(batch)  # rows to devices
-        shares = layout.device_rows(self.rank)
-        if sum(shares) != n:  # a batch function that makes rows of its own (packing)
-            shares = strategy.shares(n)
-        weight = self._step_weight(batch, layout.samples, counted)  # world / the global count
-        stepper.zero_grad()
-        total = self._accumulate(batch, shares, weight)  # None: an OOM left nothing to run
-        end = strategy.finish_step(total is None, total)  # every process, whatever happened
-        if end.total is None:  # an OOM on some process: every process skips the step
-            stepper.zero_grad()
-            self.guard.skipped += 1
-            return None, True, end.votes
-        with self._timed("optimizer"):
-            skipped = stepper.step(self.state.step + 1)  # unscale, clip, gate, update
-        # The step's mean, or this rank's part of it (the strategy sums the parts when read).
-        return end.total / self.world, skipped, end.votes
-
-    def _warn_uncounted_once(self, batch: Batch) -> None:
-        """Once per run without ``count_fn``: warn when the batch holds ``-100`` labels that a
-        mean by samples would count (a host read of the labels, at the first step only)."""
-        if self._count_checked:
-            return
-        self._count_checked = True
-        if holds_ignored(batch):
-            uncounted_warning("Trainer(count_fn=None)", self.model, stacklevel=5)
-
-    def _accumulate(
-        self, batch: Batch, shares: list[int], weight: StepWeight
-    ) -> torch.Tensor | None:
-        """Forward and backward every micro-step of the step: the gradient of the step's
-        mean loss, and its total (detached). After an OOM the guard halves the failing
-        device's micro-batches and the step runs again from its first sample; ``None`` when
-        nothing smaller is left to try."""
-        caps = [math.ceil(s / self.config.accum) if s else None for s in shares]
-        while True:
-            plan = self.guard.plan(shares, caps)  # at least as many as every rank must run
-            try:
-                return self._run_micro_steps(batch, shares, plan, weight)
-            except RuntimeError as error:  # torch.OutOfMemoryError is one
-                retry = self.guard.after_oom(error, shares)  # re-raises anything else
-            # Outside the except block, so the failed graph's frames can be freed.
-            self.stepper.zero_grad()
-            free_memory()
-            if not retry:
-                return None
-
-    def _run_micro_steps(
-        self,
-        batch: Batch,
-        shares: list[int],
-        plan: list[list[tuple[int, int]]],
-        weight: StepWeight,
-    ) -> torch.Tensor:
-        """The step as nanoGPT writes it: per micro-step, forward (each device its span of
-        its own share), the loss weighted by the step's weight, backward."""
-        strategy = self.strategy
-        offsets = [sum(shares[:i]) for i in range(len(shares))]  # each device's first row
-        self.micro_steps = []  # per micro-step, the samples each device ran
-        total = torch.zeros((), device=self.device)
-        for k, spans in enumerate(plan):
-            rows = [b - a for a, b in spans]
-            self.micro_steps.append(self._per_device(rows, 0))  # 0 on other ranks' devices
-            with strategy.micro_step(last=k == len(plan) - 1):  # sync on the last one only
-                with self._autocast(), self.balancer.measure(sum(rows)):
-                    if sum(rows):
-                        mine = [(o + a, o + b) for o, (a, b) in zip(offsets, spans, strict=True)]
-                        summed = strategy.forward(_rows(batch, mine), rows).float()
-                    else:  # a rank with nothing left still runs: one stand-in sample, weight 0
-                        stand_in = self._stand_in_for_empty()
-                        one = strategy.forward(stand_in, strategy.shares(1))
-                        summed = share_loss(one, 0, stand_in=True)
-                loss = summed * weight.wait()  # the count's all-reduce ran during the forward
-                with self._timed("backward"):
-                    self.stepper.backward(loss)
-            total = total + loss.detach()
-        return total
 
     def _device_peaks(self) -> list[int | None]:
         """Per device of the report, its GPU's peak reserved bytes (``None``: not a GPU, or
         another rank's); replicas on one GPU each give that GPU's one figure."""
-        return self._per_device(_peak_memory.device_peaks(self.strategy.devices), None)
-
-    def _per_device(self, mine: list[Any], other: Any) -> list[Any]:
-        """Per device of the report (every rank's devices in rank order): this process's
-        ``mine`` in its place, ``other`` elsewhere."""
+        mine = _peak_memory.device_peaks(self.strategy.devices)
         before = self.rank * len(mine)
-        return [other] * before + mine + [other] * (len(self.device_names) - before - len(mine))
-
-    def _timed(self, part: str) -> contextlib.AbstractContextManager[Any]:
-        """The speed balancer's timer around ``part`` of the step, where the strategy runs it
-        without waiting for another rank (its ``local_parts``); else nothing."""
-        if part in self.strategy.local_parts:
-            return self.balancer.measure(0)  # time only: the forward counted the samples
-        return contextlib.nullcontext()
+        return [None] * before + mine + [None] * (len(self.device_names) - before - len(mine))
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -840,18 +677,6 @@ class Trainer:
         self.stepper.settle()
         self.state.flush(self.strategy.reduce_losses)
 
-    def _samples_ran(self, stepped: bool) -> list[int]:
-        """Per device, the samples the last step trained (none when it was skipped)."""
-        if not stepped or not self.micro_steps:
-            return [0] * len(self.device_names)
-        return [sum(c) for c in zip(*self.micro_steps, strict=True)]
-
-    def _callbacks_anywhere(self) -> bool:
-        """Whether any rank has callbacks: under torchrun one all-reduce at the start, so a
-        logger on rank 0 alone still has every rank join the loss reads of its ``on_log``."""
-        mine = int(bool(self.callbacks))
-        return (mine if self.world == 1 else sum(self.strategy.reduce_samples([mine]))) > 0
-
     def fit(self) -> TrainReport:
         """Run until ``config.steps`` optimizer steps are done; return the report.
 
@@ -861,7 +686,7 @@ class Trainer:
         signal's number in ``signal``. The previous signal handlers are back afterwards.
         """
         stop = StopFlag()
-        with self.strategy.running(self.config.out_dir, lambda: stop.signum), stop:
+        with self.strategy.running(self.config.out_dir, stop), stop:
             try:
                 return self._fit(stop)
             except RuntimeError as error:
@@ -885,43 +710,27 @@ class Trainer:
             # Every rank is here (start-up skew is over): a rank silent for longer ends the run.
             set_comm_timeout(cfg.comm_timeout)
         note_training()  # the launcher may now wait for a stop as long as the timeout says
-        shown: float | None = None  # the loss on the bar, read on display steps only
         # What ran before this call (a resumed checkpoint's counts) stays out of its report.
         bar = self.recorder.start()
         prepared = Prefetcher(
             lambda: self._prepare(state.epoch, state.batch_in_epoch), depth=self._prefetch
         )
-        reads = self._callbacks_anywhere() or cfg.progress  # the ranks agree: the reads pair
         self.callbacks.call("on_fit_start", self)
         try:
-            with prepared as batches, bar:
+            with prepared as ahead, bar:
+                batches = ahead.items()
                 while state.step < cfg.steps and signum is None:
                     item = next(batches)
                     state.epoch, state.batch_in_epoch = item.epoch, item.index + 1
-                    loss, skipped, votes = self._train_step(item.batch, item.layout, item.counted)
-                    # Every rank alike; a new split goes to the sampler (its on_resplit).
-                    if self.balancer.step() and self.rank == 0:
-                        bar.say(self.recorder.resplit_line())
+                    result = train_step(self, item.batch, item.layout, item.counted)
+                    if self.balancer.active and self.balancer.step():  # every rank alike
+                        self.recorder.resplit()  # the new split went to the sampler
                     state.step += 1
-                    # This rank's own re-splits, if any; the step's split joins the report.
-                    for line in self.recorder.step_done(item.layout):
-                        bar.say(line)
-                    # The loss is this process's part: reduce_losses makes it the step's. A
-                    # step the gate skipped on the device is dropped when the flags are read.
-                    state.record(
-                        loss, self._samples_ran(loss is not None), local=True, skipped=skipped
-                    )
-                    shown = self._log(loss, start_step, reads, shown)
-                    self.callbacks.call("on_step_end", self, state.step)
-                    self.watches.call("on_step_end", self, state.step)
-                    if self._eval_due():
-                        self._evaluate()
-                    bar_text = self.recorder.bar_text() if bar.enabled else ""
-                    bar.update(state.step, None if loss is None else shown, item.samples, bar_text)
+                    self.recorder.step_done(result, item.layout)  # record, log, callbacks
                     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                         self.save()
                     # Between steps, on every rank alike: the step is whole, the ranks agree.
-                    signum = self.strategy.agree_stop(state.step, votes)
+                    signum = self.strategy.agree_stop(state.step, result.votes)
         except KeyboardInterrupt as error:
             # Not from a signal while the flag is active (those only set it): raised by the
             # program itself or outside the main thread. One process stops with SIGINT (the
@@ -938,24 +747,6 @@ class Trainer:
             write_report(report, cfg.out_dir)
         self.callbacks.call("on_fit_end", self, report)
         return report
-
-    def _log(
-        self, loss: torch.Tensor | None, start_step: int, reads: bool, shown: float | None
-    ) -> float | None:
-        """On display steps (the same on every rank), read: the non-finite gate's verdict
-        always; with a bar or callbacks (``reads``, agreed by the ranks) the losses, summed
-        over ranks in one collective, and callbacks' ``on_log``. The loss the bar shows."""
-        cfg, state = self.config, self.state
-        if not display_due(state.step, start_step, cfg.steps, cfg.log_every):
-            return shown  # no host read, no collective: the report still gets every loss
-        self.stepper.settle()
-        if not reads:
-            return shown
-        self._read_pending()
-        if cfg.progress and self.rank == 0 and loss is not None:
-            shown = state.last_loss
-        self.callbacks.call("on_log", self, state.step, self.recorder.log_metrics(loss))
-        return shown
 
 
 def _validate_collate_fn(collate_fn: Any) -> Any:

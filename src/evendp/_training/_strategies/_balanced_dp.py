@@ -14,13 +14,12 @@ from torch import nn
 from ..._core._calls import as_args
 from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
-from ..._distributed._step_count import StepWeight
 from ..._parallel._dp import BalancedDataParallel
 from ..._parallel._dp_checks import validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
 from .._evaluate import EvalFn, evaluate_devices
-from ._base import Batch, Costs, Sampling, Strategy, build_sampler
-from ._placement import place_model
+from .._step import StepWeight
+from ._base import Batch, Costs, Sampling, Strategy, build_sampler, place_model
 
 __all__ = ["BalancedDP", "build"]
 
@@ -145,7 +144,7 @@ class BalancedDP(Strategy):
         if interrupted is not None:
             # The step it cut is not counted; the checkpoint is the last whole step's.
             return int(signal.SIGINT)
-        return self._stop_source()  # one process: nothing to agree on
+        return self._stop.signum  # one process: nothing to agree on
 
     def evaluate(
         self,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import signal
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -17,23 +17,26 @@ from torch import nn
 from ..._core._errors import EvendpError
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
-from ..._distributed._step_count import StepWeight
 from .._checkpointer import CheckpointFormat, WholeFile
 from .._evaluate import EvalFn
 from .._oom import OomResplit
-from .._optimizer_step import OptimizerStep, default_optimizer, run_schedule
-from .._stepper import Stepper
+from .._step import OptimizerStep, Stepper, StepWeight, default_optimizer, run_schedule
 
-__all__ = ["Sampling", "StepEnd", "StopSource", "Strategy"]
+__all__ = ["Sampling", "StepEnd", "StopSource", "Strategy", "place_model"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None
-#: This process's pending stop request: a signal number, or ``None``.
-StopSource = Callable[[], "int | None"]
 
 
-def _no_stop() -> int | None:
-    return None
+class StopSource(Protocol):
+    """Where this process's pending stop request is read: ``signum``, a signal or ``None``
+    (the Trainer's :class:`~evendp._distributed._interrupt.StopFlag`)."""
+
+    signum: int | None
+
+
+class _NoStop:
+    signum: int | None = None
 
 
 class Sampling(NamedTuple):
@@ -62,22 +65,15 @@ class StepEnd:
 
 
 class Strategy(abc.ABC):
-    """The capabilities a step calls, whatever the mode: the Trainer's
-    ``_train_step`` reads top to bottom and calls these::
-
-        batch = strategy.place(batch)                          # rows to devices
-        weight = strategy.count_weight(count)                  # or known: samples, counts=
-        for k, spans in enumerate(plan):                       # the guard's plan
-            with strategy.micro_step(last=k == len(plan) - 1): # sync on the last one only
-                loss = strategy.forward(rows, sizes) * weight.wait()
-                stepper.backward(loss)
-        end = strategy.finish_step(failed, total)              # reduced, agreed: step or skip
-        skipped = stepper.step(step)                           # unscale, clip, gate, step
-        ... strategy.agree_stop(step, end.votes)               # between steps
+    """The capabilities :meth:`~evendp.Trainer.train_step` calls, whatever the mode:
+    :meth:`place` (rows to devices), :meth:`count_weight` (a ``count_fn`` count summed over
+    processes), :meth:`micro_step` (around each micro-step: gradient sync on the last),
+    :meth:`forward`, and :meth:`finish_step` (reduced and agreed: step or skip, one call that
+    returns a value); the loop calls :meth:`agree_stop` between steps.
 
     Setup: :meth:`wrap` the loss module (refusing an optimizer it cannot use), the
     :meth:`sampler` (with the cost plan inside this process), :meth:`build_stepper` (the
-    :class:`~evendp._training._stepper.Stepper` the Trainer calls). Losses and samples are
+    :class:`~evendp._training._step.Stepper` the Trainer calls). Losses and samples are
     summed over processes by :meth:`reduce_losses` and :meth:`reduce_samples` when read.
     Also evaluation (:meth:`evaluate`) and the checkpoint's on-disk format
     (:attr:`checkpoint_format`).
@@ -87,7 +83,7 @@ class Strategy(abc.ABC):
 
     Subclasses: :class:`~evendp._training._strategies.BalancedDP` (one process) and the
     one-rank-per-device strategies of
-    :class:`~evendp._training._strategies._ranks.RankStrategy`; the registry
+    :class:`~evendp._training._strategies._ddp.RankStrategy`; the registry
     (``_registry.py``) names them.
     """
 
@@ -120,7 +116,7 @@ class Strategy(abc.ABC):
         self.device_names: list[str] = []
         #: Where :meth:`agree_stop` (and a consensus riding on a step) reads this process's
         #: stop request: the Trainer's signal flag, set by :meth:`running`.
-        self._stop_source: StopSource = _no_stop
+        self._stop: StopSource = _NoStop()
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -162,16 +158,16 @@ class Strategy(abc.ABC):
         )
 
     @contextlib.contextmanager
-    def running(self, out_dir: Any, stop_source: StopSource) -> Any:
+    def running(self, out_dir: Any, stop: StopSource) -> Any:
         """For the life of ``fit``: the run's hold on ``out_dir`` (one writer per run folder:
         one process takes it; ranks join their launcher's, :mod:`evendp._distributed._run_lock`),
         and where :meth:`agree_stop` reads this process's stop request (the signal flag)."""
         with trainer_lock(out_dir, distributed=self._launched):
-            self._stop_source = stop_source
+            self._stop = stop
             try:
                 yield
             finally:
-                self._stop_source = _no_stop
+                self._stop = _NoStop()
 
     def build_stepper(
         self,
@@ -184,7 +180,7 @@ class Strategy(abc.ABC):
         """The run's stepper, which the Trainer calls (after :meth:`wrap`: FSDP2's parameters
         are sharded by then): ``optimizer``, else AdamW with ``config.lr`` and
         ``config.weight_decay``; fp16 loss scaling, clipping, the non-finite gate and the
-        schedule (:class:`~evendp._training._optimizer_step.OptimizerStep`). ``where`` names
+        schedule (:class:`~evendp._training._step.OptimizerStep`). ``where`` names
         the last good checkpoint for the gate's message."""
         built = optimizer or default_optimizer(
             self.model.parameters(), config.lr, config.weight_decay
@@ -348,24 +344,46 @@ def _warn_unused_batch_sizes(config: Any, distributed: bool) -> None:
         )
 
 
-def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
-    """``[this rank saw SIGINT, this rank saw SIGTERM]``: summed over ranks, never ambiguous."""
-    return torch.tensor(
-        [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)], device=device
-    )
+def place_model(model: nn.Module, device: torch.device, where: str, *, say: bool = True) -> None:
+    """Move ``model`` in place to ``device`` (``where`` names it for the line said on stderr
+    when ``say``) unless every parameter and buffer already sits there.
 
+    Between the CPU and a GPU the parameters stay the same objects (``nn.Module.to`` moves
+    their data in place), so an optimizer built on them before keeps working.
 
-def agreed_signal(votes: torch.Tensor) -> int | None:
-    """The signal the summed ``votes`` agree on (SIGINT wins when both came)."""
-    return signal_of(*(float(v) for v in votes.tolist()))
-
-
-def signal_of(sigint: float, sigterm: float) -> int | None:
-    """The signal of summed votes already read (SIGINT wins when both came).
-
-    >>> signal_of(0.0, 2.0) == signal.SIGTERM, signal_of(0.0, 0.0)
-    (True, None)
+    >>> net = nn.Linear(2, 2)
+    >>> place_model(net, torch.device("meta"), "device_ids[0]", say=False)
+    >>> net.weight.device
+    device(type='meta')
+    >>> place_model(net, torch.device("cpu"), "device_ids[0]")
+    Traceback (most recent call last):
+    ...
+    evendp.InputError: the model's tensors are on the meta device ...
     """
-    if sigint > 0:
-        return int(signal.SIGINT)
-    return int(signal.SIGTERM) if sigterm > 0 else None
+    tensors = [*model.parameters(), *model.buffers()]
+    away = sorted({str(t.device) for t in tensors if not _on(t.device, device)})
+    if not away:
+        return
+    if "meta" in away:
+        raise EvendpError(
+            f"the model's tensors are on the meta device (shapes, no values), so there is "
+            f"nothing to move to {device} ({where}); give it its weights first, e.g. "
+            f"model.to_empty(device={str(device)!r}) then model.load_state_dict(...), or "
+            "build it on a real device"
+        )
+    model.to(device)
+    if say:
+        print(
+            f"evendp: the model was on {', '.join(away)}; moved it to {device} ({where})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _on(device: torch.device, target: torch.device) -> bool:
+    """Whether a tensor on ``device`` sits on ``target`` (``cuda`` is the current device)."""
+    if device.type != target.type:
+        return False
+    if device.type != "cuda" or target.index is None:
+        return True
+    return device.index == target.index

@@ -17,7 +17,7 @@ is refused). Without ``strategy_config``: ZeRO stage 2.
 
 Checkpoints are DeepSpeed's own files in ``OUT/ckpt.ds/step<N>/`` (every rank writes its
 partitions) beside evendp's ``state.pt`` (the run's position, rank 0) and ``state.rng<R>.pt``
-(each rank's generators), written and read by :class:`~evendp._training._train_state.TrainState`;
+(each rank's generators), written and read by :class:`~evendp._training._recorder.TrainState`;
 the step's folder and the previous one are kept. DeepSpeed's loader calls
 ``torch.load(weights_only=False)``: a resume here first checks every file of the step's folder
 (a plain ``torch.save`` zip, :func:`~evendp._training._safe_read.check_archive`) and loads it
@@ -57,11 +57,10 @@ from .._checkpoint import (
 )
 from .._checkpoint_names import DEEPSPEED_FILES
 from .._checkpointer import CheckpointFormat, Verify, WholeFile, step_of
-from .._nonfinite import NonFiniteGate
-from .._optimizer_step import default_optimizer, run_schedule
 from .._safe_read import Refused, check_archive
+from .._step import NonFiniteGate, default_optimizer, run_schedule
 from ._base import Costs, Sampling
-from ._ranks import RankStrategy
+from ._ddp import RankStrategy
 
 __all__ = [
     "DeepSpeed",
@@ -357,7 +356,7 @@ class DeepSpeed(RankStrategy):
 
 
 class EngineStep:
-    """DeepSpeed's engine as the run's :class:`~evendp._training._stepper.Stepper`: its
+    """DeepSpeed's engine as the run's :class:`~evendp._training._step.Stepper`: its
     backward (no division by accumulation steps), its step (ZeRO's reduce, clipping, the
     update, the schedule) and its count of the steps it skipped on a non-finite norm, which
     the non-finite gate counts in a row (``max_nonfinite_steps``; read where DeepSpeed read

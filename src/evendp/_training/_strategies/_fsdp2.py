@@ -11,7 +11,7 @@ from torch import nn
 
 from ..._core._errors import EvendpError
 from .._checkpointer import CheckpointFormat, DcpShards
-from ._ranks import RankStrategy
+from ._ddp import RankStrategy
 
 __all__ = ["FSDP2", "build", "refuse_prebuilt_optimizer"]
 

@@ -20,8 +20,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..._core._errors import EvendpError
 from .._checkpointer import WholeFile
-from .._stepper import Stepper
-from ._oom_safe_ddp import OomSafeDDP
+from .._step import Stepper
+from ._ddp import OomSafeDDP
 
 __all__ = ["Zero1", "build"]
 
