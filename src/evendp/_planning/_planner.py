@@ -370,10 +370,22 @@ def _plan_step(
                 on_output_device(n)
 
     def solve(batch: int | None) -> tuple[MemoryModel, list[Segment]]:
-        mdl = _build_model(
-            mode, output_device, monotone_allocator(replica), crit, gradient_as_bucket_view,
-            context, needs_crit,
-        )  # fmt: skip
+        held = monotone_allocator(replica)
+        static = {key: float(v) for key, v in held[min(held)].static.items()}
+        mdl = MemoryModel(
+            mode=mode,
+            output_device=output_device,
+            static=static,
+            replica=Curve({n: p.fwbw for n, p in held.items()}),
+            forward_end=Curve({n: p.forward_end for n, p in held.items()}),
+            outputs=Curve({n: {"bytes": float(p.output_bytes)} for n, p in held.items()}),
+            gathered=Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
+            gathered_held=Curve({n: p.forward_end for n, p in crit.items()})
+            if needs_crit
+            else None,
+            buckets=0 if (mode == "dp" or gradient_as_bucket_view) else int(static["grads"]),
+            context=context,
+        )
         # Per distinct device (budget and role), not per device: see solve_spans.
         return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch)
 
@@ -423,8 +435,11 @@ def _plan_step(
         "gather": gather,
         "output_device": output_device,
         "cuda_context": context,
-        "allocator": None if allocator is None else _allocator_name(allocator),
+        "allocator": None,
     }
+    if allocator is not None:
+        setting = "expandable" if allocator.config.expandable_segments else "segments"
+        options["allocator"] = f"cuda sm{allocator.major}x, {setting}"
     extrapolated = any(beyond_measured(sol))
     result = _to_plan(mdl, mems, sol, replica, safety_margin, start, extrapolated, options, no_grad)
     if seq_len is None:
@@ -458,11 +473,6 @@ def _validate_allocator(allocator: Any, context: int, mems: _Fleet) -> CudaAlloc
     return CudaAllocatorModel()  # declared (or stood-in) GPUs: Hopper's, the largest workspaces
 
 
-def _allocator_name(model: CudaAllocatorModel) -> str:
-    setting = "expandable" if model.config.expandable_segments else "segments"
-    return f"cuda sm{model.major}x, {setting}"
-
-
 def _sum(segments: list[Segment], name: str) -> int:
     return sum(getattr(seg, name) * seg.count for seg in segments)
 
@@ -491,31 +501,6 @@ def _with_token_caps(
     cost = {"fixed": fixed, "per_token": per_token, "per_token_width": per_token_width}
     return dataclasses.replace(
         result, devices=devices, max_tokens=tokens, seq_len=seq_len, token_cost=cost
-    )
-
-
-def _build_model(
-    mode: Mode,
-    output_device: int,
-    replica: dict[int, Point],
-    crit: dict[int, Point],
-    bucket_view: bool,
-    context: int,
-    needs_crit: bool,
-) -> MemoryModel:
-    first = replica[min(replica)]
-    static = {key: float(v) for key, v in first.static.items()}
-    return MemoryModel(
-        mode=mode,
-        output_device=output_device,
-        static=static,
-        replica=Curve({n: p.fwbw for n, p in replica.items()}),
-        forward_end=Curve({n: p.forward_end for n, p in replica.items()}),
-        outputs=Curve({n: {"bytes": float(p.output_bytes)} for n, p in replica.items()}),
-        gathered=Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
-        gathered_held=Curve({n: p.forward_end for n, p in crit.items()}) if needs_crit else None,
-        buckets=0 if (mode == "dp" or bucket_view) else int(static["grads"]),
-        context=context,
     )
 
 
