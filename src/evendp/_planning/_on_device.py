@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +41,6 @@ __all__ = [
     "measurers_for",
     "planned_for",
     "remember",
-    "say",
 ]
 
 #: What builds one device's real step: ``(device, with_optimizer)`` -> ``step(n)``.
@@ -212,12 +210,6 @@ def planned_for(name: str) -> tuple[int, int] | None:
     True
     """
     return _PLANNED.get(name)
-
-
-def say(notes: Sequence[str]) -> None:
-    """Each lowered device, one line on stderr."""
-    for line in notes:
-        print(line, file=sys.stderr, flush=True)
 
 
 def cuda_step(

@@ -7,11 +7,12 @@ import bisect
 import contextlib
 import dataclasses
 import itertools
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,7 @@ from ._measure import (
     validate_batch,
 )
 from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
-from ._on_device import calibrated_plan, cuda_step, measurers_for, remember, say
+from ._on_device import calibrated_plan, cuda_step, measurers_for, remember
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
@@ -307,7 +308,8 @@ def _calibrated(
     del measurers, step  # the copies on the devices go before the run allocates
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only
         torch.cuda.empty_cache()
-    say(notes)
+    for line in notes:  # each lowered device, one line on stderr
+        print(line, file=sys.stderr, flush=True)
     remember(fixed)  # the Trainer's first-step check compares its first step with it
     return fixed
 
@@ -492,7 +494,7 @@ def _with_token_caps(
     points[(shorter.n, seq_len // 2)] = sum(shorter.fwbw.values())
     fixed, per_token, per_token_width = token_fit(points)
     tokens = [c * seq_len for c in expand(sol, "cap")]
-    rows = cast(DeviceRows, result.devices)  # _to_plan makes one run per segment
+    rows = result.devices  # _to_plan makes one run per segment
     devices = DeviceRows(
         [(start, count, dataclasses.replace(proto, max_tokens=seg.cap * seq_len))
          for (start, count, proto), seg in zip(rows.runs, sol, strict=True)],
