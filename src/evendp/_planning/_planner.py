@@ -22,7 +22,6 @@ from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
 from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
 from ._allocator import CudaAllocatorModel, monotone_allocator, with_allocator
-from ._calibrate import Measurer
 from ._measure import (
     ModelLike,
     OptimizerFactory,
@@ -37,7 +36,7 @@ from ._measure import (
     validate_batch,
 )
 from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
-from ._on_device import calibrated_plan, cuda_step, measurers_for, remember
+from ._on_device import Measurer, calibrated_plan, cuda_step, measurers_for, remember
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
@@ -205,7 +204,7 @@ def plan(
             device"). ``None`` (the default): on live CUDA devices, real steps at two small
             sizes on each lower a device whose measured line fits fewer samples than
             planned, said in one line. ``False``: never; ``True``: the live CUDA devices or
-            an error; a sequence: one :class:`evendp._planning._calibrate.Measurer` (or
+            an error; a sequence: one :class:`evendp._planning._on_device.Measurer` (or
             ``None``) per device. Training plans only.
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
