@@ -310,13 +310,9 @@ def measurers_for(
     make_step: StepFactory,
     output_device: int | None,
 ) -> list[Measurer | None] | None:
-    """Each device's :class:`Measurer` for ``plan(calibrate=...)``, or ``None`` (no calibration).
-
-    ``None``: calibrate when every device is a live CUDA device (``cuda:N`` and CUDA
-    available), as read by ``memory=None`` or :func:`evendp.live_memory`; declared memory
-    (``"24GiB"``: ``dev0``...) is planned ahead of a run and not measured. ``True``: calibrate
-    the CUDA devices (an error elsewhere). ``False``: never. A sequence: one measurer (or
-    ``None``) per device, e.g. a test's fake.
+    """Each device's :class:`Measurer` for ``plan(calibrate=...)`` (see :func:`evendp.plan`),
+    or ``None``: no calibration. Declared memory (``dev0``...) is planned ahead of a run and
+    never measured.
 
     >>> measurers_for(None, ["dev0", "dev1"], lambda d, o: print, None) is None
     True
