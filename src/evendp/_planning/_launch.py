@@ -155,12 +155,11 @@ def _fixed_nnodes(nnodes: str | int | None) -> int | None:
     """The node count when fixed, ``None`` for an elastic range such as ``"1:4"``."""
     if nnodes is None:
         return 1
-    text = str(nnodes)
-    if ":" in text:
-        low, high = text.split(":", 1)
-        return int(low) if low == high else None
+    low, colon, high = str(nnodes).partition(":")
     try:
-        value = int(text)
+        value = int(low)
+        if colon and int(high) != value:
+            return None
     except ValueError:
         raise EvendpError(f"--nnodes {shown(nnodes)} is not an int or MIN:MAX range") from None
     if not 1 <= value <= 100_000:
