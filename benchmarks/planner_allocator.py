@@ -35,8 +35,8 @@ from evendp._planning._allocator import (
     CudaAllocatorModel,
     reserved_peak,
 )
-from evendp._planning._calibrate import CudaMeasurer, calibrate, calibration_sizes
 from evendp._planning._measure import make_setup, measure_replica
+from evendp._planning._on_device import CudaMeasurer, calibrate, calibration_sizes
 
 #: ``max_memory_reserved`` on one H200, torch 2.11.0+cu130 (the shared README's table).
 H200_RESERVED = {"mlp": 260_046_848, "conv": 520_093_696, "gpt": 809_500_672,

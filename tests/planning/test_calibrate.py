@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from evendp import InputError
-from evendp._planning._calibrate import (
+from evendp._planning._on_device import (
     Calibration,
     FirstStepCheck,
     Line,
@@ -115,8 +115,8 @@ def test_first_step_within_its_plan_changes_nothing() -> None:
 def test_calibration_and_the_reserved_plan_on_a_real_gpu() -> None:  # pragma: no cover
     # --- GPU-only: the real allocator against the line and the model. ---
     from evendp._planning._allocator import AllocatorConfig, CudaAllocatorModel, reserved_peak
-    from evendp._planning._calibrate import CudaMeasurer
     from evendp._planning._measure import make_setup, measure_replica
+    from evendp._planning._on_device import CudaMeasurer
 
     net = LMHead(8_000, 64, n_embd=128).cuda()
     opt = torch.optim.AdamW(net.parameters())
@@ -292,7 +292,7 @@ def test_token_caps_follow_a_lowered_device(live: dict[int, _Line]) -> None:
 
 class _Stepping(_Line):
     """A device measured as :class:`_Line`'s whose measurement takes real optimizer steps,
-    as :class:`~evendp._planning._calibrate.CudaMeasurer`'s does (on the CPU here)."""
+    as :class:`~evendp._planning._on_device.CudaMeasurer`'s does (on the CPU here)."""
 
     def __init__(self, fixed: int, per_sample: int) -> None:
         super().__init__(fixed, per_sample)

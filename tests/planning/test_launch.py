@@ -101,6 +101,8 @@ def test_multi_node_sizes_cover_all_ranks() -> None:
         ({"batch_sizes": "0,0"}, "all batch sizes are zero"),
         ({"batch_sizes": "1,2,3", "nnodes": 2}, "3 entries for 2 nodes"),
         ({"batch": 8, "nnodes": "1:4"}, "elastic range"),
+        ({"nnodes": "a:a"}, "--nnodes 'a:a' is not an int or MIN:MAX range"),  # was a traceback
+        ({"nnodes": "0:0"}, "--nnodes must be an int in"),  # was taken as 0 nodes
         ({"gpu_ids": [0, 1]}, "no NVIDIA driver"),
     ],
 )

@@ -207,20 +207,6 @@ def _orders(capacities: list[float], count_order: list[int]) -> list[list[int]]:
     return [list(order) for order in dict.fromkeys(map(tuple, candidates))]  # first ones kept
 
 
-def _count_split(
-    costs: list[float], capacities: list[float], runs: _Runs
-) -> tuple[float, list[int]]:
-    """The sample-count split's bottleneck and the order that sorts its shares by longest sample.
-
-    The count split gives device ``i`` the next ``split_sizes(n, capacities)[i]`` samples in
-    step order, as :class:`evendp.UnevenBatchSampler` does without costs.
-    """
-    shares = _contiguous(split_sizes(len(costs), capacities))
-    longest = [max((costs[j] for j in share), default=-1.0) for share in shares]
-    order = sorted(range(len(shares)), key=lambda d: (longest[d], d))
-    return _bottleneck(costs, shares, capacities, runs.padded), order
-
-
 def split_by_cost(
     costs: Sequence[float],
     capacities: Sequence[float],
@@ -261,7 +247,7 @@ def split_by_cost(
         return [[] for _ in range(devices)]
 
     count = _contiguous(split_sizes(len(values), weights))
-    candidates = [_sorted_runs(values, weights, runs, order_by_cost, sizes_cap, costs_cap)]
+    candidates = [_sorted_runs(values, weights, runs, order_by_cost, count, sizes_cap, costs_cap)]
     if not padded:
         # Sums need no grouping by length, and longest-first beats sorted runs on them.
         candidates.append(_longest_first(values, weights, order_by_cost, sizes_cap, costs_cap))
@@ -319,11 +305,15 @@ def _sorted_runs(
     capacities: list[float],
     runs: _Runs,
     order_by_cost: list[int],
+    count: list[list[int]],
     max_sizes: list[int],
     max_costs: list[float],
 ) -> list[list[int]] | None:
     """The best split into runs of the cost-sorted samples, over several device orders."""
-    count_bottleneck, count_order = _count_split(values, capacities, runs)
+    # First the order that sorts the sample-count split's shares by their longest sample.
+    longest = [max((values[j] for j in share), default=-1.0) for share in count]
+    count_order = sorted(range(len(count)), key=lambda d: (longest[d], d))
+    count_bottleneck = _bottleneck(values, count, capacities, runs.padded)
     total = runs.cost(0, len(values))
     # Feasible for any order without caps: the first device of capacity > 0 takes everything.
     upper = total / min(w for w in capacities if w > 0)

@@ -1,16 +1,12 @@
 """``evendp launch``: choose devices and per-rank batch sizes, then hand off to torchrun.
 
-The launcher decides what every rank gets and passes it through the environment: which GPUs
-(``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``), how many samples each rank takes per step
-(``EVENDP_BATCH_SIZES``, one int per global rank, read by ``UnevenBatchSampler``) and, when a
-model is planned, in the same variable the most samples each rank's memory holds
-(``"3,5;caps=48,24"``, read by ``SpeedBalancer``): one :class:`BatchPlan
-<evendp._distributed._batch_plan.BatchPlan>`, checked once. Everything else is
-``torch.distributed.run`` (torchrun) itself, with its own options exactly as documented:
-``--dry-run`` prints the ``python -m torch.distributed.run`` command, and the launcher runs
-torchrun's ``main`` on the same arguments through
-:data:`~evendp._distributed._torchrun.QUIET_TORCHRUN`, which ends on a signal in one line
-instead of torchrun's traceback.
+The launcher passes what every rank gets through the environment: which GPUs
+(``CUDA_DEVICE_ORDER``/``CUDA_VISIBLE_DEVICES``) and one :class:`BatchPlan
+<evendp._distributed._batch_plan.BatchPlan>` (``EVENDP_BATCH_SIZES="3,5;caps=48,24"``: each
+global rank's samples per step and, when a model is planned, the most its memory holds).
+Everything else is ``torch.distributed.run`` (torchrun) itself, with its own options, run
+through :data:`~evendp._distributed._torchrun.QUIET_TORCHRUN` (one line on a signal, not a
+traceback).
 """
 
 from __future__ import annotations
@@ -159,12 +155,11 @@ def _fixed_nnodes(nnodes: str | int | None) -> int | None:
     """The node count when fixed, ``None`` for an elastic range such as ``"1:4"``."""
     if nnodes is None:
         return 1
-    text = str(nnodes)
-    if ":" in text:
-        low, high = text.split(":", 1)
-        return int(low) if low == high else None
+    low, colon, high = str(nnodes).partition(":")
     try:
-        value = int(text)
+        value = int(low)
+        if colon and int(high) != value:
+            return None
     except ValueError:
         raise EvendpError(f"--nnodes {shown(nnodes)} is not an int or MIN:MAX range") from None
     if not 1 <= value <= 100_000:
@@ -521,26 +516,16 @@ def launch_with_outcome(
     trainer: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run ``script`` under torchrun as ``plan`` says; returns the exit code and what rank 0
-    left (``None``: nothing, e.g. no save).
+    left with :func:`write_outcome` (``None``: nothing); its code wins (0 for a run that
+    finished although a signal came late).
 
-    The plan's variables are added to ``env`` (default: this process's environment), so the
-    launcher itself never changes its own environment or starts CUDA. SIGINT/SIGTERM/SIGHUP
-    are passed on to the ranks (:func:`evendp._distributed._interrupt.run_forwarding_signals`);
-    the code is then 130/143, and torchrun stops its ranks if this process dies.
-
-    ``run_dir``: the run's output folder, locked for the run's life (the ranks join the lock;
-    :class:`evendp._distributed._run_lock.RunDirBusy` when another live run holds it). The
-    ranks' rank 0 may leave its exit code and message with :func:`write_outcome`; the
-    launcher then exits with that code (0 for a run that finished although a signal came
-    late). Ranks that report a peer that stopped answering
-    (:mod:`evendp._distributed._stalled`) end the run: one line names the silent rank, exit 1.
-    A run that finished with 0 although no rank read the plan's batch sizes (they leave a mark
-    when they do: :mod:`evendp._distributed._launch_notes`) gets a warning on stderr.
-
-    ``comm_timeout``: the ranks' collective timeout, when known: a signal they have not
-    acted on a minute past it goes to torchrun, which escalates to SIGKILL. ``trainer``: the
-    ranks run evendp's Trainer, which says when training began; before, a signal waits far
-    less (:data:`~evendp._distributed._interrupt.START_ESCALATE_S`).
+    The plan's variables go into a copy of ``env`` (default: this process's environment).
+    SIGINT/SIGTERM/SIGHUP go to the ranks (:mod:`evendp._distributed._interrupt`: 130/143);
+    a signal they have not acted on a minute past ``comm_timeout`` (far sooner before a
+    ``trainer`` says training began) goes to torchrun, which escalates to SIGKILL. ``run_dir``
+    is locked for the run's life (:mod:`evendp._distributed._run_lock`). A peer that stopped
+    answering (:mod:`evendp._distributed._stalled`) ends the run in one line, exit 1; a run
+    that ended 0 with no rank reading the plan's sizes gets a warning on stderr.
     """
     from .._distributed._interrupt import ESCALATE_S, run_forwarding_signals
     from .._distributed._run_files import run_files_dir
@@ -552,7 +537,7 @@ def launch_with_outcome(
     child_env.update(plan.env)
     torchrun = torchrun_command(plan, script, script_args, passthrough)
     if not trainer and plan.batch_sizes is not None:  # a user's script, told the sizes
-        torchrun = _watching_first_step(torchrun, len(script_args), passthrough)
+        torchrun = _watching_first_step(torchrun, len(script_args))
     for key, value in interface_env(torchrun).items():
         child_env.setdefault(key, value)  # the user's own choice of interface stays
     nodes = _fixed_nnodes((passthrough or {}).get("nnodes")) or 1
@@ -593,26 +578,29 @@ def launch_with_outcome(
         code = code if said is None else int(said["code"])
         told = sizes_were_read(outcome) or sizes_were_told(outcome)
         if code == 0 and plan.batch_sizes is not None and not told:
-            _warn_sizes_unread(plan.batch_sizes)
+            print(
+                f"evendp launch: warning: no rank read the batch sizes {plan.batch_sizes} set "
+                f"in {ENV_BATCH_SIZES}, so the script ran with batch sizes of its own, not these. "
+                "evendp's Trainer and UnevenTrainer read them by themselves; a loop of your own "
+                "reads them with evendp.batch_sizes_from_env() (UnevenBatchSampler(data, "
+                "evendp.batch_sizes_from_env())); Lightning and Accelerate with "
+                "evendp.integrations' uneven_dataloader (docs/integrations.md)",
+                file=sys.stderr,
+                flush=True,
+            )
         return code, said
 
 
-def _watching_first_step(
-    torchrun: list[str], script_args: int, passthrough: Mapping[str, object] | None
-) -> list[str]:
+def _watching_first_step(torchrun: list[str], script_args: int) -> list[str]:
     """``torchrun`` running the script through :mod:`evendp._distributed._first_step`, which
-    tells a script that ignores the sizes at its first step (a module or a program that
-    torchrun runs itself, ``--module``/``--no-python``, is left as it is).
+    tells a script that ignores the sizes at its first step.
 
     >>> cmd = ["python", "-m", "torch.distributed.run", "t.py", "--lr", "1"]
-    >>> _watching_first_step(cmd, 2, {})[3:]
+    >>> _watching_first_step(cmd, 2)[3:]
     ['-m', 'evendp._distributed._first_step', 't.py', '--lr', '1']
     """
     from .._distributed._first_step import MODULE
 
-    given = passthrough or {}
-    if given.get("module") or given.get("no_python"):
-        return torchrun
     at = len(torchrun) - 1 - script_args
     return [*torchrun[:at], "-m", MODULE, *torchrun[at:]]
 
@@ -630,18 +618,4 @@ def agent_killed(signum: int) -> str:
     return (
         f"torchrun, this node's agent, was killed by {name}: its ranks got SIGTERM (evendp's "
         "stop after their step, saving, and the other nodes end with them)"
-    )
-
-
-def _warn_sizes_unread(sizes: list[int]) -> None:
-    """The run finished, but no rank read the sizes the launcher printed: say so."""
-    print(
-        f"evendp launch: warning: no rank read the batch sizes {sizes} set in "
-        f"{ENV_BATCH_SIZES}, so the script ran with batch sizes of its own, not these. "
-        "evendp's Trainer and UnevenTrainer read them by themselves; a loop of your own reads "
-        "them with evendp.batch_sizes_from_env() (UnevenBatchSampler(data, "
-        "evendp.batch_sizes_from_env())); Lightning and Accelerate with "
-        "evendp.integrations' uneven_dataloader (docs/integrations.md)",
-        file=sys.stderr,
-        flush=True,
     )

@@ -7,11 +7,12 @@ import bisect
 import contextlib
 import dataclasses
 import itertools
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,6 @@ from .._core._errors import EvendpError, PlanError
 from .._core._units import parse_bytes
 from .._core._validate import validate_bool, validate_callable, validate_float, validate_int
 from ._allocator import CudaAllocatorModel, monotone_allocator, with_allocator
-from ._calibrate import Measurer
 from ._measure import (
     ModelLike,
     OptimizerFactory,
@@ -36,7 +36,7 @@ from ._measure import (
     validate_batch,
 )
 from ._memory import DEFAULT_CONTEXT, DeviceMemory, live_memory, memory_runs
-from ._on_device import calibrated_plan, cuda_step, measurers_for, remember, say
+from ._on_device import Measurer, calibrated_plan, cuda_step, measurers_for, remember
 from ._result import DevicePlan, DeviceRows, Plan
 from ._solve import Curve, MemoryModel, Mode, Segment, cut_spans, expand, solve_spans, token_fit
 
@@ -204,7 +204,7 @@ def plan(
             device"). ``None`` (the default): on live CUDA devices, real steps at two small
             sizes on each lower a device whose measured line fits fewer samples than
             planned, said in one line. ``False``: never; ``True``: the live CUDA devices or
-            an error; a sequence: one :class:`evendp._planning._calibrate.Measurer` (or
+            an error; a sequence: one :class:`evendp._planning._on_device.Measurer` (or
             ``None``) per device. Training plans only.
 
     The planner measures a few batch sizes and then the sizes it is about to recommend, and
@@ -307,7 +307,8 @@ def _calibrated(
     del measurers, step  # the copies on the devices go before the run allocates
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only
         torch.cuda.empty_cache()
-    say(notes)
+    for line in notes:  # each lowered device, one line on stderr
+        print(line, file=sys.stderr, flush=True)
     remember(fixed)  # the Trainer's first-step check compares its first step with it
     return fixed
 
@@ -370,10 +371,22 @@ def _plan_step(
                 on_output_device(n)
 
     def solve(batch: int | None) -> tuple[MemoryModel, list[Segment]]:
-        mdl = _build_model(
-            mode, output_device, monotone_allocator(replica), crit, gradient_as_bucket_view,
-            context, needs_crit,
-        )  # fmt: skip
+        held = monotone_allocator(replica)
+        static = {key: float(v) for key, v in held[min(held)].static.items()}
+        mdl = MemoryModel(
+            mode=mode,
+            output_device=output_device,
+            static=static,
+            replica=Curve({n: p.fwbw for n, p in held.items()}),
+            forward_end=Curve({n: p.forward_end for n, p in held.items()}),
+            outputs=Curve({n: {"bytes": float(p.output_bytes)} for n, p in held.items()}),
+            gathered=Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
+            gathered_held=Curve({n: p.forward_end for n, p in crit.items()})
+            if needs_crit
+            else None,
+            buckets=0 if (mode == "dp" or gradient_as_bucket_view) else int(static["grads"]),
+            context=context,
+        )
         # Per distinct device (budget and role), not per device: see solve_spans.
         return mdl, solve_spans(mdl, cut_spans(mdl, budgets), batch)
 
@@ -423,8 +436,11 @@ def _plan_step(
         "gather": gather,
         "output_device": output_device,
         "cuda_context": context,
-        "allocator": None if allocator is None else _allocator_name(allocator),
+        "allocator": None,
     }
+    if allocator is not None:
+        setting = "expandable" if allocator.config.expandable_segments else "segments"
+        options["allocator"] = f"cuda sm{allocator.major}x, {setting}"
     extrapolated = any(beyond_measured(sol))
     result = _to_plan(mdl, mems, sol, replica, safety_margin, start, extrapolated, options, no_grad)
     if seq_len is None:
@@ -458,11 +474,6 @@ def _validate_allocator(allocator: Any, context: int, mems: _Fleet) -> CudaAlloc
     return CudaAllocatorModel()  # declared (or stood-in) GPUs: Hopper's, the largest workspaces
 
 
-def _allocator_name(model: CudaAllocatorModel) -> str:
-    setting = "expandable" if model.config.expandable_segments else "segments"
-    return f"cuda sm{model.major}x, {setting}"
-
-
 def _sum(segments: list[Segment], name: str) -> int:
     return sum(getattr(seg, name) * seg.count for seg in segments)
 
@@ -482,7 +493,7 @@ def _with_token_caps(
     points[(shorter.n, seq_len // 2)] = sum(shorter.fwbw.values())
     fixed, per_token, per_token_width = token_fit(points)
     tokens = [c * seq_len for c in expand(sol, "cap")]
-    rows = cast(DeviceRows, result.devices)  # _to_plan makes one run per segment
+    rows = result.devices  # _to_plan makes one run per segment
     devices = DeviceRows(
         [(start, count, dataclasses.replace(proto, max_tokens=seg.cap * seq_len))
          for (start, count, proto), seg in zip(rows.runs, sol, strict=True)],
@@ -491,31 +502,6 @@ def _with_token_caps(
     cost = {"fixed": fixed, "per_token": per_token, "per_token_width": per_token_width}
     return dataclasses.replace(
         result, devices=devices, max_tokens=tokens, seq_len=seq_len, token_cost=cost
-    )
-
-
-def _build_model(
-    mode: Mode,
-    output_device: int,
-    replica: dict[int, Point],
-    crit: dict[int, Point],
-    bucket_view: bool,
-    context: int,
-    needs_crit: bool,
-) -> MemoryModel:
-    first = replica[min(replica)]
-    static = {key: float(v) for key, v in first.static.items()}
-    return MemoryModel(
-        mode=mode,
-        output_device=output_device,
-        static=static,
-        replica=Curve({n: p.fwbw for n, p in replica.items()}),
-        forward_end=Curve({n: p.forward_end for n, p in replica.items()}),
-        outputs=Curve({n: {"bytes": float(p.output_bytes)} for n, p in replica.items()}),
-        gathered=Curve({n: p.fwbw for n, p in crit.items()}) if needs_crit else None,
-        gathered_held=Curve({n: p.forward_end for n, p in crit.items()}) if needs_crit else None,
-        buckets=0 if (mode == "dp" or bucket_view) else int(static["grads"]),
-        context=context,
     )
 
 

@@ -115,14 +115,6 @@ class DeviceRows(Sequence[DevicePlan]):
         return f"DeviceRows({len(self)} devices in {len(self.runs)} runs)"
 
 
-def _starts(devices: Sequence[DevicePlan]) -> list[int]:
-    """Indices where a run of alike devices (equal but for the name) begins."""
-    if isinstance(devices, DeviceRows):
-        return [start for start, _, _ in devices.runs]
-    same = [dataclasses.replace(d, name="") for d in devices]
-    return [i for i in range(len(same)) if i == 0 or same[i] != same[i - 1]]
-
-
 @dataclass(frozen=True)
 class Plan:
     """Per-device memory for one training step and the split that maximizes the global batch.
@@ -146,7 +138,7 @@ class Plan:
     """
 
     mode: Mode
-    devices: Sequence[DevicePlan]  # a tuple, or DeviceRows (runs of alike devices)
+    devices: DeviceRows
     split: list[int]
     global_batch: int
     eta_mem: float
@@ -311,9 +303,9 @@ class Plan:
         n = len(self.devices)
         if n <= GROUP_ABOVE:
             return [(d.name, d, i) for i, d in enumerate(self.devices)]
-        cuts = set(_starts(self.devices))
+        cuts = {start for start, _, _ in self.devices.runs}
         if self.training is not None:
-            cuts |= set(_starts(self.training.devices))
+            cuts |= {start for start, _, _ in self.training.devices.runs}
         bounds = [*sorted(cuts), n]
         out = []
         for a, b in itertools.pairwise(bounds):

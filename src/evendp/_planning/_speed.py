@@ -46,9 +46,13 @@ FIT_SIZES = 3
 
 
 def _validate_balance_inputs(
-    total: int, seconds_per_sample: Sequence[float], caps: Sequence[int] | None, min_size: int
-) -> tuple[list[float], list[int]]:
-    """Check the inputs of :func:`balance_sizes`; return times and caps as lists."""
+    total: int,
+    seconds_per_sample: Sequence[float],
+    caps: Sequence[int] | None,
+    min_size: int,
+    fixed_seconds: Sequence[float] | None = None,
+) -> tuple[list[float], list[int], list[float]]:
+    """Check the inputs of :func:`balance_sizes`; return times, caps and fixed times as lists."""
     validate_int("total", total, minimum=1, example="256, the global batch")
     validate_sequence("seconds_per_sample", seconds_per_sample, example="[0.01, 0.02]")
     validate_numbers("caps", caps, integral=True, allow_none=True, example="caps=[16, 32]")
@@ -83,7 +87,16 @@ def _validate_balance_inputs(
             f"min_size={min_size} on {len(times)} ranks needs {min_size * len(times)} samples, "
             f"more than the global batch {total}; lower min_size"
         )
-    return times, limits
+    if fixed_seconds is None:
+        return times, limits, [0.0] * len(times)
+    validate_sequence("fixed_seconds", fixed_seconds, example="[0.0, 0.02]")
+    fixed = [float(f) for f in fixed_seconds]
+    if len(fixed) != len(times) or not all(math.isfinite(f) and f >= 0 for f in fixed):
+        raise EvendpError(
+            f"fixed_seconds={shown(fixed_seconds)}: give one non-negative finite time per rank "
+            f"({len(times)}), e.g. [0.0, 0.02]"
+        )
+    return times, limits, fixed
 
 
 def balance_sizes(
@@ -111,8 +124,9 @@ def balance_sizes(
     >>> balance_sizes(32, [1.0, 1.0], fixed_seconds=[0.0, 20.0])  # rank 1's slow optimizer
     [26, 6]
     """
-    times, limits = _validate_balance_inputs(total, seconds_per_sample, caps, min_size)
-    fixed = _validate_fixed(fixed_seconds, len(times))
+    times, limits, fixed = _validate_balance_inputs(
+        total, seconds_per_sample, caps, min_size, fixed_seconds
+    )
 
     def size_at(level: float, i: int) -> float:
         return min(limits[i], max(min_size, (level - fixed[i]) / times[i]))
@@ -134,19 +148,6 @@ def balance_sizes(
         if sizes[i] < limits[i]:
             heapq.heappush(heap, ((sizes[i] + 1) * times[i] + fixed[i], i))
     return sizes
-
-
-def _validate_fixed(fixed_seconds: Sequence[float] | None, ranks: int) -> list[float]:
-    if fixed_seconds is None:
-        return [0.0] * ranks
-    validate_sequence("fixed_seconds", fixed_seconds, example="[0.0, 0.02]")
-    fixed = [float(f) for f in fixed_seconds]
-    if len(fixed) != ranks or not all(math.isfinite(f) and f >= 0 for f in fixed):
-        raise EvendpError(
-            f"fixed_seconds={shown(fixed_seconds)}: give one non-negative finite time per rank "
-            f"({ranks}), e.g. [0.0, 0.02]"
-        )
-    return fixed
 
 
 def fit_step_time(points: Mapping[int, float]) -> tuple[float, float] | None:
@@ -362,13 +363,6 @@ class SpeedBalancer:
         self._seconds += float(seconds)
         self._samples += int(samples)
 
-    def _read_events(self) -> None:
-        """Add the GPU time of the blocks timed since the last exchange (GPU only)."""
-        for begin, end in self._events:
-            end.synchronize()
-            self._seconds += begin.elapsed_time(end) / 1000  # milliseconds -> seconds
-        self._events.clear()
-
     def _exchange(self, steps: int) -> tuple[list[tuple[float, float]], int] | None:
         """Every rank's ``(seconds, samples)`` over ``steps`` steps, and that step count.
 
@@ -416,7 +410,10 @@ class SpeedBalancer:
         self._timed_steps += 1
         if self.steps % self.every:
             return False
-        self._read_events()
+        for begin, end in self._events:  # GPU only: the blocks timed since the last exchange
+            end.synchronize()
+            self._seconds += begin.elapsed_time(end) / 1000  # milliseconds -> seconds
+        self._events.clear()
         exchanged = self._exchange(self._timed_steps)
         self._seconds, self._samples, self._timed_steps = 0.0, 0, 0
         if exchanged is None:

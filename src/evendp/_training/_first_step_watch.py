@@ -4,7 +4,7 @@ When this process planned its CUDA devices on live memory
 (:func:`evendp._planning._on_device.planned_for`), the Trainer registers a
 :class:`FirstStepWatch`: after the first optimizer step, a device whose reserved peak
 (:mod:`._peak_memory`) is over its plan has its micro-batch cap lowered
-(:class:`~evendp._planning._calibrate.FirstStepCheck`, the same per-device cap an OOM re-split
+(:class:`~evendp._planning._on_device.FirstStepCheck`, the same per-device cap an OOM re-split
 lowers) before it runs out, said in one line. The shares and the gradient are unchanged.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._planning._calibrate import FirstStepCheck
+from .._planning._on_device import FirstStepCheck
 from . import _peak_memory
 
 __all__ = ["FirstStepWatch", "first_step_watch"]
