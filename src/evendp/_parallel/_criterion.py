@@ -1,4 +1,6 @@
-"""``ParallelCriterion``: a loss on every device from a :class:`Scattered`, combined exactly.
+"""``ParallelCriterion``: a loss on every device from a :class:`Scattered` (what
+``BalancedDataParallel(..., gather_output=False)`` returns: per-device outputs and their split;
+:func:`gather` joins them), combined exactly.
 
 Each device scores its own outputs against its share of the targets (no gather on one device);
 the per-device means are weighted by what each one counts, so the loss, and its gradient, equal
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
@@ -20,16 +23,60 @@ from .._core._errors import EvendpError
 from .._core._exact import combine_means
 from ._dp_checks import (
     Count,
+    describe,
     validate_callable,
     validate_counts,
     validate_losses,
     validate_reduction,
 )
 from ._replicate import parallel_apply, replicate
-from ._scatter import row_count, scatter
-from ._scattered import Scattered, validate_scattered
+from ._scatter import gather_outputs, row_count, scatter
 
-__all__ = ["ParallelCriterion"]
+__all__ = ["ParallelCriterion", "Scattered", "gather"]
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """Per-device outputs of ``BalancedDataParallel(..., gather_output=False)`` and their split.
+
+    ``outputs[i]`` lives on ``devices[i]`` and covers ``sizes[i]`` consecutive samples of the
+    batch; ``counts[i]`` is the number of items a scalar in it is a mean over (``None``: the
+    samples). Hand it to :class:`ParallelCriterion`, or to :func:`gather` for the full output.
+    """
+
+    outputs: list[Any]
+    sizes: list[int]
+    devices: list[torch.device]
+    dim: int
+    output_device: torch.device
+    counts: list[float] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The number of samples across all devices (N)."""
+        return sum(self.sizes)
+
+
+def gather(scattered: Scattered) -> Any:
+    """The full output on ``scattered.output_device``: per-device outputs joined along ``dim``.
+
+    >>> from evendp import BalancedDataParallel
+    >>> model = BalancedDataParallel(nn.Linear(3, 2), ["cpu", "cpu"], gather_output=False)
+    >>> parts = model(torch.randn(5, 3))
+    >>> parts.sizes, gather(parts).shape
+    ([3, 2], torch.Size([5, 2]))
+    """
+    _validate_scattered(scattered)
+    s = scattered
+    return gather_outputs(s.outputs, s.sizes, s.output_device, s.dim, s.counts)
+
+
+def _validate_scattered(value: Any) -> None:
+    if not isinstance(value, Scattered):
+        raise EvendpError(
+            "expected the Scattered returned by BalancedDataParallel(..., gather_output=False), "
+            f"got {describe(value)}; for an already gathered output call the criterion directly"
+        )
 
 
 class ParallelCriterion(nn.Module):
@@ -81,7 +128,7 @@ class ParallelCriterion(nn.Module):
         self._count_checked = False  # targets with ignored labels and no count: warned once
 
     def forward(self, scattered: Scattered, *targets: Any, **kwargs: Any) -> torch.Tensor:
-        validate_scattered(scattered)
+        _validate_scattered(scattered)
         target_total = row_count((targets, kwargs), scattered.dim)
         if target_total is not None and target_total != scattered.batch_size:
             raise EvendpError(

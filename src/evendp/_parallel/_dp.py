@@ -12,8 +12,8 @@ One step, for a global batch of N samples and devices d_0..d_{k-1}:
 
 Step 5's weighting is what makes the loss, and so the gradient, equal to a single device's on
 the whole batch, however uneven the split. The loss computed per device is
-:mod:`._criterion`'s, the output kept per device :mod:`._scattered`'s, and the checks of the
-input :mod:`._dp_checks`'.
+:mod:`._criterion`'s (with the output kept per device, :class:`Scattered`), and the checks of
+the input :mod:`._dp_checks`'.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
 from .._core._split import largest_remainder, validate_weights
 from .._core._validate import validate_bool, validate_int
+from ._criterion import Scattered
 from ._dp_checks import (
     Count,
     DeviceLike,
@@ -48,7 +49,6 @@ from ._dp_checks import (
 )
 from ._replicate import parallel_apply, replicate
 from ._scatter import gather_outputs, map_tensors, row_count, row_count_and_devices, scatter
-from ._scattered import Scattered
 
 __all__ = ["BalancedDataParallel"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .._core._errors import EvendpError
-from .._core._table import format_bytes
+from .._core._units import format_bytes
 
 __all__ = [
     "Calibration",
