@@ -1,16 +1,11 @@
 """Checkpoints that survive crashes: atomic writes, the previous good one kept, strict loads.
 
-A save writes a temporary file in the target's folder, fsyncs it, moves the current checkpoint
-to ``<name>.prev<suffix>`` and renames the temporary file into place (``os.replace`` is atomic
-on POSIX and Windows), so at every instant a complete checkpoint exists on disk. A load reads
-and checks everything (format, keys, shapes) before it touches the model or optimizer, so a
-corrupt or mismatched file is a clear :class:`CheckpointError` and changes nothing.
-
-Each file carries what proves it whole: ``sha256``, a digest of its contents
-(:mod:`evendp._core._digest`), checked on every load, so garbled tensor data is caught although
-``torch.load`` reads it. A checkpoint is never written from non-finite parameters or optimizer
-state (:class:`TrainingError`), and a write that fails (disk full, read-only folder) leaves the
-files already there intact, removes its temporary file and says so in one line.
+A save goes through a temporary file and a rename (:func:`~evendp._core._files.replace_file`),
+the current checkpoint first moved to ``<name>.prev<suffix>``: a complete checkpoint exists at
+every instant. A load checks everything (format, fields, keys, shapes, and ``sha256``, the
+digest of the contents that catches garbled tensor data ``torch.load`` reads without complaint)
+before it touches the model or optimizer: a bad file is a :class:`CheckpointError` and changes
+nothing.
 """
 
 from __future__ import annotations
@@ -57,12 +52,10 @@ __all__ = [
     "read_state_file",
     "read_whole",
     "resumable_checkpoint",
-    "rng_state",
     "RngState",
     "save_checkpoint",
     "save_rank_file",
     "save_sharded_checkpoint",
-    "set_rng_state",
     "STATE_FIELDS",
     "write_whole",
 ]
@@ -161,36 +154,9 @@ def first_good(candidates: list[Path], read: Callable[[Path], T]) -> tuple[Path,
     raise CorruptCheckpoint("no checkpoint to resume from")  # no candidates: callers check
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")  # only when the program uses numpy; never import it here
-    if np is not None:
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        # Plain lists so the file loads with weights_only=True (no numpy arrays pickled).
-        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    kind, internal, gauss = state["python"]
-    random.setstate((kind, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        _set_cuda_rng_states(list(state["cuda"]))
-    np = sys.modules.get("numpy")
-    if "numpy" in state and np is not None:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
 def _set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
-    """Restore one CUDA generator per visible device, for as many as were saved and are here.
-
-    A run resumed on fewer GPUs than it saved from would fail in ``set_rng_state_all``
-    ("invalid device ordinal"); on more, the extra devices keep their seeded generators.
-    """
+    """One CUDA generator per device saved and visible (``set_rng_state_all`` fails on fewer
+    GPUs than saved; on more, the extra devices keep their seeded generators)."""
     visible = torch.cuda.device_count()
     restored = min(len(saved), visible)
     for index in range(restored):
@@ -222,10 +188,26 @@ class RngState:
         self.reseed = reseed
 
     def state_dict(self) -> dict[str, Any]:
-        return rng_state()
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        np = sys.modules.get("numpy")  # only when the program uses numpy; never import it here
+        if np is not None:
+            kind, keys, pos, has_gauss, gauss = np.random.get_state()
+            # Plain lists so the file loads with weights_only=True (no numpy arrays pickled).
+            state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_rng_state(state_dict)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
+        kind, internal, gauss = state_dict["python"]
+        random.setstate((kind, tuple(internal), gauss))
+        if "cuda" in state_dict and torch.cuda.is_available():
+            _set_cuda_rng_states(list(state_dict["cuda"]))
+        np = sys.modules.get("numpy")
+        if "numpy" in state_dict and np is not None:
+            kind, keys, pos, has_gauss, gauss = state_dict["numpy"]
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
     def without_saved(self, why: str, rank: int) -> None:
         """No generators saved for this rank (``why``): warn, and reseed with ``reseed``."""
@@ -275,16 +257,12 @@ def save_checkpoint(
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically; the one it replaces becomes :func:`previous_path`.
-    :class:`TrainingError`, and nothing written, when the model or optimizer state holds
-    NaN or inf, or when the disk refuses the write.
+    """Write the parts' states, this process's generators, ``step`` and ``extra`` (plain data)
+    atomically to ``path``, the file there becoming :func:`previous_path`. Nothing is written
+    (:class:`TrainingError`) when the model or optimizer state holds NaN or inf, or when the
+    disk refuses the write.
 
-    Saves the model, optimizer, scaler and scheduler states, the RNG states (torch, CUDA when
-    used, Python ``random``, numpy when imported), ``step`` and ``extra`` (e.g. the sampler
-    position). Returns ``path``. If writing fails, the files already there are untouched.
-
-    >>> import tempfile, torch
-    >>> d = tempfile.mkdtemp()
+    >>> d = getfixture("tmp_path")
     >>> model = torch.nn.Linear(2, 1)
     >>> save_checkpoint(f"{d}/ckpt.pt", model=model, step=3).name
     'ckpt.pt'
@@ -316,7 +294,7 @@ def write_whole(
     make_private_dir(target.parent)
     states = {name: parts[name].state_dict() if name in parts else None for name in FIELDS}
     states["model"] = states["model"] or {}
-    states["rng"] = states["rng"] or rng_state()
+    states["rng"] = states["rng"] or RngState().state_dict()
     _refuse_non_finite(target, step, states["model"], states["optimizer"])
     payload = _signed(step, states, extra)
     return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
@@ -381,10 +359,8 @@ def disk_error(
 
 
 def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None) -> Path:
-    """Write ``payload`` to ``target`` through a temporary file and a rename, durably
-    (:func:`~evendp._core._files.replace_file`); the file already at ``target`` is first moved
-    to ``previous`` (unless ``None``). A write the OS refuses is one line (:func:`disk_error`).
-    """
+    """``payload`` written durably at ``target``, the file there first moved to ``previous``
+    (unless ``None``); a write the OS refuses is one line (:func:`disk_error`)."""
     try:
         replace_file(
             target, lambda f: torch.save(dict(payload), f), previous=previous, durable=True
@@ -411,10 +387,8 @@ def rank_rng_path(path: str | Path, rank: int) -> Path:
 def save_rank_file(
     target: Path, step: int, states: Mapping[str, Any], previous: Path | None
 ) -> Path:
-    """One rank's per-rank parts for ``step``, each under its name (``rng``, where every
-    evendp kept a rank's generators, is one), written atomically with no collective (a fault
-    on one rank cannot hang the others); the file at ``target`` is first moved to
-    ``previous`` (unless ``None``)."""
+    """One rank's per-rank parts for ``step`` by name (``rng`` among them), written as
+    :func:`_atomic_save` does, with no collective (a fault on one rank cannot hang the others)."""
     make_private_dir(target.parent)
     payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), **states}
     payload["sha256"] = content_digest(payload)
@@ -500,17 +474,12 @@ def _load_tagged(
     meta: bool = False,
     rng: bool = False,
 ) -> dict[str, Any]:
-    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``,
-    its fields sane (``rng``: generators among them) and its digest checked.
-
-    The file is a regular one of at most ``cap`` bytes, opened without blocking
-    (:func:`~evendp._core._files.open_regular`); its tensors unpack to at most ``limit``
-    bytes; ``meta``: no tensor data is read (tensors on the meta device, the digest
-    unchecked). A file the OS will not open (permissions) is a :class:`CheckpointError`: the
-    previous checkpoint would be refused the same way. A truncated, garbled, foreign or
-    oversized one, or one that is not a regular file, is a :class:`CorruptCheckpoint`, from
-    which a resume falls back; both messages end with ``fix``.
-    """
+    """Every evendp file's ``torch.load`` (weights only): a regular file of at most ``cap``
+    bytes whose tensors unpack to at most ``limit``, a dict whose ``format`` is ``marker``, its
+    fields sane (``rng``: generators among them), its digest checked (``meta``: no tensor data
+    read, no digest). Unreadable for the OS: a :class:`CheckpointError` (the previous file
+    would be refused alike); anything else wrong: a :class:`CorruptCheckpoint` (a resume falls
+    back). Both messages end with ``fix``."""
     try:
         with open_regular(path, cap, mine=True) as source:
             check_archive(source, limit)  # before torch.load: no zip bomb, no legacy format
@@ -600,7 +569,7 @@ def _check_fields(payload: Mapping[str, Any]) -> None:
 
 
 def _check_rng(rng: Any) -> None:
-    """The generator states, of the kinds ``set_rng_state`` hands to torch and ``random``."""
+    """The generator states, of the kinds :class:`RngState` hands to torch and ``random``."""
     if not isinstance(rng, dict):
         raise Refused(f"rng: must be a dict, got {shown(rng)}")
     ours = torch.get_rng_state()
@@ -832,14 +801,10 @@ def save_sharded_checkpoint(
     extra: Mapping[str, Any],
     keep_previous: bool,
 ) -> Path:
-    """Save an FSDP2 ``parts["model"]`` and ``parts["optimizer"]`` with
-    ``torch.distributed.checkpoint``, sharded; no rank gathers the full model. A collective.
-
-    The ranks write their shards, their per-rank states ``own`` (``rng{rank}.pt``) and rank 0
-    the run's position and :data:`STATE_FIELDS` (``state.pt``) into a temporary folder beside
-    ``path``; once all have written, rank 0 moves the current folder to :func:`previous_path`
-    and renames the new one into place, so a complete checkpoint exists at every instant.
-    """
+    """An FSDP2 model and optimizer saved sharded by ``torch.distributed.checkpoint`` (no rank
+    gathers the full model), each rank's ``own`` states (``rng{rank}.pt``) and rank 0's
+    ``state.pt``, into a temporary folder that rank 0 renames into place once all have written,
+    the current one becoming :func:`previous_path`. A collective."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -913,14 +878,10 @@ def load_sharded_checkpoint(
     rng: bool,
     verify: Callable[[Path, dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Restore a folder written by :func:`save_sharded_checkpoint` into ``parts``, on any
-    world size (DCP reshards the saved model and optimizer onto this run's ranks). A collective.
-
-    ``verify(path, extra)`` may refuse the saved configuration before anything loads. Returns
-    ``{"step", "extra", "world_size", "own"}``: ``own`` is this rank's file (its per-rank
-    states by name; ``rng``: it must hold generators), ``None`` when the run was saved by
-    fewer ranks.
-    """
+    """:func:`save_sharded_checkpoint`'s folder restored into ``parts`` on any world size (DCP
+    reshards), after ``verify(path, extra)``. A collective. Returns ``{"step", "extra",
+    "world_size", "own"}``: ``own``, this rank's states by name (``rng``: generators among
+    them), is ``None`` when the run was saved by fewer ranks."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
