@@ -905,14 +905,16 @@ def load_sharded_checkpoint(
                 planner=planner(),
             )
         except (Exception, CheckpointException) as exc:  # a missing or truncated shard
-            refused = next((e for e in _dcp_errors(exc) if isinstance(e, Refused)), None)
+            errors = _dcp_errors(exc)
+            refused = next((e for e in errors if isinstance(e, Refused)), None)
             if refused is not None:
                 raise CorruptCheckpoint(
                     f"sharded checkpoint {str(folder)!r} is refused: {refused}; {fix_for(folder)}"
                 ) from None
+            root = errors[-1]  # the innermost cause: what DCP's summary wraps
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
-                f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {fix_for(folder)}"
+                f"({type(root).__name__}: {_first_sentence(str(root))}); {fix_for(folder)}"
             ) from None
 
     agreed(shards, distributed=True)
@@ -942,18 +944,6 @@ def _dcp_errors(exc: BaseException) -> list[BaseException]:
             found.append(inner)
             todo[:0] = [inner.__cause__, inner.__context__]
     return found
-
-
-def _root_cause(exc: BaseException) -> str:
-    """DCP reports a rank's failure as a long summary: the first line of the innermost error."""
-    text = str(exc)
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith(("FileNotFoundError", "RuntimeError", "OSError", "EOFError")):
-            return line
-        if "No such file" in line or "truncated" in line or "unexpected" in line:
-            return line
-    return text
 
 
 def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
