@@ -830,9 +830,7 @@ def save_sharded_checkpoint(
     def shards() -> None:
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-        except OSError as exc:
-            raise disk_error(target, exc, "write") from None
-        except (Exception, CheckpointException) as exc:  # DCP wraps the ranks' OSErrors
+        except (Exception, CheckpointException) as exc:  # an OSError, or DCP's wrap of them
             errors = _dcp_errors(exc)
             cause = next((e for e in errors if isinstance(e, OSError)), None)
             if cause is None:
