@@ -140,8 +140,11 @@ class ParallelCriterion(nn.Module):
         parts = scatter((targets, kwargs), scattered.sizes, scattered.devices, scattered.dim)
         shards = [((out, *t), kw) for out, (t, kw) in zip(scattered.outputs, parts, strict=True)]
         count_fn = self.count_fn or _builtin_count_fn(self.criterion)
-        if count_fn is None and self.reduction == "mean" and len(scattered.sizes) > 1:
-            self._check_uncounted(targets, kwargs)
+        uncounted = count_fn is None and self.reduction == "mean" and len(scattered.sizes) > 1
+        if uncounted and not self._count_checked:  # once (a host read): ignored labels
+            self._count_checked = True
+            if holds_ignored((targets, kwargs)):
+                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=4)
         with torch.no_grad():  # counted before the losses run (None: weigh by samples)
             raw_counts = None if count_fn is None else [count_fn(*a, **kw) for a, kw in shards]
         losses = parallel_apply(self._criteria(scattered.devices), shards, scattered.devices)
@@ -151,14 +154,6 @@ class ParallelCriterion(nn.Module):
         where = [f"device {d} (output {k})" for k, d in enumerate(scattered.devices)]
         counts = validate_counts(raw_counts, scattered.sizes, where)
         return combine_means(losses, counts, scattered.output_device)
-
-    def _check_uncounted(self, targets: Any, kwargs: Any) -> None:
-        """Once: warn when targets hold ignored labels that a count by samples weighs
-        wrongly (a host read, once)."""
-        if not self._count_checked:
-            self._count_checked = True
-            if holds_ignored((targets, kwargs)):
-                uncounted_warning("ParallelCriterion", self.criterion, stacklevel=5)
 
     def _criteria(self, devices: list[torch.device]) -> list[nn.Module]:
         criterion = self.criterion

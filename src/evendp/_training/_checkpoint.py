@@ -783,10 +783,6 @@ def load_optimizer_state(optimizer: Any, state: Mapping[str, Any]) -> None:
 _STATE_FILE = "state.pt"  # inside a DCP folder: step, extra, scaler/scheduler (rank 0's)
 
 
-def _rng_file(folder: Path, rank: int) -> Path:
-    return folder / f"rng{rank}.pt"
-
-
 #: The parts a sharded checkpoint keeps in ``state.pt`` (``model`` and ``optimizer`` are
 #: DCP's shards).
 STATE_FIELDS = ("scaler", "scheduler")
@@ -837,7 +833,7 @@ def save_sharded_checkpoint(
                 cause = OSError(0, _first_sentence(str(errors[0])))
             raise disk_error(target, cause, "write") from None
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
-        save_rank_file(_rng_file(tmp, rank), step, own, previous=None)
+        save_rank_file(tmp / f"rng{rank}.pt", step, own, previous=None)
         if rank == 0:
             states = {n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS}
             state = _signed(step, states, extra, world_size=dist.get_world_size())
@@ -920,7 +916,7 @@ def load_sharded_checkpoint(
     for name in STATE_FIELDS:
         if name in parts and meta.get(name) is not None:
             parts[name].load_state_dict(meta[name])
-    own = _rng_file(folder, dist.get_rank())
+    own = folder / f"rng{dist.get_rank()}.pt"
     mine = agreed(lambda: _read_rank(own, rng=rng) if own.exists() else None, distributed=True)
     return {
         "step": int(meta["step"]),
