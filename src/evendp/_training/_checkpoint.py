@@ -223,28 +223,18 @@ class RngState:
             random.seed(seed)
 
 
-def _validate_checkpoint_args(
-    path: Any,
-    model: Any,
-    optimizer: Any,
-    scaler: Any,
-    scheduler: Any,
-    *,
-    step: Any = 0,
-    extra: Any = None,
-    restore_rng: Any = True,
-) -> None:
-    """The arguments of ``save_checkpoint`` / ``load_checkpoint`` before any file is touched."""
+def _present_parts(path: Any, parts: Mapping[str, Any]) -> dict[str, Any]:
+    """``save_checkpoint``'s / ``load_checkpoint``'s path and parts checked before any file is
+    touched; the parts given."""
     validate_path("path", path)
-    validate_instance("model", model, nn.Module, "an nn.Module")
-    for name, value in (("optimizer", optimizer), ("scaler", scaler), ("scheduler", scheduler)):
+    validate_instance("model", parts["model"], nn.Module, "an nn.Module")
+    for name in ("optimizer", "scaler", "scheduler"):
+        value = parts[name]
         if value is not None and not callable(getattr(value, "state_dict", None)):
             raise EvendpError(
                 f"{name} must have state_dict() and load_state_dict() (or be None), got {value!r}"
             )
-    validate_int("step", step, minimum=0, example="step=100")
-    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
-    validate_bool("restore_rng", restore_rng)
+    return {name: part for name, part in parts.items() if part is not None}
 
 
 def save_checkpoint(
@@ -269,9 +259,10 @@ def save_checkpoint(
     >>> load_checkpoint(f"{d}/ckpt.pt", model=model)["step"]
     3
     """
-    _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
-    present = {name: part for name, part in parts.items() if part is not None}
+    present = _present_parts(path, parts)
+    validate_int("step", step, minimum=0, example="step=100")
+    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
     return write_whole(path, present, step=step, extra=extra or {}, keep_previous=True)
 
 
@@ -707,10 +698,10 @@ def load_checkpoint(
     :class:`CheckpointError` naming the file and the fix, and leaves the model, the optimizer and
     the file untouched. (See :func:`save_checkpoint` for an example.)
     """
-    _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
-    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler,
-             "rng": RngState() if restore_rng else None}  # fmt: skip
-    present = {name: part for name, part in parts.items() if part is not None}
+    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+    present = _present_parts(path, parts)
+    if validate_bool("restore_rng", restore_rng):
+        present["rng"] = RngState()
     return read_whole(path, present)
 
 
