@@ -4,13 +4,15 @@
 
 Each device scores its own outputs against its share of the targets (no gather on one device);
 the per-device means are weighted by what each one counts, so the loss, and its gradient, equal
-one device's on the whole batch.
+one device's on the whole batch. The checks of a count and of a callable live here, for
+``BalancedDataParallel`` too; each names the value, what was expected and the fix.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -21,18 +23,86 @@ from torch import nn
 from .._core._counting import holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._exact import combine_means
-from ._dp_checks import (
-    Count,
-    describe,
-    validate_callable,
-    validate_counts,
-    validate_losses,
-    validate_reduction,
-)
 from ._replicate import parallel_apply, replicate
 from ._scatter import gather_outputs, row_count, scatter
 
-__all__ = ["ParallelCriterion", "Scattered", "gather"]
+__all__ = [
+    "Count",
+    "ParallelCriterion",
+    "Scattered",
+    "describe",
+    "gather",
+    "validate_callable",
+    "validate_counts",
+]
+
+#: What a count function may return: a number of items, as an int or a 0-dim tensor.
+Count = int | float | torch.Tensor
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def validate_callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise EvendpError(
+            f"{name} must be callable (a function, a lambda, functools.partial or an "
+            f"nn.Module), got {describe(value)}"
+        )
+    return value
+
+
+def validate_counts(raw: list[Any] | None, sizes: list[int], where: list[str]) -> list[float]:
+    """Each share's count as a float: ``raw[k]``, what ``count_fn`` returned for share ``k``
+    (on the device ``where[k]`` names), or without a count function its samples."""
+    if raw is None:
+        return [float(n) for n in sizes]
+    counts = []
+    for k, (value, samples) in enumerate(zip(raw, sizes, strict=True)):
+        number: float | None = None
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+                number = float(value.item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        if number is None or not math.isfinite(number) or number < 0:
+            shown = describe(value) if isinstance(value, torch.Tensor) and value.dim() else value
+            raise EvendpError(
+                f"count_fn returned {shown!r} for the share of {samples} sample(s) on "
+                f"{where[k]}; it must return how many items that share's mean is over, a "
+                "non-negative int or 0-dim tensor, e.g. (labels != -100).sum()"
+            )
+        counts.append(number)
+    return counts
+
+
+def validate_reduction(reduction: Any, has_count_fn: bool) -> None:
+    """``ParallelCriterion``'s ``reduction``: ``"mean"``, or ``"sum"`` without a count."""
+    if reduction not in ("mean", "sum"):
+        raise EvendpError(
+            f"reduction={reduction!r} is not supported; use 'mean' when the criterion "
+            "returns a per-device mean, 'sum' when it returns a per-device sum"
+        )
+    if has_count_fn and reduction == "sum":
+        raise EvendpError(
+            "count_fn weights per-device means, but reduction='sum' adds per-device sums; "
+            "use reduction='mean' with count_fn, or divide the summed loss by your global "
+            "count yourself"
+        )
+
+
+def validate_losses(losses: list[Any]) -> None:
+    """Every device's criterion returned a scalar tensor."""
+    for loss in losses:
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise EvendpError(
+                f"the criterion returned {describe(loss)} on a device; ParallelCriterion "
+                "needs a scalar per device: use reduction='mean' or 'sum' in the criterion"
+            )
 
 
 @dataclass(frozen=True)
