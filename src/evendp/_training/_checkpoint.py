@@ -97,6 +97,10 @@ def fix_for(path: Path) -> str:
     )
 
 
+def _refused(what: str, path: Path, why: Any) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{what} {str(path)!r} is refused: {why}; {fix_for(path)}")
+
+
 def previous_path(path: str | Path) -> Path:
     """Where the previous good checkpoint of ``path`` (a file or a DCP folder) is kept.
 
@@ -644,10 +648,8 @@ def _validate_optimizer_state(
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
     ):
-        raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is refused: field optimizer.param_groups is not a list "
-            f"of parameter groups; {fix_for(path)}"
-        )
+        why = "field optimizer.param_groups is not a list of parameter groups"
+        raise _refused("checkpoint", path, why)
     ours = [len(g["params"]) for g in optimizer.param_groups]
     theirs = [len(g["params"]) for g in groups]
     if ours != theirs:
@@ -735,9 +737,7 @@ def read_whole(
             elif saved is not None and name != "rng":  # a scaler's or scheduler's, of our kind
                 check_kind(name, part.state_dict(), saved)
         except Refused as exc:
-            raise CorruptCheckpoint(
-                f"checkpoint {str(p)!r} is refused: field {exc}; {fix_for(p)}"
-            ) from None
+            raise _refused("checkpoint", p, f"field {exc}") from None
     for name, part in fields.items():
         if payload.get(name) is None:  # a scaler or scheduler the writer had none of
             continue
@@ -893,9 +893,7 @@ def load_sharded_checkpoint(
             errors = _dcp_errors(exc)
             refused = next((e for e in errors if isinstance(e, Refused)), None)
             if refused is not None:
-                raise CorruptCheckpoint(
-                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; {fix_for(folder)}"
-                ) from None
+                raise _refused("sharded checkpoint", folder, refused) from None
             root = errors[-1]  # the innermost cause: what DCP's summary wraps
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
@@ -936,9 +934,7 @@ def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
     try:  # DCP's own reader unpickles whatever .metadata holds: this one admits only DCP's
         saved = read_dcp_metadata(folder / ".metadata").state_dict_metadata
     except Refused as exc:
-        raise CorruptCheckpoint(
-            f"sharded checkpoint {str(folder)!r} is refused: {exc}; {fix_for(folder)}"
-        ) from None
+        raise _refused("sharded checkpoint", folder, exc) from None
     except OSError as exc:  # no .metadata
         raise CorruptCheckpoint(
             f"sharded checkpoint {str(folder)!r} has no readable .metadata "
