@@ -44,10 +44,9 @@ if TYPE_CHECKING or not _ON_DEMAND:
     from ._distributed._sampler import UnevenBatchSampler
     from ._distributed._step_layout import StepLayout, layout_step
     from ._distributed._step_mean import StepMean
-    from ._parallel._criterion import ParallelCriterion
+    from ._parallel._criterion import ParallelCriterion, Scattered, gather
     from ._parallel._dp import BalancedDataParallel
     from ._parallel._predict import Predictions, predict
-    from ._parallel._scattered import Scattered, gather
     from ._planning._balance import planned_rank_sizes
     from ._planning._devices import DeviceInfo, list_devices, select_devices
     from ._planning._memory import DeviceMemory, live_memory, parse_memory

@@ -12,23 +12,23 @@ from evendp._training._checkpoint import (
     previous_path,
     rank_rng_path,
     read_rank_file,
-    rng_state,
     save_rank_file,
-    set_rng_state,
 )
 
 
 def save_rank_rng(path: str | Path, rank: int, step: int) -> Path:
     """This process's generators for ``step`` beside checkpoint ``path``, the last kept."""
     previous = rank_rng_path(previous_path(path), rank)
-    return save_rank_file(rank_rng_path(path, rank), step, {"rng": rng_state()}, previous)
+    return save_rank_file(
+        rank_rng_path(path, rank), step, {"rng": RngState().state_dict()}, previous
+    )
 
 
 def load_rank_rng(path: str | Path, rank: int, step: int, reseed: int | None = None) -> bool:
     """Restore rank ``rank``'s generators of ``step`` (True), else warn and reseed (False)."""
     payload, why = read_rank_file(path, rank, step, rng=True)
     if payload is not None:
-        set_rng_state(payload["rng"])
+        RngState().load_state_dict(payload["rng"])
         return True
     RngState(reseed).without_saved(f"its RNG {why}", rank)
     return False

@@ -306,10 +306,11 @@ def _peak_rss_growth(since: int) -> int:
 def _sparse_checkpoint(path: Path, nbytes: int, step: int) -> None:
     """A checkpoint whose fields are whole and whose one tensor claims ``nbytes``: a sparse file
     (``skip_data`` reserves the tensor's bytes without writing them; 8 KiB on disk)."""
-    from evendp._training._checkpoint import rng_state
+    from evendp._training._checkpoint import RngState
 
+    rng = RngState().state_dict()
     payload = {"format": "evendp-checkpoint", "version": 1, "step": step, "extra": {},
-               "model": {"w": torch.empty(nbytes // 4)}, "rng": rng_state()}  # fmt: skip
+               "model": {"w": torch.empty(nbytes // 4)}, "rng": rng}  # fmt: skip
     with torch.serialization.skip_data():
         torch.save(payload, path)
 

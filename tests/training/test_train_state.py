@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from evendp._training._checkpoint import load_checkpoint
-from evendp._training._checkpoint import set_rng_state as restore_rng_state
+from evendp._training._checkpoint import RngState, load_checkpoint
 from evendp._training._trainer import TrainConfig, Trainer
 from tests.training.test_trainer import TinyLM, _data
 
@@ -42,7 +41,7 @@ def test_cuda_generators_restore_on_fewer_visible_devices(
         "cuda": [torch.zeros(8, dtype=torch.uint8)] * 3,  # saved on a 3-GPU machine
     }
     with pytest.warns(UserWarning, match="for 3 device.*1 are visible here: restored the first 1"):
-        restore_rng_state(state)
+        RngState().load_state_dict(state)
     assert restored == [0]
 
 

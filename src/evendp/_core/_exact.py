@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from ._errors import EvendpError
-from ._shown import shown
-from ._validate import validate_bool
+from ._validate import shown, validate_bool
 
 __all__ = [
     "Count",

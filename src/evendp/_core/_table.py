@@ -12,11 +12,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-# Byte counts are written by the units module (their one home, beside the reader); re-exported
-# here for the table code that always imported it from this module.
-from ._units import format_bytes
-
-__all__ = ["PrintableTable", "format_bytes"]
+__all__ = ["PrintableTable"]
 
 _WIDTH = 120  # wide enough for a plan of 6 devices; str() has no terminal to ask
 

@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 
 from ._errors import InputError
-from ._shown import shown
+from ._validate import shown
 
 __all__ = ["UntrustedFolder", "describe_owner", "trusted_run_folder"]
 

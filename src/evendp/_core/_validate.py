@@ -1,5 +1,7 @@
 """The checks at evendp's boundary, one meaning each, so every refusal reads the same:
-``NAME must be WHAT IT TAKES, got VALUE; e.g. A VALUE THAT WORKS`` (an :class:`EvendpError`).
+``NAME must be WHAT IT TAKES, got VALUE; e.g. A VALUE THAT WORKS`` (an :class:`EvendpError`),
+the bad value echoed cut short (:func:`shown`). Standard library only, so the CLI's parsers
+use it before torch is imported (``evendp --help`` stays light).
 
 ``bool`` is an ``int`` subclass in Python, so ``isinstance(True, int)`` holds; a flag passed
 where a count belongs is a mistake, and this check refuses it.
@@ -16,7 +18,6 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import EvendpError
-from ._shown import shown
 
 if TYPE_CHECKING:  # torch loads where a check needs it: the command line's launchers do not
     import torch
@@ -37,6 +38,25 @@ __all__ = [
     "validate_path",
     "validate_sequence",
 ]
+
+
+#: How much of a bad value an error message echoes: a 400 KB value must not fill the terminal.
+SHOWN_CHARS = 100
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)``, cut to about ``limit`` characters with the full length said.
+
+    >>> shown("24GiB")
+    "'24GiB'"
+    >>> shown("x" * 400_000, limit=20)
+    "'xxxxxxxx...' (400000 characters)"
+    """
+    text = value if isinstance(value, str) else None
+    if text is not None and len(text) > limit:
+        return f"{text[: limit - 12]!r}"[:-1] + f"...' ({len(text)} characters)"
+    full = repr(value)
+    return full if len(full) <= limit else f"{full[: limit - 3]}... ({len(full)} characters)"
 
 
 #: How deep a JSON document evendp reads may nest (a DeepSpeed config nests 3 or 4 levels).

@@ -12,14 +12,16 @@ One step, for a global batch of N samples and devices d_0..d_{k-1}:
 
 Step 5's weighting is what makes the loss, and so the gradient, equal to a single device's on
 the whole batch, however uneven the split. The loss computed per device is
-:mod:`._criterion`'s, the output kept per device :mod:`._scattered`'s, and the checks of the
-input :mod:`._dp_checks`'.
+:mod:`._criterion`'s (with the output kept per device, :class:`Scattered`, and the checks of
+counts both share).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -31,26 +33,15 @@ from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._oom_errors import is_oom_error, replica_of, tag_device_index
 from .._core._split import largest_remainder, validate_weights
-from .._core._validate import validate_bool, validate_int
-from ._dp_checks import (
-    Count,
-    DeviceLike,
-    to_device,
-    validate_auto,
-    validate_batch_rows,
-    validate_callable,
-    validate_counts,
-    validate_devices,
-    validate_example,
-    validate_fixed_sizes,
-    validate_module,
-    validate_placement,
-)
+from .._core._validate import is_int, validate_bool, validate_int
+from ._criterion import Count, Scattered, describe, validate_callable, validate_counts
 from ._replicate import parallel_apply, replicate
 from ._scatter import gather_outputs, map_tensors, row_count, row_count_and_devices, scatter
-from ._scattered import Scattered
 
-__all__ = ["BalancedDataParallel"]
+__all__ = ["BalancedDataParallel", "validate_devices"]
+
+DeviceLike = int | str | torch.device
+
 
 Weights = Sequence[float] | Literal["auto"] | None
 
@@ -63,6 +54,146 @@ _UNPLANNED = (
     "forward, not inside it; pass example= (the batch as forward takes it, e.g. example=(x,)) "
     "to BalancedDataParallel, or call model.plan_weights(x) before this forward"
 )
+
+
+def to_device(device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device`` (an int is a CUDA index); a CUDA one must exist here."""
+    if isinstance(device, bool):
+        raise EvendpError(
+            f"device {device!r} is not a device; pass an int, a string or torch.device"
+        )
+    try:
+        resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise EvendpError(
+            f"device {device!r} is not a device; pass an int (a CUDA index), a string such as "
+            "'cuda:1' or 'cpu', or a torch.device"
+        ) from exc
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
+        raise EvendpError(
+            f"device {resolved} was requested but CUDA is not available here; run on virtual "
+            "devices instead, e.g. device_ids=['cpu', 'cpu', 'cpu']"
+        )
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise EvendpError(
+            f"device cuda:{index} does not exist: this process sees {count} CUDA device(s), "
+            "numbered 0.. in CUDA_VISIBLE_DEVICES order "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use logical "
+            "indices, "
+            "e.g. CUDA_VISIBLE_DEVICES=2,3 makes physical GPUs 2 and 3 cuda:0 and cuda:1"
+        )
+    return torch.device("cuda", index)
+
+
+def validate_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
+    if device_ids is None:
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    if isinstance(device_ids, (str, torch.device, int)) or not isinstance(device_ids, Sequence):
+        raise EvendpError(
+            f"device_ids must be a list of devices, got {device_ids!r}; "
+            f"wrap it in a list: device_ids=[{device_ids!r}]"
+        )
+    devices = [to_device(d) for d in device_ids]
+    if not devices:
+        raise EvendpError("device_ids is empty; pass at least one device, e.g. ['cpu']")
+    return devices
+
+
+def validate_auto(value: str) -> None:
+    if value != "auto":
+        raise EvendpError(
+            f"weights={value!r} is not understood; pass None (even split), 'auto' "
+            "(planned from free memory), or one non-negative weight per device"
+        )
+
+
+def validate_placement(*groups: Iterable[torch.Tensor | None], home: torch.device) -> None:
+    for tensor in itertools.chain(*groups):
+        if tensor is not None and not _same_device(tensor.device, home):
+            raise EvendpError(
+                f"the module's tensors must sit on device_ids[0]={home}, but one is on "
+                f"{tensor.device}; call module.to({str(home)!r}) before wrapping it, or put "
+                f"its device first in device_ids. Note: CUDA_VISIBLE_DEVICES renumbers GPUs "
+                "(with CUDA_VISIBLE_DEVICES=2,3 physical GPU 2 is cuda:0); "
+                "evendp.select_devices sets it for you before CUDA starts"
+            )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.type != "cuda" or a.index == b.index
+
+
+def validate_module(module: Any, device_ids: Any) -> None:
+    if isinstance(module, nn.Module):
+        return
+    if isinstance(device_ids, nn.Module):
+        raise EvendpError(
+            f"BalancedDataParallel got {module!r} before the module: that is the old "
+            "BalancedDataParallel(gpu0_bsz, model, dim=0) call. evendp takes the module first "
+            "and one weight per device: BalancedDataParallel(model, device_ids, "
+            f"weights=[gpu0_bsz, bsz, ...]), e.g. weights=[{module!r}, bsz, bsz] for three "
+            "GPUs where GPU 0 takes fewer samples than the others"
+        )
+    raise EvendpError(
+        f"BalancedDataParallel's first argument must be the nn.Module to wrap, got "
+        f"{describe(module)}; call BalancedDataParallel(model, device_ids, weights=[...])"
+    )
+
+
+def validate_fixed_sizes(sizes: Any, num_devices: int) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise EvendpError(
+            f"fixed_sizes takes one non-negative int per device, got {sizes!r}; pass e.g. [3, 1, 0]"
+        )
+    values = list(sizes)
+    if len(values) != num_devices:
+        raise EvendpError(
+            f"fixed_sizes({values}) has {len(values)} sizes for {num_devices} devices; pass "
+            f"exactly one per entry of device_ids ({num_devices} ints, 0 for an idle device)"
+        )
+    for i, n in enumerate(values):
+        if not is_int(n) or n < 0:
+            raise EvendpError(
+                f"fixed_sizes({values}): size {n!r} at position {i} is not a non-negative "
+                "int; use 0 to give a device no samples"
+            )
+    return values
+
+
+def validate_batch_rows(total: int | None, dim: int) -> int:
+    """The batch's row count, or raise when no input tensor has a batch dimension."""
+    if total is None:
+        raise EvendpError(
+            "BalancedDataParallel got no tensor with a batch dimension "
+            f"(dim={dim}) among its inputs; pass the batch as a tensor, or call "
+            "the module directly when there is nothing to split"
+        )
+    return total
+
+
+def validate_example(example: Any, auto: bool) -> None:
+    """``example=`` is one batch as ``forward`` takes it, and only ``weights="auto"`` uses it."""
+    if example is None:
+        return
+    if not auto:
+        raise EvendpError(
+            "example= is the batch weights='auto' plans on, but the weights are not 'auto'; "
+            "drop example=, or pass weights='auto' with it"
+        )
+    if not isinstance(example, (tuple, list, dict, torch.Tensor)):
+        raise EvendpError(
+            f"example= must be one batch as forward takes it, got {describe(example)}; pass "
+            "a tuple of positional inputs, e.g. example=(x,), or a dict of keyword inputs, "
+            "e.g. example={'input_ids': ids, 'labels': labels}"
+        )
 
 
 class _Split(NamedTuple):

@@ -81,15 +81,6 @@ def _validate_data(data: Any) -> int:
     return n
 
 
-def _has_collectives(model: nn.Module) -> bool:
-    """DDP and FSDP2 modules talk to the other ranks in forward: every rank must call them
-    every step, even with an empty share."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    return isinstance(model, (DistributedDataParallel, FSDPModule))
-
-
 def _rank_sizes(weights: Any, batch_size: int, world: int) -> list[int]:
     """This step's samples per rank: ``batch_size`` split by ``weights`` (default: the sizes
     ``evendp launch`` set in ``EVENDP_BATCH_SIZES``, scaled to ``batch_size``; else even)."""
@@ -114,6 +105,9 @@ def _predict_ranks(
     model: nn.Module, data: Any, weights: Any, batch_size: int, collate: Callable[..., Any],
     no_grad: NoGrad,
 ) -> Predictions:  # fmt: skip
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
     from .._distributed._collate import EmptySafeCollate
     from .._distributed._sampler import UnevenBatchSampler
 
@@ -124,7 +118,9 @@ def _predict_ranks(
     loader = DataLoader(data, batch_sampler=steps, collate_fn=EmptySafeCollate(data, collate))
     first = next(iter(model.parameters()), None)
     device = torch.device("cpu") if first is None else first.device
-    talks = _has_collectives(model)
+    # DDP and FSDP2 modules talk to the other ranks in forward: every rank calls them every
+    # step, even with an empty share.
+    talks = isinstance(model, (DistributedDataParallel, FSDPModule))
     outputs: list[Any] = []
     indices: list[int] = []
     for step_indices, batch in zip(steps, loader, strict=True):

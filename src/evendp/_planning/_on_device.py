@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .._core._errors import EvendpError
-from .._core._table import format_bytes
+from .._core._units import format_bytes
 from ._result import DeviceRows, Plan
 
 __all__ = [

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .._core._errors import EvendpError
-from .._core._units import parse_bytes
+from .._core._units import format_bytes, parse_bytes
 
 __all__ = ["MemoryBudgets", "ReplicaMemory", "tensor_bytes"]
 
@@ -87,9 +87,9 @@ class ReplicaMemory(TorchDispatchMode):
             self._track(key, st)
         if self.budget is not None and self.live > self.budget:
             raise torch.OutOfMemoryError(
-                f"virtual device {self.name} is out of its {_fmt(self.budget)} budget: "
-                f"{_fmt(self.live)} live after {func} ({_fmt(self.resident)} resident + "
-                f"{_fmt(self.created)} allocated by this replica's forward)"
+                f"virtual device {self.name} is out of its {format_bytes(self.budget)} budget: "
+                f"{format_bytes(self.live)} live after {func} ({format_bytes(self.resident)} "
+                f"resident + {format_bytes(self.created)} allocated by this replica's forward)"
             )
         return out
 
@@ -109,12 +109,6 @@ class ReplicaMemory(TorchDispatchMode):
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _fmt(n: int) -> str:
-    from ._report import format_bytes
-
-    return format_bytes(n)
 
 
 Resident = Callable[[int], int] | Sequence[int] | None

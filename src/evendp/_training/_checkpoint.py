@@ -1,16 +1,11 @@
 """Checkpoints that survive crashes: atomic writes, the previous good one kept, strict loads.
 
-A save writes a temporary file in the target's folder, fsyncs it, moves the current checkpoint
-to ``<name>.prev<suffix>`` and renames the temporary file into place (``os.replace`` is atomic
-on POSIX and Windows), so at every instant a complete checkpoint exists on disk. A load reads
-and checks everything (format, keys, shapes) before it touches the model or optimizer, so a
-corrupt or mismatched file is a clear :class:`CheckpointError` and changes nothing.
-
-Each file carries what proves it whole: ``sha256``, a digest of its contents
-(:mod:`evendp._core._digest`), checked on every load, so garbled tensor data is caught although
-``torch.load`` reads it. A checkpoint is never written from non-finite parameters or optimizer
-state (:class:`TrainingError`), and a write that fails (disk full, read-only folder) leaves the
-files already there intact, removes its temporary file and says so in one line.
+A save goes through a temporary file and a rename (:func:`~evendp._core._files.replace_file`),
+the current checkpoint first moved to ``<name>.prev<suffix>``: a complete checkpoint exists at
+every instant. A load checks everything (format, fields, keys, shapes, and ``sha256``, the
+digest of the contents that catches garbled tensor data ``torch.load`` reads without complaint)
+before it touches the model or optimizer: a bad file is a :class:`CheckpointError` and changes
+nothing.
 """
 
 from __future__ import annotations
@@ -57,12 +52,10 @@ __all__ = [
     "read_state_file",
     "read_whole",
     "resumable_checkpoint",
-    "rng_state",
     "RngState",
     "save_checkpoint",
     "save_rank_file",
     "save_sharded_checkpoint",
-    "set_rng_state",
     "STATE_FIELDS",
     "write_whole",
 ]
@@ -102,6 +95,10 @@ def fix_for(path: Path) -> str:
         f"resume from the previous good checkpoint {str(previous_path(path))!r} if it exists, "
         "or delete the file to start fresh"
     )
+
+
+def _refused(what: str, path: Path, why: Any) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{what} {str(path)!r} is refused: {why}; {fix_for(path)}")
 
 
 def previous_path(path: str | Path) -> Path:
@@ -161,36 +158,9 @@ def first_good(candidates: list[Path], read: Callable[[Path], T]) -> tuple[Path,
     raise CorruptCheckpoint("no checkpoint to resume from")  # no candidates: callers check
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")  # only when the program uses numpy; never import it here
-    if np is not None:
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        # Plain lists so the file loads with weights_only=True (no numpy arrays pickled).
-        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    kind, internal, gauss = state["python"]
-    random.setstate((kind, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        _set_cuda_rng_states(list(state["cuda"]))
-    np = sys.modules.get("numpy")
-    if "numpy" in state and np is not None:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
 def _set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
-    """Restore one CUDA generator per visible device, for as many as were saved and are here.
-
-    A run resumed on fewer GPUs than it saved from would fail in ``set_rng_state_all``
-    ("invalid device ordinal"); on more, the extra devices keep their seeded generators.
-    """
+    """One CUDA generator per device saved and visible (``set_rng_state_all`` fails on fewer
+    GPUs than saved; on more, the extra devices keep their seeded generators)."""
     visible = torch.cuda.device_count()
     restored = min(len(saved), visible)
     for index in range(restored):
@@ -222,10 +192,26 @@ class RngState:
         self.reseed = reseed
 
     def state_dict(self) -> dict[str, Any]:
-        return rng_state()
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        np = sys.modules.get("numpy")  # only when the program uses numpy; never import it here
+        if np is not None:
+            kind, keys, pos, has_gauss, gauss = np.random.get_state()
+            # Plain lists so the file loads with weights_only=True (no numpy arrays pickled).
+            state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_rng_state(state_dict)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
+        kind, internal, gauss = state_dict["python"]
+        random.setstate((kind, tuple(internal), gauss))
+        if "cuda" in state_dict and torch.cuda.is_available():
+            _set_cuda_rng_states(list(state_dict["cuda"]))
+        np = sys.modules.get("numpy")
+        if "numpy" in state_dict and np is not None:
+            kind, keys, pos, has_gauss, gauss = state_dict["numpy"]
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
     def without_saved(self, why: str, rank: int) -> None:
         """No generators saved for this rank (``why``): warn, and reseed with ``reseed``."""
@@ -241,28 +227,18 @@ class RngState:
             random.seed(seed)
 
 
-def _validate_checkpoint_args(
-    path: Any,
-    model: Any,
-    optimizer: Any,
-    scaler: Any,
-    scheduler: Any,
-    *,
-    step: Any = 0,
-    extra: Any = None,
-    restore_rng: Any = True,
-) -> None:
-    """The arguments of ``save_checkpoint`` / ``load_checkpoint`` before any file is touched."""
+def _present_parts(path: Any, parts: Mapping[str, Any]) -> dict[str, Any]:
+    """``save_checkpoint``'s / ``load_checkpoint``'s path and parts checked before any file is
+    touched; the parts given."""
     validate_path("path", path)
-    validate_instance("model", model, nn.Module, "an nn.Module")
-    for name, value in (("optimizer", optimizer), ("scaler", scaler), ("scheduler", scheduler)):
+    validate_instance("model", parts["model"], nn.Module, "an nn.Module")
+    for name in ("optimizer", "scaler", "scheduler"):
+        value = parts[name]
         if value is not None and not callable(getattr(value, "state_dict", None)):
             raise EvendpError(
                 f"{name} must have state_dict() and load_state_dict() (or be None), got {value!r}"
             )
-    validate_int("step", step, minimum=0, example="step=100")
-    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
-    validate_bool("restore_rng", restore_rng)
+    return {name: part for name, part in parts.items() if part is not None}
 
 
 def save_checkpoint(
@@ -275,25 +251,22 @@ def save_checkpoint(
     step: int = 0,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically; the one it replaces becomes :func:`previous_path`.
-    :class:`TrainingError`, and nothing written, when the model or optimizer state holds
-    NaN or inf, or when the disk refuses the write.
+    """Write the parts' states, this process's generators, ``step`` and ``extra`` (plain data)
+    atomically to ``path``, the file there becoming :func:`previous_path`. Nothing is written
+    (:class:`TrainingError`) when the model or optimizer state holds NaN or inf, or when the
+    disk refuses the write.
 
-    Saves the model, optimizer, scaler and scheduler states, the RNG states (torch, CUDA when
-    used, Python ``random``, numpy when imported), ``step`` and ``extra`` (e.g. the sampler
-    position). Returns ``path``. If writing fails, the files already there are untouched.
-
-    >>> import tempfile, torch
-    >>> d = tempfile.mkdtemp()
+    >>> d = getfixture("tmp_path")
     >>> model = torch.nn.Linear(2, 1)
     >>> save_checkpoint(f"{d}/ckpt.pt", model=model, step=3).name
     'ckpt.pt'
     >>> load_checkpoint(f"{d}/ckpt.pt", model=model)["step"]
     3
     """
-    _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, step=step, extra=extra)
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
-    present = {name: part for name, part in parts.items() if part is not None}
+    present = _present_parts(path, parts)
+    validate_int("step", step, minimum=0, example="step=100")
+    validate_instance("extra", extra, Mapping, "a dict of extra entries", allow_none=True)
     return write_whole(path, present, step=step, extra=extra or {}, keep_previous=True)
 
 
@@ -316,7 +289,7 @@ def write_whole(
     make_private_dir(target.parent)
     states = {name: parts[name].state_dict() if name in parts else None for name in FIELDS}
     states["model"] = states["model"] or {}
-    states["rng"] = states["rng"] or rng_state()
+    states["rng"] = states["rng"] or RngState().state_dict()
     _refuse_non_finite(target, step, states["model"], states["optimizer"])
     payload = _signed(step, states, extra)
     return _atomic_save(payload, target, previous=previous_path(target) if keep_previous else None)
@@ -381,10 +354,8 @@ def disk_error(
 
 
 def _atomic_save(payload: Mapping[str, Any], target: Path, previous: Path | None) -> Path:
-    """Write ``payload`` to ``target`` through a temporary file and a rename, durably
-    (:func:`~evendp._core._files.replace_file`); the file already at ``target`` is first moved
-    to ``previous`` (unless ``None``). A write the OS refuses is one line (:func:`disk_error`).
-    """
+    """``payload`` written durably at ``target``, the file there first moved to ``previous``
+    (unless ``None``); a write the OS refuses is one line (:func:`disk_error`)."""
     try:
         replace_file(
             target, lambda f: torch.save(dict(payload), f), previous=previous, durable=True
@@ -411,10 +382,8 @@ def rank_rng_path(path: str | Path, rank: int) -> Path:
 def save_rank_file(
     target: Path, step: int, states: Mapping[str, Any], previous: Path | None
 ) -> Path:
-    """One rank's per-rank parts for ``step``, each under its name (``rng``, where every
-    evendp kept a rank's generators, is one), written atomically with no collective (a fault
-    on one rank cannot hang the others); the file at ``target`` is first moved to
-    ``previous`` (unless ``None``)."""
+    """One rank's per-rank parts for ``step`` by name (``rng`` among them), written as
+    :func:`_atomic_save` does, with no collective (a fault on one rank cannot hang the others)."""
     make_private_dir(target.parent)
     payload: dict[str, Any] = {"format": f"{_FORMAT}-rng", "step": int(step), **states}
     payload["sha256"] = content_digest(payload)
@@ -500,17 +469,12 @@ def _load_tagged(
     meta: bool = False,
     rng: bool = False,
 ) -> dict[str, Any]:
-    """Every evendp file's ``torch.load`` (weights only): a dict whose ``format`` is ``marker``,
-    its fields sane (``rng``: generators among them) and its digest checked.
-
-    The file is a regular one of at most ``cap`` bytes, opened without blocking
-    (:func:`~evendp._core._files.open_regular`); its tensors unpack to at most ``limit``
-    bytes; ``meta``: no tensor data is read (tensors on the meta device, the digest
-    unchecked). A file the OS will not open (permissions) is a :class:`CheckpointError`: the
-    previous checkpoint would be refused the same way. A truncated, garbled, foreign or
-    oversized one, or one that is not a regular file, is a :class:`CorruptCheckpoint`, from
-    which a resume falls back; both messages end with ``fix``.
-    """
+    """Every evendp file's ``torch.load`` (weights only): a regular file of at most ``cap``
+    bytes whose tensors unpack to at most ``limit``, a dict whose ``format`` is ``marker``, its
+    fields sane (``rng``: generators among them), its digest checked (``meta``: no tensor data
+    read, no digest). Unreadable for the OS: a :class:`CheckpointError` (the previous file
+    would be refused alike); anything else wrong: a :class:`CorruptCheckpoint` (a resume falls
+    back). Both messages end with ``fix``."""
     try:
         with open_regular(path, cap, mine=True) as source:
             check_archive(source, limit)  # before torch.load: no zip bomb, no legacy format
@@ -600,7 +564,7 @@ def _check_fields(payload: Mapping[str, Any]) -> None:
 
 
 def _check_rng(rng: Any) -> None:
-    """The generator states, of the kinds ``set_rng_state`` hands to torch and ``random``."""
+    """The generator states, of the kinds :class:`RngState` hands to torch and ``random``."""
     if not isinstance(rng, dict):
         raise Refused(f"rng: must be a dict, got {shown(rng)}")
     ours = torch.get_rng_state()
@@ -684,10 +648,8 @@ def _validate_optimizer_state(
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
     ):
-        raise CorruptCheckpoint(
-            f"checkpoint {str(path)!r} is refused: field optimizer.param_groups is not a list "
-            f"of parameter groups; {fix_for(path)}"
-        )
+        why = "field optimizer.param_groups is not a list of parameter groups"
+        raise _refused("checkpoint", path, why)
     ours = [len(g["params"]) for g in optimizer.param_groups]
     theirs = [len(g["params"]) for g in groups]
     if ours != theirs:
@@ -738,10 +700,10 @@ def load_checkpoint(
     :class:`CheckpointError` naming the file and the fix, and leaves the model, the optimizer and
     the file untouched. (See :func:`save_checkpoint` for an example.)
     """
-    _validate_checkpoint_args(path, model, optimizer, scaler, scheduler, restore_rng=restore_rng)
-    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler,
-             "rng": RngState() if restore_rng else None}  # fmt: skip
-    present = {name: part for name, part in parts.items() if part is not None}
+    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+    present = _present_parts(path, parts)
+    if validate_bool("restore_rng", restore_rng):
+        present["rng"] = RngState()
     return read_whole(path, present)
 
 
@@ -775,9 +737,7 @@ def read_whole(
             elif saved is not None and name != "rng":  # a scaler's or scheduler's, of our kind
                 check_kind(name, part.state_dict(), saved)
         except Refused as exc:
-            raise CorruptCheckpoint(
-                f"checkpoint {str(p)!r} is refused: field {exc}; {fix_for(p)}"
-            ) from None
+            raise _refused("checkpoint", p, f"field {exc}") from None
     for name, part in fields.items():
         if payload.get(name) is None:  # a scaler or scheduler the writer had none of
             continue
@@ -814,10 +774,6 @@ def load_optimizer_state(optimizer: Any, state: Mapping[str, Any]) -> None:
 _STATE_FILE = "state.pt"  # inside a DCP folder: step, extra, scaler/scheduler (rank 0's)
 
 
-def _rng_file(folder: Path, rank: int) -> Path:
-    return folder / f"rng{rank}.pt"
-
-
 #: The parts a sharded checkpoint keeps in ``state.pt`` (``model`` and ``optimizer`` are
 #: DCP's shards).
 STATE_FIELDS = ("scaler", "scheduler")
@@ -832,14 +788,10 @@ def save_sharded_checkpoint(
     extra: Mapping[str, Any],
     keep_previous: bool,
 ) -> Path:
-    """Save an FSDP2 ``parts["model"]`` and ``parts["optimizer"]`` with
-    ``torch.distributed.checkpoint``, sharded; no rank gathers the full model. A collective.
-
-    The ranks write their shards, their per-rank states ``own`` (``rng{rank}.pt``) and rank 0
-    the run's position and :data:`STATE_FIELDS` (``state.pt``) into a temporary folder beside
-    ``path``; once all have written, rank 0 moves the current folder to :func:`previous_path`
-    and renames the new one into place, so a complete checkpoint exists at every instant.
-    """
+    """An FSDP2 model and optimizer saved sharded by ``torch.distributed.checkpoint`` (no rank
+    gathers the full model), each rank's ``own`` states (``rng{rank}.pt``) and rank 0's
+    ``state.pt``, into a temporary folder that rank 0 renames into place once all have written,
+    the current one becoming :func:`previous_path`. A collective."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -865,16 +817,14 @@ def save_sharded_checkpoint(
     def shards() -> None:
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-        except OSError as exc:
-            raise disk_error(target, exc, "write") from None
-        except (Exception, CheckpointException) as exc:  # DCP wraps the ranks' OSErrors
+        except (Exception, CheckpointException) as exc:  # an OSError, or DCP's wrap of them
             errors = _dcp_errors(exc)
             cause = next((e for e in errors if isinstance(e, OSError)), None)
             if cause is None:
                 cause = OSError(0, _first_sentence(str(errors[0])))
             raise disk_error(target, cause, "write") from None
         _private(tmp)  # this rank's shards (and, on rank 0, .metadata) before the rename
-        save_rank_file(_rng_file(tmp, rank), step, own, previous=None)
+        save_rank_file(tmp / f"rng{rank}.pt", step, own, previous=None)
         if rank == 0:
             states = {n: parts[n].state_dict() if n in parts else None for n in STATE_FIELDS}
             state = _signed(step, states, extra, world_size=dist.get_world_size())
@@ -913,14 +863,10 @@ def load_sharded_checkpoint(
     rng: bool,
     verify: Callable[[Path, dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Restore a folder written by :func:`save_sharded_checkpoint` into ``parts``, on any
-    world size (DCP reshards the saved model and optimizer onto this run's ranks). A collective.
-
-    ``verify(path, extra)`` may refuse the saved configuration before anything loads. Returns
-    ``{"step", "extra", "world_size", "own"}``: ``own`` is this rank's file (its per-rank
-    states by name; ``rng``: it must hold generators), ``None`` when the run was saved by
-    fewer ranks.
-    """
+    """:func:`save_sharded_checkpoint`'s folder restored into ``parts`` on any world size (DCP
+    reshards), after ``verify(path, extra)``. A collective. Returns ``{"step", "extra",
+    "world_size", "own"}``: ``own``, this rank's states by name (``rng``: generators among
+    them), is ``None`` when the run was saved by fewer ranks."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -944,14 +890,14 @@ def load_sharded_checkpoint(
                 planner=planner(),
             )
         except (Exception, CheckpointException) as exc:  # a missing or truncated shard
-            refused = next((e for e in _dcp_errors(exc) if isinstance(e, Refused)), None)
+            errors = _dcp_errors(exc)
+            refused = next((e for e in errors if isinstance(e, Refused)), None)
             if refused is not None:
-                raise CorruptCheckpoint(
-                    f"sharded checkpoint {str(folder)!r} is refused: {refused}; {fix_for(folder)}"
-                ) from None
+                raise _refused("sharded checkpoint", folder, refused) from None
+            root = errors[-1]  # the innermost cause: what DCP's summary wraps
             raise CorruptCheckpoint(
                 f"sharded checkpoint {str(folder)!r} is incomplete or corrupt "
-                f"({type(exc).__name__}: {_first_sentence(_root_cause(exc))}); {fix_for(folder)}"
+                f"({type(root).__name__}: {_first_sentence(str(root))}); {fix_for(folder)}"
             ) from None
 
     agreed(shards, distributed=True)
@@ -959,7 +905,7 @@ def load_sharded_checkpoint(
     for name in STATE_FIELDS:
         if name in parts and meta.get(name) is not None:
             parts[name].load_state_dict(meta[name])
-    own = _rng_file(folder, dist.get_rank())
+    own = folder / f"rng{dist.get_rank()}.pt"
     mine = agreed(lambda: _read_rank(own, rng=rng) if own.exists() else None, distributed=True)
     return {
         "step": int(meta["step"]),
@@ -983,26 +929,12 @@ def _dcp_errors(exc: BaseException) -> list[BaseException]:
     return found
 
 
-def _root_cause(exc: BaseException) -> str:
-    """DCP reports a rank's failure as a long summary: the first line of the innermost error."""
-    text = str(exc)
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith(("FileNotFoundError", "RuntimeError", "OSError", "EOFError")):
-            return line
-        if "No such file" in line or "truncated" in line or "unexpected" in line:
-            return line
-    return text
-
-
 def _check_shard_shapes(folder: Path, model_state: Mapping[str, Any]) -> None:
     """The saved tensors' global shapes against the model's: a changed model is bad input."""
     try:  # DCP's own reader unpickles whatever .metadata holds: this one admits only DCP's
         saved = read_dcp_metadata(folder / ".metadata").state_dict_metadata
     except Refused as exc:
-        raise CorruptCheckpoint(
-            f"sharded checkpoint {str(folder)!r} is refused: {exc}; {fix_for(folder)}"
-        ) from None
+        raise _refused("sharded checkpoint", folder, exc) from None
     except OSError as exc:  # no .metadata
         raise CorruptCheckpoint(
             f"sharded checkpoint {str(folder)!r} has no readable .metadata "

@@ -1,21 +1,13 @@
-"""One checkpointer for the run's state: named ``Stateful`` parts, in a format the strategy picks.
-
-The Trainer names the run's parts in one dict, in the style of torchtitan's ``states={...}``
-(``model``, ``optimizer``, ``scheduler``, ``scaler``, ``train``, ``rng``, ``guard``,
-``balancer``; a ``None`` part is absent). :class:`Checkpointer` loops over them whatever they
-are: each is saved once for all ranks, unless it is a
-:class:`~evendp._training._stateful.PerRank`, which every rank saves into its own file. Where
-each goes on disk is the strategy's :class:`CheckpointFormat`: :class:`WholeFile`
-(``ckpt.pt`` by rank 0 beside each rank's ``ckpt.rng{rank}.pt``) or :class:`DcpShards`
-(a ``torch.distributed.checkpoint`` folder ``ckpt.dcp``, resumable on any number of ranks).
+"""One checkpointer for the run's named ``Stateful`` parts (torchtitan's ``states={...}``), in
+the strategy's :class:`CheckpointFormat`: each part saved once for all ranks, a
+:class:`~evendp._training._stateful.PerRank` one by every rank into its own file.
 
 A part named by a format's field (``ckpt.pt``: :data:`~._checkpoint.FIELDS`; ``ckpt.dcp``: its
 shards and :data:`~._checkpoint.STATE_FIELDS`) is checked against this run's object before
-anything loads. Every other shared part is plain data in the checkpoint's ``extra``: ``train``
-and ``guard`` keep their keys at its top level, where every evendp has kept them, any other
-under its name (``extra["balancer"]``); a part an older checkpoint lacks keeps its fresh state.
-A part that refuses its saved state (``ValueError``, ``TypeError``, ``KeyError``) makes the
-checkpoint corrupt: the resume falls back to the previous one, as for a garbled file.
+anything loads. Every other shared part is plain data in the checkpoint's ``extra`` (``train``
+and ``guard`` flat, where every evendp has kept them); a part an older checkpoint lacks keeps
+its fresh state. A part that refuses its saved state (``ValueError``, ``TypeError``,
+``KeyError``) makes the checkpoint corrupt: the resume falls back, as for a garbled file.
 """
 
 from __future__ import annotations
@@ -182,9 +174,9 @@ class CheckpointFormat(abc.ABC):
 class WholeFile(CheckpointFormat):
     """``ckpt.pt``, written by rank 0 alone, beside each rank's ``ckpt.rng{rank}.pt``.
 
-    >>> import tempfile, torch
+    >>> import torch
     >>> from evendp._training._recorder import TrainState
-    >>> path = Path(tempfile.mkdtemp()) / WholeFile.name
+    >>> path = getfixture("tmp_path") / WholeFile.name
     >>> net, state = torch.nn.Linear(1, 1), TrainState(devices=1, step=2)
     >>> parts = {"model": net, "train": state}
     >>> WholeFile().save(path, parts, rank=0, extra={}, keep_previous=True).name
@@ -294,9 +286,9 @@ class Checkpointer:
     checkpoint and the run's configuration check (``run_config``: what a resume must match,
     ``{"global_batch": int, "mode": str}``, also saved in ``extra``) live here.
 
-    >>> import tempfile, torch
+    >>> import torch
     >>> from evendp._training._recorder import TrainState
-    >>> path = Path(tempfile.mkdtemp()) / "ckpt.pt"
+    >>> path = getfixture("tmp_path") / "ckpt.pt"
     >>> net, state = torch.nn.Linear(1, 1), TrainState(devices=1, step=3)
     >>> _ = Checkpointer(WholeFile()).save(path, {"model": net, "train": state})
     >>> again = TrainState(devices=1)

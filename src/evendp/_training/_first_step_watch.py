@@ -1,11 +1,7 @@
-"""The first real step against the plan, checked from outside the step.
-
-When this process planned its CUDA devices on live memory
-(:func:`evendp._planning._on_device.planned_for`), the Trainer registers a
-:class:`FirstStepWatch`: after the first optimizer step, a device whose reserved peak
-(:mod:`._peak_memory`) is over its plan has its micro-batch cap lowered
-(:class:`~evendp._planning._on_device.FirstStepCheck`, the same per-device cap an OOM re-split
-lowers) before it runs out, said in one line. The shares and the gradient are unchanged.
+"""The first real step against the plan, checked from outside the step: after it, a device
+whose reserved peak (:mod:`._peak_memory`) is over its plan has its micro-batch cap lowered
+(:class:`~evendp._planning._on_device.FirstStepCheck`, the cap an OOM re-split lowers) before it
+runs out, said in one line. The shares and the gradient are unchanged.
 """
 
 from __future__ import annotations

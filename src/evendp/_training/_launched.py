@@ -25,20 +25,6 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 _failed = False  # an exception escaped the script: no barrier at exit
 
 
-def _launched_world() -> int | None:
-    """The ranks a launcher started this process among (``WORLD_SIZE``); ``None``: no
-    launcher (some of :data:`_LAUNCH_VARS` missing)."""
-    if not all(os.environ.get(name, "").strip() for name in _LAUNCH_VARS):
-        return None
-    try:
-        return int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        raise EvendpError(
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an int; it is torchrun's (the number "
-            "of ranks): start the script with evendp launch or torchrun, not with these set by hand"
-        ) from None
-
-
 def join_launch(strategy: str) -> None:
     """Start the default process group when a launcher started this process and none is up,
     so that the Trainer runs ``strategy`` across the launched ranks. A one-process strategy
@@ -51,8 +37,16 @@ def join_launch(strategy: str) -> None:
     from .._distributed._group import init_distributed
     from ._strategies import STRATEGIES, rank_strategy_names
 
-    world = _launched_world()
-    if world is None or not dist.is_available() or dist.is_initialized():
+    if not all(os.environ.get(name, "").strip() for name in _LAUNCH_VARS):
+        return  # no launcher started this process
+    try:
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise EvendpError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an int; it is torchrun's (the number "
+            "of ranks): start the script with evendp launch or torchrun, not with these set by hand"
+        ) from None
+    if not dist.is_available() or dist.is_initialized():
         return
     if not STRATEGIES[strategy].ranks:
         if world == 1:

@@ -82,8 +82,7 @@ class CSVLogger(MetricLogger):
     A file already there (a resumed run's) keeps its rows before the first step written now;
     its rows from that step on (steps the resume trains again) are replaced.
 
-    >>> import tempfile, pathlib
-    >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.csv"
+    >>> path = getfixture("tmp_path") / "metrics.csv"
     >>> log = CSVLogger(path)
     >>> log.log_metrics({"loss": 2.5}, step=1)
     >>> log.log_metrics({"loss": 2.0, "val/loss": 2.2}, step=2)
@@ -153,8 +152,7 @@ class CSVLogger(MetricLogger):
 class TensorBoardLogger(MetricLogger):
     """Scalars to a TensorBoard event file in ``log_dir`` (``torch.utils.tensorboard``).
 
-    >>> import tempfile
-    >>> log = TensorBoardLogger(tempfile.mkdtemp())
+    >>> log = TensorBoardLogger(getfixture("tmp_path"))
     >>> log.log_metrics({"train/loss": 2.5}, step=1)
     >>> log.close()
     >>> len(list(log.log_dir.glob("events.out.tfevents.*")))

@@ -1,11 +1,6 @@
-"""Rehearse a run on CPU virtual devices that enforce stated memory budgets.
-
-What ``evendp train`` with no arguments shows on the built-in GPT, for any model: the planner
-splits the batch to fit the budgets, an even split (what ``nn.DataParallel`` runs) is tried
-once on the first batch and runs out where it does not fit, and training runs the planned
-split with every replica's forward held to its budget (:mod:`evendp._training._budget`: what
-is counted, and what is not). The report carries each device's budget, its measured forward
-peak, the planner's peaks and the even split's outcome, as the demo's does.
+"""Rehearse a run on CPU virtual devices that enforce stated memory budgets
+(:mod:`evendp._training._budget`): what ``evendp train`` with no arguments shows on the
+built-in GPT, for any model (:func:`rehearse`).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from .._planning._memory import parse_memory
 from ._budget import MemoryBudgets, tensor_bytes
 from ._report import TrainReport, format_bytes, write_report
 
-__all__ = ["EvenShare", "attach_budgets", "plan_for", "probe_even_split", "rehearse"]
+__all__ = ["attach_budgets", "probe_even_split", "rehearse"]
 
 #: Per device, an even split's ``(share, measured forward peak, ran out of its budget)``.
 EvenShare = tuple[int, int | None, bool]

@@ -1,13 +1,10 @@
 """Checkpoint files read back as data, never code, and never bigger than they look.
 
 Every file evendp reads back may have been replaced by someone else (a copied checkpoint, a
-shared folder), so each is read distrusting it first. ``torch.save`` archives (evendp's files
-and each item of a DCP ``.distcp`` file) must hold stored, not compressed, entries that unpack
-to no more than the archive holds, and be zips (the legacy format allocates the sizes it reads);
-DCP's ``.metadata`` pickle may name only DCP's metadata classes, and the item files only plain
-names in its folder; DCP's byte items load with ``weights_only=True`` and must be of the kind
-of the value they replace. :class:`Refused` carries ``"FIELD: why"``, which
-:mod:`evendp._training._checkpoint` turns into one line naming the file.
+shared folder), so each is read distrusting it first: ``torch.save`` zips
+(:func:`check_archive`; the legacy format allocates the sizes it reads), DCP's ``.metadata``
+pickle (:func:`read_dcp_metadata`) and its items (:func:`safe_dcp`). :class:`Refused` carries
+``"FIELD: why"``, which :mod:`evendp._training._checkpoint` turns into one line naming the file.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The run's state as named parts that each save and restore themselves (``Stateful``, the
-shape of ``torch.distributed.checkpoint.stateful.Stateful``), and adapters for the parts with
-no such methods of their own: the OOM re-split's caps (:class:`OomCaps`), this rank's place in
-the data (:class:`SamplerPosition`) and the generators (:class:`RngState`, kept with the
-checkpoint files). The Trainer names its parts in one dict, in the style of torchtitan's
-``states={...}``; :mod:`evendp._training._checkpointer` saves and resumes them.
-
-A part is the run's, one state for all ranks (rank 0 saves it), unless wrapped in
-:class:`PerRank`: then every rank saves and restores its own. ``load_state_dict`` may return
-a one-line note of what it could not restore (a split saved for another number of ranks):
-the resume prints it.
+"""The run's state as named parts that save and restore themselves (``Stateful``, the shape of
+``torch.distributed.checkpoint.stateful.Stateful``), adapters for the parts with no such
+methods (:class:`OomCaps`, :class:`SamplerPosition`; :class:`RngState` is the checkpoint
+files'), and :class:`PerRank`. ``load_state_dict`` may return a one-line note of what it could
+not restore (a split saved for another number of ranks): the resume prints it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .._core._shown import shown
+from .._core._validate import shown
 
 __all__ = [
     "TRACEBACK_ENV",

@@ -14,8 +14,7 @@ from torch import nn
 from ..._core._calls import as_args
 from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
-from ..._parallel._dp import BalancedDataParallel
-from ..._parallel._dp_checks import validate_devices
+from ..._parallel._dp import BalancedDataParallel, validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
 from .._evaluate import EvalFn, evaluate_devices
 from .._step import StepWeight
