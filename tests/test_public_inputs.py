@@ -6,7 +6,7 @@ of the wrong shape). The answer must be an :class:`evendp.EvendpError` or a docu
 never another exception type, a NaN or a hang (each example runs under an alarm).
 
 Not fed: the records evendp builds and returns (``Plan``, ``DevicePlan``, ``TrainReport``,
-``DeviceInfo``, ``Predictions``, ``Scattered``), the error classes, and test seams (``nvml=``).
+``DeviceInfo``, ``Predictions``, ``Scattered``, ``StepLayout``), the error classes, and test seams (``nvml=``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,15 @@ JUNK: list[Any] = [
     torch.tensor([1.0, 2.0]),
 ]
 
-NOT_FED = {"Plan", "DevicePlan", "TrainReport", "DeviceInfo", "Predictions", "Scattered"}
+NOT_FED = {
+    "Plan",
+    "DevicePlan",
+    "TrainReport",
+    "DeviceInfo",
+    "Predictions",
+    "Scattered",
+    "StepLayout",
+}
 
 
 class _Pairs(torch.utils.data.Dataset):
@@ -174,6 +182,19 @@ def _cases() -> dict[str, Callable[[], Case]]:
         "init_distributed": lambda: (evendp.init_distributed, ["mpi"], {}),
         "finish_distributed": lambda: (evendp.finish_distributed, [], {}),
         "parse_batch_sizes": lambda: (evendp.parse_batch_sizes, ["3,5", 2], {}),
+        "settle_group": lambda: (evendp.settle_group, [], {"collect": True}),
+        "layout_step": lambda: (
+            evendp.layout_step,
+            [[0, 1, 2, 3, 4], [2, 3]],
+            {"costs": None, "padded": True, "max_costs": None},
+        ),
+        "config_micro_batch": lambda: (evendp.config_micro_batch, [[2, 3]], {}),
+        "label_shift": lambda: (evendp.label_shift, [_Regress()], {}),
+        "planned_rank_sizes": lambda: (
+            evendp.planned_rank_sizes,
+            [_Regress, lambda: (torch.randn(1, 2), torch.randn(1, 2)), 6],
+            {"memory": "64MiB"},
+        ),
         "DeviceMemory": lambda: (evendp.DeviceMemory, ["a", 100, 200], {}),
         "live_memory": lambda: (evendp.live_memory, [[0]], {"nvml": _nvml(pci_order=True)}),
         "parse_memory": lambda: (evendp.parse_memory, ["2x24GiB"], {}),

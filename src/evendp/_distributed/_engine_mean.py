@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .._core._errors import EvendpError
 from .._core._exact import averaged_scale, is_stand_in, share_loss
-from .._core._validate import validate_callable
+from .._core._validate import validate_callable, validate_numbers
 from ._group import global_count, world_size
 from ._step_mean import count_rows, validate_group
 
@@ -130,4 +130,5 @@ def config_micro_batch(batch_sizes: Sequence[int]) -> int:
     >>> config_micro_batch([1, 3]), config_micro_batch([0, 5])
     (2, 3)
     """
+    validate_numbers("batch_sizes", batch_sizes, integral=True, example="batch_sizes=[1, 3]")
     return max(1, math.ceil(sum(batch_sizes) / max(1, len(batch_sizes))))

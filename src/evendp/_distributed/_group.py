@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .._core._errors import EvendpError
 from .._core._exact import mean_scale, step_count
-from .._core._validate import validate_count, validate_device, validate_float
+from .._core._validate import validate_bool, validate_count, validate_device, validate_float
 
 __all__ = [
     "BUCKET_BYTES",
@@ -328,7 +328,11 @@ def settle_group(*, collect: bool = True) -> None:
     >>> dist.is_initialized()
     True
     >>> finish_distributed()
+    >>> settle_group()  # no group: nothing to settle
     """
+    validate_bool("collect", collect)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
     _unbind_early_defaults()
     # DDP wrappers no longer referenced but kept by reference cycles hold the group: free
     # them now, while it is alive, not in a late teardown where gloo's threads abort.

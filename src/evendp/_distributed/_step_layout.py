@@ -26,10 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core._cost import budget_step_length, sample_costs, split_by_cost, validate_caps
+from .._core._cost import (
+    budget_step_length,
+    sample_costs,
+    split_by_cost,
+    validate_caps,
+    validate_costs,
+)
 from .._core._errors import EvendpError
 from .._core._split import split_sizes
-from .._core._validate import is_int, shown, validate_bool, validate_int
+from .._core._validate import is_int, shown, validate_bool, validate_int, validate_numbers
 from ._batch_plan import validate_batch_plan
 
 __all__ = [
@@ -146,6 +152,18 @@ def layout_step(
     >>> layout_step([0, 1, 2, 3], [2, 2], costs=[9, 1, 1, 9]).rank_indices(0)
     [1, 2]
     """
+    _validate_layout_inputs(step, sizes, costs, padded, max_costs)
+    return _layout(step, sizes, costs, padded, max_costs)
+
+
+def _layout(
+    step: Sequence[int],
+    sizes: Sequence[int],
+    costs: Sequence[float] | None,
+    padded: bool,
+    max_costs: Sequence[float] | None,
+) -> StepLayout:
+    """:func:`layout_step` on values evendp checked already (the sampler's, every step)."""
     if costs is not None:
         shares = split_by_cost(
             [costs[i] for i in step], list(sizes), padded=padded, max_costs=max_costs
@@ -333,9 +351,9 @@ class EpochSteps:
             self._cursor = None
             return None
         try:
-            layout = layout_step(
-                self._order[cursor : cursor + taken], sizes, costs=self.draw.costs,
-                padded=self.draw.padded, max_costs=self.draw.max_costs,
+            layout = _layout(
+                self._order[cursor : cursor + taken], sizes, self.draw.costs,
+                self.draw.padded, self.draw.max_costs,
             )  # fmt: skip
         except EvendpError as err:
             raise EvendpError(
@@ -417,6 +435,27 @@ def default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[in
             )
         rank = dist.get_rank()
     return rank, world_size
+
+
+def _validate_layout_inputs(
+    step: object, sizes: object, costs: object, padded: object, max_costs: object
+) -> None:
+    """:func:`layout_step`'s arguments, each refused in one line naming the fix."""
+    indices: list[int] = list(
+        validate_numbers("step", step, integral=True, example="step=[0, 1, 2] (sample indices)")
+    )
+    shares: list[int] = list(
+        validate_numbers("sizes", sizes, integral=True, example="sizes=[2, 3] (one per rank)")
+    )
+    if not shares or (indices and not sum(shares)):
+        raise EvendpError(f"sizes={shown(sizes)} takes no sample; give one size > 0 per rank")
+    validate_bool("padded", padded)
+    if costs is not None and indices and max(indices) >= len(validate_costs(costs)):
+        raise EvendpError(
+            f"costs has no entry for sample {max(indices)} of step; give one cost per sample "
+            "of the dataset"
+        )
+    validate_caps(max_costs, len(shares), "max_costs")  # type: ignore[arg-type]
 
 
 def validate_flags(shuffle: object, seed: object, drop_last: object, padded: object) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from .._core._errors import EvendpError, PlanError
 from .._core._units import format_bytes, parse_bytes
-from .._core._validate import shown
+from .._core._validate import shown, validate_callable, validate_int
 from .._distributed._batch_plan import BatchPlan, validate_batch_sizes_option
 from .._distributed._group import comm_device
 from ._memory import DeviceMemory, live_memory, parse_memory
@@ -457,6 +457,8 @@ def planned_rank_sizes(
             f"{where} plans the model's step on a training sample, but no model was given; "
             "pass model= (the module whose first output is the loss) or explicit sizes"
         )
+    validate_callable("example", example, "a function () -> one training sample as a batch")
+    validate_int("global_batch", global_batch, minimum=0, allow_none=True, example="32")
     initialized = dist.is_available() and dist.is_initialized()
     sizes, caps = auto_batch_sizes(
         model, example(), global_batch=global_batch, memory=memory, **plan_options
