@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BALANCES",
     "BATCH",
     "CHECKPOINT_EVERY",
     "COMM_TIMEOUT_S",
@@ -28,6 +29,8 @@ LR = 1e-3  # torch's AdamW default
 CHECKPOINT_EVERY = 50  # steps between checkpoints, where there is a folder to save in
 COMM_TIMEOUT_S = 600.0  # seconds a collective waits for the other ranks once training runs
 MIN_COMM_TIMEOUT_S = 5.0
+# The balance modes of TrainConfig.balance, UnevenTrainer and --balance; "none" is the default.
+BALANCES = ("none", "speed")
 
 
 class NotGiven(int):

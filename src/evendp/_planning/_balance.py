@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core._defaults import BALANCES
 from .._core._errors import EvendpError, PlanError
 from .._core._units import format_bytes, parse_bytes
 from .._core._validate import shown, validate_callable, validate_int
@@ -59,7 +60,6 @@ __all__ = [
 ]
 
 Balance = Literal["none", "speed"]
-BALANCES: tuple[str, ...] = ("none", "speed")
 
 # Declared memory of every rank ("24GiB,12GiB"), read by batch_sizes="auto" where no GPU says.
 ENV_MEMORY = "EVENDP_MEMORY"

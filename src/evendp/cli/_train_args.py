@@ -155,7 +155,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--balance",
-        choices=("none", "speed"),
+        choices=defaults.BALANCES,
         default="none",
         help=f"--mode {_rank_modes()}: 'speed' moves samples from slow ranks to fast ones at "
         "step boundaries, the same samples per step and the same gradient (default none)",
