@@ -6,7 +6,8 @@ of the wrong shape). The answer must be an :class:`evendp.EvendpError` or a docu
 never another exception type, a NaN or a hang (each example runs under an alarm).
 
 Not fed: the records evendp builds and returns (``Plan``, ``DevicePlan``, ``TrainReport``,
-``DeviceInfo``, ``Predictions``, ``Scattered``, ``StepLayout``), the error classes, and test seams (``nvml=``).
+``DeviceInfo``, ``Predictions``, ``Scattered``, ``StepLayout``), the error classes, and test
+seams (``nvml=``).
 """
 
 from __future__ import annotations
