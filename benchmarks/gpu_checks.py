@@ -252,8 +252,9 @@ def step_cuda_events(dry: bool) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    balancer._read_events()
-    timed = balancer._seconds
+    # What SpeedBalancer.step reads at an exchange: the host clock on CPU, CUDA events on a GPU.
+    events = balancer._events
+    timed = balancer._seconds + sum(b.elapsed_time(e) for b, e in events) / 1000
     ratio = timed / wall
     if not 0.5 <= ratio <= 1.05:
         raise Failed(f"timed {timed:.4f} s against {wall:.4f} s wall (ratio {ratio:.2f})")
