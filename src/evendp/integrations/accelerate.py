@@ -80,10 +80,7 @@ class _WeighingLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def __getattr__(self, name: str) -> Any:  # dataset, batch_sampler, device, ...
+    def __getattr__(self, name: str) -> Any:  # set_epoch, dataset, batch_sampler, device, ...
         if name == "loader":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
@@ -108,12 +105,6 @@ class UnevenAccelerator(Accelerator):
     # The batch an uneven loader yielded last: its weight (for backward), a stand-in?
     _evendp_weight: float | None = None
     _evendp_stand_in = False
-
-    def prepare_scheduler(self, scheduler: Any) -> Any:
-        """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""
-        prepared = super().prepare_scheduler(scheduler)
-        prepared.split_batches = True  # one scheduler step per call, not num_processes
-        return prepared
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward`` of the last yielded batch's mean loss, weighted exactly."""
@@ -143,10 +134,9 @@ class UnevenAccelerator(Accelerator):
         return gather_rows(self, input_data)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
-        """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call,
-        and a ``DummyScheduler``'s ``total_num_steps`` is the run's number of steps (Accelerate
-        divides it by ``num_processes``, for a loader it shards: the schedule would end
-        half-way on 2 ranks, in silence, issue 36)."""
+        """``Accelerator.prepare``; under DeepSpeed a ``DummyScheduler``'s ``total_num_steps``
+        is the run's number of steps (Accelerate divides it by ``num_processes``, for a loader
+        it shards: the schedule would end half-way on 2 ranks, in silence, issue 36)."""
         if self.distributed_type != DistributedType.DEEPSPEED:
             return super().prepare(*args, **kwargs)
         from accelerate.utils import DummyScheduler
@@ -162,8 +152,6 @@ class UnevenAccelerator(Accelerator):
         finally:
             for dummy, steps in zip(dummies, given, strict=True):
                 dummy.total_num_steps = steps
-        for scheduler in self._schedulers:
-            scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
         return prepared
 
     def end_training(self) -> None:

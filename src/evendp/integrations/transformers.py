@@ -8,6 +8,7 @@ one process's evaluation (:mod:`._hf_eval`); docs/integrations.md says what is r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -181,30 +182,21 @@ def _validate_eval_composition(cls: type) -> None:
             )
 
 
-def _validate_balance(balance: object) -> str:
-    """``None`` (no balance) or a mode of ``TrainConfig.balance``, checked by ``TrainConfig``
-    (the one list of modes and its message)."""
-    return evendp.TrainConfig(balance="none" if balance is None else balance).balance  # type: ignore[arg-type]
-
-
 class _StepBalancer(transformers.TrainerCallback):
     """Times each rank's optimizer step beside its forward passes, and at the end of every
     optimizer step, on every rank: maybe a new split (speed)."""
 
     def __init__(self, trainer: UnevenTrainer) -> None:
         self.trainer = trainer
-        self._block: Any = None
+        self._timed = contextlib.ExitStack()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The gradients were reduced in backward: the update is this rank's own compute (a
         # CPU-offloaded optimizer, an older card's memory bandwidth), so it counts.
-        self._block = self.trainer.balancer.measure(0)
-        self._block.__enter__()
+        self._timed.enter_context(self.trainer.balancer.measure(0))
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._block is not None:
-            self._block.__exit__(None, None, None)
-            self._block = None
+        self._timed.close()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.balancer.step()
@@ -259,7 +251,9 @@ class UnevenTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.balance = _validate_balance(balance)
+        # Checked by TrainConfig: the one list of balance modes and its message.
+        config = evendp.TrainConfig(balance="none" if balance is None else balance)  # type: ignore[arg-type]
+        self.balance = config.balance
         self.costs = costs
         self.balancer: evendp.SpeedBalancer | Unbalanced = Unbalanced()
         # Speed balance: forwards timed by hooks (the current balancer's, rebuilt with each
