@@ -10,11 +10,10 @@ optimizer-step hook is set, once the script imports ``torch.optim``. At the firs
 the port, read from the calling frames: evendp's own ``Trainer`` and ``UnevenTrainer`` read
 the sizes themselves (only sizes given beside the launcher's keep them from it);
 ``UnevenTrainer`` under an HF ``Trainer``, the Lightning, Accelerate or DeepSpeed adapters,
-else (a loop of its own) ``UnevenBatchSampler``. A script that parsed
-the sizes itself has read them when it built a sampler with them: the wrapper observes the
-samplers the script builds (:func:`observed`, a hook it installs on ``UnevenBatchSampler``
-once that is imported) and asks at the first step and at the end, so the sampler itself
-touches no file, no variable and no state of the launcher's. With
+else (a loop of its own) ``UnevenBatchSampler``. A script that parsed the sizes itself has
+read them when it built a sampler with them: the wrapper observes the samplers the script
+builds (a hook on ``UnevenBatchSampler`` once that is imported) and asks at the first step
+and at the end, so the sampler touches no file, no variable and no state of the launcher's. With
 ``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
 all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
 leaves at that step; the launcher exits 2. Optimizer steps evendp takes for itself (a plan's
@@ -33,20 +32,20 @@ import importlib.util
 import os
 import runpy
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType, ModuleType
 from typing import Any
 
 from ._launch_notes import note_sizes_read, note_sizes_told, sizes_read_here, write_outcome
 
-__all__ = ["ENV_STRICT", "MODULE", "evendp_steps", "observed", "port_for", "unported_line"]
+__all__ = ["ENV_STRICT", "MODULE", "evendp_steps", "port_for", "unported_line"]
 
 #: The worker's entry point, as torchrun's ``-m`` names it.
 MODULE = __name__
 #: Set to ``1`` by ``evendp launch --strict``: an unported script is an error at its first step.
 ENV_STRICT = "EVENDP_STRICT"
 #: The per-rank sizes of every ``UnevenBatchSampler`` this launched process built, noted by
-#: the hook the wrapper installs (:func:`observed`); in memory only, the launcher's alone.
+#: :func:`_observe_samplers`'s hook; in memory only, the launcher's alone.
 _SAMPLED: set[tuple[int, ...]] = set()
 #: How many :func:`evendp_steps` blocks are open: their optimizer steps are not the script's.
 _held = 0
@@ -136,22 +135,17 @@ def _calling_modules(frame: FrameType | None) -> list[str]:
     return names
 
 
-def observed(init: Callable[..., None]) -> Callable[..., None]:
-    """``UnevenBatchSampler.__init__`` that also notes the sizes the sampler was built with:
-    the hook the wrapper installs, so the sampler itself keeps no record for the launcher.
-    """
+def _observe_samplers(module: ModuleType) -> None:
+    """Have ``UnevenBatchSampler.__init__`` also note the sizes each sampler is built with:
+    the wrapper's hook, so the sampler itself keeps no record for the launcher."""
+    init = module.UnevenBatchSampler.__init__
 
     @functools.wraps(init)
     def init_and_note(sampler: Any, *args: Any, **kwargs: Any) -> None:
         init(sampler, *args, **kwargs)
         _SAMPLED.add(tuple(sampler.batch_sizes))
 
-    return init_and_note
-
-
-def _observe_samplers(module: ModuleType) -> None:
-    sampler = module.UnevenBatchSampler
-    sampler.__init__ = observed(sampler.__init__)
+    module.UnevenBatchSampler.__init__ = init_and_note
 
 
 def _read_through_a_sampler() -> bool:
@@ -200,9 +194,7 @@ def _on_fake_tensors(optimizer: Any) -> bool:
 class _FirstStep:
     """The global optimizer-step pre-hook: runs once, at the process's first step."""
 
-    def __init__(self) -> None:
-        self.handle: Any = None
-        self.done = False
+    done = False
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # Done, it stays registered: removing a hook while torch iterates over the global
@@ -235,8 +227,7 @@ class _FirstStep:
 
 
 def _register(module: ModuleType) -> None:
-    hook = _FirstStep()
-    hook.handle = module.register_optimizer_step_pre_hook(hook)
+    module.register_optimizer_step_pre_hook(_FirstStep())
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -145,18 +145,12 @@ def wait_for_nodes(
     with contextlib.suppress(RuntimeError):
         if node:
             store.set(f"{_LEFT_KEY}/{node}", "1")  # this node's last word to the store
-        else:
-            _wait_keys(store, [f"{_LEFT_KEY}/{n}" for n in range(1, nodes)], 2.0, clock, nap)
+        else:  # up to 2 s for every other node's last word
+            left = [f"{_LEFT_KEY}/{n}" for n in range(1, nodes)]
+            deadline = clock() + 2.0
+            while not store.check(left) and clock() < deadline:
+                nap(0.1)
     return []
-
-
-def _wait_keys(
-    store: Any, keys: list[str], seconds: float, clock: Callable[[], float], nap: Any
-) -> None:
-    """Until every one of ``keys`` is in ``store``, ``seconds`` at most."""
-    deadline = clock() + seconds
-    while not store.check(keys) and clock() < deadline:
-        nap(0.1)
 
 
 def bound_exit_barrier(seconds: float) -> None:
