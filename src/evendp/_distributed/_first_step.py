@@ -1,25 +1,16 @@
 """Under ``evendp launch``: a script that ignores the launcher's batch sizes is told at its first
 optimizer step, with the port for what it trains with.
 
-``evendp launch --batch-sizes 1,3 train.py`` runs each rank as ``python -m
-evendp._distributed._first_step train.py ...``: this module runs the script as ``__main__``
-(``runpy``, its own folder first on ``sys.path``, as ``python train.py`` would) after a global
-optimizer-step hook is set, once the script imports ``torch.optim``. At the first
-``optimizer.step()`` of the process, when nothing in it read the sizes
-(:func:`~evendp._distributed._launch_notes.sizes_read_here`), rank 0 prints one warning naming
-the port, read from the calling frames: evendp's own ``Trainer`` and ``UnevenTrainer`` read
-the sizes themselves (only sizes given beside the launcher's keep them from it);
-``UnevenTrainer`` under an HF ``Trainer``, the Lightning, Accelerate or DeepSpeed adapters,
-else (a loop of its own) ``UnevenBatchSampler``. A script that parsed the sizes itself has
-read them when it built a sampler with them: the wrapper observes the samplers the script
-builds (a hook on ``UnevenBatchSampler`` once that is imported) and asks at the first step
-and at the end, so the sampler touches no file, no variable and no state of the launcher's. With
-``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
-all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
-leaves at that step; the launcher exits 2. Optimizer steps evendp takes for itself (a plan's
-calibration on live GPUs, before the script could read the sizes) are not the script's:
-:func:`evendp_steps` holds the hook back while they run; a step on fake tensors (the
-planner measuring a step) trains nothing and is let pass too.
+Each rank runs ``python -m evendp._distributed._first_step train.py ...``, which runs the script
+as ``python train.py`` would (``runpy``, its folder first on ``sys.path``) with a global
+optimizer-step hook set once it imports ``torch.optim``. At the process's first step, when
+nothing read the sizes (:func:`~evendp._distributed._launch_notes.sizes_read_here`, or an
+``UnevenBatchSampler`` built with them: a hook on its class notes them, so the sampler touches
+nothing of the launcher's), rank 0 warns once, naming the port (:func:`port_for`, from the
+calling frames). Under ``EVENDP_STRICT=1`` (``--strict``) it is an error: the ranks agree in
+one all-reduce (a decision that ends ranks is never local), every rank leaves at that step and
+the launcher exits 2. evendp's own steps (:func:`evendp_steps`: a plan calibrating on live
+GPUs) and steps on fake tensors (the planner measuring one) are not the script's.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ schedulers step once per optimizer step either way: the loader is already per ra
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -32,21 +33,16 @@ from .deepspeed import fill_auto_micro_batch
 __all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
 
 
-def _one_step_schedulers(accelerator: Accelerator) -> Callable[[], None]:
-    """Make ``accelerator``'s prepared LR schedulers step once per optimizer step.
+def _one_step_schedulers(owner: weakref.ref[Accelerator]) -> None:
+    """Make the accelerator's prepared LR schedulers step once per optimizer step.
 
     Accelerate's prepared scheduler steps ``num_processes`` times per call, meant for a loader
     it shards itself; the uneven loader is already per rank, so the schedule would run
     ``num_processes`` times too fast, in silence. Schedulers are prepared before or after
-    the loader, but before an epoch starts: set then.
+    the loader, but before an epoch starts: set then (the loader's ``on_epoch``).
     """
-    owner = weakref.ref(accelerator)
-
-    def once() -> None:
-        for scheduler in getattr(owner(), "_schedulers", []):
-            scheduler.split_batches = True  # one scheduler step per call
-
-    return once
+    for scheduler in getattr(owner(), "_schedulers", []):
+        scheduler.split_batches = True  # one scheduler step per call
 
 
 # UnevenAccelerator takes no count_fn: a batch it cannot count is weighed with StepMean's.
@@ -263,7 +259,7 @@ def uneven_dataloader(
     )
     fill_auto_micro_batch(accelerator, sizes)  # DeepSpeed reads it from batch_size: None here
     prepared: DataLoader = accelerator.prepare(loader)
-    sampler.on_epoch = _one_step_schedulers(accelerator)  # type: ignore[method-assign]
+    sampler.on_epoch = functools.partial(_one_step_schedulers, weakref.ref(accelerator))  # type: ignore[method-assign]
     if weighing:
         return _WeighingLoader(prepared, sampler, accelerator)  # type: ignore[return-value]
     return prepared

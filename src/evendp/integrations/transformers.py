@@ -251,8 +251,11 @@ class UnevenTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        # Checked by TrainConfig: the one list of balance modes and its message.
-        config = evendp.TrainConfig(balance="none" if balance is None else balance)  # type: ignore[arg-type]
+        # Checked by TrainConfig: one list of balance modes, one meaning of a batch_sizes text.
+        config = evendp.TrainConfig(
+            balance="none" if balance is None else balance,  # type: ignore[arg-type]
+            batch_sizes=batch_sizes if isinstance(batch_sizes, str) else None,  # type: ignore[arg-type]
+        )
         self.balance = config.balance
         self.costs = costs
         self.balancer: evendp.SpeedBalancer | Unbalanced = Unbalanced()
@@ -266,14 +269,8 @@ class UnevenTrainer(transformers.Trainer):
         self.accelerator.gather = RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
         self._caps: list[int] | None = None  # per-rank memory caps, when planned
-        if isinstance(batch_sizes, str) and batch_sizes == "auto":
+        if isinstance(batch_sizes, str):  # "auto": TrainConfig refused any other text
             self.batch_sizes, self._caps = self._auto_sizes(memory)
-        elif isinstance(batch_sizes, str):
-            raise evendp.EvendpError(
-                f"batch_sizes must be a list of ints >= 0 or None, got {batch_sizes!r}; expected "
-                "'auto' (planned from each rank's memory), a list of per-rank sizes like [3, 5], "
-                "or None (an even split)"
-            )
         else:  # given sizes are checked (one per rank), else EVENDP_BATCH_SIZES or an even split
             even = [self.args.per_device_train_batch_size] * world
             self.batch_sizes = evendp.batch_sizes_from_env(

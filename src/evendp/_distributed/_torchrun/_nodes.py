@@ -195,10 +195,6 @@ def children(pid: int) -> list[int] | None:
     return found
 
 
-def _workers() -> list[int]:
-    return children(os.getpid()) or []
-
-
 def _kill(workers: list[int]) -> None:
     """SIGKILL each worker's session (its own, torchrun's doing; a stopped rank ignores the
     rest)."""
@@ -317,7 +313,7 @@ def watch_refusals(
     port: int,
     node: int = 0,
     *,
-    workers: Callable[[], list[int]] = lambda: _workers(),
+    workers: Callable[[], list[int]] = lambda: children(os.getpid()) or [],
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
     """On every node: a thread that, once another node left word in the store that it ended
@@ -368,7 +364,7 @@ def watch_store(
     port: int,
     node: int,
     *,
-    workers: Callable[[], list[int]] = lambda: _workers(),
+    workers: Callable[[], list[int]] = lambda: children(os.getpid()) or [],
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
     """On a node other than the store's: a thread that, once the store at ``host:port`` is
