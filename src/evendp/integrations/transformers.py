@@ -281,9 +281,11 @@ class UnevenTrainer(transformers.Trainer):
         self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
-        # Whether a forward taking **kwargs really uses num_items_in_batch: tried at step 1.
-        self._probe_pending = self.model_accepts_loss_kwargs and not _declares_loss_kwargs(
-            self.accelerator.unwrap_model(self.model)
+        # Whether a forward taking **kwargs really uses num_items_in_batch: tried at step 1,
+        # unless the user (or the model class itself) said so.
+        model = self.accelerator.unwrap_model(self.model)
+        self._probe_pending = self.model_accepts_loss_kwargs and not any(
+            "accepts_loss_kwargs" in vars(owner) for owner in (model, *type(model).__mro__)
         )
         self._loss_sum = torch.zeros((), device=self.args.device)  # this rank's, this train()
         self._steps = 0  # optimizer steps of this train() call
@@ -608,8 +610,3 @@ def _has_labels(batch: Mapping[str, Any]) -> bool:
     """Whether a batch has a label that is not ``-100`` (a stand-in's real sample too)."""
     labels = batch.get("labels")
     return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
-
-
-def _declares_loss_kwargs(model: nn.Module) -> bool:
-    """Whether the user (or the model class itself) said if its loss uses the count."""
-    return any("accepts_loss_kwargs" in vars(owner) for owner in (model, *type(model).__mro__))
