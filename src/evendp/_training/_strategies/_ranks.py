@@ -13,8 +13,8 @@ from torch import nn
 from ..._core._batchnorm import warn_if_batchnorm_split_unevenly
 from ..._core._calls import as_args
 from ..._distributed._group import comm_device
+from ..._distributed._interrupt import StopNotice, group_store
 from ..._distributed._step_count import StepWeight
-from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks
 from ._base import Batch, Costs, Sampling, Strategy, agreed_signal, build_sampler, stop_votes
