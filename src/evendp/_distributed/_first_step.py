@@ -30,7 +30,7 @@ import json
 import os
 import runpy
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ __all__ = [
     "ENV_STRICT",
     "MODULE",
     "evendp_steps",
+    "observed",
     "port_for",
     "unported_line",
 ]
@@ -57,7 +58,7 @@ ENV_LAUNCH_OPTIONS = "EVENDP_LAUNCH_OPTIONS"
 #: What each machine may give its own, named in the error.
 _LAUNCH_OWN = "--node-rank, --nproc, --gpus, --min-free and the rendezvous address"
 #: The per-rank sizes of every ``UnevenBatchSampler`` this launched process built, noted by
-#: :func:`_observe_samplers`'s hook; in memory only, the launcher's alone.
+#: the hook the wrapper installs (:func:`observed`); in memory only, the launcher's alone.
 _SAMPLED: set[tuple[int, ...]] = set()
 #: How many :func:`evendp_steps` blocks are open: their optimizer steps are not the script's.
 _held = 0
@@ -147,17 +148,22 @@ def _calling_modules(frame: FrameType | None) -> list[str]:
     return names
 
 
-def _observe_samplers(module: ModuleType) -> None:
-    """Have ``UnevenBatchSampler.__init__`` also note the sizes each sampler is built with:
-    the wrapper's hook, so the sampler itself keeps no record for the launcher."""
-    init = module.UnevenBatchSampler.__init__
+def observed(init: Callable[..., None]) -> Callable[..., None]:
+    """``UnevenBatchSampler.__init__`` that also notes the sizes the sampler was built with:
+    the hook the wrapper installs, so the sampler itself keeps no record for the launcher.
+    """
 
     @functools.wraps(init)
     def init_and_note(sampler: Any, *args: Any, **kwargs: Any) -> None:
         init(sampler, *args, **kwargs)
         _SAMPLED.add(tuple(sampler.batch_sizes))
 
-    module.UnevenBatchSampler.__init__ = init_and_note
+    return init_and_note
+
+
+def _observe_samplers(module: ModuleType) -> None:
+    sampler = module.UnevenBatchSampler
+    sampler.__init__ = observed(sampler.__init__)
 
 
 def _read_through_a_sampler() -> bool:
