@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 import evendp
 
 from ._auto_sizes import auto_loader_sizes
-from ._interleave import InterleavedBatchSampler
 from ._rows import gather_rows, no_rows
+from ._samplers import InterleavedBatchSampler
 from ._speed import batch_rows, resizable, resplitting
 from .deepspeed import fill_auto_micro_batch
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import evendp
 
 from ._auto_sizes import auto_loader_sizes
-from ._deferred import DeferredBatchSampler
+from ._samplers import DeferredBatchSampler
 from ._speed import Unbalanced, batch_rows, resizable, resplitting
 
 __all__ = [
