@@ -1,26 +1,22 @@
 """Under ``evendp launch``: a script that ignores the launcher's batch sizes is told at its first
 optimizer step, with the port for what it trains with.
 
-``evendp launch --batch-sizes 1,3 train.py`` runs each rank as ``python -m
-evendp._distributed._first_step train.py ...``: this module runs the script as ``__main__``
-(``runpy``, its own folder first on ``sys.path``, as ``python train.py`` would) after a global
-optimizer-step hook is set, once the script imports ``torch.optim``. At the first
-``optimizer.step()`` of the process, when nothing in it read the sizes
-(:func:`~evendp._distributed._launch_notes.sizes_read_here`), rank 0 prints one warning naming
-the port, read from the calling frames: evendp's own ``Trainer`` and ``UnevenTrainer`` read
-the sizes themselves (only sizes given beside the launcher's keep them from it);
-``UnevenTrainer`` under an HF ``Trainer``, the Lightning, Accelerate or DeepSpeed adapters,
-else (a loop of its own) ``UnevenBatchSampler``. A script that parsed
-the sizes itself has read them when it built a sampler with them: the wrapper observes the
-samplers the script builds (:func:`observed`, a hook it installs on ``UnevenBatchSampler``
-once that is imported) and asks at the first step and at the end, so the sampler itself
-touches no file, no variable and no state of the launcher's. With
-``EVENDP_STRICT=1`` (``evendp launch --strict``) it is an error instead: the ranks agree in one
-all-reduce (a decision that ends ranks is never taken locally), rank 0 says it, and every rank
-leaves at that step; the launcher exits 2. Optimizer steps evendp takes for itself (a plan's
-calibration on live GPUs, before the script could read the sizes) are not the script's:
-:func:`evendp_steps` holds the hook back while they run; a step on fake tensors (the
-planner measuring a step) trains nothing and is let pass too.
+Each rank runs ``python -m evendp._distributed._first_step train.py ...``, which runs the script
+as ``python train.py`` would (``runpy``, its folder first on ``sys.path``) with a global
+optimizer-step hook set once it imports ``torch.optim``. At the process's first step, when
+nothing read the sizes (:func:`~evendp._distributed._launch_notes.sizes_read_here`, or an
+``UnevenBatchSampler`` built with them: a hook on its class notes them, so the sampler touches
+nothing of the launcher's), rank 0 warns once, naming the port (:func:`port_for`, from the
+calling frames). Under ``EVENDP_STRICT=1`` (``--strict``) it is an error: the ranks agree in
+one all-reduce (a decision that ends ranks is never local), every rank leaves at that step and
+the launcher exits 2. evendp's own steps (:func:`evendp_steps`: a plan calibrating on live
+GPUs) and steps on fake tensors (the planner measuring one) are not the script's.
+
+On several machines (issue 51) the wrapper also wraps ``torch.distributed.init_process_group``:
+once the script's group starts, the ranks run
+:func:`~evendp._distributed._plan_agreement.agreed_plan` on the launcher's plan and the options
+every machine must share (:data:`ENV_LAUNCH_OPTIONS`); a difference ends every rank there, each
+machine's first rank saying it in one line, as under ``evendp train``.
 """
 
 from __future__ import annotations
@@ -30,21 +26,37 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import os
 import runpy
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType, ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._launch_notes import note_sizes_read, note_sizes_told, sizes_read_here, write_outcome
 
-__all__ = ["ENV_STRICT", "MODULE", "evendp_steps", "observed", "port_for", "unported_line"]
+if TYPE_CHECKING:
+    from .._core._errors import EvendpError
+
+__all__ = [
+    "ENV_LAUNCH_OPTIONS",
+    "ENV_STRICT",
+    "MODULE",
+    "evendp_steps",
+    "observed",
+    "port_for",
+    "unported_line",
+]
 
 #: The worker's entry point, as torchrun's ``-m`` names it.
 MODULE = __name__
 #: Set to ``1`` by ``evendp launch --strict``: an unported script is an error at its first step.
 ENV_STRICT = "EVENDP_STRICT"
+#: Set by ``evendp launch --nnodes N`` (N > 1): the options every machine must share, as JSON.
+ENV_LAUNCH_OPTIONS = "EVENDP_LAUNCH_OPTIONS"
+#: What each machine may give its own, named in the error.
+_LAUNCH_OWN = "--node-rank, --nproc, --gpus, --min-free and the rendezvous address"
 #: The per-rank sizes of every ``UnevenBatchSampler`` this launched process built, noted by
 #: the hook the wrapper installs (:func:`observed`); in memory only, the launcher's alone.
 _SAMPLED: set[tuple[int, ...]] = set()
@@ -200,9 +212,7 @@ def _on_fake_tensors(optimizer: Any) -> bool:
 class _FirstStep:
     """The global optimizer-step pre-hook: runs once, at the process's first step."""
 
-    def __init__(self) -> None:
-        self.handle: Any = None
-        self.done = False
+    done = False
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # Done, it stays registered: removing a hook while torch iterates over the global
@@ -235,8 +245,7 @@ class _FirstStep:
 
 
 def _register(module: ModuleType) -> None:
-    hook = _FirstStep()
-    hook.handle = module.register_optimizer_step_pre_hook(hook)
+    module.register_optimizer_step_pre_hook(_FirstStep())
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -273,28 +282,93 @@ def _watch(name: str, then: Any) -> None:
         sys.meta_path.insert(0, _AfterImport(name, then))
 
 
+def _agree_when_the_group_starts() -> None:
+    """Have the ranks agree once the script's process group starts, when the launcher asked."""
+    text = os.environ.get(ENV_LAUNCH_OPTIONS)
+    if not text:
+        return
+    options = json.loads(text)  # the launcher's own JSON, through the ranks' environment
+    if not isinstance(options, dict):
+        return
+    _watch("torch.distributed", functools.partial(_wrap_init, options=options))
+
+
+def _wrap_init(module: Any, *, options: Mapping[str, Any]) -> None:
+    """``init_process_group`` (the package's and ``distributed_c10d``'s), then the agreement."""
+    original = getattr(module, "init_process_group", None)
+    if original is None or getattr(original, "_evendp_agrees", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        started = original(*args, **kwargs)
+        _agree(options)
+        return started
+
+    init_process_group._evendp_agrees = True  # type: ignore[attr-defined]
+    module.init_process_group = init_process_group
+    c10d: Any = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is not None:
+        c10d.init_process_group = init_process_group
+
+
+def _agree(options: Mapping[str, Any]) -> None:
+    import torch.distributed as dist
+
+    from .._core._errors import EvendpError
+    from ._batch_plan import BatchPlan
+    from ._plan_agreement import agreed_plan
+
+    world = dist.get_world_size()
+
+    def plan() -> BatchPlan:
+        held = BatchPlan.from_env(world)  # not a read by the script: no mark for the launcher
+        if held is None:
+            raise EvendpError("EVENDP_BATCH_SIZES is not set on this machine's ranks")
+        return held
+
+    try:
+        agreed_plan(plan, world, options, own=_LAUNCH_OWN)
+    except EvendpError as exc:  # on every rank alike
+        _end_on(exc)
+
+
+def _end_on(error: EvendpError) -> None:
+    """End this rank on ``error`` in one line, without a traceback (each machine's first rank
+    says it and leaves the exit code for its launcher). Raised on every rank alike, exit 0
+    (torchrun neither restarts nor reports); on this rank alone, exit 1, so that torchrun
+    stops the ranks that would wait for it."""
+    every = bool(error.every_rank)
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if first or not every:
+        where = "" if every else f"rank {os.environ.get('RANK', '?')}: "
+        print(f"evendp launch: error: {where}{error}", file=sys.stderr, flush=True)
+        write_outcome(error.exit_code, message=str(error))
+    sys.stdout.flush()
+    os._exit(0 if every else 1)
+
+
 def main(argv: list[str]) -> None:
     """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``python script`` would.
 
     On several machines the ranks also agree on the launcher's plan once the script starts
-    its process group (:mod:`._launch_agreement`). An :class:`~evendp.EvendpError` that
-    escapes the script (bad input: a config that contradicts the launcher's sizes) is said in
-    one line, not one traceback per rank (:func:`~._launch_agreement.end_on`).
+    its process group. An :class:`~evendp.EvendpError` that escapes the script (bad input: a
+    config that contradicts the launcher's sizes) is said in one line, not one traceback per
+    rank (:func:`_end_on`).
     """
     from .._core._errors import EvendpError
-    from ._launch_agreement import agree_when_the_group_starts, end_on
 
     script, *args = argv
     _watch("torch.optim.optimizer", _register)
     _watch("evendp._distributed._sampler", _observe_samplers)
-    agree_when_the_group_starts(_watch)
+    _agree_when_the_group_starts()
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
     except EvendpError as error:
         _read_through_a_sampler()
-        end_on(error)
+        _end_on(error)
     finally:  # a script that never stepped may still have sampled with the sizes
         _read_through_a_sampler()
 

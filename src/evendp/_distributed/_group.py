@@ -110,7 +110,8 @@ def _count_tensor(
 ) -> torch.Tensor:
     """``count`` as a fresh tensor (never the caller's: all-reduce works in place)."""
     if isinstance(count, torch.Tensor):
-        validate_count(name, count, integral=False, check_values=_readable(count))
+        # Its value is checked only where reading it waits for no GPU (else kind and shape).
+        validate_count(name, count, integral=False, check_values=count.device.type == "cpu")
         t = count.detach().to(device=device)
         dtype = torch.int64 if not (t.is_floating_point() or t.is_complex()) else torch.float64
         return t.to(dtype=dtype, copy=True)
@@ -121,12 +122,6 @@ def _count_tensor(
     validate_count(name, count, integral=False)  # infinity
     dtype = torch.int64 if isinstance(count, numbers.Integral) else torch.float64
     return torch.tensor(count, dtype=dtype, device=device)
-
-
-def _readable(count: object) -> bool:
-    """Whether a count's value can be checked without waiting for a GPU (else only its kind
-    and shape are)."""
-    return not isinstance(count, torch.Tensor) or count.device.type == "cpu"
 
 
 def global_count(

@@ -3,13 +3,14 @@
 A ``KeyboardInterrupt`` wherever the signal lands (in backward, the optimizer, a collective)
 tears the step, and under torchrun leaves ranks stopped at different points waiting for each
 other. While :class:`StopFlag` is active the signals only record themselves; the Trainer
-reads the flag between steps (agreed by the ranks), so every rank stops after the same step
-and saves.
+reads the flag between steps, agreed by the ranks through :class:`StopNotice`, so every rank
+stops after the same step and saves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -25,13 +26,17 @@ from ._torchrun._nodes import children as _children
 from ._torchrun._nodes import die_with_parent
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from ._stalled import StallWatch
 
 __all__ = [
     "ESCALATE_S",
     "StopFlag",
+    "StopNotice",
     "die_with_parent",
     "exit_code",
+    "group_store",
     "late_signal",
     "resume_command",
     "run_forwarding_signals",
@@ -110,6 +115,62 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+# Every rank runs the same fits in the same order: the n-th fit has the same key everywhere.
+_FITS = itertools.count(1)
+
+
+class StopNotice:
+    """The stop request of one ``fit`` across ranks, in the process group's ``store``.
+
+    A rank that received SIGINT or SIGTERM posts "stop after step ``s``" in the store torchrun's
+    ranks share (set once: the first poster wins); every rank looks for it after each step, a
+    host lookup that never waits for the device. ``s`` is the step in progress when the request
+    is seen before one of its backward passes, else the next. In time for all: the poster
+    writes before it joins step ``s``'s last gradient collective, which no rank can finish
+    before that. Each ``fit`` has its own key: an interrupted run's notice never stops the next.
+
+    >>> import torch.distributed as dist
+    >>> notice = StopNotice(dist.HashStore())
+    >>> notice.due(step=3) is None
+    True
+    >>> notice.post(int(signal.SIGTERM), step=3)  # received during step 3: stop after 4
+    >>> notice.post(int(signal.SIGINT), step=4)  # a later request changes nothing
+    >>> notice.due(step=3), notice.due(step=4) == signal.SIGTERM
+    (None, True)
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._key = f"evendp/stop/{next(_FITS)}"
+        self._posted = False
+        self._notice: tuple[int, int] | None = None  # (stop after step, signal), once read
+
+    def post(self, signum: int, step: int) -> None:
+        """This rank received ``signum`` with ``step`` steps done: stop after the next one."""
+        if self._posted:
+            return
+        self._posted = True
+        # compare_set: set only when absent, so the first request is every rank's.
+        self._store.compare_set(self._key, "", f"{step + 1}:{signum}")
+
+    def due(self, step: int) -> int | None:
+        """The agreed signal when every rank stops after ``step`` (steps done), else ``None``."""
+        if self._notice is None and self._store.check([self._key]):
+            at, signum = self._store.get(self._key).decode().split(":")
+            self._notice = (int(at), int(signum))
+        if self._notice is not None and step >= self._notice[0]:
+            return self._notice[1]
+        return None
+
+
+def group_store() -> dist.Store:
+    """The store of the default process group."""
+    # A private accessor, stable since torch 1.x; the public API offers none.
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def resume_command(argv: Sequence[str], prog: str = "evendp") -> str:

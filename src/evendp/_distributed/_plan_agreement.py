@@ -48,7 +48,9 @@ def agreed_plan(
         error: EvendpError | None = None
     except EvendpError as exc:
         plan, error = None, exc
-    rows = _gather([*_digest(options), *_row(plan, world)], world)
+    # The options' SHA-256, its first 16 bytes as two int64 ([0, 0]: none given).
+    digest = [0, 0] if options is None else digest_words(_canonical(options).encode(), 2)
+    rows = _gather([*digest, *_row(plan, world)], world)
     digests, rows = [row[:2] for row in rows], [row[2:] for row in rows]
     if any(d != digests[0] for d in digests):  # every rank sees it: all run the gather below
         raise _every_rank(EvendpError(_options_differ(options or {}, [r[1] for r in rows], own)))
@@ -91,13 +93,6 @@ def _row(plan: BatchPlan | None, world: int) -> list[int]:
         return [_REFUSED, node] + [0] * (2 * world)
     caps = list(plan.caps) if plan.caps is not None else [_NO_CAP] * world
     return [_HELD, node, *plan.sizes, *caps]
-
-
-def _digest(options: Mapping[str, Any] | None) -> list[int]:
-    """The options' SHA-256, its first 16 bytes as two int64 (``[0, 0]``: none given)."""
-    if options is None:
-        return [0, 0]
-    return digest_words(_canonical(options).encode(), 2)
 
 
 def _canonical(options: Mapping[str, Any]) -> str:

@@ -10,13 +10,13 @@ this user's, not writable by others, else refused in one line (:class:`RunFilesU
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import tempfile
 from pathlib import Path
 
 from .._core._errors import InputError
+from .._core._files import mkdir_private
 
 __all__ = ["RunFilesUnsafe", "open_private", "owned_by_me", "run_files_dir"]
 
@@ -74,21 +74,13 @@ def run_files_dir() -> Path:
 
 
 def _make(folder: Path, parents: bool) -> bool:
-    """Create ``folder`` 0700 (``parents``: its missing parents too, 0700 or tighter as the
-    umask says); False when it cannot be."""
+    """Create ``folder`` 0700 (``parents``: its missing parents too); False when it cannot be."""
+    if not (parents or folder.parent.is_dir()):
+        return False  # a runtime folder is the system's to make
     try:
-        if parents:
-            missing = [p for p in folder.parents if not p.exists()]
-            for parent in reversed(missing):
-                with contextlib.suppress(FileExistsError):  # another process, meanwhile
-                    os.mkdir(parent, 0o700)
-        # mkdir's mode is cut by the umask, never widened: 0700 or tighter, then exactly 0700.
-        os.mkdir(folder, 0o700)
-    except FileExistsError:
-        return True  # another process made it in between: checked by the caller
+        mkdir_private(folder)
     except OSError:
-        return False
-    os.chmod(folder, 0o700, follow_symlinks=False)
+        return folder.exists()  # made by another process in between: checked by the caller
     return True
 
 

@@ -164,13 +164,23 @@ def hold_run_dir(out_dir: str | Path, command: str | None = None) -> Iterator[Pa
 def _locked(path: Path, folder: str, command: str | None, joining: bool) -> int:
     """The lock file's descriptor, locked, and still the file at ``path`` (a run that ended
     may have removed it between the open and the lock)."""
+    import fcntl
+
     for _ in range(100):
         fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
-            if joining:
-                _join(fd, path, folder)
-            else:
-                _take(fd, path, folder, command)
+            try:  # the taker: exclusive for an instant; a rank of its run joins it shared
+                fcntl.flock(fd, (fcntl.LOCK_SH if joining else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:  # joining: someone took it exclusively in between
+                who = _describe(_read_holder(fd))
+                raise RunDirBusy(
+                    f"--out {folder!r} was taken by another run: {who}; pass another --out"
+                    if joining
+                    else f"--out {folder!r} is in use by a live run: {who}; wait for it to end "
+                    "or stop it, then resume with --resume, or pass another --out"
+                ) from None
+            if not joining:
+                _write_holder(fd, folder, command)
             if _same_file(fd, path):
                 return fd
         except BaseException:
@@ -221,16 +231,10 @@ def _remove_stale(folder: Path) -> None:
             os.close(fd)
 
 
-def _take(fd: int, path: Path, folder: str, command: str | None) -> None:
+def _write_holder(fd: int, folder: str, command: str | None) -> None:
+    """Say who took the lock, then hold it shared: the ranks this run starts join it."""
     import fcntl
 
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise RunDirBusy(
-            f"--out {folder!r} is in use by a live run: {_describe(_read_holder(fd))}; "
-            "wait for it to end or stop it, then resume with --resume, or pass another --out"
-        ) from None
     info = {
         "folder": folder,
         "pid": os.getpid(),
@@ -240,8 +244,7 @@ def _take(fd: int, path: Path, folder: str, command: str | None) -> None:
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
-    # Shared from now on: the ranks this run starts join it; a new exclusive taker cannot.
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new exclusive taker cannot have it
 
 
 def _this_command() -> str:
@@ -251,18 +254,6 @@ def _this_command() -> str:
     first = Path(sys.argv[0]).name
     program = "evendp" if first in ("__main__.py", "evendp") else sys.argv[0]
     return shlex.join([program, *sys.argv[1:]])
-
-
-def _join(fd: int, path: Path, folder: str) -> None:
-    import fcntl
-
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:  # someone took it exclusively in between: not our run any more
-        raise RunDirBusy(
-            f"--out {folder!r} was taken by another run: "
-            f"{_describe(_read_holder(fd))}; pass another --out"
-        ) from None
 
 
 def trainer_lock(

@@ -12,8 +12,7 @@ from pathlib import Path
 from .._core import _defaults as defaults
 from .._core._errors import EvendpError
 from .._core._validate import shown
-from .._distributed._first_step import ENV_STRICT
-from .._distributed._launch_agreement import ENV_LAUNCH_OPTIONS
+from .._distributed._first_step import ENV_LAUNCH_OPTIONS, ENV_STRICT
 from .._distributed._launch_notes import ENV_BATCH_DEFAULTED
 from .._planning._launch import (
     PASSTHROUGH_OPTIONS,

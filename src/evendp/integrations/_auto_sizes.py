@@ -22,7 +22,6 @@ def auto_loader_sizes(
     world: int | None,
     memory: str | Sequence[Any] | None,
     collate_fn: Callable[[list[Any]], Any] | None,
-    where: str = "uneven_dataloader",
     batch_sizes: Any = "auto",
 ) -> Any:
     """Every rank's share of ``batch_size * world`` samples, planned for ``model`` on
@@ -37,13 +36,13 @@ def auto_loader_sizes(
         return batch_sizes
     if batch_size is None:
         raise evendp.EvendpError(
-            f"{where}: batch_sizes='auto' splits batch_size * world samples by each rank's "
-            "memory, but batch_size=None; pass batch_size= (each rank's mean share, as "
+            "uneven_dataloader: batch_sizes='auto' splits batch_size * world samples by each "
+            "rank's memory, but batch_size=None; pass batch_size= (each rank's mean share, as "
             "per_device_train_batch_size)"
         )
     if len(dataset) == 0:
         raise evendp.EvendpError(
-            f"{where}: batch_sizes='auto' plans on a sample of the data, but it is empty"
+            "uneven_dataloader: batch_sizes='auto' plans on a sample of the data, but it is empty"
         )
     collate = default_collate if collate_fn is None else collate_fn
     sizes, _ = evendp.planned_rank_sizes(
@@ -51,6 +50,6 @@ def auto_loader_sizes(
         lambda: collate([dataset[0]]),  # read only when planning
         batch_size * (world or 1),
         memory=memory,
-        where=f"{where}(batch_sizes='auto')",
+        where="uneven_dataloader(batch_sizes='auto')",
     )
     return sizes

@@ -11,6 +11,7 @@ schedulers step once per optimizer step either way: the loader is already per ra
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -24,29 +25,24 @@ from torch.utils.data import DataLoader
 import evendp
 
 from ._auto_sizes import auto_loader_sizes
-from ._interleave import InterleavedBatchSampler
 from ._rows import gather_rows, no_rows
+from ._samplers import InterleavedBatchSampler
 from ._speed import batch_rows, resizable, resplitting
 from .deepspeed import fill_auto_micro_batch
 
 __all__ = ["UnevenAccelerator", "speed_balancer", "uneven_dataloader"]
 
 
-def _one_step_schedulers(accelerator: Accelerator) -> Callable[[], None]:
-    """Make ``accelerator``'s prepared LR schedulers step once per optimizer step.
+def _one_step_schedulers(owner: weakref.ref[Accelerator]) -> None:
+    """Make the accelerator's prepared LR schedulers step once per optimizer step.
 
     Accelerate's prepared scheduler steps ``num_processes`` times per call, meant for a loader
     it shards itself; the uneven loader is already per rank, so the schedule would run
     ``num_processes`` times too fast, in silence. Schedulers are prepared before or after
-    the loader, but before an epoch starts: set then.
+    the loader, but before an epoch starts: set then (the loader's ``on_epoch``).
     """
-    owner = weakref.ref(accelerator)
-
-    def once() -> None:
-        for scheduler in getattr(owner(), "_schedulers", []):
-            scheduler.split_batches = True  # one scheduler step per call
-
-    return once
+    for scheduler in getattr(owner(), "_schedulers", []):
+        scheduler.split_batches = True  # one scheduler step per call
 
 
 # UnevenAccelerator takes no count_fn: a batch it cannot count is weighed with StepMean's.
@@ -80,10 +76,7 @@ class _WeighingLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def __getattr__(self, name: str) -> Any:  # dataset, batch_sampler, device, ...
+    def __getattr__(self, name: str) -> Any:  # set_epoch, dataset, batch_sampler, device, ...
         if name == "loader":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
@@ -108,12 +101,6 @@ class UnevenAccelerator(Accelerator):
     # The batch an uneven loader yielded last: its weight (for backward), a stand-in?
     _evendp_weight: float | None = None
     _evendp_stand_in = False
-
-    def prepare_scheduler(self, scheduler: Any) -> Any:
-        """Accelerate's scheduler, stepping once per optimizer step (the loader is per rank)."""
-        prepared = super().prepare_scheduler(scheduler)
-        prepared.split_batches = True  # one scheduler step per call, not num_processes
-        return prepared
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward`` of the last yielded batch's mean loss, weighted exactly."""
@@ -143,10 +130,9 @@ class UnevenAccelerator(Accelerator):
         return gather_rows(self, input_data)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
-        """``Accelerator.prepare``; under DeepSpeed its schedulers also step once per call,
-        and a ``DummyScheduler``'s ``total_num_steps`` is the run's number of steps (Accelerate
-        divides it by ``num_processes``, for a loader it shards: the schedule would end
-        half-way on 2 ranks, in silence, issue 36)."""
+        """``Accelerator.prepare``; under DeepSpeed a ``DummyScheduler``'s ``total_num_steps``
+        is the run's number of steps (Accelerate divides it by ``num_processes``, for a loader
+        it shards: the schedule would end half-way on 2 ranks, in silence, issue 36)."""
         if self.distributed_type != DistributedType.DEEPSPEED:
             return super().prepare(*args, **kwargs)
         from accelerate.utils import DummyScheduler
@@ -162,8 +148,6 @@ class UnevenAccelerator(Accelerator):
         finally:
             for dummy, steps in zip(dummies, given, strict=True):
                 dummy.total_num_steps = steps
-        for scheduler in self._schedulers:
-            scheduler.split_batches = True  # DeepSpeed's own wrapper never steps: harmless
         return prepared
 
     def end_training(self) -> None:
@@ -275,7 +259,7 @@ def uneven_dataloader(
     )
     fill_auto_micro_batch(accelerator, sizes)  # DeepSpeed reads it from batch_size: None here
     prepared: DataLoader = accelerator.prepare(loader)
-    sampler.on_epoch = _one_step_schedulers(accelerator)  # type: ignore[method-assign]
+    sampler.on_epoch = functools.partial(_one_step_schedulers, weakref.ref(accelerator))  # type: ignore[method-assign]
     if weighing:
         return _WeighingLoader(prepared, sampler, accelerator)  # type: ignore[return-value]
     return prepared

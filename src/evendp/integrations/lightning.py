@@ -8,6 +8,7 @@ weights it and rescales the gradients before the optimizer step. Automatic optim
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 import evendp
 
 from ._auto_sizes import auto_loader_sizes
-from ._deferred import DeferredBatchSampler
+from ._samplers import DeferredBatchSampler
 from ._speed import Unbalanced, batch_rows, resizable, resplitting
 
 __all__ = [
@@ -212,8 +213,7 @@ class SpeedBalance(pl.Callback):
     def __init__(self, **knobs: Any) -> None:
         self.knobs = knobs
         self.balancer: Any = Unbalanced()
-        self._block: Any = None
-        self._update: Any = None  # the optimizer step's timer
+        self._timed = contextlib.ExitStack()  # the forward's, then the update's timer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sampler = resizable(loader := trainer.train_dataloader)
@@ -230,15 +230,12 @@ class SpeedBalance(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._block = self.balancer.measure(count_samples(batch))
-        self._block.__enter__()
+        self._timed.enter_context(self.balancer.measure(count_samples(batch)))
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        if self._block is not None:
-            self._block.__exit__(None, None, None)
-            self._block = None
+        self._timed.close()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -246,8 +243,7 @@ class SpeedBalance(pl.Callback):
         self.balancer.step()
         # The update that follows is this rank's own compute (the gradients were reduced in
         # backward): timed until the batch ends, so it counts in the next exchange.
-        self._update = self.balancer.measure(0)
-        self._update.__enter__()
+        self._timed.enter_context(self.balancer.measure(0))
 
     def on_train_batch_end(
         self,
@@ -257,6 +253,4 @@ class SpeedBalance(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._update is not None:
-            self._update.__exit__(None, None, None)
-            self._update = None
+        self._timed.close()

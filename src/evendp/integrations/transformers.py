@@ -8,6 +8,7 @@ one process's evaluation (:mod:`._hf_eval`); docs/integrations.md says what is r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -181,30 +182,21 @@ def _validate_eval_composition(cls: type) -> None:
             )
 
 
-def _validate_balance(balance: object) -> str:
-    """``None`` (no balance) or a mode of ``TrainConfig.balance``, checked by ``TrainConfig``
-    (the one list of modes and its message)."""
-    return evendp.TrainConfig(balance="none" if balance is None else balance).balance  # type: ignore[arg-type]
-
-
 class _StepBalancer(transformers.TrainerCallback):
     """Times each rank's optimizer step beside its forward passes, and at the end of every
     optimizer step, on every rank: maybe a new split (speed)."""
 
     def __init__(self, trainer: UnevenTrainer) -> None:
         self.trainer = trainer
-        self._block: Any = None
+        self._timed = contextlib.ExitStack()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The gradients were reduced in backward: the update is this rank's own compute (a
         # CPU-offloaded optimizer, an older card's memory bandwidth), so it counts.
-        self._block = self.trainer.balancer.measure(0)
-        self._block.__enter__()
+        self._timed.enter_context(self.trainer.balancer.measure(0))
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._block is not None:
-            self._block.__exit__(None, None, None)
-            self._block = None
+        self._timed.close()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.balancer.step()
@@ -259,7 +251,12 @@ class UnevenTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.balance = _validate_balance(balance)
+        # Checked by TrainConfig: one list of balance modes, one meaning of a batch_sizes text.
+        config = evendp.TrainConfig(
+            balance="none" if balance is None else balance,  # type: ignore[arg-type]
+            batch_sizes=batch_sizes if isinstance(batch_sizes, str) else None,  # type: ignore[arg-type]
+        )
+        self.balance = config.balance
         self.costs = costs
         self.balancer: evendp.SpeedBalancer | Unbalanced = Unbalanced()
         # Speed balance: forwards timed by hooks (the current balancer's, rebuilt with each
@@ -272,14 +269,8 @@ class UnevenTrainer(transformers.Trainer):
         self.accelerator.gather = RowsGather(self.accelerator)
         world = max(1, self.args.world_size)
         self._caps: list[int] | None = None  # per-rank memory caps, when planned
-        if isinstance(batch_sizes, str) and batch_sizes == "auto":
+        if isinstance(batch_sizes, str):  # "auto": TrainConfig refused any other text
             self.batch_sizes, self._caps = self._auto_sizes(memory)
-        elif isinstance(batch_sizes, str):
-            raise evendp.EvendpError(
-                f"batch_sizes must be a list of ints >= 0 or None, got {batch_sizes!r}; expected "
-                "'auto' (planned from each rank's memory), a list of per-rank sizes like [3, 5], "
-                "or None (an even split)"
-            )
         else:  # given sizes are checked (one per rank), else EVENDP_BATCH_SIZES or an even split
             even = [self.args.per_device_train_batch_size] * world
             self.batch_sizes = evendp.batch_sizes_from_env(
@@ -290,9 +281,11 @@ class UnevenTrainer(transformers.Trainer):
         self.count_fn = self._count_labels if count_fn is None else count_fn
         # The current optimizer step's item count over all ranks (non-token losses only).
         self._step_count: torch.Tensor | None = None
-        # Whether a forward taking **kwargs really uses num_items_in_batch: tried at step 1.
-        self._probe_pending = self.model_accepts_loss_kwargs and not _declares_loss_kwargs(
-            self.accelerator.unwrap_model(self.model)
+        # Whether a forward taking **kwargs really uses num_items_in_batch: tried at step 1,
+        # unless the user (or the model class itself) said so.
+        model = self.accelerator.unwrap_model(self.model)
+        self._probe_pending = self.model_accepts_loss_kwargs and not any(
+            "accepts_loss_kwargs" in vars(owner) for owner in (model, *type(model).__mro__)
         )
         self._loss_sum = torch.zeros((), device=self.args.device)  # this rank's, this train()
         self._steps = 0  # optimizer steps of this train() call
@@ -617,8 +610,3 @@ def _has_labels(batch: Mapping[str, Any]) -> bool:
     """Whether a batch has a label that is not ``-100`` (a stand-in's real sample too)."""
     labels = batch.get("labels")
     return isinstance(labels, torch.Tensor) and bool(labels.ne(-100).any())
-
-
-def _declares_loss_kwargs(model: nn.Module) -> bool:
-    """Whether the user (or the model class itself) said if its loss uses the count."""
-    return any("accepts_loss_kwargs" in vars(owner) for owner in (model, *type(model).__mro__))

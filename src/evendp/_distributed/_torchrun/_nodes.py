@@ -145,18 +145,12 @@ def wait_for_nodes(
     with contextlib.suppress(RuntimeError):
         if node:
             store.set(f"{_LEFT_KEY}/{node}", "1")  # this node's last word to the store
-        else:
-            _wait_keys(store, [f"{_LEFT_KEY}/{n}" for n in range(1, nodes)], 2.0, clock, nap)
+        else:  # up to 2 s for every other node's last word
+            left = [f"{_LEFT_KEY}/{n}" for n in range(1, nodes)]
+            deadline = clock() + 2.0
+            while not store.check(left) and clock() < deadline:
+                nap(0.1)
     return []
-
-
-def _wait_keys(
-    store: Any, keys: list[str], seconds: float, clock: Callable[[], float], nap: Any
-) -> None:
-    """Until every one of ``keys`` is in ``store``, ``seconds`` at most."""
-    deadline = clock() + seconds
-    while not store.check(keys) and clock() < deadline:
-        nap(0.1)
 
 
 def bound_exit_barrier(seconds: float) -> None:
@@ -199,10 +193,6 @@ def children(pid: int) -> list[int] | None:
                     if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                         found.append(int(child))
     return found
-
-
-def _workers() -> list[int]:
-    return children(os.getpid()) or []
 
 
 def _kill(workers: list[int]) -> None:
@@ -323,7 +313,7 @@ def watch_refusals(
     port: int,
     node: int = 0,
     *,
-    workers: Callable[[], list[int]] = lambda: _workers(),
+    workers: Callable[[], list[int]] = lambda: children(os.getpid()) or [],
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
     """On every node: a thread that, once another node left word in the store that it ended
@@ -374,7 +364,7 @@ def watch_store(
     port: int,
     node: int,
     *,
-    workers: Callable[[], list[int]] = lambda: _workers(),
+    workers: Callable[[], list[int]] = lambda: children(os.getpid()) or [],
     end: Callable[[int], Any] = os._exit,
 ) -> threading.Thread:
     """On a node other than the store's: a thread that, once the store at ``host:port`` is

@@ -88,11 +88,13 @@ def log_to_file(path: str | None) -> Any:
 
     if not path:
         return None
+
     # Created 0600 (the umask can only narrow it): the log is the user's alone, like every
     # file evendp writes for a run; O_NOFOLLOW: never written through a link.
-    stream = open(  # noqa: SIM115 - for the run's life
-        path, "a", encoding="utf-8", buffering=1, opener=_private_opener
-    )
+    def private(path: str, flags: int) -> int:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+    stream = open(path, "a", encoding="utf-8", buffering=1, opener=private)  # noqa: SIM115
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in _TORCHRUN_LOGGERS:
@@ -100,10 +102,6 @@ def log_to_file(path: str | None) -> Any:
         logger.propagate = False  # not to torch's own handler on the terminal
         logger.addHandler(handler)
     return stream
-
-
-def _private_opener(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def keep_log(log: Any, report: str) -> Path:

@@ -33,7 +33,7 @@ from ..._core._batchnorm import warn_if_batchnorm_split_unevenly
 from ..._core._calls import as_args
 from ..._distributed._grad_buckets import GradientBuckets
 from ..._distributed._group import BUCKET_BYTES, comm_device
-from ..._distributed._stop_notice import StopNotice, group_store
+from ..._distributed._interrupt import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks
 from .._step import StepWeight
