@@ -63,6 +63,7 @@ from ._report import TrainReport, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
 from ._step import StepWeight, count_weight, no_batch_dimension, sample_counts, train_step
 from ._strategies import pick_strategy
+from ._strategies._base import SamplerInputs
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
@@ -418,9 +419,11 @@ class Trainer:
         if max_costs is not None and costs is None:
             raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
         self.sampler, self.balancer, device_costs, self._max_costs = strategy.sampler(
-            data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
-            model=lambda: _LossModule(model, loss_fn, count_fn),
-            example=lambda: first_batch(data, collate_fn),
+            SamplerInputs(
+                data, config, costs, max_costs, max_tokens,
+                model=lambda: _LossModule(model, loss_fn, count_fn),
+                example=lambda: first_batch(data, collate_fn),
+            )
         )  # fmt: skip
         # The cost plan inside this process (one process: each device's contiguous share).
         self._costs = sample_costs(data, self.sampler.num_samples, device_costs)

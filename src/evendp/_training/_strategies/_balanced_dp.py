@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -18,7 +19,7 @@ from ..._parallel._dp import BalancedDataParallel, validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
 from .._evaluate import EvalFn, evaluate_devices
 from .._step import StepWeight
-from ._base import Batch, Costs, Sampling, Strategy, build_sampler, place_model
+from ._base import Batch, SamplerInputs, Sampling, Strategy, build_sampler, place_model
 
 __all__ = ["BalancedDP", "build"]
 
@@ -70,20 +71,11 @@ class BalancedDP(Strategy):
             raise TrainingError("BalancedDP.wrap() was not called before the step")
         return self._dp
 
-    def sampler(
-        self,
-        data: Any,
-        config: Any,
-        *,
-        costs: Costs,
-        max_costs: Sequence[float] | None,
-        max_tokens: float | None,
-        model: Callable[[], nn.Module],
-        example: Callable[[], Any],
-    ) -> Sampling:
+    def sampler(self, inputs: SamplerInputs) -> Sampling:
+        config = inputs.config
         if self._weights == "auto" or (config.batch_sizes == "auto" and self._weights is None):
             option = "weights" if self._weights == "auto" else "batch_sizes"
-            self._plan_weights(model(), example(), config.batch_size, option)
+            self._plan_weights(inputs.model(), inputs.example(), config.batch_size, option)
         elif config.batch_sizes == "auto":
             warnings.warn(
                 f"batch_sizes='auto' is ignored: weights={self._weights} were given, which "
@@ -93,12 +85,12 @@ class BalancedDP(Strategy):
             )
         # One process draws the whole step (its devices' cost plan is the costs given, which
         # order each step's rows over the devices); a token budget needs the costs here too.
+        budget = inputs if inputs.max_tokens is not None else replace(inputs, costs=None)
         built = build_sampler(
-            data, config, requested=[config.batch_size], rank=0, world=1, distributed=False,
-            costs=costs if max_tokens is not None else None, max_costs=None,
-            max_tokens=max_tokens, model=model, example=example,
+            replace(budget, max_costs=None), requested=[config.batch_size], rank=0, world=1,
+            distributed=False,
         )  # fmt: skip
-        return built._replace(costs=costs, max_costs=max_costs)
+        return built._replace(costs=inputs.costs, max_costs=inputs.max_costs)
 
     def _plan_weights(
         self, loss_module: nn.Module, batch: Any, global_batch: int, option: str

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
 from .._evaluate import EvalFn, evaluate_ranks
 from .._step import StepWeight
-from ._base import Batch, Costs, Sampling, StepEnd, Strategy, build_sampler, place_model
+from ._base import Batch, SamplerInputs, Sampling, StepEnd, Strategy, build_sampler, place_model
 
 __all__ = ["DDP", "OomSafeDDP", "RankStrategy", "build", "signal_of", "stop_votes"]
 
@@ -79,22 +79,11 @@ class RankStrategy(Strategy):
             dist.broadcast(t, src=0)
         self.wrapped = loss_module
 
-    def sampler(
-        self,
-        data: Any,
-        config: Any,
-        *,
-        costs: Costs,
-        max_costs: Sequence[float] | None,
-        max_tokens: float | None,
-        model: Callable[[], nn.Module],
-        example: Callable[[], Any],
-    ) -> Sampling:
+    def sampler(self, inputs: SamplerInputs) -> Sampling:
         # The ranks split each step by cost: every rank computes the same plan.
         built = build_sampler(
-            data, config, requested=config.batch_sizes, rank=self.rank, world=self.world,
-            distributed=True, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
-            model=model, example=example,
+            inputs, requested=inputs.config.batch_sizes, rank=self.rank, world=self.world,
+            distributed=True,
         )  # fmt: skip
         if self.rank == 0:  # said once, as for one process's devices
             warn_if_batchnorm_split_unevenly(self.model, built[0].batch_sizes, "batch_sizes")
