@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -17,7 +15,7 @@ from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
 from ..._parallel._dp import BalancedDataParallel, validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
-from .._evaluate import EvalFn, evaluate_devices
+from .._evaluate import EvalRun, evaluate_devices
 from .._step import StepWeight
 from ._base import Batch, SamplerInputs, Sampling, Strategy, build_sampler, place_model
 
@@ -137,20 +135,8 @@ class BalancedDP(Strategy):
             return int(signal.SIGINT)
         return self._stop.signum  # one process: nothing to agree on
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        eval_fn: EvalFn,
-        *,
-        batch_sizes: list[int],
-        collate: Callable[[list[int]], Batch],
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> dict[str, float]:
-        return evaluate_devices(
-            model, data, eval_fn, batch_size=sum(batch_sizes), device_ids=self.dp.device_ids,
-            weights=self.dp.weights, collate=collate, autocast=autocast,
-        )  # fmt: skip
+    def evaluate(self, run: EvalRun) -> dict[str, float]:
+        return evaluate_devices(run, device_ids=self.dp.device_ids, weights=self.dp.weights)
 
 
 def build(

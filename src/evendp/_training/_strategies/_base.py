@@ -18,7 +18,7 @@ from ..._core._errors import EvendpError
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from .._checkpointer import CheckpointFormat, WholeFile
-from .._evaluate import EvalFn
+from .._evaluate import EvalRun
 from .._oom import OomResplit
 from .._step import OptimizerStep, Stepper, StepWeight, default_optimizer, run_schedule
 
@@ -255,17 +255,8 @@ class Strategy(abc.ABC):
         re-raised where the other processes could not agree on it."""
 
     @abc.abstractmethod
-    def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        eval_fn: EvalFn,
-        *,
-        batch_sizes: list[int],
-        collate: Callable[[list[int]], Batch],
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> dict[str, float]:
-        """Every sample of ``data`` once over all devices and processes: ``{name: value}``."""
+    def evaluate(self, run: EvalRun) -> dict[str, float]:
+        """Every sample of ``run.data`` once over all devices and processes: ``{name: value}``."""
 
 
 def build_sampler(

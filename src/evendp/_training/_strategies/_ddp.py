@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import signal
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from ..._distributed._grad_buckets import GradientBuckets
 from ..._distributed._group import BUCKET_BYTES, comm_device
 from ..._distributed._stop_notice import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
-from .._evaluate import EvalFn, evaluate_ranks
+from .._evaluate import EvalRun, evaluate_ranks
 from .._step import StepWeight
 from ._base import Batch, SamplerInputs, Sampling, StepEnd, Strategy, build_sampler, place_model
 
@@ -146,27 +145,16 @@ class RankStrategy(Strategy):
 
     def _vote_now(self) -> int | None:
         """The ranks' stop votes in one all-reduce of their own."""
-        return agreed_signal(_all_reduce(stop_votes(self._stop.signum, self.comm), self.comm))
+        votes = _all_reduce(stop_votes(self._stop.signum, self.comm), self.comm)
+        return signal_of(*(float(v) for v in votes.tolist()))
 
     def _post_stop(self) -> None:
         mine = self._stop.signum
         if mine is not None and self._notice is not None:
             self._notice.post(mine, self._done)  # stop after the step following _done
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        eval_fn: EvalFn,
-        *,
-        batch_sizes: list[int],
-        collate: Callable[[list[int]], Batch],
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> dict[str, float]:
-        return evaluate_ranks(
-            model, data, eval_fn, batch_sizes=batch_sizes, collate=collate,
-            device=self.device, autocast=autocast, every_step=self._forward_collectives,
-        )  # fmt: skip
+    def evaluate(self, run: EvalRun) -> dict[str, float]:
+        return evaluate_ranks(run, device=self.device, every_step=self._forward_collectives)
 
     #: Whether forward itself runs collectives (FSDP2's all-gathers): then evaluation runs a
     #: rank's empty shares too.
@@ -300,11 +288,6 @@ def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
     return torch.tensor(
         [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)], device=device
     )
-
-
-def agreed_signal(votes: torch.Tensor) -> int | None:
-    """The signal the summed ``votes`` agree on (SIGINT wins when both came)."""
-    return signal_of(*(float(v) for v in votes.tolist()))
 
 
 def signal_of(sigint: float, sigterm: float) -> int | None:
