@@ -467,13 +467,6 @@ def planned_rank_sizes(
     return sizes, caps
 
 
-def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:
-    """One sample as a batch, for the planner: ``collate([0])``."""
-    if len(data) == 0:
-        raise EvendpError("batch_sizes='auto' plans on a sample of the data, but it is empty")
-    return collate([0])
-
-
 def first_batch(data: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
     """The data's first sample as a one-sample batch (what the planner measures on)."""
     from .._distributed._collate import EmptySafeCollate
