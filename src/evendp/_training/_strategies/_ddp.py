@@ -109,11 +109,8 @@ class RankStrategy(Strategy):
         return summed
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
-        """Sum ``parts`` over ranks: one all-reduce for every step not read yet.
-
-        The Trainer calls it only when someone reads the losses (the progress bar every step,
-        a checkpoint, the report), so a step without logging adds no collective.
-        """
+        """Sum ``parts`` over ranks: one all-reduce for every step not read yet (only when
+        the losses are read: a step without logging adds no collective)."""
         return _all_reduce(parts, self.comm)
 
     def reduce_samples(self, samples: list[int]) -> list[int]:
