@@ -607,12 +607,7 @@ class Trainer:
         collate_fn = self._collate.collate_fn  # the user's, else default_collate
         batch_fn = getattr(data, "batch", None) if collate_fn is default_collate else None
         empty_safe = EmptySafeCollate(data, collate_fn)
-
-        def collate(indices: list[int]) -> Batch:
-            return (
-                batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
-            )
-
+        collate = batch_fn if callable(batch_fn) else lambda ix: empty_safe([data[i] for i in ix])
         run = EvalRun(
             self.model, data, self.eval_fn, list(self.sampler.batch_sizes), collate, self.autocast
         )
