@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ..._core._calls import as_args
-from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
 from ..._parallel._dp import BalancedDataParallel, validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
@@ -36,6 +35,8 @@ class BalancedDP(Strategy):
     name = "dp"
     # One process: every part is its own.
     local_parts = frozenset({"backward", "optimizer"})
+    #: The wrapper, built by :meth:`wrap` (the Trainer calls it before anything else).
+    dp: BalancedDataParallel
 
     def __init__(
         self,
@@ -48,26 +49,18 @@ class BalancedDP(Strategy):
         super().__init__(model)
         self._device_ids = device_ids
         self._weights = weights  # "auto": planned with the sampler, from the first batch
-        self._dp: BalancedDataParallel | None = None
         self.device_names = ["rank0"]
 
     def wrap(self, loss_module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         fixed = None if self._weights == "auto" else self._weights  # "auto": see sampler()
-        self._dp = BalancedDataParallel(
+        self.dp = BalancedDataParallel(
             loss_module, self._device_ids, weights=fixed, gather_output=False
         )
-        self.wrapped = self._dp
-        self.devices = list(self._dp.device_ids)
+        self.wrapped = self.dp
+        self.devices = list(self.dp.device_ids)
         self.device_names = [
-            f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self._dp.device_ids)
+            f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp.device_ids)
         ]
-
-    @property
-    def dp(self) -> BalancedDataParallel:
-        """The wrapper (after :meth:`wrap`)."""
-        if self._dp is None:
-            raise TrainingError("BalancedDP.wrap() was not called before the step")
-        return self._dp
 
     def sampler(self, inputs: SamplerInputs) -> Sampling:
         config = inputs.config
