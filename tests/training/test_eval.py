@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from evendp import EvendpError, TrainConfig, Trainer
-from evendp._training._evaluate import evaluate_devices, loss_eval_fn
+from evendp._training._evaluate import EvalRun, evaluate_devices, loss_eval_fn
 from evendp._training._report import write_report
 
 IGNORE = -100
@@ -163,10 +163,10 @@ def test_default_eval_fn_weights_the_loss_by_samples(weights: list[int]) -> None
     def mse(model: nn.Module, batch: Any) -> torch.Tensor:
         return ((model(batch[0]) - batch[1]) ** 2).mean()
 
-    got = evaluate_devices(
-        net, list(zip(x, y, strict=True)), loss_eval_fn(mse), batch_size=8,
-        device_ids=["cpu"] * 3, weights=weights, collate=lambda idx: (x[idx], y[idx]),
-    )  # fmt: skip
+    run = EvalRun(
+        net, list(zip(x, y, strict=True)), loss_eval_fn(mse), [8], lambda idx: (x[idx], y[idx])
+    )
+    got = evaluate_devices(run, device_ids=["cpu"] * 3, weights=weights)
     with torch.no_grad():
         assert got["loss"] == pytest.approx(float(mse(net, (x, y))), rel=1e-6)
 
@@ -182,5 +182,5 @@ def test_bad_eval_settings_are_named() -> None:
         (lambda m, b: {"loss": m(b[0]).mean()}, r"\(sum, count\) pair"),
     ):
         with pytest.raises(EvendpError, match=match):
-            evaluate_devices(net, data, bad, batch_size=2, device_ids=["cpu"], weights=None,
-                             collate=lambda idx: collate([data[i] for i in idx]))  # fmt: skip
+            run = EvalRun(net, data, bad, [2], lambda idx: collate([data[i] for i in idx]))
+            evaluate_devices(run, device_ids=["cpu"], weights=None)

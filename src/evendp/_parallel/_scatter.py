@@ -15,6 +15,7 @@ tensors whatever the devices are.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -114,10 +115,6 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
                 yield from _tensors_in(getattr(obj, f.name))
 
 
-def _is_batch_tensor(t: torch.Tensor, dim: int) -> bool:
-    return t.dim() > dim
-
-
 def row_count(obj: Any, dim: int = 0) -> int | None:
     """The common size along ``dim`` of every batch tensor in ``obj`` (None when there is none).
 
@@ -171,17 +168,10 @@ def scatter(
     total = sum(sizes)
     for size, device in zip(sizes, devices, strict=True):
         cut = _chunk_mover(start, size, device, dim)
-        rows = _row_slicer(start, size)
+        rows = operator.itemgetter(slice(start, start + size))  # a per-row list's share
         shards.append(map_tensors(obj, cut, rows=total, row_fn=rows))
         start += size
     return shards
-
-
-def _row_slicer(start: int, size: int) -> Callable[[list[Any]], list[Any]]:
-    def cut(values: list[Any]) -> list[Any]:
-        return values[start : start + size]
-
-    return cut
 
 
 def _chunk_mover(
@@ -189,7 +179,7 @@ def _chunk_mover(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def move(t: torch.Tensor) -> torch.Tensor:
         # A share that is the whole batch needs no narrow (and no NarrowBackward node).
-        if _is_batch_tensor(t, dim) and size != t.shape[dim]:
+        if t.dim() > dim and size != t.shape[dim]:  # a batch tensor
             t = t.narrow(dim, start, size)
         return to_device(t, device)
 

@@ -144,27 +144,17 @@ def step_balancer(
     """
     if validate_balance(balance) == "none" or not distributed:
         return NoBalance()
-    return SpeedBalancer(batch_sizes, caps, **applied_by(apply, knobs))
+    theirs = knobs.get("on_resplit")  # a bad value: named by SpeedBalancer
+    if apply is not None and callable(theirs):  # the new split applied first, then theirs
 
+        def both(sizes: list[int]) -> None:
+            apply(sizes)
+            theirs(sizes)
 
-def applied_by(apply: Callable[[list[int]], None] | None, knobs: dict[str, Any]) -> dict[str, Any]:
-    """A balancer's ``knobs`` with ``apply`` (the loader's ``set_batch_sizes``) taking each new
-    split where it is decided, before the caller's own ``on_resplit`` among ``knobs``.
-
-    >>> said = []
-    >>> knobs = applied_by(said.append, {"on_resplit": lambda s: said.append(sum(s))})
-    >>> knobs["on_resplit"]([6, 2]); said
-    [[6, 2], 8]
-    """
-    theirs = knobs.get("on_resplit")
-    if apply is None or theirs is None or not callable(theirs):  # a bad value: named there
-        return {**knobs, "on_resplit": apply if theirs is None else theirs}
-
-    def both(sizes: list[int]) -> None:
-        apply(sizes)
-        theirs(sizes)
-
-    return {**knobs, "on_resplit": both}
+        knobs = {**knobs, "on_resplit": both}
+    elif theirs is None:
+        knobs = {**knobs, "on_resplit": apply}
+    return SpeedBalancer(batch_sizes, caps, **knobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,13 +455,6 @@ def planned_rank_sizes(
     )
     say_auto_sizes(sizes, caps, dist.get_rank() if initialized else 0)
     return sizes, caps
-
-
-def example_batch(data: Any, collate: Callable[[list[int]], Any]) -> Any:
-    """One sample as a batch, for the planner: ``collate([0])``."""
-    if len(data) == 0:
-        raise EvendpError("batch_sizes='auto' plans on a sample of the data, but it is empty")
-    return collate([0])
 
 
 def first_batch(data: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,11 +23,25 @@ from .._core._errors import EvendpError
 from .._core._exact import share_loss
 from .._parallel._scatter import map_tensors, row_count
 
-__all__ = ["EvalFn", "evaluate_devices", "evaluate_ranks", "loss_eval_fn"]
+__all__ = ["EvalFn", "EvalRun", "evaluate_devices", "evaluate_ranks", "loss_eval_fn"]
 
 Batch = Any
 SumCount = tuple[Any, Any]
 EvalFn = Callable[[nn.Module, Batch], Mapping[str, SumCount]]
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """What an evaluation reads: the model, the data, ``eval_fn``, the samples of each step
+    per process (one process: their sum, split over its devices), the collate of a list of
+    sample indices, and autocast's context."""
+
+    model: nn.Module
+    data: Any
+    eval_fn: EvalFn
+    batch_sizes: Sequence[int]
+    collate: Callable[[list[int]], Batch]
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 def loss_eval_fn(
@@ -99,39 +114,31 @@ class _EvalShard(nn.Module):
 
 
 def evaluate_devices(
-    model: nn.Module,
-    data: Any,
-    eval_fn: EvalFn,
-    *,
-    batch_size: int,
-    device_ids: Sequence[Any] | None,
-    weights: Sequence[float] | None,
-    collate: Callable[[list[int]], Batch],
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    run: EvalRun, *, device_ids: Sequence[Any] | None, weights: Sequence[float] | None
 ) -> dict[str, float]:
-    """One process: ``batch_size`` samples per step, split over ``device_ids`` by ``weights``
-    (:class:`BalancedDataParallel` without gathering), every sample once, in order.
+    """One process: ``sum(run.batch_sizes)`` samples per step, split over ``device_ids`` by
+    ``weights`` (:class:`BalancedDataParallel` without gathering), every sample once, in order.
 
     >>> net = nn.Linear(3, 1)
     >>> x, y = torch.randn(7, 3), torch.randn(7, 1)
     >>> mse = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
-    >>> got = evaluate_devices(net, list(zip(x, y)), loss_eval_fn(mse), batch_size=3,
-    ...     device_ids=["cpu"] * 3, weights=[2, 0, 1],
-    ...     collate=lambda idx: (x[idx], y[idx]))
+    >>> run = EvalRun(net, list(zip(x, y)), loss_eval_fn(mse), [3], lambda i: (x[i], y[i]))
+    >>> got = evaluate_devices(run, device_ids=["cpu"] * 3, weights=[2, 0, 1])
     >>> abs(got["loss"] - mse(net, (x, y)).item()) < 1e-6
     True
     """
     from .._parallel._dp import BalancedDataParallel
 
+    model, batch_size = run.model, sum(run.batch_sizes)
     shards = BalancedDataParallel(
-        _EvalShard(model, eval_fn), device_ids, weights=weights, gather_output=False
+        _EvalShard(model, run.eval_fn), device_ids, weights=weights, gather_output=False
     )
     sums: dict[str, list[float]] = {}
-    n = len(data)
+    n = len(run.data)
     with model_mode(model, False), torch.no_grad():
         for start in range(0, n, batch_size):
-            batch = collate(list(range(start, min(start + batch_size, n))))
-            with autocast():
+            batch = run.collate(list(range(start, min(start + batch_size, n))))
+            with run.autocast():
                 out = shards(*batch) if isinstance(batch, (tuple, list)) else shards(batch)
             for per_device in out.outputs:
                 _add(sums, _validate_metrics(per_device))
@@ -139,25 +146,20 @@ def evaluate_devices(
 
 
 def evaluate_ranks(
-    model: nn.Module,
-    data: Any,
-    eval_fn: EvalFn,
-    *,
-    batch_sizes: Sequence[int],
-    collate: Callable[[list[int]], Batch],
-    device: torch.device,
-    every_step: bool = False,
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    run: EvalRun, *, device: torch.device, every_step: bool = False
 ) -> dict[str, float]:
-    """Under ``torchrun``: rank ``r`` evaluates ``batch_sizes[r]`` samples of each step
+    """Under ``torchrun``: rank ``r`` evaluates ``run.batch_sizes[r]`` samples of each step
     (consecutive blocks, every sample once over all ranks), then the ranks add up their sums
     and counts. ``every_step=True`` (FSDP2: its forward all-gathers) runs the forward on an
     empty share too (on a stand-in sample), and counts nothing from it. Call it on every
     rank."""
     from .._distributed._sampler import UnevenBatchSampler
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps = list(UnevenBatchSampler(data, batch_sizes, rank=rank, world_size=world, shuffle=False))
+    rank, world, model = dist.get_rank(), dist.get_world_size(), run.model
+    sampler = UnevenBatchSampler(
+        run.data, run.batch_sizes, rank=rank, world_size=world, shuffle=False
+    )
+    steps = list(sampler)
     sums: dict[str, list[float]] = {}
     with model_mode(model, False), torch.no_grad():
         for indices in steps:
@@ -165,11 +167,11 @@ def evaluate_ranks(
                 continue
             # An empty share that must still run (FSDP2) runs one real sample, as training's
             # stand-in does (models may reject an empty batch), and counts none of it.
-            batch = map_tensors(collate(list(indices) or [0]), lambda t: t.to(device))
+            batch = map_tensors(run.collate(list(indices) or [0]), lambda t: t.to(device))
             # As the Trainer calls loss_fn: the batch as a tuple of what was collated.
             args = as_batch(as_args(batch), {})
-            with autocast():
-                metrics = _validate_metrics(eval_fn(model, args))
+            with run.autocast():
+                metrics = _validate_metrics(run.eval_fn(model, args))
             if indices:
                 _add(sums, metrics)
     parts: list[Any] = [None] * world

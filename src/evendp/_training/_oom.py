@@ -34,10 +34,6 @@ from .._distributed._step_layout import MicroPlan, micro_plan
 __all__ = ["OomResplit", "free_memory"]
 
 
-def _default_backward(loss: torch.Tensor) -> None:
-    loss.backward()
-
-
 def _validate_micro(name: str, value: int | None) -> int | None:
     return validate_int(name, value, minimum=1, allow_none=True, example="8")
 
@@ -125,7 +121,7 @@ class OomResplit:
         *,
         weight: float,
         zero_grad: Callable[[], None],
-        backward: Callable[[torch.Tensor], None] = _default_backward,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
         micro_batch_size: int | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward ``n`` samples; return their detached weighted loss, or None.
@@ -159,7 +155,7 @@ class OomResplit:
         *,
         weight: float | torch.Tensor,
         zero_grad: Callable[[], None],
-        backward: Callable[[torch.Tensor], None] = _default_backward,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
         micro_batch_sizes: Sequence[int | None] | None = None,
         min_micro_steps: int = 0,
         summed: bool = False,

@@ -31,6 +31,7 @@ from .._core._validate import (
     validate_path,
 )
 from .._distributed._batch_plan import validate_batch_sizes_option
+from .._planning._balance import validate_balance
 
 __all__ = [
     "checked_loss",
@@ -70,6 +71,15 @@ def validate_config(config: Any) -> None:
     validate_int("prefetch", config.prefetch, minimum=0, allow_none=True, example="prefetch=2")
     validate_int("eval_every", config.eval_every, minimum=0, example="eval_every=100")
     validate_int("log_every", config.log_every, minimum=1, example="log_every=10")
+    validate_balance(config.balance)
+    validate_int(
+        "max_nonfinite_steps", config.max_nonfinite_steps, minimum=0,
+        example="max_nonfinite_steps=3 (0: no check)",
+    )  # fmt: skip
+    validate_float(
+        "comm_timeout", config.comm_timeout, positive=True, allow_none=True,
+        example="comm_timeout=600 (seconds; None: the process group's own)",
+    )  # fmt: skip
     # The default checkpoint_every saves where there is a folder; a given one needs it.
     given_every = config.checkpoint_every and not isinstance(config.checkpoint_every, NotGiven)
     if (config.resume or given_every) and config.out_dir is None:
@@ -107,6 +117,10 @@ def validate_trainer_args(
     eval_fn: Any,
     device_ids: Any,
     weights: Any,
+    collate_fn: Any,
+    costs: Any,
+    max_costs: Any,
+    counts: Any,
 ) -> None:
     """The arguments of ``Trainer(...)`` before any of them is used."""
     validate_instance("model", model, nn.Module, "an nn.Module (the network to train)")
@@ -150,6 +164,15 @@ def validate_trainer_args(
         validate_numbers(
             "weights", weights, allow_none=True, example="weights=[2, 1] or weights='auto'"
         )
+    if collate_fn is not None and not callable(collate_fn):
+        raise EvendpError(
+            f"collate_fn must be a function samples -> batch, got {collate_fn!r}; e.g. "
+            "collate_fn=CodeParagraphs.collate of a padded dataset"
+        )
+    if max_costs is not None and costs is None:
+        raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
+    if counts is not None and count_fn is None:
+        raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
 
 
 def _validate_dataset(name: str, data: Any) -> None:

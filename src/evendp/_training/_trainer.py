@@ -33,7 +33,6 @@ from .._core._cost import sample_costs
 from .._core._counting import auto_count, holds_ignored, uncounted_warning
 from .._core._errors import EvendpError
 from .._core._exact import share_loss
-from .._core._validate import validate_float, validate_int
 from .._distributed._batch_plan import DEFAULT_BATCH_SIZE, global_batch_size
 from .._distributed._collate import EmptySafeCollate
 from .._distributed._interrupt import StopFlag, late_signal
@@ -47,15 +46,11 @@ from .._distributed._stalled import (
 from .._distributed._step_layout import StepLayout
 from .._parallel._prefetch import Prefetcher, Prepared, pin, wants_pinning
 from .._parallel._scatter import row_count
-from .._planning._balance import (
-    first_batch,
-    inline_for_balance,
-    validate_balance,
-)
+from .._planning._balance import first_batch, inline_for_balance
 from .._planning._on_device import forget as forget_plans
 from . import _peak_memory
 from ._checkpointer import Checkpointer
-from ._evaluate import EvalFn, loss_eval_fn
+from ._evaluate import EvalFn, EvalRun, loss_eval_fn
 from ._first_step_watch import first_step_watch
 from ._launched import join_launch
 from ._recorder import Callbacks, Recorder, TrainState
@@ -63,6 +58,7 @@ from ._report import TrainReport, write_report
 from ._stateful import OomCaps, PerRank, RngState, SamplerPosition
 from ._step import StepWeight, count_weight, no_batch_dimension, sample_counts, train_step
 from ._strategies import pick_strategy
+from ._strategies._base import SamplerInputs
 from ._train_inputs import checked_loss, validate_config, validate_trainer_args
 
 __all__ = ["TrainConfig", "Trainer", "default_loss"]
@@ -128,15 +124,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         validate_config(self)  # every field, at construction (evendp._training._train_inputs)
         self.batch_size = global_batch_size(self.batch_size, self.batch_sizes)  # one meaning
-        validate_balance(self.balance)
-        validate_int(
-            "max_nonfinite_steps", self.max_nonfinite_steps, minimum=0,
-            example="max_nonfinite_steps=3 (0: no check)",
-        )  # fmt: skip
-        validate_float(
-            "comm_timeout", self.comm_timeout, positive=True, allow_none=True,
-            example="comm_timeout=600 (seconds; None: the process group's own)",
-        )  # fmt: skip
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -390,7 +377,8 @@ class Trainer:
         validate_trainer_args(
             model, data, config, TrainConfig, loss_fn=loss_fn, count_fn=count_fn,
             optimizer=optimizer, scheduler=scheduler, eval_data=eval_data, eval_fn=eval_fn,
-            device_ids=device_ids, weights=weights,
+            device_ids=device_ids, weights=weights, collate_fn=collate_fn, costs=costs,
+            max_costs=max_costs, counts=counts,
         )  # fmt: skip
         # Under a launcher (evendp launch, torchrun): the ranks' process group, started here.
         join_launch(config.strategy)
@@ -415,17 +403,15 @@ class Trainer:
         strategy.wrap(_LossModule(model, loss_fn, count_fn), optimizer)
         self.wrapped = strategy.wrapped
         self.device_names = strategy.device_names
-        if max_costs is not None and costs is None:
-            raise EvendpError("max_costs caps each device's cost, but costs=None; pass costs=")
         self.sampler, self.balancer, device_costs, self._max_costs = strategy.sampler(
-            data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
-            model=lambda: _LossModule(model, loss_fn, count_fn),
-            example=lambda: first_batch(data, collate_fn),
+            SamplerInputs(
+                data, config, costs, max_costs, max_tokens,
+                model=lambda: _LossModule(model, loss_fn, count_fn),
+                example=lambda: first_batch(data, collate_fn),
+            )
         )  # fmt: skip
         # The cost plan inside this process (one process: each device's contiguous share).
         self._costs = sample_costs(data, self.sampler.num_samples, device_costs)
-        if counts is not None and count_fn is None:
-            raise EvendpError("counts gives each sample's count_fn count, but count_fn=None")
         self._counts = sample_counts(data, self.sampler.num_samples, counts)
         # A micro-batch cap per device, so an OOM shrinks only the failing share.
         # oom_resplit=False: an OOM propagates, as in plain PyTorch.
@@ -442,7 +428,7 @@ class Trainer:
         self._batch_fn: Callable[[list[int]], Batch] | None = (
             batch_fn if callable(batch_fn) else None
         )
-        self._collate = EmptySafeCollate(data, _validate_collate_fn(collate_fn))
+        self._collate = EmptySafeCollate(data, collate_fn)
         self._pin = wants_pinning(self.strategy.devices)
         # With a GPU the host is free while the device computes: collate ahead in a thread.
         # CPU devices are the host's own cores: a thread only competes with them for the GIL
@@ -621,16 +607,11 @@ class Trainer:
         collate_fn = self._collate.collate_fn  # the user's, else default_collate
         batch_fn = getattr(data, "batch", None) if collate_fn is default_collate else None
         empty_safe = EmptySafeCollate(data, collate_fn)
-
-        def collate(indices: list[int]) -> Batch:
-            return (
-                batch_fn(indices) if callable(batch_fn) else empty_safe([data[i] for i in indices])
-            )
-
-        metrics = self.strategy.evaluate(
-            self.model, data, self.eval_fn, batch_sizes=list(self.sampler.batch_sizes),
-            collate=collate, autocast=self.autocast,
-        )  # fmt: skip
+        collate = batch_fn if callable(batch_fn) else lambda ix: empty_safe([data[i] for i in ix])
+        run = EvalRun(
+            self.model, data, self.eval_fn, list(self.sampler.batch_sizes), collate, self.autocast
+        )
+        metrics = self.strategy.evaluate(run)
         self.evals.append({"step": self.step, "metrics": metrics})
         self.callbacks.call("on_eval", self, self.step, dict(metrics))
         return metrics
@@ -747,12 +728,3 @@ class Trainer:
             write_report(report, cfg.out_dir)
         self.callbacks.call("on_fit_end", self, report)
         return report
-
-
-def _validate_collate_fn(collate_fn: Any) -> Any:
-    if collate_fn is not None and not callable(collate_fn):
-        raise EvendpError(
-            f"collate_fn must be a function samples -> batch, got {collate_fn!r}; e.g. "
-            "collate_fn=CodeParagraphs.collate of a padded dataset"
-        )
-    return collate_fn

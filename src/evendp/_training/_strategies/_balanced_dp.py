@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import warnings
-from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ..._core._calls import as_args
-from ..._core._errors import TrainingError
 from ..._core._exact import step_count, sum_on
 from ..._parallel._dp import BalancedDataParallel, validate_devices
 from ..._planning._balance import device_sizes_for_memory, say_auto_sizes
-from .._evaluate import EvalFn, evaluate_devices
+from .._evaluate import EvalRun, evaluate_devices
 from .._step import StepWeight
-from ._base import Batch, Costs, Sampling, Strategy, build_sampler, place_model
+from ._base import Batch, SamplerInputs, Sampling, Strategy, build_sampler, place_model
 
 __all__ = ["BalancedDP", "build"]
 
@@ -37,6 +35,8 @@ class BalancedDP(Strategy):
     name = "dp"
     # One process: every part is its own.
     local_parts = frozenset({"backward", "optimizer"})
+    #: The wrapper, built by :meth:`wrap` (the Trainer calls it before anything else).
+    dp: BalancedDataParallel
 
     def __init__(
         self,
@@ -49,41 +49,24 @@ class BalancedDP(Strategy):
         super().__init__(model)
         self._device_ids = device_ids
         self._weights = weights  # "auto": planned with the sampler, from the first batch
-        self._dp: BalancedDataParallel | None = None
         self.device_names = ["rank0"]
 
     def wrap(self, loss_module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         fixed = None if self._weights == "auto" else self._weights  # "auto": see sampler()
-        self._dp = BalancedDataParallel(
+        self.dp = BalancedDataParallel(
             loss_module, self._device_ids, weights=fixed, gather_output=False
         )
-        self.wrapped = self._dp
-        self.devices = list(self._dp.device_ids)
+        self.wrapped = self.dp
+        self.devices = list(self.dp.device_ids)
         self.device_names = [
-            f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self._dp.device_ids)
+            f"{d}:{i}" if d.index is None else str(d) for i, d in enumerate(self.dp.device_ids)
         ]
 
-    @property
-    def dp(self) -> BalancedDataParallel:
-        """The wrapper (after :meth:`wrap`)."""
-        if self._dp is None:
-            raise TrainingError("BalancedDP.wrap() was not called before the step")
-        return self._dp
-
-    def sampler(
-        self,
-        data: Any,
-        config: Any,
-        *,
-        costs: Costs,
-        max_costs: Sequence[float] | None,
-        max_tokens: float | None,
-        model: Callable[[], nn.Module],
-        example: Callable[[], Any],
-    ) -> Sampling:
+    def sampler(self, inputs: SamplerInputs) -> Sampling:
+        config = inputs.config
         if self._weights == "auto" or (config.batch_sizes == "auto" and self._weights is None):
             option = "weights" if self._weights == "auto" else "batch_sizes"
-            self._plan_weights(model(), example(), config.batch_size, option)
+            self._plan_weights(inputs.model(), inputs.example(), config.batch_size, option)
         elif config.batch_sizes == "auto":
             warnings.warn(
                 f"batch_sizes='auto' is ignored: weights={self._weights} were given, which "
@@ -93,12 +76,12 @@ class BalancedDP(Strategy):
             )
         # One process draws the whole step (its devices' cost plan is the costs given, which
         # order each step's rows over the devices); a token budget needs the costs here too.
+        budget = inputs if inputs.max_tokens is not None else replace(inputs, costs=None)
         built = build_sampler(
-            data, config, requested=[config.batch_size], rank=0, world=1, distributed=False,
-            costs=costs if max_tokens is not None else None, max_costs=None,
-            max_tokens=max_tokens, model=model, example=example,
+            replace(budget, max_costs=None), requested=[config.batch_size], rank=0, world=1,
+            distributed=False,
         )  # fmt: skip
-        return built._replace(costs=costs, max_costs=max_costs)
+        return built._replace(costs=inputs.costs, max_costs=inputs.max_costs)
 
     def _plan_weights(
         self, loss_module: nn.Module, batch: Any, global_batch: int, option: str
@@ -145,20 +128,8 @@ class BalancedDP(Strategy):
             return int(signal.SIGINT)
         return self._stop.signum  # one process: nothing to agree on
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        eval_fn: EvalFn,
-        *,
-        batch_sizes: list[int],
-        collate: Callable[[list[int]], Batch],
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> dict[str, float]:
-        return evaluate_devices(
-            model, data, eval_fn, batch_size=sum(batch_sizes), device_ids=self.dp.device_ids,
-            weights=self.dp.weights, collate=collate, autocast=autocast,
-        )  # fmt: skip
+    def evaluate(self, run: EvalRun) -> dict[str, float]:
+        return evaluate_devices(run, device_ids=self.dp.device_ids, weights=self.dp.weights)
 
 
 def build(

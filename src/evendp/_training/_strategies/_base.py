@@ -18,11 +18,11 @@ from ..._core._errors import EvendpError
 from ..._distributed._run_lock import trainer_lock
 from ..._distributed._sampler import UnevenBatchSampler
 from .._checkpointer import CheckpointFormat, WholeFile
-from .._evaluate import EvalFn
+from .._evaluate import EvalRun
 from .._oom import OomResplit
 from .._step import OptimizerStep, Stepper, StepWeight, default_optimizer, run_schedule
 
-__all__ = ["Sampling", "StepEnd", "StopSource", "Strategy", "place_model"]
+__all__ = ["Sampling", "SamplerInputs", "StepEnd", "StopSource", "Strategy", "place_model"]
 
 Batch = Any
 Costs = Sequence[float] | Callable[[Any], float] | None
@@ -49,6 +49,21 @@ class Sampling(NamedTuple):
     balancer: Any
     costs: Costs = None
     max_costs: Sequence[float] | None = None
+
+
+@dataclass(frozen=True)
+class SamplerInputs:
+    """What :meth:`Strategy.sampler` reads: the dataset, the :class:`~evendp.TrainConfig`,
+    the costs and their caps, the token budget, and ``model()`` and ``example()`` (the loss
+    module and one batch, for planning ``batch_sizes="auto"``)."""
+
+    data: Any
+    config: Any
+    costs: Costs
+    max_costs: Sequence[float] | None
+    max_tokens: float | None
+    model: Callable[[], nn.Module]
+    example: Callable[[], Any]
 
 
 @dataclass(frozen=True)
@@ -129,24 +144,10 @@ class Strategy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def sampler(
-        self,
-        data: Any,
-        config: Any,
-        *,
-        costs: Costs,
-        max_costs: Sequence[float] | None,
-        max_tokens: float | None,
-        model: Callable[[], nn.Module],
-        example: Callable[[], Any],
-    ) -> Sampling:
+    def sampler(self, inputs: SamplerInputs) -> Sampling:
         """The sampler of this process's samples of each step (split by cost where it is),
         the balancer the loop calls at step boundaries (``config.balance``) and the cost plan
-        over this process's devices (:class:`Sampling`).
-
-        ``model()`` and ``example()`` (the loss module and one batch) are for planning
-        ``batch_sizes="auto"``; ``config`` is the :class:`~evendp.TrainConfig`.
-        """
+        over this process's devices (:class:`Sampling`)."""
 
     def guard(self, oom_resplit: bool) -> OomResplit:
         """The OOM re-split of a step's micro-steps (``oom_resplit=False``, or a strategy
@@ -254,35 +255,16 @@ class Strategy(abc.ABC):
         re-raised where the other processes could not agree on it."""
 
     @abc.abstractmethod
-    def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        eval_fn: EvalFn,
-        *,
-        batch_sizes: list[int],
-        collate: Callable[[list[int]], Batch],
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> dict[str, float]:
-        """Every sample of ``data`` once over all devices and processes: ``{name: value}``."""
+    def evaluate(self, run: EvalRun) -> dict[str, float]:
+        """Every sample of ``run.data`` once over all devices and processes: ``{name: value}``."""
 
 
 def build_sampler(
-    data: Any,
-    config: Any,
-    *,
-    requested: Any,
-    rank: int,
-    world: int,
-    distributed: bool,
-    costs: Costs,
-    max_costs: Sequence[float] | None,
-    max_tokens: float | None,
-    model: Callable[[], nn.Module],
-    example: Callable[[], Any],
+    inputs: SamplerInputs, *, requested: Any, rank: int, world: int, distributed: bool
 ) -> Sampling:
     """The sampler and balancer for ``world`` processes asking for ``requested`` sizes (the
     shared body of every strategy's :meth:`Strategy.sampler`)."""
+    data, config = inputs.data, inputs.config
     from ..._distributed._batch_plan import BatchPlan
     from ..._distributed._plan_agreement import agreed_plan
     from ..._planning._balance import rank_batch_plan, step_balancer
@@ -291,14 +273,15 @@ def build_sampler(
         # Ranks: the sizes a launcher left (evendp launch), unless the config gives its own.
         launched = BatchPlan.from_env(world) if distributed else None
         return rank_batch_plan(
-            requested, config.batch_size, world, model=model, example=example, launched=launched
-        )
+            requested, config.batch_size, world, model=inputs.model, example=inputs.example,
+            launched=launched,
+        )  # fmt: skip
 
     # Ranks: one plan on every rank, or every rank stops (two nodes given other sizes).
     plan = agreed_plan(plan_it, world) if distributed and world > 1 else plan_it()
     sampler = UnevenBatchSampler(
-        data, list(plan.sizes), rank=rank, world_size=world, seed=config.seed, costs=costs,
-        max_costs=max_costs, max_tokens=max_tokens,
+        data, list(plan.sizes), rank=rank, world_size=world, seed=config.seed,
+        costs=inputs.costs, max_costs=inputs.max_costs, max_tokens=inputs.max_tokens,
     )  # fmt: skip
     # balance="speed": at step boundaries samples move from slow ranks to fast ones.
     caps = None if plan.caps is None else list(plan.caps)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import signal
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,9 +34,9 @@ from ..._distributed._grad_buckets import GradientBuckets
 from ..._distributed._group import BUCKET_BYTES, comm_device
 from ..._distributed._interrupt import StopNotice, group_store
 from ..._parallel._scatter import map_tensors, to_device
-from .._evaluate import EvalFn, evaluate_ranks
+from .._evaluate import EvalRun, evaluate_ranks
 from .._step import StepWeight
-from ._base import Batch, Costs, Sampling, StepEnd, Strategy, build_sampler, place_model
+from ._base import Batch, SamplerInputs, Sampling, StepEnd, Strategy, build_sampler, place_model
 
 __all__ = ["DDP", "OomSafeDDP", "RankStrategy", "build", "signal_of", "stop_votes"]
 
@@ -79,22 +78,11 @@ class RankStrategy(Strategy):
             dist.broadcast(t, src=0)
         self.wrapped = loss_module
 
-    def sampler(
-        self,
-        data: Any,
-        config: Any,
-        *,
-        costs: Costs,
-        max_costs: Sequence[float] | None,
-        max_tokens: float | None,
-        model: Callable[[], nn.Module],
-        example: Callable[[], Any],
-    ) -> Sampling:
+    def sampler(self, inputs: SamplerInputs) -> Sampling:
         # The ranks split each step by cost: every rank computes the same plan.
         built = build_sampler(
-            data, config, requested=config.batch_sizes, rank=self.rank, world=self.world,
-            distributed=True, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
-            model=model, example=example,
+            inputs, requested=inputs.config.batch_sizes, rank=self.rank, world=self.world,
+            distributed=True,
         )  # fmt: skip
         if self.rank == 0:  # said once, as for one process's devices
             warn_if_batchnorm_split_unevenly(self.model, built[0].batch_sizes, "batch_sizes")
@@ -121,11 +109,8 @@ class RankStrategy(Strategy):
         return summed
 
     def reduce_losses(self, parts: torch.Tensor) -> torch.Tensor:
-        """Sum ``parts`` over ranks: one all-reduce for every step not read yet.
-
-        The Trainer calls it only when someone reads the losses (the progress bar every step,
-        a checkpoint, the report), so a step without logging adds no collective.
-        """
+        """Sum ``parts`` over ranks: one all-reduce for every step not read yet (only when
+        the losses are read: a step without logging adds no collective)."""
         return _all_reduce(parts, self.comm)
 
     def reduce_samples(self, samples: list[int]) -> list[int]:
@@ -157,27 +142,16 @@ class RankStrategy(Strategy):
 
     def _vote_now(self) -> int | None:
         """The ranks' stop votes in one all-reduce of their own."""
-        return agreed_signal(_all_reduce(stop_votes(self._stop.signum, self.comm), self.comm))
+        votes = _all_reduce(stop_votes(self._stop.signum, self.comm), self.comm)
+        return signal_of(*(float(v) for v in votes.tolist()))
 
     def _post_stop(self) -> None:
         mine = self._stop.signum
         if mine is not None and self._notice is not None:
             self._notice.post(mine, self._done)  # stop after the step following _done
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        eval_fn: EvalFn,
-        *,
-        batch_sizes: list[int],
-        collate: Callable[[list[int]], Batch],
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> dict[str, float]:
-        return evaluate_ranks(
-            model, data, eval_fn, batch_sizes=batch_sizes, collate=collate,
-            device=self.device, autocast=autocast, every_step=self._forward_collectives,
-        )  # fmt: skip
+    def evaluate(self, run: EvalRun) -> dict[str, float]:
+        return evaluate_ranks(run, device=self.device, every_step=self._forward_collectives)
 
     #: Whether forward itself runs collectives (FSDP2's all-gathers): then evaluation runs a
     #: rank's empty shares too.
@@ -311,11 +285,6 @@ def stop_votes(signum: int | None, device: torch.device) -> torch.Tensor:
     return torch.tensor(
         [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)], device=device
     )
-
-
-def agreed_signal(votes: torch.Tensor) -> int | None:
-    """The signal the summed ``votes`` agree on (SIGINT wins when both came)."""
-    return signal_of(*(float(v) for v in votes.tolist()))
 
 
 def signal_of(sigint: float, sigterm: float) -> int | None:

@@ -59,7 +59,7 @@ from .._checkpoint_names import DEEPSPEED_FILES
 from .._checkpointer import CheckpointFormat, Verify, WholeFile, step_of
 from .._safe_read import Refused, check_archive
 from .._step import NonFiniteGate, default_optimizer, run_schedule
-from ._base import Costs, Sampling
+from ._base import SamplerInputs, Sampling
 from ._ddp import RankStrategy
 
 __all__ = [
@@ -275,21 +275,8 @@ class DeepSpeed(RankStrategy):
 
     # -- setup -------------------------------------------------------------------------------
 
-    def sampler(
-        self,
-        data: Any,
-        config: Any,
-        *,
-        costs: Costs,
-        max_costs: Sequence[float] | None,
-        max_tokens: float | None,
-        model: Callable[[], nn.Module],
-        example: Callable[[], Any],
-    ) -> Sampling:
-        built = super().sampler(
-            data, config, costs=costs, max_costs=max_costs, max_tokens=max_tokens,
-            model=model, example=example,
-        )  # fmt: skip
+    def sampler(self, inputs: SamplerInputs) -> Sampling:
+        built = super().sampler(inputs)
         self._batch_sizes = list(built[0].batch_sizes)  # DeepSpeed's logged micro-batch
         return built
 
