@@ -162,9 +162,8 @@ def _uneven_dataloader(model: nn.Module, case: Case) -> Any:
     one = case.batch(1)
     sample = {k: v[0] for k, v in one.items()} if isinstance(one, dict) else one[0]
     return auto_loader_sizes(
-        [sample] * 4, model=model, batch_size=4, world=1, memory=case.memory, collate_fn=None,
-        where="uneven_dataloader",
-    )  # fmt: skip
+        [sample] * 4, model=model, batch_size=4, world=1, memory=case.memory, collate_fn=None
+    )
 
 
 SURFACES: dict[str, Callable[[nn.Module, Case], Any]] = {
