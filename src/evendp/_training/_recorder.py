@@ -7,28 +7,10 @@ The Trainer formats nothing: once per step it hands one :class:`Recorder` what t
 returned (:class:`~evendp._training._step.StepResult`) and the step's layout; the recorder reads
 the rest from the trainer it observes (its strategy, OOM guard, speed balancer, evaluations).
 
-Step losses stay on their device until someone reads them (:attr:`TrainState.losses`): under
-DDP/FSDP2 each rank records its own part of a step's loss, and :meth:`TrainState.flush` sums all
-pending parts over ranks in one collective when the losses are needed: the display steps
-(:func:`display_due`, nanoGPT's ``log_interval``: the same on every rank, so the collective
-pairs), a checkpoint, the report.
-
-Callback hooks, in the order a run meets them (every method optional; any object with some of
-them works, as in Lightning's and Hugging Face's callback designs):
-- ``on_fit_start(trainer)``: before the first step of a ``fit`` call;
-- ``on_step_end(trainer, step)``: after every optimizer step (``step`` is 1-based, the run's
-  position), cheap: nothing is read from the device for it;
-- ``on_log(trainer, step, metrics)``: every ``config.log_every`` steps, the first step and the
-  last (the steps the progress bar reads the loss on), with ``{"loss": ..., "lr": ...}`` and,
-  where a device's peak memory is known, ``"memory/<device>"`` in bytes; a skipped step has no
-  ``"loss"``;
-- ``on_eval(trainer, step, metrics)``: after each evaluation of ``eval_data``;
-- ``on_save(trainer, step, path)``: after each checkpoint (``path`` is ``None`` on ranks > 0);
-- ``on_fit_end(trainer, report)``: after the last step, with the :class:`TrainReport`.
-
-Under ``torchrun`` every rank runs its own callbacks' hooks. Reading the loss for ``on_log`` is
-a collective: the ranks agree at the start of ``fit`` whether any has callbacks, so callbacks
-on rank 0 alone are fine. The shipped loggers write on rank 0 only.
+Step losses stay on their device until read: under DDP/FSDP2 each rank records its part of a
+step's loss, and :meth:`TrainState.flush` sums the pending parts over ranks in one collective on
+the display steps (:func:`display_due`, the same on every rank, so the collective pairs), a
+checkpoint, the report. The hooks and when each runs: docs/training.md, "Logging and callbacks".
 """
 
 from __future__ import annotations
