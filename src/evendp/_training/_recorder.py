@@ -70,8 +70,7 @@ class Recorder:
     def start(self) -> TrainProgress:
         """At the start of a fit (after a resume): what ran before stays out of its report.
         Returns the progress bar (a context manager; drawn on rank 0 with ``progress``)."""
-        t = self.trainer
-        state = t.state
+        t, state = self.trainer, self.trainer.state
         self.splits = []
         self._start_step = state.step
         self._before = (list(state.samples), self.skipped_steps())
@@ -182,9 +181,7 @@ class Recorder:
 
     def peaks(self) -> list[int | None]:
         """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
-        t = self.trainer
-        peaks = t._device_peaks()
-        budgets = t.memory_budgets
+        peaks, budgets = self.trainer._device_peaks(), self.trainer.memory_budgets
         if budgets is None:
             return peaks
         return [p if p is not None else b for p, b in zip(peaks, budgets.peaks, strict=True)]
@@ -219,8 +216,7 @@ class Recorder:
     def report(self, elapsed: float, signum: int | None) -> TrainReport:
         """This fit's figures (every rank calls it: one reduction gathers them): samples per
         device per step, throughput and time count only the steps it ran."""
-        t = self.trainer
-        state = t.state
+        t, state = self.trainer, self.trainer.state
         steps_run = state.step - self._start_step
         t._read_pending()
         samples = [a - b for a, b in zip(state.samples, self._before[0], strict=True)]
