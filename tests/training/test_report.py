@@ -165,7 +165,7 @@ def test_png_has_title_budget_lines_and_no_label_on_the_axis(tmp_path: Path) -> 
     FigureCanvasAgg(fig)
     mem, curve = fig.subplots(1, 2)
     rep._plot_memory(mem, report)
-    rep._plot_validation(curve, report.eval)
+    rep._plot_loss(curve, report)
     labels = [t.get_text() for t in mem.get_legend().get_texts()]
     assert "budget" in labels and "evendp split, planned" in labels
     assert "even split, measured (forward, until OOM)" in labels

@@ -206,12 +206,8 @@ def uncounted_warning(where: str, model: Any = None, *, stacklevel: int = 3) -> 
 def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The rows of the first tensor with a batch dimension among the inputs (0 if none)."""
     for value in (*args, *kwargs.values()):
-        if isinstance(value, Mapping):
-            found = _rows((), dict(value))
-            if found:
-                return found
-        elif isinstance(value, (tuple, list)):
-            found = _rows(tuple(value), {})
+        if isinstance(value, (Mapping, tuple, list)):
+            found = _rows(tuple(value.values() if isinstance(value, Mapping) else value), {})
             if found:
                 return found
         elif isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -1,9 +1,5 @@
-"""Tables for people: what ``print`` shows of a plan or a report.
-
-``Plan.table()`` and ``TrainReport.table()`` return a :class:`PrintableTable`, a
-``rich.table.Table`` that a console renders as before and that ``print``/``str`` render as
-text too (a plain ``rich`` table prints as ``<rich.table.Table object at ...>``).
-"""
+"""What ``Plan.table()`` and ``TrainReport.table()`` return: a ``rich`` table that ``print``
+shows as text (a plain one prints as ``<rich.table.Table object at ...>``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Metric loggers: Trainer callbacks that write ``on_log`` / ``on_eval`` metrics somewhere.
-
-Each logger is also usable alone: ``log_metrics(metrics, step)`` then ``close()``. Under
-``torchrun`` they write on rank 0 only. Names: the training metrics of ``on_log`` go under
-``train/`` (``train/loss``, ``train/lr``; ``memory/<device>`` as given), the evaluation's under
-``val/``; the CSV file keeps the training names bare (``step,loss,lr``).
-TensorBoard needs the ``tensorboard`` package, MLflow ``mlflow`` (or ``mlflow-skinny``), W&B
-``wandb``; each is imported when the logger is made, and a missing one is named with its
+"""Metric loggers: Trainer callbacks that write ``on_log`` / ``on_eval`` metrics somewhere, on
+rank 0 only; each is also usable alone (``log_metrics(metrics, step)``, then ``close()``).
+Training metrics go under ``train/`` (the CSV file keeps them bare), the evaluation's under
+``val/``. A logger's package is imported when it is made; a missing one is named with its
 ``pip install`` line.
 """
 

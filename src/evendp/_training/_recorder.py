@@ -7,28 +7,10 @@ The Trainer formats nothing: once per step it hands one :class:`Recorder` what t
 returned (:class:`~evendp._training._step.StepResult`) and the step's layout; the recorder reads
 the rest from the trainer it observes (its strategy, OOM guard, speed balancer, evaluations).
 
-Step losses stay on their device until someone reads them (:attr:`TrainState.losses`): under
-DDP/FSDP2 each rank records its own part of a step's loss, and :meth:`TrainState.flush` sums all
-pending parts over ranks in one collective when the losses are needed: the display steps
-(:func:`display_due`, nanoGPT's ``log_interval``: the same on every rank, so the collective
-pairs), a checkpoint, the report.
-
-Callback hooks, in the order a run meets them (every method optional; any object with some of
-them works, as in Lightning's and Hugging Face's callback designs):
-- ``on_fit_start(trainer)``: before the first step of a ``fit`` call;
-- ``on_step_end(trainer, step)``: after every optimizer step (``step`` is 1-based, the run's
-  position), cheap: nothing is read from the device for it;
-- ``on_log(trainer, step, metrics)``: every ``config.log_every`` steps, the first step and the
-  last (the steps the progress bar reads the loss on), with ``{"loss": ..., "lr": ...}`` and,
-  where a device's peak memory is known, ``"memory/<device>"`` in bytes; a skipped step has no
-  ``"loss"``;
-- ``on_eval(trainer, step, metrics)``: after each evaluation of ``eval_data``;
-- ``on_save(trainer, step, path)``: after each checkpoint (``path`` is ``None`` on ranks > 0);
-- ``on_fit_end(trainer, report)``: after the last step, with the :class:`TrainReport`.
-
-Under ``torchrun`` every rank runs its own callbacks' hooks. Reading the loss for ``on_log`` is
-a collective: the ranks agree at the start of ``fit`` whether any has callbacks, so callbacks
-on rank 0 alone are fine. The shipped loggers write on rank 0 only.
+Step losses stay on their device until read: under DDP/FSDP2 each rank records its part of a
+step's loss, and :meth:`TrainState.flush` sums the pending parts over ranks in one collective on
+the display steps (:func:`display_due`, the same on every rank, so the collective pairs), a
+checkpoint, the report. The hooks and when each runs: docs/training.md, "Logging and callbacks".
 """
 
 from __future__ import annotations
@@ -88,8 +70,7 @@ class Recorder:
     def start(self) -> TrainProgress:
         """At the start of a fit (after a resume): what ran before stays out of its report.
         Returns the progress bar (a context manager; drawn on rank 0 with ``progress``)."""
-        t = self.trainer
-        state = t.state
+        t, state = self.trainer, self.trainer.state
         self.splits = []
         self._start_step = state.step
         self._before = (list(state.samples), self.skipped_steps())
@@ -200,9 +181,7 @@ class Recorder:
 
     def peaks(self) -> list[int | None]:
         """Per device, the measured peak: the CUDA allocator's, else a budget's forward peak."""
-        t = self.trainer
-        peaks = t._device_peaks()
-        budgets = t.memory_budgets
+        peaks, budgets = self.trainer._device_peaks(), self.trainer.memory_budgets
         if budgets is None:
             return peaks
         return [p if p is not None else b for p, b in zip(peaks, budgets.peaks, strict=True)]
@@ -237,8 +216,7 @@ class Recorder:
     def report(self, elapsed: float, signum: int | None) -> TrainReport:
         """This fit's figures (every rank calls it: one reduction gathers them): samples per
         device per step, throughput and time count only the steps it ran."""
-        t = self.trainer
-        state = t.state
+        t, state = self.trainer, self.trainer.state
         steps_run = state.step - self._start_step
         t._read_pending()
         samples = [a - b for a, b in zip(state.samples, self._before[0], strict=True)]

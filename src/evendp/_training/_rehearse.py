@@ -84,19 +84,17 @@ def plan_for(
     memory: Sequence[int],
     batch: int,
     *,
-    first: Any = None,
+    first: Any,
     say: Callable[[str], None] | None = None,
 ) -> Any:
     """The planner's :class:`~evendp.Plan` of ``batch`` samples of ``trainer``'s data and loss
     over ``memory`` (bytes per device; no CUDA context). Each measured batch has the shapes of
-    ``first`` (the first batch training runs; ``None``: collate it) grown to the rows measured,
+    ``first`` (the first batch training runs) grown to the rows measured,
     so a measurement reads no sample. ``say`` gets a line before each fake step measured.
     """
     from .._planning._plan import plan
     from .._planning._planner import progress_to
 
-    if first is None:
-        first = _first_batch(trainer)
     rows = row_count(first)
     if not rows:
         raise EvendpError(
@@ -140,13 +138,6 @@ def _rows_like(batch: Any, rows: int, n: int) -> Any:
     return map_tensors(
         batch, grow, rows=rows, row_fn=lambda values: [values[i % rows] for i in range(n)]
     )
-
-
-def _first_batch(trainer: Any) -> Any:
-    """The batch the first step trains (the sampler is deterministic in its epoch)."""
-    sampler = trainer.sampler
-    sampler.set_epoch(0)
-    return trainer.collate(list(next(iter(sampler))))
 
 
 def rehearse(
@@ -225,7 +216,10 @@ def rehearse(
     fixed = None if weights is None or isinstance(weights, str) else [float(w) for w in weights]
     trainer = Trainer(model, data, config, device_ids=devices, weights=fixed, **trainer_args)
     dp: Any = trainer.wrapped  # BalancedDataParallel: one process
-    first = _first_batch(trainer)  # what the planner sizes and the even split tries
+    # The batch the first step trains (the sampler is deterministic in its epoch): what the
+    # planner sizes and the even split tries.
+    trainer.sampler.set_epoch(0)
+    first = trainer.collate(list(next(iter(trainer.sampler))))
     planned = None
     if weights == "auto":
         tell(f"planning the split of {config.batch_size} samples over {len(budgets)} "
@@ -241,7 +235,13 @@ def rehearse(
     even, line = probe_even_split(trainer, budget, first)
     tell(line)
     report = trainer.fit()
-    report.devices = _with_figures(report.devices, even, planned)
+    for i, (share, peak, oom) in enumerate(even):
+        d = report.devices[i]
+        d = replace(d, even_samples=share, even_forward_peak_bytes=peak, even_oom=oom)
+        if planned is not None:
+            p = planned.devices[i]
+            d = replace(d, planned_bytes=p.peak, even_planned_bytes=p.even_peak)
+        report.devices[i] = d
     if config.out_dir is not None and trainer.rank == 0:
         write_report(report, Path(config.out_dir))
     return report
@@ -264,15 +264,3 @@ def _budgets(memory: str | Sequence[int | str], scale: float) -> list[int]:
             "scale or the budgets"
         )
     return budgets
-
-
-def _with_figures(devices: list[Any], even: list[EvenShare], planned: Any) -> list[Any]:
-    out = []
-    for i, d in enumerate(devices):
-        share, peak, oom = even[i]
-        d = replace(d, even_samples=share, even_forward_peak_bytes=peak, even_oom=oom)
-        if planned is not None:
-            p = planned.devices[i]
-            d = replace(d, planned_bytes=p.peak, even_planned_bytes=p.even_peak)
-        out.append(d)
-    return out

@@ -1,18 +1,11 @@
-"""What a training run shows: a live progress bar, and a final table, JSON and PNG report.
+"""A run's final report: a table, ``report.json``, ``report.txt`` and ``report.png``.
 
-The PNG's left panel shows, per device, its memory budget as a line, evendp's split under it
-and an even split of the same global batch (what ``nn.DataParallel`` runs) beside it; the
-right panel the loss curve (and the validation curve when there is one). Every figure says
-where it comes from: *measured* (on a GPU the CUDA allocator's peak reserved bytes,
-:mod:`evendp._training._peak_memory`; on budgeted virtual CPU devices the enforced forward
-peak of :mod:`evendp._training._budget`) or *planned* (the memory planner's forward+backward
-peak). One is never shown under the other's name.
-
-Memory is a physical device's: the replicas of one GPU in one process (``device_ids=["cuda:0",
-"cuda:0"]``) share its allocator, so the table, the picture and ``report.json`` show one row
-for that GPU ("cuda:0 (2 replicas)") with its one measured peak beside the sum of its replicas'
-planned peaks (:meth:`TrainReport.device_rows`); each replica's own share of every step stays
-in ``batch_sizes_per_step``, named by ``replicas``.
+The PNG shows per device its budget as a line and the memory of evendp's split and of an even
+split (what ``nn.DataParallel`` runs) as bars, then the loss. Every figure is *measured* (a
+GPU's peak reserved bytes, or a budgeted virtual device's enforced forward peak) or *planned*
+(the planner's peak), never one under the other's name. The replicas of one GPU share its
+allocator: they show as one row (:meth:`TrainReport.device_rows`); each replica's share of
+every step stays in ``batch_sizes_per_step``, named by ``replicas``.
 """
 
 from __future__ import annotations
@@ -29,8 +22,6 @@ from .._core._units import byte_unit, format_bytes
 
 __all__ = [
     "FORWARD",
-    "NOT_MEASURED",
-    "PEAK_KINDS",
     "RESERVED",
     "DeviceStat",
     "TrainReport",
@@ -62,17 +53,10 @@ NOT_MEASURED = "not measured"
 
 @dataclass
 class DeviceStat:
-    """One device's share and memory in a run (memory figures in bytes, ``None`` if unknown).
-
-    ``samples`` is what the device trained in the steps run (a count), ``samples_per_step``
-    its mean per step. ``peak_bytes`` is the measured peak, of kind ``peak_kind``
-    (:data:`PEAK_KINDS`): ``"reserved"`` the CUDA allocator's peak reserved bytes of the
-    device, ``"forward"`` a budgeted virtual device's enforced forward peak. ``replicas``:
-    how many of the run's replicas the device holds (one GPU repeated in ``device_ids``).
-    """
+    """One device's share and memory in a run (memory figures in bytes, ``None`` if unknown)."""
 
     name: str
-    samples_per_step: float
+    samples_per_step: float  # the mean over the steps run
     peak_bytes: int | None = None  # measured, of kind peak_kind
     planned_bytes: int | None = None  # planner, our split
     even_planned_bytes: int | None = None  # planner, an even split of the same batch
@@ -82,7 +66,7 @@ class DeviceStat:
     even_forward_peak_bytes: int | None = None  # measured for the even split (at the OOM: so far)
     even_oom: bool = False  # the even split ran out of this device's budget
     samples: int | None = None  # samples trained in the steps run (None: not counted)
-    replicas: int = 1  # the run's replicas on this device
+    replicas: int = 1  # the run's replicas on this device (one GPU repeated in device_ids)
 
 
 def _total(values: list[int | None]) -> int | None:
@@ -133,15 +117,6 @@ def _row_name(d: DeviceStat) -> str:
     ('cuda:0 (2 replicas)', 'cpu:1')
     """
     return d.name if d.replicas == 1 else f"{d.name} ({d.replicas} replicas)"
-
-
-def _json_count(x: float) -> int | float:
-    """A mean count for ``report.json``: an integer when whole (every step the same).
-
-    >>> _json_count(12.0), _json_count(11.9333)
-    (12, 11.9333)
-    """
-    return int(x) if float(x).is_integer() else x
 
 
 @dataclass
@@ -293,10 +268,10 @@ class TrainReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``report.json``."""
         data = asdict(self)
-        data["devices"] = [
-            {**asdict(d), "samples_per_step": _json_count(d.samples_per_step)}
-            for d in self.device_rows()
-        ]
+        data["devices"] = [asdict(d) for d in self.device_rows()]
+        for d in data["devices"]:  # an integer when whole (every step the same)
+            x = d["samples_per_step"]
+            d["samples_per_step"] = int(x) if float(x).is_integer() else x
         data["replicas"] = self.replicas
         data["first_loss"], data["final_loss"] = self.first_loss, self.final_loss
         return data
@@ -365,27 +340,23 @@ def plot_panels(report: TrainReport) -> list[Any]:
     >>> [panel.__name__ for panel in plot_panels(r)]
     ['_plot_split', '_plot_loss']
     """
-    return [p for p in (_plot_memory, _plot_split) if _shows(p, report)] + [_plot_loss]
-
-
-def _shows(panel: Any, report: TrainReport) -> bool:
-    """Whether an optional panel has figures for this run."""
-    if panel is _plot_split:  # where the split moved, or no memory panel shows the shares
-        several = any(len(sizes) > 1 for sizes in report.batch_sizes_per_step)
-        return several and (
-            _split_changes(report.batch_sizes_per_step) > 0 or not _shows(_plot_memory, report)
-        )
-    rows = report.device_rows()
-    bars = [_memory_bars(d) for d in rows]
-    return any(v is not None for b in bars for v in b.values()) or any(
-        d.budget_bytes is not None for d in rows
-    )
+    rows, split = report.device_rows(), report.batch_sizes_per_step
+    memory = any(v is not None for d in rows for v in [*_memory_bars(d).values(), d.budget_bytes])
+    several = any(len(sizes) > 1 for sizes in split)
+    moved = several and (_split_changes(split) > 0 or not memory)
+    return [_plot_memory] * memory + [_plot_split] * moved + [_plot_loss]
 
 
 def _plot_loss(ax: Any, report: TrainReport) -> None:
-    """The training loss per step, and the validation loss where evaluated."""
+    """The training loss per step, and the validation curve where evaluated."""
     ax.plot(range(1, len(report.losses) + 1), report.losses, label="training")
-    _plot_validation(ax, report.eval)
+    if report.eval:  # the validation loss (else the first metric) at each evaluated step
+        metrics = report.eval[-1]["metrics"]
+        name = "loss" if "loss" in metrics else next(iter(metrics), None)
+        points = [(e["step"], e["metrics"][name]) for e in report.eval if name in e["metrics"]]
+        if points:
+            ax.plot(*zip(*points, strict=True), "o-", label=f"validation {name}")
+            ax.legend(fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Loss")
@@ -401,7 +372,10 @@ def _plot_split(ax: Any, report: TrainReport) -> None:
     # Step k spans [k, k + 1): the last step (a short one too) gets its width.
     steps = range(first, first + len(split) + 1)
     ranks = list(zip(*split, split[-1], strict=True))
-    ax.stackplot(steps, ranks, labels=_replica_labels(report.replicas), step="post")
+    names = report.replicas  # numbered where one device holds several
+    if len(set(names)) < len(names):
+        names = [f"{name} #{i}" for i, name in enumerate(names)]
+    ax.stackplot(steps, ranks, labels=names, step="post")
     changes = _split_changes(split)
     # A change: a speed re-split, or a split by cost that moves with the step's samples.
     ax.set_title("Split over steps" + (f" ({changes} change{'s' * (changes != 1)})"))
@@ -419,17 +393,6 @@ def _split_changes(split: list[list[int]]) -> int:
     1
     """
     return sum(a != b and sum(a) == sum(b) for a, b in itertools.pairwise(split))
-
-
-def _replica_labels(names: list[str]) -> list[str]:
-    """The split's bands: each replica's device, numbered where one device holds several.
-
-    >>> _replica_labels(["rank0", "rank1"]), _replica_labels(["cuda:0", "cuda:0"])
-    (['rank0', 'rank1'], ['cuda:0 #0', 'cuda:0 #1'])
-    """
-    if len(set(names)) == len(names):
-        return list(names)
-    return [f"{name} #{i}" for i, name in enumerate(names)]
 
 
 # (label, colour, hatch) per bar kind; measured bars are solid, planned ones hatched.
@@ -499,17 +462,6 @@ def _plot_memory(ax: Any, report: TrainReport) -> None:
     ax.set_title("Per-device memory for one step")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right", ncols=2)  # drawn only with figures (_shows)
-
-
-def _plot_validation(ax: Any, evals: list[dict[str, Any]]) -> None:
-    """The validation loss (else the first metric) at each evaluated step, on the loss axes."""
-    if not evals:
-        return
-    name = "loss" if "loss" in evals[-1]["metrics"] else next(iter(evals[-1]["metrics"]), None)
-    points = [(e["step"], e["metrics"][name]) for e in evals if name in e["metrics"]]
-    if points:
-        ax.plot(*zip(*points, strict=True), "o-", label=f"validation {name}")
-        ax.legend(fontsize=8)
 
 
 def write_report(report: TrainReport, out_dir: str | Path) -> dict[str, Path]:

@@ -68,11 +68,10 @@ class OomCaps:
         self.guard = guard
 
     def state_dict(self) -> dict[str, Any]:
-        guard = self.guard
         return {
-            "micro_batch_sizes": list(guard.micro_batch_sizes),
-            "resplits": guard.resplits,
-            "skipped": guard.skipped,
+            "micro_batch_sizes": list(self.guard.micro_batch_sizes),
+            "resplits": self.guard.resplits,
+            "skipped": self.guard.skipped,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> str | None:
