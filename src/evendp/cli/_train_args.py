@@ -31,7 +31,6 @@ __all__ = [
     "parse_devices",
     "parse_weights",
     "resume_check",
-    "torchrun_restarted",
     "validate_args",
     "weights_list",
 ]
@@ -230,20 +229,20 @@ def validate_args(args: argparse.Namespace) -> None:
         raise EvendpError(
             f"--max-restarts restarts torchrun's ranks; use it with --mode {_rank_modes(' or ')}"
         )
-    if args.strategy_config is not None and not STRATEGIES[args.mode].takes_config:
+    config = args.strategy_config
+    if config is not None and not STRATEGIES[args.mode].takes_config:
         takers = [n for n, e in STRATEGIES.items() if e.takes_config]
         raise EvendpError(
-            f"--mode {args.mode} reads no --strategy-config (got "
-            f"{shown(args.strategy_config)}); drop it"
+            f"--mode {args.mode} reads no --strategy-config (got {shown(config)}); drop it"
             + (f", or use --mode {'/'.join(takers)}" if takers else "")
         )
-    if args.strategy_config is not None and not Path(args.strategy_config).is_file():
+    if config is not None and not Path(config).is_file():
         raise EvendpError(
-            f"--strategy-config {shown(args.strategy_config)} is not a file; pass the path "
-            "of a JSON file with the mode's settings"
+            f"--strategy-config {shown(config)} is not a file; pass the path of a JSON file "
+            "with the mode's settings"
         )
-    if args.strategy_config is not None:
-        STRATEGIES[args.mode].check_config(args.strategy_config)
+    if config is not None:
+        STRATEGIES[args.mode].check_config(config)
     _validate_rank_options(args)
     _validate_pairs(args)
 
@@ -554,10 +553,9 @@ def options_json(args: argparse.Namespace) -> str:
 
 def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
     """In a rank started by ``evendp train``: the launcher's options (``args`` elsewhere)."""
-    text = os.environ.get(OPTIONS_ENV)
-    if text is None or "RANK" not in os.environ:
+    if not is_launched_rank():
         return args
-    return argparse.Namespace(**{**vars(args), **_checked_options(text)})
+    return argparse.Namespace(**{**vars(args), **_checked_options(os.environ[OPTIONS_ENV])})
 
 
 #: Options that are each machine's own in a run of several: the rest must agree everywhere.
