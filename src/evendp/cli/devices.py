@@ -13,7 +13,7 @@ from .._planning._devices import DeviceInfo, NvmlUnavailableError, list_devices
 if TYPE_CHECKING:  # rich loads when a table is drawn, not for every evendp command
     from rich.table import Table
 
-__all__ = ["add_parser", "render_table", "run"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
