@@ -148,9 +148,6 @@ def _planner_weights(
     return p
 
 
-Figures = dict[str, Any]  # DeviceStat fields by name
-
-
 def run_checks(args: argparse.Namespace, trainer: Any, budgets: Any) -> Any:
     """Before training: the even-split probe (per device: even share, measured forward peak,
     ran out; ``None`` without budgets) and the exactness check, then the peaks reset."""
@@ -178,7 +175,7 @@ def with_figures(
     planned: Any,
 ) -> list[Any]:
     """The report's ``DeviceStat``s with the budgets, the even probe and the planned peaks."""
-    figures: list[Figures] = [{} for _ in devices]
+    figures: list[dict[str, Any]] = [{} for _ in devices]  # DeviceStat fields by name
     for i, f in enumerate(figures):
         if memory is not None:
             f["budget_bytes"] = memory[i]
@@ -192,7 +189,7 @@ def with_figures(
 
 def _planned_figures(
     args: argparse.Namespace, config: Any, ours: list[int], planned: Any
-) -> list[Figures]:
+) -> list[dict[str, Any]]:
     """Planned peaks for our shares and an even split (from the plan when it priced them; else
     ``profile_step``, not ``evendp.plan``: the shares may come from ``--weights``)."""
     from .._planning._plan import profile_step
