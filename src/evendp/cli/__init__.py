@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._args import CleanParser, say_error
-from ._fast import RUNS
 
-__all__ = ["build_parser", "has_gpu", "is_light", "main", "version"]
+__all__ = ["KEEP_SIGNALS", "build_parser", "has_gpu", "is_light", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
@@ -94,7 +93,7 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    if args.command not in RUNS:  # no run to stop cleanly: the usual Ctrl-C
+    if args.command not in KEEP_SIGNALS:  # no run to stop cleanly: the usual Ctrl-C
         early.__exit__(None, None, None)
         if early.signum is not None:
             return exit_code(early.signum)
@@ -108,6 +107,9 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
         return exc.exit_code  # 2 for bad input, 1 for a fault while training
     return code
 
+
+# The commands that run training (or launch it): a signal stops them at a step boundary.
+KEEP_SIGNALS = ("train", "launch")
 
 # The commands that plan or run on GPUs: they choose the CUDA allocator's setting first.
 _CUDA_COMMANDS = ("train", "launch", "plan")

@@ -108,7 +108,21 @@ def add_options(p: argparse.ArgumentParser) -> None:
     add_int(
         p, "--max-restarts", (0, 100, 1), 0, restarts + "; they resume from the last checkpoint"
     )
-    _add_node_options(p)
+    # --devices is each machine's own (MACHINE_OPTIONS); --weights, like every other option,
+    # must agree on every machine (the plans' agreement compares them).
+    nodes = p.add_argument_group(
+        f"several machines (ranks: --mode {_rank_modes()})",
+        "the same command on every machine, each with its --node-rank and its own --devices "
+        "(machines may hold different numbers); --weights (one weight per rank of the whole "
+        "run, node 0's first) and every other option the same everywhere",
+    )
+    add_int(nodes, "--nnodes", (1, 100_000, 2), 1, "machines in the run")
+    place = "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"
+    add_int(nodes, "--node-rank", (0, 99_999, 1), None, place)
+    reach = "node 0's address every node reaches (on a private network: docs/ddp.md)"
+    nodes.add_argument("--master-addr", type=str, default=None, help=reach)
+    port = "node 0's port for the store (default: torchrun's, 29500)"
+    add_int(nodes, "--master-port", (1, 65_535, 29_501), None, port)
     p.add_argument(
         "--comm-timeout",
         type=bounded_float(
@@ -179,24 +193,6 @@ def _rank_modes(last: str = ", ") -> str:
     """
     *first, final = rank_strategy_names()
     return ", ".join(first) + last + final if first else final
-
-
-def _add_node_options(p: argparse.ArgumentParser) -> None:
-    # --devices is each machine's own (MACHINE_OPTIONS); --weights, like every other option,
-    # must agree on every machine (the plans' agreement compares them).
-    nodes = p.add_argument_group(
-        f"several machines (ranks: --mode {_rank_modes()})",
-        "the same command on every machine, each with its --node-rank and its own --devices "
-        "(machines may hold different numbers); --weights (one weight per rank of the whole "
-        "run, node 0's first) and every other option the same everywhere",
-    )
-    add_int(nodes, "--nnodes", (1, 100_000, 2), 1, "machines in the run")
-    place = "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"
-    add_int(nodes, "--node-rank", (0, 99_999, 1), None, place)
-    reach = "node 0's address every node reaches (on a private network: docs/ddp.md)"
-    nodes.add_argument("--master-addr", type=str, default=None, help=reach)
-    port = "node 0's port for the store (default: torchrun's, 29500)"
-    add_int(nodes, "--master-port", (1, 65_535, 29_501), None, port)
 
 
 def validate_args(args: argparse.Namespace) -> None:
