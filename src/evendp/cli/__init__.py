@@ -11,7 +11,7 @@ from typing import Any
 
 from ._args import CleanParser, say_error
 
-__all__ = ["build_parser", "has_gpu", "is_light", "main", "version"]
+__all__ = ["KEEP_SIGNALS", "build_parser", "has_gpu", "is_light", "main", "version"]
 
 # Subcommands in the order `evendp --help` lists them.
 _SUBCOMMANDS: tuple[str, ...] = ("devices", "plan", "launch", "train")
@@ -93,7 +93,7 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    if args.command not in _KEEP_SIGNALS:  # no run to stop cleanly: the usual Ctrl-C
+    if args.command not in KEEP_SIGNALS:  # no run to stop cleanly: the usual Ctrl-C
         early.__exit__(None, None, None)
         if early.signum is not None:
             return exit_code(early.signum)
@@ -109,7 +109,7 @@ def _main(argv: Sequence[str] | None, early: Any) -> int:
 
 
 # The commands that run training (or launch it): a signal stops them at a step boundary.
-_KEEP_SIGNALS = ("train", "launch")
+KEEP_SIGNALS = ("train", "launch")
 
 # The commands that plan or run on GPUs: they choose the CUDA allocator's setting first.
 _CUDA_COMMANDS = ("train", "launch", "plan")

@@ -14,13 +14,10 @@ from typing import Any, NoReturn
 from .._core._validate import shown
 
 __all__ = [
-    "TRACEBACK_ENV",
     "CleanParser",
     "bounded_float",
     "add_int",
-    "bounded_int",
     "memory_text",
-    "plain_text",
     "say_error",
     "say_units",
     "suggest",
@@ -192,31 +189,6 @@ def plain_text(text: str) -> str:
     return text.replace("``", "")
 
 
-def bounded_int(flag: str, minimum: int, maximum: int, example: int) -> Callable[[str], int]:
-    """An argparse ``type`` for ints in ``[minimum, maximum]``.
-
-    >>> bounded_int("--steps", 1, 9, 5)("0")
-    Traceback (most recent call last):
-    ...
-    argparse.ArgumentTypeError: --steps must be an int in [1, 9], got '0'; e.g. --steps 5
-    """
-
-    def convert(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            value = None
-        if value is None or not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(
-                f"{flag} must be an int in [{minimum}, {maximum}], got {shown(text)}; "
-                f"e.g. {flag} {example}"
-            )
-        return value
-
-    convert.__name__ = "int"
-    return convert
-
-
 def add_int(
     parser: argparse._ActionsContainer,
     flag: str,
@@ -224,11 +196,34 @@ def add_int(
     default: int | None,
     text: str,
 ) -> None:
-    """Add the int option ``flag`` (``bounds``: least, most, an example); its help is ``text``
-    and the default, unless ``text`` names the default itself."""
+    """Add the int option ``flag``, an int in ``[least, most]`` (``bounds``: least, most, an
+    example); its help is ``text`` and the default, unless ``text`` names the default itself.
+
+    >>> p = argparse.ArgumentParser()
+    >>> add_int(p, "--steps", (1, 9, 5), None, "optimizer steps")
+    >>> p._option_string_actions["--steps"].type("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: --steps must be an int in [1, 9], got '0'; e.g. --steps 5
+    """
+    minimum, maximum, example = bounds
+
+    def convert(given: str) -> int:
+        try:
+            value = int(given.strip())
+        except ValueError:
+            value = None
+        if value is None or not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be an int in [{minimum}, {maximum}], got {shown(given)}; "
+                f"e.g. {flag} {example}"
+            )
+        return value
+
+    convert.__name__ = "int"
     if default is not None and "(default" not in text:
         text += f" (default {default})"
-    parser.add_argument(flag, type=bounded_int(flag, *bounds), default=default, help=text)
+    parser.add_argument(flag, type=convert, default=default, help=text)
 
 
 def bounded_float(
@@ -264,31 +259,20 @@ _DECIMAL = re.compile(
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
-def decimal_sizes(text: str) -> list[tuple[str, int]]:
-    """The sizes in ``text`` written with a decimal unit, with their bytes.
-
-    >>> decimal_sizes("24G,24GiB,1.5gb")
-    [('24G', 24000000000), ('1.5gb', 1500000000)]
-    """
-    found = []
-    for m in _DECIMAL.finditer(text):
-        number = float(m.group(1)) * 1000 ** _POWERS[m.group(2)[0].lower()]
-        if math.isfinite(number):  # a 400-digit size is refused later, not said here
-            found.append((m.group(0), int(number)))
-    return found
-
-
 def say_units(command: str, flag: str, text: str | None) -> None:
     """Say on stderr how sizes with decimal units were read (``24G`` is 22.35 GiB, and
     ``nvidia-smi`` speaks GiB)."""
-    found = decimal_sizes(text or "")
-    if not found:
-        return
     from .._core._units import format_bytes
 
-    read = ", ".join(f"{word} = {format_bytes(n)}" for word, n in found)
+    read = []
+    for m in _DECIMAL.finditer(text or ""):
+        number = float(m.group(1)) * 1000 ** _POWERS[m.group(2)[0].lower()]
+        if math.isfinite(number):  # a 400-digit size is refused later, not said here
+            read.append(f"{m.group(0)} = {format_bytes(int(number))}")
+    if not read:
+        return
     print(
-        f"{command}: {flag} {shown(text)}: decimal units, read as {read} (k, M, G, KB, MB, GB are "
-        "powers of 1000; write KiB, MiB, GiB for powers of 1024, nvidia-smi's units)",
+        f"{command}: {flag} {shown(text)}: decimal units, read as {', '.join(read)} (k, M, G, KB, "
+        "MB, GB are powers of 1000; write KiB, MiB, GiB for powers of 1024, nvidia-smi's units)",
         file=sys.stderr,
     )

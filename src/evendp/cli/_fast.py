@@ -21,10 +21,6 @@ def _is_evendp_command() -> bool:
     return Path(sys.argv[0]).name in ("evendp", "evendp.exe")
 
 
-#: The commands that run training: a signal while torch loads must stop them cleanly too.
-RUNS = ("train", "launch")
-
-
 class EarlyStop:
     """SIGINT/SIGTERM caught while torch loads: kept for the command line's stop flag, which
     reads ``signum`` of the handler it replaces, not a traceback."""
@@ -40,13 +36,13 @@ def answer_without_torch() -> bool:
     ``launch`` from now on. Whether this process is the ``evendp`` command."""
     if not _is_evendp_command():
         return False
-    from . import is_light, main
+    from . import KEEP_SIGNALS, is_light, main
 
     if is_light(sys.argv[1:]):
         sys.exit(main(sys.argv[1:]))
     if (
         sys.argv[1:2]
-        and sys.argv[1] in RUNS
+        and sys.argv[1] in KEEP_SIGNALS
         and threading.current_thread() is threading.main_thread()
     ):
         early = EarlyStop()

@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # torch loads when a model is resolved: evendp launch without
     from torch import nn
 
 __all__ = [
-    "BUILTIN_MODELS",
     "ModelSpec",
     "add_model_arguments",
     "gpt_batch",
@@ -42,8 +41,6 @@ __all__ = [
     "raised_at",
     "resolve_model",
 ]
-
-BUILTIN_MODELS: tuple[str, ...] = ("gpt", "lm-head")
 
 #: --optimizer's choices: the optimizer whose state a plan counts (see _optimizer).
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "none", "sgd")
@@ -194,9 +191,23 @@ def resolve_model(spec: str, *, vocab: int = 40_000, seq_len: int | None = None)
     ...
     evendp.InputError: --model 'nonsense' is not 'gpt', 'lm-head', ...
     """
-    if spec in BUILTIN_MODELS:
-        return _builtin(spec, vocab, seq_len)
-    return _user(spec)
+    if spec == "gpt":
+        from ..examples.gpt import GPT, GPTConfig
+
+        config = GPTConfig() if seq_len is None else GPTConfig(block_size=seq_len)
+        return ModelSpec(lambda: GPT(config), gpt_batch(config))
+    if spec != "lm-head":
+        return _user(spec)
+    import torch
+
+    from ..examples.lm_head import LMHead, lm_loss
+
+    seq = 250 if seq_len is None else seq_len
+
+    def lm_batch(n: int) -> Any:
+        return torch.randint(0, vocab, (n, seq)), torch.randint(0, vocab, (n, seq))
+
+    return ModelSpec(lambda: LMHead(vocab, seq), lm_batch, lm_loss)
 
 
 def gpt_batch(config: Any) -> Any:
@@ -209,23 +220,6 @@ def gpt_batch(config: Any) -> Any:
         return torch.randint(0, config.vocab_size, shape), torch.randint(0, 2, shape)
 
     return batch
-
-
-def _builtin(name: str, vocab: int, seq_len: int | None) -> ModelSpec:
-    if name == "gpt":
-        from ..examples.gpt import GPT, GPTConfig
-
-        config = GPTConfig() if seq_len is None else GPTConfig(block_size=seq_len)
-        return ModelSpec(lambda: GPT(config), gpt_batch(config))
-    from ..examples.lm_head import LMHead, lm_loss
-
-    seq = 250 if seq_len is None else seq_len
-    import torch
-
-    def lm_batch(n: int) -> Any:
-        return torch.randint(0, vocab, (n, seq)), torch.randint(0, vocab, (n, seq))
-
-    return ModelSpec(lambda: LMHead(vocab, seq), lm_batch, lm_loss)
 
 
 def _user(spec: str) -> ModelSpec:

@@ -27,9 +27,6 @@ __all__ = [
     "check_out_dir",
     "check_out_file",
     "claim_out_dir",
-    "evendp_checkpoints",
-    "foreign_entries",
-    "odd_checkpoints",
     "unclaim_out_dir",
 ]
 
@@ -63,37 +60,25 @@ def foreign_entries(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if not _is_ours(p))
 
 
-def evendp_checkpoints(out: Path) -> list[Path]:
-    """evendp's own checkpoint files and folders in ``out`` (any mode's, previous included):
-    exact names, no links, and a folder only when all it holds is what a run writes there."""
-    if not out.is_dir():
-        return []
-    return [
-        entry
-        for entry in sorted(out.iterdir())
-        if _CHECKPOINT.fullmatch(entry.name)
-        and (_regular(entry, _CHECKPOINT) or (_is_folder(entry) and _written_by_a_run(entry)))
-    ]
-
-
-def odd_checkpoints(out: Path) -> list[Path]:
-    """What sits at a checkpoint's name in ``out`` that is neither a file nor a folder (a link,
-    a FIFO, a device node): a resume refuses it, ``--overwrite`` unlinks it.
+def _checkpoints(out: Path) -> tuple[list[Path], list[Path]]:
+    """evendp's own checkpoint files and folders in ``out`` (any mode's, previous included:
+    exact names, no links, a folder only when all it holds is what a run writes there), and
+    what sits at a checkpoint's name that is neither a file nor a folder (a link, a FIFO, a
+    device node): a resume refuses it, ``--overwrite`` unlinks it.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp()); os.mkfifo(d / "ckpt.prev.pt")
-    >>> (d / "ckpt.pt").symlink_to("/dev/zero"); [p.name for p in odd_checkpoints(d)]
+    >>> (d / "ckpt.pt").symlink_to("/dev/zero"); [p.name for p in _checkpoints(d)[1]]
     ['ckpt.prev.pt', 'ckpt.pt']
     """
     if not out.is_dir():
-        return []
-    return [
-        entry
-        for entry in sorted(out.iterdir())
-        if _CHECKPOINT.fullmatch(entry.name)
-        and not stat.S_ISDIR(mode := entry.lstat().st_mode)
-        and not stat.S_ISREG(mode)
+        return [], []
+    named = [entry for entry in sorted(out.iterdir()) if _CHECKPOINT.fullmatch(entry.name)]
+    ours = [
+        p for p in named if _regular(p, _CHECKPOINT) or (_is_folder(p) and _written_by_a_run(p))
     ]
+    odd = [p for p in named if not stat.S_ISDIR(m := p.lstat().st_mode) and not stat.S_ISREG(m)]
+    return ours, odd
 
 
 def _written_by_a_run(folder: Path) -> bool:
@@ -138,7 +123,7 @@ def claim_out_dir(out: str, *, overwrite: bool) -> list[Path]:
             "new folder, e.g. --out runs/x"
         )
     marked = _is_marker(folder / MARKER)
-    found, odd = evendp_checkpoints(folder), odd_checkpoints(folder)
+    found, odd = _checkpoints(folder)
     _refuse_lookalikes(folder, found + odd if overwrite and marked else found, marked, odd)
     found = sorted(found + odd)
     if found and overwrite and not marked:

@@ -31,7 +31,6 @@ __all__ = [
     "parse_devices",
     "parse_weights",
     "resume_check",
-    "torchrun_restarted",
     "validate_args",
     "weights_list",
 ]
@@ -109,7 +108,21 @@ def add_options(p: argparse.ArgumentParser) -> None:
     add_int(
         p, "--max-restarts", (0, 100, 1), 0, restarts + "; they resume from the last checkpoint"
     )
-    _add_node_options(p)
+    # --devices is each machine's own (MACHINE_OPTIONS); --weights, like every other option,
+    # must agree on every machine (the plans' agreement compares them).
+    nodes = p.add_argument_group(
+        f"several machines (ranks: --mode {_rank_modes()})",
+        "the same command on every machine, each with its --node-rank and its own --devices "
+        "(machines may hold different numbers); --weights (one weight per rank of the whole "
+        "run, node 0's first) and every other option the same everywhere",
+    )
+    add_int(nodes, "--nnodes", (1, 100_000, 2), 1, "machines in the run")
+    place = "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"
+    add_int(nodes, "--node-rank", (0, 99_999, 1), None, place)
+    reach = "node 0's address every node reaches (on a private network: docs/ddp.md)"
+    nodes.add_argument("--master-addr", type=str, default=None, help=reach)
+    port = "node 0's port for the store (default: torchrun's, 29500)"
+    add_int(nodes, "--master-port", (1, 65_535, 29_501), None, port)
     p.add_argument(
         "--comm-timeout",
         type=bounded_float(
@@ -182,24 +195,6 @@ def _rank_modes(last: str = ", ") -> str:
     return ", ".join(first) + last + final if first else final
 
 
-def _add_node_options(p: argparse.ArgumentParser) -> None:
-    # --devices is each machine's own (MACHINE_OPTIONS); --weights, like every other option,
-    # must agree on every machine (the plans' agreement compares them).
-    nodes = p.add_argument_group(
-        f"several machines (ranks: --mode {_rank_modes()})",
-        "the same command on every machine, each with its --node-rank and its own --devices "
-        "(machines may hold different numbers); --weights (one weight per rank of the whole "
-        "run, node 0's first) and every other option the same everywhere",
-    )
-    add_int(nodes, "--nnodes", (1, 100_000, 2), 1, "machines in the run")
-    place = "this machine's place, 0 to --nnodes - 1 (node 0 runs torchrun's store)"
-    add_int(nodes, "--node-rank", (0, 99_999, 1), None, place)
-    reach = "node 0's address every node reaches (on a private network: docs/ddp.md)"
-    nodes.add_argument("--master-addr", type=str, default=None, help=reach)
-    port = "node 0's port for the store (default: torchrun's, 29500)"
-    add_int(nodes, "--master-port", (1, 65_535, 29_501), None, port)
-
-
 def validate_args(args: argparse.Namespace) -> None:
     """Checks across options (each option's own range is checked by its type)."""
     if args.n_embd % 4:
@@ -230,20 +225,20 @@ def validate_args(args: argparse.Namespace) -> None:
         raise EvendpError(
             f"--max-restarts restarts torchrun's ranks; use it with --mode {_rank_modes(' or ')}"
         )
-    if args.strategy_config is not None and not STRATEGIES[args.mode].takes_config:
+    config = args.strategy_config
+    if config is not None and not STRATEGIES[args.mode].takes_config:
         takers = [n for n, e in STRATEGIES.items() if e.takes_config]
         raise EvendpError(
-            f"--mode {args.mode} reads no --strategy-config (got "
-            f"{shown(args.strategy_config)}); drop it"
+            f"--mode {args.mode} reads no --strategy-config (got {shown(config)}); drop it"
             + (f", or use --mode {'/'.join(takers)}" if takers else "")
         )
-    if args.strategy_config is not None and not Path(args.strategy_config).is_file():
+    if config is not None and not Path(config).is_file():
         raise EvendpError(
-            f"--strategy-config {shown(args.strategy_config)} is not a file; pass the path "
-            "of a JSON file with the mode's settings"
+            f"--strategy-config {shown(config)} is not a file; pass the path of a JSON file "
+            "with the mode's settings"
         )
-    if args.strategy_config is not None:
-        STRATEGIES[args.mode].check_config(args.strategy_config)
+    if config is not None:
+        STRATEGIES[args.mode].check_config(config)
     _validate_rank_options(args)
     _validate_pairs(args)
 
@@ -554,10 +549,9 @@ def options_json(args: argparse.Namespace) -> str:
 
 def options_from_env(args: argparse.Namespace) -> argparse.Namespace:
     """In a rank started by ``evendp train``: the launcher's options (``args`` elsewhere)."""
-    text = os.environ.get(OPTIONS_ENV)
-    if text is None or "RANK" not in os.environ:
+    if not is_launched_rank():
         return args
-    return argparse.Namespace(**{**vars(args), **_checked_options(text)})
+    return argparse.Namespace(**{**vars(args), **_checked_options(os.environ[OPTIONS_ENV])})
 
 
 #: Options that are each machine's own in a run of several: the rest must agree everywhere.

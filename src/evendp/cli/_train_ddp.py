@@ -7,6 +7,7 @@ import argparse
 import gc
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +293,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from .._distributed._interrupt import die_with_parent, exit_code
     from .._distributed._plan_agreement import agreed_plan
     from .._planning._launch import write_outcome
+    from .._planning._memory import parse_memory
     from .._training._trainer import Trainer
 
     die_with_parent()  # torchrun killed: this rank stops after its step, saving
@@ -322,7 +324,12 @@ def run_rank(args: argparse.Namespace) -> int:
     gc.enable()  # which train.py paused for start-up
     report = trainer.fit()
     report.model = demo_model_name(args)
-    report.devices = _with_budgets(report.devices, args.memory)
+    if args.memory is not None:  # each rank's declared --memory is its budget
+        budgets = [m.free for m in parse_memory(args.memory)]
+        if len(budgets) == len(report.devices):  # else more ranks than this node declared
+            report.devices = [
+                replace(d, budget_bytes=b) for d, b in zip(report.devices, budgets, strict=True)
+            ]
     rank = dist.get_rank()
     del trainer, model  # their DDP wrapper holds the group: freed before the group ends
     finish_distributed()
@@ -358,17 +365,3 @@ def _rank_plan(args: argparse.Namespace, world: int) -> Any:
     if launched or args.batch != defaults.BATCH:
         global_batch_size(args.batch, list(plan.sizes), cli="EVENDP_BATCH_SIZES=")
     return plan
-
-
-def _with_budgets(devices: list[Any], memory: str | None) -> list[Any]:
-    """Each rank's ``DeviceStat`` with its declared --memory as its budget."""
-    if memory is None:
-        return devices
-    from dataclasses import replace
-
-    from .._planning._memory import parse_memory
-
-    budgets = [m.free for m in parse_memory(memory)]
-    if len(budgets) != len(devices):  # more ranks than this node declared (several nodes)
-        return devices
-    return [replace(d, budget_bytes=b) for d, b in zip(devices, budgets, strict=True)]

@@ -38,6 +38,8 @@ def run_local(args: argparse.Namespace) -> int:
     """Train in this process and write the report; the exit code (130/143 after a signal)."""
     from .._distributed._interrupt import exit_code
     from .._training._rehearse import attach_budgets
+    from .._training._trainer import Trainer
+    from ..examples.stdlib_text import CodeParagraphs
 
     if args.model is not None:  # the user's own model: a rehearsal on budgeted CPU devices
         from ._train_user import run_user_model
@@ -50,7 +52,13 @@ def run_local(args: argparse.Namespace) -> int:
     model, data, config = build_demo(args)
     planned, weights = _split(args, config, devices, memory, weights)
     logger = metric_logger(args)
-    trainer = _trainer(args, model, data, devices, weights, logger)
+    home = devices[0]
+    model = model.to(torch.device("cuda", home) if isinstance(home, int) else torch.device(home))
+    trainer: Any = Trainer(  # its strategy's wrapped module: BalancedDataParallel here
+        model, data, train_config(args, every_step=logger is not None), device_ids=list(devices),
+        weights=weights, count_fn=CodeParagraphs.count_tokens,
+        callbacks=None if logger is None else [logger[0]],
+    )  # fmt: skip
     budgets = attach_budgets(trainer, memory) if memory is not None and all_cpu(devices) else None
     print(
         f"evendp train: {len(devices)} device(s) {trainer.device_names}, global batch "
@@ -93,26 +101,6 @@ def _split(
     return None, weights
 
 
-def _trainer(
-    args: argparse.Namespace,
-    model: Any,
-    data: Any,
-    devices: list[str | int],
-    weights: list[float] | None,
-    logger: tuple[Any, Any] | None = None,
-) -> Any:
-    from .._training._trainer import Trainer
-    from ..examples.stdlib_text import CodeParagraphs
-
-    home = devices[0]
-    model = model.to(torch.device("cuda", home) if isinstance(home, int) else torch.device(home))
-    cfg = train_config(args, every_step=logger is not None)
-    return Trainer(
-        model, data, cfg, device_ids=list(devices), weights=weights,
-        count_fn=CodeParagraphs.count_tokens, callbacks=None if logger is None else [logger[0]],
-    )  # fmt: skip
-
-
 def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: Any) -> str:
     """Where the split came from, in the words the user typed (or the demo's defaults).
 
@@ -120,7 +108,9 @@ def _split_source(args: argparse.Namespace, memory: list[int] | None, planned: A
     >>> _split_source(ns, [2**20, 2**20], None)
     ' (--weights 3,1, on budgets of 1.0MiB,1.0MiB)'
     """
-    budgets = "" if memory is None else format_memory(memory)
+    from .._training._report import format_bytes
+
+    budgets = "" if memory is None else ",".join(format_bytes(m).replace(" ", "") for m in memory)
     given = f"the demo's budgets {budgets}" if args.memory is None else f"--memory {args.memory}"
     if args.weights is not None:
         on = "" if memory is None else f", on budgets of {budgets}"
@@ -158,9 +148,6 @@ def _planner_weights(
     return p
 
 
-Figures = dict[str, Any]  # DeviceStat fields by name
-
-
 def run_checks(args: argparse.Namespace, trainer: Any, budgets: Any) -> Any:
     """Before training: the even-split probe (per device: even share, measured forward peak,
     ran out; ``None`` without budgets) and the exactness check, then the peaks reset."""
@@ -188,7 +175,7 @@ def with_figures(
     planned: Any,
 ) -> list[Any]:
     """The report's ``DeviceStat``s with the budgets, the even probe and the planned peaks."""
-    figures: list[Figures] = [{} for _ in devices]
+    figures: list[dict[str, Any]] = [{} for _ in devices]  # DeviceStat fields by name
     for i, f in enumerate(figures):
         if memory is not None:
             f["budget_bytes"] = memory[i]
@@ -202,8 +189,13 @@ def with_figures(
 
 def _planned_figures(
     args: argparse.Namespace, config: Any, ours: list[int], planned: Any
-) -> list[Figures]:
-    """Planned peaks for our shares and an even split (from the plan when it priced them)."""
+) -> list[dict[str, Any]]:
+    """Planned peaks for our shares and an even split (from the plan when it priced them; else
+    ``profile_step``, not ``evendp.plan``: the shares may come from ``--weights``)."""
+    from .._planning._plan import profile_step
+    from ..examples.gpt import GPT
+    from ._model_spec import gpt_batch
+
     even_shares = split_even(args.batch, len(ours))
     if planned is not None and planned.split == ours and planned.even_split == even_shares:
         return [
@@ -217,38 +209,27 @@ def _planned_figures(
     if args.no_plan:
         return [{} for _ in ours]
     try:
-        mine, theirs = _planned_peaks(config, args, ours)
+        prof = profile_step(
+            lambda: GPT(config),
+            gpt_batch(config),
+            sorted({n for n in [*ours, *even_shares] if n > 0}),
+            amp=args.amp,
+            checkpointing=args.checkpointing,
+        )
     except EvendpError as exc:  # the report is still useful without planned figures
         print(f"evendp train: planned memory unavailable: {exc}", file=sys.stderr)
         return [{} for _ in ours]
-    return [
-        {"planned_bytes": a, "even_planned_bytes": b, "even_samples": n}
-        for a, b, n in zip(mine, theirs, even_shares, strict=True)
-    ]
-
-
-def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
-    """Planned peak per device, for our shares and for an even split (``profile_step``, not
-    ``evendp.plan``: the shares may come from ``--weights``)."""
-    from .._planning._plan import profile_step
-    from ..examples.gpt import GPT
-    from ._model_spec import gpt_batch
-
-    even = split_even(args.batch, len(ours))
-    sizes = sorted({n for n in [*ours, *even] if n > 0})
-    prof = profile_step(
-        lambda: GPT(config),
-        gpt_batch(config),
-        sizes,
-        amp=args.amp,
-        checkpointing=args.checkpointing,
-    )
     peak = dict(zip(prof["sizes"], prof["peak_bytes"], strict=True))
     # Device 0 also holds the optimizer state (DP keeps one optimizer, on the home device).
     extra = [int(prof["optimizer"]) if i == 0 else 0 for i in range(len(ours))]
-    mine = [int(peak.get(n, 0)) + extra[i] for i, n in enumerate(ours)]
-    theirs = [int(peak.get(n, 0)) + extra[i] for i, n in enumerate(even)]
-    return mine, theirs
+    return [
+        {
+            "planned_bytes": int(peak.get(a, 0)) + x,
+            "even_planned_bytes": int(peak.get(b, 0)) + x,
+            "even_samples": b,
+        }
+        for a, b, x in zip(ours, even_shares, extra, strict=True)
+    ]
 
 
 def _print_exactness_check(trainer: Any, batch: Any) -> None:
@@ -298,9 +279,3 @@ def _gradient_difference(trainer: Any, batch: Any) -> tuple[float, int]:
     for p in params:
         p.grad = None
     return float((balanced - one_device).norm() / one_device.norm()), count
-
-
-def format_memory(memory: list[int]) -> str:
-    from .._training._report import format_bytes
-
-    return ",".join(format_bytes(m).replace(" ", "") for m in memory)

@@ -11,7 +11,7 @@ from ._model_spec import load_module, memory_specs, raised_at
 from ._train_args import parse_devices, parse_weights, train_config
 from ._train_common import BUDGET_NOTE, metric_logger, print_report
 
-__all__ = ["load_training_factory", "run_user_model"]
+__all__ = ["run_user_model"]
 
 
 def run_user_model(args: argparse.Namespace) -> int:

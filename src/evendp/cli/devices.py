@@ -5,15 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from .._core._units import format_bytes
-from .._planning._devices import DeviceInfo, NvmlUnavailableError, list_devices
+from .._planning._devices import NvmlUnavailableError, list_devices
 
-if TYPE_CHECKING:  # rich loads when a table is drawn, not for every evendp command
-    from rich.table import Table
-
-__all__ = ["add_parser", "render_table", "run"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,35 +26,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def render_table(devices: list[DeviceInfo]) -> Table:
-    """A rich table with one row per device."""
-    from rich.table import Table
-
-    table = Table(title="GPUs (NVML, PCI bus order)")
-    last = "processes (pid: memory)"
-    for name in ["id", "PCI bus", "name", "total", "free", "used %", "util %", last]:
-        table.add_column(name, justify="left" if name in ("PCI bus", "name", last) else "right")
-    for d in devices:
-        procs = ", ".join(
-            f"{p.pid}" + ("" if p.used_memory is None else f": {format_bytes(p.used_memory)}")
-            for p in d.processes
-        )
-        table.add_row(
-            str(d.index),
-            d.pci_bus_id,
-            d.name,
-            format_bytes(d.total_memory),
-            format_bytes(d.free_memory),
-            f"{100 * d.used_memory / d.total_memory:.0f}" if d.total_memory else "-",
-            "-" if d.utilization is None else str(d.utilization),
-            procs or "-",
-        )
-    return table
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the devices; with no NVIDIA driver say so and succeed (CPU runs still work)."""
     from rich.console import Console
+    from rich.table import Table
 
     console = Console(soft_wrap=True)
     try:
@@ -78,7 +49,26 @@ def run(args: argparse.Namespace) -> int:
     if not devices:
         console.print("The NVIDIA driver is loaded but reports no GPUs.")
         return 0
-    console.print(render_table(devices))
+    table = Table(title="GPUs (NVML, PCI bus order)")
+    last = "processes (pid: memory)"
+    for name in ["id", "PCI bus", "name", "total", "free", "used %", "util %", last]:
+        table.add_column(name, justify="left" if name in ("PCI bus", "name", last) else "right")
+    for d in devices:
+        procs = ", ".join(
+            f"{p.pid}" + ("" if p.used_memory is None else f": {format_bytes(p.used_memory)}")
+            for p in d.processes
+        )
+        table.add_row(
+            str(d.index),
+            d.pci_bus_id,
+            d.name,
+            format_bytes(d.total_memory),
+            format_bytes(d.free_memory),
+            f"{100 * d.used_memory / d.total_memory:.0f}" if d.total_memory else "-",
+            "-" if d.utilization is None else str(d.utilization),
+            procs or "-",
+        )
+    console.print(table)
     total_free = sum(d.free_memory for d in devices)
     console.print(
         f"{len(devices)} GPU(s), {format_bytes(total_free)} free in all. Pick some with "

@@ -98,11 +98,10 @@ def run(args: argparse.Namespace) -> int:
     passthrough = {key: getattr(args, key) for key in PASSTHROUGH_OPTIONS}
     try:
         validate_passed_numbers(passthrough)
-        gpu_ids = args.gpus
         if not args.dry_run:
-            _validate_script(args.script, passthrough)
+            _validate_script(args.script)
         sizes = _validate_texts(args)
-        if args.min_free is not None and _no_gpus(gpu_ids):
+        if args.min_free is not None and _no_gpus(args.gpus):
             raise EvendpError(
                 f"--min-free {args.min_free} picks GPUs by their free memory, but no NVIDIA "
                 "driver was found here (CPU ranks); drop --min-free"
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         batch = args.batch
         if batch is None and args.batch_sizes is None and args.model is None:
             batch = defaults.BATCH  # TrainConfig's and evendp train's
-            how = "evenly (CPU ranks)" if _no_gpus(gpu_ids) else "by each GPU's free memory"
+            how = "evenly (CPU ranks)" if _no_gpus(args.gpus) else "by each GPU's free memory"
             print(
                 f"evendp launch: no --batch, --batch-sizes or --model: global batch "
                 f"{batch} (the default), split {how}",
@@ -127,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             nproc=args.nproc,
             batch=batch,
             batch_sizes=sizes,
-            gpu_ids=gpu_ids,
+            gpu_ids=args.gpus,
             min_free=args.min_free,
             nnodes=args.nnodes,
             model=model,
@@ -175,11 +174,9 @@ def _shared_options(args: argparse.Namespace, sizes: list[int] | None) -> str:
     return json.dumps(shared)
 
 
-def _validate_script(script: str, passthrough: dict[str, object]) -> None:
+def _validate_script(script: str) -> None:
     """A missing script, or one that is not Python (README.md, a shell script), fails here in
     one line, not in every rank after torchrun starts."""
-    if passthrough.get("module") or passthrough.get("no_python"):
-        return  # SCRIPT is a module name or a program: torchrun resolves it
     if not Path(script).is_file():
         raise EvendpError(
             f"script {shown(script)} does not exist (looked in {str(Path.cwd())!r}); give the path "

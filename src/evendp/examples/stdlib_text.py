@@ -64,7 +64,8 @@ def load_corpus(max_chars: int = 1_000_000, stdlib_dir: str | Path | None = None
 
 
 class CharVocab:
-    """A character vocabulary: ``encode`` text to a ``LongTensor`` of ids, ``decode`` back.
+    """The corpus's characters (printable ASCII and newline): ``encode`` text to a ``LongTensor``
+    of ids, ``decode`` back.
 
     >>> vocab = CharVocab()
     >>> vocab.decode(vocab.encode("def f(x):\\n    return x"))
@@ -73,17 +74,11 @@ class CharVocab:
     96
     """
 
-    def __init__(self, chars: Sequence[str] = _ALPHABET) -> None:
-        self.chars = list(chars)
+    def __init__(self) -> None:
+        self.chars = list(_ALPHABET)
         self.stoi = {ch: i for i, ch in enumerate(self.chars)}
-        if len(self.stoi) != len(self.chars):
-            raise EvendpError("chars has duplicates; pass each character once")
         # A byte -> id table makes encoding a 1 MB corpus a single C-level translate.
-        table = bytearray(256)
-        for ch, i in self.stoi.items():
-            if ord(ch) < 256 and i < 256:
-                table[ord(ch)] = i
-        self._table = bytes(table)
+        self._table = bytes(self.stoi.get(chr(b), 0) for b in range(256))
 
     @property
     def size(self) -> int:
@@ -95,13 +90,11 @@ class CharVocab:
         unknown = set(text) - self.stoi.keys()
         if unknown:
             raise EvendpError(
-                f"characters {sorted(unknown)[:5]!r} are not in the vocabulary; "
-                "clean the text or build CharVocab from it"
+                f"characters {sorted(unknown)[:5]!r} are not in the vocabulary (printable "
+                "ASCII and newline); clean the text"
             )
-        if self.size <= 256 and all(ord(c) < 256 for c in self.chars):
-            data = text.encode("latin-1").translate(self._table)
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-        return torch.tensor([self.stoi[ch] for ch in text], dtype=torch.long)
+        data = text.encode("ascii").translate(self._table)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
         """Text of a sequence of ids."""
@@ -145,10 +138,14 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         ([[0, 1, 2], [5, 6, 7]], [[1, 2, 3], [6, 7, 8]])
         """
         idx = torch.as_tensor(indices, dtype=torch.long).view(-1, 1)  # (B, 1)
-        offsets = torch.arange(self.block_size).view(1, -1)  # (1, T)
-        x = self.data[idx + offsets]  # (B, T)
-        y = self.data[idx + offsets + 1]  # (B, T)
-        return x, y
+        windows = idx + torch.arange(self.block_size).view(1, -1)  # (B, T)
+        return self.data[windows], self.data[windows + 1]
+
+
+def _vocab_and_corpus(max_chars: int, val_fraction: float) -> tuple[CharVocab, str]:
+    if not 0.0 <= val_fraction < 1.0:
+        raise EvendpError(f"val_fraction must be in [0, 1), got {val_fraction!r}; e.g. 0.1")
+    return CharVocab(), load_corpus(max_chars)
 
 
 def stdlib_dataset(
@@ -160,10 +157,8 @@ def stdlib_dataset(
     >>> len(train.data) + len(val.data), vocab.size
     (5000, 96)
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise EvendpError(f"val_fraction must be in [0, 1), got {val_fraction!r}; e.g. 0.1")
-    vocab = CharVocab()
-    data = vocab.encode(load_corpus(max_chars))
+    vocab, text = _vocab_and_corpus(max_chars, val_fraction)
+    data = vocab.encode(text)
     cut = len(data) - max(int(len(data) * val_fraction), block_size + 1)
     if cut <= block_size:
         raise EvendpError(
@@ -240,10 +235,8 @@ def stdlib_paragraphs(
     >>> min(train.lengths) >= 15 and max(train.lengths) == 32 and len(val) > 0
     True
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise EvendpError(f"val_fraction must be in [0, 1), got {val_fraction!r}; e.g. 0.1")
-    vocab = CharVocab()
-    texts = [p for p in re.split(r"\n[ ]*\n", load_corpus(max_chars)) if len(p.strip()) >= 16]
+    vocab, text = _vocab_and_corpus(max_chars, val_fraction)
+    texts = [p for p in re.split(r"\n[ ]*\n", text) if len(p.strip()) >= 16]
     if len(texts) < 2:
         raise EvendpError(f"max_chars={max_chars} gives under 2 paragraphs; raise max_chars")
     paragraphs = [vocab.encode(t) for t in texts]
