@@ -189,7 +189,7 @@ def _validate_script(script: str) -> None:
         raise EvendpError(
             f"script {shown(script)} is not a Python file{where}; give the training script, e.g. "
             "evendp launch --nproc 2 examples/ddp_uneven.py (a program that is not Python: "
-            "--no-python)"
+            "start it with torchrun --no-python)"
         ) from None
 
 
