@@ -37,6 +37,17 @@ def test_the_gradient_row_says_it_is_the_gradients_live_at_the_peak(plan: Any) -
     assert "grads" in plan.to_dict()["devices"][0]["breakdown"]
 
 
+def test_the_json_breakdown_keys_follow_the_tables_row_order(plan: Any) -> None:
+    # The planner adds the kinds as its phases meet them; the JSON used to follow that
+    # order, so two runs of `evendp plan --json` printed the same figures differently.
+    from evendp._planning._result import KINDS
+
+    for device in plan.to_dict()["devices"]:
+        for key in ("breakdown", "even_breakdown"):
+            kinds = list(device[key])
+            assert kinds == sorted(kinds, key=KINDS.index), (key, kinds)
+
+
 def test_sample_counts_in_the_chart_clear_the_budget_lines(plan: Any) -> None:
     fig = plan._figure()
     fig.canvas.draw()

@@ -31,6 +31,14 @@ KINDS: tuple[str, ...] = (
     "cuda_context",
 )
 
+
+def _in_kind_order(breakdown: dict[str, int]) -> dict[str, int]:
+    """``breakdown`` with its keys in :data:`KINDS`' order (the planner adds them as its phases
+    meet them, which varies between runs), any other after them."""
+    rank = {kind: i for i, kind in enumerate(KINDS)}
+    return dict(sorted(breakdown.items(), key=lambda kv: rank.get(kv[0], len(KINDS))))
+
+
 #: How the table and the chart name a kind, where its key alone would mislead: the rows are
 #: what is live at the peak moment, and few gradients exist yet then (JSON keeps the keys).
 KIND_LABELS: dict[str, str] = {"grads": "grads at peak", "allocator": "allocator (CUDA)"}
@@ -194,11 +202,11 @@ class Plan:
                     "peak": d.peak,
                     "fits": d.fits,
                     "max_batch_alone": d.max_batch_alone,
-                    "breakdown": dict(d.breakdown),
+                    "breakdown": _in_kind_order(d.breakdown),
                     "even_samples": d.even_samples,
                     "even_peak": d.even_peak,
                     "even_fits": d.even_fits,
-                    "even_breakdown": dict(d.even_breakdown),
+                    "even_breakdown": _in_kind_order(d.even_breakdown),
                     "max_tokens": d.max_tokens,
                 }
                 for d in self.devices
