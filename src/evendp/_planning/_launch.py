@@ -47,7 +47,7 @@ from ._devices import NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
 if TYPE_CHECKING:
-    from ._plan import Plan
+    from ._result import Plan
 
 __all__ = [
     "ENV_OUTCOME",
@@ -390,7 +390,7 @@ def plan_launch(
                 "--model needs each rank's memory, and no NVIDIA driver was found to read it; "
                 "declare it with --memory, e.g. --memory 24GiB,24GiB,12GiB (one entry per rank)"
             )
-        from ._plan import plan as plan_memory  # fake tensors: only loaded when asked
+        from ._planner import plan as plan_memory  # fake tensors: only loaded when asked
 
         options = dict(plan_options or {})
         memory_plan = plan_memory(

@@ -92,8 +92,7 @@ def plan_for(
     ``first`` (the first batch training runs; ``None``: collate it) grown to the rows measured,
     so a measurement reads no sample. ``say`` gets a line before each fake step measured.
     """
-    from .._planning._plan import plan
-    from .._planning._planner import progress_to
+    from .._planning._planner import plan, progress_to
 
     if first is None:
         first = _first_batch(trainer)

@@ -136,7 +136,7 @@ def _planner_weights(
     """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs; ``cpu``:
     no CUDA context to allow for)."""
     from .._core._errors import PlanError
-    from .._planning._plan import plan
+    from .._planning._planner import plan
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
 
@@ -230,7 +230,7 @@ def _planned_figures(
 def _planned_peaks(config: Any, args: argparse.Namespace, ours: list[int]) -> tuple[Any, Any]:
     """Planned peak per device, for our shares and for an even split (``profile_step``, not
     ``evendp.plan``: the shares may come from ``--weights``)."""
-    from .._planning._plan import profile_step
+    from .._planning._measure import profile_step
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
 
