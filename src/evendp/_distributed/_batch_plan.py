@@ -21,7 +21,6 @@ from .._core._validate import is_int, shown, validate_instance, validate_int
 from ._launch_notes import note_sizes_read
 
 __all__ = [
-    "CAPS_MARK",
     "DEFAULT_BATCH_SIZE",
     "ENV_BATCH_SIZES",
     "MAX_BATCH",
