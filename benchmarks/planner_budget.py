@@ -24,7 +24,7 @@ import json
 import torch
 
 from evendp import BalancedDataParallel
-from evendp._planning._plan import plan
+from evendp._planning._planner import plan
 from evendp._training._budget import MemoryBudgets, tensor_bytes
 from evendp._training._trainer import _LossModule, default_loss
 from evendp.cli._model_spec import gpt_batch

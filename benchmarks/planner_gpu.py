@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from evendp import plan
-from evendp._planning._plan import profile_step
+from evendp._planning._measure import profile_step
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.lm_head import LMHead, lm_loss
 

@@ -50,7 +50,8 @@ if TYPE_CHECKING or not _ON_DEMAND:
     from ._planning._balance import planned_rank_sizes
     from ._planning._devices import DeviceInfo, list_devices, select_devices
     from ._planning._memory import DeviceMemory, live_memory, parse_memory
-    from ._planning._plan import DevicePlan, Plan, plan
+    from ._planning._planner import plan
+    from ._planning._result import DevicePlan, Plan
     from ._planning._speed import SpeedBalancer, balance_sizes
     from ._training._checkpoint import load_checkpoint, save_checkpoint
     from ._training._loggers import CSVLogger, MLflowLogger, TensorBoardLogger, WandbLogger

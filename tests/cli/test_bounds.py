@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from evendp._core._errors import EvendpError
-from evendp._distributed._batch_plan import batch_sizes_from_env, caps_from_env
+from evendp._distributed._batch_plan import BatchPlan, batch_sizes_from_env
 from evendp._planning._balance import rank_memory
 from evendp.cli import main
 
@@ -85,9 +85,9 @@ def test_a_400_kb_value_is_echoed_cut_short(value: str, capsys: pytest.CaptureFi
         (lambda: rank_memory(rank=0, world_size=2), {"EVENDP_MEMORY": "5000000x1GiB"}, "1000000"),
         (lambda: batch_sizes_from_env(), {"EVENDP_BATCH_SIZES": f"3,{HUGE}"}, "1000000000"),
         # The caps ride in EVENDP_BATCH_SIZES.
-        (lambda: caps_from_env(), {"EVENDP_BATCH_SIZES": f"3,3;caps=3,{HUGE}"}, "1000000000"),
+        (lambda: BatchPlan.from_env(), {"EVENDP_BATCH_SIZES": f"3,3;caps=3,{HUGE}"}, "1000000000"),
         (
-            lambda: caps_from_env(),
+            lambda: BatchPlan.from_env(),
             {"EVENDP_BATCH_SIZES": "3;caps=" + "7" * 100_000},
             "(100000 char",
         ),

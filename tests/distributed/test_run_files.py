@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from evendp._distributed._run_files import RunFilesUnsafe, open_private, run_files_dir
-from evendp._distributed._run_lock import _lock_path, hold_run_dir, run_dir_holder
+from evendp._distributed._run_lock import _lock_path, hold_run_dir
+from tests.distributed._lock_holder import run_dir_holder
 
 _NOBODY = 65534
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from evendp._distributed._run_lock import ENV_RUN_LOCK, RunDirBusy, hold_run_dir, run_dir_holder
+from evendp._distributed._run_lock import ENV_RUN_LOCK, RunDirBusy, hold_run_dir
+from tests.distributed._lock_holder import run_dir_holder
 
 _HOLD = """
 import sys, time

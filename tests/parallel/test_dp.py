@@ -818,7 +818,7 @@ class _PlannerCalls:
     """Counts the planner's calls (what ``weights="auto"`` plans through) and passes them on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import evendp._planning._plan as plan_pkg
+        import evendp._planning._planner as plan_pkg
 
         self.calls = 0
         real = plan_pkg.auto_weights
@@ -924,7 +924,7 @@ def test_plan_weights_takes_one_batch_as_forward_does() -> None:
 
 
 def test_plan_weights_plans_forward_only_under_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
-    import evendp._planning._plan as plan_pkg
+    import evendp._planning._planner as plan_pkg
 
     seen: list[bool] = []
 

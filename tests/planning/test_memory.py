@@ -13,8 +13,9 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from evendp._core._errors import EvendpError, PlanError
+from evendp._planning._measure import profile_step
 from evendp._planning._memory import DeviceMemory, live_memory, parse_memory
-from evendp._planning._plan import auto_weights, plan, profile_step
+from evendp._planning._planner import auto_weights, plan
 from evendp.examples.gpt import GPT, GPTConfig
 from evendp.examples.lm_head import LMHead, lm_loss
 from tests.planning.test_devices import FakeGpu, FakeNvml, GiB

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import evendp._planning._planner as planner_mod
 from evendp._planning._memory import DeviceMemory
-from evendp._planning._plan import auto_weights, plan
+from evendp._planning._planner import auto_weights, plan
 from evendp.examples.lm_head import LMHead
 
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-import evendp._planning._plan as plan_pkg
 import evendp._planning._planner as planner_mod
 from evendp import BalancedDataParallel
+from evendp._planning._measure import profile_step
 from evendp._planning._memory import DeviceMemory
-from evendp._planning._plan import auto_weights, plan, profile_step
+from evendp._planning._planner import auto_weights, plan
 from evendp.examples.gpt import GPT, GPTConfig
 
 
@@ -136,7 +136,7 @@ def test_weights_auto_plans_forward_only_when_planned_with_no_grad(
         seen.append(no_grad)
         return [1.0, 1.0]
 
-    monkeypatch.setattr(plan_pkg, "auto_weights", record)
+    monkeypatch.setattr(planner_mod, "auto_weights", record)
     dp = BalancedDataParallel(nn.Linear(4, 2), ["cpu", "cpu"], weights="auto")
     with torch.set_grad_enabled(grad):
         dp.plan_weights(torch.randn(5, 4))

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from evendp._planning._plan import plan
-from evendp._planning._planner import progress_to
+from evendp._planning._planner import plan, progress_to
 from evendp.examples.lm_head import LMHead, lm_loss
 
 

@@ -10,7 +10,7 @@ import torch
 
 from evendp import BalancedDataParallel, EvendpError
 from evendp._core._oom_errors import is_oom_error
-from evendp._planning._plan import plan
+from evendp._planning._planner import plan
 from evendp._training._budget import MemoryBudgets, ReplicaMemory, tensor_bytes
 from evendp._training._trainer import _LossModule, default_loss
 from evendp.cli._model_spec import gpt_batch

@@ -86,7 +86,7 @@ def test_planning_at_a_cards_real_size_reads_no_sample(monkeypatch: pytest.Monke
     """Issue 37, item 5: at 24GiB,12GiB the planner measures a fake step at the small card's
     capacity (tens of thousands of samples); the old rehearsal collated that many samples
     one by one (minutes). It now grows the first batch's shapes, reading nothing."""
-    import evendp._planning._plan as plan_mod
+    import evendp._planning._planner as plan_mod
 
     model, data, loss_fn = make()
     counted = _CountingData(data)

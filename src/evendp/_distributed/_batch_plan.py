@@ -21,14 +21,12 @@ from .._core._validate import is_int, shown, validate_instance, validate_int
 from ._launch_notes import note_sizes_read
 
 __all__ = [
-    "CAPS_MARK",
     "DEFAULT_BATCH_SIZE",
     "ENV_BATCH_SIZES",
     "MAX_BATCH",
     "MAX_RANKS",
     "BatchPlan",
     "batch_sizes_from_env",
-    "caps_from_env",
     "global_batch_size",
     "parse_batch_sizes",
     "validate_batch_plan",
@@ -357,20 +355,6 @@ def _parse_text(text: str) -> BatchPlan:
     sizes = _ints(sizes_text, text, "batch sizes", "'3,5'")
     caps = _ints(caps_text, text, "caps in", "'3,5;caps=48,24'") if mark else None
     return BatchPlan.of(sizes, caps)
-
-
-def caps_from_env(
-    world_size: int | None = None, *, environ: Mapping[str, str] | None = None
-) -> list[int] | None:
-    """Each rank's memory cap as the launcher left it (``None``: no caps set).
-
-    >>> caps_from_env(2, environ={"EVENDP_BATCH_SIZES": "3,5;caps=48,24"})
-    [48, 24]
-    >>> caps_from_env(environ={"EVENDP_BATCH_SIZES": "3,5"}) is None
-    True
-    """
-    plan = BatchPlan.from_env(world_size, environ=environ)
-    return None if plan is None or plan.caps is None else list(plan.caps)
 
 
 # ---------------------------------------------------------------------------------------------

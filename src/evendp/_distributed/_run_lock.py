@@ -31,7 +31,6 @@ __all__ = [
     "RunDirBusy",
     "child_env",
     "hold_run_dir",
-    "run_dir_holder",
     "trainer_lock",
 ]
 
@@ -55,30 +54,6 @@ def _lock_path(out_dir: str | Path) -> Path:
 
 
 _SUFFIX = ".lock"
-
-
-def run_dir_holder(out_dir: str | Path) -> dict[str, Any] | None:
-    """Who holds ``out_dir``'s lock now (pid, host, command, since), or ``None`` when free.
-
-    >>> import tempfile
-    >>> run_dir_holder(tempfile.mkdtemp()) is None
-    True
-    """
-    import fcntl
-
-    path = _lock_path(out_dir)
-    if not path.exists():
-        return None
-    fd = open_private(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_holder(fd)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
 
 
 _HOLDER_BYTES = 4096  # what the taker writes is far shorter; more is not a lock of ours
@@ -129,13 +104,12 @@ def hold_run_dir(out_dir: str | Path, command: str | None = None) -> Iterator[Pa
     """Hold ``out_dir``'s lock for the ``with`` block (no-op when this process holds it;
     joined when ``EVENDP_RUN_LOCK`` names it); :class:`RunDirBusy` if a live run has it.
 
-    >>> import tempfile
-    >>> d = tempfile.mkdtemp()
-    >>> with hold_run_dir(d, "demo"):
-    ...     run_dir_holder(d)["command"]
+    >>> d = getfixture("tmp_path")
+    >>> with hold_run_dir(d, "demo") as lock:
+    ...     json.loads(lock.read_text())["command"]
     'demo'
-    >>> run_dir_holder(d) is None
-    True
+    >>> lock.exists()
+    False
     """
 
     trusted_run_folder(out_dir)  # no other user's folder, nor a link of theirs on the way

@@ -264,7 +264,7 @@ def auto_batch_sizes(
     rank = dist.get_rank(group) if initialized else 0
     world = dist.get_world_size(group) if initialized else 1
     from ._memory import DEFAULT_CONTEXT
-    from ._plan import plan  # the planner pulls in fake tensors: only when asked
+    from ._planner import plan  # the planner pulls in fake tensors: only when asked
 
     if not torch.cuda.is_available():  # CPU ranks: there is no CUDA context to allow for
         plan_options.setdefault("cuda_context", 0)
@@ -317,14 +317,14 @@ def device_sizes_for_memory(
     >>> device_sizes_for_memory(net, torch.randn(1, 64), cpu, 16, environ={})
     ([8, 8], 'no memory to read on CPU devices: even (declare EVENDP_MEMORY=24MiB,12MiB to plan)')
     """
-    from ._plan import plan  # the planner pulls in fake tensors: only when asked
+    from ._planner import plan  # the planner pulls in fake tensors: only when asked
 
     memories, source = auto_memory(devices, memory, environ)
     cuda = all(d.type == "cuda" for d in devices)
     if memories is None and not cuda:
         return balance_sizes(global_batch, [1.0] * len(devices)), source
     if memories is None:  # --- GPU only: live free memory, as BalancedDataParallel's "auto"
-        from ._plan import auto_weights
+        from ._planner import auto_weights
 
         weights = auto_weights(model, list(devices), batch, gather_output=False)
         return balance_sizes(global_batch, [1.0 / w if w else 1e9 for w in weights]), source
@@ -345,7 +345,7 @@ def device_weights_for_memory(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[list[float], str]:
     """``BalancedDataParallel(weights="auto")``: per-device weights (the largest split that
-    fits, :func:`evendp._planning._plan.auto_weights` planning the program that runs) for
+    fits, :func:`evendp._planning._planner.auto_weights` planning the program that runs) for
     :func:`auto_memory`'s memory, the Trainer's, and where that memory came from.
 
     >>> cpu = [torch.device("cpu")] * 2
@@ -354,7 +354,7 @@ def device_weights_for_memory(
     >>> weights
     [1.0, 1.0]
     """
-    from ._plan import auto_weights  # the planner pulls in fake tensors: only when asked
+    from ._planner import auto_weights  # the planner pulls in fake tensors: only when asked
 
     memories, source = auto_memory(devices, memory, environ)
     # Declared memory is planned ahead, as plan() does (0.05); live memory keeps 0.1 back.

@@ -273,14 +273,6 @@ def _allowed(devices: list[DeviceInfo], visible: str | None) -> list[DeviceInfo]
     return allowed
 
 
-def _restore(saved: dict[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def select_devices(
     count: int | None = None,
     gpu_ids: Sequence[int] | None = None,
@@ -370,7 +362,11 @@ def select_devices(
     # Without a driver there is nothing CUDA could see; with one, check what it really sees.
     seen = _cuda_device_count() if driver else None
     if seen is not None and seen != len(physical):
-        _restore(saved)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         raise EvendpError(
             f"after setting CUDA_VISIBLE_DEVICES to GPUs {physical}, CUDA sees {seen} GPU(s), "
             f"not {len(physical)}: CUDA already started in this process (torch.cuda."

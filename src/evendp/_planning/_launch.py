@@ -47,7 +47,7 @@ from ._devices import NvmlUnavailableError, choose_devices, list_devices
 from ._memory import DeviceMemory, parse_memory
 
 if TYPE_CHECKING:
-    from ._plan import Plan
+    from ._result import Plan
 
 __all__ = [
     "ENV_OUTCOME",
@@ -390,11 +390,10 @@ def plan_launch(
                 "--model needs each rank's memory, and no NVIDIA driver was found to read it; "
                 "declare it with --memory, e.g. --memory 24GiB,24GiB,12GiB (one entry per rank)"
             )
-        from ._plan import plan as plan_memory  # fake tensors: only loaded when asked
+        from ._planner import plan as plan_memory  # fake tensors: only loaded when asked
 
-        options = dict(plan_options or {})
         memory_plan = plan_memory(
-            model, example_batch, mems, mode="ddp", batch_size=batch, **options
+            model, example_batch, mems, mode="ddp", batch_size=batch, **(plan_options or {})
         )
         sizes = list(memory_plan.split)
         caps = tuple(d.max_batch_alone for d in memory_plan.devices)
@@ -405,8 +404,7 @@ def plan_launch(
             f"(even split {memory_plan.even_eta_mem:.2f})"
         )
     batch_plan = None if sizes is None else BatchPlan.of(sizes, caps, source)
-    if batch_plan is not None:
-        env.update(batch_plan.env())
+    env.update({} if batch_plan is None else batch_plan.env())
     return LaunchPlan(count, batch_plan, physical, env, reason, memory_plan)
 
 

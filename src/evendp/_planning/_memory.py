@@ -1,9 +1,9 @@
 """How much memory each device offers a job: declared (``"24GiB,24GiB-10GiB"``) or read live.
 
-The planner (:mod:`evendp._planning._plan`) only needs one number per device: the bytes this job may
-use. A declared spec lets a laptop with no GPU plan for any machine; the live reading uses
-NVML, which creates no CUDA context, and falls back to ``torch.cuda.mem_get_info`` only where
-NVML cannot say which physical GPU a CUDA index is.
+The planner (:mod:`evendp._planning._planner`) only needs one number per device: the bytes
+this job may use. A declared spec lets a laptop with no GPU plan for any machine; the live
+reading uses NVML, which creates no CUDA context, and falls back to ``torch.cuda.mem_get_info``
+only where NVML cannot say which physical GPU a CUDA index is.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from .._distributed._batch_plan import (
     ENV_BATCH_SIZES,
     MAX_BATCH,
     MAX_RANKS,
-    caps_from_env,
+    BatchPlan,
 )
 from .._distributed._group import comm_device, rank_cuda_device, world_size
 
@@ -303,7 +303,8 @@ class SpeedBalancer:
         self.world_size = len(sizes)
         source = ""
         if caps is None:
-            caps = caps_from_env(self.world_size)
+            plan = BatchPlan.from_env(self.world_size)
+            caps = None if plan is None else plan.caps
             source = f" (from {ENV_BATCH_SIZES}, set by evendp launch --model)" if caps else ""
         # Validate caps and min_size against the global batch once, up front.
         try:

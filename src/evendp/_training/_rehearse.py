@@ -92,8 +92,7 @@ def plan_for(
     ``first`` (the first batch training runs) grown to the rows measured,
     so a measurement reads no sample. ``say`` gets a line before each fake step measured.
     """
-    from .._planning._plan import plan
-    from .._planning._planner import progress_to
+    from .._planning._planner import plan, progress_to
 
     rows = row_count(first)
     if not rows:

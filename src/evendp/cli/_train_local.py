@@ -126,7 +126,7 @@ def _planner_weights(
     """The planner's :class:`Plan` for ``args.batch`` (``spec=None``: the live GPUs; ``cpu``:
     no CUDA context to allow for)."""
     from .._core._errors import PlanError
-    from .._planning._plan import plan
+    from .._planning._planner import plan
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
 

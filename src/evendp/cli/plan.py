@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             from ._run_folder import check_out_file
 
             check_out_file("--plot", args.plot)
-        from .._planning._plan import plan  # torch: after the arguments are checked
+        from .._planning._planner import plan  # torch: after the arguments are checked
 
         spec = resolve_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
         result = plan(

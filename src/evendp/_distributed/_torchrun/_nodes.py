@@ -213,14 +213,18 @@ def _reachable(host: str, port: int) -> bool:
     return True
 
 
-def _client(host: str, port: int) -> Any:
-    """A store client of its own, counted in no rendezvous (``wait_for_workers=False``)."""
+def _client(host: str, port: int, listen_fd: int | None = None) -> Any:
+    """A store client of its own, counted in no rendezvous (``wait_for_workers=False``); given
+    ``listen_fd``, the store's server on that socket."""
     import datetime
 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=_CONNECT_S)
-    return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    server = listen_fd is not None
+    return dist.TCPStore(
+        host, port, None, server, timeout, wait_for_workers=False, master_listen_fd=listen_fd
+    )
 
 
 def tell_wait_s() -> float:
@@ -284,15 +288,8 @@ def tell_other_nodes(
     """
     if nodes <= 1:
         return []
-    import datetime
-
-    import torch.distributed as dist
-
     try:
-        server = dist.TCPStore(
-            host, port, None, True, datetime.timedelta(seconds=_CONNECT_S),
-            wait_for_workers=False, master_listen_fd=listen_on(host, port),
-        )  # fmt: skip
+        server = _client(host, port, listen_on(host, port))
     except (OSError, RuntimeError):  # the port is taken (another run), or not this machine's
         return list(range(1, nodes))
     server.set(_REFUSED_KEY, f"{code}\n{line}")
