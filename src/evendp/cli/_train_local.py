@@ -192,7 +192,7 @@ def _planned_figures(
 ) -> list[dict[str, Any]]:
     """Planned peaks for our shares and an even split (from the plan when it priced them; else
     ``profile_step``, not ``evendp.plan``: the shares may come from ``--weights``)."""
-    from .._planning._plan import profile_step
+    from .._planning._measure import profile_step
     from ..examples.gpt import GPT
     from ._model_spec import gpt_batch
 
