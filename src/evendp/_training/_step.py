@@ -231,7 +231,7 @@ class StepWeight:
         """
         weight = cls.__new__(cls)
         weight._world, weight._total, weight._work = world, torch.zeros(()), None
-        weight.value = world / count if count > 0 else 0.0  # mean_scale's, for a number
+        weight.value = mean_scale(count, numerator=world)  # a number: no tensor, no read
         return weight
 
     @classmethod
